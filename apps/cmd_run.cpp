@@ -1,0 +1,86 @@
+// `xfbench run`: one point in this process; `--json` prints the report row (the sweep's child
+// protocol), `--dump DIR` writes inputs, output and parameters as .npy with a manifest.
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+
+#include <spdlog/spdlog.h>
+
+#include "apps/commands.hpp"
+#include "lib/errors.hpp"
+#include "lib/point.hpp"
+
+namespace xfb::cli {
+namespace {
+
+struct RunOptions {
+  ProblemOptions problem;
+  bool json = false;
+  std::string dump_dir;
+};
+
+void print_human(const ResultRow& row) {
+  std::printf("model      %s (%s, %s%s)\n", row.model.c_str(), row.scope.c_str(), row.causal ? "causal" : "non-causal",
+              row.params.empty() ? "" : (", " + row.params.dump()).c_str());
+  std::printf("shape      B=%lld H=%lld N=%lld D=%lld\n", static_cast<long long>(row.batch),
+              static_cast<long long>(row.heads), static_cast<long long>(row.seq_len),
+              static_cast<long long>(row.head_dim));
+  std::printf("status     %s%s%s\n", status_name(row.status).c_str(), row.reason.empty() ? "" : ": ", row.reason.c_str());
+  if (row.status == Status::Ok) {
+    std::printf("median     %.3f ms  (min %.3f, max %.3f, MAD %.3f, CV %.1f%%%s, %zu samples)\n", row.median_ns * 1e-6,
+                row.min_ns * 1e-6, row.max_ns * 1e-6, row.mad_ns * 1e-6, row.cv * 100,
+                row.unstable ? ", UNSTABLE" : "", row.samples_ns.size());
+    std::printf("work       %.3f GFLOP executed, %.1f GFLOP/s, %.0f tokens/s\n", static_cast<double>(row.flops) * 1e-9,
+                row.gflops_per_s, row.tokens_per_s);
+    std::printf("memory     peak tracked %.2f MiB (workspace %.2f MiB, estimate %.2f MiB), peak RSS %.1f MiB\n",
+                static_cast<double>(row.peak_tensor_bytes) / 1048576.0, static_cast<double>(row.workspace_bytes) / 1048576.0,
+                static_cast<double>(row.estimated_workspace_bytes) / 1048576.0,
+                static_cast<double>(row.peak_rss_bytes) / 1048576.0);
+  }
+  for (const auto& warning : row.warnings) std::printf("warning    %s\n", warning.c_str());
+  std::printf("reproduce  %s\n", row.reproducer.c_str());
+}
+
+int run(RunOptions& o) {
+  finish_problem_options(o.problem);
+  validate_point(o.problem.point);
+  std::optional<std::string> dump;
+  if (!o.dump_dir.empty()) {
+    const auto parent = std::filesystem::absolute(o.dump_dir).parent_path();
+    if (!std::filesystem::is_directory(parent))
+      throw InputError("--dump folder's parent " + parent.string() + " does not exist");
+    std::filesystem::create_directories(o.dump_dir);
+    dump = o.dump_dir;
+  }
+  ResultRow row;
+  try {
+    row = run_point(o.problem.point, dump);
+  } catch (const InputError&) {
+    throw;
+  } catch (const std::exception& e) {
+    row = describe_point(o.problem.point);
+    row.status = Status::Error;
+    row.reason = e.what();
+  }
+  if (!optimised_build()) spdlog::warn("this build is not optimised: times are not representative");
+  if (o.json)
+    std::printf("%s\n", nlohmann::json(row).dump().c_str());
+  else
+    print_human(row);
+  return row.status == Status::Error ? kExitRuntime : kExitOk;
+}
+
+}  // namespace
+
+void add_run(CLI::App& app, Action& action) {
+  auto* command = app.add_subcommand("run", "run one point and print its measurements");
+  auto options = std::make_shared<RunOptions>();
+  command->add_option("--model,-m", options->problem.point.model, "model name (see `xfbench list`)")->required();
+  command->add_option("--seq-len,-n", options->problem.point.problem.seq_len, "tokens N")->required();
+  add_problem_options(*command, options->problem);
+  command->add_flag("--json", options->json, "print the report row as JSON");
+  command->add_option("--dump", options->dump_dir, "write q/k/v/out/parameters .npy files and manifest.json here");
+  command->callback([options, &action] { action = [options] { return run(*options); }; });
+}
+
+}  // namespace xfb::cli

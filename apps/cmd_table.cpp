@@ -1,0 +1,35 @@
+// `xfbench table`: a report as a comparison table (terminal text, Markdown or CSV).
+#include <cstdio>
+
+#include "apps/commands.hpp"
+#include "lib/table.hpp"
+
+namespace xfb::cli {
+
+void add_table(CLI::App& app, Action& action) {
+  auto* command = app.add_subcommand("table", "print a report as a table: models × sequence lengths");
+  auto file = std::make_shared<std::string>();
+  auto metric = std::make_shared<std::string>("time");
+  auto format = std::make_shared<std::string>("text");
+  auto baseline = std::make_shared<std::string>("vanilla");
+  command->add_option("file", *file, "report JSON")->required();
+  command->add_option("--metric", *metric, "time | speedup | memory | gflops")
+      ->check(CLI::IsMember({"time", "speedup", "memory", "gflops"}));
+  command->add_option("--format", *format, "text | md | csv")->check(CLI::IsMember({"text", "md", "csv"}));
+  command->add_option("--baseline", *baseline, "model the speed-up is relative to")->capture_default_str();
+  command->callback([=, &action] {
+    action = [=] {
+      TableOptions options;
+      options.metric = *metric == "speedup" ? TableMetric::Speedup
+                       : *metric == "memory" ? TableMetric::Memory
+                       : *metric == "gflops" ? TableMetric::Gflops
+                                             : TableMetric::Time;
+      options.format = *format == "md" ? TableFormat::Markdown : *format == "csv" ? TableFormat::Csv : TableFormat::Text;
+      options.baseline = *baseline;
+      std::printf("%s", render_table(load_report(*file), options).c_str());
+      return 0;
+    };
+  });
+}
+
+}  // namespace xfb::cli

@@ -1,0 +1,35 @@
+#pragma once
+// Each subcommand lives in its own apps/cmd_<name>.cpp and registers itself on the CLI11 app
+// from main(); `action` is set to the chosen subcommand's body, run after parsing.
+#include <functional>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "lib/point.hpp"
+
+namespace xfb::cli {
+
+using Action = std::function<int()>;
+
+void add_list(CLI::App& app, Action& action);
+void add_env(CLI::App& app, Action& action);
+void add_run(CLI::App& app, Action& action);
+void add_sweep(CLI::App& app, Action& action);
+void add_table(CLI::App& app, Action& action);
+
+// Options shared by `run` and `sweep`: problem shape, scope, threads, seed, timing.
+struct ProblemOptions {
+  PointConfig point;
+  bool causal = false;
+  std::string scope = "attention";
+  std::vector<std::string> params;
+};
+void add_problem_options(CLI::App& command, ProblemOptions& options);
+// Applies scope/causal/params to options.point (throws InputError on a bad scope).
+void finish_problem_options(ProblemOptions& options);
+
+// The command line as typed, for report provenance.
+const std::string& command_line();
+
+}  // namespace xfb::cli

@@ -1,0 +1,20 @@
+#pragma once
+// Runs this executable again as a child with the given arguments, capturing stdout and stderr,
+// killing it after a timeout, and reporting its exit status and peak RSS.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace xfb {
+
+struct ChildResult {
+  int exit_code = -1;     // when it exited normally
+  int signal = 0;         // when a signal ended it
+  bool timed_out = false;
+  std::string out, err;
+  std::int64_t peak_rss_bytes = 0;
+};
+
+ChildResult run_self(const std::vector<std::string>& args, double timeout_s);
+
+}  // namespace xfb

@@ -1,0 +1,28 @@
+#pragma once
+// Counts the floating-point operations the project executes, by convention:
+//   matrix product C[M,N] (+)= A[M,K]·B[K,N]: 2·M·N·K (a multiply-add is two operations)
+//   each elementwise add, subtract, multiply, divide, max or exp: 1 per element
+//   row softmax over n values (max, subtract+exp, sum, scale): kSoftmaxFlopsPerElement·n
+//   layer normalisation: kLayerNormFlopsPerElement per element; GELU: kGeluFlopsPerElement
+// Per-row scalars (one reciprocal per row, say) are not counted. Counts are exact integers.
+#include <cstdint>
+
+namespace xfb {
+
+inline constexpr std::int64_t kSoftmaxFlopsPerElement = 5;
+inline constexpr std::int64_t kLayerNormFlopsPerElement = 7;  // mean, centre+square+sum, scale+shift
+inline constexpr std::int64_t kGeluFlopsPerElement = 5;       // 0.5·x·(1+erf(x/√2))
+inline constexpr std::int64_t kOnlineSoftmaxFlopsPerElement = 4;  // max, subtract+exp, sum
+
+inline constexpr std::int64_t matmul_flops(std::int64_t m, std::int64_t n, std::int64_t k) {
+  return 2 * m * n * k;
+}
+
+class FlopCounter {
+ public:
+  static void add(std::int64_t flops) noexcept;
+  static std::int64_t total() noexcept;
+  static void reset() noexcept;
+};
+
+}  // namespace xfb

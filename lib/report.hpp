@@ -1,0 +1,64 @@
+#pragma once
+// The versioned JSON report: { schema_version, tool, context, settings, results: [ResultRow] }.
+// The README documents every field; bump kSchemaVersion on any incompatible change.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace xfb {
+
+inline constexpr int kSchemaVersion = 1;
+
+enum class Status { Ok, Skipped, Unsupported, Error };
+std::string status_name(Status s);
+Status parse_status(const std::string& s);
+
+struct ResultRow {
+  std::string model;
+  std::vector<std::string> classes;  // class names, e.g. {"fixed_patterns", "memory"}
+  std::string scope = "attention";   // attention | layer
+  bool causal = false;
+  std::int64_t batch = 0, heads = 0, seq_len = 0, head_dim = 0;
+  std::int64_t d_ff = 0;  // layer scope only; 0 otherwise
+  nlohmann::json params = nlohmann::json::object();  // resolved mechanism parameters
+  int threads = 0;
+  std::uint64_t seed = 0;
+  Status status = Status::Ok;
+  std::string reason;  // why the point is not ok; empty when ok
+  std::vector<double> samples_ns;  // every timed repetition, nanoseconds
+  double median_ns = 0, min_ns = 0, max_ns = 0, mad_ns = 0, cv = 0;
+  bool unstable = false;           // cv > 5%
+  std::int64_t flops = 0;          // executed in one forward (counter)
+  double gflops_per_s = 0;         // flops / median
+  double tokens_per_s = 0;         // batch·seq_len / median
+  std::int64_t peak_tensor_bytes = 0;  // tracked bytes live at the peak, inputs and output included
+  std::int64_t workspace_bytes = 0;    // peak_tensor_bytes minus inputs and output
+  std::int64_t estimated_workspace_bytes = 0;  // the registry's analytic estimate
+  std::int64_t peak_rss_bytes = 0;     // of the process that ran the point
+  std::vector<std::string> warnings;
+  std::string reproducer;  // the `xfbench run …` command for this point
+
+  // Points are matched across reports by this key.
+  std::string key() const;
+};
+
+void to_json(nlohmann::json& j, const ResultRow& row);
+void from_json(const nlohmann::json& j, ResultRow& row);
+
+struct Report {
+  nlohmann::json context = nlohmann::json::object();
+  nlohmann::json settings = nlohmann::json::object();
+  std::vector<ResultRow> results;
+};
+
+nlohmann::json report_to_json(const Report& report);
+// Throws InputError with a one-line message on malformed input or a future schema.
+Report report_from_json(const nlohmann::json& j);
+Report load_report(const std::string& path);
+// Writes to path.tmp then renames: readers never see a half-written file.
+void save_report_atomically(const Report& report, const std::string& path);
+void write_file_atomically(const std::string& path, const std::string& content);
+
+}  // namespace xfb

@@ -1,0 +1,232 @@
+#include "lib/sweep.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "lib/child_process.hpp"
+#include "lib/dnnl_context.hpp"
+#include "lib/errors.hpp"
+#include "lib/registry.hpp"
+#include "lib/system_info.hpp"
+
+namespace xfb {
+namespace {
+
+std::vector<std::string> split(const std::string& text, char separator) {
+  std::vector<std::string> parts;
+  std::stringstream in(text);
+  std::string part;
+  while (std::getline(in, part, separator)) parts.push_back(part);
+  return parts;
+}
+
+std::int64_t parse_positive(const std::string& text, const std::string& what) {
+  std::size_t used = 0;
+  long long value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) throw InputError(what + ": '" + text + "' is not an integer");
+  if (value <= 0) throw InputError(what + ": " + text + " must be positive");
+  return value;
+}
+
+std::string last_line(const std::string& text) {
+  auto end = text.find_last_not_of("\n\r ");
+  if (end == std::string::npos) return "";
+  auto start = text.rfind('\n', end);
+  return text.substr(start == std::string::npos ? 0 : start + 1, end - (start == std::string::npos ? 0 : start + 1) + 1);
+}
+
+std::string signal_text(int signal) {
+  const char* name = strsignal(signal);
+  return "killed by signal " + std::to_string(signal) + " (" + (name ? name : "?") + ")" +
+         (signal == 9 ? ", possibly out of memory" : "");
+}
+
+std::string format_duration(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%dm%02ds", static_cast<int>(seconds) / 60, static_cast<int>(seconds) % 60);
+  return text;
+}
+
+}  // namespace
+
+std::vector<std::string> parse_model_selection(const std::string& text) {
+  std::vector<std::string> names;
+  if (text == "all" || text == "implemented") {
+    for (const auto& model : registry())
+      if (model.implemented()) names.push_back(model.name);
+    return names;
+  }
+  if (text.rfind("class:", 0) == 0) {
+    ModelClass wanted;
+    if (!parse_class(text.substr(6), wanted)) throw InputError("unknown class '" + text.substr(6) + "'");
+    for (const auto& model : registry())
+      if (model.implemented() && model.has_class(wanted)) names.push_back(model.name);
+    if (names.empty()) throw InputError("no implemented model in class " + text.substr(6));
+    return names;
+  }
+  for (const auto& name : split(text, ',')) {
+    if (find_model(name) == nullptr) throw InputError("unknown model '" + name + "' in --models");
+    names.push_back(name);
+  }
+  if (names.empty()) throw InputError("--models is empty");
+  return names;
+}
+
+std::vector<std::int64_t> parse_seq_lens(const std::string& text) {
+  std::vector<std::int64_t> lens;
+  const auto range = split(text, ':');
+  if (range.size() == 3) {
+    const std::int64_t lo = parse_positive(range[0], "--seq-lens"), hi = parse_positive(range[1], "--seq-lens");
+    const std::string& step = range[2];
+    if (step.size() < 2 || (step[0] != 'x' && step[0] != '+'))
+      throw InputError("--seq-lens step must be xK (geometric) or +K (arithmetic), got '" + step + "'");
+    const std::int64_t k = parse_positive(step.substr(1), "--seq-lens step");
+    if (step[0] == 'x' && k < 2) throw InputError("--seq-lens geometric step must be at least x2");
+    if (lo > hi) throw InputError("--seq-lens range is empty");
+    for (std::int64_t n = lo; n <= hi; n = step[0] == 'x' ? n * k : n + k) lens.push_back(n);
+    return lens;
+  }
+  if (range.size() != 1) throw InputError("--seq-lens expects a,b,c or lo:hi:xK, got '" + text + "'");
+  for (const auto& part : split(text, ',')) lens.push_back(parse_positive(part, "--seq-lens"));
+  if (lens.empty()) throw InputError("--seq-lens is empty");
+  return lens;
+}
+
+std::vector<std::string> params_for_model(const std::string& model, const std::vector<std::string>& params) {
+  std::vector<std::string> own;
+  const ModelInfo* info = find_model(model);
+  for (const auto& param : params) {
+    const auto eq = param.find('=');
+    const auto dot = param.find('.');
+    if (dot != std::string::npos && dot < eq) {
+      if (param.substr(0, dot) == model) own.push_back(param.substr(dot + 1));
+      continue;
+    }
+    const std::string key = param.substr(0, eq);
+    for (const auto& spec : info->impl.params)
+      if (spec.name == key) own.push_back(param);
+  }
+  return own;
+}
+
+ResultRow run_point_in_child(const PointConfig& config, double timeout_s) {
+  ResultRow row = describe_point(config);
+  auto args = run_arguments(config);
+  args.push_back("--json");
+  args.insert(args.begin(), "-q");
+  const ChildResult child = run_self(args, timeout_s);
+  if (child.timed_out) {
+    row.status = Status::Error;
+    row.reason = "timed out after " + std::to_string(static_cast<int>(timeout_s)) + " s (--timeout)";
+  } else if (child.signal != 0) {
+    row.status = Status::Error;
+    row.reason = signal_text(child.signal);
+  } else {
+    try {
+      row = nlohmann::json::parse(child.out).get<ResultRow>();
+    } catch (const std::exception&) {
+      row.status = Status::Error;
+      const std::string detail = last_line(child.err);
+      row.reason = "child exited with code " + std::to_string(child.exit_code) + (detail.empty() ? "" : ": " + detail);
+    }
+  }
+  row.peak_rss_bytes = std::max(row.peak_rss_bytes, child.peak_rss_bytes);
+  return row;
+}
+
+Report run_sweep(const SweepSettings& s, const std::string& command_line) {
+  // Validate everything before writing anything.
+  if (s.out_path.empty()) throw InputError("--out is required");
+  const auto parent = std::filesystem::path(s.out_path).parent_path();
+  if (!parent.empty() && !std::filesystem::is_directory(parent))
+    throw InputError("output folder " + parent.string() + " does not exist");
+  std::vector<PointConfig> points;
+  for (const auto& model : s.models) {
+    const auto own = params_for_model(model, s.params);
+    for (auto n : s.seq_lens) {
+      PointConfig point = s.base;
+      point.model = model;
+      point.problem.seq_len = n;
+      point.params = own;
+      validate_point(point);
+      points.push_back(point);
+    }
+  }
+  for (const auto& param : s.params) {
+    bool used = false;
+    for (const auto& model : s.models)
+      if (!params_for_model(model, {param}).empty()) used = true;
+    if (!used) throw InputError("--param " + param + " matches no parameter of the selected models");
+  }
+
+  Report report;
+  std::set<std::string> done;
+  if (s.resume && std::filesystem::exists(s.out_path)) {
+    report = load_report(s.out_path);
+    for (const auto& row : report.results) done.insert(row.key());
+  }
+  const int threads = s.base.threads > 0 ? s.base.threads : DnnlContext::instance().threads();
+  if (report.context.empty()) {
+    report.context = capture_context(threads);
+    report.context["command_line"] = command_line;
+    report.context["seed"] = s.base.seed;
+    if (s.measure_machine) {
+      const auto m = measure_machine(threads);
+      report.context["fma_peak_gflops"] = m.fma_peak_gflops;
+      report.context["triad_bandwidth_gbs"] = m.triad_bandwidth_gbs;
+    }
+  }
+  report.settings = {{"models", s.models},
+                     {"seq_lens", s.seq_lens},
+                     {"batch", s.base.problem.batch},
+                     {"heads", s.base.problem.heads},
+                     {"head_dim", s.base.problem.head_dim},
+                     {"causal", s.base.problem.causal},
+                     {"scope", scope_name(s.base.scope)},
+                     {"d_ff", s.base.scope == Scope::Layer ? s.base.effective_d_ff() : 0},
+                     {"threads", threads},
+                     {"seed", s.base.seed},
+                     {"params", s.params},
+                     {"warmup", s.base.timing.warmup},
+                     {"min_reps", s.base.timing.min_reps},
+                     {"min_time_s", s.base.timing.min_time_s},
+                     {"timeout_s", s.timeout_s},
+                     {"memory_limit_bytes", s.memory_limit_bytes}};
+  save_report_atomically(report, s.out_path);
+
+  const auto start = std::chrono::steady_clock::now();
+  std::size_t index = 0, ran = 0;
+  for (const auto& point : points) {
+    ++index;
+    ResultRow row = describe_point(point, s.memory_limit_bytes);
+    if (done.count(row.key())) continue;
+    if (s.progress) {
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const std::size_t remaining_points = points.size() - index + 1;
+      const std::string eta = ran > 0 ? format_duration(elapsed / static_cast<double>(ran) * static_cast<double>(remaining_points)) : "?";
+      std::fprintf(stderr, "[%zu/%zu] %s N=%lld%s  elapsed %s  eta %s\n", index, points.size(), point.model.c_str(),
+                   static_cast<long long>(point.problem.seq_len), point.problem.causal ? " causal" : "",
+                   format_duration(elapsed).c_str(), eta.c_str());
+    }
+    if (row.status == Status::Ok) {
+      row = run_point_in_child(point, s.timeout_s);
+      ++ran;
+    }
+    if (s.progress && row.status != Status::Ok)
+      std::fprintf(stderr, "        %s: %s\n", status_name(row.status).c_str(), row.reason.c_str());
+    report.results.push_back(std::move(row));
+    save_report_atomically(report, s.out_path);
+  }
+  return report;
+}
+
+}  // namespace xfb

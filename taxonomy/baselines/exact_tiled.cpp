@@ -1,0 +1,159 @@
+#include "taxonomy/baselines/exact_tiled.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "lib/flop_counter.hpp"
+#include "lib/ops.hpp"
+
+namespace xfb {
+namespace {
+
+ExactTiledConfig config_from(const ParamValues& values) {
+  return {.block_q = values.get_int("block_q"), .block_k = values.get_int("block_k")};
+}
+
+// Entries of a [rows, cols] tile at (q0, k0) that a causal mask keeps: row i keeps j <= i.
+std::int64_t valid_in_row(bool causal, std::int64_t i, std::int64_t k0, std::int64_t cols) {
+  return causal ? std::clamp<std::int64_t>(i - k0 + 1, 0, cols) : cols;
+}
+
+class ExactTiled final : public Mechanism {
+ public:
+  ExactTiled(const Problem& problem, const ExactTiledConfig& config) : p_(problem), c_(config) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    const std::int64_t threads = omp_get_max_threads();
+    scores_ = Tensor(Shape{threads, c_.block_q, c_.block_k});
+    accumulators_ = Tensor(Shape{threads, c_.block_q, p_.head_dim});
+    row_stats_ = Tensor(Shape{threads, 2, c_.block_q});
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t n = p_.seq_len;
+    const std::int64_t query_blocks = (n + c_.block_q - 1) / c_.block_q;
+    const std::int64_t tasks = p_.batch * p_.heads * query_blocks;
+    std::int64_t softmax_flops = 0;
+#pragma omp parallel reduction(+ : softmax_flops)
+    {
+      const int thread = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t task = 0; task < tasks; ++task) {
+        const std::int64_t head = task / query_blocks;
+        // Causal tasks near the end of a head are the longest: start them first.
+        const std::int64_t block = p_.causal ? query_blocks - 1 - task % query_blocks : task % query_blocks;
+        softmax_flops += query_block(q.data() + head * n * p_.head_dim, k.data() + head * n * p_.head_dim,
+                                     v.data() + head * n * p_.head_dim, out.data() + head * n * p_.head_dim,
+                                     block * c_.block_q, thread);
+      }
+    }
+    FlopCounter::add(softmax_flops);
+  }
+
+ private:
+  // Computes rows [q0, q0 + bq) of one head. Returns the non-gemm FLOPs it executed.
+  std::int64_t query_block(const float* q, const float* k, const float* v, float* out, std::int64_t q0,
+                           int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, bk = c_.block_k;
+    const std::int64_t rows = std::min(c_.block_q, n - q0);
+    float* scores = scores_.data() + thread * c_.block_q * bk;
+    float* acc = accumulators_.data() + thread * c_.block_q * d;
+    float* row_max = row_stats_.data() + thread * 2 * c_.block_q;
+    float* row_sum = row_max + c_.block_q;
+    std::fill(acc, acc + rows * d, 0.0f);
+    std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
+    std::fill(row_sum, row_sum + rows, 0.0f);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const std::int64_t key_end = p_.causal ? q0 + rows : n;
+    std::int64_t flops = 0;
+    for (std::int64_t k0 = 0; k0 < key_end; k0 += bk) {
+      const std::int64_t cols = std::min(bk, key_end - k0);
+      ops::gemm(false, true, rows, cols, d, scale, q + q0 * d, d, k + k0 * d, d, 0.0f, scores, bk);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        float* row = scores + r * bk;
+        const std::int64_t valid = valid_in_row(p_.causal, q0 + r, k0, cols);
+        if (valid == 0) {
+          std::fill(row, row + cols, 0.0f);
+          continue;
+        }
+        float peak = row_max[r];
+#pragma omp simd reduction(max : peak)
+        for (std::int64_t j = 0; j < valid; ++j) peak = std::max(peak, row[j]);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (std::int64_t j = 0; j < valid; ++j) {
+          row[j] = ops::fast_exp(row[j] - peak);
+          sum += row[j];
+        }
+        std::fill(row + valid, row + cols, 0.0f);
+        const float rescale = ops::fast_exp(row_max[r] - peak);
+        row_sum[r] = row_sum[r] * rescale + sum;
+        row_max[r] = peak;
+        float* acc_row = acc + r * d;
+#pragma omp simd
+        for (std::int64_t j = 0; j < d; ++j) acc_row[j] *= rescale;
+        flops += kOnlineSoftmaxFlopsPerElement * valid + d;
+      }
+      ops::gemm(false, false, rows, d, cols, 1.0f, scores, bk, v + k0 * d, d, 1.0f, acc, d);
+    }
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float inverse = 1.0f / row_sum[r];
+      float* dst = out + (q0 + r) * d;
+      const float* src = acc + r * d;
+#pragma omp simd
+      for (std::int64_t j = 0; j < d; ++j) dst[j] = src[j] * inverse;
+    }
+    return flops + rows * d;
+  }
+
+  Problem p_;
+  ExactTiledConfig c_;
+  Tensor scores_, accumulators_, row_stats_;
+};
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
+  return std::make_unique<ExactTiled>(problem, config_from(values));
+}
+
+std::int64_t flops(const Problem& p, const ParamValues& values) {
+  const auto c = config_from(values);
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  std::int64_t per_head = n * d;  // final 1/l scaling
+  for (std::int64_t q0 = 0; q0 < n; q0 += c.block_q) {
+    const std::int64_t rows = std::min(c.block_q, n - q0);
+    const std::int64_t key_end = p.causal ? q0 + rows : n;
+    for (std::int64_t k0 = 0; k0 < key_end; k0 += c.block_k) {
+      const std::int64_t cols = std::min(c.block_k, key_end - k0);
+      per_head += matmul_flops(rows, cols, d) + matmul_flops(rows, d, cols);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const std::int64_t valid = valid_in_row(p.causal, q0 + r, k0, cols);
+        if (valid > 0) per_head += kOnlineSoftmaxFlopsPerElement * valid + d;
+      }
+    }
+  }
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t workspace(const Problem& p, const ParamValues& values) {
+  const auto c = config_from(values);
+  const std::int64_t threads = omp_get_max_threads();
+  return threads * (c.block_q * c.block_k + c.block_q * p.head_dim + 2 * c.block_q) *
+         static_cast<std::int64_t>(sizeof(float));
+}
+
+}  // namespace
+
+Implementation exact_tiled_implementation() {
+  return {{
+              {"block_q", ParamType::Int, "64", 1, 4096, {}, "query rows per task (tokens)"},
+              {"block_k", ParamType::Int, "256", 1, 8192, {}, "key columns per tile (tokens)"},
+          },
+          create,
+          flops,
+          workspace};
+}
+
+}  // namespace xfb

@@ -1,0 +1,23 @@
+#pragma once
+// `exact-tiled`: exact softmax attention without the N×N matrix — blocked online softmax in the
+// style of FlashAttention (Dao et al. 2022). Each task is one (batch, head, query block of bq
+// rows); it walks key blocks of bk columns, keeping a running row max m, row sum l and an
+// unnormalised accumulator [bq, D]:
+//   S = Q_blk·K_blkᵀ/√D;  m' = max(m, rowmax S);  P = exp(S − m');  l = l·e^(m−m') + rowsum P;
+//   acc = acc·e^(m−m') + P·V_blk;  finally O_blk = acc / l.
+// Causal: key blocks entirely above the diagonal are skipped; inside a diagonal block entries
+// j > i are excluded. Workspace: per thread S [bq, bk], acc [bq, D], m, l: O(bq·(bk+D)), not O(N²).
+// FLOPs (exact, see exact_tiled_flops): per executed tile 4·rows·cols·D (two products) +
+// 4·valid (max, subtract+exp, sum) + D per row with valid > 0 (rescale); plus N·D per head (1/l).
+#include "lib/mechanism.hpp"
+
+namespace xfb {
+
+struct ExactTiledConfig {
+  std::int64_t block_q = 64;   // query rows per task, tokens
+  std::int64_t block_k = 256;  // key columns per tile, tokens
+};
+
+Implementation exact_tiled_implementation();
+
+}  // namespace xfb

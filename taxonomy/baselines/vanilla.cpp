@@ -1,0 +1,55 @@
+#include "taxonomy/baselines/vanilla.hpp"
+
+#include <cmath>
+
+#include "lib/flop_counter.hpp"
+#include "lib/ops.hpp"
+
+namespace xfb {
+namespace {
+
+std::int64_t softmax_entries(const Problem& p) {
+  return p.causal ? p.seq_len * (p.seq_len + 1) / 2 : p.seq_len * p.seq_len;
+}
+
+class Vanilla final : public Mechanism {
+ public:
+  explicit Vanilla(const Problem& problem) : p_(problem) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    scores_ = Tensor(Shape{p_.batch * p_.heads, p_.seq_len, ops::padded_ld(p_.seq_len)});
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = scores_.dim(2);
+    ops::MatmulShape qk{.batch = p_.batch * p_.heads, .m = n, .n = n, .k = d, .trans_b = true, .ldc = ld,
+                        .alpha = 1.0f / std::sqrt(static_cast<float>(d))};
+    ops::matmul(qk, q.data(), k.data(), scores_.data());
+    ops::softmax_rows_masked(scores_.data(), p_.batch * p_.heads, n, n, ld, p_.causal);
+    ops::MatmulShape pv{.batch = p_.batch * p_.heads, .m = n, .n = d, .k = n, .lda = ld};
+    ops::matmul(pv, scores_.data(), v.data(), out.data());
+  }
+
+ private:
+  Problem p_;
+  Tensor scores_;
+};
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues&, std::uint64_t) {
+  return std::make_unique<Vanilla>(problem);
+}
+
+std::int64_t flops(const Problem& p, const ParamValues&) {
+  const std::int64_t bh = p.batch * p.heads;
+  return 2 * bh * matmul_flops(p.seq_len, p.seq_len, p.head_dim) + kSoftmaxFlopsPerElement * bh * softmax_entries(p);
+}
+
+std::int64_t workspace(const Problem& p, const ParamValues&) {
+  return p.batch * p.heads * p.seq_len * ops::padded_ld(p.seq_len) * static_cast<std::int64_t>(sizeof(float));
+}
+
+}  // namespace
+
+Implementation vanilla_implementation() { return {{}, create, flops, workspace}; }
+
+}  // namespace xfb

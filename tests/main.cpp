@@ -1,0 +1,10 @@
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include "lib/dnnl_context.hpp"
+
+int main(int argc, char** argv) {
+  xfb::DnnlContext::instance().set_threads(2);
+  doctest::Context context(argc, argv);
+  return context.run();
+}

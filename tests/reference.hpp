@@ -1,0 +1,45 @@
+#pragma once
+// Naive double-precision references, used only by tests, and tolerances derived from fp32
+// epsilon and the problem size.
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "lib/mechanism.hpp"
+#include "lib/tensor.hpp"
+
+namespace xfb::test {
+
+inline constexpr double kFloatEps = 1.1920928955078125e-07;
+
+// allowed(i, j): may query i attend to key j.
+using MaskFn = std::function<bool(std::int64_t i, std::int64_t j)>;
+inline bool full_mask(std::int64_t, std::int64_t) { return true; }
+inline bool causal_mask(std::int64_t i, std::int64_t j) { return j <= i; }
+
+// O = softmax(Q·Kᵀ·scale restricted to mask)·V for one head; q: [nq, d], k, v: [nk, d].
+// Rows with no allowed key are zero. Returns [nq, d].
+std::vector<double> reference_attention(const float* q, const float* k, const float* v, std::int64_t nq,
+                                        std::int64_t nk, std::int64_t d, double scale, const MaskFn& allowed);
+
+// Tolerance for an attention output element: 8·eps·(largest |score| contribution + log2(nk) + 1)·max|v|.
+double attention_tolerance(const float* q, const float* k, const float* v, std::int64_t nq, std::int64_t nk,
+                           std::int64_t d, double scale);
+
+// Inputs filled with N(0,1) from the seed; stream names "q", "k", "v".
+struct AttentionInputs {
+  Tensor q, k, v;
+};
+AttentionInputs random_inputs(const Problem& p, std::uint64_t seed);
+
+// Runs a registered mechanism (prepare + forward) and returns its output.
+Tensor run_mechanism(const std::string& model, const Problem& p, const AttentionInputs& in,
+                     const std::vector<std::string>& params = {}, std::uint64_t seed = 42);
+
+// Largest |got − want| over all heads, and checks every element within tolerance (doctest CHECK
+// with the element, the two values and the tolerance in the message).
+void check_against_reference(const Tensor& got, const AttentionInputs& in, const Problem& p, const MaskFn& allowed,
+                             const std::string& label);
+
+}  // namespace xfb::test

@@ -1,0 +1,164 @@
+// The exact baselines against the naive reference, their memory scaling, and the FLOP counter
+// against every implemented model's analytic formula.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "lib/dnnl_context.hpp"
+#include "lib/encoder_layer.hpp"
+#include "lib/point.hpp"
+#include "lib/registry.hpp"
+#include "tests/reference.hpp"
+
+using namespace xfb;
+using namespace xfb::test;
+
+namespace {
+PointConfig quick_point(const std::string& model, std::int64_t n, bool causal, Scope scope = Scope::Attention,
+                        std::vector<std::string> params = {}) {
+  PointConfig c;
+  c.model = model;
+  c.problem = {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
+  c.scope = scope;
+  c.params = std::move(params);
+  c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};
+  return c;
+}
+}  // namespace
+
+TEST_SUITE("exact") {
+  TEST_CASE("vanilla and exact-tiled equal naive attention, causal and not, at and around block sizes") {
+    // exact-tiled defaults: block_q 64, block_k 256.
+    for (std::int64_t n : {1, 7, 63, 64, 65, 129, 255, 256, 257, 1000})
+      for (bool causal : {false, true})
+        for (const char* model : {"vanilla", "exact-tiled"}) {
+          const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
+          const auto in = random_inputs(p, static_cast<std::uint64_t>(n));
+          const Tensor out = run_mechanism(model, p, in);
+          check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
+                                  std::string(model) + " N=" + std::to_string(n) + (causal ? " causal" : ""));
+        }
+  }
+
+  TEST_CASE("exact-tiled with small uneven blocks, block ± 1 and non-multiples") {
+    for (std::int64_t n : {15, 16, 17, 23, 24, 25, 100})
+      for (bool causal : {false, true}) {
+        const Problem p{.batch = 1, .heads = 3, .seq_len = n, .head_dim = 8, .causal = causal};
+        const auto in = random_inputs(p, 3);
+        const Tensor out = run_mechanism("exact-tiled", p, in, {"block_q=16", "block_k=24"});
+        check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
+                                "exact-tiled 16x24 N=" + std::to_string(n));
+      }
+  }
+
+  TEST_CASE("rows whose scores would overflow a naive exp stay finite and exact") {
+    const Problem p{.batch = 1, .heads = 2, .seq_len = 300, .head_dim = 16, .causal = false};
+    for (bool causal : {false, true})
+      for (const char* model : {"vanilla", "exact-tiled"}) {
+        Problem problem = p;
+        problem.causal = causal;
+        auto in = random_inputs(problem, 11);
+        for (std::int64_t i = 0; i < problem.seq_len; i += 7)  // scores reach ~±400: exp overflows float
+          for (std::int64_t c = 0; c < problem.head_dim; ++c) in.q.head(0, 1)[i * problem.head_dim + c] *= 100.0f;
+        const Tensor out = run_mechanism(model, problem, in);
+        for (float value : out.values()) REQUIRE(std::isfinite(value));
+        check_against_reference(out, in, problem, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
+                                std::string(model) + " overflow rows");
+      }
+  }
+
+  TEST_CASE("causal: changing future tokens changes no earlier output") {
+    for (const char* model : {"vanilla", "exact-tiled"}) {
+      const Problem p{.batch = 1, .heads = 2, .seq_len = 333, .head_dim = 16, .causal = true};
+      auto in = random_inputs(p, 5);
+      const Tensor before = run_mechanism(model, p, in);
+      const std::int64_t cut = 200;
+      for (std::int64_t h = 0; h < 2; ++h)
+        for (std::int64_t e = cut * 16; e < p.seq_len * 16; ++e) {
+          in.k.head(0, h)[e] += 3.0f;
+          in.v.head(0, h)[e] -= 5.0f;
+          in.q.head(0, h)[e] *= -1.0f;
+        }
+      const Tensor after = run_mechanism(model, p, in);
+      for (std::int64_t h = 0; h < 2; ++h) {
+        CHECK(std::memcmp(before.head(0, h), after.head(0, h), cut * 16 * sizeof(float)) == 0);
+        CHECK(std::memcmp(before.head(0, h) + cut * 16, after.head(0, h) + cut * 16, 16 * sizeof(float)) != 0);
+      }
+    }
+  }
+
+  TEST_CASE("tracked peak memory: vanilla grows with N², exact-tiled with N") {
+    DnnlContext::instance().clear_cache();
+    auto workspace = [](const char* model, std::int64_t n) {
+      return static_cast<double>(run_point(quick_point(model, n, false)).workspace_bytes);
+    };
+    auto peak = [](const char* model, std::int64_t n) {
+      return static_cast<double>(run_point(quick_point(model, n, false)).peak_tensor_bytes);
+    };
+    const double vanilla_ratio = workspace("vanilla", 2048) / workspace("vanilla", 1024);
+    CHECK(vanilla_ratio > 3.8);
+    CHECK(vanilla_ratio < 4.2);
+    // exact-tiled: workspace independent of N, so the peak (inputs + output + workspace) is linear.
+    CHECK(workspace("exact-tiled", 4096) == workspace("exact-tiled", 1024));
+    const double tiled_ratio = peak("exact-tiled", 4096) / peak("exact-tiled", 1024);
+    CHECK(tiled_ratio > 3.5);
+    CHECK(tiled_ratio < 4.1);
+    CHECK(peak("exact-tiled", 4096) < 0.1 * peak("vanilla", 4096));
+  }
+
+  TEST_CASE("the executed FLOP count equals the registry's analytic formula for every implemented model") {
+    for (const auto& model : registry()) {
+      if (!model.implemented()) continue;
+      for (std::int64_t n : {1, 100, 257})
+        for (bool causal : {false, true})
+          for (Scope scope : {Scope::Attention, Scope::Layer}) {
+            if (causal && !model.decodes) continue;
+            const auto config = quick_point(model.name, n, causal, scope);
+            const ResultRow row = run_point(config);
+            CAPTURE(model.name);
+            CAPTURE(n);
+            CAPTURE(causal);
+            CAPTURE(scope_name(scope));
+            REQUIRE(row.status == Status::Ok);
+            std::int64_t expected = model.impl.flops(config.problem, resolve_params(model.name, model.impl.params, {}));
+            if (scope == Scope::Layer) expected += EncoderLayer::flops_outside_mechanism(config.problem, config.effective_d_ff());
+            CHECK(row.flops == expected);
+            CHECK(row.workspace_bytes >= 0);
+          }
+    }
+  }
+
+  TEST_CASE("analytic workspace estimates track the measured tracked bytes") {
+    for (const auto& model : registry()) {
+      if (!model.implemented()) continue;
+      for (std::int64_t n : {512, 2048}) {
+        DnnlContext::instance().clear_cache();
+        const ResultRow row = run_point(quick_point(model.name, n, false));
+        CAPTURE(model.name);
+        CAPTURE(n);
+        CHECK(static_cast<double>(row.workspace_bytes) <= 1.25 * static_cast<double>(row.estimated_workspace_bytes) + 65536);
+        CHECK(static_cast<double>(row.workspace_bytes) >= 0.75 * static_cast<double>(row.estimated_workspace_bytes) - 65536);
+      }
+    }
+  }
+
+  TEST_CASE("causal runs of models that cannot decode are unsupported rows with the reason") {
+    for (const auto& model : registry()) {
+      if (model.decodes) continue;
+      const ResultRow row = describe_point(quick_point(model.name, 64, true));
+      CAPTURE(model.name);
+      CHECK(row.status == Status::Unsupported);
+      CHECK_FALSE(row.reason.empty());
+      if (model.implemented()) CHECK(row.reason.find("cannot decode") != std::string::npos);
+    }
+  }
+
+  TEST_CASE("layer scope runs the encoder layer around the mechanism") {
+    const auto row = run_point(quick_point("exact-tiled", 70, true, Scope::Layer));
+    CHECK(row.status == Status::Ok);
+    CHECK(row.d_ff == 4 * 2 * 32);
+    CHECK(row.flops > 0);
+    CHECK(row.reproducer.find("--scope layer") != std::string::npos);
+  }
+}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the Debian packages xfbench needs, only those missing (idempotent). Needs root or sudo.
+set -euo pipefail
+packages=(g++ cmake ninja-build git libdnnl-dev ocl-icd-opencl-dev libcli11-dev nlohmann-json3-dev
+          libspdlog-dev doctest-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install_deps: all ${#packages[@]} packages present"
+  exit 0
+fi
+echo "install_deps: installing ${missing[*]}"
+sudo_cmd=()
+[ "$(id -u)" -ne 0 ] && sudo_cmd=(sudo)
+"${sudo_cmd[@]}" apt-get update -qq
+DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
