@@ -8,12 +8,21 @@
 
 #include "lib/flop_counter.hpp"
 #include "lib/ops.hpp"
+#include "lib/tile_kernels.hpp"
 
 namespace xfb {
 namespace {
 
 ExactTiledConfig config_from(const ParamValues& values) {
   return {.block_q = values.get_int("block_q"), .block_k = values.get_int("block_k")};
+}
+
+// Head sizes that are multiples of the kernel panel run on the register-blocked tile kernels;
+// others on oneDNN's sgemm. The kernels compute whole key panels (the last one zero-padded).
+bool uses_tile_kernels(std::int64_t d) { return d % tiles::kPanel == 0; }
+
+std::int64_t score_columns(std::int64_t cols, std::int64_t d) {
+  return uses_tile_kernels(d) ? tiles::panels_for(cols) * tiles::kPanel : cols;
 }
 
 // Entries of a [rows, cols] tile at (q0, k0) that a causal mask keeps: row i keeps j <= i.
@@ -27,7 +36,10 @@ class ExactTiled final : public Mechanism {
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
     const std::int64_t threads = omp_get_max_threads();
-    scores_ = Tensor(Shape{threads, c_.block_q, c_.block_k});
+    score_ld_ = score_columns(c_.block_k, p_.head_dim);
+    scores_ = Tensor(Shape{threads, c_.block_q, score_ld_});
+    if (uses_tile_kernels(p_.head_dim))
+      packed_keys_ = Tensor(Shape{threads, tiles::panels_for(c_.block_k) * p_.head_dim * tiles::kPanel});
     accumulators_ = Tensor(Shape{threads, c_.block_q, p_.head_dim});
     row_stats_ = Tensor(Shape{threads, 2, c_.block_q});
   }
@@ -36,8 +48,8 @@ class ExactTiled final : public Mechanism {
     const std::int64_t n = p_.seq_len;
     const std::int64_t query_blocks = (n + c_.block_q - 1) / c_.block_q;
     const std::int64_t tasks = p_.batch * p_.heads * query_blocks;
-    std::int64_t softmax_flops = 0;
-#pragma omp parallel reduction(+ : softmax_flops)
+    std::int64_t kernel_flops = 0;
+#pragma omp parallel reduction(+ : kernel_flops)
     {
       const int thread = omp_get_thread_num();
 #pragma omp for schedule(dynamic, 1)
@@ -45,21 +57,22 @@ class ExactTiled final : public Mechanism {
         const std::int64_t head = task / query_blocks;
         // Causal tasks near the end of a head are the longest: start them first.
         const std::int64_t block = p_.causal ? query_blocks - 1 - task % query_blocks : task % query_blocks;
-        softmax_flops += query_block(q.data() + head * n * p_.head_dim, k.data() + head * n * p_.head_dim,
+        kernel_flops += query_block(q.data() + head * n * p_.head_dim, k.data() + head * n * p_.head_dim,
                                      v.data() + head * n * p_.head_dim, out.data() + head * n * p_.head_dim,
                                      block * c_.block_q, thread);
       }
     }
-    FlopCounter::add(softmax_flops);
+    FlopCounter::add(kernel_flops);
   }
 
  private:
-  // Computes rows [q0, q0 + bq) of one head. Returns the non-gemm FLOPs it executed.
+  // Computes rows [q0, q0 + bq) of one head. Returns the FLOPs it executed outside oneDNN.
   std::int64_t query_block(const float* q, const float* k, const float* v, float* out, std::int64_t q0,
                            int thread) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, bk = c_.block_k;
     const std::int64_t rows = std::min(c_.block_q, n - q0);
-    float* scores = scores_.data() + thread * c_.block_q * bk;
+    const std::int64_t lds = score_ld_;
+    float* scores = scores_.data() + thread * c_.block_q * lds;
     float* acc = accumulators_.data() + thread * c_.block_q * d;
     float* row_max = row_stats_.data() + thread * 2 * c_.block_q;
     float* row_sum = row_max + c_.block_q;
@@ -71,9 +84,9 @@ class ExactTiled final : public Mechanism {
     std::int64_t flops = 0;
     for (std::int64_t k0 = 0; k0 < key_end; k0 += bk) {
       const std::int64_t cols = std::min(bk, key_end - k0);
-      ops::gemm(false, true, rows, cols, d, scale, q + q0 * d, d, k + k0 * d, d, 0.0f, scores, bk);
+      flops += compute_scores(q + q0 * d, rows, k + k0 * d, cols, scale, scores, thread);
       for (std::int64_t r = 0; r < rows; ++r) {
-        float* row = scores + r * bk;
+        float* row = scores + r * lds;
         const std::int64_t valid = valid_in_row(p_.causal, q0 + r, k0, cols);
         if (valid == 0) {
           std::fill(row, row + cols, 0.0f);
@@ -97,7 +110,12 @@ class ExactTiled final : public Mechanism {
         for (std::int64_t j = 0; j < d; ++j) acc_row[j] *= rescale;
         flops += kOnlineSoftmaxFlopsPerElement * valid + d;
       }
-      ops::gemm(false, false, rows, d, cols, 1.0f, scores, bk, v + k0 * d, d, 1.0f, acc, d);
+      if (uses_tile_kernels(d)) {
+        tiles::accumulate_pv(scores, lds, rows, cols, v + k0 * d, d, d, acc, d);
+        flops += matmul_flops(rows, d, cols);
+      } else {
+        ops::gemm(false, false, rows, d, cols, 1.0f, scores, lds, v + k0 * d, d, 1.0f, acc, d);
+      }
     }
     for (std::int64_t r = 0; r < rows; ++r) {
       const float inverse = 1.0f / row_sum[r];
@@ -109,9 +127,25 @@ class ExactTiled final : public Mechanism {
     return flops + rows * d;
   }
 
+  // scores[r, j] = scale · q[r]·k[j] for a [rows, cols] tile. Returns the FLOPs it executed that
+  // the oneDNN path does not count itself.
+  std::int64_t compute_scores(const float* q, std::int64_t rows, const float* k, std::int64_t cols, float scale,
+                      float* scores, int thread) {
+    const std::int64_t d = p_.head_dim;
+    if (!uses_tile_kernels(d)) {
+      ops::gemm(false, true, rows, cols, d, scale, q, d, k, d, 0.0f, scores, score_ld_);
+      return 0;
+    }
+    float* packed = packed_keys_.data() + thread * tiles::panels_for(c_.block_k) * d * tiles::kPanel;
+    tiles::pack_key_panels(k, d, cols, d, packed);
+    tiles::scores(q, d, rows, packed, tiles::panels_for(cols), d, scale, scores, score_ld_);
+    return matmul_flops(rows, score_columns(cols, d), d);
+  }
+
   Problem p_;
   ExactTiledConfig c_;
-  Tensor scores_, accumulators_, row_stats_;
+  std::int64_t score_ld_ = 0;
+  Tensor scores_, packed_keys_, accumulators_, row_stats_;
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
@@ -127,7 +161,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
     const std::int64_t key_end = p.causal ? q0 + rows : n;
     for (std::int64_t k0 = 0; k0 < key_end; k0 += c.block_k) {
       const std::int64_t cols = std::min(c.block_k, key_end - k0);
-      per_head += matmul_flops(rows, cols, d) + matmul_flops(rows, d, cols);
+      per_head += matmul_flops(rows, score_columns(cols, d), d) + matmul_flops(rows, d, cols);
       for (std::int64_t r = 0; r < rows; ++r) {
         const std::int64_t valid = valid_in_row(p.causal, q0 + r, k0, cols);
         if (valid > 0) per_head += kOnlineSoftmaxFlopsPerElement * valid + d;
@@ -140,7 +174,8 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const auto c = config_from(values);
   const std::int64_t threads = omp_get_max_threads();
-  return threads * (c.block_q * c.block_k + c.block_q * p.head_dim + 2 * c.block_q) *
+  const std::int64_t packed = uses_tile_kernels(p.head_dim) ? tiles::panels_for(c.block_k) * p.head_dim * tiles::kPanel : 0;
+  return threads * (c.block_q * score_columns(c.block_k, p.head_dim) + packed + c.block_q * p.head_dim + 2 * c.block_q) *
          static_cast<std::int64_t>(sizeof(float));
 }
 
