@@ -33,6 +33,13 @@ nlohmann::json model_json(const ModelInfo& m) {
           {"implemented", m.implemented()}, {"params", params}};
 }
 
+// Left-aligns text in a column of `width` characters (UTF-8 aware: "²" is one column).
+std::string pad(const std::string& text, std::size_t width) {
+  std::size_t shown = 0;
+  for (unsigned char c : text) shown += (c & 0xC0) != 0x80;
+  return text + std::string(width > shown ? width - shown : 1, ' ');
+}
+
 int run_list(const std::string& class_filter, bool implemented_only, const std::string& format) {
   ModelClass wanted{};
   if (!class_filter.empty() && !parse_class(class_filter, wanted))
@@ -50,16 +57,17 @@ int run_list(const std::string& class_filter, bool implemented_only, const std::
   if (md)
     std::printf("| model | name | class | complexity | decode | paper | implemented |\n|---|---|---|---|---|---|---|\n");
   else
-    std::printf("%-20s %-8s %-16s %-7s %-12s %s\n", "MODEL", "CLASS", "COMPLEXITY", "DECODE", "IMPLEMENTED", "PAPER");
+    std::printf("%s%s%s%s%sPAPER\n", pad("MODEL", 21).c_str(), pad("CLASS", 9).c_str(), pad("COMPLEXITY", 18).c_str(),
+                pad("DECODE", 8).c_str(), pad("IMPLEMENTED", 13).c_str());
   for (const auto* m : models) {
     if (md)
       std::printf("| %s | `%s` | %s | %s | %s | %s (arXiv %s) | %s |\n", m->display_name.c_str(), m->name.c_str(),
                   classes_text(*m).c_str(), m->complexity.c_str(), m->decodes ? "yes" : "no", m->paper.c_str(),
                   m->arxiv.c_str(), m->implemented() ? "yes" : "no");
     else
-      std::printf("%-20s %-8s %-16s %-7s %-12s %s\n", m->name.c_str(), classes_text(*m).c_str(),
-                  m->complexity.c_str(), m->decodes ? "yes" : "no", m->implemented() ? "yes" : "no",
-                  m->paper.c_str());
+      std::printf("%s%s%s%s%s%s\n", pad(m->name, 21).c_str(), pad(classes_text(*m), 9).c_str(),
+                  pad(m->complexity, 18).c_str(), pad(m->decodes ? "yes" : "no", 8).c_str(),
+                  pad(m->implemented() ? "yes" : "no", 13).c_str(), m->paper.c_str());
   }
   return 0;
 }

@@ -2,6 +2,8 @@
 // rewritten atomically after every point, table printed at the end.
 #include <cstdio>
 
+#include <spdlog/spdlog.h>
+
 #include "apps/commands.hpp"
 #include "lib/errors.hpp"
 #include "lib/sweep.hpp"
@@ -32,6 +34,7 @@ int run(SweepOptions& o) {
   if (s.timeout_s <= 0) throw InputError("--timeout must be positive");
   s.memory_limit_bytes = static_cast<std::int64_t>(o.memory_limit_gib * 1024.0 * 1024.0 * 1024.0);
   s.measure_machine = !o.no_measure;
+  if (!optimised_build()) spdlog::warn("this build is not optimised: times are not representative");
   const Report report = run_sweep(s, command_line());
   if (!o.no_table) std::printf("%s", render_table(report, {}).c_str());
   std::fprintf(stderr, "report written to %s\n", s.out_path.c_str());
