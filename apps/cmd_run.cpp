@@ -57,6 +57,10 @@ int run(RunOptions& o) {
     row = run_point(o.problem.point, dump);
   } catch (const InputError&) {
     throw;
+  } catch (const std::bad_alloc&) {
+    row = describe_point(o.problem.point);
+    row.status = Status::Error;
+    row.reason = "out of memory: an allocation failed";
   } catch (const std::exception& e) {
     row = describe_point(o.problem.point);
     row.status = Status::Error;

@@ -30,6 +30,14 @@ ChildResult run_self(const std::vector<std::string>& args, double timeout_s) {
   const pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork() failed");
   if (pid == 0) {
+    // Bound the child's address space by physical memory: an oversized point fails its allocation
+    // (and becomes an error row) instead of waking the kernel's OOM killer.
+    // (Not under AddressSanitizer, whose shadow memory needs a huge address space.)
+#if !defined(__SANITIZE_ADDRESS__)
+    const rlim_t physical = static_cast<rlim_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE));
+    const rlimit limit{physical, physical};
+    setrlimit(RLIMIT_AS, &limit);
+#endif
     dup2(out_pipe[1], STDOUT_FILENO);
     dup2(err_pipe[1], STDERR_FILENO);
     close(out_pipe[0]);
