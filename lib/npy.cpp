@@ -2,7 +2,6 @@
 
 #include <cstring>
 #include <fstream>
-#include <regex>
 #include <stdexcept>
 
 namespace xfb {
@@ -40,13 +39,20 @@ Tensor read_npy(const std::string& path) {
   in.read(header.data(), static_cast<std::streamsize>(length));
   if (header.find("'<f4'") == std::string::npos || header.find("False") == std::string::npos)
     throw std::runtime_error(path + ": expected little-endian float32 in C order");
-  std::smatch match;
-  if (!std::regex_search(header, match, std::regex("\\(([0-9, ]*)\\)"))) throw std::runtime_error(path + ": no shape");
+  const auto open = header.find("'shape': (");
+  const auto close = open == std::string::npos ? open : header.find(')', open);
+  if (close == std::string::npos) throw std::runtime_error(path + ": no shape");
   Shape shape;
-  const std::string dims = match[1];
-  const std::regex number("[0-9]+");
-  for (std::sregex_iterator it(dims.begin(), dims.end(), number), end; it != end; ++it)
-    shape.push_back(std::stoll(it->str()));
+  std::int64_t extent = -1;
+  for (std::size_t i = open + 10; i <= close; ++i) {
+    const char c = header[i];
+    if (c >= '0' && c <= '9') {
+      extent = (extent < 0 ? 0 : extent * 10) + (c - '0');
+    } else if (extent >= 0) {
+      shape.push_back(extent);
+      extent = -1;
+    }
+  }
   Tensor tensor(shape);
   in.read(reinterpret_cast<char*>(tensor.data()), tensor.bytes());
   if (!in) throw std::runtime_error(path + ": truncated data");
