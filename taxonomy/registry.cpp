@@ -6,6 +6,10 @@
 #include "lib/registry.hpp"
 #include "taxonomy/baselines/exact_tiled.hpp"
 #include "taxonomy/baselines/vanilla.hpp"
+#include "taxonomy/kernels/linear_transformer.hpp"
+#include "taxonomy/kernels/performer.hpp"
+#include "taxonomy/low_rank/linformer.hpp"
+#include "taxonomy/low_rank/synthesizer.hpp"
 
 namespace xfb {
 namespace {
@@ -24,6 +28,10 @@ const std::vector<ModelInfo>& registry() {
     auto list = survey_models();
     attach(list, "vanilla", vanilla_implementation());
     attach(list, "exact-tiled", exact_tiled_implementation());
+    attach(list, "synthesizer", synthesizer_implementation());
+    attach(list, "performer", performer_implementation());
+    attach(list, "linformer", linformer_implementation());
+    attach(list, "linear-transformer", linear_transformer_implementation());
     return list;
   }();
   return models;

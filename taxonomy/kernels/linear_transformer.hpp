@@ -1,0 +1,20 @@
+#pragma once
+// `linear-transformer` (Katharopoulos et al. 2020): φ(x) = elu(x) + 1 on the chunked
+// linear-attention engine (taxonomy/kernels/linear_attention.hpp) with M = D:
+//   out_i = φ(q_i)ᵀ S / φ(q_i)ᵀ z,  S = Σ_j φ(k_j) v_jᵀ,  z = Σ_j φ(k_j)   (j <= i when causal).
+// Non-causal: the K–V summary [S | z] is built once per head. Causal: the running [D, D+1] state,
+// chunk by chunk — never an N×D×D prefix tensor.
+// φ is evaluated branch-free as exp(min(x, 0)) + max(x, 0): 4 FLOPs per element, so the feature
+// cost is 4·D per query row and per key row; the rest is the engine's count.
+// Workspace: the engine's per-thread buffers, independent of N.
+#include "lib/mechanism.hpp"
+
+namespace xfb {
+
+struct LinearTransformerConfig {
+  std::int64_t chunk = 64;  // rows per chunk of the engine, tokens (causal: the masked block size)
+};
+
+Implementation linear_transformer_implementation();
+
+}  // namespace xfb

@@ -1,0 +1,193 @@
+#include "taxonomy/kernels/performer.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "lib/flop_counter.hpp"
+#include "lib/ops.hpp"
+#include "lib/rng.hpp"
+#include "taxonomy/kernels/linear_attention.hpp"
+
+namespace xfb {
+namespace {
+
+PerformerConfig config_from(const ParamValues& values) {
+  return {.features = values.get_int("features"),
+          .kernel = values.get_choice("kernel") == "relu" ? PerformerKernel::Relu : PerformerKernel::Softmax,
+          .chunk = values.get_int("chunk")};
+}
+
+// Rows of `block` (d×d Gaussian) orthonormalised in order by modified Gram–Schmidt; keeps `rows`.
+std::vector<double> orthonormal_rows(const CounterRng& rng, std::int64_t block, std::int64_t d, std::int64_t rows) {
+  std::vector<double> u(static_cast<std::size_t>(rows * d));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double* row = u.data() + r * d;
+    for (std::int64_t c = 0; c < d; ++c) row[c] = rng.normal(static_cast<std::uint64_t>((block * d + r) * d + c));
+    for (std::int64_t s = 0; s < r; ++s) {
+      const double* prior = u.data() + s * d;
+      double dot = 0;
+      for (std::int64_t c = 0; c < d; ++c) dot += row[c] * prior[c];
+      for (std::int64_t c = 0; c < d; ++c) row[c] -= dot * prior[c];
+    }
+    double norm = 0;
+    for (std::int64_t c = 0; c < d; ++c) norm += row[c] * row[c];
+    norm = std::sqrt(norm);
+    for (std::int64_t c = 0; c < d; ++c) row[c] /= norm;
+  }
+  return u;
+}
+
+// ω [m, d]: orthogonal blocks with chi(d)-distributed row norms (see performer.hpp).
+Tensor orthogonal_random_features(std::int64_t m, std::int64_t d, std::uint64_t seed) {
+  const CounterRng directions(seed, "performer/directions"), lengths(seed, "performer/norms");
+  Tensor omega(Shape{m, d});
+  for (std::int64_t block = 0; block * d < m; ++block) {
+    const std::int64_t rows = std::min(d, m - block * d);
+    const auto unit = orthonormal_rows(directions, block, d, rows);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t i = block * d + r;
+      double norm = 0;
+      for (std::int64_t c = 0; c < d; ++c) {
+        const double g = lengths.normal(static_cast<std::uint64_t>(i * d + c));
+        norm += g * g;
+      }
+      norm = std::sqrt(norm);
+      for (std::int64_t c = 0; c < d; ++c) omega[i * d + c] = static_cast<float>(norm * unit[static_cast<std::size_t>(r * d + c)]);
+    }
+  }
+  return omega;
+}
+
+class FavorFeatures final : public FeatureMap {
+ public:
+  FavorFeatures(const Tensor& omega, PerformerKernel kernel)
+      : omega_(omega.data()), m_(omega.dim(0)), d_(omega.dim(1)), kernel_(kernel) {}
+
+  std::int64_t dim() const override { return m_; }
+  bool shifts() const override { return kernel_ == PerformerKernel::Softmax; }
+
+  std::int64_t queries(const float* x, std::int64_t rows, float* phi, std::int64_t ld) const override {
+    project(x, rows, phi, ld);
+    if (kernel_ == PerformerKernel::Relu) return relu(phi, rows, ld);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* row = phi + r * ld;
+      float peak = row[0];
+#pragma omp simd reduction(max : peak)
+      for (std::int64_t j = 1; j < m_; ++j) peak = std::max(peak, row[j]);
+#pragma omp simd
+      for (std::int64_t j = 0; j < m_; ++j) row[j] = ops::fast_exp(row[j] - peak);
+    }
+    return rows * 3 * m_;
+  }
+
+  std::int64_t keys(const float* x, std::int64_t rows, float* phi, std::int64_t ld, float& shift) const override {
+    project(x, rows, phi, ld);
+    if (kernel_ == PerformerKernel::Relu) return relu(phi, rows, ld);
+    const float half_scale2 = 0.5f / std::sqrt(static_cast<float>(d_));  // ‖D^(−1/4)·x‖²/2 = ‖x‖²·half_scale2
+    float peak = shift;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * d_;
+      float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+      for (std::int64_t c = 0; c < d_; ++c) squares += xr[c] * xr[c];
+      const float half_norm = squares * half_scale2;
+      float* row = phi + r * ld;
+#pragma omp simd reduction(max : peak)
+      for (std::int64_t j = 0; j < m_; ++j) {
+        row[j] -= half_norm;
+        peak = std::max(peak, row[j]);
+      }
+    }
+    shift = peak;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* row = phi + r * ld;
+#pragma omp simd
+      for (std::int64_t j = 0; j < m_; ++j) row[j] = ops::fast_exp(row[j] - peak);
+    }
+    return rows * (2 * d_ + 4 * m_);
+  }
+
+ private:
+  // phi = α·x·ωᵀ: α = D^(−1/4) (softmax kernel) or 1/√M (relu kernel).
+  void project(const float* x, std::int64_t rows, float* phi, std::int64_t ld) const {
+    const float alpha = kernel_ == PerformerKernel::Softmax ? 1.0f / std::sqrt(std::sqrt(static_cast<float>(d_)))
+                                                             : 1.0f / std::sqrt(static_cast<float>(m_));
+    ops::gemm(false, true, rows, m_, d_, alpha, x, d_, omega_, d_, 0.0f, phi, ld);
+  }
+
+  std::int64_t relu(float* phi, std::int64_t rows, std::int64_t ld) const {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* row = phi + r * ld;
+#pragma omp simd
+      for (std::int64_t j = 0; j < m_; ++j) row[j] = std::max(row[j], 0.0f) + kPerformerReluStabiliser;
+    }
+    return rows * 2 * m_;
+  }
+
+  const float* omega_;
+  std::int64_t m_, d_;
+  PerformerKernel kernel_;
+};
+
+FeatureCosts feature_costs(const Problem& p, const PerformerConfig& c) {
+  const std::int64_t m = c.features, d = p.head_dim, projection = matmul_flops(1, m, d);
+  if (c.kernel == PerformerKernel::Relu) return {m, projection + 2 * m, projection + 2 * m, false};
+  return {m, projection + 3 * m, projection + 2 * d + 4 * m, true};
+}
+
+class Performer final : public Mechanism {
+ public:
+  Performer(const Problem& problem, const PerformerConfig& config, std::uint64_t seed)
+      : p_(problem), c_(config), seed_(seed) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    omega_ = orthogonal_random_features(c_.features, p_.head_dim, seed_);
+    engine_ = std::make_unique<ChunkedLinearAttention>(p_, c_.chunk, c_.features);
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    engine_->forward(FavorFeatures(omega_, c_.kernel), q, k, v, out);
+  }
+
+  std::vector<NamedTensor> parameters() const override { return {{"random_features", &omega_}}; }
+
+ private:
+  Problem p_;
+  PerformerConfig c_;
+  std::uint64_t seed_;
+  Tensor omega_;
+  std::unique_ptr<ChunkedLinearAttention> engine_;
+};
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
+  return std::make_unique<Performer>(problem, config_from(values), seed);
+}
+
+std::int64_t flops(const Problem& p, const ParamValues& values) {
+  const auto c = config_from(values);
+  return linear_attention_flops(p, c.chunk, feature_costs(p, c));
+}
+
+std::int64_t workspace(const Problem& p, const ParamValues& values) {
+  const auto c = config_from(values);
+  return c.features * p.head_dim * static_cast<std::int64_t>(sizeof(float)) +
+         linear_attention_workspace(p, c.chunk, c.features);
+}
+
+}  // namespace
+
+Implementation performer_implementation() {
+  return {{
+              {"features", ParamType::Int, "256", 1, 16384, {}, "random features M per head"},
+              {"kernel", ParamType::Choice, "softmax", 0, 0, {"softmax", "relu"},
+               "softmax: FAVOR+ positive features for exp(qᵀk/√D); relu: max(ωx/√M, 0) + 1e-3"},
+              {"chunk", ParamType::Int, "64", 1, 8192, {}, "rows per chunk of the prefix-sum walk (tokens)"},
+          },
+          create,
+          flops,
+          workspace};
+}
+
+}  // namespace xfb

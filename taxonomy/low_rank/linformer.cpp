@@ -1,0 +1,126 @@
+#include "taxonomy/low_rank/linformer.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "lib/flop_counter.hpp"
+#include "lib/ops.hpp"
+#include "lib/rng.hpp"
+
+namespace xfb {
+namespace {
+
+LinformerConfig config_from(const ParamValues& values) {
+  const std::string& sharing = values.get_choice("sharing");
+  return {.k = values.get_int("k"),
+          .sharing = sharing == "headwise"    ? LinformerSharing::Headwise
+                     : sharing == "key-value" ? LinformerSharing::KeyValue
+                                              : LinformerSharing::PerHead,
+          .identity = values.get_choice("projection") == "identity"};
+}
+
+std::int64_t projected_length(const Problem& p, const LinformerConfig& c) { return std::min(c.k, p.seq_len); }
+
+// Projection matrices per tensor: H for per-head sharing, else 1.
+std::int64_t matrices_per_tensor(const Problem& p, const LinformerConfig& c) {
+  return c.sharing == LinformerSharing::PerHead ? p.heads : 1;
+}
+
+class Linformer final : public Mechanism {
+ public:
+  Linformer(const Problem& problem, const LinformerConfig& config, std::uint64_t seed)
+      : p_(problem), c_(config), seed_(seed), k_(projected_length(problem, config)), ld_(ops::padded_ld(k_)) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    e_ = make_projection("linformer/E");
+    if (c_.sharing != LinformerSharing::KeyValue) f_ = make_projection("linformer/F");
+    const std::int64_t bh = p_.batch * p_.heads;
+    keys_ = Tensor(Shape{bh, k_, p_.head_dim});
+    values_ = Tensor(Shape{bh, k_, p_.head_dim});
+    scores_ = Tensor(Shape{bh, p_.seq_len, ld_});
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
+    const Tensor& f = c_.sharing == LinformerSharing::KeyValue ? e_ : f_;
+    project(e_, k, keys_);
+    project(f, v, values_);
+    ops::matmul({.batch = bh, .m = n, .n = k_, .k = d, .trans_b = true, .ldc = ld_,
+                 .alpha = 1.0f / std::sqrt(static_cast<float>(d))},
+                q.data(), keys_.data(), scores_.data());
+    ops::softmax_rows_masked(scores_.data(), bh, n, k_, ld_, false);
+    ops::matmul({.batch = bh, .m = n, .n = d, .k = k_, .lda = ld_}, scores_.data(), values_.data(), out.data());
+  }
+
+  std::vector<NamedTensor> parameters() const override {
+    if (c_.sharing == LinformerSharing::KeyValue) return {{"projection_ef", &e_}};
+    return {{"projection_e", &e_}, {"projection_f", &f_}};
+  }
+
+ private:
+  Tensor make_projection(const char* stream) const {
+    const std::int64_t count = matrices_per_tensor(p_, c_), n = p_.seq_len;
+    Tensor t = count > 1 ? Tensor(Shape{count, k_, n}) : Tensor(Shape{k_, n});
+    if (!c_.identity) {
+      CounterRng(seed_, stream).fill_normal(t, 0.0f, 1.0f / std::sqrt(static_cast<float>(k_)));
+      return t;
+    }
+    for (std::int64_t m = 0; m < count; ++m)
+      for (std::int64_t i = 0; i < k_; ++i) t[(m * k_ + i) * n + i] = 1.0f;
+    return t;
+  }
+
+  // dst[b, h] = P_h · src[b, h]: [k, N]·[N, D] for every batch element.
+  void project(const Tensor& projection, const Tensor& src, Tensor& dst) const {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    const std::int64_t stride = matrices_per_tensor(p_, c_) > 1 ? k_ * n : 0;
+    for (std::int64_t b = 0; b < p_.batch; ++b)
+      ops::matmul({.batch = p_.heads, .m = k_, .n = d, .k = n, .stride_a = stride}, projection.data(),
+                  src.head(b, 0), dst.data() + b * p_.heads * k_ * d);
+  }
+
+  Problem p_;
+  LinformerConfig c_;
+  std::uint64_t seed_;
+  std::int64_t k_, ld_;
+  Tensor e_, f_, keys_, values_, scores_;
+};
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
+  const auto config = config_from(values);
+  if (config.identity && config.k < problem.seq_len)
+    throw ParamError("linformer: projection=identity needs k >= N (E = F = I is N×N); got k=" +
+                     std::to_string(config.k) + ", N=" + std::to_string(problem.seq_len));
+  return std::make_unique<Linformer>(problem, config, seed);
+}
+
+std::int64_t flops(const Problem& p, const ParamValues& values) {
+  const std::int64_t k = projected_length(p, config_from(values)), n = p.seq_len, d = p.head_dim;
+  return p.batch * p.heads * (4 * matmul_flops(n, k, d) + kSoftmaxFlopsPerElement * n * k);
+}
+
+std::int64_t workspace(const Problem& p, const ParamValues& values) {
+  const auto c = config_from(values);
+  const std::int64_t k = projected_length(p, c), bh = p.batch * p.heads;
+  const std::int64_t tensors = c.sharing == LinformerSharing::KeyValue ? 1 : 2;
+  const std::int64_t projections = tensors * matrices_per_tensor(p, c) * k * p.seq_len;
+  return (projections + 2 * bh * k * p.head_dim + bh * p.seq_len * ops::padded_ld(k)) *
+         static_cast<std::int64_t>(sizeof(float));
+}
+
+}  // namespace
+
+Implementation linformer_implementation() {
+  return {{
+              {"k", ParamType::Int, "256", 1, 1 << 20, {}, "projected sequence length (rows of E, F), tokens"},
+              {"sharing", ParamType::Choice, "per-head", 0, 0, {"per-head", "headwise", "key-value"},
+               "per-head: E_h, F_h per head; headwise: one E, F for all heads; key-value: one E = F"},
+              {"projection", ParamType::Choice, "gaussian", 0, 0, {"gaussian", "identity"},
+               "gaussian: entries N(0, 1/k) from the seed; identity: E = F = I (needs k >= N, exact attention)"},
+          },
+          create,
+          flops,
+          workspace};
+}
+
+}  // namespace xfb

@@ -1,0 +1,27 @@
+#pragma once
+// `linformer` (Wang et al. 2020): keys and values projected along the sequence,
+//   out = softmax(Q·(E·K)ᵀ/√D)·(F·V),   E, F: [k, N];  E·K, F·V: [k, D] per head.
+// k is clamped to N (with N <= k there is nothing to compress). E and F come from the seed,
+// entries N(0, 1/k); projection=identity sets E = F = I (only when k >= N), which makes the model
+// exact softmax attention (tests use it).
+// Sharing: per-head — each head h has its own E_h, F_h (parameters [H, k, N]); headwise — one E and
+// one F for all heads ([k, N] each); key-value — one E = F for all heads and for K and V.
+// Every batch element uses the same projections. Not causal (survey Table 1).
+// Shapes: scores [B·H, N, ld] with ld = padded_ld(k); products are batched oneDNN matmuls.
+// FLOPs: B·H·(8·N·k·D + 5·N·k)   (E·K, F·V, Q·K̃ᵀ, P·Ṽ: 2·N·k·D each; softmax 5 per score).
+// Workspace: projections (2·H, 2 or 1 × k·N floats) + E·K, F·V (2·B·H·k·D) + scores (B·H·N·ld).
+#include "lib/mechanism.hpp"
+
+namespace xfb {
+
+enum class LinformerSharing { PerHead, Headwise, KeyValue };
+
+struct LinformerConfig {
+  std::int64_t k = 256;  // projected length (rows of E and F), tokens; clamped to N
+  LinformerSharing sharing = LinformerSharing::PerHead;
+  bool identity = false;  // E = F = I (requires k >= N)
+};
+
+Implementation linformer_implementation();
+
+}  // namespace xfb

@@ -1,0 +1,198 @@
+#include "taxonomy/low_rank/synthesizer.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "lib/flop_counter.hpp"
+#include "lib/ops.hpp"
+#include "lib/rng.hpp"
+
+namespace xfb {
+namespace {
+
+SynthesizerConfig config_from(const ParamValues& values) {
+  const std::string& variant = values.get_choice("variant");
+  return {.variant = variant == "random"              ? SynthesizerVariant::Random
+                     : variant == "factorized-random" ? SynthesizerVariant::FactorizedRandom
+                                                      : SynthesizerVariant::Dense,
+          .factor_rank = values.get_int("factor_rank"),
+          .vanilla_weight = values.get_float("vanilla_weight")};
+}
+
+std::int64_t softmax_entries(const Problem& p) {
+  return p.causal ? p.seq_len * (p.seq_len + 1) / 2 : p.seq_len * p.seq_len;
+}
+
+Tensor normal_tensor(Shape shape, std::uint64_t seed, const char* stream, double variance) {
+  Tensor t(std::move(shape));
+  CounterRng(seed, stream).fill_normal(t, 0.0f, static_cast<float>(std::sqrt(variance)));
+  return t;
+}
+
+class Synthesizer final : public Mechanism {
+ public:
+  Synthesizer(const Problem& problem, const SynthesizerConfig& config, std::uint64_t seed)
+      : p_(problem), c_(config), seed_(seed), ld_(ops::padded_ld(problem.seq_len)),
+        mix_(static_cast<float>(config.vanilla_weight)) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    const std::int64_t h = p_.heads, n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
+    const double inv_d = 1.0 / static_cast<double>(d);
+    switch (c_.variant) {
+      case SynthesizerVariant::Dense:
+        w1_ = normal_tensor({h, d, d}, seed_, "synthesizer/w1", inv_d);
+        b1_ = normal_tensor({h, d}, seed_, "synthesizer/b1", inv_d);
+        w2_ = normal_tensor({h, d, n}, seed_, "synthesizer/w2", inv_d);
+        b2_ = normal_tensor({h, n}, seed_, "synthesizer/b2", inv_d);
+        scaled_b2_ = b2_.clone();
+        for (float& value : scaled_b2_.values()) value *= 1.0f - mix_;
+        hidden_ = Tensor(Shape{bh, n, d});
+        break;
+      case SynthesizerVariant::Random:
+        r_ = normal_tensor({h, n, n}, seed_, "synthesizer/r", 1.0);
+        break;
+      case SynthesizerVariant::FactorizedRandom: {
+        const double variance = 1.0 / std::sqrt(static_cast<double>(c_.factor_rank));
+        r1_ = normal_tensor({h, n, c_.factor_rank}, seed_, "synthesizer/r1", variance);
+        r2_ = normal_tensor({h, n, c_.factor_rank}, seed_, "synthesizer/r2", variance);
+        break;
+      }
+    }
+    logits_ = Tensor(Shape{bh, n, ld_});
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
+    if (mix_ > 0.0f)
+      ops::matmul({.batch = bh, .m = n, .n = n, .k = d, .trans_b = true, .ldc = ld_,
+                   .alpha = mix_ / std::sqrt(static_cast<float>(d))},
+                  q.data(), k.data(), logits_.data());
+    switch (c_.variant) {
+      case SynthesizerVariant::Dense: dense_logits(q); break;
+      case SynthesizerVariant::Random: random_logits(); break;
+      case SynthesizerVariant::FactorizedRandom: factorized_logits(); break;
+    }
+    ops::softmax_rows_masked(logits_.data(), bh, n, n, ld_, p_.causal);
+    ops::matmul({.batch = bh, .m = n, .n = d, .k = n, .lda = ld_}, logits_.data(), v.data(), out.data());
+  }
+
+  std::vector<NamedTensor> parameters() const override {
+    switch (c_.variant) {
+      case SynthesizerVariant::Dense: return {{"w1", &w1_}, {"b1", &b1_}, {"w2", &w2_}, {"b2", &b2_}};
+      case SynthesizerVariant::Random: return {{"r", &r_}};
+      case SynthesizerVariant::FactorizedRandom: return {{"r1", &r1_}, {"r2", &r2_}};
+    }
+    return {};
+  }
+
+ private:
+  float synthetic_weight() const { return 1.0f - mix_; }
+  bool accumulate() const { return mix_ > 0.0f; }
+  float* logits(std::int64_t b, std::int64_t h) { return logits_.data() + (b * p_.heads + h) * p_.seq_len * ld_; }
+
+  void dense_logits(const Tensor& q) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, h = p_.heads;
+    for (std::int64_t b = 0; b < p_.batch; ++b)
+      ops::matmul({.batch = h, .m = n, .n = d, .k = d}, q.head(b, 0), w1_.data(), hidden_.data() + b * h * n * d);
+    const std::int64_t rows = p_.batch * h * n;
+#pragma omp parallel for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* row = hidden_.data() + r * d;
+      const float* bias = b1_.data() + (r / n) % h * d;
+#pragma omp simd
+      for (std::int64_t c = 0; c < d; ++c) row[c] = std::max(row[c] + bias[c], 0.0f);
+    }
+    for (std::int64_t b = 0; b < p_.batch; ++b)
+      ops::matmul({.batch = h, .m = n, .n = n, .k = d, .ldc = ld_, .alpha = synthetic_weight(),
+                   .accumulate = accumulate()},
+                  hidden_.data() + b * h * n * d, w2_.data(), logits(b, 0));
+#pragma omp parallel for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* row = logits_.data() + r * ld_;
+      const float* bias = scaled_b2_.data() + (r / n) % h * n;
+#pragma omp simd
+      for (std::int64_t j = 0; j < n; ++j) row[j] += bias[j];
+    }
+    FlopCounter::add(rows * (2 * d + n));
+  }
+
+  void random_logits() {
+    const std::int64_t n = p_.seq_len, h = p_.heads, rows = p_.batch * h * n;
+    const float weight = synthetic_weight();
+    const bool add = accumulate();
+#pragma omp parallel for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* row = logits_.data() + r * ld_;
+      const float* src = r_.data() + ((r / n) % h * n + r % n) * n;
+      if (add) {
+#pragma omp simd
+        for (std::int64_t j = 0; j < n; ++j) row[j] += weight * src[j];
+      } else {
+        std::copy(src, src + n, row);
+      }
+    }
+    if (add) FlopCounter::add(rows * 2 * n);
+  }
+
+  void factorized_logits() {
+    const std::int64_t n = p_.seq_len, k = c_.factor_rank;
+    for (std::int64_t b = 0; b < p_.batch; ++b)
+      ops::matmul({.batch = p_.heads, .m = n, .n = n, .k = k, .trans_b = true, .ldc = ld_, .alpha = synthetic_weight(),
+                   .accumulate = accumulate()},
+                  r1_.data(), r2_.data(), logits(b, 0));
+  }
+
+  Problem p_;
+  SynthesizerConfig c_;
+  std::uint64_t seed_;
+  std::int64_t ld_;
+  float mix_;
+  Tensor w1_, b1_, w2_, b2_, scaled_b2_, hidden_, r_, r1_, r2_, logits_;
+};
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
+  return std::make_unique<Synthesizer>(problem, config_from(values), seed);
+}
+
+std::int64_t flops(const Problem& p, const ParamValues& values) {
+  const auto c = config_from(values);
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  const bool mixed = static_cast<float>(c.vanilla_weight) > 0.0f;
+  std::int64_t per_head = kSoftmaxFlopsPerElement * softmax_entries(p) + matmul_flops(n, d, n);
+  if (mixed) per_head += matmul_flops(n, n, d);
+  switch (c.variant) {
+    case SynthesizerVariant::Dense: per_head += matmul_flops(n, d, d) + 2 * n * d + matmul_flops(n, n, d) + n * n; break;
+    case SynthesizerVariant::Random: per_head += mixed ? 2 * n * n : 0; break;
+    case SynthesizerVariant::FactorizedRandom: per_head += matmul_flops(n, n, c.factor_rank); break;
+  }
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t workspace(const Problem& p, const ParamValues& values) {
+  const auto c = config_from(values);
+  const std::int64_t h = p.heads, n = p.seq_len, d = p.head_dim, bh = p.batch * p.heads;
+  std::int64_t floats = bh * n * ops::padded_ld(n);
+  switch (c.variant) {
+    case SynthesizerVariant::Dense: floats += h * (d * d + d + d * n + 2 * n) + bh * n * d; break;
+    case SynthesizerVariant::Random: floats += h * n * n; break;
+    case SynthesizerVariant::FactorizedRandom: floats += 2 * h * n * c.factor_rank; break;
+  }
+  return floats * static_cast<std::int64_t>(sizeof(float));
+}
+
+}  // namespace
+
+Implementation synthesizer_implementation() {
+  return {{
+              {"variant", ParamType::Choice, "dense", 0, 0, {"dense", "random", "factorized-random"},
+               "how the logits are synthesised: per-token MLP, fixed random N×N, or R₁·R₂ᵀ"},
+              {"factor_rank", ParamType::Int, "8", 1, 4096, {}, "k of the factorized-random R₁·R₂ᵀ (R₁, R₂: N×k)"},
+              {"vanilla_weight", ParamType::Float, "0", 0, 1, {},
+               "weight α of Q·Kᵀ/√D mixed into the logits (\"+ Vanilla\"); 0 = pure synthesizer"},
+          },
+          create,
+          flops,
+          workspace};
+}
+
+}  // namespace xfb

@@ -1,0 +1,34 @@
+#pragma once
+// `synthesizer` (Tay et al. 2020a): attention weights synthesised without (or besides) query–key
+// dot products; O(N²) by design, so the [N, N] logit matrix per head is materialised.
+//   out = softmax(L)·V,  L = (1 − α)·L_syn + α·Q·Kᵀ/√D   (α = vanilla_weight; α > 0 is the paper's
+//   mixture "+ Vanilla"; α = 0 is the pure synthesizer and skips Q·Kᵀ).
+// Variants of L_syn for head h (parameters from the seed, one set per head, shared by the batch):
+//   dense:             L_syn[i] = W₂ᵀ·ReLU(W₁ᵀ·q_i + b₁) + b₂ — a 2-layer MLP of the head's query
+//                      vector giving N logits; W₁ [H, D, D], b₁ [H, D], W₂ [H, D, N], b₂ [H, N];
+//                      all entries N(0, 1/D).
+//   random:            L_syn = R, R [H, N, N] fixed, entries N(0, 1).
+//   factorized-random: L_syn = R₁·R₂ᵀ, R₁, R₂ [H, N, k] (k = factor_rank), entries N(0, k^(−1/2)).
+// Causal (decoding): entries j > i of L are excluded by the masked softmax.
+// FLOPs per (batch, head): softmax 5·(N² or N(N+1)/2 causal) + P·V 2·N²·D
+//   + α > 0: 2·N²·D (Q·Kᵀ)
+//   + dense: 2·N·D² + 2·N·D (bias, ReLU) + 2·N²·D + N² (bias b₂, pre-scaled by 1 − α)
+//   + random: 2·N² when α > 0 (scaled add), none otherwise (a copy)
+//   + factorized-random: 2·N²·k.
+// Workspace: logits [B·H, N, padded_ld(N)], the parameters, and for dense the hidden layer
+// [B·H, N, D] and the scaled b₂ [H, N].
+#include "lib/mechanism.hpp"
+
+namespace xfb {
+
+enum class SynthesizerVariant { Dense, Random, FactorizedRandom };
+
+struct SynthesizerConfig {
+  SynthesizerVariant variant = SynthesizerVariant::Dense;
+  std::int64_t factor_rank = 8;  // k of R₁·R₂ᵀ (factorized-random)
+  double vanilla_weight = 0.0;   // α: weight of Q·Kᵀ/√D in the mixed logits, in [0, 1]
+};
+
+Implementation synthesizer_implementation();
+
+}  // namespace xfb
