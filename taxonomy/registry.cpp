@@ -6,6 +6,10 @@
 #include "lib/registry.hpp"
 #include "taxonomy/baselines/exact_tiled.hpp"
 #include "taxonomy/baselines/vanilla.hpp"
+#include "taxonomy/fixed_patterns/axial.hpp"
+#include "taxonomy/fixed_patterns/image_transformer.hpp"
+#include "taxonomy/fixed_patterns/local.hpp"
+#include "taxonomy/fixed_patterns/sparse_transformer.hpp"
 
 namespace xfb {
 namespace {
@@ -24,6 +28,10 @@ const std::vector<ModelInfo>& registry() {
     auto list = survey_models();
     attach(list, "vanilla", vanilla_implementation());
     attach(list, "exact-tiled", exact_tiled_implementation());
+    attach(list, "local", local_implementation());
+    attach(list, "image-transformer", image_transformer_implementation());
+    attach(list, "sparse-transformer", sparse_transformer_implementation());
+    attach(list, "axial", axial_implementation());
     return list;
   }();
   return models;
