@@ -10,6 +10,10 @@
 #include "taxonomy/kernels/performer.hpp"
 #include "taxonomy/low_rank/linformer.hpp"
 #include "taxonomy/low_rank/synthesizer.hpp"
+#include "taxonomy/fixed_patterns/axial.hpp"
+#include "taxonomy/fixed_patterns/image_transformer.hpp"
+#include "taxonomy/fixed_patterns/local.hpp"
+#include "taxonomy/fixed_patterns/sparse_transformer.hpp"
 
 namespace xfb {
 namespace {
@@ -32,6 +36,10 @@ const std::vector<ModelInfo>& registry() {
     attach(list, "performer", performer_implementation());
     attach(list, "linformer", linformer_implementation());
     attach(list, "linear-transformer", linear_transformer_implementation());
+    attach(list, "local", local_implementation());
+    attach(list, "image-transformer", image_transformer_implementation());
+    attach(list, "sparse-transformer", sparse_transformer_implementation());
+    attach(list, "axial", axial_implementation());
     return list;
   }();
   return models;

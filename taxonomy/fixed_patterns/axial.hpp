@@ -1,0 +1,32 @@
+#pragma once
+// `axial`: axial attention (Ho et al. 2019) on the sequence laid out row-major on a grid of
+// C columns (⌈√N⌉ unless given; clamped to N) and R = ⌈N/C⌉ rows, the last row partial (padding
+// positions do not exist: they are neither queries nor keys). Token p sits at row ρ(p) = ⌊p/C⌋,
+// column γ(p) = p mod C. One mechanism, no parameters: attention along rows, then along columns
+// over the row outputs, so every output depends on the whole (visible) grid.
+//   row stage     U_p = Σ_{q: ρ(q)=ρ(p)} softmax_q(s_pq)·V_q                   (never masked)
+//   non-causal    O_p = Σ_{q: γ(q)=γ(p)} softmax_q(s_pq)·U_q
+//   causal        O_p = softmax over the union of two key sets, one normalisation:
+//                   column keys q with γ(q) = γ(p), ρ(q) < ρ(p), value U_q  (rows strictly above:
+//                     the paper's shift, so U_q — which saw q's whole row — is entirely in p's past)
+//                   row keys    q with ρ(q) = ρ(p), q ≤ p,            value V_q  (masked row)
+// with s_pq = Q_p·K_qᵀ/√D. Causal output p therefore depends only on tokens ≤ p.
+// Work, on block_sparse tiles of ≤ 64 rows with strided views (no copies): rows are blocks of C
+// tokens; columns are the residue classes of stride C (row stride C·D). The causal union is one
+// online softmax: the column pass starts the state of every token (max, sum in a [N] buffer, the
+// unnormalised output in `out`), the masked row pass continues it and normalises.
+// Workspace: U ([B, H, N, D]), a 64 × max(C, R) score tile per thread, causal: max and sum per
+// token. FLOPs: Σ over tiles of block_sparse::accumulate_flops (+ finish_flops where a pass
+// normalises): row pass fresh + finish; column pass fresh (+ finish when non-causal); causal row
+// pass not fresh (D per row rescale) + finish. O(N·(C + R)·D) = O(N√N·D).
+#include "lib/mechanism.hpp"
+
+namespace xfb {
+
+struct AxialConfig {
+  std::int64_t cols = 0;  // grid width C in tokens; 0 means ⌈√N⌉
+};
+
+Implementation axial_implementation();
+
+}  // namespace xfb

@@ -1,0 +1,60 @@
+#include "taxonomy/fixed_patterns/local.hpp"
+
+#include <omp.h>
+
+#include "taxonomy/fixed_patterns/block_sparse.hpp"
+
+namespace xfb {
+namespace {
+
+namespace bs = block_sparse;
+
+LocalConfig config_from(const ParamValues& values) { return {.block = values.get_int("block")}; }
+
+class Local final : public Mechanism {
+ public:
+  Local(const Problem& problem, const LocalConfig& config) : p_(problem), tiling_(problem.seq_len, config.block) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    scratch_ = bs::ThreadScratch(omp_get_max_threads(), tiling_.block);
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    bs::run_tiles(
+        p_.batch * p_.heads, tiling_.tasks(), scratch_, [&](std::int64_t head) { return bs::head_view(q, k, v, out, head); },
+        [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
+          return bs::block_tile(tiling_, task, p_.causal, lo, hi);
+        });
+  }
+
+ private:
+  Problem p_;
+  bs::BlockTiling tiling_;
+  bs::ThreadScratch scratch_;
+};
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
+  return std::make_unique<Local>(problem, config_from(values));
+}
+
+std::int64_t flops(const Problem& p, const ParamValues& values) {
+  const bs::BlockTiling tiling(p.seq_len, config_from(values).block);
+  return p.batch * p.heads * bs::plan_flops(tiling.tasks(), p.head_dim, [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
+           return bs::block_tile(tiling, task, p.causal, lo, hi);
+         });
+}
+
+std::int64_t workspace(const Problem& p, const ParamValues& values) {
+  return bs::ThreadScratch::tracked_bytes(omp_get_max_threads(), bs::BlockTiling(p.seq_len, config_from(values).block).block);
+}
+
+}  // namespace
+
+Implementation local_implementation() {
+  return {{{"block", ParamType::Int, "50", 1, 1 << 20, {}, "tokens per local block (clamped to N)"}},
+          create,
+          flops,
+          workspace};
+}
+
+}  // namespace xfb

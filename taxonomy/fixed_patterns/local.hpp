@@ -1,0 +1,22 @@
+#pragma once
+// `local`: block-local attention, the "Local Attention" baseline of Long Range Arena (Tay et al.
+// 2021, block 50). The sequence is cut into consecutive blocks of b tokens (b clamped to N, the
+// last block partial) and each token attends to its own block only:
+//   allowed(i, j) = ⌊i/b⌋ = ⌊j/b⌋, and j ≤ i when causal (within-block causal).
+// Work: every block is split into query tiles of ≤ 64 rows (block_sparse::kTaskRows); a tile is one
+// block_sparse::attend over its block's keys, whose hull ends at the tile's last row when causal.
+// Workspace: per thread one 64 × b score tile and row statistics — independent of N.
+// FLOPs per head: Σ over tiles of block_sparse::accumulate_flops (fresh) + finish_flops; for a
+// block of L ≤ 64 tokens that is 4·L²·D + 4·L² + L·D (non-causal) or 4·L²·D + 2·L(L+1) + L·D
+// (causal). Total O(N·b·D).
+#include "lib/mechanism.hpp"
+
+namespace xfb {
+
+struct LocalConfig {
+  std::int64_t block = 50;  // tokens per block, b
+};
+
+Implementation local_implementation();
+
+}  // namespace xfb

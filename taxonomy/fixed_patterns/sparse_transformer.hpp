@@ -1,0 +1,36 @@
+#pragma once
+// `sparse-transformer`: the factorised attention patterns of the Sparse Transformer (Child et al.
+// 2019), split across heads: heads h < ⌈H/2⌉ use A1, the others A2 (the paper's multi-head
+// integration, each head one factor; with H = 1 the only head uses A1). Stride l (⌈√N⌉ unless
+// given), summary width c (fixed pattern; clamped to l when l is automatic).
+//   strided  A1(i) = {j : i − l ≤ j ≤ i}   (non-causal: |i − j| ≤ l)
+//            A2(i) = {j : (i − j) mod l = 0}
+//   fixed    A1(i) = {j : ⌊j/l⌋ = ⌊i/l⌋}
+//            A2(i) = {j : j mod l ≥ l − c}  (the last c tokens of every block of l: "summaries")
+// Causal keeps j ≤ i in every set. A row whose set is empty (causal fixed A2 before the first
+// summary token) outputs zeros, as softmax attention over no keys.
+// Work (block_sparse tiles of ≤ 64 query rows, one key block each):
+//   strided A1: consecutive query tiles of min(64, l) rows, keys the band [q0 − l, q_last (+ l)]:
+//               hull ≤ 2l (3l) columns for l + 1 (2l + 1) allowed;  A2: one residue class of l at a
+//               time as strided views (query
+//               and key row stride l·D), causal tiles end at their last row;
+//   fixed   A1: local attention in blocks of l;  A2: the summary rows of K and V are gathered once
+//               per head into contiguous [G, D] buffers (G = #summary tokens < N), queries in
+//               consecutive tiles, causal hulls end at the last summary ≤ the tile's last row.
+// Workspace: per thread a 64 × (hull) score tile; fixed also 2·G·D floats per A2 head.
+// FLOPs: Σ over tiles of block_sparse::accumulate_flops (fresh) + finish_flops — 4·D per computed
+// score + 4 per allowed entry + D per query row; O(N·l·D) = O(N√N·D) for strided and fixed A1,
+// O(N·(N·c/l)·D) for fixed A2. The gather is a copy (0 FLOPs).
+#include "lib/mechanism.hpp"
+
+namespace xfb {
+
+struct SparseTransformerConfig {
+  std::string pattern = "strided";  // "strided" or "fixed"
+  std::int64_t stride = 0;          // l in tokens; 0 means ⌈√N⌉
+  std::int64_t summary = 8;         // c: summary tokens per block of l (fixed pattern)
+};
+
+Implementation sparse_transformer_implementation();
+
+}  // namespace xfb
