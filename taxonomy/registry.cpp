@@ -6,6 +6,10 @@
 #include "lib/registry.hpp"
 #include "taxonomy/baselines/exact_tiled.hpp"
 #include "taxonomy/baselines/vanilla.hpp"
+#include "taxonomy/fixed_patterns/bigbird.hpp"
+#include "taxonomy/fixed_patterns/etc.hpp"
+#include "taxonomy/fixed_patterns/longformer.hpp"
+#include "taxonomy/fixed_patterns/memory_compressed.hpp"
 
 namespace xfb {
 namespace {
@@ -24,6 +28,10 @@ const std::vector<ModelInfo>& registry() {
     auto list = survey_models();
     attach(list, "vanilla", vanilla_implementation());
     attach(list, "exact-tiled", exact_tiled_implementation());
+    attach(list, "memory-compressed", memory_compressed_implementation());
+    attach(list, "longformer", longformer_implementation());
+    attach(list, "etc", etc_implementation());
+    attach(list, "bigbird", bigbird_implementation());
     return list;
   }();
   return models;
