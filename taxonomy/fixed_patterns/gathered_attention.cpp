@@ -65,6 +65,31 @@ std::int64_t TileAttention::score_floats(std::int64_t rows, std::int64_t width) 
 
 namespace {
 
+// Largest of x[0 … n). Written as a select: GCC 12 leaves `std::max` in an `omp simd` max
+// reduction scalar (it honours NaNs and signed zeros) but vectorises this form to vmaxps.
+float span_max(const float* x, std::int64_t n) {
+  float peak = -INFINITY;
+#pragma omp simd reduction(max : peak)
+  for (std::int64_t i = 0; i < n; ++i) peak = peak > x[i] ? peak : x[i];
+  return peak;
+}
+
+// x := exp(x − shift); returns Σ x.
+float exp_and_sum(float* x, std::int64_t n, float shift) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (std::int64_t i = 0; i < n; ++i) {
+    x[i] = ops::fast_exp(x[i] - shift);
+    sum += x[i];
+  }
+  return sum;
+}
+
+void scale_span(float* x, std::int64_t n, float factor) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) x[i] *= factor;
+}
+
 void copy_rows(const float* src, std::int64_t step, std::int64_t count, std::int64_t d, float* dst) {
   for (std::int64_t c = 0; c < count; ++c) std::copy_n(src + c * step * d, d, dst + c * d);
 }
@@ -73,7 +98,6 @@ void copy_rows(const float* src, std::int64_t step, std::int64_t count, std::int
 
 std::int64_t TileAttention::run(const TilePattern& tile, const float* q, std::int64_t q_ld, const float* k,
                                 const float* v, float* out, std::int64_t out_ld, bool gather) {
-  const std::int64_t rows = tile.rows(), d = d_;
   const auto& runs = tile.runs();
   columns_.resize(runs.size());
   offsets_.resize(runs.size());
@@ -84,42 +108,59 @@ std::int64_t TileAttention::run(const TilePattern& tile, const float* q, std::in
     width += columns_[s].width();
   }
   if (width == 0) {
-    for (std::int64_t r = 0; r < rows; ++r) std::fill_n(out + r * out_ld, d, 0.0f);
+    for (std::int64_t r = 0; r < tile.rows(); ++r) std::fill_n(out + r * out_ld, d_, 0.0f);
     return 0;
   }
   const std::int64_t ld = ops::padded_ld(width);
-  if (rows * ld > scores_.size() || (gather && width * d > keys_.size()))
+  if (tile.rows() * ld > scores_.size() || (gather && width * d_ > keys_.size()))
     throw std::logic_error("TileAttention: tile larger than the buffers sized in prepare");
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  float* scores = scores_.data();
-  auto run_rows = [&](const float* base, std::size_t s) {
-    return base + (runs[s].first + columns_[s].lo * runs[s].step) * d;
-  };
   if (gather) {
     for (std::size_t s = 0; s < runs.size(); ++s) {
-      copy_rows(run_rows(k, s), runs[s].step, columns_[s].width(), d, keys_.data() + offsets_[s] * d);
-      copy_rows(run_rows(v, s), runs[s].step, columns_[s].width(), d, values_.data() + offsets_[s] * d);
+      copy_rows(first_computed(tile, k, s), runs[s].step, columns_[s].width(), d_, keys_.data() + offsets_[s] * d_);
+      copy_rows(first_computed(tile, v, s), runs[s].step, columns_[s].width(), d_, values_.data() + offsets_[s] * d_);
     }
-    ops::gemm(false, true, rows, width, d, scale, q, q_ld, keys_.data(), d, 0.0f, scores, ld);
-  } else {
-    for (std::size_t s = 0; s < runs.size(); ++s)
-      if (columns_[s].width() > 0)
-        ops::gemm(false, true, rows, columns_[s].width(), d, scale, q, q_ld, run_rows(k, s), runs[s].step * d, 0.0f,
-                  scores + offsets_[s], ld);
   }
+  scores(tile, q, q_ld, k, width, ld, gather);
   const std::int64_t flops = softmax_rows(tile, width, ld);
-  if (gather) {
-    ops::gemm(false, false, rows, d, width, 1.0f, scores, ld, values_.data(), d, 0.0f, out, out_ld);
-  } else {
-    float beta = 0.0f;
-    for (std::size_t s = 0; s < runs.size(); ++s) {
-      if (columns_[s].width() == 0) continue;
-      ops::gemm(false, false, rows, d, columns_[s].width(), 1.0f, scores + offsets_[s], ld, run_rows(v, s),
-                runs[s].step * d, beta, out, out_ld);
-      beta = 1.0f;
-    }
-  }
+  weighted_values(tile, v, out, out_ld, width, ld, gather);
   return flops;
+}
+
+const float* TileAttention::first_computed(const TilePattern& tile, const float* base, std::size_t run) const {
+  const KeyRun& r = tile.runs()[run];
+  return base + (r.first + columns_[run].lo * r.step) * d_;
+}
+
+// S = Q·Kᵀ/√D over the computed columns, run after run.
+void TileAttention::scores(const TilePattern& tile, const float* q, std::int64_t q_ld, const float* k,
+                           std::int64_t width, std::int64_t ld, bool gather) {
+  const std::int64_t rows = tile.rows(), d = d_;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  if (gather) {
+    ops::gemm(false, true, rows, width, d, scale, q, q_ld, keys_.data(), d, 0.0f, scores_.data(), ld);
+    return;
+  }
+  for (std::size_t s = 0; s < tile.runs().size(); ++s)
+    if (columns_[s].width() > 0)
+      ops::gemm(false, true, rows, columns_[s].width(), d, scale, q, q_ld, first_computed(tile, k, s),
+                tile.runs()[s].step * d, 0.0f, scores_.data() + offsets_[s], ld);
+}
+
+// O = P·V over the computed columns.
+void TileAttention::weighted_values(const TilePattern& tile, const float* v, float* out, std::int64_t out_ld,
+                                    std::int64_t width, std::int64_t ld, bool gather) {
+  const std::int64_t rows = tile.rows(), d = d_;
+  if (gather) {
+    ops::gemm(false, false, rows, d, width, 1.0f, scores_.data(), ld, values_.data(), d, 0.0f, out, out_ld);
+    return;
+  }
+  float beta = 0.0f;
+  for (std::size_t s = 0; s < tile.runs().size(); ++s) {
+    if (columns_[s].width() == 0) continue;
+    ops::gemm(false, false, rows, d, columns_[s].width(), 1.0f, scores_.data() + offsets_[s], ld,
+              first_computed(tile, v, s), tile.runs()[s].step * d, beta, out, out_ld);
+    beta = 1.0f;
+  }
 }
 
 // Row-wise softmax over the visible score columns; every other computed column becomes 0.
@@ -128,42 +169,26 @@ std::int64_t TileAttention::softmax_rows(const TilePattern& tile, std::int64_t w
   std::int64_t visible_total = 0;
   for (std::int64_t r = 0; r < tile.rows(); ++r) {
     float* row = scores_.data() + r * ld;
-    // Visible spans of this row as score columns [begin, end).
-    float peak = -INFINITY;
-    std::int64_t visible = 0;
+    // The row's visible spans as score columns [begin, begin + length), in column order.
+    spans_.clear();
     for (std::size_t s = 0; s < runs.size(); ++s) {
       const ColumnRange& seen = tile.visible(r, s);
-      if (seen.width() == 0) continue;
-      const float* span = row + offsets_[s] + seen.lo - columns_[s].lo;
-#pragma omp simd reduction(max : peak)
-      for (std::int64_t c = 0; c < seen.width(); ++c) peak = std::max(peak, span[c]);
-      visible += seen.width();
+      if (seen.width() > 0) spans_.push_back({offsets_[s] + seen.lo - columns_[s].lo, seen.width()});
     }
+    float peak = -INFINITY;
+    for (const auto& [begin, length] : spans_) peak = std::max(peak, span_max(row + begin, length));
     float sum = 0.0f;
     std::int64_t next = 0;  // first score column not yet written in this row
-    for (std::size_t s = 0; s < runs.size(); ++s) {
-      const ColumnRange& seen = tile.visible(r, s);
-      if (seen.width() == 0) continue;
-      const std::int64_t begin = offsets_[s] + seen.lo - columns_[s].lo;
+    for (const auto& [begin, length] : spans_) {
       std::fill(row + next, row + begin, 0.0f);
-      float* span = row + begin;
-#pragma omp simd reduction(+ : sum)
-      for (std::int64_t c = 0; c < seen.width(); ++c) {
-        span[c] = ops::fast_exp(span[c] - peak);
-        sum += span[c];
-      }
-      next = begin + seen.width();
+      sum += exp_and_sum(row + begin, length, peak);
+      next = begin + length;
+      visible_total += length;
     }
     std::fill(row + next, row + width, 0.0f);
-    if (visible == 0) continue;
+    if (spans_.empty()) continue;
     const float inverse = 1.0f / sum;
-    for (std::size_t s = 0; s < runs.size(); ++s) {
-      const ColumnRange& seen = tile.visible(r, s);
-      float* span = row + offsets_[s] + seen.lo - columns_[s].lo;
-#pragma omp simd
-      for (std::int64_t c = 0; c < seen.width(); ++c) span[c] *= inverse;
-    }
-    visible_total += visible;
+    for (const auto& [begin, length] : spans_) scale_span(row + begin, length, inverse);
   }
   return kSoftmaxFlopsPerElement * visible_total;
 }

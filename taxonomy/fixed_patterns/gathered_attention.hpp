@@ -20,6 +20,7 @@
 // FLOPs of a tile (tile_flops): 4·rows·Σ widths·D (both products) + kSoftmaxFlopsPerElement per
 // visible entry. Rows that see nothing cost nothing.
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "lib/tensor.hpp"
@@ -83,12 +84,18 @@ class TileAttention {
                    float* out, std::int64_t out_ld, bool gather);
 
  private:
+  const float* first_computed(const TilePattern& tile, const float* base, std::size_t run) const;
+  void scores(const TilePattern& tile, const float* q, std::int64_t q_ld, const float* k, std::int64_t width,
+              std::int64_t ld, bool gather);
   std::int64_t softmax_rows(const TilePattern& tile, std::int64_t width, std::int64_t ld);
+  void weighted_values(const TilePattern& tile, const float* v, float* out, std::int64_t out_ld, std::int64_t width,
+                       std::int64_t ld, bool gather);
 
   std::int64_t d_;
   Tensor scores_, keys_, values_;
   std::vector<ColumnRange> columns_;   // per run: computed union
   std::vector<std::int64_t> offsets_;  // per run: first score column
+  std::vector<std::pair<std::int64_t, std::int64_t>> spans_;  // one row's visible (first column, length)
 };
 
 }  // namespace xfb::fixed
