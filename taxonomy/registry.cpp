@@ -14,6 +14,10 @@
 #include "taxonomy/fixed_patterns/image_transformer.hpp"
 #include "taxonomy/fixed_patterns/local.hpp"
 #include "taxonomy/fixed_patterns/sparse_transformer.hpp"
+#include "taxonomy/fixed_patterns/bigbird.hpp"
+#include "taxonomy/fixed_patterns/etc.hpp"
+#include "taxonomy/fixed_patterns/longformer.hpp"
+#include "taxonomy/fixed_patterns/memory_compressed.hpp"
 
 namespace xfb {
 namespace {
@@ -40,6 +44,10 @@ const std::vector<ModelInfo>& registry() {
     attach(list, "image-transformer", image_transformer_implementation());
     attach(list, "sparse-transformer", sparse_transformer_implementation());
     attach(list, "axial", axial_implementation());
+    attach(list, "memory-compressed", memory_compressed_implementation());
+    attach(list, "longformer", longformer_implementation());
+    attach(list, "etc", etc_implementation());
+    attach(list, "bigbird", bigbird_implementation());
     return list;
   }();
   return models;

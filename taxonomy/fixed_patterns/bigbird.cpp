@@ -1,0 +1,211 @@
+#include "taxonomy/fixed_patterns/bigbird.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+
+#include "lib/flop_counter.hpp"
+#include "lib/rng.hpp"
+#include "taxonomy/fixed_patterns/gathered_attention.hpp"
+
+namespace xfb {
+namespace {
+
+using fixed::TileAttention;
+using fixed::TilePattern;
+
+BigBirdConfig config_from(const ParamValues& values) {
+  return {.block = values.get_int("block"),
+          .window_blocks = values.get_int("window_blocks"),
+          .random_blocks = values.get_int("random_blocks"),
+          .global_blocks = values.get_int("global_blocks")};
+}
+
+// Block geometry of one head: which blocks are global, each block's window and candidates.
+struct BlockLayout {
+  std::int64_t tokens = 0, block = 0, blocks = 0;
+  std::int64_t front = 0, back = 0;    // global blocks at the start and at the end
+  std::int64_t before = 0, after = 0;  // window reach in blocks
+  std::int64_t random = 0;             // r
+
+  BlockLayout(const Problem& p, const BigBirdConfig& c)
+      : tokens(p.seq_len), block(c.block), blocks((p.seq_len + c.block - 1) / c.block),
+        front((c.global_blocks + 1) / 2), back(c.global_blocks / 2),
+        before((c.window_blocks - 1) / 2), after(c.window_blocks / 2), random(c.random_blocks) {
+    if (front + back >= blocks) {
+      front = blocks;
+      back = 0;
+    }
+  }
+
+  std::int64_t begin(std::int64_t blk) const { return blk * block; }
+  std::int64_t end(std::int64_t blk) const { return std::min((blk + 1) * block, tokens); }
+  bool global(std::int64_t blk) const { return blk < front || blk >= blocks - back; }
+  // Window blocks [first, last) of a non-global query block.
+  std::pair<std::int64_t, std::int64_t> window(std::int64_t qb) const {
+    return {std::max(qb - before, front), std::min(qb + after, blocks - back - 1) + 1};
+  }
+  std::vector<std::int64_t> candidates(std::int64_t qb) const {
+    const auto [first, last] = window(qb);
+    std::vector<std::int64_t> list;
+    for (std::int64_t blk = 0; blk < blocks; ++blk)
+      if (!global(blk) && (blk < first || blk >= last) && end(blk) - begin(blk) == block) list.push_back(blk);
+    return list;
+  }
+  std::int64_t random_count(std::int64_t qb) const {
+    return std::min<std::int64_t>(random, static_cast<std::int64_t>(candidates(qb).size()));
+  }
+};
+
+// Key runs of query block qb; `chosen` are its random blocks in ascending order.
+void plan_block(const BlockLayout& layout, std::int64_t qb, const std::vector<std::int64_t>& chosen, TilePattern& tile) {
+  tile.reset(layout.end(qb) - layout.begin(qb));
+  if (layout.global(qb)) {
+    tile.add_run({.first = 0, .step = 1, .count = layout.tokens});
+    return;
+  }
+  auto add_blocks = [&](std::int64_t first, std::int64_t last) {
+    if (last > first) tile.add_run({.first = layout.begin(first), .step = 1, .count = layout.end(last - 1) - layout.begin(first)});
+  };
+  const auto [first, last] = layout.window(qb);
+  add_blocks(0, layout.front);
+  for (std::int64_t blk : chosen)
+    if (blk < first) add_blocks(blk, blk + 1);
+  add_blocks(first, last);
+  for (std::int64_t blk : chosen)
+    if (blk >= last) add_blocks(blk, blk + 1);
+  add_blocks(layout.blocks - layout.back, layout.blocks);
+}
+
+// The first r candidates: a stand-in draw with the same FLOPs and buffer sizes as any real one.
+std::vector<std::int64_t> any_draw(const BlockLayout& layout, std::int64_t qb) {
+  auto list = layout.candidates(qb);
+  list.resize(static_cast<std::size_t>(layout.random_count(qb)));
+  return list;
+}
+
+struct TileSizes {
+  std::int64_t scores = 0, gathered = 0;
+};
+TileSizes tile_sizes(const BlockLayout& layout) {
+  TileSizes sizes;
+  TilePattern tile;
+  for (std::int64_t qb = 0; qb < layout.blocks; ++qb) {
+    plan_block(layout, qb, any_draw(layout, qb), tile);
+    sizes.scores = std::max(sizes.scores, TileAttention::score_floats(tile.rows(), tile.computed_width()));
+    if (!layout.global(qb)) sizes.gathered = std::max(sizes.gathered, tile.computed_width());
+  }
+  return sizes;
+}
+
+class BigBird final : public Mechanism {
+ public:
+  BigBird(const Problem& problem, const BigBirdConfig& config, std::uint64_t seed)
+      : p_(problem), layout_(problem, config), seed_(seed) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    draw_random_blocks();
+    const auto sizes = tile_sizes(layout_);
+    kernels_.clear();
+    for (std::int64_t t = 0; t < omp_get_max_threads(); ++t) kernels_.emplace_back(sizes.scores, sizes.gathered, p_.head_dim);
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t blocks = layout_.blocks, d = p_.head_dim;
+    std::int64_t softmax_flops = 0;
+#pragma omp parallel reduction(+ : softmax_flops)
+    {
+      auto& kernel = kernels_[static_cast<std::size_t>(omp_get_thread_num())];
+      TilePattern tile;
+      std::vector<std::int64_t> chosen;
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t index = 0; index < p_.batch * p_.heads * blocks; ++index) {
+        const std::int64_t b = index / (p_.heads * blocks), h = index / blocks % p_.heads, qb = index % blocks;
+        random_of(h, qb, chosen);
+        plan_block(layout_, qb, chosen, tile);
+        const std::int64_t offset = layout_.begin(qb) * d;
+        softmax_flops += kernel.run(tile, q.head(b, h) + offset, d, k.head(b, h), v.head(b, h), out.head(b, h) + offset,
+                                    d, !layout_.global(qb));
+      }
+    }
+    FlopCounter::add(softmax_flops);
+  }
+
+  std::vector<NamedTensor> parameters() const override { return {{"random_blocks", &random_}}; }
+
+ private:
+  // Partial Fisher–Yates over each query block's candidates, counter-based so the draw depends
+  // only on (seed, head, block).
+  void draw_random_blocks() {
+    const std::int64_t blocks = layout_.blocks, r = layout_.random;
+    random_ = Tensor(Shape{p_.heads, blocks, r});
+    random_.fill(-1.0f);
+    const CounterRng rng(seed_, "bigbird/random_blocks");
+    for (std::int64_t h = 0; h < p_.heads; ++h)
+      for (std::int64_t qb = 0; qb < blocks; ++qb) {
+        if (layout_.global(qb)) continue;
+        auto list = layout_.candidates(qb);
+        const auto count = static_cast<std::size_t>(layout_.random_count(qb));
+        for (std::size_t t = 0; t < count; ++t) {
+          const auto index = static_cast<std::uint64_t>((h * blocks + qb) * r) + t;
+          std::swap(list[t], list[t + rng.bits(index) % (list.size() - t)]);
+        }
+        std::sort(list.begin(), list.begin() + static_cast<std::ptrdiff_t>(count));
+        for (std::size_t t = 0; t < count; ++t)
+          random_[(h * blocks + qb) * r + static_cast<std::int64_t>(t)] = static_cast<float>(list[t]);
+      }
+  }
+
+  void random_of(std::int64_t h, std::int64_t qb, std::vector<std::int64_t>& chosen) const {
+    chosen.clear();
+    const std::int64_t r = layout_.random;
+    for (std::int64_t t = 0; t < r; ++t) {
+      const float blk = random_[(h * layout_.blocks + qb) * r + t];
+      if (blk >= 0.0f) chosen.push_back(static_cast<std::int64_t>(blk));
+    }
+  }
+
+  Problem p_;
+  BlockLayout layout_;
+  std::uint64_t seed_;
+  Tensor random_;
+  std::vector<TileAttention> kernels_;
+};
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
+  return std::make_unique<BigBird>(problem, config_from(values), seed);
+}
+
+std::int64_t flops(const Problem& p, const ParamValues& values) {
+  const BlockLayout layout(p, config_from(values));
+  TilePattern tile;
+  std::int64_t per_head = 0;
+  for (std::int64_t qb = 0; qb < layout.blocks; ++qb) {
+    plan_block(layout, qb, any_draw(layout, qb), tile);
+    per_head += fixed::tile_flops(tile, p.head_dim);
+  }
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t workspace(const Problem& p, const ParamValues& values) {
+  const BlockLayout layout(p, config_from(values));
+  const auto sizes = tile_sizes(layout);
+  return p.heads * layout.blocks * layout.random * static_cast<std::int64_t>(sizeof(float)) +
+         omp_get_max_threads() * TileAttention::bytes(sizes.scores, sizes.gathered, p.head_dim);
+}
+
+}  // namespace
+
+Implementation bigbird_implementation() {
+  return {{
+              {"block", ParamType::Int, "64", 1, 1 << 16, {}, "block size b, tokens"},
+              {"window_blocks", ParamType::Int, "3", 1, 1 << 16, {}, "sliding-window blocks w (query block in the middle)"},
+              {"random_blocks", ParamType::Int, "3", 0, 1 << 16, {}, "random key blocks r per query block"},
+              {"global_blocks", ParamType::Int, "2", 0, 1 << 16, {}, "global blocks g: first ceil(g/2) and last floor(g/2)"},
+          },
+          create,
+          flops,
+          workspace};
+}
+
+}  // namespace xfb

@@ -1,0 +1,107 @@
+#include "taxonomy/fixed_patterns/etc.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+
+#include "lib/flop_counter.hpp"
+#include "taxonomy/fixed_patterns/gathered_attention.hpp"
+#include "taxonomy/fixed_patterns/window_global.hpp"
+
+namespace xfb {
+namespace {
+
+using fixed::TileAttention;
+using fixed::TilePattern;
+using fixed::WindowGlobalShape;
+using fixed::WindowGlobalTask;
+
+EtcConfig config_from(const ParamValues& values) {
+  return {.globals = values.get_int("globals"), .radius = values.get_int("radius"), .tile = values.get_int("tile")};
+}
+
+WindowGlobalShape shape_of(const Problem& p, const EtcConfig& c) {
+  return {.tokens = p.seq_len, .globals = std::min(c.globals, p.seq_len), .before = c.radius, .after = c.radius,
+          .tile = c.tile, .causal = false};
+}
+
+std::vector<WindowGlobalTask> tasks_of(const Problem& p, const EtcConfig& c) {
+  return fixed::window_global_tasks(shape_of(p, c), std::vector<std::int64_t>(static_cast<std::size_t>(p.heads), 1));
+}
+
+class Etc final : public Mechanism {
+ public:
+  Etc(const Problem& problem, const EtcConfig& config)
+      : p_(problem), shape_(shape_of(problem, config)), tasks_(tasks_of(problem, config)) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    const std::int64_t threads = omp_get_max_threads();
+    const std::int64_t scores = fixed::window_global_score_floats(shape_, tasks_);
+    kernels_.clear();
+    for (std::int64_t t = 0; t < threads; ++t) kernels_.emplace_back(scores, 0, p_.head_dim);
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const auto task_count = static_cast<std::int64_t>(tasks_.size());
+    const std::int64_t d = p_.head_dim;
+    std::int64_t softmax_flops = 0;
+#pragma omp parallel reduction(+ : softmax_flops)
+    {
+      auto& kernel = kernels_[static_cast<std::size_t>(omp_get_thread_num())];
+      TilePattern tile;
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t index = 0; index < p_.batch * task_count; ++index) {
+        const std::int64_t b = index / task_count;
+        const WindowGlobalTask& task = tasks_[static_cast<std::size_t>(index % task_count)];
+        fixed::plan_window_global(shape_, task, tile);
+        const std::int64_t offset = fixed::first_row(task) * d;
+        softmax_flops += kernel.run(tile, q.head(b, task.head) + offset, d, k.head(b, task.head), v.head(b, task.head),
+                                    out.head(b, task.head) + offset, d, false);
+      }
+    }
+    FlopCounter::add(softmax_flops);
+  }
+
+ private:
+  Problem p_;
+  WindowGlobalShape shape_;
+  std::vector<WindowGlobalTask> tasks_;
+  std::vector<TileAttention> kernels_;
+};
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
+  return std::make_unique<Etc>(problem, config_from(values));
+}
+
+std::int64_t flops(const Problem& p, const ParamValues& values) {
+  const auto c = config_from(values);
+  const auto shape = shape_of(p, c);
+  TilePattern tile;
+  std::int64_t total = 0;
+  for (const auto& task : tasks_of(p, c)) {
+    fixed::plan_window_global(shape, task, tile);
+    total += fixed::tile_flops(tile, p.head_dim);
+  }
+  return p.batch * total;
+}
+
+std::int64_t workspace(const Problem& p, const ParamValues& values) {
+  const auto c = config_from(values);
+  const std::int64_t scores = fixed::window_global_score_floats(shape_of(p, c), tasks_of(p, c));
+  return omp_get_max_threads() * TileAttention::bytes(scores, 0, p.head_dim);
+}
+
+}  // namespace
+
+Implementation etc_implementation() {
+  return {{
+              {"globals", ParamType::Int, "230", 0, 1 << 20, {}, "global tokens n_g: the first n_g positions"},
+              {"radius", ParamType::Int, "84", 0, 1 << 20, {}, "long-to-long radius r, tokens on each side"},
+              {"tile", ParamType::Int, "64", 1, 1024, {}, "query rows per computed tile (implementation)"},
+          },
+          create,
+          flops,
+          workspace};
+}
+
+}  // namespace xfb
