@@ -6,6 +6,9 @@
 #include "lib/registry.hpp"
 #include "taxonomy/baselines/exact_tiled.hpp"
 #include "taxonomy/baselines/vanilla.hpp"
+#include "taxonomy/learnable_patterns/reformer.hpp"
+#include "taxonomy/learnable_patterns/routing.hpp"
+#include "taxonomy/learnable_patterns/sinkhorn.hpp"
 
 namespace xfb {
 namespace {
@@ -24,6 +27,9 @@ const std::vector<ModelInfo>& registry() {
     auto list = survey_models();
     attach(list, "vanilla", vanilla_implementation());
     attach(list, "exact-tiled", exact_tiled_implementation());
+    attach(list, "reformer", reformer_implementation());
+    attach(list, "routing", routing_implementation());
+    attach(list, "sinkhorn", sinkhorn_implementation());
     return list;
   }();
   return models;
