@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -59,11 +60,16 @@ float inverse_norm(const float* x, std::int64_t d) {
   return squares > 0.0f ? 1.0f / std::sqrt(squares) : 0.0f;
 }
 
-float dot(const float* a, const float* b, std::int64_t d) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (std::int64_t j = 0; j < d; ++j) sum += a[j] * b[j];
-  return sum;
+// members = the w positions of largest value (ties: lower position first), ascending; scratch [n].
+void top_positions(const float* values, float* scratch, std::int64_t n, std::int64_t w, std::int32_t* members) {
+  std::copy(values, values + n, scratch);
+  std::nth_element(scratch, scratch + (w - 1), scratch + n, std::greater<float>());
+  const float threshold = scratch[w - 1];
+  std::int64_t ties = w;
+  for (std::int64_t i = 0; i < n; ++i) ties -= values[i] > threshold;
+  std::int64_t count = 0;
+  for (std::int64_t i = 0; i < n; ++i)
+    if (values[i] > threshold || (values[i] == threshold && ties-- > 0)) members[count++] = static_cast<std::int32_t>(i);
 }
 
 // cluster[i] = argmax_c a[c·ld + i] (first maximum wins); best is [n] scratch.
@@ -108,7 +114,7 @@ void RoutingAttention::prepare(const Tensor& q, const Tensor& k, const Tensor&) 
     scale_row(mu, mu, inverse_norm(mu, d), d);
   }
   affinity_ = Tensor(Shape{threads_, 2, cl, affinity_ld_});
-  selection_ = Tensor(Shape{threads_, 3, n});
+  selection_ = Tensor(Shape{threads_, 4, n});
   candidates_ = IndexBuffer(threads_ * n);
   counts_ = IndexBuffer(threads_ * (cl + 1));
   gathered_ = Tensor(Shape{threads_, p_.causal ? 1 : 3 * w, d});
@@ -125,7 +131,7 @@ void RoutingAttention::prepare(const Tensor& q, const Tensor& k, const Tensor&) 
     key_order_ = IndexBuffer(routed * n);
     key_end_ = IndexBuffer(routed * n);
     cluster_start_ = IndexBuffer(routed * (cl + 1));
-    sorted_k_ = Tensor(Shape{routed, n, d});
+    sorted_kt_ = Tensor(Shape{routed, d, n});
     sorted_v_ = Tensor(Shape{routed, n, d});
   }
   refine_centroids(q, k);
@@ -139,7 +145,7 @@ void RoutingAttention::refine_centroids(const Tensor& q, const Tensor& k) {
   {
     const int thread = omp_get_thread_num();
     float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-    float* best = selection_.data() + thread * 3 * n;
+    float* best = selection_.data() + thread * 4 * n;
     std::int32_t* nearest = candidates_.data() + thread * n;
     std::vector<float> sums(static_cast<std::size_t>(cl * d));
 #pragma omp for schedule(dynamic, 1)
@@ -238,23 +244,19 @@ std::int64_t RoutingAttention::route_balanced(const Tensor& q, const Tensor& k, 
   const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_, w = window_;
   affinities(q, k, r, thread);
   const float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-  float* inverse = selection_.data() + thread * 3 * n;  // [2, N] inverse norms, then [N] values
+  float* inverse = selection_.data() + thread * 4 * n;  // [2, N] inverse norms, [N] values, [N] scratch
   float* values = inverse + 2 * n;
   std::int32_t* candidates = candidates_.data() + thread * n;
   for (std::int64_t i = 0; i < n; ++i) {
     inverse[i] = inverse_norm(q.data() + (bh * n + i) * d, d);
     inverse[n + i] = inverse_norm(k.data() + (bh * n + i) * d, d);
   }
-  auto better = [values](std::int32_t a, std::int32_t b) { return values[a] > values[b] || (values[a] == values[b] && a < b); };
   for (std::int64_t role = 0; role < 2; ++role)
     for (std::int64_t c = 0; c < cl; ++c) {
       const float* row = affinity + (role * cl + c) * affinity_ld_;
 #pragma omp simd
       for (std::int64_t i = 0; i < n; ++i) values[i] = row[i] * inverse[role * n + i];
-      std::iota(candidates, candidates + n, 0);
-      std::nth_element(candidates, candidates + w, candidates + n, better);
-      std::sort(candidates, candidates + w);
-      std::copy(candidates, candidates + w, members_.data() + ((r * 2 + role) * cl + c) * w);
+      top_positions(values, values + n, n, w, members_.data() + ((r * 2 + role) * cl + c) * w);
     }
   // Slot lists: for every query, the (cluster · w + slot) entries that took it, in cluster order.
   std::int32_t* start = slot_start_.data() + r * (n + 1);
@@ -319,7 +321,7 @@ std::int64_t RoutingAttention::route_nearest(const Tensor& q, const Tensor& k, c
   const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_;
   affinities(q, k, r, thread);
   const float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-  float* best = selection_.data() + thread * 3 * n;
+  float* best = selection_.data() + thread * 4 * n;
   std::int32_t* query_cluster = token_clusters_.data() + r * 2 * n;
   std::int32_t* key_cluster = query_cluster + n;
   argmax_columns(affinity, cl, n, affinity_ld_, best, query_cluster);
@@ -332,8 +334,10 @@ std::int64_t RoutingAttention::route_nearest(const Tensor& q, const Tensor& k, c
   std::partial_sum(start, start + cl + 1, start);
   std::copy(start, start + cl, next);
   for (std::int64_t i = 0; i < n; ++i) order[next[key_cluster[i]]++] = static_cast<std::int32_t>(i);
+  float* keys_t = sorted_kt_.data() + r * d * n;
   for (std::int64_t s = 0; s < n; ++s) {
-    std::memcpy(sorted_k_.data() + (r * n + s) * d, k.data() + (bh * n + order[s]) * d, d * sizeof(float));
+    const float* key = k.data() + (bh * n + order[s]) * d;
+    for (std::int64_t j = 0; j < d; ++j) keys_t[j * n + s] = key[j];
     std::memcpy(sorted_v_.data() + (r * n + s) * d, v.data() + (bh * n + order[s]) * d, d * sizeof(float));
   }
   // Query i's visible keys end where its cluster's keys at positions <= i end.
@@ -356,8 +360,14 @@ std::int64_t RoutingAttention::attend_recent(const Tensor& q, std::int64_t r, st
   float* query = gathered_.data() + thread * d;
   scale_row(query, q.data() + (bh * n + token) * d, 1.0f / std::sqrt(static_cast<float>(d)), d);
   float* scores = scores_.data() + thread * score_rows(p_, c_) * score_ld_;
-  const float* keys = sorted_k_.data() + (r * n + s0) * d;
-  for (std::int64_t t = 0; t < w; ++t) scores[t] = dot(query, keys + t * d, d);
+  const float* keys_t = sorted_kt_.data() + r * d * n + s0;
+  std::fill(scores, scores + w, 0.0f);
+  for (std::int64_t j = 0; j < d; ++j) {
+    const float coefficient = query[j];
+    const float* row = keys_t + j * n;
+#pragma omp simd
+    for (std::int64_t t = 0; t < w; ++t) scores[t] += coefficient * row[t];
+  }
   auto visible = [&](std::int64_t, std::int64_t t) { return s0 + t >= lo && s0 + t < end; };
   float* lse = row_stats_.data() + thread * 2 * w;
   float* inverse = lse + w;
@@ -419,7 +429,7 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
   const std::int64_t threads = omp_get_max_threads(), routed = p.batch * (p.heads - local_head_count(p, c));
   std::int64_t floats = p.heads * cl * d +
-                        threads * (2 * cl * ops::padded_ld(n) + 3 * n + (p.causal ? 1 : 3 * w) * d +
+                        threads * (2 * cl * ops::padded_ld(n) + 4 * n + (p.causal ? 1 : 3 * w) * d +
                                    score_rows(p, c) * ops::padded_ld(score_cols(p, c)) + 2 * w);
   std::int64_t ints = threads * (n + cl + 1);
   if (p.causal) {

@@ -29,7 +29,7 @@
 // queries and `cols` keys 4·rows·cols·D + 4·rows·cols + rows·D.
 // Tracked workspace: per thread affinities [2, C, N] and selection scratch; non-causal int32
 // memberships [B·H, 2, C, w], slot lists, per-cluster outputs [B·H, C·w, D + 1]; causal int32
-// clusters/orders [B·H, 4, N] and key-sorted copies of K and V [B·H, N, D] each.
+// clusters/orders [B·H, 4, N] and key-sorted copies of Kᵀ [B·H, D, N] and V [B·H, N, D].
 #include <cstdint>
 #include <vector>
 
@@ -86,7 +86,7 @@ class RoutingAttention final : public Mechanism {
   std::int64_t clusters_, window_, affinity_ld_, score_ld_, threads_ = 1;
   std::vector<std::int64_t> routed_heads_, local_heads_;
   Tensor centroids_;
-  // Per thread: affinities [2, C, ld], norms/selection values [3, N], gathered rows, scores, row stats.
+  // Per thread: affinities [2, C, ld], norms/selection values [4, N], gathered rows, scores, row stats.
   Tensor affinity_, selection_, gathered_, scores_, row_stats_;
   IndexBuffer candidates_, counts_;
   // Non-causal pattern and per-cluster results.
@@ -94,7 +94,7 @@ class RoutingAttention final : public Mechanism {
   Tensor cluster_out_, cluster_lse_;
   // Causal pattern: clusters per token, key order, end of each query's key range, cluster starts.
   IndexBuffer token_clusters_, key_order_, key_end_, cluster_start_;
-  Tensor sorted_k_, sorted_v_;
+  Tensor sorted_kt_, sorted_v_;  // keys transposed [D, N] per head, values [N, D]
 };
 
 Implementation routing_implementation();
