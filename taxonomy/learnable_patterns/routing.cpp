@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -60,16 +59,62 @@ float inverse_norm(const float* x, std::int64_t d) {
   return squares > 0.0f ? 1.0f / std::sqrt(squares) : 0.0f;
 }
 
-// members = the w positions of largest value (ties: lower position first), ascending; scratch [n].
-void top_positions(const float* values, float* scratch, std::int64_t n, std::int64_t w, std::int32_t* members) {
-  std::copy(values, values + n, scratch);
-  std::nth_element(scratch, scratch + (w - 1), scratch + n, std::greater<float>());
-  const float threshold = scratch[w - 1];
-  std::int64_t ties = w;
-  for (std::int64_t i = 0; i < n; ++i) ties -= values[i] > threshold;
-  std::int64_t count = 0;
-  for (std::int64_t i = 0; i < n; ++i)
-    if (values[i] > threshold || (values[i] == threshold && ties-- > 0)) members[count++] = static_cast<std::int32_t>(i);
+// members = the w positions of largest value (ties: lower position first), ascending. A heap of
+// the best w so far, worst on top: most values fail the one comparison with the top.
+void top_positions(const float* values, std::int64_t n, std::int64_t w, float* heap_value, std::int32_t* heap_index,
+                   std::int32_t* members) {
+  auto worse = [&](std::int64_t a, std::int64_t b) {
+    return heap_value[a] < heap_value[b] || (heap_value[a] == heap_value[b] && heap_index[a] > heap_index[b]);
+  };
+  auto swap_entries = [&](std::int64_t a, std::int64_t b) {
+    std::swap(heap_value[a], heap_value[b]);
+    std::swap(heap_index[a], heap_index[b]);
+  };
+  for (std::int64_t i = 0; i < w; ++i) {
+    heap_value[i] = values[i];
+    heap_index[i] = static_cast<std::int32_t>(i);
+    for (std::int64_t child = i; child > 0 && worse(child, (child - 1) / 2); child = (child - 1) / 2)
+      swap_entries(child, (child - 1) / 2);
+  }
+  for (std::int64_t i = w; i < n; ++i) {
+    if (!(values[i] > heap_value[0])) continue;  // equal value, higher position: not better
+    heap_value[0] = values[i];
+    heap_index[0] = static_cast<std::int32_t>(i);
+    for (std::int64_t parent = 0;;) {
+      std::int64_t target = parent;
+      for (std::int64_t child : {2 * parent + 1, 2 * parent + 2})
+        if (child < w && worse(child, target)) target = child;
+      if (target == parent) break;
+      swap_entries(parent, target);
+      parent = target;
+    }
+  }
+  std::copy(heap_index, heap_index + w, members);
+  std::sort(members, members + w);
+}
+
+// y[i] = Σ_r x[r] · a[r·lda + i] for i < m: 2·rows·m FLOPs. Blocks of 32 outputs stay in registers.
+void accumulate_rows(const float* x, std::int64_t rows, const float* a, std::int64_t lda, std::int64_t m, float* y) {
+  constexpr std::int64_t kBlock = 32;
+  std::int64_t i0 = 0;
+  for (; i0 + kBlock <= m; i0 += kBlock) {
+    float acc[kBlock] = {};
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float weight = x[r];
+      const float* row = a + r * lda + i0;
+#pragma omp simd
+      for (std::int64_t i = 0; i < kBlock; ++i) acc[i] += weight * row[i];
+    }
+    std::copy(acc, acc + kBlock, y + i0);
+  }
+  if (i0 == m) return;
+  std::fill(y + i0, y + m, 0.0f);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float weight = x[r];
+    const float* row = a + r * lda;
+#pragma omp simd
+    for (std::int64_t i = i0; i < m; ++i) y[i] += weight * row[i];
+  }
 }
 
 // cluster[i] = argmax_c a[c·ld + i] (first maximum wins); best is [n] scratch.
@@ -256,7 +301,7 @@ std::int64_t RoutingAttention::route_balanced(const Tensor& q, const Tensor& k, 
       const float* row = affinity + (role * cl + c) * affinity_ld_;
 #pragma omp simd
       for (std::int64_t i = 0; i < n; ++i) values[i] = row[i] * inverse[role * n + i];
-      top_positions(values, values + n, n, w, members_.data() + ((r * 2 + role) * cl + c) * w);
+      top_positions(values, n, w, values + n, candidates, members_.data() + ((r * 2 + role) * cl + c) * w);
     }
   // Slot lists: for every query, the (cluster · w + slot) entries that took it, in cluster order.
   std::int32_t* start = slot_start_.data() + r * (n + 1);
@@ -360,26 +405,13 @@ std::int64_t RoutingAttention::attend_recent(const Tensor& q, std::int64_t r, st
   float* query = gathered_.data() + thread * d;
   scale_row(query, q.data() + (bh * n + token) * d, 1.0f / std::sqrt(static_cast<float>(d)), d);
   float* scores = scores_.data() + thread * score_rows(p_, c_) * score_ld_;
-  const float* keys_t = sorted_kt_.data() + r * d * n + s0;
-  std::fill(scores, scores + w, 0.0f);
-  for (std::int64_t j = 0; j < d; ++j) {
-    const float coefficient = query[j];
-    const float* row = keys_t + j * n;
-#pragma omp simd
-    for (std::int64_t t = 0; t < w; ++t) scores[t] += coefficient * row[t];
-  }
+  accumulate_rows(query, d, sorted_kt_.data() + r * d * n + s0, n, w, scores);
   auto visible = [&](std::int64_t, std::int64_t t) { return s0 + t >= lo && s0 + t < end; };
   float* lse = row_stats_.data() + thread * 2 * w;
   float* inverse = lse + w;
   const std::int64_t flops = exp_rows_masked(scores, 1, w, score_ld_, visible, lse, inverse);
   float* dst = out.data() + (bh * n + token) * d;
-  std::fill(dst, dst + d, 0.0f);
-  const float* values = sorted_v_.data() + (r * n + s0) * d;
-  for (std::int64_t t = 0; t < w; ++t) {
-    const float weight = scores[t];
-#pragma omp simd
-    for (std::int64_t j = 0; j < d; ++j) dst[j] += values[t * d + j] * weight;
-  }
+  accumulate_rows(scores, w, sorted_v_.data() + (r * n + s0) * d, d, d, dst);
   scale_row(dst, dst, inverse[0], d);
   return flops + 4 * w * d + 2 * d;
 }
