@@ -18,6 +18,9 @@
 #include "taxonomy/fixed_patterns/etc.hpp"
 #include "taxonomy/fixed_patterns/longformer.hpp"
 #include "taxonomy/fixed_patterns/memory_compressed.hpp"
+#include "taxonomy/learnable_patterns/reformer.hpp"
+#include "taxonomy/learnable_patterns/routing.hpp"
+#include "taxonomy/learnable_patterns/sinkhorn.hpp"
 
 namespace xfb {
 namespace {
@@ -48,6 +51,9 @@ const std::vector<ModelInfo>& registry() {
     attach(list, "longformer", longformer_implementation());
     attach(list, "etc", etc_implementation());
     attach(list, "bigbird", bigbird_implementation());
+    attach(list, "reformer", reformer_implementation());
+    attach(list, "routing", routing_implementation());
+    attach(list, "sinkhorn", sinkhorn_implementation());
     return list;
   }();
   return models;

@@ -1,0 +1,282 @@
+#include "taxonomy/learnable_patterns/reformer.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "lib/flop_counter.hpp"
+#include "lib/ops.hpp"
+#include "lib/rng.hpp"
+
+namespace xfb {
+
+ReformerConfig reformer_config(const ParamValues& values) {
+  ReformerConfig c{.n_buckets = values.get_int("n_buckets"),
+                   .n_rounds = std::stoll(values.get_choice("n_rounds")),
+                   .chunk_len = values.get_int("chunk_len")};
+  if (c.n_buckets != 1 && c.n_buckets % 2 != 0)
+    throw ParamError("reformer: n_buckets must be 1 or even (buckets are argmax over [xR; -xR]), got " +
+                     std::to_string(c.n_buckets));
+  return c;
+}
+
+std::int64_t reformer_chunk(const Problem& p, const ReformerConfig& c) {
+  const std::int64_t wanted = c.chunk_len > 0 ? c.chunk_len : (p.seq_len + c.n_buckets - 1) / c.n_buckets;
+  return std::clamp<std::int64_t>(wanted, 1, std::max<std::int64_t>(p.seq_len, 1));
+}
+
+namespace {
+
+// Candidate keys per tile: own + previous chunk, or two previous chunks when causal.
+std::int64_t max_key_cols(const Problem& p, std::int64_t chunk) {
+  return std::min(p.seq_len, (p.causal ? 3 : 2) * chunk);
+}
+
+std::int64_t tile_flops(std::int64_t rows, std::int64_t cols, std::int64_t d, bool merge) {
+  return 2 * matmul_flops(rows, cols, d) + kOnlineSoftmaxFlopsPerElement * rows * cols + rows * d +
+         (merge ? 3 * rows * d : 0);
+}
+
+}  // namespace
+
+ReformerAttention::ReformerAttention(const Problem& problem, const ReformerConfig& config, std::uint64_t seed)
+    : p_(problem),
+      c_(config),
+      seed_(seed),
+      chunk_(reformer_chunk(problem, config)),
+      half_(config.n_buckets / 2),
+      key_cols_(max_key_cols(problem, chunk_)),
+      score_ld_(ops::padded_ld(key_cols_)) {}
+
+void ReformerAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
+  const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+  threads_ = omp_get_max_threads();
+  if (half_ > 0) {
+    rotations_ = Tensor(Shape{d, c_.n_rounds, half_});
+    CounterRng(seed_, "reformer/rotations").fill_normal(rotations_);
+    rotated_ = Tensor(Shape{heads * n, c_.n_rounds * half_});
+  }
+  keys_ = Tensor::bhnd(p_.batch, p_.heads, n, d);
+  running_lse_ = Tensor(Shape{heads, n});
+  buckets_ = IndexBuffer(c_.n_rounds * heads * n);
+  orders_ = IndexBuffer(c_.n_rounds * heads * n);
+  sorted_buckets_ = IndexBuffer(heads * n);
+  ranks_ = IndexBuffer(heads * n);
+  bucket_counts_ = IndexBuffer(threads_ * c_.n_buckets);
+  gathered_ = Tensor(Shape{threads_, chunk_ + 2 * key_cols_, d});
+  scores_ = Tensor(Shape{threads_, chunk_, score_ld_});
+  tile_out_ = Tensor(Shape{threads_, chunk_, d});
+  row_stats_ = Tensor(Shape{threads_, 2, chunk_});
+  alone_ = IndexBuffer(threads_ * chunk_);
+}
+
+std::vector<NamedTensor> ReformerAttention::parameters() const {
+  if (half_ == 0) return {};
+  return {{"rotations", &rotations_}};
+}
+
+std::vector<std::int32_t> ReformerAttention::buckets(std::int64_t round, std::int64_t b, std::int64_t h) const {
+  const std::int32_t* first = buckets_.data() + (round * p_.batch * p_.heads + head_index(b, h)) * p_.seq_len;
+  return {first, first + p_.seq_len};
+}
+
+std::vector<std::int32_t> ReformerAttention::sort_order(std::int64_t round, std::int64_t b, std::int64_t h) const {
+  const std::int32_t* first = orders_.data() + (round * p_.batch * p_.heads + head_index(b, h)) * p_.seq_len;
+  return {first, first + p_.seq_len};
+}
+
+std::int64_t ReformerAttention::key_start(std::int64_t q0) const {
+  return std::max<std::int64_t>(0, q0 - (p_.causal ? 2 : 1) * chunk_);
+}
+
+void ReformerAttention::forward(const Tensor& q, const Tensor&, const Tensor& v, Tensor& out) {
+  const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len;
+  std::int64_t flops = normalise_keys(q);
+  if (half_ > 0) {
+    ops::MatmulShape rotate{.m = heads * n, .n = c_.n_rounds * half_, .k = p_.head_dim};
+    ops::matmul(rotate, keys_.data(), rotations_.data(), rotated_.data());
+  }
+  const std::int64_t chunks = (n + chunk_ - 1) / chunk_;
+#pragma omp parallel num_threads(threads_) reduction(+ : flops)
+  {
+    const int thread = omp_get_thread_num();
+    for (std::int64_t round = 0; round < c_.n_rounds; ++round) {
+#pragma omp for schedule(static)
+      for (std::int64_t head = 0; head < heads; ++head) flops += hash_and_sort(round, head);
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t task = 0; task < heads * chunks; ++task)
+        flops += attend_chunk(round, task / chunks, task % chunks, q, v, out, thread);
+    }
+  }
+  FlopCounter::add(flops);
+}
+
+std::int64_t ReformerAttention::normalise_keys(const Tensor& q) {
+  const std::int64_t rows = q.size() / p_.head_dim, d = p_.head_dim;
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t row = 0; row < rows; ++row) {
+    const float* x = q.data() + row * d;
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (std::int64_t j = 0; j < d; ++j) squares += x[j] * x[j];
+    scale_row(keys_.data() + row * d, x, squares > 0.0f ? 1.0f / std::sqrt(squares) : 0.0f, d);
+  }
+  return 3 * rows * d;
+}
+
+// Buckets of round `round` in one head, then the stable counting sort by (bucket, position).
+std::int64_t ReformerAttention::hash_and_sort(std::int64_t round, std::int64_t head) {
+  const std::int64_t n = p_.seq_len, heads = p_.batch * p_.heads, nb = c_.n_buckets;
+  std::int32_t* bucket = buckets_.data() + (round * heads + head) * n;
+  std::int32_t* order = orders_.data() + (round * heads + head) * n;
+  std::int32_t* sorted = sorted_buckets_.data() + head * n;
+  std::int32_t* rank = ranks_.data() + head * n;
+  std::int32_t* next = bucket_counts_.data() + omp_get_thread_num() * nb;
+  std::int64_t flops = 0;
+  if (half_ > 0) {
+    const std::int64_t ld = c_.n_rounds * half_;
+    const float* rotated = rotated_.data() + head * n * ld + round * half_;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float* x = rotated + i * ld;
+      float best = x[0];
+      std::int32_t arg = 0;
+      for (std::int64_t j = 0; j < half_; ++j)
+        if (x[j] > best) {
+          best = x[j];
+          arg = static_cast<std::int32_t>(j);
+        }
+      for (std::int64_t j = 0; j < half_; ++j)
+        if (-x[j] > best) {
+          best = -x[j];
+          arg = static_cast<std::int32_t>(half_ + j);
+        }
+      bucket[i] = arg;
+    }
+    flops = n * nb;
+  } else {
+    std::fill(bucket, bucket + n, 0);
+  }
+  std::fill(next, next + nb, 0);
+  for (std::int64_t i = 0; i < n; ++i) ++next[bucket[i]];
+  std::int32_t start = 0;
+  for (std::int64_t b = 0; b < nb; ++b) start += std::exchange(next[b], start);
+  for (std::int64_t i = 0; i < n; ++i) order[next[bucket[i]]++] = static_cast<std::int32_t>(i);
+  for (std::int64_t s = 0; s < n; ++s) {
+    sorted[s] = bucket[order[s]];
+    rank[s] = s > 0 && sorted[s - 1] == sorted[s] ? rank[s - 1] + 1 : 0;
+  }
+  return flops;
+}
+
+// Queries of sorted chunk `chunk` against their candidate keys; merges into out and running_lse.
+std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk,
+                                             const Tensor& q, const Tensor& v, Tensor& out, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, m = chunk_;
+  const std::int64_t q0 = chunk * m, rows = std::min(m, n - q0), k0 = key_start(q0), cols = q0 + rows - k0;
+  const std::int32_t* order = orders_.data() + (round * p_.batch * p_.heads + head) * n;
+  const std::int32_t* sorted = sorted_buckets_.data() + head * n;
+  const std::int32_t* rank = ranks_.data() + head * n;
+  const float* q_head = q.data() + head * n * d;
+  const float* k_head = keys_.data() + head * n * d;
+  const float* v_head = v.data() + head * n * d;
+  float* q_rows = gathered_.data() + thread * (m + 2 * key_cols_) * d;
+  float* k_rows = q_rows + m * d;
+  float* v_rows = k_rows + key_cols_ * d;
+  for (std::int64_t r = 0; r < rows; ++r) std::memcpy(q_rows + r * d, q_head + order[q0 + r] * d, d * sizeof(float));
+  for (std::int64_t t = 0; t < cols; ++t) {
+    std::memcpy(k_rows + t * d, k_head + order[k0 + t] * d, d * sizeof(float));
+    std::memcpy(v_rows + t * d, v_head + order[k0 + t] * d, d * sizeof(float));
+  }
+  float* scores = scores_.data() + thread * m * score_ld_;
+  ops::gemm(false, true, rows, cols, d, 1.0f / std::sqrt(static_cast<float>(d)), q_rows, d, k_rows, d, 0.0f, scores,
+            score_ld_);
+
+  // A query sees itself only when no other key is visible.
+  std::int32_t* alone = alone_.data() + thread * m;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t s = q0 + r;
+    alone[r] = p_.causal ? rank[s] == 0
+                         : !((s > k0 && sorted[s - 1] == sorted[s]) || (s + 1 < q0 + rows && sorted[s + 1] == sorted[s]));
+  }
+  const bool causal = p_.causal;
+  auto visible = [&](std::int64_t r, std::int64_t t) {
+    const std::int64_t s = q0 + r, key = k0 + t;
+    if (sorted[key] != sorted[s]) return false;
+    if (causal && (key > s || rank[key] / m + 1 < rank[s] / m)) return false;
+    return key != s || alone[r] != 0;
+  };
+  float* lse = row_stats_.data() + thread * 2 * m;
+  float* inverse = lse + m;
+  std::int64_t flops = exp_rows_masked(scores, rows, cols, score_ld_, visible, lse, inverse);
+  float* o = tile_out_.data() + thread * m * d;
+  ops::gemm(false, false, rows, d, cols, 1.0f, scores, score_ld_, v_rows, d, 0.0f, o, d);
+
+  float* out_head = out.data() + head * n * d;
+  float* running = running_lse_.data() + head * n;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t token = order[q0 + r];
+    float* dst = out_head + token * d;
+    const float* src = o + r * d;
+    if (round == 0) {
+      scale_row(dst, src, inverse[r], d);
+      running[token] = lse[r];
+      continue;
+    }
+    const float merged = log_add_exp(running[token], lse[r]);
+    const float keep = std::exp(running[token] - merged), add = std::exp(lse[r] - merged) * inverse[r];
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) dst[j] = dst[j] * keep + src[j] * add;
+    running[token] = merged;
+  }
+  return flops + rows * d + (round > 0 ? 3 * rows * d : 0);
+}
+
+namespace {
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
+  return std::make_unique<ReformerAttention>(problem, reformer_config(values), seed);
+}
+
+std::int64_t flops(const Problem& p, const ParamValues& values) {
+  const ReformerConfig c = reformer_config(values);
+  const std::int64_t n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c), half = c.n_buckets / 2;
+  std::int64_t per_head = 3 * n * d;
+  if (half > 0) per_head += matmul_flops(n, c.n_rounds * half, d) + c.n_rounds * n * c.n_buckets;
+  for (std::int64_t round = 0; round < c.n_rounds; ++round)
+    for (std::int64_t q0 = 0; q0 < n; q0 += m) {
+      const std::int64_t rows = std::min(m, n - q0);
+      const std::int64_t k0 = std::max<std::int64_t>(0, q0 - (p.causal ? 2 : 1) * m);
+      per_head += tile_flops(rows, q0 + rows - k0, d, round > 0);
+    }
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t workspace(const Problem& p, const ParamValues& values) {
+  const ReformerConfig c = reformer_config(values);
+  const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c);
+  const std::int64_t half = c.n_buckets / 2, threads = omp_get_max_threads(), kc = max_key_cols(p, m);
+  const std::int64_t floats = half * d * c.n_rounds + heads * n * (d + c.n_rounds * half + 1) +
+                              threads * ((m + 2 * kc) * d + m * ops::padded_ld(kc) + m * d + 2 * m);
+  const std::int64_t ints = heads * n * (2 * c.n_rounds + 2) + threads * (c.n_buckets + m);
+  return 4 * (floats + ints);
+}
+
+}  // namespace
+
+Implementation reformer_implementation() {
+  return {{
+              {"n_buckets", ParamType::Int, "10", 1, 4096, {}, "hash buckets per round (1, or even); LRA: 10"},
+              {"n_rounds", ParamType::Choice, "1", 0, 0, {"1", "2", "4", "8"}, "independent hash rounds; LRA: 1"},
+              {"chunk_len", ParamType::Int, "64", 0, 65536, {},
+               "tokens per chunk of the sorted order (paper 64-128); 0 = ceil(N / n_buckets) as in LRA's code"},
+          },
+          create,
+          flops,
+          workspace};
+}
+
+}  // namespace xfb

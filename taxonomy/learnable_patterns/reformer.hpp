@@ -1,0 +1,82 @@
+#pragma once
+// `reformer`: LSH attention of the Reformer (Kitaev et al. 2020), per head of [B, H, N, D].
+//
+// Shared QK: the queries are the `q` input; the keys are the normalised queries
+// k̂_j = q_j / ‖q_j‖ (the `k` input is not read); values are `v`. Scores are q_i·k̂_j / √D.
+// Hashing, per round r < n_rounds: rotations R_r ∈ R^{D × n_buckets/2} drawn N(0, 1) from the seed
+// (stored as one [D, n_rounds, n_buckets/2] tensor, "rotations"); x = k̂_i·R_r and
+// bucket_r(i) = argmax([x ; −x]) (first maximum wins). n_buckets = 1 puts every token in bucket 0.
+// Sorting: a stable counting sort by (bucket, position); s is a position in the sorted order,
+// order_r[s] the token there, and rank(s) the token's index inside its bucket.
+// Chunks of m = chunk_len tokens of the sorted order (m clamped to N; the last chunk may be short):
+//   non-causal: query s in chunk c = ⌊s/m⌋ sees sorted keys t in chunks c−1 and c (no wrap-around)
+//     with bucket(t) = bucket(s);
+//   causal: the chunk grid restarts at every bucket — query s sees same-bucket keys t ≤ s with
+//     ⌊rank(t)/m⌋ ≥ ⌊rank(s)/m⌋ − 1. (A grid over the whole sorted order would move chunk
+//     boundaries whenever later tokens hash into lower buckets, so earlier outputs would depend on
+//     future tokens; per-bucket chunks keep the output of token i a function of tokens ≤ i.)
+//     Such keys lie in sorted chunks c−2..c, which is the key range each causal tile computes.
+// A query never sees itself unless nothing else is visible; then it sees only itself.
+// Round r gives o_r(i) = softmax over the visible keys, and lse_r(i) = log Σ exp(scores); rounds
+// combine as out(i) = Σ_r exp(lse_r(i) − L(i)) · o_r(i) with L(i) = log Σ_r exp(lse_r(i)).
+//
+// FLOPs per head (exact, see reformer_flops): 3·N·D (normalise) + [n_buckets > 1]
+// (2·N·D·n_rounds·n_buckets/2 (rotations) + n_rounds·N·n_buckets (argmax)) + per round and chunk
+// with `rows` queries and `cols` candidate keys: 4·rows·cols·D (two products) + 4·rows·cols (masked
+// softmax) + rows·D (1/Σ) + 3·rows·D for rounds after the first (log-sum-exp merge).
+// Tracked workspace: k̂ [B·H·N, D], rotated [B·H·N, n_rounds·n_buckets/2], int32 buckets and
+// orders [n_rounds, B·H, N] plus per-head sort scratch, running lse [B·H·N], and per thread one
+// tile: gathered rows [m + 2·kc, D] (kc = 2m, or 3m causal), scores [m, kc], output [m, D].
+#include <cstdint>
+#include <vector>
+
+#include "lib/mechanism.hpp"
+#include "taxonomy/learnable_patterns/pattern_common.hpp"
+
+namespace xfb {
+
+struct ReformerConfig {
+  std::int64_t n_buckets = 10;  // hash buckets per round: 1, or an even number
+  std::int64_t n_rounds = 1;    // independent hash rounds: 1, 2, 4 or 8
+  std::int64_t chunk_len = 64;  // tokens per chunk of the sorted order; 0: ⌈N / n_buckets⌉ as in LRA's code
+};
+
+ReformerConfig reformer_config(const ParamValues& values);
+// The chunk length m used for a problem: chunk_len (or ⌈N / n_buckets⌉ when 0), clamped to [1, N].
+std::int64_t reformer_chunk(const Problem& p, const ReformerConfig& c);
+
+class ReformerAttention final : public Mechanism {
+ public:
+  ReformerAttention(const Problem& problem, const ReformerConfig& config, std::uint64_t seed);
+
+  void prepare(const Tensor& q, const Tensor& k, const Tensor& v) override;
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
+  std::vector<NamedTensor> parameters() const override;
+
+  // The pattern of the last forward, for tests: bucket of every token (original order) and the
+  // sorted order (sorted position → token) of round r in head (b, h).
+  std::int64_t chunk() const { return chunk_; }
+  std::vector<std::int32_t> buckets(std::int64_t round, std::int64_t b, std::int64_t h) const;
+  std::vector<std::int32_t> sort_order(std::int64_t round, std::int64_t b, std::int64_t h) const;
+
+ private:
+  std::int64_t head_index(std::int64_t b, std::int64_t h) const { return b * p_.heads + h; }
+  std::int64_t key_start(std::int64_t q0) const;
+  std::int64_t normalise_keys(const Tensor& q);
+  std::int64_t hash_and_sort(std::int64_t round, std::int64_t head);
+  std::int64_t attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk, const Tensor& q,
+                            const Tensor& v, Tensor& out, int thread);
+
+  Problem p_;
+  ReformerConfig c_;
+  std::uint64_t seed_;
+  std::int64_t chunk_, half_, key_cols_, score_ld_, threads_ = 1;
+  Tensor rotations_, keys_, rotated_, running_lse_;
+  IndexBuffer buckets_, orders_, sorted_buckets_, ranks_, bucket_counts_;
+  Tensor gathered_, scores_, tile_out_, row_stats_;
+  IndexBuffer alone_;
+};
+
+Implementation reformer_implementation();
+
+}  // namespace xfb

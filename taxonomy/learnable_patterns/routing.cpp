@@ -1,0 +1,493 @@
+#include "taxonomy/learnable_patterns/routing.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "lib/flop_counter.hpp"
+#include "lib/ops.hpp"
+#include "lib/rng.hpp"
+
+namespace xfb {
+
+RoutingConfig routing_config(const ParamValues& values) {
+  return {.clusters = values.get_int("clusters"),
+          .kmeans_updates = values.get_int("kmeans_updates"),
+          .ema_decay = values.get_float("ema_decay"),
+          .local_heads = values.get_bool("local_heads")};
+}
+
+std::int64_t routing_clusters(const Problem& p, const RoutingConfig& c) {
+  const std::int64_t n = std::max<std::int64_t>(p.seq_len, 1);
+  const std::int64_t wanted = c.clusters > 0 ? c.clusters : std::llround(std::sqrt(static_cast<double>(n)));
+  return std::clamp<std::int64_t>(wanted, 1, n);
+}
+
+std::int64_t routing_window(const Problem& p, const RoutingConfig& c) {
+  const std::int64_t clusters = routing_clusters(p, c);
+  return (p.seq_len + clusters - 1) / clusters;
+}
+
+namespace {
+
+std::int64_t local_head_count(const Problem& p, const RoutingConfig& c) { return c.local_heads ? p.heads / 2 : 0; }
+
+// Columns of a local-attention tile (own + previous block) or of a cluster tile.
+std::int64_t score_cols(const Problem& p, const RoutingConfig& c) {
+  const std::int64_t w = routing_window(p, c);
+  return local_head_count(p, c) > 0 ? std::min(p.seq_len, 2 * w) : w;
+}
+
+std::int64_t score_rows(const Problem& p, const RoutingConfig& c) {
+  return !p.causal || local_head_count(p, c) > 0 ? routing_window(p, c) : 1;
+}
+
+std::int64_t tile_flops(std::int64_t rows, std::int64_t cols, std::int64_t d) {
+  return 2 * matmul_flops(rows, cols, d) + kOnlineSoftmaxFlopsPerElement * rows * cols + rows * d;
+}
+
+float inverse_norm(const float* x, std::int64_t d) {
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (std::int64_t j = 0; j < d; ++j) squares += x[j] * x[j];
+  return squares > 0.0f ? 1.0f / std::sqrt(squares) : 0.0f;
+}
+
+// members = the w positions of largest value (ties: lower position first), ascending. A heap of
+// the best w so far, worst on top: most values fail the one comparison with the top.
+void top_positions(const float* values, std::int64_t n, std::int64_t w, float* heap_value, std::int32_t* heap_index,
+                   std::int32_t* members) {
+  auto worse = [&](std::int64_t a, std::int64_t b) {
+    return heap_value[a] < heap_value[b] || (heap_value[a] == heap_value[b] && heap_index[a] > heap_index[b]);
+  };
+  auto swap_entries = [&](std::int64_t a, std::int64_t b) {
+    std::swap(heap_value[a], heap_value[b]);
+    std::swap(heap_index[a], heap_index[b]);
+  };
+  for (std::int64_t i = 0; i < w; ++i) {
+    heap_value[i] = values[i];
+    heap_index[i] = static_cast<std::int32_t>(i);
+    for (std::int64_t child = i; child > 0 && worse(child, (child - 1) / 2); child = (child - 1) / 2)
+      swap_entries(child, (child - 1) / 2);
+  }
+  for (std::int64_t i = w; i < n; ++i) {
+    if (!(values[i] > heap_value[0])) continue;  // equal value, higher position: not better
+    heap_value[0] = values[i];
+    heap_index[0] = static_cast<std::int32_t>(i);
+    for (std::int64_t parent = 0;;) {
+      std::int64_t target = parent;
+      for (std::int64_t child : {2 * parent + 1, 2 * parent + 2})
+        if (child < w && worse(child, target)) target = child;
+      if (target == parent) break;
+      swap_entries(parent, target);
+      parent = target;
+    }
+  }
+  std::copy(heap_index, heap_index + w, members);
+  std::sort(members, members + w);
+}
+
+// y[i] = Σ_r x[r] · a[r·lda + i] for i < m: 2·rows·m FLOPs. Blocks of 32 outputs stay in registers.
+void accumulate_rows(const float* x, std::int64_t rows, const float* a, std::int64_t lda, std::int64_t m, float* y) {
+  constexpr std::int64_t kBlock = 32;
+  std::int64_t i0 = 0;
+  for (; i0 + kBlock <= m; i0 += kBlock) {
+    float acc[kBlock] = {};
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float weight = x[r];
+      const float* row = a + r * lda + i0;
+#pragma omp simd
+      for (std::int64_t i = 0; i < kBlock; ++i) acc[i] += weight * row[i];
+    }
+    std::copy(acc, acc + kBlock, y + i0);
+  }
+  if (i0 == m) return;
+  std::fill(y + i0, y + m, 0.0f);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float weight = x[r];
+    const float* row = a + r * lda;
+#pragma omp simd
+    for (std::int64_t i = i0; i < m; ++i) y[i] += weight * row[i];
+  }
+}
+
+// cluster[i] = argmax_c a[c·ld + i] (first maximum wins); best is [n] scratch.
+void argmax_columns(const float* a, std::int64_t clusters, std::int64_t n, std::int64_t ld, float* best,
+                    std::int32_t* cluster) {
+  std::copy(a, a + n, best);
+  std::fill(cluster, cluster + n, 0);
+  for (std::int64_t c = 1; c < clusters; ++c) {
+    const float* row = a + c * ld;
+    for (std::int64_t i = 0; i < n; ++i)
+      if (row[i] > best[i]) {
+        best[i] = row[i];
+        cluster[i] = static_cast<std::int32_t>(c);
+      }
+  }
+}
+
+}  // namespace
+
+RoutingAttention::RoutingAttention(const Problem& problem, const RoutingConfig& config, std::uint64_t seed)
+    : p_(problem),
+      c_(config),
+      seed_(seed),
+      clusters_(routing_clusters(problem, config)),
+      window_(routing_window(problem, config)),
+      affinity_ld_(ops::padded_ld(problem.seq_len)),
+      score_ld_(ops::padded_ld(score_cols(problem, config))) {
+  const std::int64_t local = local_head_count(problem, config);
+  for (std::int64_t b = 0; b < problem.batch; ++b)
+    for (std::int64_t h = 0; h < problem.heads; ++h)
+      (h < local ? local_heads_ : routed_heads_).push_back(b * problem.heads + h);
+}
+
+void RoutingAttention::prepare(const Tensor& q, const Tensor& k, const Tensor&) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, cl = clusters_, w = window_;
+  const auto routed = static_cast<std::int64_t>(routed_heads_.size());
+  threads_ = omp_get_max_threads();
+  centroids_ = Tensor(Shape{p_.heads, cl, d});
+  CounterRng(seed_, "routing/centroids").fill_normal(centroids_);
+  for (std::int64_t row = 0; row < p_.heads * cl; ++row) {
+    float* mu = centroids_.data() + row * d;
+    scale_row(mu, mu, inverse_norm(mu, d), d);
+  }
+  affinity_ = Tensor(Shape{threads_, 2, cl, affinity_ld_});
+  selection_ = Tensor(Shape{threads_, 4, n});
+  candidates_ = IndexBuffer(threads_ * n);
+  counts_ = IndexBuffer(threads_ * (cl + 1));
+  gathered_ = Tensor(Shape{threads_, p_.causal ? 1 : 3 * w, d});
+  scores_ = Tensor(Shape{threads_, score_rows(p_, c_), score_ld_});
+  row_stats_ = Tensor(Shape{threads_, 2, w});
+  if (!p_.causal) {
+    members_ = IndexBuffer(routed * 2 * cl * w);
+    slot_start_ = IndexBuffer(routed * (n + 1));
+    slots_ = IndexBuffer(routed * cl * w);
+    cluster_out_ = Tensor(Shape{routed, cl * w, d});
+    cluster_lse_ = Tensor(Shape{routed, cl * w});
+  } else {
+    token_clusters_ = IndexBuffer(routed * 2 * n);
+    key_order_ = IndexBuffer(routed * n);
+    key_end_ = IndexBuffer(routed * n);
+    cluster_start_ = IndexBuffer(routed * (cl + 1));
+    sorted_kt_ = Tensor(Shape{routed, d, n});
+    sorted_v_ = Tensor(Shape{routed, n, d});
+  }
+  refine_centroids(q, k);
+}
+
+// Online spherical k-means (EMA) on the normalised queries and keys of each head.
+void RoutingAttention::refine_centroids(const Tensor& q, const Tensor& k) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, cl = clusters_;
+  const float decay = static_cast<float>(c_.ema_decay), step = 0.5f * (1.0f - decay);
+#pragma omp parallel num_threads(threads_)
+  {
+    const int thread = omp_get_thread_num();
+    float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
+    float* best = selection_.data() + thread * 4 * n;
+    std::int32_t* nearest = candidates_.data() + thread * n;
+    std::vector<float> sums(static_cast<std::size_t>(cl * d));
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t h = 0; h < p_.heads; ++h) {
+      float* mu = centroids_.data() + h * cl * d;
+      for (std::int64_t pass = 0; pass < c_.kmeans_updates; ++pass) {
+        std::fill(sums.begin(), sums.end(), 0.0f);
+        for (std::int64_t b = 0; b < p_.batch; ++b)
+          for (const Tensor* x : {&q, &k}) {
+            const float* rows = x->head(b, h);
+            ops::gemm(false, true, cl, n, d, 1.0f, mu, d, rows, d, 0.0f, affinity, affinity_ld_);
+            argmax_columns(affinity, cl, n, affinity_ld_, best, nearest);
+            for (std::int64_t i = 0; i < n; ++i) {
+              const float scale = inverse_norm(rows + i * d, d);
+              float* sum = sums.data() + nearest[i] * d;
+#pragma omp simd
+              for (std::int64_t j = 0; j < d; ++j) sum[j] += rows[i * d + j] * scale;
+            }
+          }
+        for (std::int64_t c = 0; c < cl; ++c) {
+          float* centroid = mu + c * d;
+#pragma omp simd
+          for (std::int64_t j = 0; j < d; ++j) centroid[j] = decay * centroid[j] + step * sums[c * d + j];
+          scale_row(centroid, centroid, inverse_norm(centroid, d), d);
+        }
+      }
+    }
+  }
+}
+
+std::vector<std::int32_t> RoutingAttention::query_members(std::int64_t b, std::int64_t h, std::int64_t cluster) const {
+  const auto r = std::find(routed_heads_.begin(), routed_heads_.end(), b * p_.heads + h) - routed_heads_.begin();
+  const std::int32_t* first = members_.data() + ((r * 2) * clusters_ + cluster) * window_;
+  return {first, first + window_};
+}
+
+std::vector<std::int32_t> RoutingAttention::key_members(std::int64_t b, std::int64_t h, std::int64_t cluster) const {
+  const auto r = std::find(routed_heads_.begin(), routed_heads_.end(), b * p_.heads + h) - routed_heads_.begin();
+  const std::int32_t* first = members_.data() + ((r * 2 + 1) * clusters_ + cluster) * window_;
+  return {first, first + window_};
+}
+
+std::vector<std::int32_t> RoutingAttention::query_clusters(std::int64_t b, std::int64_t h) const {
+  const auto r = std::find(routed_heads_.begin(), routed_heads_.end(), b * p_.heads + h) - routed_heads_.begin();
+  const std::int32_t* first = token_clusters_.data() + r * 2 * p_.seq_len;
+  return {first, first + p_.seq_len};
+}
+
+std::vector<std::int32_t> RoutingAttention::key_clusters(std::int64_t b, std::int64_t h) const {
+  const auto r = std::find(routed_heads_.begin(), routed_heads_.end(), b * p_.heads + h) - routed_heads_.begin();
+  const std::int32_t* first = token_clusters_.data() + (r * 2 + 1) * p_.seq_len;
+  return {first, first + p_.seq_len};
+}
+
+void RoutingAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  const auto routed = static_cast<std::int64_t>(routed_heads_.size());
+  const auto local = static_cast<std::int64_t>(local_heads_.size());
+  const std::int64_t n = p_.seq_len, cl = clusters_, blocks = (n + window_ - 1) / window_;
+  std::int64_t flops = 0;
+#pragma omp parallel num_threads(threads_) reduction(+ : flops)
+  {
+    const int thread = omp_get_thread_num();
+    if (!p_.causal) {
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t r = 0; r < routed; ++r) flops += route_balanced(q, k, r, thread);
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t task = 0; task < routed * cl; ++task)
+        flops += attend_cluster(q, k, v, task / cl, task % cl, thread);
+#pragma omp for schedule(static)
+      for (std::int64_t task = 0; task < routed * n; ++task) flops += merge_clusters(task / n, task % n, out);
+    } else {
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t r = 0; r < routed; ++r) flops += route_nearest(q, k, v, r, thread);
+#pragma omp for schedule(dynamic, 64)
+      for (std::int64_t task = 0; task < routed * n; ++task) flops += attend_recent(q, task / n, task % n, out, thread);
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t task = 0; task < local * blocks; ++task)
+      flops += attend_local(q, k, v, local_heads_[task / blocks], task % blocks, out, thread);
+  }
+  FlopCounter::add(flops);
+}
+
+// Affinities μ·qᵀ and μ·kᵀ ([C, N] each) of routed head r into the thread's buffer.
+void RoutingAttention::affinities(const Tensor& q, const Tensor& k, std::int64_t r, int thread) {
+  const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_;
+  const float* mu = centroids_.data() + (bh % p_.heads) * cl * d;
+  float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
+  ops::gemm(false, true, cl, n, d, 1.0f, mu, d, q.data() + bh * n * d, d, 0.0f, affinity, affinity_ld_);
+  ops::gemm(false, true, cl, n, d, 1.0f, mu, d, k.data() + bh * n * d, d, 0.0f, affinity + cl * affinity_ld_,
+            affinity_ld_);
+}
+
+// Balanced routing: each cluster takes its top-w queries and top-w keys by cosine affinity.
+std::int64_t RoutingAttention::route_balanced(const Tensor& q, const Tensor& k, std::int64_t r, int thread) {
+  const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_, w = window_;
+  affinities(q, k, r, thread);
+  const float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
+  float* inverse = selection_.data() + thread * 4 * n;  // [2, N] inverse norms, [N] values, [N] scratch
+  float* values = inverse + 2 * n;
+  std::int32_t* candidates = candidates_.data() + thread * n;
+  for (std::int64_t i = 0; i < n; ++i) {
+    inverse[i] = inverse_norm(q.data() + (bh * n + i) * d, d);
+    inverse[n + i] = inverse_norm(k.data() + (bh * n + i) * d, d);
+  }
+  for (std::int64_t role = 0; role < 2; ++role)
+    for (std::int64_t c = 0; c < cl; ++c) {
+      const float* row = affinity + (role * cl + c) * affinity_ld_;
+#pragma omp simd
+      for (std::int64_t i = 0; i < n; ++i) values[i] = row[i] * inverse[role * n + i];
+      top_positions(values, n, w, values + n, candidates, members_.data() + ((r * 2 + role) * cl + c) * w);
+    }
+  // Slot lists: for every query, the (cluster · w + slot) entries that took it, in cluster order.
+  std::int32_t* start = slot_start_.data() + r * (n + 1);
+  std::int32_t* slots = slots_.data() + r * cl * w;
+  const std::int32_t* taken = members_.data() + r * 2 * cl * w;
+  std::fill(start, start + n + 1, 0);
+  for (std::int64_t e = 0; e < cl * w; ++e) ++start[taken[e] + 1];
+  std::partial_sum(start, start + n + 1, start);
+  std::copy(start, start + n, candidates);
+  for (std::int64_t e = 0; e < cl * w; ++e) slots[candidates[taken[e]]++] = static_cast<std::int32_t>(e);
+  return 4 * n * d + 2 * cl * n;
+}
+
+std::int64_t RoutingAttention::attend_cluster(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t r,
+                                              std::int64_t cluster, int thread) {
+  const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_, w = window_;
+  const std::int32_t* query_ids = members_.data() + ((r * 2) * cl + cluster) * w;
+  const std::int32_t* key_ids = members_.data() + ((r * 2 + 1) * cl + cluster) * w;
+  float* q_rows = gathered_.data() + thread * 3 * w * d;
+  float* k_rows = q_rows + w * d;
+  float* v_rows = k_rows + w * d;
+  for (std::int64_t s = 0; s < w; ++s) {
+    std::memcpy(q_rows + s * d, q.data() + (bh * n + query_ids[s]) * d, d * sizeof(float));
+    std::memcpy(k_rows + s * d, k.data() + (bh * n + key_ids[s]) * d, d * sizeof(float));
+    std::memcpy(v_rows + s * d, v.data() + (bh * n + key_ids[s]) * d, d * sizeof(float));
+  }
+  float* scores = scores_.data() + thread * score_rows(p_, c_) * score_ld_;
+  ops::gemm(false, true, w, w, d, 1.0f / std::sqrt(static_cast<float>(d)), q_rows, d, k_rows, d, 0.0f, scores,
+            score_ld_);
+  float* lse = cluster_lse_.data() + (r * cl + cluster) * w;
+  float* inverse = row_stats_.data() + thread * 2 * w;
+  std::int64_t flops =
+      exp_rows_masked(scores, w, w, score_ld_, [](std::int64_t, std::int64_t) { return true; }, lse, inverse);
+  float* o = cluster_out_.data() + (r * cl + cluster) * w * d;
+  ops::gemm(false, false, w, d, w, 1.0f, scores, score_ld_, v_rows, d, 0.0f, o, d);
+  for (std::int64_t s = 0; s < w; ++s) scale_row(o + s * d, o + s * d, inverse[s], d);
+  return flops + w * d;
+}
+
+// out(token) = Σ over the clusters that took it of exp(lse − L)·o, L = log Σ exp(lse).
+std::int64_t RoutingAttention::merge_clusters(std::int64_t r, std::int64_t token, Tensor& out) const {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim;
+  const std::int32_t* start = slot_start_.data() + r * (n + 1);
+  const std::int32_t* slots = slots_.data() + r * clusters_ * window_;
+  const float* lse = cluster_lse_.data() + r * clusters_ * window_;
+  float* dst = out.data() + (routed_heads_[r] * n + token) * d;
+  float total = -std::numeric_limits<float>::infinity();
+  for (std::int32_t e = start[token]; e < start[token + 1]; ++e) total = log_add_exp(total, lse[slots[e]]);
+  std::fill(dst, dst + d, 0.0f);
+  for (std::int32_t e = start[token]; e < start[token + 1]; ++e) {
+    const float weight = std::exp(lse[slots[e]] - total);
+    const float* src = cluster_out_.data() + (r * clusters_ * window_ + slots[e]) * d;
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) dst[j] += src[j] * weight;
+  }
+  return 2 * d * (start[token + 1] - start[token]);
+}
+
+// Causal routing: nearest centroid per query and per key, keys sorted by (cluster, position).
+std::int64_t RoutingAttention::route_nearest(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t r,
+                                             int thread) {
+  const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_;
+  affinities(q, k, r, thread);
+  const float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
+  float* best = selection_.data() + thread * 4 * n;
+  std::int32_t* query_cluster = token_clusters_.data() + r * 2 * n;
+  std::int32_t* key_cluster = query_cluster + n;
+  argmax_columns(affinity, cl, n, affinity_ld_, best, query_cluster);
+  argmax_columns(affinity + cl * affinity_ld_, cl, n, affinity_ld_, best, key_cluster);
+  std::int32_t* start = cluster_start_.data() + r * (cl + 1);
+  std::int32_t* next = counts_.data() + thread * (cl + 1);
+  std::int32_t* order = key_order_.data() + r * n;
+  std::fill(start, start + cl + 1, 0);
+  for (std::int64_t i = 0; i < n; ++i) ++start[key_cluster[i] + 1];
+  std::partial_sum(start, start + cl + 1, start);
+  std::copy(start, start + cl, next);
+  for (std::int64_t i = 0; i < n; ++i) order[next[key_cluster[i]]++] = static_cast<std::int32_t>(i);
+  float* keys_t = sorted_kt_.data() + r * d * n;
+  for (std::int64_t s = 0; s < n; ++s) {
+    const float* key = k.data() + (bh * n + order[s]) * d;
+    for (std::int64_t j = 0; j < d; ++j) keys_t[j * n + s] = key[j];
+    std::memcpy(sorted_v_.data() + (r * n + s) * d, v.data() + (bh * n + order[s]) * d, d * sizeof(float));
+  }
+  // Query i's visible keys end where its cluster's keys at positions <= i end.
+  std::int32_t* end = key_end_.data() + r * n;
+  std::fill(next, next + cl, 0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    ++next[key_cluster[i]];
+    end[i] = start[query_cluster[i]] + next[query_cluster[i]];
+  }
+  return 2 * (cl - 1) * n;
+}
+
+// Query `token` against the w sorted keys ending at its range end; visible: its cluster, <= token.
+std::int64_t RoutingAttention::attend_recent(const Tensor& q, std::int64_t r, std::int64_t token, Tensor& out,
+                                             int thread) {
+  const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, w = window_;
+  const std::int32_t cluster = token_clusters_.data()[r * 2 * n + token];
+  const std::int64_t end = key_end_.data()[r * n + token], lo = cluster_start_.data()[r * (clusters_ + 1) + cluster];
+  const std::int64_t s0 = std::max<std::int64_t>(0, end - w);
+  float* query = gathered_.data() + thread * d;
+  scale_row(query, q.data() + (bh * n + token) * d, 1.0f / std::sqrt(static_cast<float>(d)), d);
+  float* scores = scores_.data() + thread * score_rows(p_, c_) * score_ld_;
+  accumulate_rows(query, d, sorted_kt_.data() + r * d * n + s0, n, w, scores);
+  auto visible = [&](std::int64_t, std::int64_t t) { return s0 + t >= lo && s0 + t < end; };
+  float* lse = row_stats_.data() + thread * 2 * w;
+  float* inverse = lse + w;
+  const std::int64_t flops = exp_rows_masked(scores, 1, w, score_ld_, visible, lse, inverse);
+  float* dst = out.data() + (bh * n + token) * d;
+  accumulate_rows(scores, w, sorted_v_.data() + (r * n + s0) * d, d, d, dst);
+  scale_row(dst, dst, inverse[0], d);
+  return flops + 4 * w * d + 2 * d;
+}
+
+std::int64_t RoutingAttention::attend_local(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t bh,
+                                            std::int64_t block, Tensor& out, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, w = window_;
+  const std::int64_t q0 = block * w, rows = std::min(w, n - q0), k0 = std::max<std::int64_t>(0, q0 - w);
+  const std::int64_t cols = q0 + rows - k0;
+  float* scores = scores_.data() + thread * score_rows(p_, c_) * score_ld_;
+  ops::gemm(false, true, rows, cols, d, 1.0f / std::sqrt(static_cast<float>(d)), q.data() + (bh * n + q0) * d, d,
+            k.data() + (bh * n + k0) * d, d, 0.0f, scores, score_ld_);
+  const bool causal = p_.causal;
+  auto visible = [&](std::int64_t row, std::int64_t col) { return !causal || k0 + col <= q0 + row; };
+  float* lse = row_stats_.data() + thread * 2 * w;
+  float* inverse = lse + w;
+  std::int64_t flops = exp_rows_masked(scores, rows, cols, score_ld_, visible, lse, inverse);
+  float* dst = out.data() + (bh * n + q0) * d;
+  ops::gemm(false, false, rows, d, cols, 1.0f, scores, score_ld_, v.data() + (bh * n + k0) * d, d, 0.0f, dst, d);
+  for (std::int64_t row = 0; row < rows; ++row) scale_row(dst + row * d, dst + row * d, inverse[row], d);
+  return flops + rows * d;
+}
+
+namespace {
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
+  return std::make_unique<RoutingAttention>(problem, routing_config(values), seed);
+}
+
+std::int64_t flops(const Problem& p, const ParamValues& values) {
+  const RoutingConfig c = routing_config(values);
+  const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
+  const std::int64_t local = local_head_count(p, c);
+  const std::int64_t routed_head =
+      p.causal ? 2 * matmul_flops(cl, n, d) + 2 * (cl - 1) * n + n * (4 * w * d + 4 * w + 2 * d)
+               : 4 * n * d + 2 * matmul_flops(cl, n, d) + 2 * cl * n + cl * tile_flops(w, w, d) + 2 * cl * w * d;
+  std::int64_t local_head = 0;
+  for (std::int64_t q0 = 0; q0 < n; q0 += w) {
+    const std::int64_t rows = std::min(w, n - q0), k0 = std::max<std::int64_t>(0, q0 - w);
+    local_head += tile_flops(rows, q0 + rows - k0, d);
+  }
+  return p.batch * ((p.heads - local) * routed_head + local * local_head);
+}
+
+std::int64_t workspace(const Problem& p, const ParamValues& values) {
+  const RoutingConfig c = routing_config(values);
+  const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
+  const std::int64_t threads = omp_get_max_threads(), routed = p.batch * (p.heads - local_head_count(p, c));
+  std::int64_t floats = p.heads * cl * d +
+                        threads * (2 * cl * ops::padded_ld(n) + 4 * n + (p.causal ? 1 : 3 * w) * d +
+                                   score_rows(p, c) * ops::padded_ld(score_cols(p, c)) + 2 * w);
+  std::int64_t ints = threads * (n + cl + 1);
+  if (p.causal) {
+    ints += routed * (4 * n + cl + 1);
+    floats += routed * 2 * n * d;
+  } else {
+    ints += routed * (3 * cl * w + n + 1);
+    floats += routed * cl * w * (d + 1);
+  }
+  return 4 * (floats + ints);
+}
+
+}  // namespace
+
+Implementation routing_implementation() {
+  return {{
+              {"clusters", ParamType::Int, "0", 0, 65536, {}, "k-means clusters C; 0 = round(sqrt(N))"},
+              {"kmeans_updates", ParamType::Int, "10", 0, 1000, {},
+               "online k-means (EMA) passes over the input in the untimed setup"},
+              {"ema_decay", ParamType::Float, "0.999", 0, 1, {}, "centroid moving-average decay lambda"},
+              {"local_heads", ParamType::Bool, "false", 0, 0, {},
+               "first floor(H/2) heads use local attention (blocks of N/C tokens: own + previous)"},
+          },
+          create,
+          flops,
+          workspace};
+}
+
+}  // namespace xfb

@@ -1,0 +1,102 @@
+#pragma once
+// `routing`: Routing Transformer attention (Roy et al. 2020), per head of [B, H, N, D].
+//
+// Centroids μ [H, C, D] (unit rows, "centroids"): drawn N(0, 1) from the seed and normalised, then
+// refined in the untimed prepare() by `kmeans_updates` passes of the online spherical k-means
+// update on the input itself: every normalised query q̂ and key k̂ of head h (all batches) goes to
+// its nearest centroid, μ_c ← λ·μ_c + (1−λ)/2·(Σ q̂ assigned to c + Σ k̂ assigned to c), then
+// μ_c ← μ_c/‖μ_c‖ (λ = ema_decay). C = clusters (0: round(√N)), clamped to [1, N]; w = ⌈N/C⌉.
+// Scores are q_i·k_j/√D on the raw inputs; the routing affinities are q̂_i·μ_c and k̂_j·μ_c.
+//
+// Non-causal (the paper's balanced routing): cluster c takes the w queries and, separately, the
+// w keys of largest affinity (ties: lower position first), listed in position order; its queries
+// attend to its keys (one softmax per cluster). A query taken by several clusters merges their
+// outputs by log-sum-exp weights (= one softmax over the concatenated key lists); a query no
+// cluster takes outputs zero (the residual carries it in a full layer).
+// Causal: balanced top-k over the whole sequence would let future tokens change which earlier
+// tokens are routed, so causal mode uses the decoding form of the same routing: query i goes to
+// its nearest centroid c, key j to its nearest centroid, and query i attends to the (up to) w most
+// recent keys j ≤ i routed to c — the same per-query budget w. No visible key → zero output.
+// local_heads: the first ⌊H/2⌋ heads instead use local attention, blocks of w tokens attending
+// to their own and the previous block (causal: j ≤ i), as the paper mixes local and routing heads.
+//
+// FLOPs per routing head (exact, see routing_flops):
+//   non-causal: 4·N·D (norms) + 2·2·C·N·D (affinities) + 2·C·N (scaling by 1/‖x‖) +
+//               C·(4·w²·D + 4·w² + w·D) (cluster attention) + 2·C·w·D (merge);
+//   causal:     2·2·C·N·D (affinities) + 2·(C−1)·N (argmax) + N·(4·w·D + 4·w + 2·D) (per query:
+//               scale q, w scores, masked softmax, w-row weighted sum, 1/Σ).
+// Top-k selection and sorting are comparisons, not counted. Local heads: per block of `rows`
+// queries and `cols` keys 4·rows·cols·D + 4·rows·cols + rows·D.
+// Tracked workspace: per thread affinities [2, C, N] and selection scratch; non-causal int32
+// memberships [B·H, 2, C, w], slot lists, per-cluster outputs [B·H, C·w, D + 1]; causal int32
+// clusters/orders [B·H, 4, N] and key-sorted copies of Kᵀ [B·H, D, N] and V [B·H, N, D].
+#include <cstdint>
+#include <vector>
+
+#include "lib/mechanism.hpp"
+#include "taxonomy/learnable_patterns/pattern_common.hpp"
+
+namespace xfb {
+
+struct RoutingConfig {
+  std::int64_t clusters = 0;         // k-means clusters C; 0: round(√N)
+  std::int64_t kmeans_updates = 10;  // online k-means passes over the input in prepare()
+  double ema_decay = 0.999;          // λ of the centroid moving average
+  bool local_heads = false;          // first ⌊H/2⌋ heads use local attention
+};
+
+RoutingConfig routing_config(const ParamValues& values);
+std::int64_t routing_clusters(const Problem& p, const RoutingConfig& c);  // C used for a problem
+std::int64_t routing_window(const Problem& p, const RoutingConfig& c);    // w = ⌈N / C⌉
+
+class RoutingAttention final : public Mechanism {
+ public:
+  RoutingAttention(const Problem& problem, const RoutingConfig& config, std::uint64_t seed);
+
+  void prepare(const Tensor& q, const Tensor& k, const Tensor& v) override;
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
+  std::vector<NamedTensor> parameters() const override { return {{"centroids", &centroids_}}; }
+
+  // The pattern of the last forward, for tests.
+  std::int64_t clusters() const { return clusters_; }
+  std::int64_t window() const { return window_; }
+  bool is_local_head(std::int64_t h) const { return c_.local_heads && h < p_.heads / 2; }
+  // Non-causal: the w query (or key) positions cluster c took in head (b, h), ascending.
+  std::vector<std::int32_t> query_members(std::int64_t b, std::int64_t h, std::int64_t cluster) const;
+  std::vector<std::int32_t> key_members(std::int64_t b, std::int64_t h, std::int64_t cluster) const;
+  // Causal: the cluster of every query (or key) in head (b, h).
+  std::vector<std::int32_t> query_clusters(std::int64_t b, std::int64_t h) const;
+  std::vector<std::int32_t> key_clusters(std::int64_t b, std::int64_t h) const;
+
+ private:
+  void refine_centroids(const Tensor& q, const Tensor& k);
+  void affinities(const Tensor& q, const Tensor& k, std::int64_t head, int thread);
+  std::int64_t route_balanced(const Tensor& q, const Tensor& k, std::int64_t head, int thread);
+  std::int64_t attend_cluster(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head,
+                              std::int64_t cluster, int thread);
+  std::int64_t merge_clusters(std::int64_t head, std::int64_t token, Tensor& out) const;
+  std::int64_t route_nearest(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head, int thread);
+  std::int64_t attend_recent(const Tensor& q, std::int64_t head, std::int64_t token, Tensor& out, int thread);
+  std::int64_t attend_local(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head, std::int64_t block,
+                            Tensor& out, int thread);
+
+  Problem p_;
+  RoutingConfig c_;
+  std::uint64_t seed_;
+  std::int64_t clusters_, window_, affinity_ld_, score_ld_, threads_ = 1;
+  std::vector<std::int64_t> routed_heads_, local_heads_;
+  Tensor centroids_;
+  // Per thread: affinities [2, C, ld], norms/selection values [4, N], gathered rows, scores, row stats.
+  Tensor affinity_, selection_, gathered_, scores_, row_stats_;
+  IndexBuffer candidates_, counts_;
+  // Non-causal pattern and per-cluster results.
+  IndexBuffer members_, slot_start_, slots_;
+  Tensor cluster_out_, cluster_lse_;
+  // Causal pattern: clusters per token, key order, end of each query's key range, cluster starts.
+  IndexBuffer token_clusters_, key_order_, key_end_, cluster_start_;
+  Tensor sorted_kt_, sorted_v_;  // keys transposed [D, N] per head, values [N, D]
+};
+
+Implementation routing_implementation();
+
+}  // namespace xfb

@@ -1,0 +1,301 @@
+#include "taxonomy/learnable_patterns/sinkhorn.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "lib/flop_counter.hpp"
+#include "lib/ops.hpp"
+#include "lib/rng.hpp"
+#include "taxonomy/learnable_patterns/pattern_common.hpp"
+
+namespace xfb {
+
+SinkhornConfig sinkhorn_config(const Problem& p, const ParamValues& values) {
+  SinkhornConfig c{.block = values.get_int("block"),
+                   .sinkhorn_iters = values.get_int("sinkhorn_iters"),
+                   .temperature = values.get_float("temperature"),
+                   .sortcut_blocks = values.get_int("sortcut_blocks")};
+  if (p.causal && c.sortcut_blocks > 0)
+    throw ParamError("sinkhorn: SortCut (sortcut_blocks > 0) is encoder only and has no causal mode");
+  return c;
+}
+
+std::int64_t sinkhorn_block(const Problem& p, const SinkhornConfig& c) {
+  return std::clamp<std::int64_t>(c.block, 1, std::max<std::int64_t>(p.seq_len, 1));
+}
+
+std::int64_t sinkhorn_blocks(const Problem& p, const SinkhornConfig& c) {
+  const std::int64_t b = sinkhorn_block(p, c);
+  return (p.seq_len + b - 1) / b;
+}
+
+namespace {
+
+std::int64_t sortcut(const Problem& p, const SinkhornConfig& c) {
+  return std::min(c.sortcut_blocks, sinkhorn_blocks(p, c));
+}
+
+std::int64_t sorted_rows(const Problem& p, const SinkhornConfig& c) {
+  return sortcut(p, c) > 0 ? sortcut(p, c) : sinkhorn_blocks(p, c);
+}
+
+// Keys per query: own block + sorted block, or the SortCut blocks.
+std::int64_t score_cols(const Problem& p, const SinkhornConfig& c) {
+  const std::int64_t b = sinkhorn_block(p, c);
+  return sortcut(p, c) > 0 ? sortcut(p, c) * b : 2 * b;
+}
+
+std::int64_t tile_flops(std::int64_t rows, std::int64_t cols, std::int64_t d) {
+  return 2 * matmul_flops(rows, cols, d) + kOnlineSoftmaxFlopsPerElement * rows * cols + rows * d;
+}
+
+// log Σ exp over n values with stride `stride`; 4·n FLOPs (max, subtract+exp, sum).
+float log_sum_exp(const float* x, std::int64_t n, std::int64_t stride) {
+  float peak = -std::numeric_limits<float>::infinity();
+  for (std::int64_t i = 0; i < n; ++i) peak = std::max(peak, x[i * stride]);
+  if (peak == -std::numeric_limits<float>::infinity()) return peak;
+  float sum = 0.0f;
+  for (std::int64_t i = 0; i < n; ++i) sum += std::exp(x[i * stride] - peak);
+  return peak + std::log(sum);
+}
+
+}  // namespace
+
+SinkhornAttention::SinkhornAttention(const Problem& problem, const SinkhornConfig& config, std::uint64_t seed)
+    : p_(problem),
+      c_(config),
+      seed_(seed),
+      block_(sinkhorn_block(problem, config)),
+      blocks_(sinkhorn_blocks(problem, config)),
+      sortcut_(sortcut(problem, config)),
+      sorted_rows_(sorted_rows(problem, config)),
+      score_cols_(score_cols(problem, config)),
+      score_ld_(ops::padded_ld(score_cols_)) {}
+
+void SinkhornAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
+  const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, nb = blocks_;
+  threads_ = omp_get_max_threads();
+  const float spread = 1.0f / std::sqrt(static_cast<float>(d));
+  w1_ = Tensor(Shape{d, d});
+  b1_ = Tensor(Shape{d});
+  w2_ = Tensor(Shape{d, nb});
+  b2_ = Tensor(Shape{nb});
+  CounterRng(seed_, "sinkhorn/w1").fill_normal(w1_, 0.0f, spread);
+  CounterRng(seed_, "sinkhorn/b1").fill_normal(b1_, 0.0f, spread);
+  CounterRng(seed_, "sinkhorn/w2").fill_normal(w2_, 0.0f, spread);
+  CounterRng(seed_, "sinkhorn/b2").fill_normal(b2_, 0.0f, spread);
+  embeddings_ = Tensor(Shape{heads * nb, d});
+  hidden_ = Tensor(Shape{heads * nb, d});
+  permutation_ = Tensor(Shape{p_.batch, p_.heads, nb, nb});
+  sorted_k_ = Tensor(Shape{heads, sorted_rows_ * block_, d});
+  sorted_v_ = Tensor(Shape{heads, sorted_rows_ * block_, d});
+  running_ = Tensor(Shape{threads_, 2, std::max(d, nb)});
+  scores_ = Tensor(Shape{threads_, block_, score_ld_});
+  row_stats_ = Tensor(Shape{threads_, 2, block_});
+}
+
+std::vector<NamedTensor> SinkhornAttention::parameters() const {
+  return {{"w1", &w1_}, {"b1", &b1_}, {"w2", &w2_}, {"b2", &b2_}, {"permutation", &permutation_}};
+}
+
+std::vector<float> SinkhornAttention::permutation(std::int64_t b, std::int64_t h) const {
+  const float* first = permutation_.data() + (b * p_.heads + h) * blocks_ * blocks_;
+  return {first, first + blocks_ * blocks_};
+}
+
+void SinkhornAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  const std::int64_t heads = p_.batch * p_.heads;
+  std::int64_t flops = 0;
+#pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
+  for (std::int64_t head = 0; head < heads; ++head) flops += embed_blocks(k, head, omp_get_thread_num());
+  flops += sorting_network();
+#pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
+  for (std::int64_t head = 0; head < heads; ++head) flops += balance(head);
+  mix_blocks(k, sorted_k_);
+  mix_blocks(v, sorted_v_);
+#pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) reduction(+ : flops)
+  for (std::int64_t task = 0; task < heads * blocks_; ++task)
+    flops += attend_block(q, k, v, task / blocks_, task % blocks_, out, omp_get_thread_num());
+  FlopCounter::add(flops);
+}
+
+// E_i = Σ keys of block i; causal: E_i = Σ keys of blocks before i.
+std::int64_t SinkhornAttention::embed_blocks(const Tensor& k, std::int64_t head, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, nb = blocks_;
+  const float* keys = k.data() + head * n * d;
+  float* e = embeddings_.data() + head * nb * d;
+  std::fill(e, e + nb * d, 0.0f);
+  for (std::int64_t t = 0; t < n; ++t) {
+    float* sum = e + (t / block_) * d;
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) sum[j] += keys[t * d + j];
+  }
+  if (!p_.causal) return n * d;
+  float* prefix = running_.data() + thread * 2 * running_.dim(2);
+  float* own = prefix + running_.dim(2);
+  std::fill(prefix, prefix + d, 0.0f);
+  for (std::int64_t i = 0; i < nb; ++i) {
+    std::copy(e + i * d, e + (i + 1) * d, own);
+    std::copy(prefix, prefix + d, e + i * d);
+    if (i + 1 == nb) break;
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) prefix[j] += own[j];
+  }
+  return n * d + (nb - 1) * d;
+}
+
+// R = ReLU(E·w1 + b1)·w2 + b2 for every head at once, into permutation_.
+std::int64_t SinkhornAttention::sorting_network() {
+  const std::int64_t rows = p_.batch * p_.heads * blocks_, d = p_.head_dim, nb = blocks_;
+  ops::matmul({.m = rows, .n = d, .k = d}, embeddings_.data(), w1_.data(), hidden_.data());
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* h = hidden_.data() + r * d;
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) h[j] = std::max(h[j] + b1_[j], 0.0f);
+  }
+  ops::matmul({.m = rows, .n = nb, .k = d}, hidden_.data(), w2_.data(), permutation_.data());
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* s = permutation_.data() + r * nb;
+#pragma omp simd
+    for (std::int64_t j = 0; j < nb; ++j) s[j] += b2_[j];
+  }
+  return 2 * rows * d + rows * nb;
+}
+
+// Turns the scores of one head into its soft permutation, in place.
+std::int64_t SinkhornAttention::balance(std::int64_t head) {
+  const std::int64_t nb = blocks_;
+  const float inverse_tau = static_cast<float>(1.0 / c_.temperature);
+  float* l = permutation_.data() + head * nb * nb;
+  if (p_.causal) {
+    for (std::int64_t i = 0; i < nb; ++i) {
+      float* row = l + i * nb;
+      for (std::int64_t j = 0; j < i; ++j) row[j] *= inverse_tau;
+      const float total = log_sum_exp(row, i, 1);
+      for (std::int64_t j = 0; j < i; ++j) row[j] = std::exp(row[j] - total);
+      std::fill(row + i, row + nb, 0.0f);
+    }
+    return 7 * nb * (nb - 1) / 2;
+  }
+  for (std::int64_t e = 0; e < nb * nb; ++e) l[e] *= inverse_tau;
+  for (std::int64_t iteration = 0; iteration < c_.sinkhorn_iters; ++iteration) {
+    for (std::int64_t i = 0; i < nb; ++i) {
+      const float total = log_sum_exp(l + i * nb, nb, 1);
+      for (std::int64_t j = 0; j < nb; ++j) l[i * nb + j] -= total;
+    }
+    for (std::int64_t j = 0; j < nb; ++j) {
+      const float total = log_sum_exp(l + j, nb, nb);
+      for (std::int64_t i = 0; i < nb; ++i) l[i * nb + j] -= total;
+    }
+  }
+  for (std::int64_t e = 0; e < nb * nb; ++e) l[e] = std::exp(l[e]);
+  return nb * nb * (2 + 10 * c_.sinkhorn_iters);
+}
+
+// sorted_i = Σ_j P_ij · block_j for the first sorted_rows_ rows of every head's P. Blocks are
+// [b·D] rows of x; a short last block contributes only its rem·D leading entries (zero padding).
+void SinkhornAttention::mix_blocks(const Tensor& x, Tensor& sorted) {
+  const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim, b = block_, nb = blocks_;
+  const std::int64_t full = n / b, rem = n % b, nr = sorted_rows_;
+  ops::MatmulShape mix{.batch = heads, .m = nr, .n = b * d, .k = full, .lda = nb, .ldb = b * d, .ldc = b * d,
+                       .stride_a = nb * nb, .stride_b = n * d, .stride_c = nr * b * d};
+  ops::matmul(mix, permutation_.data(), x.data(), sorted.data());
+  if (rem == 0) return;
+  ops::MatmulShape tail{.batch = heads, .m = nr, .n = rem * d, .k = 1, .lda = nb, .ldb = rem * d, .ldc = b * d,
+                        .stride_a = nb * nb, .stride_b = n * d, .stride_c = nr * b * d, .accumulate = true};
+  ops::matmul(tail, permutation_.data() + full, x.data() + full * b * d, sorted.data());
+}
+
+std::int64_t SinkhornAttention::attend_block(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head,
+                                             std::int64_t block, Tensor& out, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, b = block_;
+  const std::int64_t q0 = block * b, rows = std::min(b, n - q0);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float* queries = q.data() + (head * n + q0) * d;
+  const float* sorted_keys = sorted_k_.data() + head * sorted_rows_ * b * d;
+  const float* sorted_values = sorted_v_.data() + head * sorted_rows_ * b * d;
+  float* scores = scores_.data() + thread * b * score_ld_;
+  float* lse = row_stats_.data() + thread * 2 * b;
+  float* inverse = lse + b;
+  float* dst = out.data() + (head * n + q0) * d;
+  std::int64_t flops = 0;
+  if (sortcut_ > 0) {
+    const std::int64_t cols = sortcut_ * b;
+    ops::gemm(false, true, rows, cols, d, scale, queries, d, sorted_keys, d, 0.0f, scores, score_ld_);
+    flops = exp_rows_masked(scores, rows, cols, score_ld_, [](std::int64_t, std::int64_t) { return true; }, lse,
+                            inverse);
+    ops::gemm(false, false, rows, d, cols, 1.0f, scores, score_ld_, sorted_values, d, 0.0f, dst, d);
+  } else {
+    const std::int64_t own = rows;
+    ops::gemm(false, true, rows, own, d, scale, queries, d, k.data() + (head * n + q0) * d, d, 0.0f, scores,
+              score_ld_);
+    ops::gemm(false, true, rows, b, d, scale, queries, d, sorted_keys + block * b * d, d, 0.0f, scores + own,
+              score_ld_);
+    const bool causal = p_.causal;
+    auto visible = [&](std::int64_t r, std::int64_t t) {
+      return t < own ? !causal || t <= r : !causal || block > 0;
+    };
+    flops = exp_rows_masked(scores, rows, own + b, score_ld_, visible, lse, inverse);
+    ops::gemm(false, false, rows, d, own, 1.0f, scores, score_ld_, v.data() + (head * n + q0) * d, d, 0.0f, dst, d);
+    ops::gemm(false, false, rows, d, b, 1.0f, scores + own, score_ld_, sorted_values + block * b * d, d, 1.0f, dst,
+              d);
+  }
+  for (std::int64_t r = 0; r < rows; ++r) scale_row(dst + r * d, dst + r * d, inverse[r], d);
+  return flops + rows * d;
+}
+
+namespace {
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
+  return std::make_unique<SinkhornAttention>(problem, sinkhorn_config(problem, values), seed);
+}
+
+std::int64_t flops(const Problem& p, const ParamValues& values) {
+  const SinkhornConfig c = sinkhorn_config(p, values);
+  const std::int64_t n = p.seq_len, d = p.head_dim, b = sinkhorn_block(p, c), nb = sinkhorn_blocks(p, c);
+  const std::int64_t cut = sortcut(p, c);
+  std::int64_t per_head = n * d + (p.causal ? (nb - 1) * d : 0) + matmul_flops(nb, d, d) + 2 * nb * d +
+                          matmul_flops(nb, nb, d) + nb * nb;
+  per_head += p.causal ? 7 * nb * (nb - 1) / 2 : nb * nb * (2 + 10 * c.sinkhorn_iters);
+  per_head += 2 * matmul_flops(sorted_rows(p, c), n, d);
+  for (std::int64_t q0 = 0; q0 < n; q0 += b) {
+    const std::int64_t rows = std::min(b, n - q0);
+    per_head += tile_flops(rows, cut > 0 ? cut * b : rows + b, d);
+  }
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t workspace(const Problem& p, const ParamValues& values) {
+  const SinkhornConfig c = sinkhorn_config(p, values);
+  const std::int64_t heads = p.batch * p.heads, d = p.head_dim, b = sinkhorn_block(p, c), nb = sinkhorn_blocks(p, c);
+  const std::int64_t threads = omp_get_max_threads();
+  const std::int64_t floats = d * d + d + d * nb + nb + 2 * heads * nb * d + heads * nb * nb +
+                              2 * heads * sorted_rows(p, c) * b * d +
+                              threads * (2 * std::max(d, nb) + b * ops::padded_ld(score_cols(p, c)) + 2 * b);
+  return 4 * floats;
+}
+
+}  // namespace
+
+Implementation sinkhorn_implementation() {
+  return {{
+              {"block", ParamType::Int, "50", 1, 65536, {}, "tokens per block b (LRA: 50)"},
+              {"sinkhorn_iters", ParamType::Int, "7", 1, 100, {},
+               "log-domain row+column normalisation rounds (non-causal; unconfirmed default)"},
+              {"temperature", ParamType::Float, "0.75", 0.01, 100, {},
+               "temperature tau dividing the sorting scores (unconfirmed default)"},
+              {"sortcut_blocks", ParamType::Int, "0", 0, 65536, {},
+               "SortCut: attend only to the first n_k sorted blocks (encoder only); 0 = off"},
+          },
+          create,
+          flops,
+          workspace};
+}
+
+}  // namespace xfb

@@ -1,0 +1,650 @@
+// Learnable-pattern models (reformer, routing, sinkhorn): each output against a naive double
+// reference that applies the pattern the mechanism exposed, the pattern itself against a naive
+// recomputation from the dumped parameters, settings that reduce to exact softmax attention,
+// causality, determinism, and how the counters scale with N.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <numeric>
+#include <sstream>
+
+#include "lib/point.hpp"
+#include "lib/registry.hpp"
+#include "taxonomy/learnable_patterns/reformer.hpp"
+#include "taxonomy/learnable_patterns/routing.hpp"
+#include "taxonomy/learnable_patterns/sinkhorn.hpp"
+#include "tests/reference.hpp"
+
+using namespace xfb;
+using namespace xfb::test;
+
+namespace {
+
+template <class Model>
+struct Run {
+  std::unique_ptr<Mechanism> mechanism;
+  Model* model = nullptr;
+  Tensor out;
+};
+
+template <class Model>
+Run<Model> run_model(const std::string& name, const Problem& p, const AttentionInputs& in,
+                     const std::vector<std::string>& params = {}, std::uint64_t seed = 42) {
+  const ModelInfo* info = find_model(name);
+  REQUIRE(info != nullptr);
+  Run<Model> run;
+  run.mechanism = info->impl.create(p, resolve_params(name, info->impl.params, params), seed);
+  run.model = dynamic_cast<Model*>(run.mechanism.get());
+  REQUIRE(run.model != nullptr);
+  run.mechanism->prepare(in.q, in.k, in.v);
+  run.out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+  run.out.fill(std::nanf(""));
+  run.mechanism->forward(in.q, in.k, in.v, run.out);
+  return run;
+}
+
+std::vector<double> to_double(const float* x, std::int64_t count) { return {x, x + count}; }
+
+// The keys query i may attend to, as indices into the key rows (repeats allowed).
+using KeysOf = std::function<std::vector<std::int64_t>(std::int64_t i)>;
+
+// out_i = Σ_j softmax(q_i·k_j/√d over keys_of(i)) v_j in double; zero when the list is empty.
+// lse (optional) receives log Σ exp of the scores (−inf when empty).
+std::vector<double> list_attention(const std::vector<double>& q, const std::vector<double>& k,
+                                   const std::vector<double>& v, std::int64_t n, std::int64_t d, const KeysOf& keys_of,
+                                   std::vector<double>* lse = nullptr) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> out(n * d, 0.0);
+  if (lse) lse->assign(n, -INFINITY);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto keys = keys_of(i);
+    if (keys.empty()) continue;
+    std::vector<double> scores;
+    for (auto j : keys) {
+      double s = 0;
+      for (std::int64_t c = 0; c < d; ++c) s += q[i * d + c] * k[j * d + c];
+      scores.push_back(s * scale);
+    }
+    const double peak = *std::max_element(scores.begin(), scores.end());
+    double sum = 0;
+    for (double s : scores) sum += std::exp(s - peak);
+    for (std::size_t e = 0; e < keys.size(); ++e)
+      for (std::int64_t c = 0; c < d; ++c) out[i * d + c] += std::exp(scores[e] - peak) / sum * v[keys[e] * d + c];
+    if (lse) (*lse)[i] = peak + std::log(sum);
+  }
+  return out;
+}
+
+void check_close(const float* got, const std::vector<double>& want, std::int64_t d, double tolerance,
+                 const std::string& label) {
+  std::int64_t failures = 0;
+  for (std::size_t e = 0; e < want.size(); ++e) {
+    const double error = std::fabs(static_cast<double>(got[e]) - want[e]);
+    if (!(error <= tolerance) && failures++ < 3) {
+      std::ostringstream message;
+      message << label << ": token " << e / d << " feature " << e % d << ": got " << got[e] << ", want " << want[e]
+              << " (tolerance " << tolerance << ")";
+      FAIL_CHECK(message.str());
+    }
+  }
+  CHECK_MESSAGE(failures == 0, label << ": " << failures << " elements out of tolerance");
+}
+
+double head_tolerance(const AttentionInputs& in, std::int64_t b, std::int64_t h, const Problem& p,
+                      const Tensor* keys = nullptr) {
+  const Tensor& k = keys ? *keys : in.k;
+  return attention_tolerance(in.q.head(b, h), k.head(b, h), in.v.head(b, h), p.seq_len, p.seq_len, p.head_dim,
+                             1.0 / std::sqrt(static_cast<double>(p.head_dim)));
+}
+
+// With the parameters fixed by one prepare(), changing tokens >= cut leaves earlier outputs
+// unchanged (to rounding) and changes later ones.
+template <class Model>
+void check_future_invariance(const std::string& name, const Problem& p, const std::vector<std::string>& params,
+                             std::int64_t cut) {
+  auto in = random_inputs(p, 5);
+  auto run = run_model<Model>(name, p, in, params);
+  const Tensor before = run.out.clone();
+  const std::int64_t d = p.head_dim;
+  for (std::int64_t h = 0; h < p.heads; ++h)
+    for (std::int64_t e = cut * d; e < p.seq_len * d; ++e) {
+      in.q.head(0, h)[e] = -in.q.head(0, h)[e] + 0.5f;
+      in.k.head(0, h)[e] += 2.0f;
+      in.v.head(0, h)[e] -= 3.0f;
+    }
+  Tensor after = Tensor::bhnd(p.batch, p.heads, p.seq_len, d);
+  run.mechanism->forward(in.q, in.k, in.v, after);
+  for (std::int64_t h = 0; h < p.heads; ++h) {
+    const double tolerance = head_tolerance(in, 0, h, p);
+    double earlier = 0, later = 0;
+    for (std::int64_t e = 0; e < p.seq_len * d; ++e) {
+      const double change = std::fabs(before.head(0, h)[e] - after.head(0, h)[e]);
+      double& largest = e < cut * d ? earlier : later;
+      largest = std::max(largest, change);
+    }
+    CAPTURE(name);
+    CAPTURE(h);
+    CHECK(earlier <= tolerance);
+    CHECK(later > 100 * tolerance);
+  }
+}
+
+std::string label_of(const std::string& model, std::int64_t n, bool causal, const std::vector<std::string>& params) {
+  std::string label = model + " N=" + std::to_string(n) + (causal ? " causal" : "");
+  for (const auto& param : params) label += " " + param;
+  return label;
+}
+
+// ---- Reformer ----
+
+// Visible keys of every token in one round, by the rule in reformer.hpp, from buckets and order.
+std::vector<std::vector<std::int64_t>> reformer_pattern(const std::vector<std::int32_t>& bucket,
+                                                        const std::vector<std::int32_t>& order, std::int64_t m,
+                                                        bool causal) {
+  const auto n = static_cast<std::int64_t>(bucket.size());
+  std::vector<std::int64_t> sorted_at(n), rank(n);
+  for (std::int64_t s = 0; s < n; ++s) sorted_at[order[s]] = s;
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < i; ++j) rank[i] += bucket[j] == bucket[i];
+  std::vector<std::vector<std::int64_t>> keys(n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t j = 0; j < n; ++j) {
+      if (j == i || bucket[j] != bucket[i]) continue;
+      const bool visible = causal ? j < i && rank[j] / m + 1 >= rank[i] / m
+                                  : sorted_at[j] / m == sorted_at[i] / m || sorted_at[j] / m + 1 == sorted_at[i] / m;
+      if (visible) keys[i].push_back(j);
+    }
+    if (keys[i].empty()) keys[i].push_back(i);
+  }
+  return keys;
+}
+
+// k̂ = q / ‖q‖ per token, as a tensor shaped like q.
+Tensor normalised(const Tensor& q, std::int64_t d) {
+  Tensor keys = q.clone();
+  for (std::int64_t row = 0; row < q.size() / d; ++row) {
+    double squares = 0;
+    for (std::int64_t c = 0; c < d; ++c) squares += static_cast<double>(q[row * d + c]) * q[row * d + c];
+    for (std::int64_t c = 0; c < d; ++c)
+      keys[row * d + c] = squares > 0 ? static_cast<float>(q[row * d + c] / std::sqrt(squares)) : 0.0f;
+  }
+  return keys;
+}
+
+// Buckets equal argmax([xR; −xR]) (up to fp32 near-ties) and the order is the stable sort by
+// (bucket, position).
+void check_reformer_hashing(ReformerAttention& model, const AttentionInputs& in, const Problem& p,
+                            std::int64_t n_buckets, std::int64_t rounds) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, half = n_buckets / 2;
+  const Tensor keys = normalised(in.q, d);
+  const auto params = model.parameters();
+  const Tensor* rotations = params.empty() ? nullptr : params[0].tensor;
+  for (std::int64_t r = 0; r < rounds; ++r)
+    for (std::int64_t b = 0; b < p.batch; ++b)
+      for (std::int64_t h = 0; h < p.heads; ++h) {
+        const auto bucket = model.buckets(r, b, h);
+        const auto order = model.sort_order(r, b, h);
+        for (std::int64_t s = 1; s < n; ++s)
+          REQUIRE(std::make_pair(bucket[order[s - 1]], order[s - 1]) < std::make_pair(bucket[order[s]], order[s]));
+        for (std::int64_t i = 0; i < n; ++i) {
+          if (half == 0) {
+            REQUIRE(bucket[i] == 0);
+            continue;
+          }
+          std::vector<double> x(2 * half);
+          for (std::int64_t j = 0; j < half; ++j) {
+            for (std::int64_t c = 0; c < d; ++c)
+              x[j] += static_cast<double>(keys.head(b, h)[i * d + c]) * (*rotations)[(c * rounds + r) * half + j];
+            x[half + j] = -x[j];
+          }
+          const double best = *std::max_element(x.begin(), x.end());
+          REQUIRE(bucket[i] >= 0);
+          REQUIRE(bucket[i] < n_buckets);
+          CHECK(x[bucket[i]] >= best - 1e-4);
+        }
+      }
+}
+
+// Naive reformer: every round from the exposed pattern, combined by log-sum-exp weights.
+void check_reformer(const Problem& p, const std::vector<std::string>& params, std::int64_t n_buckets,
+                    std::int64_t rounds) {
+  const auto in = random_inputs(p, static_cast<std::uint64_t>(p.seq_len * 7 + rounds));
+  auto run = run_model<ReformerAttention>("reformer", p, in, params);
+  check_reformer_hashing(*run.model, in, p, n_buckets, rounds);
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  const Tensor keys = normalised(in.q, d);
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const auto q = to_double(in.q.head(b, h), n * d), k = to_double(keys.head(b, h), n * d),
+                 v = to_double(in.v.head(b, h), n * d);
+      std::vector<std::vector<double>> outs(rounds), lses(rounds);
+      for (std::int64_t r = 0; r < rounds; ++r) {
+        const auto pattern = reformer_pattern(run.model->buckets(r, b, h), run.model->sort_order(r, b, h),
+                                              run.model->chunk(), p.causal);
+        outs[r] = list_attention(q, k, v, n, d, [&](std::int64_t i) { return pattern[i]; }, &lses[r]);
+      }
+      std::vector<double> want(n * d, 0.0);
+      for (std::int64_t i = 0; i < n; ++i) {
+        double total = -INFINITY;
+        for (std::int64_t r = 0; r < rounds; ++r) {
+          const double hi = std::max(total, lses[r][i]);
+          total = hi + std::log(std::exp(total - hi) + std::exp(lses[r][i] - hi));
+        }
+        for (std::int64_t r = 0; r < rounds; ++r)
+          for (std::int64_t c = 0; c < d; ++c) want[i * d + c] += std::exp(lses[r][i] - total) * outs[r][i * d + c];
+      }
+      check_close(run.out.head(b, h), want, d, 2 * head_tolerance(in, b, h, p, &keys),
+                  label_of("reformer", n, p.causal, params));
+    }
+}
+
+// ---- Routing ----
+
+// Cosine affinities x̂·μ_c of every token (rows of x) to every centroid of head h, in double.
+std::vector<double> cosine_affinities(const float* x, const Tensor& centroids, std::int64_t h, std::int64_t n,
+                                      std::int64_t d, std::int64_t clusters) {
+  std::vector<double> a(n * clusters);
+  for (std::int64_t i = 0; i < n; ++i) {
+    double squares = 0;
+    for (std::int64_t c = 0; c < d; ++c) squares += static_cast<double>(x[i * d + c]) * x[i * d + c];
+    for (std::int64_t cl = 0; cl < clusters; ++cl) {
+      double s = 0;
+      for (std::int64_t c = 0; c < d; ++c) s += x[i * d + c] * static_cast<double>(centroids[(h * clusters + cl) * d + c]);
+      a[i * clusters + cl] = s / std::sqrt(squares);
+    }
+  }
+  return a;
+}
+
+void check_routing(const Problem& p, const std::vector<std::string>& params) {
+  const auto in = random_inputs(p, static_cast<std::uint64_t>(p.seq_len * 3 + 1));
+  auto run = run_model<RoutingAttention>("routing", p, in, params);
+  auto& model = *run.model;
+  const std::int64_t n = p.seq_len, d = p.head_dim, clusters = model.clusters(), w = model.window();
+  const Tensor& centroids = *model.parameters()[0].tensor;
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const auto q = to_double(in.q.head(b, h), n * d), k = to_double(in.k.head(b, h), n * d),
+                 v = to_double(in.v.head(b, h), n * d);
+      const auto qa = cosine_affinities(in.q.head(b, h), centroids, h, n, d, clusters);
+      const auto ka = cosine_affinities(in.k.head(b, h), centroids, h, n, d, clusters);
+      KeysOf keys_of;
+      std::vector<std::vector<std::int64_t>> lists(n);
+      if (model.is_local_head(h)) {
+        keys_of = [&](std::int64_t i) {
+          std::vector<std::int64_t> keys;
+          for (std::int64_t j = 0; j < n; ++j)
+            if ((j / w == i / w || j / w + 1 == i / w) && (!p.causal || j <= i)) keys.push_back(j);
+          return keys;
+        };
+      } else if (!p.causal) {
+        // Each cluster's members are its top-w tokens by cosine affinity.
+        for (std::int64_t c = 0; c < clusters; ++c) {
+          for (const auto& [members, affinity] : {std::pair{model.query_members(b, h, c), &qa},
+                                                  std::pair{model.key_members(b, h, c), &ka}}) {
+            REQUIRE(static_cast<std::int64_t>(members.size()) == w);
+            REQUIRE(std::is_sorted(members.begin(), members.end()));
+            REQUIRE(std::adjacent_find(members.begin(), members.end()) == members.end());
+            std::vector<bool> taken(n);
+            double weakest_taken = INFINITY, strongest_left = -INFINITY;
+            for (auto i : members) taken[i] = true;
+            for (std::int64_t i = 0; i < n; ++i) {
+              const double a = (*affinity)[i * clusters + c];
+              if (taken[i])
+                weakest_taken = std::min(weakest_taken, a);
+              else
+                strongest_left = std::max(strongest_left, a);
+            }
+            CHECK(weakest_taken >= strongest_left - 1e-5);
+          }
+          const auto queries = model.query_members(b, h, c), keys = model.key_members(b, h, c);
+          for (auto i : queries) lists[i].insert(lists[i].end(), keys.begin(), keys.end());
+        }
+        keys_of = [&](std::int64_t i) { return lists[i]; };
+      } else {
+        // Nearest centroids; query i sees the w most recent keys j <= i of its cluster.
+        const auto qc = model.query_clusters(b, h), kc = model.key_clusters(b, h);
+        for (std::int64_t i = 0; i < n; ++i) {
+          const auto best = [&](const std::vector<double>& a) {
+            return *std::max_element(a.begin() + i * clusters, a.begin() + (i + 1) * clusters);
+          };
+          CHECK(qa[i * clusters + qc[i]] >= best(qa) - 1e-5);
+          CHECK(ka[i * clusters + kc[i]] >= best(ka) - 1e-5);
+          for (std::int64_t j = i; j >= 0 && static_cast<std::int64_t>(lists[i].size()) < w; --j)
+            if (kc[j] == qc[i]) lists[i].push_back(j);
+        }
+        keys_of = [&](std::int64_t i) { return lists[i]; };
+      }
+      check_close(run.out.head(b, h), list_attention(q, k, v, n, d, keys_of), d, head_tolerance(in, b, h, p),
+                  label_of("routing", n, p.causal, params) + " h=" + std::to_string(h));
+    }
+}
+
+// ---- Sinkhorn ----
+
+// Soft permutation of head (b, h) from the dumped sorting network, in double (sinkhorn.hpp).
+std::vector<double> sinkhorn_permutation(const SinkhornAttention& model, const AttentionInputs& in, const Problem& p,
+                                         std::int64_t b, std::int64_t h, std::int64_t iterations, double tau) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, bs = model.block(), nb = model.blocks();
+  const auto params = model.parameters();
+  const Tensor &w1 = *params[0].tensor, &b1 = *params[1].tensor, &w2 = *params[2].tensor, &b2 = *params[3].tensor;
+  std::vector<double> sums(nb * d, 0.0), e(nb * d, 0.0), l(nb * nb);
+  for (std::int64_t t = 0; t < n; ++t)
+    for (std::int64_t c = 0; c < d; ++c) sums[(t / bs) * d + c] += in.k.head(b, h)[t * d + c];
+  for (std::int64_t i = 0; i < nb; ++i)
+    for (std::int64_t j = 0; j < nb; ++j)
+      if (p.causal ? j < i : j == i)
+        for (std::int64_t c = 0; c < d; ++c) e[i * d + c] += sums[j * d + c];
+  for (std::int64_t i = 0; i < nb; ++i) {
+    std::vector<double> hidden(d);
+    for (std::int64_t o = 0; o < d; ++o) {
+      double s = b1[o];
+      for (std::int64_t c = 0; c < d; ++c) s += e[i * d + c] * w1[c * d + o];
+      hidden[o] = std::max(s, 0.0);
+    }
+    for (std::int64_t j = 0; j < nb; ++j) {
+      double s = b2[j];
+      for (std::int64_t o = 0; o < d; ++o) s += hidden[o] * w2[o * nb + j];
+      l[i * nb + j] = s / tau;
+    }
+  }
+  auto log_sum = [](const std::vector<double>& x) -> double {
+    if (x.empty()) return -INFINITY;
+    const double peak = *std::max_element(x.begin(), x.end());
+    double sum = 0;
+    for (double value : x) sum += std::exp(value - peak);
+    return peak + std::log(sum);
+  };
+  std::vector<double> perm(nb * nb, 0.0);
+  if (p.causal) {
+    for (std::int64_t i = 0; i < nb; ++i) {
+      const double total = log_sum(std::vector<double>(l.begin() + i * nb, l.begin() + i * nb + i));
+      for (std::int64_t j = 0; j < i; ++j) perm[i * nb + j] = std::exp(l[i * nb + j] - total);
+    }
+    return perm;
+  }
+  for (std::int64_t it = 0; it < iterations; ++it) {
+    for (std::int64_t i = 0; i < nb; ++i) {
+      const double total = log_sum(std::vector<double>(l.begin() + i * nb, l.begin() + (i + 1) * nb));
+      for (std::int64_t j = 0; j < nb; ++j) l[i * nb + j] -= total;
+    }
+    for (std::int64_t j = 0; j < nb; ++j) {
+      std::vector<double> column(nb);
+      for (std::int64_t i = 0; i < nb; ++i) column[i] = l[i * nb + j];
+      const double total = log_sum(column);
+      for (std::int64_t i = 0; i < nb; ++i) l[i * nb + j] -= total;
+    }
+  }
+  for (std::int64_t e2 = 0; e2 < nb * nb; ++e2) perm[e2] = std::exp(l[e2]);
+  return perm;
+}
+
+// Output from the exposed permutation: keys are [K ; sorted blocks], each query's list per sinkhorn.hpp.
+void check_sinkhorn(const Problem& p, const std::vector<std::string>& params, std::int64_t iterations = 7,
+                    double tau = 0.75) {
+  const auto in = random_inputs(p, static_cast<std::uint64_t>(p.seq_len * 5 + 2));
+  auto run = run_model<SinkhornAttention>("sinkhorn", p, in, params);
+  const auto& model = *run.model;
+  const std::int64_t n = p.seq_len, d = p.head_dim, bs = model.block(), nb = model.blocks(), cut = model.sortcut_blocks();
+  const std::int64_t rows = cut > 0 ? cut : nb;
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const auto perm = model.permutation(b, h);
+      const auto want_perm = sinkhorn_permutation(model, in, p, b, h, iterations, tau);
+      for (std::int64_t e = 0; e < nb * nb; ++e)
+        CHECK_MESSAGE(std::fabs(perm[e] - want_perm[e]) <= 1e-4 * (1 + want_perm[e]),
+                      "permutation entry " << e << ": got " << perm[e] << ", want " << want_perm[e]);
+      auto q = to_double(in.q.head(b, h), n * d), k = to_double(in.k.head(b, h), n * d),
+           v = to_double(in.v.head(b, h), n * d);
+      k.resize((n + rows * bs) * d, 0.0);
+      v.resize((n + rows * bs) * d, 0.0);
+      for (std::int64_t i = 0; i < rows; ++i)
+        for (std::int64_t j = 0; j < nb; ++j)
+          for (std::int64_t t = 0; t < bs && j * bs + t < n; ++t)
+            for (std::int64_t c = 0; c < d; ++c) {
+              k[(n + i * bs + t) * d + c] += perm[i * nb + j] * in.k.head(b, h)[(j * bs + t) * d + c];
+              v[(n + i * bs + t) * d + c] += perm[i * nb + j] * in.v.head(b, h)[(j * bs + t) * d + c];
+            }
+      auto keys_of = [&](std::int64_t i) {
+        std::vector<std::int64_t> keys;
+        const std::int64_t block = i / bs;
+        if (cut > 0) {
+          for (std::int64_t t = 0; t < cut * bs; ++t) keys.push_back(n + t);
+          return keys;
+        }
+        for (std::int64_t j = block * bs; j < std::min(n, (block + 1) * bs); ++j)
+          if (!p.causal || j <= i) keys.push_back(j);
+        if (!p.causal || block > 0)
+          for (std::int64_t t = 0; t < bs; ++t) keys.push_back(n + block * bs + t);
+        return keys;
+      };
+      check_close(run.out.head(b, h), list_attention(q, k, v, n, d, keys_of), d, 4 * head_tolerance(in, b, h, p),
+                  label_of("sinkhorn", n, p.causal, params));
+    }
+}
+
+PointConfig counter_point(const std::string& model, std::int64_t n, bool causal = false) {
+  PointConfig c;
+  c.model = model;
+  c.problem = {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
+  c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};
+  return c;
+}
+
+}  // namespace
+
+TEST_SUITE("learnable") {
+  TEST_CASE("reformer equals its naive LSH attention at, below and above the chunk length") {
+    for (bool causal : {false, true}) {
+      for (std::int64_t n : {1, 7, 8, 9, 16, 17, 23, 24, 25, 100}) {
+        const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
+        check_reformer(p, {"chunk_len=8", "n_buckets=4"}, 4, 1);
+      }
+      for (std::int64_t n : {63, 64, 65, 129, 300}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
+        check_reformer(p, {}, 10, 1);
+      }
+    }
+  }
+
+  TEST_CASE("multi-round reformer equals the log-sum-exp combination of its rounds computed naively") {
+    for (bool causal : {false, true})
+      for (const char* rounds : {"2", "4", "8"}) {
+        const Problem p{.batch = 1, .heads = 2, .seq_len = 77, .head_dim = 16, .causal = causal};
+        check_reformer(p, {"chunk_len=10", "n_buckets=6", std::string("n_rounds=") + rounds}, 6, std::stoll(rounds));
+      }
+    const Problem lra{.batch = 1, .heads = 1, .seq_len = 95, .head_dim = 16, .causal = false};
+    check_reformer(lra, {"chunk_len=0", "n_rounds=2"}, 10, 2);  // LRA's chunking: ceil(N / n_buckets)
+  }
+
+  TEST_CASE("reformer with one bucket and one chunk is softmax attention over k = q/|q| without self") {
+    for (bool causal : {false, true})
+      for (std::int64_t n : {1, 2, 50, 129}) {
+        const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
+        const auto in = random_inputs(p, 9);
+        const Tensor out = run_model<ReformerAttention>("reformer", p, in, {"n_buckets=1", "chunk_len=0"}).out.clone();
+        const AttentionInputs shared{in.q.clone(), normalised(in.q, p.head_dim), in.v.clone()};
+        // Self only when nothing else is visible: token 0 when causal, the single token when N = 1.
+        auto mask = [causal, n](std::int64_t i, std::int64_t j) {
+          const bool alone = n == 1 || (causal && i == 0);
+          return (causal ? j < i : j != i) || (alone && j == i);
+        };
+        check_against_reference(out, shared, p, mask, label_of("reformer exact", n, causal, {}));
+      }
+  }
+
+  TEST_CASE("reformer hashing and sorting are deterministic for a seed and change with it") {
+    const Problem p{.batch = 1, .heads = 2, .seq_len = 200, .head_dim = 16, .causal = false};
+    const auto in = random_inputs(p, 4);
+    auto first = run_model<ReformerAttention>("reformer", p, in, {"n_rounds=2"}, 7);
+    auto second = run_model<ReformerAttention>("reformer", p, in, {"n_rounds=2"}, 7);
+    auto other = run_model<ReformerAttention>("reformer", p, in, {"n_rounds=2"}, 8);
+    for (std::int64_t r = 0; r < 2; ++r) {
+      CHECK(first.model->buckets(r, 0, 1) == second.model->buckets(r, 0, 1));
+      CHECK(first.model->sort_order(r, 0, 1) == second.model->sort_order(r, 0, 1));
+      CHECK(first.model->buckets(r, 0, 1) != other.model->buckets(r, 0, 1));
+    }
+    CHECK(std::equal(first.out.values().begin(), first.out.values().end(), second.out.values().begin()));
+  }
+
+  TEST_CASE("reformer rejects an odd bucket count") {
+    const ModelInfo* info = find_model("reformer");
+    REQUIRE(info != nullptr);
+    const Problem p{.batch = 1, .heads = 1, .seq_len = 16, .head_dim = 8, .causal = false};
+    CHECK_THROWS_AS(info->impl.create(p, resolve_params("reformer", info->impl.params, {"n_buckets=5"}), 1),
+                    ParamError);
+  }
+
+  TEST_CASE("routing equals its naive cluster attention, balanced and causal, with and without local heads") {
+    for (bool causal : {false, true}) {
+      for (std::int64_t n : {1, 2, 15, 16, 17, 100})
+        check_routing({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal}, {"clusters=4"});
+      for (std::int64_t n : {63, 64, 65, 257})
+        check_routing({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal}, {});
+      check_routing({.batch = 1, .heads = 4, .seq_len = 90, .head_dim = 16, .causal = causal},
+                    {"local_heads=true", "clusters=9"});
+      check_routing({.batch = 1, .heads = 2, .seq_len = 60, .head_dim = 16, .causal = causal},
+                    {"kmeans_updates=0", "clusters=60"});
+    }
+  }
+
+  TEST_CASE("routing with one cluster is exact softmax attention") {
+    for (bool causal : {false, true})
+      for (std::int64_t n : {1, 33, 200}) {
+        const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
+        const auto in = random_inputs(p, 12);
+        const Tensor out = run_model<RoutingAttention>("routing", p, in, {"clusters=1"}).out.clone();
+        check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
+                                label_of("routing exact", n, causal, {}));
+      }
+  }
+
+  TEST_CASE("routing centroids move under the EMA update and the routing is deterministic") {
+    const Problem p{.batch = 1, .heads = 2, .seq_len = 256, .head_dim = 16, .causal = false};
+    const auto in = random_inputs(p, 21);
+    auto fixed = run_model<RoutingAttention>("routing", p, in, {"kmeans_updates=0"});
+    auto refined = run_model<RoutingAttention>("routing", p, in, {});
+    auto again = run_model<RoutingAttention>("routing", p, in, {});
+    const Tensor& before = *fixed.model->parameters()[0].tensor;
+    const Tensor& after = *refined.model->parameters()[0].tensor;
+    double moved = 0;
+    for (std::int64_t e = 0; e < before.size(); ++e) moved = std::max(moved, std::fabs(double(before[e]) - after[e]));
+    CHECK(moved > 1e-3);
+    for (std::int64_t row = 0; row < after.size() / p.head_dim; ++row) {
+      double squares = 0;
+      for (std::int64_t c = 0; c < p.head_dim; ++c) squares += double(after[row * p.head_dim + c]) * after[row * p.head_dim + c];
+      CHECK(std::fabs(squares - 1.0) < 1e-5);
+    }
+    for (std::int64_t c = 0; c < refined.model->clusters(); ++c) {
+      CHECK(refined.model->query_members(0, 1, c) == again.model->query_members(0, 1, c));
+      CHECK(refined.model->key_members(0, 1, c) == again.model->key_members(0, 1, c));
+    }
+    CHECK(std::equal(refined.out.values().begin(), refined.out.values().end(), again.out.values().begin()));
+  }
+
+  TEST_CASE("sinkhorn equals its naive sorted-block attention at, below and above the block size") {
+    for (bool causal : {false, true}) {
+      for (std::int64_t n : {1, 7, 8, 9, 15, 16, 17, 23, 24, 25, 100}) {
+        const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
+        check_sinkhorn(p, {"block=8"});
+      }
+      for (std::int64_t n : {49, 50, 51, 333}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
+        check_sinkhorn(p, {});
+      }
+      check_sinkhorn({.batch = 1, .heads = 2, .seq_len = 90, .head_dim = 16, .causal = causal},
+                     {"block=10", "sinkhorn_iters=3", "temperature=2"}, 3, 2.0);
+    }
+  }
+
+  TEST_CASE("sinkhorn SortCut attends to the first sorted blocks and is rejected with causal") {
+    for (std::int64_t n : {40, 41, 100}) {
+      check_sinkhorn({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false},
+                     {"block=8", "sortcut_blocks=2"});
+      check_sinkhorn({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false},
+                     {"block=8", "sortcut_blocks=1000"});
+    }
+    const ModelInfo* info = find_model("sinkhorn");
+    REQUIRE(info != nullptr);
+    const Problem causal{.batch = 1, .heads = 1, .seq_len = 64, .head_dim = 8, .causal = true};
+    const auto values = resolve_params("sinkhorn", info->impl.params, {"sortcut_blocks=2"});
+    CHECK_THROWS_AS(info->impl.create(causal, values, 1), ParamError);
+    CHECK_THROWS_AS(info->impl.flops(causal, values), ParamError);
+  }
+
+  TEST_CASE("sinkhorn with one block is exact softmax attention") {
+    for (bool causal : {false, true})
+      for (std::int64_t n : {1, 50, 130}) {
+        const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
+        const auto in = random_inputs(p, 14);
+        for (const char* block : {"block=130", "block=4096"}) {
+          const Tensor out = run_model<SinkhornAttention>("sinkhorn", p, in, {block}).out.clone();
+          check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
+                                  label_of("sinkhorn exact", n, causal, {block}));
+        }
+      }
+  }
+
+  TEST_CASE("sinkhorn permutations: columns (non-causal) or past-only rows (causal) sum to one, deterministically") {
+    for (bool causal : {false, true}) {
+      const Problem p{.batch = 1, .heads = 2, .seq_len = 500, .head_dim = 16, .causal = causal};
+      const auto in = random_inputs(p, 17);
+      auto first = run_model<SinkhornAttention>("sinkhorn", p, in);
+      auto second = run_model<SinkhornAttention>("sinkhorn", p, in);
+      const std::int64_t nb = first.model->blocks();
+      REQUIRE(nb == 10);
+      const auto perm = first.model->permutation(0, 1);
+      CHECK(perm == second.model->permutation(0, 1));
+      for (std::int64_t j = 0; j < nb && !causal; ++j) {
+        double column = 0;
+        for (std::int64_t i = 0; i < nb; ++i) column += perm[i * nb + j];
+        CHECK(std::fabs(column - 1.0) < 1e-4);
+      }
+      for (std::int64_t i = 0; i < nb && causal; ++i) {
+        double row = 0, future = 0;
+        for (std::int64_t j = 0; j < nb; ++j) (j < i ? row : future) += perm[i * nb + j];
+        CHECK(future == 0.0);
+        CHECK(std::fabs(row - (i > 0 ? 1.0 : 0.0)) < 1e-5);
+      }
+    }
+  }
+
+  TEST_CASE("causal learnable patterns: changing future tokens changes no earlier output") {
+    const Problem p{.batch = 1, .heads = 2, .seq_len = 333, .head_dim = 16, .causal = true};
+    check_future_invariance<ReformerAttention>("reformer", p, {"chunk_len=16", "n_buckets=4", "n_rounds=2"}, 150);
+    check_future_invariance<ReformerAttention>("reformer", p, {}, 200);
+    check_future_invariance<RoutingAttention>("routing", p, {}, 150);
+    check_future_invariance<RoutingAttention>("routing", {.batch = 1, .heads = 4, .seq_len = 333, .head_dim = 16,
+                                                          .causal = true},
+                                              {"local_heads=true"}, 200);
+    check_future_invariance<SinkhornAttention>("sinkhorn", p, {}, 150);
+    check_future_invariance<SinkhornAttention>("sinkhorn", p, {"block=16"}, 200);
+  }
+
+  TEST_CASE("counters: FLOPs and tracked memory grow sub-quadratically with N") {
+    struct Expect {
+      const char* model;
+      double flops_lo, flops_hi, memory_hi;  // bounds on the ratio between N = 4096 and N = 2048
+    };
+    // reformer O(N); routing O(N·√N); sinkhorn O(N·b) attention plus O(N²/b) soft-permutation mixing.
+    for (bool causal : {false, true}) {
+      const auto vanilla = run_point(counter_point("vanilla", 4096, causal));
+      for (const Expect& e : {Expect{"reformer", 1.9, 2.1, 2.1}, Expect{"routing", 2.6, 3.0, 2.9},
+                              Expect{"sinkhorn", 2.1, 3.0, 2.1}}) {
+        const auto small = run_point(counter_point(e.model, 2048, causal));
+        const auto large = run_point(counter_point(e.model, 4096, causal));
+        CAPTURE(e.model);
+        CAPTURE(causal);
+        const double flops = double(large.flops) / double(small.flops);
+        const double memory = double(large.peak_tensor_bytes) / double(small.peak_tensor_bytes);
+        CHECK(flops > e.flops_lo);
+        CHECK(flops < e.flops_hi);
+        CHECK(memory < e.memory_hi);
+        CHECK(large.flops < vanilla.flops);
+        CHECK(large.peak_tensor_bytes < vanilla.peak_tensor_bytes / 4);
+      }
+    }
+  }
+}
