@@ -6,6 +6,9 @@
 #include "lib/registry.hpp"
 #include "taxonomy/baselines/exact_tiled.hpp"
 #include "taxonomy/baselines/vanilla.hpp"
+#include "taxonomy/memory/set_transformer.hpp"
+#include "taxonomy/recurrence/compressive.hpp"
+#include "taxonomy/recurrence/transformer_xl.hpp"
 
 namespace xfb {
 namespace {
@@ -24,6 +27,9 @@ const std::vector<ModelInfo>& registry() {
     auto list = survey_models();
     attach(list, "vanilla", vanilla_implementation());
     attach(list, "exact-tiled", exact_tiled_implementation());
+    attach(list, "set-transformer", set_transformer_implementation());
+    attach(list, "transformer-xl", transformer_xl_implementation());
+    attach(list, "compressive", compressive_implementation());
     return list;
   }();
   return models;
