@@ -21,6 +21,9 @@
 #include "taxonomy/learnable_patterns/reformer.hpp"
 #include "taxonomy/learnable_patterns/routing.hpp"
 #include "taxonomy/learnable_patterns/sinkhorn.hpp"
+#include "taxonomy/memory/set_transformer.hpp"
+#include "taxonomy/recurrence/compressive.hpp"
+#include "taxonomy/recurrence/transformer_xl.hpp"
 
 namespace xfb {
 namespace {
@@ -54,6 +57,9 @@ const std::vector<ModelInfo>& registry() {
     attach(list, "reformer", reformer_implementation());
     attach(list, "routing", routing_implementation());
     attach(list, "sinkhorn", sinkhorn_implementation());
+    attach(list, "set-transformer", set_transformer_implementation());
+    attach(list, "transformer-xl", transformer_xl_implementation());
+    attach(list, "compressive", compressive_implementation());
     return list;
   }();
   return models;

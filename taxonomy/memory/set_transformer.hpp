@@ -1,0 +1,37 @@
+#pragma once
+// `set-transformer`: the induced set attention block ISAB_m of Lee et al. 2019 in head space.
+//
+// Paper: MAB(X, Y) = LN(H + rFF(H)), H = LN(X + MHA(X, Y, Y)); ISAB_m(X) = MAB(X, MAB(I, X)) with m
+// learned inducing points I. In attention scope the mechanism receives the per-head Q, K, V
+// ([B, H, N, D]), so each head runs its own single-head ISAB in the D-dimensional head space. In
+// both MABs the query-side input is also the residual input (as X is in the paper's MAB):
+//   MAB 1 (inducing points summarise the set):   queries and residual I_h [m, D], keys K, values V
+//     A₁ = softmax(I_h·Kᵀ/√D)·V;  H₁ = LN_{h,0}(I_h + A₁);  S = LN_{h,1}(H₁ + rFF_{h,1}(H₁))   [m, D]
+//   MAB 2 (the set reads the summary):            queries and residual Q, keys S·Wk_h, values S·Wv_h
+//     A₂ = softmax(Q·(S·Wk_h)ᵀ/√D)·(S·Wv_h);  H₂ = LN_{h,2}(Q + A₂);  O = LN_{h,3}(H₂ + rFF_{h,2}(H₂))
+// The first MAB's keys and values are the given K and V (the paper's X·W_K, X·W_V); the second
+// MAB's keys and values are S projected by per-head Wk_h, Wv_h [D, D], since S has no given
+// projection. rFF(x) = ReLU(x·W + b) with W [D, D], b [D] per head and MAB (the released code's
+// row-wise feed-forward). LN normalises the D features of a row (eps 1e-5) with per-head gain and
+// shift. Every parameter comes from the seed (dump names in parameters()). Not causal: every
+// output depends on every token through S.
+//
+// Work: per head 4·N·m·D (two score and two value products) + 2·m·D·(2D) … all O(N·m·D + N·D²);
+// workspace per thread a [m, N] score matrix (MAB 1) and [block, m], [block, D] tiles (MAB 2).
+// FLOPs (exact, see set_transformer_flops in the .cpp), per head with r = rows of each part:
+//   MAB 1: 2·(2·m·N·D) + 5·m·N (softmax) + mab_tail(m) + 2·(2·m·D·D) (Wk, Wv)
+//   MAB 2: 2·(2·N·m·D) + 5·N·m (softmax) + mab_tail(N)
+//   mab_tail(r) = r·D (residual) + 7·r·D (LN) + 2·r·D·D + 2·r·D (rFF: product, bias, ReLU)
+//                 + r·D (residual) + 7·r·D (LN)
+#include "lib/mechanism.hpp"
+
+namespace xfb {
+
+struct SetTransformerConfig {
+  std::int64_t inducing_points = 32;  // m, learned inducing points per head
+  std::int64_t block_q = 256;         // query rows per task in MAB 2, tokens
+};
+
+Implementation set_transformer_implementation();
+
+}  // namespace xfb

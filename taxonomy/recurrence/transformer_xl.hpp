@@ -1,0 +1,17 @@
+#pragma once
+// `transformer-xl` (Dai et al. 2019): segments of L tokens attend to [memory ; segment] with the
+// relative-position score A_ij = q_iᵀk_j + q_iᵀW_R R_{i−j} + uᵀk_j + vᵀW_R R_{i−j}; the memory is
+// a FIFO of the M previous positions' keys and values, updated after each segment. Contract,
+// masks (causal = decoding; not causal = bidirectional within the segment, memory as past
+// context) and FLOP formula: taxonomy/recurrence/segment_attention.hpp with n_cm = 0.
+// Work O(N·(M + L)·D) and workspace O(B·H·(M + L)·D): linear and constant in N for fixed L, M
+// (the survey's O(N²) is the attention span M + L).
+#include "lib/mechanism.hpp"
+#include "taxonomy/recurrence/segment_attention.hpp"
+
+namespace xfb {
+
+SegmentAttentionConfig transformer_xl_config(const ParamValues& values);
+Implementation transformer_xl_implementation();
+
+}  // namespace xfb

@@ -1,0 +1,496 @@
+// Transformer-XL and the Compressive Transformer against naive double-precision references: the
+// segment-wise computation equals one naive pass over [compressed memory ; memory ; segment] with
+// the same masks and relative-position terms, one segment equals causal attention with relative
+// terms, compression functions, FIFO state, causality, FLOP and memory scaling.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <sstream>
+
+#include "lib/flop_counter.hpp"
+#include "lib/point.hpp"
+#include "lib/registry.hpp"
+#include "taxonomy/recurrence/compressive.hpp"
+#include "taxonomy/recurrence/segment_attention.hpp"
+#include "taxonomy/recurrence/transformer_xl.hpp"
+#include "tests/reference.hpp"
+
+using namespace xfb;
+using namespace xfb::test;
+
+namespace {
+
+using Rows = std::vector<std::vector<double>>;
+
+const Tensor& parameter(const Mechanism& mechanism, const std::string& name) {
+  for (const auto& named : mechanism.parameters())
+    if (named.name == name) return *named.tensor;
+  FAIL("no parameter " << name);
+  throw std::logic_error("unreachable");
+}
+
+// A mechanism from the registry, prepared and run once; keeps the mechanism for its state.
+struct Run {
+  std::unique_ptr<Mechanism> mechanism;
+  Tensor out;
+  SegmentAttention& state() { return dynamic_cast<SegmentAttention&>(*mechanism); }
+};
+
+Run run_model(const std::string& model, const Problem& p, const AttentionInputs& in,
+              const std::vector<std::string>& params, std::uint64_t seed = 42) {
+  const ModelInfo* info = find_model(model);
+  REQUIRE(info != nullptr);
+  Run run{info->impl.create(p, resolve_params(model, info->impl.params, params), seed),
+          Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim)};
+  run.mechanism->prepare(in.q, in.k, in.v);
+  run.out.fill(std::nanf(""));
+  run.mechanism->forward(in.q, in.k, in.v, run.out);
+  return run;
+}
+
+Run run_direct(const SegmentAttentionConfig& config, const Problem& p, const AttentionInputs& in) {
+  Run run{std::make_unique<SegmentAttention>(p, config, 7), Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim)};
+  run.mechanism->prepare(in.q, in.k, in.v);
+  run.out.fill(std::nanf(""));
+  run.mechanism->forward(in.q, in.k, in.v, run.out);
+  return run;
+}
+
+// The paper's relative key W_R,h·R_δ for one head, computed naively from the sinusoid formula.
+class RelativeKeys {
+ public:
+  RelativeKeys(const Tensor& w_r, std::int64_t head) : w_r_(w_r), head_(head) {}
+  const std::vector<double>& operator()(std::int64_t delta) {
+    auto [it, inserted] = cache_.try_emplace(delta);
+    if (!inserted) return it->second;
+    const std::int64_t d_r = w_r_.dim(1), d = w_r_.dim(2);
+    it->second.assign(static_cast<std::size_t>(d), 0.0);
+    for (std::int64_t k = 0; k < d_r; ++k) {
+      const double omega = std::pow(10000.0, -static_cast<double>(k - k % 2) / d_r);
+      const double r = k % 2 == 0 ? std::sin(delta * omega) : std::cos(delta * omega);
+      for (std::int64_t j = 0; j < d; ++j) it->second[j] += r * w_r_[(head_ * d_r + k) * d + j];
+    }
+    return it->second;
+  }
+
+ private:
+  const Tensor& w_r_;
+  std::int64_t head_;
+  std::map<std::int64_t, std::vector<double>> cache_;
+};
+
+// Naive f_c of one group of rows (rows.size() <= rate); conv: [rate·d, d] weights of one head.
+std::vector<double> naive_compress(Compression f, const Rows& group, const float* conv) {
+  const std::size_t d = group[0].size();
+  std::vector<double> out(d, f == Compression::MaxPool ? -INFINITY : 0.0);
+  for (std::size_t t = 0; t < group.size(); ++t)
+    for (std::size_t j = 0; j < d; ++j) {
+      if (f == Compression::MaxPool) out[j] = std::max(out[j], group[t][j]);
+      if (f == Compression::MeanPool) out[j] += group[t][j] / group.size();
+      if (f == Compression::Conv)
+        for (std::size_t i = 0; i < d; ++i) out[j] += group[t][i] * conv[(t * d + i) * d + j];
+    }
+  return out;
+}
+
+struct HeadParams {
+  const float *u, *v, *conv_k, *conv_v;
+  RelativeKeys relative;
+};
+
+// One head through the documented recurrence, naively: per segment the explicit concatenation
+// [compressed ; memory ; segment], scores with index distance δ = n_context + i − j, masks, then
+// the FIFO updates. Also returns the final caches and a tolerance for the output.
+struct NaiveResult {
+  std::vector<double> out;
+  Rows memory_k, memory_v, compressed_k, compressed_v;
+  double tolerance = 0;
+};
+
+NaiveResult naive_segments(const float* q, const float* k, const float* v, std::int64_t n, std::int64_t d,
+                           const SegmentAttentionConfig& c, bool causal, HeadParams& hp) {
+  NaiveResult result;
+  result.out.assign(static_cast<std::size_t>(n * d), 0.0);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  auto row = [d](const float* x, std::int64_t i) { return std::vector<double>(x + i * d, x + (i + 1) * d); };
+  double largest_terms = 0, largest_value = 0;
+  std::int64_t largest_context = 1;
+  for (std::int64_t s0 = 0; s0 < n; s0 += c.segment_len) {
+    const std::int64_t rows = std::min(c.segment_len, n - s0);
+    Rows keys = result.compressed_k, values = result.compressed_v;
+    keys.insert(keys.end(), result.memory_k.begin(), result.memory_k.end());
+    values.insert(values.end(), result.memory_v.begin(), result.memory_v.end());
+    const std::int64_t context = static_cast<std::int64_t>(keys.size());
+    for (std::int64_t i = 0; i < rows; ++i) {
+      keys.push_back(row(k, s0 + i));
+      values.push_back(row(v, s0 + i));
+    }
+    for (const auto& value : values)
+      for (double x : value) largest_value = std::max(largest_value, std::fabs(x));
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const std::int64_t visible = context + (causal ? i + 1 : rows);
+      largest_context = std::max(largest_context, visible);
+      std::vector<double> scores(static_cast<std::size_t>(visible));
+      double peak = -INFINITY;
+      for (std::int64_t j = 0; j < visible; ++j) {
+        const auto& r = hp.relative(context + i - j);
+        double s = 0, terms = 0;
+        for (std::int64_t f = 0; f < d; ++f) {
+          const double query = q[(s0 + i) * d + f];
+          s += (query + hp.u[f]) * keys[j][f] + (query + hp.v[f]) * r[f];
+          terms += std::fabs((query + hp.u[f]) * keys[j][f]) + std::fabs((query + hp.v[f]) * r[f]);
+        }
+        scores[j] = s * scale;
+        largest_terms = std::max(largest_terms, terms * scale);
+        peak = std::max(peak, scores[j]);
+      }
+      double sum = 0;
+      for (double s : scores) sum += std::exp(s - peak);
+      for (std::int64_t j = 0; j < visible; ++j)
+        for (std::int64_t f = 0; f < d; ++f)
+          result.out[(s0 + i) * d + f] += std::exp(scores[j] - peak) / sum * values[j][f];
+    }
+    // FIFO: the last M rows of [memory ; segment] stay, the rest is evicted oldest first.
+    Rows all_k(keys.begin() + static_cast<std::ptrdiff_t>(result.compressed_k.size()), keys.end());
+    Rows all_v(values.begin() + static_cast<std::ptrdiff_t>(result.compressed_v.size()), values.end());
+    const std::int64_t evicted = std::max<std::int64_t>(0, static_cast<std::int64_t>(all_k.size()) - c.memory_len);
+    if (c.compression != Compression::None)
+      for (std::int64_t g = 0; g < evicted; g += c.rate) {
+        const auto end = std::min(g + c.rate, evicted);
+        result.compressed_k.push_back(naive_compress(c.compression, Rows(all_k.begin() + g, all_k.begin() + end), hp.conv_k));
+        result.compressed_v.push_back(naive_compress(c.compression, Rows(all_v.begin() + g, all_v.begin() + end), hp.conv_v));
+      }
+    while (static_cast<std::int64_t>(result.compressed_k.size()) > c.compressed_len) {
+      result.compressed_k.erase(result.compressed_k.begin());
+      result.compressed_v.erase(result.compressed_v.begin());
+    }
+    result.memory_k.assign(all_k.begin() + evicted, all_k.end());
+    result.memory_v.assign(all_v.begin() + evicted, all_v.end());
+  }
+  // fp32 error of the scores (products of d terms, plus c·d-term convolutions feeding the keys)
+  // and of the softmax-weighted sum, as in attention_tolerance.
+  const double conv_terms = c.compression == Compression::Conv ? static_cast<double>(c.rate * d) : 0.0;
+  result.tolerance =
+      8 * kFloatEps * (largest_terms * (1 + conv_terms) + std::log2(static_cast<double>(largest_context)) + 1 + conv_terms) *
+      largest_value;
+  return result;
+}
+
+HeadParams head_params(const Mechanism& m, const SegmentAttentionConfig& c, std::int64_t heads, std::int64_t h,
+                       std::int64_t d) {
+  const float* conv = c.compression == Compression::Conv ? parameter(m, "conv_weights").data() : nullptr;
+  return {parameter(m, "pos_bias_u").data() + h * d, parameter(m, "pos_bias_v").data() + h * d,
+          conv ? conv + h * c.rate * d * d : nullptr, conv ? conv + (heads + h) * c.rate * d * d : nullptr,
+          RelativeKeys(parameter(m, "w_r"), h)};
+}
+
+void check_close(const float* got, const std::vector<double>& want, double tolerance, const std::string& label) {
+  std::int64_t failures = 0;
+  for (std::size_t e = 0; e < want.size(); ++e) {
+    const double error = std::fabs(got[e] - want[e]);
+    if (!(error <= tolerance) && failures++ < 3)
+      FAIL_CHECK(label << ": element " << e << ": got " << got[e] << ", want " << want[e] << " (tolerance "
+                       << tolerance << ")");
+  }
+  CHECK_MESSAGE(failures == 0, label << ": " << failures << " elements out of tolerance");
+}
+
+void check_rows(const float* got, const Rows& want, double tolerance, const std::string& label) {
+  std::vector<double> flat;
+  for (const auto& r : want) flat.insert(flat.end(), r.begin(), r.end());
+  check_close(got, flat, tolerance, label);
+}
+
+// Runs `model` with `params` and checks every head against the naive recurrence, including the
+// final memory and compressed-memory contents.
+void check_model(const std::string& model, const Problem& p, const std::vector<std::string>& params) {
+  const auto in = random_inputs(p, static_cast<std::uint64_t>(p.seq_len * 7 + p.causal));
+  Run run = run_model(model, p, in, params);
+  const ModelInfo* info = find_model(model);
+  const ParamValues values = resolve_params(model, info->impl.params, params);
+  const SegmentAttentionConfig c = model == "compressive" ? compressive_config(values) : transformer_xl_config(values);
+  std::ostringstream label;
+  label << model << " N=" << p.seq_len << (p.causal ? " causal" : "");
+  for (const auto& param : params) label << " " << param;
+  const std::int64_t d = p.head_dim;
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      HeadParams hp = head_params(*run.mechanism, c, p.heads, h, d);
+      const auto want = naive_segments(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h), p.seq_len, d, c, p.causal, hp);
+      check_close(run.out.head(b, h), want.out, want.tolerance, label.str());
+      REQUIRE(run.state().memory_length() == static_cast<std::int64_t>(want.memory_k.size()));
+      REQUIRE(run.state().compressed_length() == static_cast<std::int64_t>(want.compressed_k.size()));
+      // Compressed slots: fp32 sums of up to c·d products (conv) or c rows (mean).
+      double largest_input = 0, largest_weight = 0;
+      for (const Tensor* t : {&in.k, &in.v})
+        for (float x : t->values()) largest_input = std::max(largest_input, std::fabs(double(x)));
+      if (c.compression == Compression::Conv)
+        for (float w : parameter(*run.mechanism, "conv_weights").values())
+          largest_weight = std::max(largest_weight, std::fabs(double(w)));
+      const double cache_tolerance = c.compression == Compression::Conv
+                                         ? 2 * kFloatEps * double(c.rate * d) * double(c.rate * d) * largest_input * largest_weight
+                                         : 2 * kFloatEps * double(c.rate) * largest_input;
+      check_rows(run.state().memory_rows(false, b, h), want.memory_k, 0, label.str() + " memory keys");
+      check_rows(run.state().memory_rows(true, b, h), want.memory_v, 0, label.str() + " memory values");
+      check_rows(run.state().compressed_rows(false, b, h), want.compressed_k, cache_tolerance,
+                 label.str() + " compressed keys");
+      check_rows(run.state().compressed_rows(true, b, h), want.compressed_v, cache_tolerance,
+                 label.str() + " compressed values");
+    }
+}
+
+std::string param(const char* name, std::int64_t value) { return std::string(name) + "=" + std::to_string(value); }
+
+PointConfig quick_point(const std::string& model, std::int64_t n, bool causal, std::vector<std::string> params = {},
+                        std::int64_t heads = 2, std::int64_t d = 32) {
+  PointConfig c;
+  c.model = model;
+  c.problem = {.batch = 1, .heads = heads, .seq_len = n, .head_dim = d, .causal = causal};
+  c.params = std::move(params);
+  c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};
+  return c;
+}
+
+}  // namespace
+
+TEST_SUITE("recurrence") {
+  TEST_CASE("transformer-xl: segment-wise output equals one naive pass over [memory ; segment]") {
+    // L = 16; N at, one below and one above 1, 2 and 3 segments; memory equal to, below, above L, none.
+    for (std::int64_t memory : {16, 7, 24, 0})
+      for (std::int64_t n : {1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 70})
+        for (bool causal : {false, true}) {
+          const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
+          check_model("transformer-xl", p, {"segment_len=16", param("memory_len", memory), "block_q=5"});
+        }
+  }
+
+  TEST_CASE("transformer-xl: query tiles at, below and above the segment length") {
+    for (std::int64_t block : {1, 11, 12, 13, 64})
+      for (bool causal : {false, true}) {
+        const Problem p{.batch = 1, .heads = 3, .seq_len = 41, .head_dim = 16, .causal = causal};
+        check_model("transformer-xl", p, {"segment_len=12", "memory_len=12", param("block_q", block)});
+      }
+  }
+
+  TEST_CASE("transformer-xl: one segment covering the sequence equals attention with relative terms on positions") {
+    // Reference on absolute positions over the whole sequence: causal j <= i, or all j (δ < 0 too).
+    for (std::int64_t n : {1, 37, 64})
+      for (std::int64_t segment : {n, n + 1, std::int64_t{512}})
+        for (bool causal : {true, false}) {
+          const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
+          const auto in = random_inputs(p, 99);
+          Run run = run_model("transformer-xl", p, in, {param("segment_len", segment)});
+          const double scale = 0.25;
+          for (std::int64_t h = 0; h < p.heads; ++h) {
+            const float* u = parameter(*run.mechanism, "pos_bias_u").data() + h * 16;
+            const float* v = parameter(*run.mechanism, "pos_bias_v").data() + h * 16;
+            RelativeKeys relative(parameter(*run.mechanism, "w_r"), h);
+            const float *q = in.q.head(0, h), *k = in.k.head(0, h), *val = in.v.head(0, h);
+            std::vector<double> want(static_cast<std::size_t>(n * 16), 0.0);
+            double largest_terms = 0, largest_value = 0;
+            for (std::int64_t e = 0; e < n * 16; ++e) largest_value = std::max(largest_value, std::fabs(double(val[e])));
+            for (std::int64_t i = 0; i < n; ++i) {
+              const std::int64_t end = causal ? i + 1 : n;
+              std::vector<double> scores(static_cast<std::size_t>(end));
+              for (std::int64_t j = 0; j < end; ++j) {
+                const auto& r = relative(i - j);
+                double s = 0, terms = 0;
+                for (std::int64_t f = 0; f < 16; ++f) {
+                  s += q[i * 16 + f] * k[j * 16 + f] + q[i * 16 + f] * r[f] + u[f] * k[j * 16 + f] + v[f] * r[f];
+                  terms += std::fabs((q[i * 16 + f] + u[f]) * k[j * 16 + f]) + std::fabs((q[i * 16 + f] + v[f]) * r[f]);
+                }
+                scores[j] = s * scale;
+                largest_terms = std::max(largest_terms, terms * scale);
+              }
+              const double peak = *std::max_element(scores.begin(), scores.end());
+              double sum = 0;
+              for (double s : scores) sum += std::exp(s - peak);
+              for (std::int64_t j = 0; j < end; ++j)
+                for (std::int64_t f = 0; f < 16; ++f) want[i * 16 + f] += std::exp(scores[j] - peak) / sum * val[j * 16 + f];
+            }
+            const double tolerance = 8 * kFloatEps * (largest_terms + std::log2(double(n)) + 1) * largest_value;
+            check_close(run.out.head(0, h), want, tolerance,
+                        "one segment N=" + std::to_string(n) + " L=" + std::to_string(segment) + (causal ? " causal" : ""));
+          }
+          CHECK(run.state().memory_length() == n);
+        }
+  }
+
+  TEST_CASE("compression functions equal naive pooling and convolution, ragged last group included") {
+    const std::int64_t d = 5;
+    Tensor rows(Shape{9, d}), weights(Shape{4 * d, d}), out(Shape{9, d});
+    for (std::int64_t e = 0; e < rows.size(); ++e) rows[e] = std::sin(1.7 * e) * 3;
+    for (std::int64_t e = 0; e < weights.size(); ++e) weights[e] = std::cos(0.9 * e) / 4;
+    for (Compression f : {Compression::MaxPool, Compression::MeanPool, Compression::Conv})
+      for (std::int64_t rate : {1, 2, 3, 4})
+        for (std::int64_t count : {1, 2, 3, 4, 5, 7, 9}) {
+          FlopCounter::reset();
+          const std::int64_t other = compress_rows(f, rows.data(), count, d, rate, weights.data(), out.data());
+          CHECK(FlopCounter::total() + other == compress_flops(f, count, d, rate));
+          Rows want;
+          for (std::int64_t g = 0; g < count; g += rate) {
+            Rows group;
+            for (std::int64_t t = g; t < std::min(g + rate, count); ++t)
+              group.emplace_back(rows.data() + t * d, rows.data() + (t + 1) * d);
+            want.push_back(naive_compress(f, group, weights.data()));
+          }
+          REQUIRE(static_cast<std::int64_t>(want.size()) == (count + rate - 1) / rate);
+          check_rows(out.data(), want, 8 * kFloatEps * rate * d * 3,
+                     "compress f=" + std::to_string(int(f)) + " rate=" + std::to_string(rate) + " count=" +
+                         std::to_string(count));
+        }
+  }
+
+  TEST_CASE("compressive: segment-wise output equals one naive pass over [compressed ; memory ; segment]") {
+    // L = 12; memory at, below L; compressed memory 5 or 6 slots; rates 2, 3; N around multiples.
+    for (const char* f : {"max", "mean", "conv"})
+      for (std::int64_t memory : {12, 7})
+        for (std::int64_t n : {11, 12, 13, 24, 25, 36, 37, 61, 100})
+          for (bool causal : {false, true}) {
+            const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
+            check_model("compressive", p,
+                        {"segment_len=12", param("memory_len", memory), param("compressed_len", memory == 12 ? 6 : 5),
+                         param("compression_rate", memory == 12 ? 3 : 2), std::string("compression=") + f,
+                         "block_q=5"});
+          }
+  }
+
+  TEST_CASE("compressive: no memory, every segment compressed straight away; rates above the segment") {
+    for (std::int64_t rate : {1, 4, 13})
+      for (bool causal : {false, true}) {
+        const Problem p{.batch = 1, .heads = 1, .seq_len = 50, .head_dim = 8, .causal = causal};
+        check_model("compressive", p,
+                    {"segment_len=12", "memory_len=0", "compressed_len=7", param("compression_rate", rate),
+                     "compression=conv"});
+      }
+  }
+
+  TEST_CASE("compressive with rate 1 and pooling is transformer-xl with memory M + n_cm, bit for bit") {
+    for (Compression f : {Compression::MaxPool, Compression::MeanPool})
+      for (bool causal : {false, true}) {
+        const Problem p{.batch = 1, .heads = 2, .seq_len = 77, .head_dim = 16, .causal = causal};
+        const auto in = random_inputs(p, 8);
+        const Run compressive = run_direct({.model = "x", .segment_len = 10, .memory_len = 6, .compressed_len = 9,
+                                            .rate = 1, .compression = f, .block_q = 4},
+                                           p, in);
+        const Run xl = run_direct({.model = "x", .segment_len = 10, .memory_len = 15, .block_q = 4}, p, in);
+        CHECK(std::memcmp(compressive.out.data(), xl.out.data(), static_cast<std::size_t>(xl.out.bytes())) == 0);
+      }
+  }
+
+  TEST_CASE("the memory FIFO keeps exactly M slots and the compressed memory exactly n_cm") {
+    const Problem p{.batch = 2, .heads = 2, .seq_len = 95, .head_dim = 8, .causal = true};
+    const auto in = random_inputs(p, 4);
+    Run xl = run_model("transformer-xl", p, in, {"segment_len=10", "memory_len=7"});
+    CHECK(xl.state().memory_length() == 7);
+    CHECK(xl.state().compressed_length() == 0);
+    for (std::int64_t b = 0; b < 2; ++b)
+      for (std::int64_t h = 0; h < 2; ++h) {
+        CHECK(std::memcmp(xl.state().memory_rows(false, b, h), in.k.head(b, h) + 88 * 8, 7 * 8 * sizeof(float)) == 0);
+        CHECK(std::memcmp(xl.state().memory_rows(true, b, h), in.v.head(b, h) + 88 * 8, 7 * 8 * sizeof(float)) == 0);
+      }
+    Run compressive = run_model("compressive", p, in,
+                                {"segment_len=10", "memory_len=7", "compressed_len=4", "compression_rate=3",
+                                 "compression=max"});
+    CHECK(compressive.state().memory_length() == 7);
+    CHECK(compressive.state().compressed_length() == 4);
+    // The last segment (90 … 94) evicted positions 83 … 87 of [83 … 89 ; 90 … 94]: groups
+    // {83, 84, 85} and {86, 87}; the slots before came from segment 80 … 89 evicting 73 … 82:
+    // {73, 74, 75}, {76, 77, 78}, {79, 80, 81}, {82}. The newest four: {79..81}, {82}, {83..85}, {86, 87}.
+    const std::vector<std::pair<int, int>> groups{{79, 82}, {82, 83}, {83, 86}, {86, 88}};
+    for (std::int64_t h = 0; h < 2; ++h)
+      for (std::size_t s = 0; s < groups.size(); ++s)
+        for (std::int64_t j = 0; j < 8; ++j) {
+          float want = -INFINITY;
+          for (int t = groups[s].first; t < groups[s].second; ++t) want = std::max(want, in.k.head(1, h)[t * 8 + j]);
+          CHECK(compressive.state().compressed_rows(false, 1, h)[s * 8 + j] == want);
+        }
+    Run early = run_model("compressive", {.batch = 1, .heads = 1, .seq_len = 5, .head_dim = 8, .causal = true},
+                          random_inputs({.batch = 1, .heads = 1, .seq_len = 5, .head_dim = 8}, 1),
+                          {"segment_len=10", "memory_len=7", "compressed_len=4"});
+    CHECK(early.state().memory_length() == 5);
+    CHECK(early.state().compressed_length() == 0);
+  }
+
+  TEST_CASE("causal: changing future tokens changes no earlier output") {
+    for (const char* model : {"transformer-xl", "compressive"}) {
+      const Problem p{.batch = 1, .heads = 2, .seq_len = 90, .head_dim = 8, .causal = true};
+      const std::vector<std::string> params{"segment_len=16", "memory_len=9"};
+      auto in = random_inputs(p, 5);
+      const Tensor before = run_model(model, p, in, params).out.clone();
+      const std::int64_t cut = 37;  // inside the third segment
+      for (std::int64_t h = 0; h < 2; ++h)
+        for (std::int64_t e = cut * 8; e < p.seq_len * 8; ++e) {
+          in.k.head(0, h)[e] += 3.0f;
+          in.v.head(0, h)[e] -= 5.0f;
+          in.q.head(0, h)[e] *= -1.0f;
+        }
+      const Tensor after = run_model(model, p, in, params).out.clone();
+      for (std::int64_t h = 0; h < 2; ++h) {
+        CHECK(std::memcmp(before.head(0, h), after.head(0, h), cut * 8 * sizeof(float)) == 0);
+        CHECK(std::memcmp(before.head(0, h) + cut * 8, after.head(0, h) + cut * 8, 8 * sizeof(float)) != 0);
+      }
+    }
+  }
+
+  TEST_CASE("not causal: a query sees its whole segment and the memory, never a later segment") {
+    for (const char* model : {"transformer-xl", "compressive"}) {
+      const Problem p{.batch = 1, .heads = 1, .seq_len = 64, .head_dim = 8, .causal = false};
+      const std::vector<std::string> params{"segment_len=16", "memory_len=16"};
+      auto in = random_inputs(p, 6);
+      const Tensor before = run_model(model, p, in, params).out.clone();
+      for (std::int64_t e = 0; e < 8; ++e) in.k.head(0, 0)[40 * 8 + e] += 2.0f;  // token 40: segment 32 … 47
+      const Tensor after = run_model(model, p, in, params).out.clone();
+      CHECK(std::memcmp(before.data(), after.data(), 32 * 8 * sizeof(float)) == 0);
+      CHECK(std::memcmp(before.data() + 32 * 8, after.data() + 32 * 8, 8 * sizeof(float)) != 0);
+    }
+  }
+
+  TEST_CASE("executed FLOPs equal the analytic count over several segments, compressions and tiles") {
+    for (const char* f : {"max", "mean", "conv"})
+      for (bool causal : {false, true})
+        for (std::int64_t n : {1, 47, 100}) {
+          const std::vector<std::string> params{"segment_len=16", "memory_len=9", "compressed_len=5",
+                                                "compression_rate=3", std::string("compression=") + f, "block_q=7"};
+          const auto config = quick_point("compressive", n, causal, params);
+          const ModelInfo* info = find_model("compressive");
+          CAPTURE(f);
+          CAPTURE(n);
+          CAPTURE(causal);
+          CHECK(run_point(config).flops ==
+                info->impl.flops(config.problem, resolve_params("compressive", info->impl.params, params)));
+        }
+    for (bool causal : {false, true}) {
+      const std::vector<std::string> params{"segment_len=16", "memory_len=20", "block_q=6"};
+      const auto config = quick_point("transformer-xl", 83, causal, params);
+      const ModelInfo* info = find_model("transformer-xl");
+      CHECK(run_point(config).flops ==
+            info->impl.flops(config.problem, resolve_params("transformer-xl", info->impl.params, params)));
+    }
+  }
+
+  TEST_CASE("default segment and memory sizes: workspace constant in N, FLOPs linear") {
+    for (const char* model : {"transformer-xl", "compressive"}) {
+      CAPTURE(model);
+      const ModelInfo* info = find_model(model);
+      const auto small = run_point(quick_point(model, 2048, true, {}, 1, 16));
+      const auto large = run_point(quick_point(model, 16384, true, {}, 1, 16));
+      CHECK(large.workspace_bytes <= 2 * small.workspace_bytes);
+      CHECK(static_cast<double>(large.workspace_bytes) <= 1.05 * static_cast<double>(large.estimated_workspace_bytes) + 65536);
+      const ParamValues defaults = resolve_params(model, info->impl.params, {});
+      CHECK(large.flops == info->impl.flops(quick_point(model, 16384, true, {}, 1, 16).problem, defaults));
+      // Once the caches are full (compressive: after 2560 tokens) every segment costs the same:
+      // 8192 more tokens cost exactly twice what 4096 more cost.
+      auto flops = [&](std::int64_t n) {
+        return static_cast<double>(info->impl.flops(quick_point(model, n, true, {}, 1, 16).problem, defaults));
+      };
+      CHECK((flops(16384) - flops(8192)) == doctest::Approx(2 * (flops(8192) - flops(4096))).epsilon(1e-12));
+      const double flop_ratio = flops(16384) / flops(2048);
+      CHECK(flop_ratio > 8);
+      CHECK(flop_ratio < 16);
+    }
+  }
+}
