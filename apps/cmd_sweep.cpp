@@ -1,11 +1,14 @@
 // `xfbench sweep`: models × sequence lengths, each point in a child process, JSON report
-// rewritten atomically after every point, table printed at the end.
+// rewritten atomically after every point, table printed at the end. `--shard i/n` runs one part
+// of the points; `--preset NAME` fills in a published configuration (options given explicitly win).
 #include <cstdio>
+#include <tuple>
 
 #include <spdlog/spdlog.h>
 
 #include "apps/commands.hpp"
 #include "lib/errors.hpp"
+#include "lib/lra.hpp"
 #include "lib/sweep.hpp"
 #include "lib/table.hpp"
 
@@ -20,9 +23,37 @@ struct SweepOptions {
   SweepSettings settings;
   bool no_measure = false;
   bool no_table = false;
+  std::string shard;
+  std::string preset;
 };
 
-int run(SweepOptions& o) {
+// Fills every preset value the user did not give on the command line.
+void apply_preset(const CLI::App& command, SweepOptions& o) {
+  const SweepPreset* preset = find_preset(o.preset);
+  if (preset == nullptr) throw InputError("unknown --preset '" + o.preset + "' (known: lra)");
+  auto given = [&](const char* name) { return command.count(name) > 0; };
+  auto& point = o.problem.point;
+  if (!given("--models")) {
+    o.models.clear();
+    for (const auto& m : preset->models) o.models += (o.models.empty() ? "" : ",") + m;
+  }
+  if (!given("--seq-lens")) {
+    o.seq_lens.clear();
+    for (auto n : preset->seq_lens) o.seq_lens += (o.seq_lens.empty() ? "" : ",") + std::to_string(n);
+  }
+  if (!given("--scope")) o.problem.scope = preset->scope;
+  if (!given("--batch")) point.problem.batch = preset->batch;
+  if (!given("--heads")) point.problem.heads = preset->heads;
+  if (!given("--head-dim")) point.problem.head_dim = preset->head_dim;
+  if (!given("--d-ff")) point.d_ff = preset->d_ff;
+  auto params = preset_params(*preset, parse_model_selection(o.models));
+  params.insert(params.end(), o.problem.params.begin(), o.problem.params.end());
+  o.problem.params = params;
+  o.settings.preset = preset->name;
+}
+
+int run(const CLI::App& command, SweepOptions& o) {
+  if (!o.preset.empty()) apply_preset(command, o);
   finish_problem_options(o.problem);
   auto& s = o.settings;
   s.models = parse_model_selection(o.models);
@@ -30,6 +61,7 @@ int run(SweepOptions& o) {
   s.base = o.problem.point;
   s.base.params.clear();
   s.params = o.problem.params;
+  if (!o.shard.empty()) std::tie(s.shard_index, s.shard_count) = parse_shard(o.shard);
   if (o.memory_limit_gib < 0) throw InputError("--memory-limit must not be negative");
   if (s.timeout_s <= 0) throw InputError("--timeout must be positive");
   s.memory_limit_bytes = static_cast<std::int64_t>(o.memory_limit_gib * 1024.0 * 1024.0 * 1024.0);
@@ -56,7 +88,9 @@ void add_sweep(CLI::App& app, Action& action) {
   command->add_flag("--resume", o->settings.resume, "keep the finished points of an existing --out report");
   command->add_flag("--no-measure", o->no_measure, "do not measure FMA peak and bandwidth for the context");
   command->add_flag("--no-table", o->no_table, "do not print the table at the end");
-  command->callback([o, &action] { action = [o] { return run(*o); }; });
+  command->add_option("--shard", o->shard, "run shard i of n (1-based, e.g. 2/4); join the parts with `xfbench merge`");
+  command->add_option("--preset", o->preset, "lra: Long Range Arena's efficiency configuration (see the README)");
+  command->callback([o, command, &action] { action = [o, command] { return run(*command, *o); }; });
 }
 
 }  // namespace xfb::cli

@@ -1,7 +1,10 @@
-// `xfbench table`: a report as a comparison table (terminal text, Markdown or CSV).
+// `xfbench table`: a report as a comparison table (terminal text, Markdown or CSV); `--paper lra`
+// sets our ratios next to LRA's published ones; `--complexity` adds the fitted complexity.
 #include <cstdio>
 
 #include "apps/commands.hpp"
+#include "lib/errors.hpp"
+#include "lib/lra.hpp"
 #include "lib/table.hpp"
 
 namespace xfb::cli {
@@ -12,11 +15,16 @@ void add_table(CLI::App& app, Action& action) {
   auto metric = std::make_shared<std::string>("time");
   auto format = std::make_shared<std::string>("text");
   auto baseline = std::make_shared<std::string>("vanilla");
+  auto paper = std::make_shared<std::string>();
+  auto complexity = std::make_shared<bool>(false);
   command->add_option("file", *file, "report JSON")->required();
   command->add_option("--metric", *metric, "time | speedup | memory | gflops")
       ->check(CLI::IsMember({"time", "speedup", "memory", "gflops"}));
   command->add_option("--format", *format, "text | md | csv")->check(CLI::IsMember({"text", "md", "csv"}));
   command->add_option("--baseline", *baseline, "model the speed-up is relative to")->capture_default_str();
+  command->add_option("--paper", *paper, "lra: our speed-ups and memory ratios next to LRA Table 2's")
+      ->check(CLI::IsMember({"lra"}));
+  command->add_flag("--complexity", *complexity, "add the survey's complexity, the FLOP-count fit and the time exponent");
   command->callback([=, &action] {
     action = [=] {
       TableOptions options;
@@ -26,6 +34,12 @@ void add_table(CLI::App& app, Action& action) {
                                              : TableMetric::Time;
       options.format = *format == "md" ? TableFormat::Markdown : *format == "csv" ? TableFormat::Csv : TableFormat::Text;
       options.baseline = *baseline;
+      options.complexity = *complexity;
+      if (!paper->empty()) {
+        if (options.format == TableFormat::Csv) throw InputError("--paper lra prints text or md, not csv");
+        std::printf("%s", render_lra_comparison(load_nonempty_report(*file), options.format).c_str());
+        return 0;
+      }
       std::printf("%s", render_table(load_report(*file), options).c_str());
       return 0;
     };

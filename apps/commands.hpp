@@ -17,6 +17,11 @@ void add_env(CLI::App& app, Action& action);
 void add_run(CLI::App& app, Action& action);
 void add_sweep(CLI::App& app, Action& action);
 void add_table(CLI::App& app, Action& action);
+void add_compare(CLI::App& app, Action& action);
+void add_merge(CLI::App& app, Action& action);
+void add_plot(CLI::App& app, Action& action);
+void add_complexity(CLI::App& app, Action& action);
+void add_taxonomy(CLI::App& app, Action& action);
 
 // Options shared by `run` and `sweep`: problem shape, scope, threads, seed, timing.
 struct ProblemOptions {

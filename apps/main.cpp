@@ -57,6 +57,11 @@ int main(int argc, char** argv) {
   cli::add_run(app, action);
   cli::add_sweep(app, action);
   cli::add_table(app, action);
+  cli::add_compare(app, action);
+  cli::add_merge(app, action);
+  cli::add_plot(app, action);
+  cli::add_complexity(app, action);
+  cli::add_taxonomy(app, action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -33,6 +33,20 @@ std::string ResultRow::key() const {
   return out.str();
 }
 
+std::string configuration_text(const ResultRow& row) {
+  std::ostringstream out;
+  out << row.scope << (row.causal ? ", causal" : "") << ", B=" << row.batch << " H=" << row.heads << " D=" << row.head_dim;
+  if (row.d_ff) out << ", d_ff=" << row.d_ff;
+  return out.str();
+}
+
+std::string params_text(const nlohmann::json& params) {
+  std::string text;
+  for (const auto& [key, value] : params.items())
+    text += (text.empty() ? "" : ",") + key + "=" + (value.is_string() ? value.get<std::string>() : value.dump());
+  return text;
+}
+
 void to_json(nlohmann::json& j, const ResultRow& r) {
   j = nlohmann::json{{"model", r.model},
                      {"classes", r.classes},
@@ -141,6 +155,12 @@ Report load_report(const std::string& path) {
   } catch (const InputError& e) {
     throw InputError(path + ": " + e.what());
   }
+}
+
+Report load_nonempty_report(const std::string& path) {
+  Report report = load_report(path);
+  if (report.results.empty()) throw InputError(path + ": report has no results");
+  return report;
 }
 
 void write_file_atomically(const std::string& path, const std::string& content) {

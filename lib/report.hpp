@@ -44,6 +44,11 @@ struct ResultRow {
   std::string key() const;
 };
 
+// "attention, B=1 H=8 D=64" (+ ", causal", ", d_ff=…"): everything of the key but model, N, params.
+std::string configuration_text(const ResultRow& row);
+// "block_k=256,block_q=64"; empty for no parameters.
+std::string params_text(const nlohmann::json& params);
+
 void to_json(nlohmann::json& j, const ResultRow& row);
 void from_json(const nlohmann::json& j, ResultRow& row);
 
@@ -57,6 +62,8 @@ nlohmann::json report_to_json(const Report& report);
 // Throws InputError with a one-line message on malformed input or a future schema.
 Report report_from_json(const nlohmann::json& j);
 Report load_report(const std::string& path);
+// load_report, and an InputError when the report has no results (for commands that analyse one).
+Report load_nonempty_report(const std::string& path);
 // Writes to path.tmp then renames: readers never see a half-written file.
 void save_report_atomically(const Report& report, const std::string& path);
 void write_file_atomically(const std::string& path, const std::string& content);

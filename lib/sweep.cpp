@@ -1,5 +1,6 @@
 #include "lib/sweep.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -118,6 +119,56 @@ std::vector<std::string> params_for_model(const std::string& model, const std::v
   return own;
 }
 
+std::pair<int, int> parse_shard(const std::string& text) {
+  const auto parts = split(text, '/');
+  if (parts.size() != 2) throw InputError("--shard expects i/n (e.g. 2/4), got '" + text + "'");
+  const auto index = parse_positive(parts[0], "--shard index"), count = parse_positive(parts[1], "--shard count");
+  if (index > count) throw InputError("--shard " + text + ": the index must be between 1 and " + parts[1]);
+  if (count > 100000) throw InputError("--shard " + text + ": too many shards");
+  return {static_cast<int>(index), static_cast<int>(count)};
+}
+
+std::vector<int> assign_shards(const std::vector<std::int64_t>& costs, int shards) {
+  std::vector<std::size_t> order(costs.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return costs[a] > costs[b]; });
+  std::vector<std::int64_t> load(static_cast<std::size_t>(shards), 0);
+  std::vector<std::size_t> count(static_cast<std::size_t>(shards), 0);
+  std::vector<int> shard_of(costs.size(), 0);
+  for (std::size_t point : order) {
+    std::size_t best = 0;
+    for (std::size_t s = 1; s < load.size(); ++s)
+      if (load[s] < load[best] || (load[s] == load[best] && count[s] < count[best])) best = s;
+    shard_of[point] = static_cast<int>(best);
+    load[best] += costs[point];
+    ++count[best];
+  }
+  return shard_of;
+}
+
+namespace {
+
+// Estimated FLOPs of a point's mechanism; 0 for points that will not run.
+std::int64_t estimated_cost(const PointConfig& point) {
+  const ModelInfo* model = find_model(point.model);
+  if (model == nullptr || !model->implemented() || model->impl.flops == nullptr) return 0;
+  if (point.problem.causal && !model->decodes) return 0;
+  return model->impl.flops(point.problem, resolve_params(model->name, model->impl.params, point.params));
+}
+
+std::vector<PointConfig> points_of_shard(const std::vector<PointConfig>& points, int index, int count) {
+  if (count <= 1) return points;
+  std::vector<std::int64_t> costs;
+  for (const auto& point : points) costs.push_back(estimated_cost(point));
+  const auto shard_of = assign_shards(costs, count);
+  std::vector<PointConfig> mine;
+  for (std::size_t i = 0; i < points.size(); ++i)
+    if (shard_of[i] == index - 1) mine.push_back(points[i]);
+  return mine;
+}
+
+}  // namespace
+
 ResultRow run_point_in_child(const PointConfig& config, double timeout_s) {
   ResultRow row = describe_point(config);
   auto args = run_arguments(config);
@@ -167,6 +218,8 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
       if (!params_for_model(model, {param}).empty()) used = true;
     if (!used) throw InputError("--param " + param + " matches no parameter of the selected models");
   }
+  if (s.shard_index < 1 || s.shard_index > s.shard_count) throw InputError("--shard index out of range");
+  points = points_of_shard(points, s.shard_index, s.shard_count);
 
   Report report;
   std::set<std::string> done;
@@ -201,6 +254,8 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
                      {"min_time_s", s.base.timing.min_time_s},
                      {"timeout_s", s.timeout_s},
                      {"memory_limit_bytes", s.memory_limit_bytes}};
+  if (s.shard_count > 1) report.settings["shard"] = std::to_string(s.shard_index) + "/" + std::to_string(s.shard_count);
+  if (!s.preset.empty()) report.settings["preset"] = s.preset;
   save_report_atomically(report, s.out_path);
 
   const auto start = std::chrono::steady_clock::now();

@@ -4,6 +4,7 @@
 // report is rewritten atomically after every point; `resume` keeps finished points.
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "lib/point.hpp"
@@ -22,7 +23,17 @@ struct SweepSettings {
   bool resume = false;
   bool measure_machine = true;  // record FMA peak and bandwidth in the context
   bool progress = true;         // progress lines on stderr
+  int shard_index = 1;          // run shard shard_index of shard_count (1-based), see assign_shards
+  int shard_count = 1;
+  std::string preset;           // recorded in the settings when the sweep came from a preset
 };
+
+// Parses "i/n" with 1 ≤ i ≤ n into (i, n); throws InputError.
+std::pair<int, int> parse_shard(const std::string& text);
+// Deals points to `shards` shards (0-based result per point) so that shards cost about the same:
+// largest estimated cost first, each to the least-loaded shard (ties: lower point index, lower
+// shard). Depends only on the costs, so every shard of a sweep computes the same partition.
+std::vector<int> assign_shards(const std::vector<std::int64_t>& costs, int shards);
 
 // Parses `all`, `implemented`, `class:<class>` or `a,b,c` into registry names.
 std::vector<std::string> parse_model_selection(const std::string& text);

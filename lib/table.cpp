@@ -6,6 +6,7 @@
 #include <set>
 #include <sstream>
 
+#include "lib/complexity.hpp"
 #include "lib/mechanism.hpp"
 #include "lib/registry.hpp"
 
@@ -74,12 +75,7 @@ int model_rank(const std::string& name) {
 
 std::string row_label(const ResultRow& row, bool with_params) {
   std::string label = row.model;
-  if (with_params && !row.params.empty()) {
-    std::string inner;
-    for (const auto& [key, value] : row.params.items())
-      inner += (inner.empty() ? "" : ",") + key + "=" + (value.is_string() ? value.get<std::string>() : value.dump());
-    label += " (" + inner + ")";
-  }
+  if (with_params && !row.params.empty()) label += " (" + params_text(row.params) + ")";
   return label;
 }
 
@@ -88,7 +84,25 @@ std::string first_class(const std::string& model) {
   return info ? class_name(info->classes.front()) : "unknown";
 }
 
-void emit(std::ostringstream& out, const std::vector<std::vector<std::string>>& cells, TableFormat format) {
+std::vector<std::string> complexity_cells(const std::vector<const ResultRow*>& rows) {
+  const ComplexitySeries series = analyse_series(rows);
+  const std::string survey = series.survey;
+  if (series.lengths.size() < 3 || !series.flops.fit) return {survey, "-", "-"};
+  const char* mark = series.verdict == ComplexityVerdict::Match      ? " ✓"
+                     : series.verdict == ComplexityVerdict::Mismatch ? " ✗"
+                     : series.verdict == ComplexityVerdict::Ambiguous ? " ?"
+                                                                      : "";
+  char exponent[32] = "-";
+  if (series.time.exponent) std::snprintf(exponent, sizeof exponent, "N^%.2f", *series.time.exponent);
+  return {survey, big_o_name(series.flops.fit->best) + mark, exponent};
+}
+
+}  // namespace
+
+std::string render_cells(const std::vector<std::vector<std::string>>& cells, TableFormat format,
+                         std::size_t left_columns) {
+  std::ostringstream out;
+  if (cells.empty()) return "";
   if (format == TableFormat::Csv) {
     for (const auto& line : cells) {
       for (std::size_t i = 0; i < line.size(); ++i) {
@@ -102,7 +116,7 @@ void emit(std::ostringstream& out, const std::vector<std::vector<std::string>>& 
       }
       out << "\n";
     }
-    return;
+    return out.str();
   }
   std::vector<std::size_t> widths(cells.front().size(), 0);
   auto display_width = [](const std::string& s) {
@@ -116,7 +130,7 @@ void emit(std::ostringstream& out, const std::vector<std::vector<std::string>>& 
     const auto& line = cells[r];
     for (std::size_t i = 0; i < line.size(); ++i) {
       const std::string pad(widths[i] - display_width(line[i]), ' ');
-      const bool left = i < 2;
+      const bool left = i < left_columns;
       if (format == TableFormat::Markdown) out << "| ";
       out << (left ? line[i] + pad : pad + line[i]) << (format == TableFormat::Markdown ? " " : "  ");
     }
@@ -124,16 +138,15 @@ void emit(std::ostringstream& out, const std::vector<std::vector<std::string>>& 
     if (r == 0) {
       for (std::size_t i = 0; i < line.size(); ++i) {
         if (format == TableFormat::Markdown)
-          out << "|" << (i < 2 ? ":" : "-") << std::string(widths[i], '-') << (i < 2 ? "-" : ":");
+          out << "|" << (i < left_columns ? ":" : "-") << std::string(widths[i], '-') << (i < left_columns ? "-" : ":");
         else
           out << std::string(widths[i], '-') << "  ";
       }
       out << (format == TableFormat::Markdown ? "|" : "") << "\n";
     }
   }
+  return out.str();
 }
-
-}  // namespace
 
 std::string render_table(const Report& report, const TableOptions& options) {
   std::map<GroupKey, std::vector<const ResultRow*>> groups;
@@ -176,6 +189,7 @@ std::string render_table(const Report& report, const TableOptions& options) {
     std::vector<std::string> header = {"class", "model"};
     if (options.format == TableFormat::Csv) header = {"scope", "causal", "batch", "heads", "head_dim", "class", "model"};
     for (auto n : lengths) header.push_back("N=" + std::to_string(n));
+    if (options.complexity) header.insert(header.end(), {"survey", "flops fit", "time"});
     cells.push_back(header);
     for (const auto& label : labels) {
       std::vector<std::string> line;
@@ -188,10 +202,16 @@ std::string render_table(const Report& report, const TableOptions& options) {
         auto found = grid[label].find(n);
         line.push_back(found == grid[label].end() ? "" : cell(*found->second, baseline.count(n) ? baseline[n] : nullptr, options, peak));
       }
+      if (options.complexity) {
+        std::vector<const ResultRow*> series;
+        for (const auto& [n, row] : grid[label]) series.push_back(row);
+        const auto extra = complexity_cells(series);
+        line.insert(line.end(), extra.begin(), extra.end());
+      }
       cells.push_back(line);
     }
     if (options.format == TableFormat::Csv && !first_group) cells.erase(cells.begin());
-    emit(out, cells, options.format);
+    out << render_cells(cells, options.format);
     first_group = false;
   }
   if (groups.empty()) out << "(no results)\n";

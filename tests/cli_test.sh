@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end tests of the xfbench command line: exit codes, one-line errors, no partial output,
-# run/sweep/table/list/env behaviour, child-process isolation, resume and memory-limit skips.
+# run/sweep/table/list/env behaviour, child-process isolation, resume and memory-limit skips;
+# compare on doctored reports, shards and merge, plot, complexity, taxonomy, the LRA preset and
+# the CI regression gate.
 set -u
 bin="$1"
 work=$(mktemp -d)
@@ -115,6 +117,163 @@ done
 "$bin" list --implemented | grep -q "^exact-tiled" && pass || fail "list --implemented"
 "$bin" list --class kernels --format md | grep -q "Performer" && pass || fail "list --class kernels"
 "$bin" env --json | grep -q '"onednn_version"' && pass || fail "env"
+
+# --- compare on doctored reports ------------------------------------------------------------------
+# scale_times FACTOR: every timing sample and median multiplied (pretty-printed reports have one
+# sample per line inside "samples_ns": [ … ]).
+scale_times() {
+  awk -v f="$1" '
+    /"samples_ns": \[$/ { inside = 1; print; next }
+    inside && /\]/ { inside = 0 }
+    inside { sub(/[0-9.e+]+/, sprintf("%.1f", $1 * f)); print; next }
+    /"median_ns": / { match($0, /: [0-9.e+]+/); v = substr($0, RSTART + 2, RLENGTH - 2); sub(/: [0-9.e+]+/, ": " sprintf("%.1f", v * f)) }
+    { print }'
+}
+# steady_times: the k-th sample of every point becomes 1e6·(1 + k/100) ns, the median that of
+# seven samples (the sweep below takes exactly 7: --min-reps 7 --min-time 0), so doctored
+# comparisons do not depend on this machine's noise.
+steady_times() {
+  awk '
+    /"samples_ns": \[$/ { inside = 1; k = 0; print; next }
+    inside && /\]/ { inside = 0 }
+    inside { sub(/[0-9.e+]+/, sprintf("%.1f", 1e6 * (1 + k / 100))); k++; print; next }
+    /"median_ns": / { sub(/: [0-9.e+]+/, ": 1030000.0") }
+    { print }'
+}
+# bump_first FIELD DELTA: adds DELTA to the first integer field FIELD.
+bump_first() {
+  awk -v field="\"$1\":" -v d="$2" '
+    !done && index($0, field) { match($0, /: -?[0-9]+/); v = substr($0, RSTART + 2, RLENGTH - 2); sub(/: -?[0-9]+/, ": " (v + d)); done = 1 }
+    { print }'
+}
+timed=(--heads 2 --head-dim 16 --min-reps 7 --min-time 0 --threads 2 --no-measure --no-table)
+"$bin" sweep --models vanilla,exact-tiled --seq-lens 64,128 "${timed[@]}" --out "$work/base.json" >/dev/null 2>&1 \
+  && pass || fail "sweep for compare"
+steady_times <"$work/base.json" >"$work/steady.json"
+mv "$work/steady.json" "$work/base.json"
+scale_times 2 <"$work/base.json" >"$work/slower.json"
+bump_first peak_tensor_bytes 1 <"$work/base.json" >"$work/memory.json"
+bump_first flops 64 <"$work/base.json" >"$work/flops.json"
+sed '0,/"status": "ok"/s//"status": "error"/' "$work/base.json" >"$work/error.json"
+sed 's/"cpu_model": "[^"]*"/"cpu_model": "Another CPU"/' "$work/base.json" >"$work/othercpu.json"
+
+"$bin" compare "$work/base.json" "$work/base.json" >"$work/c.txt"
+[ $? -eq 0 ] && ! grep -q "REGRESSION" "$work/c.txt" && grep -q "0 regression(s)" "$work/c.txt" \
+  && pass || fail "compare of identical reports"
+"$bin" compare "$work/base.json" "$work/slower.json" >"$work/c.txt"
+[ $? -eq 1 ] && [ "$(grep -c "REGRESSION: time" "$work/c.txt")" -eq 4 ] && grep -q "time 2.000×" "$work/c.txt" \
+  && pass || fail "compare: 2× slower must be 4 time regressions: $(cat "$work/c.txt")"
+"$bin" compare "$work/base.json" "$work/slower.json" --metrics memory,flops >"$work/c.txt"
+[ $? -eq 0 ] && grep -q "slower" "$work/c.txt" && pass || fail "compare: time reported but not gated"
+"$bin" compare "$work/base.json" "$work/memory.json" >"$work/c.txt"
+[ $? -eq 1 ] && grep -q "REGRESSION: memory" "$work/c.txt" && grep -q "+1 B" "$work/c.txt" \
+  && pass || fail "compare: memory +1 byte"
+"$bin" compare "$work/base.json" "$work/memory.json" --max-memory-growth 1% >/dev/null && pass || fail "--max-memory-growth 1%"
+"$bin" compare "$work/base.json" "$work/flops.json" --format md >"$work/c.md"
+[ $? -eq 1 ] && grep -q "REGRESSION: flops" "$work/c.md" && grep -q "^| point" "$work/c.md" \
+  && pass || fail "compare: FLOP change gates, md format"
+"$bin" compare "$work/base.json" "$work/flops.json" --metrics time,memory >/dev/null && pass || fail "flops gate off"
+"$bin" compare "$work/base.json" "$work/error.json" --metrics memory --format json >"$work/c.json"
+[ $? -eq 1 ] && grep -q '"verdict": "error"' "$work/c.json" && grep -q '"error_regressions": 1' "$work/c.json" \
+  && pass || fail "compare: ok→error is a regression"
+expect_error 2 compare "$work/base.json" "$work/othercpu.json"
+grep -q "cpu_model ('.*' vs 'Another CPU')" "$work/err" && grep -q -- "--allow-different-context" "$work/err" \
+  && pass || fail "context mismatch must name the field: $(cat "$work/err")"
+"$bin" compare "$work/base.json" "$work/othercpu.json" --allow-different-context >/dev/null && pass || fail "--allow-different-context"
+echo '{"schema_version": 1, "results": []}' >"$work/empty.json"
+expect_error 2 compare "$work/base.json" "$work/broken.json"
+expect_error 2 compare "$work/future.json" "$work/base.json"
+expect_error 2 compare "$work/base.json" "$work/empty.json"
+expect_error 2 compare "$work/base.json" "$work/nosuch.json"
+expect_error 2 compare "$work/base.json" "$work/base.json" --metrics time,speed
+expect_error 2 compare "$work/base.json" "$work/base.json" --max-slowdown fast
+expect_error 2 compare "$work/base.json"
+
+# --- shards and merge ------------------------------------------------------------------------
+few=(--heads 2 --head-dim 16 --min-reps 1 --min-time 0 --threads 2 --no-measure --no-table)
+models=vanilla,exact-tiled,linformer
+"$bin" sweep --models $models --seq-lens 64,100,128 "${few[@]}" --out "$work/whole.json" >/dev/null 2>&1
+for i in 1 2 3; do
+  "$bin" sweep --models $models --seq-lens 64,100,128 "${few[@]}" --shard "$i/3" --out "$work/shard$i.json" \
+    >/dev/null 2>&1 || fail "shard $i/3"
+done
+[ $(($(grep -c '"model":' "$work/shard1.json") + $(grep -c '"model":' "$work/shard2.json") + \
+     $(grep -c '"model":' "$work/shard3.json"))) -eq 9 ] && grep -q '"shard": "2/3"' "$work/shard2.json" \
+  && pass || fail "three shards hold the nine points"
+"$bin" merge "$work/shard3.json" "$work/shard1.json" "$work/shard2.json" -o "$work/merged.json" 2>/dev/null \
+  && pass || fail "merge of shards"
+# Same point set (compare: no new or missing point; deterministic metrics equal) and same order.
+"$bin" compare "$work/whole.json" "$work/merged.json" --metrics memory,flops --format json >"$work/m.json" \
+  && ! grep -q '"new"\|"missing"' "$work/m.json" && grep -q '"points": 9' "$work/m.json" \
+  && pass || fail "merged shards differ from the unsharded sweep"
+diff <(grep -E '"(model|seq_len)":' "$work/whole.json") <(grep -E '"(model|seq_len)":' "$work/merged.json") >/dev/null \
+  && pass || fail "merged points are not in sweep order"
+[ "$(grep -c '"shard": "[123]/3"' "$work/merged.json")" -eq 3 ] && grep -q '"merged_from"' "$work/merged.json" \
+  && pass || fail "merged provenance"
+expect_error 2 merge "$work/shard1.json" "$work/shard1.json" -o "$work/dup.json"
+grep -q "duplicate point" "$work/err" && [ ! -e "$work/dup.json" ] && pass || fail "duplicate points must be rejected"
+sed 's/"cpu_model": "[^"]*"/"cpu_model": "Another CPU"/' "$work/shard2.json" >"$work/shard2-other.json"
+expect_error 2 merge "$work/shard1.json" "$work/shard2-other.json" -o "$work/mixed.json"
+[ ! -e "$work/mixed.json" ] && pass || fail "mismatched contexts must write nothing"
+"$bin" sweep --models $models --seq-lens 64,100 "${few[@]}" --shard 1/2 --out "$work/other-settings.json" >/dev/null 2>&1
+expect_error 2 merge "$work/shard1.json" "$work/other-settings.json" -o "$work/mixed.json"
+expect_error 2 merge "$work/shard1.json" "$work/broken.json" -o "$work/mixed.json"
+expect_error 2 sweep --models vanilla --seq-lens 64 --shard 3/2 --out "$work/r.json"
+expect_error 2 sweep --models vanilla --seq-lens 64 --shard 1-2 --out "$work/r.json"
+
+# --- plot, complexity, taxonomy, table extras --------------------------------------------------
+for metric in time memory speedup; do
+  "$bin" plot "$work/base.json" --metric "$metric" --out "$work/$metric.svg" && head -1 "$work/$metric.svg" | grep -q '^<?xml' \
+    && [ "$(grep -c 'class="point"' "$work/$metric.svg")" -eq 4 ] && pass || fail "plot --metric $metric"
+done
+if command -v xmllint >/dev/null; then
+  xmllint --noout "$work/time.svg" && pass || fail "plot output is not well-formed XML"
+fi
+expect_error 2 plot "$work/base.json" --out "$work/missing/p.svg"
+expect_error 2 plot "$work/empty.json" --out "$work/p.svg"
+expect_error 2 plot "$work/base.json" --metric gflops --out "$work/p.svg"
+[ ! -e "$work/p.svg" ] && pass || fail "a failed plot wrote a file"
+"$bin" sweep --models vanilla,exact-tiled --seq-lens 32,64,128 "${few[@]}" --out "$work/fit.json" >/dev/null 2>&1
+"$bin" complexity "$work/fit.json" >"$work/fit.txt" && [ "$(grep -c " match" "$work/fit.txt")" -eq 2 ] \
+  && pass || fail "complexity: vanilla and exact-tiled execute O(N²) FLOPs: $(cat "$work/fit.txt")"
+"$bin" complexity "$work/fit.json" --format json | grep -q '"best": "N²"' && pass || fail "complexity --format json"
+"$bin" table "$work/fit.json" --complexity | grep -q "N² ✓" && pass || fail "table --complexity"
+expect_error 2 complexity "$work/empty.json"
+expect_error 2 complexity "$work/future.json"
+"$bin" taxonomy --format md | grep -q "| 14 | Performer" && pass || fail "taxonomy md"
+[ "$("$bin" taxonomy --format json | grep -c '"survey_row"')" -eq 20 ] && pass || fail "taxonomy json"
+"$bin" taxonomy --format svg --out "$work/taxonomy.svg" && [ "$(grep -c 'class="model"' "$work/taxonomy.svg")" -eq 20 ] \
+  && pass || fail "taxonomy svg"
+if command -v xmllint >/dev/null; then
+  xmllint --noout "$work/taxonomy.svg" && pass || fail "taxonomy svg is not well-formed XML"
+fi
+expect_error 2 taxonomy --format pdf
+
+# --- LRA preset and table --paper lra ------------------------------------------------------------
+# The preset with its shape shrunk: preset models that are not implemented become unsupported rows.
+"$bin" sweep --preset lra --seq-lens 1024 --batch 1 --heads 1 --head-dim 16 --d-ff 32 --min-reps 1 --min-time 0 --no-measure \
+  --out "$work/lra.json" >/dev/null 2>&1 && pass || fail "sweep --preset lra"
+[ "$(grep -c '"model":' "$work/lra.json")" -eq 9 ] && grep -q '"preset": "lra"' "$work/lra.json" \
+  && grep -q '"scope": "layer"' "$work/lra.json" && grep -q '"d_ff": 32' "$work/lra.json" \
+  && pass || fail "the LRA preset's points"
+"$bin" table "$work/lra.json" --paper lra >"$work/lra.txt" && grep -q "Spearman" "$work/lra.txt" \
+  && grep -q "performer (Performer)" "$work/lra.txt" && pass || fail "table --paper lra"
+"$bin" table "$work/lra.json" --paper lra --format md | grep -q "^| vanilla (Transformer)" && pass || fail "table --paper lra md"
+expect_error 2 table "$work/base.json" --paper lra
+expect_error 2 table "$work/lra.json" --paper nosuch
+expect_error 2 sweep --preset nosuch --out "$work/r.json"
+
+# --- the CI regression gate ----------------------------------------------------------------------
+gate="$(dirname "$0")/../tools/ci_regression.sh"
+baseline="$(dirname "$0")/../results/ci-baseline.json"
+bash "$gate" "$bin" "$baseline" >"$work/gate.md" 2>&1 && pass || fail "CI gate fails on the committed baseline: $(cat "$work/gate.md")"
+# A baseline one byte smaller (so the new run grew by one byte) and one with other FLOPs must fail.
+bump_first peak_tensor_bytes -1 <"$baseline" >"$work/doctored-memory.json"
+bash "$gate" "$bin" "$work/doctored-memory.json" >"$work/gate.md" 2>&1
+[ $? -eq 1 ] && grep -q "REGRESSION: memory" "$work/gate.md" && pass || fail "CI gate misses a memory regression"
+bump_first flops 100 <"$baseline" >"$work/doctored-flops.json"
+bash "$gate" "$bin" "$work/doctored-flops.json" >"$work/gate.md" 2>&1
+[ $? -eq 1 ] && grep -q "REGRESSION: flops" "$work/gate.md" && pass || fail "CI gate misses a FLOP change"
 
 echo "$passes passed, $failures failed"
 [ "$failures" -eq 0 ]

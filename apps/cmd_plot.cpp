@@ -1,0 +1,33 @@
+// `xfbench plot FILE.json --metric time|memory|speedup --out FILE.svg`: a log-log chart.
+#include <cstdio>
+
+#include "apps/commands.hpp"
+#include "lib/errors.hpp"
+#include "lib/plot.hpp"
+
+namespace xfb::cli {
+
+void add_plot(CLI::App& app, Action& action) {
+  auto* command = app.add_subcommand("plot", "draw a report as a log-log SVG chart (one series per model)");
+  auto file = std::make_shared<std::string>();
+  auto out = std::make_shared<std::string>();
+  auto metric = std::make_shared<std::string>("time");
+  auto baseline = std::make_shared<std::string>("vanilla");
+  command->add_option("file", *file, "report JSON")->required();
+  command->add_option("--metric", *metric, "time | memory | speedup")->check(CLI::IsMember({"time", "memory", "speedup"}))
+      ->capture_default_str();
+  command->add_option("--baseline", *baseline, "model the speed-up is relative to")->capture_default_str();
+  command->add_option("--out,-o", *out, "SVG file to write")->required();
+  command->callback([=, &action] {
+    action = [=] {
+      PlotOptions options;
+      options.metric = *metric == "memory" ? PlotMetric::Memory : *metric == "speedup" ? PlotMetric::Speedup : PlotMetric::Time;
+      options.baseline = *baseline;
+      const std::string svg = render_plot(load_nonempty_report(*file), options);
+      write_file_atomically(*out, svg);
+      return kExitOk;
+    };
+  });
+}
+
+}  // namespace xfb::cli

@@ -1,0 +1,31 @@
+// `xfbench taxonomy`: the survey's Table 1 (md, json) or its class diagram (svg) from the registry.
+#include <cstdio>
+
+#include "apps/commands.hpp"
+#include "lib/report.hpp"
+#include "lib/taxonomy_view.hpp"
+
+namespace xfb::cli {
+
+void add_taxonomy(CLI::App& app, Action& action) {
+  auto* command = app.add_subcommand("taxonomy", "the survey's Table 1 (md, json) or class diagram (svg) from the registry");
+  auto format = std::make_shared<std::string>("md");
+  auto out = std::make_shared<std::string>();
+  command->add_option("--format", *format, "md | json | svg")->check(CLI::IsMember({"md", "json", "svg"}))->capture_default_str();
+  command->add_option("--out,-o", *out, "write to this file instead of stdout");
+  command->callback([=, &action] {
+    action = [=] {
+      const TaxonomyFormat f = *format == "json" ? TaxonomyFormat::Json
+                               : *format == "svg" ? TaxonomyFormat::Svg
+                                                  : TaxonomyFormat::Markdown;
+      const std::string text = render_taxonomy(f);
+      if (out->empty())
+        std::printf("%s", text.c_str());
+      else
+        write_file_atomically(*out, text);
+      return 0;
+    };
+  });
+}
+
+}  // namespace xfb::cli

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# CI regression gate: runs a small sweep of every implemented model and compares it with the
+# committed baseline on the deterministic metrics (peak tracked memory and executed FLOPs), so it
+# is reliable on shared, noisy CI machines; time is reported, not gated. Exit 0: no regression;
+# 1: a regression (the comparison table says which point); 2: bad input; 3: runtime error.
+#
+#   tools/ci_regression.sh [XFBENCH] [BASELINE]     check (defaults: build/dev/xfbench,
+#                                                   results/ci-baseline.json)
+#   tools/ci_regression.sh --update [XFBENCH]       rewrite the baseline after an intended change
+#
+# The baseline records the points of the models implemented when it was written; points of newer
+# models show up as `new` (not a failure) until the baseline is regenerated.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+update=0
+if [ "${1:-}" = "--update" ]; then
+  update=1
+  shift
+fi
+bin="${1:-$root/build/dev/xfbench}"
+baseline="${2:-$root/results/ci-baseline.json}"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+# Small, fixed problems: a size below, at and above common block sizes, two threads (the oneDNN
+# scratchpad depends on the thread count), one quick repetition (time is not gated here).
+"$bin" -q sweep --models implemented --seq-lens 64,100,257 --heads 2 --head-dim 16 --threads 2 --seed 42 \
+  --warmup 1 --min-reps 1 --min-time 0 --no-measure --no-table --out "$work/new.json" 2>"$work/sweep.err" || {
+  cat "$work/sweep.err" >&2
+  exit 3
+}
+if [ "$update" -eq 1 ]; then
+  cp "$work/new.json" "$baseline"
+  echo "baseline written to $baseline"
+  exit 0
+fi
+# CPU model and build type may differ between the baseline's machine and CI's: memory and FLOPs
+# do not depend on them (same thread count, same oneDNN, an AVX2-class CPU).
+"$bin" compare "$baseline" "$work/new.json" --metrics memory,flops --allow-different-context --format md
