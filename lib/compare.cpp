@@ -64,7 +64,11 @@ std::vector<std::string> context_differences(const nlohmann::json& a, const nloh
   auto text = [](const nlohmann::json& context, const std::string& field) {
     if (!context.contains(field)) return std::string("missing");
     const auto& value = context[field];
-    return value.is_string() ? "'" + value.get<std::string>() + "'" : value.dump();
+    if (!value.is_string()) return value.dump();
+    std::string quoted = "'";
+    quoted += value.get<std::string>();
+    quoted += '\'';
+    return quoted;
   };
   for (const auto& field : fields) {
     const bool in_a = a.contains(field), in_b = b.contains(field);
@@ -198,7 +202,9 @@ std::string median_cell(const std::optional<ResultRow>& row) {
 std::string regression_cell(const PointComparison& p) {
   std::string text;
   auto add = [&](bool flag, const char* what) {
-    if (flag) text += (text.empty() ? "" : ",") + std::string(what);
+    if (!flag) return;
+    if (!text.empty()) text += ',';
+    text += what;
   };
   add(p.time_regression, "time");
   add(p.memory_regression, "memory");

@@ -180,12 +180,15 @@ void draw_axes(std::ostringstream& out, const Axes& a, const PlotOptions& o) {
   for (double n = a.x_lo; n <= a.x_hi * (1 + 1e-9); n *= 2) x_ticks.push_back(n);
   const std::size_t x_step = x_ticks.size() > 10 ? 2 : 1;
   std::vector<double> y_ticks;
-  const bool many_decades = std::log10(a.y_hi / a.y_lo) > 3.01;
+  // Decades only above three decades, 1-2-5 down to one, finer below.
+  const double decades = std::log10(a.y_hi / a.y_lo);
+  const std::vector<double> steps = decades > 3.01 ? std::vector<double>{1}
+                                    : decades > 1.01 ? std::vector<double>{1, 2, 5}
+                                                     : std::vector<double>{1, 1.5, 2, 3, 5, 7};
   for (double decade = std::pow(10.0, std::floor(std::log10(a.y_lo))); decade <= a.y_hi; decade *= 10)
-    for (double step : {1.0, 2.0, 5.0}) {
+    for (double step : steps) {
       const double v = step * decade;
-      if ((many_decades && step != 1.0) || v < a.y_lo * (1 - 1e-9) || v > a.y_hi * (1 + 1e-9)) continue;
-      y_ticks.push_back(v);
+      if (v >= a.y_lo * (1 - 1e-9) && v <= a.y_hi * (1 + 1e-9)) y_ticks.push_back(v);
     }
   for (std::size_t i = 0; i < x_ticks.size(); i += x_step)
     out << "<line x1=\"" << num(a.x(x_ticks[i])) << "\" y1=\"" << num(a.top) << "\" x2=\"" << num(a.x(x_ticks[i]))
@@ -233,7 +236,9 @@ void draw_series(std::ostringstream& out, const Series& s, int index_in_class, c
       if (!runs.back().empty()) runs.emplace_back();
       continue;
     }
-    runs.back() += (runs.back().empty() ? "" : " ") + num(a.x(static_cast<double>(p.n))) + "," + num(a.y(p.value));
+    std::string& run = runs.back();
+    if (!run.empty()) run += ' ';
+    run += num(a.x(static_cast<double>(p.n))) + "," + num(a.y(p.value));
   }
   for (const auto& run : runs)
     if (run.find(' ') != std::string::npos)

@@ -17,7 +17,10 @@ using svg::num;
 
 std::string letters(const ModelInfo& m) {
   std::string text;
-  for (auto c : m.classes) text += (text.empty() ? "" : "+") + class_letter(c);
+  for (auto c : m.classes) {
+    if (!text.empty()) text += '+';
+    text += class_letter(c);
+  }
   return text;
 }
 

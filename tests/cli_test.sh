@@ -98,6 +98,9 @@ cp "$work/s2.json" "$work/s3.json"
 [ "$(grep -c '"status": "ok"' "$work/s3.json")" -eq 6 ] && [ "$(grep -c "^\[" "$work/resume.err")" -eq 2 ] \
   && pass || fail "resume did not run exactly the 2 missing points"
 "$bin" sweep --models vanilla --seq-lens 64,4096 --heads 2 --head-dim 16 --threads 1 --no-measure --min-time 30 --timeout 8 \
+# One thread: with two on an oversubscribed machine, preempted OpenMP barriers stretch the 1000
+# quick repetitions of N=64 past the timeout.
+"$bin" sweep --models vanilla --seq-lens 64,4096 --heads 2 --head-dim 16 --threads 1 --no-measure --min-time 30 --timeout 2 \
   --out "$work/timeout.json" >/dev/null 2>&1
 grep -q 'timed out after 8 s' "$work/timeout.json" && [ "$(grep -c '"status": "ok"' "$work/timeout.json")" -eq 1 ] \
   && pass || fail "a timed-out point did not become an error row while the sweep went on"

@@ -153,7 +153,7 @@ TEST_SUITE("reports") {
     const auto exact = mann_whitney_u(a, b, UTestMethod::Exact), normal = mann_whitney_u(a, b, UTestMethod::Normal);
     CHECK(exact.u_a == normal.u_a);
     CHECK(normal.p_value == doctest::Approx(exact.p_value).epsilon(0.05));
-    a.push_back(11);  // 41 > kExactUTestMaxTotal? no: auto stays exact up to 50 values
+    a.push_back(11);  // 41 values in all: Auto stays exact up to kExactUTestMaxTotal = 50
     CHECK(mann_whitney_u(a, b).exact);
     for (int i = 0; i < 10; ++i) a.push_back(9 + 0.1 * i);
     CHECK_FALSE(mann_whitney_u(a, b).exact);
@@ -507,8 +507,8 @@ TEST_SUITE("reports") {
           CHECK((positions[i].second - positions[i - 1].second) / (positions[i].first - positions[i - 1].first) ==
                 doctest::Approx(slope).epsilon(0.01));
       }
-      // exact-tiled's line is broken at the missing point: two polylines would need ≥ 2 points
-      // each, so the run 256–512 is one line and 2048 stands alone.
+      // exact-tiled's line breaks at its error point (N=1024): 256–512 is one line, 2048 stands
+      // alone as a marker without a line.
       for (const auto* series : root->find_all("g", "series"))
         if (series->at("data-model") == "exact-tiled") CHECK(series->find_all("polyline", "line").size() == 1);
       CHECK(svg.find("absent: 1K error") != std::string::npos);
