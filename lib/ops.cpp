@@ -114,9 +114,7 @@ void softmax_rows_masked(float* data, std::int64_t batch, std::int64_t rows, std
       std::fill(row, row + cols, 0.0f);
       continue;
     }
-    float peak = row[0];
-#pragma omp simd reduction(max : peak)
-    for (std::int64_t j = 1; j < valid; ++j) peak = std::max(peak, row[j]);
+    const float peak = row_max(row, valid, row[0]);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (std::int64_t j = 0; j < valid; ++j) {

@@ -67,6 +67,15 @@ inline float fast_exp(float x) {
 }  // namespace xfb::ops
 
 namespace xfb::ops {
+// max(start, x[0..n)). Written as a select so GCC 12 vectorises it (std::max inside an
+// `omp simd reduction(max)` stays scalar).
+inline float row_max(const float* x, std::int64_t n, float start) {
+  float peak = start;
+#pragma omp simd reduction(max : peak)
+  for (std::int64_t j = 0; j < n; ++j) peak = x[j] > peak ? x[j] : peak;
+  return peak;
+}
+
 // A row stride of at least n floats that is a multiple of 16 and avoids multiples of 256 floats
 // (power-of-two strides make oneDNN's gemm ~45% slower on this machine class through cache
 // conflicts).

@@ -92,9 +92,7 @@ class ExactTiled final : public Mechanism {
           std::fill(row, row + cols, 0.0f);
           continue;
         }
-        float peak = row_max[r];
-#pragma omp simd reduction(max : peak)
-        for (std::int64_t j = 0; j < valid; ++j) peak = std::max(peak, row[j]);
+        const float peak = ops::row_max(row, valid, row_max[r]);
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (std::int64_t j = 0; j < valid; ++j) {
