@@ -1,6 +1,5 @@
 #include "taxonomy/kernels/linear_transformer.hpp"
 
-#include <algorithm>
 
 #include "lib/ops.hpp"
 #include "taxonomy/kernels/linear_attention.hpp"
