@@ -201,9 +201,10 @@ const std::vector<KernelCase>& default_cases() {
 
 TEST_SUITE("kernels") {
   TEST_CASE("performer and linear-transformer equal their naive N×N kernel formula, causal and not") {
-    // Default chunk 64: sizes at, one below and one above one and two chunks, and non-multiples.
+    // Default chunks 64 (performer) and 32 (linear-transformer): sizes at, one below and one above
+    // one and two chunks, and non-multiples.
     for (const auto& c : default_cases())
-      for (std::int64_t n : {1, 2, 63, 64, 65, 127, 129, 200})
+      for (std::int64_t n : {1, 2, 31, 32, 33, 63, 64, 65, 127, 129, 200})
         for (bool causal : {false, true}) {
           const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
           const auto in = random_inputs(p, static_cast<std::uint64_t>(n));
@@ -251,6 +252,7 @@ TEST_SUITE("kernels") {
   }
 
   TEST_CASE("causal: changing future tokens changes no earlier output") {
+    // Default chunks 64 and 32: the change at 150 falls in the chunk starting at 128.
     // Chunks wholly before the change are bit-identical; inside the changed chunk the performer's
     // shared key stabiliser may move, which changes earlier rows of that chunk only by rounding.
     for (const auto& c : default_cases()) {

@@ -12,6 +12,10 @@
 // Causal, chunk c:  A = tril(φ(Q_c)·φ(K_c)ᵀ) [C, C] (j <= i inside the chunk);
 //   out'_c = A·V'_c + φ(Q_c)·S'_{<c};  then S' += φ(K_c)ᵀ·V'_c.
 // Finally out_i = out'_i[0:D] / out'_i[D]. Every product is one ops::gemm (oneDNN sgemm).
+// Why per-head tasks rather than batched ops::matmul over B·H: the causal walk is sequential in
+// the chunks, and keeping one head's chunk buffers on one core keeps them in cache and the
+// workspace independent of N (batched calls per chunk would need [B·H, C, M] buffers and a
+// synchronisation per product). Parallelism is therefore min(B·H, threads).
 //
 // Stabiliser: a feature map may scale its key features by exp(−shift) with a running shift that
 // only grows (Performer's max subtraction). When it grows, S' is multiplied by exp(old − new),

@@ -1,6 +1,5 @@
 #include "taxonomy/kernels/linear_transformer.hpp"
 
-#include <algorithm>
 
 #include "lib/ops.hpp"
 #include "taxonomy/kernels/linear_attention.hpp"
@@ -26,12 +25,15 @@ class EluFeatures final : public FeatureMap {
   }
 
  private:
-  std::int64_t apply(const float* x, std::int64_t rows, float* phi, std::int64_t ld) const {
+  std::int64_t apply(const float* input, std::int64_t rows, float* phi, std::int64_t ld) const {
     for (std::int64_t r = 0; r < rows; ++r) {
-      const float* src = x + r * d_;
+      const float* src = input + r * d_;
       float* dst = phi + r * ld;
 #pragma omp simd
-      for (std::int64_t c = 0; c < d_; ++c) dst[c] = ops::fast_exp(std::min(src[c], 0.0f)) + std::max(src[c], 0.0f);
+      for (std::int64_t c = 0; c < d_; ++c) {
+        const float x = src[c];
+        dst[c] = ops::fast_exp(x < 0.0f ? x : 0.0f) + (x > 0.0f ? x : 0.0f);
+      }
     }
     return rows * d_ * kEluPlusOneFlops;
   }
@@ -73,7 +75,7 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation linear_transformer_implementation() {
-  return {{{"chunk", ParamType::Int, "64", 1, 8192, {}, "rows per chunk of the prefix-sum walk (tokens)"}},
+  return {{{"chunk", ParamType::Int, "32", 1, 8192, {}, "rows per chunk of the prefix-sum walk (tokens)"}},
           create,
           flops,
           workspace};

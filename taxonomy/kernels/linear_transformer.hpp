@@ -6,13 +6,15 @@
 // chunk by chunk — never an N×D×D prefix tensor.
 // φ is evaluated branch-free as exp(min(x, 0)) + max(x, 0): 4 FLOPs per element, so the feature
 // cost is 4·D per query row and per key row; the rest is the engine's count.
+// Default chunk C = 32: the causal in-chunk work, 2·C·(2D + 1) per row, then stays below the
+// state work 4·D·(D + 1) per row at D = 64.
 // Workspace: the engine's per-thread buffers, independent of N.
 #include "lib/mechanism.hpp"
 
 namespace xfb {
 
 struct LinearTransformerConfig {
-  std::int64_t chunk = 64;  // rows per chunk of the engine, tokens (causal: the masked block size)
+  std::int64_t chunk = 32;  // rows per chunk of the engine, tokens (causal: the masked block size)
 };
 
 Implementation linear_transformer_implementation();

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 #include "lib/flop_counter.hpp"
@@ -121,7 +120,7 @@ class FavorFeatures final : public FeatureMap {
     for (std::int64_t r = 0; r < rows; ++r) {
       float* row = phi + r * ld;
 #pragma omp simd
-      for (std::int64_t j = 0; j < m_; ++j) row[j] = std::max(row[j], 0.0f) + kPerformerReluStabiliser;
+      for (std::int64_t j = 0; j < m_; ++j) row[j] = (row[j] > 0.0f ? row[j] : 0.0f) + kPerformerReluStabiliser;
     }
     return rows * 2 * m_;
   }

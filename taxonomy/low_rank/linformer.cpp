@@ -70,13 +70,18 @@ class Linformer final : public Mechanism {
     return t;
   }
 
-  // dst[b, h] = P_h · src[b, h]: [k, N]·[N, D] for every batch element.
+  // dst[b, h] = P_h · src[b, h]: [k, N]·[N, D]. Per-head projections: one matmul batched over the
+  // heads per batch element. A shared projection is not broadcast (oneDNN 2.6 runs a broadcast
+  // matmul operand on its reference kernel, ~1000× slower): one matmul per (batch, head).
   void project(const Tensor& projection, const Tensor& src, Tensor& dst) const {
     const std::int64_t n = p_.seq_len, d = p_.head_dim;
-    const std::int64_t stride = matrices_per_tensor(p_, c_) > 1 ? k_ * n : 0;
-    for (std::int64_t b = 0; b < p_.batch; ++b)
-      ops::matmul({.batch = p_.heads, .m = k_, .n = d, .k = n, .stride_a = stride}, projection.data(),
-                  src.head(b, 0), dst.data() + b * p_.heads * k_ * d);
+    const bool per_head = matrices_per_tensor(p_, c_) > 1;
+    const ops::MatmulShape shape{.batch = per_head ? p_.heads : 1, .m = k_, .n = d, .k = n};
+    const std::int64_t calls = per_head ? p_.batch : p_.batch * p_.heads;
+    for (std::int64_t i = 0; i < calls; ++i) {
+      const std::int64_t offset = i * shape.batch;  // first (batch, head) of this call
+      ops::matmul(shape, projection.data(), src.data() + offset * n * d, dst.data() + offset * k_ * d);
+    }
   }
 
   Problem p_;

@@ -7,7 +7,8 @@
 // Sharing: per-head — each head h has its own E_h, F_h (parameters [H, k, N]); headwise — one E and
 // one F for all heads ([k, N] each); key-value — one E = F for all heads and for K and V.
 // Every batch element uses the same projections. Not causal (survey Table 1).
-// Shapes: scores [B·H, N, ld] with ld = padded_ld(k); products are batched oneDNN matmuls.
+// Shapes: E·K, F·V [B·H, k, D]; scores [B·H, N, ld] with ld = padded_ld(k); products are oneDNN
+// matmuls batched over B·H, except a shared projection: one matmul per (batch, head).
 // FLOPs: B·H·(8·N·k·D + 5·N·k)   (E·K, F·V, Q·K̃ᵀ, P·Ṽ: 2·N·k·D each; softmax 5 per score).
 // Workspace: projections (2·H, 2 or 1 × k·N floats) + E·K, F·V (2·B·H·k·D) + scores (B·H·N·ld).
 #include "lib/mechanism.hpp"

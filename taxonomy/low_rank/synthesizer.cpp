@@ -100,7 +100,10 @@ class Synthesizer final : public Mechanism {
       float* row = hidden_.data() + r * d;
       const float* bias = b1_.data() + (r / n) % h * d;
 #pragma omp simd
-      for (std::int64_t c = 0; c < d; ++c) row[c] = std::max(row[c] + bias[c], 0.0f);
+      for (std::int64_t c = 0; c < d; ++c) {
+        const float x = row[c] + bias[c];
+        row[c] = x > 0.0f ? x : 0.0f;
+      }
     }
     for (std::int64_t b = 0; b < p_.batch; ++b)
       ops::matmul({.batch = h, .m = n, .n = n, .k = d, .ldc = ld_, .alpha = synthetic_weight(),
