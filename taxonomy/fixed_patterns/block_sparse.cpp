@@ -103,8 +103,8 @@ std::int64_t accumulate(const QueryBlock& q, const KeyBlock& k, std::int64_t d, 
             0.0f, scores.data, scores.ld);
   std::int64_t flops = 0;
   for (std::int64_t r = 0; r < q.rows; ++r)
-    flops += softmax_row(q, r, scores.data + r * scores.ld, width, k.lo[r] - hull.begin, k.hi[r] - hull.begin, d,
-                         fresh);
+    flops +=
+        softmax_row(q, r, scores.data + r * scores.ld, width, k.lo[r] - hull.begin, k.hi[r] - hull.begin, d, fresh);
   ops::gemm(false, false, q.rows, d, width, 1.0f, scores.data, scores.ld, k.values + hull.begin * k.ld_values,
             k.ld_values, fresh ? 0.0f : 1.0f, q.acc, q.ld_acc);
   return flops;
@@ -132,8 +132,8 @@ std::int64_t accumulate_flops(std::int64_t rows, const std::int64_t* lo, const s
   return flops;
 }
 
-void gather_rows(const float* src, std::int64_t ld_src, const std::int64_t* index, std::int64_t count,
-                 std::int64_t d, float* dst, std::int64_t ld_dst) {
+void gather_rows(const float* src, std::int64_t ld_src, const std::int64_t* index, std::int64_t count, std::int64_t d,
+                 float* dst, std::int64_t ld_dst) {
   for (std::int64_t r = 0; r < count; ++r)
     std::memcpy(dst + r * ld_dst, src + index[r] * ld_src, static_cast<std::size_t>(d) * sizeof(float));
 }
