@@ -143,7 +143,8 @@ void check_axial(const Problem& p, const std::vector<std::string>& params, std::
       // is within one single-stage tolerance.
       const double tolerance =
           2 * attention_tolerance(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h), n, n, d, scale);
-      check_head(out.head(b, h), want, n, d, tolerance, describe("axial", p, params) + " h=" + std::to_string(h));
+      check_head(out.head(b, h), want, n, d, tolerance,
+                 describe("axial", p, params) + " b=" + std::to_string(b) + " h=" + std::to_string(h));
     }
 }
 
@@ -242,7 +243,7 @@ TEST_SUITE("local_factorised") {
       for (std::int64_t n : c.sizes)
         for (bool causal : {false, true})
           for (std::int64_t heads : {1, 3}) {
-            const Problem p{.batch = 1, .heads = heads, .seq_len = n, .head_dim = 8, .causal = causal};
+            const Problem p{.batch = 2, .heads = heads, .seq_len = n, .head_dim = 8, .causal = causal};
             const std::int64_t l = c.stride > 0 ? c.stride : naive_ceil_sqrt(n);
             check_pattern("sparse-transformer", p, c.params,
                           sparse_mask(c.fixed, l, std::min(c.summary, l), heads, causal));
@@ -264,7 +265,7 @@ TEST_SUITE("local_factorised") {
     for (const auto& c : cases)
       for (std::int64_t n : c.sizes)
         for (bool causal : {false, true}) {
-          const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
+          const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
           check_axial(p, c.params, c.cols > 0 ? std::min(c.cols, n) : naive_ceil_sqrt(n));
         }
   }
@@ -277,9 +278,9 @@ TEST_SUITE("local_factorised") {
         for (std::int64_t e = 0; e < p.head_dim; ++e) in.q.head(0, 1)[i * p.head_dim + e] *= 100.0f;
       const Tensor out = run_mechanism("image-transformer", p, in, {"query_block=32", "memory_flange=16"});
       for (float value : out.values()) REQUIRE(std::isfinite(value));
-      check_against_reference(out, in, p,
-                              [&](std::int64_t i, std::int64_t j) { return image_mask(32, 16, causal)(0, i, j); },
-                              "image-transformer overflow rows");
+      check_against_reference(
+          out, in, p, [&](std::int64_t i, std::int64_t j) { return image_mask(32, 16, causal)(0, i, j); },
+          "image-transformer overflow rows");
     }
   }
 

@@ -160,9 +160,10 @@ std::int64_t causal_pass_flops(const Grid& grid, std::int64_t d) {
 std::int64_t flops(const Problem& p, const ParamValues& values) {
   const Grid grid(p, config_from(values));
   const std::int64_t d = p.head_dim;
-  std::int64_t per_head = bs::plan_flops(grid.rows.tasks(), d, [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
-    return bs::block_tile(grid.rows, task, false, lo, hi);
-  });
+  std::int64_t per_head =
+      bs::plan_flops(grid.rows.tasks(), d, [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
+        return bs::block_tile(grid.rows, task, false, lo, hi);
+      });
   if (p.causal)
     per_head += causal_pass_flops(grid, d);
   else
@@ -183,7 +184,7 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation axial_implementation() {
-  return {{{"cols", ParamType::Int, "0", 0, 1 << 20, {}, "grid width C in tokens; 0 means ceil(sqrt(N))"}},
+  return {{{"cols", ParamType::Int, "0", 0, 1000000, {}, "grid width C in tokens; 0 means ceil(sqrt(N))"}},
           create,
           flops,
           workspace};

@@ -41,19 +41,19 @@ inline constexpr std::int64_t kTaskRows = 64;
 struct QueryBlock {
   const float* queries = nullptr;  // row r at queries + r·ld_queries
   std::int64_t ld_queries = 0;
-  std::int64_t rows = 0;           // m
-  float* acc = nullptr;            // A: row r at acc + r·ld_acc (may alias the output)
+  std::int64_t rows = 0;  // m
+  float* acc = nullptr;   // A: row r at acc + r·ld_acc (may alias the output)
   std::int64_t ld_acc = 0;
-  float* row_max = nullptr;        // M_r at row_max[r·ld_stats]
-  float* row_sum = nullptr;        // S_r at row_sum[r·ld_stats]
+  float* row_max = nullptr;  // M_r at row_max[r·ld_stats]
+  float* row_sum = nullptr;  // S_r at row_sum[r·ld_stats]
   std::int64_t ld_stats = 1;
 };
 
 // Keys and values of one block and each query row's interval of them.
 struct KeyBlock {
-  const float* keys = nullptr;     // key row j at keys + j·ld_keys
+  const float* keys = nullptr;  // key row j at keys + j·ld_keys
   std::int64_t ld_keys = 0;
-  const float* values = nullptr;   // value row j at values + j·ld_values
+  const float* values = nullptr;  // value row j at values + j·ld_values
   std::int64_t ld_values = 0;
   const std::int64_t* lo = nullptr;  // query row r sees key rows [lo[r], hi[r])
   const std::int64_t* hi = nullptr;
@@ -84,8 +84,8 @@ inline std::int64_t finish_flops(std::int64_t rows, std::int64_t d) { return row
 std::int64_t hull_width(std::int64_t rows, const std::int64_t* lo, const std::int64_t* hi);
 
 // dst row r = src row index[r] (r < count); rows of d floats, row strides ld_src and ld_dst.
-void gather_rows(const float* src, std::int64_t ld_src, const std::int64_t* index, std::int64_t count,
-                 std::int64_t d, float* dst, std::int64_t ld_dst);
+void gather_rows(const float* src, std::int64_t ld_src, const std::int64_t* index, std::int64_t count, std::int64_t d,
+                 float* dst, std::int64_t ld_dst);
 
 // Consecutive blocks of `block` tokens over n tokens (block clamped to [1, n], the last block
 // partial), each split into tiles of ≤ kTaskRows query rows. Task t is tile t % tiles_per_block of

@@ -69,8 +69,13 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 
 Implementation image_transformer_implementation() {
   return {{
-              {"query_block", ParamType::Int, "256", 1, 1 << 20, {}, "l_q: tokens per query block (clamped to N)"},
-              {"memory_flange", ParamType::Int, "128", 0, 1 << 20, {},
+              {"query_block", ParamType::Int, "256", 1, 1000000, {}, "l_q: tokens per query block (clamped to N)"},
+              {"memory_flange",
+               ParamType::Int,
+               "128",
+               0,
+               1000000,
+               {},
                "l_m: preceding tokens each query block also attends to"},
           },
           create,

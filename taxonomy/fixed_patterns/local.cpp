@@ -21,7 +21,8 @@ class Local final : public Mechanism {
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     bs::run_tiles(
-        p_.batch * p_.heads, tiling_.tasks(), scratch_, [&](std::int64_t head) { return bs::head_view(q, k, v, out, head); },
+        p_.batch * p_.heads, tiling_.tasks(), scratch_,
+        [&](std::int64_t head) { return bs::head_view(q, k, v, out, head); },
         [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
           return bs::block_tile(tiling_, task, p_.causal, lo, hi);
         });
@@ -39,19 +40,21 @@ std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& val
 
 std::int64_t flops(const Problem& p, const ParamValues& values) {
   const bs::BlockTiling tiling(p.seq_len, config_from(values).block);
-  return p.batch * p.heads * bs::plan_flops(tiling.tasks(), p.head_dim, [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
+  return p.batch * p.heads *
+         bs::plan_flops(tiling.tasks(), p.head_dim, [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
            return bs::block_tile(tiling, task, p.causal, lo, hi);
          });
 }
 
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  return bs::ThreadScratch::tracked_bytes(omp_get_max_threads(), bs::BlockTiling(p.seq_len, config_from(values).block).block);
+  return bs::ThreadScratch::tracked_bytes(omp_get_max_threads(),
+                                          bs::BlockTiling(p.seq_len, config_from(values).block).block);
 }
 
 }  // namespace
 
 Implementation local_implementation() {
-  return {{{"block", ParamType::Int, "50", 1, 1 << 20, {}, "tokens per local block (clamped to N)"}},
+  return {{{"block", ParamType::Int, "50", 1, 1000000, {}, "tokens per local block (clamped to N)"}},
           create,
           flops,
           workspace};

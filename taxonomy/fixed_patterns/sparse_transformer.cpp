@@ -113,8 +113,12 @@ class SparseTransformer final : public Mechanism {
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     const std::int64_t a1 = layout_.heads_a1, a2 = layout_.heads_a2;
-    auto first_group = [&](std::int64_t index) { return bs::head_view(q, k, v, out, index / a1 * p_.heads + index % a1); };
-    auto second_group = [&](std::int64_t index) { return bs::head_view(q, k, v, out, index / a2 * p_.heads + a1 + index % a2); };
+    auto first_group = [&](std::int64_t index) {
+      return bs::head_view(q, k, v, out, index / a1 * p_.heads + index % a1);
+    };
+    auto second_group = [&](std::int64_t index) {
+      return bs::head_view(q, k, v, out, index / a2 * p_.heads + a1 + index % a2);
+    };
     const bool causal = p_.causal;
     if (!layout_.fixed) {
       bs::run_tiles(p_.batch * a1, layout_.band.tasks(), scratch_, first_group, layout_.band);
@@ -162,8 +166,8 @@ class SparseTransformer final : public Mechanism {
 std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
   const auto config = config_from(values);
   if (config.pattern == "fixed" && config.stride > 0 && config.summary > config.stride)
-    throw ParamError("sparse-transformer: summary=" + std::to_string(config.summary) + " exceeds stride=" +
-                     std::to_string(config.stride) + " (c must be at most l)");
+    throw ParamError("sparse-transformer: summary=" + std::to_string(config.summary) +
+                     " exceeds stride=" + std::to_string(config.stride) + " (c must be at most l)");
   return std::make_unique<SparseTransformer>(problem, config);
 }
 
@@ -198,8 +202,8 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 Implementation sparse_transformer_implementation() {
   return {{
               {"pattern", ParamType::Choice, "strided", 0, 0, {"strided", "fixed"}, "factorised pattern"},
-              {"stride", ParamType::Int, "0", 0, 1 << 20, {}, "l in tokens; 0 means ceil(sqrt(N))"},
-              {"summary", ParamType::Int, "8", 1, 1 << 20, {}, "c: summary tokens per block of l (fixed pattern)"},
+              {"stride", ParamType::Int, "0", 0, 1000000, {}, "l in tokens; 0 means ceil(sqrt(N))"},
+              {"summary", ParamType::Int, "8", 1, 1000000, {}, "c: summary tokens per block of l (fixed pattern)"},
           },
           create,
           flops,
