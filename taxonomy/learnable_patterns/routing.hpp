@@ -57,7 +57,8 @@ class RoutingAttention final : public Mechanism {
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
   std::vector<NamedTensor> parameters() const override { return {{"centroids", &centroids_}}; }
 
-  // The pattern of the last forward, for tests.
+  // The pattern of the last forward, for tests (member/cluster lists exist for routing heads only,
+  // i.e. heads that are not local).
   std::int64_t clusters() const { return clusters_; }
   std::int64_t window() const { return window_; }
   bool is_local_head(std::int64_t h) const { return c_.local_heads && h < p_.heads / 2; }
