@@ -12,6 +12,7 @@
 // V and scales row r by inverse[r]. Every entry is processed whatever the mask, so the work is
 // data-independent: kOnlineSoftmaxFlopsPerElement · rows · cols FLOPs (max, subtract+exp, sum),
 // which the function returns.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -49,10 +50,11 @@ std::int64_t exp_rows_masked(float* scores, std::int64_t rows, std::int64_t cols
   for (std::int64_t r = 0; r < rows; ++r) {
     float* row = scores + r * ld;
     float peak = kNegInf;
+#pragma omp simd reduction(max : peak)
     for (std::int64_t c = 0; c < cols; ++c) {
       const float value = allowed(r, c) ? row[c] : kNegInf;
       row[c] = value;
-      peak = peak < value ? value : peak;
+      peak = std::max(peak, value);
     }
     const float shift = peak == kNegInf ? 0.0f : peak;
     float sum = 0.0f;

@@ -175,6 +175,7 @@ void RoutingAttention::prepare(const Tensor& q, const Tensor& k, const Tensor&) 
     token_clusters_ = IndexBuffer(routed * 2 * n);
     key_order_ = IndexBuffer(routed * n);
     key_end_ = IndexBuffer(routed * n);
+    query_order_ = IndexBuffer(routed * n);
     cluster_start_ = IndexBuffer(routed * (cl + 1));
     sorted_kt_ = Tensor(Shape{routed, d, n});
     sorted_v_ = Tensor(Shape{routed, n, d});
@@ -265,7 +266,8 @@ void RoutingAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t r = 0; r < routed; ++r) flops += route_nearest(q, k, v, r, thread);
 #pragma omp for schedule(dynamic, 64)
-      for (std::int64_t task = 0; task < routed * n; ++task) flops += attend_recent(q, task / n, task % n, out, thread);
+      for (std::int64_t task = 0; task < routed * n; ++task)
+        flops += attend_recent(q, task / n, query_order_.data()[task], out, thread);
     }
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < local * blocks; ++task)
@@ -392,6 +394,12 @@ std::int64_t RoutingAttention::route_nearest(const Tensor& q, const Tensor& k, c
     ++next[key_cluster[i]];
     end[i] = start[query_cluster[i]] + next[query_cluster[i]];
   }
+  // Queries in (cluster, position) order, so consecutive tasks reuse the same sorted keys.
+  std::int32_t* queries = query_order_.data() + r * n;
+  std::fill(next, next + cl + 1, 0);
+  for (std::int64_t i = 0; i < n; ++i) ++next[query_cluster[i] + 1];
+  std::partial_sum(next, next + cl + 1, next);
+  for (std::int64_t i = 0; i < n; ++i) queries[next[query_cluster[i]]++] = static_cast<std::int32_t>(i);
   return 2 * (cl - 1) * n;
 }
 
@@ -465,7 +473,7 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
                                    score_rows(p, c) * ops::padded_ld(score_cols(p, c)) + 2 * w);
   std::int64_t ints = threads * (n + cl + 1);
   if (p.causal) {
-    ints += routed * (4 * n + cl + 1);
+    ints += routed * (5 * n + cl + 1);
     floats += routed * 2 * n * d;
   } else {
     ints += routed * (3 * cl * w + n + 1);

@@ -29,7 +29,7 @@
 // queries and `cols` keys 4·rows·cols·D + 4·rows·cols + rows·D.
 // Tracked workspace: per thread affinities [2, C, N] and selection scratch; non-causal int32
 // memberships [B·H, 2, C, w], slot lists, per-cluster outputs [B·H, C·w, D + 1]; causal int32
-// clusters/orders [B·H, 4, N] and key-sorted copies of Kᵀ [B·H, D, N] and V [B·H, N, D].
+// clusters/orders [B·H, 5, N] and key-sorted copies of Kᵀ [B·H, D, N] and V [B·H, N, D].
 #include <cstdint>
 #include <vector>
 
@@ -57,7 +57,8 @@ class RoutingAttention final : public Mechanism {
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
   std::vector<NamedTensor> parameters() const override { return {{"centroids", &centroids_}}; }
 
-  // The pattern of the last forward, for tests.
+  // The pattern of the last forward, for tests (member/cluster lists exist for routing heads only,
+  // i.e. heads that are not local).
   std::int64_t clusters() const { return clusters_; }
   std::int64_t window() const { return window_; }
   bool is_local_head(std::int64_t h) const { return c_.local_heads && h < p_.heads / 2; }
@@ -92,8 +93,9 @@ class RoutingAttention final : public Mechanism {
   // Non-causal pattern and per-cluster results.
   IndexBuffer members_, slot_start_, slots_;
   Tensor cluster_out_, cluster_lse_;
-  // Causal pattern: clusters per token, key order, end of each query's key range, cluster starts.
-  IndexBuffer token_clusters_, key_order_, key_end_, cluster_start_;
+  // Causal pattern: clusters per token, key order, end of each query's key range, query order,
+  // cluster starts.
+  IndexBuffer token_clusters_, key_order_, key_end_, query_order_, cluster_start_;
   Tensor sorted_kt_, sorted_v_;  // keys transposed [D, N] per head, values [N, D]
 };
 

@@ -53,14 +53,46 @@ std::int64_t tile_flops(std::int64_t rows, std::int64_t cols, std::int64_t d) {
   return 2 * matmul_flops(rows, cols, d) + kOnlineSoftmaxFlopsPerElement * rows * cols + rows * d;
 }
 
-// log Σ exp over n values with stride `stride`; 4·n FLOPs (max, subtract+exp, sum).
-float log_sum_exp(const float* x, std::int64_t n, std::int64_t stride) {
+// Subtracts log Σ_j exp x_j from each of the n values of x: 5·n FLOPs (max, subtract+exp, sum,
+// subtract).
+void normalise_row(float* x, std::int64_t n) {
+  if (n == 0) return;
   float peak = -std::numeric_limits<float>::infinity();
-  for (std::int64_t i = 0; i < n; ++i) peak = std::max(peak, x[i * stride]);
-  if (peak == -std::numeric_limits<float>::infinity()) return peak;
+#pragma omp simd reduction(max : peak)
+  for (std::int64_t j = 0; j < n; ++j) peak = std::max(peak, x[j]);
   float sum = 0.0f;
-  for (std::int64_t i = 0; i < n; ++i) sum += std::exp(x[i * stride] - peak);
-  return peak + std::log(sum);
+#pragma omp simd reduction(+ : sum)
+  for (std::int64_t j = 0; j < n; ++j) sum += ops::fast_exp(x[j] - peak);
+  const float total = peak + std::log(sum);
+#pragma omp simd
+  for (std::int64_t j = 0; j < n; ++j) x[j] -= total;
+}
+
+// The same for every column of the [n, n] matrix l; peak and sum are [n] scratch. 5·n² FLOPs.
+void normalise_columns(float* l, std::int64_t n, float* peak, float* sum) {
+  std::fill(peak, peak + n, -std::numeric_limits<float>::infinity());
+  std::fill(sum, sum + n, 0.0f);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float* row = l + i * n;
+#pragma omp simd
+    for (std::int64_t j = 0; j < n; ++j) peak[j] = std::max(peak[j], row[j]);
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float* row = l + i * n;
+#pragma omp simd
+    for (std::int64_t j = 0; j < n; ++j) sum[j] += ops::fast_exp(row[j] - peak[j]);
+  }
+  for (std::int64_t j = 0; j < n; ++j) peak[j] += std::log(sum[j]);
+  for (std::int64_t i = 0; i < n; ++i) {
+    float* row = l + i * n;
+#pragma omp simd
+    for (std::int64_t j = 0; j < n; ++j) row[j] -= peak[j];
+  }
+}
+
+void exp_in_place(float* x, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t j = 0; j < n; ++j) x[j] = ops::fast_exp(x[j]);
 }
 
 }  // namespace
@@ -93,7 +125,8 @@ void SinkhornAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   permutation_ = Tensor(Shape{p_.batch, p_.heads, nb, nb});
   sorted_k_ = Tensor(Shape{heads, sorted_rows_ * block_, d});
   sorted_v_ = Tensor(Shape{heads, sorted_rows_ * block_, d});
-  running_ = Tensor(Shape{threads_, 2, std::max(d, nb)});
+  running_ = Tensor(Shape{threads_, 2, d});
+  scratch_ = Tensor(Shape{threads_, 2, nb});
   scores_ = Tensor(Shape{threads_, block_, score_ld_});
   row_stats_ = Tensor(Shape{threads_, 2, block_});
 }
@@ -114,7 +147,7 @@ void SinkhornAttention::forward(const Tensor& q, const Tensor& k, const Tensor& 
   for (std::int64_t head = 0; head < heads; ++head) flops += embed_blocks(k, head, omp_get_thread_num());
   flops += sorting_network();
 #pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
-  for (std::int64_t head = 0; head < heads; ++head) flops += balance(head);
+  for (std::int64_t head = 0; head < heads; ++head) flops += balance(head, omp_get_thread_num());
   mix_blocks(k, sorted_k_);
   mix_blocks(v, sorted_v_);
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) reduction(+ : flops)
@@ -135,8 +168,8 @@ std::int64_t SinkhornAttention::embed_blocks(const Tensor& k, std::int64_t head,
     for (std::int64_t j = 0; j < d; ++j) sum[j] += keys[t * d + j];
   }
   if (!p_.causal) return n * d;
-  float* prefix = running_.data() + thread * 2 * running_.dim(2);
-  float* own = prefix + running_.dim(2);
+  float* prefix = running_.data() + thread * 2 * d;
+  float* own = prefix + d;
   std::fill(prefix, prefix + d, 0.0f);
   for (std::int64_t i = 0; i < nb; ++i) {
     std::copy(e + i * d, e + (i + 1) * d, own);
@@ -169,32 +202,27 @@ std::int64_t SinkhornAttention::sorting_network() {
 }
 
 // Turns the scores of one head into its soft permutation, in place.
-std::int64_t SinkhornAttention::balance(std::int64_t head) {
+std::int64_t SinkhornAttention::balance(std::int64_t head, int thread) {
   const std::int64_t nb = blocks_;
   const float inverse_tau = static_cast<float>(1.0 / c_.temperature);
   float* l = permutation_.data() + head * nb * nb;
   if (p_.causal) {
     for (std::int64_t i = 0; i < nb; ++i) {
       float* row = l + i * nb;
-      for (std::int64_t j = 0; j < i; ++j) row[j] *= inverse_tau;
-      const float total = log_sum_exp(row, i, 1);
-      for (std::int64_t j = 0; j < i; ++j) row[j] = std::exp(row[j] - total);
+      scale_row(row, row, inverse_tau, i);
+      normalise_row(row, i);
+      exp_in_place(row, i);
       std::fill(row + i, row + nb, 0.0f);
     }
     return 7 * nb * (nb - 1) / 2;
   }
-  for (std::int64_t e = 0; e < nb * nb; ++e) l[e] *= inverse_tau;
+  float* peak = scratch_.data() + thread * 2 * nb;
+  scale_row(l, l, inverse_tau, nb * nb);
   for (std::int64_t iteration = 0; iteration < c_.sinkhorn_iters; ++iteration) {
-    for (std::int64_t i = 0; i < nb; ++i) {
-      const float total = log_sum_exp(l + i * nb, nb, 1);
-      for (std::int64_t j = 0; j < nb; ++j) l[i * nb + j] -= total;
-    }
-    for (std::int64_t j = 0; j < nb; ++j) {
-      const float total = log_sum_exp(l + j, nb, nb);
-      for (std::int64_t i = 0; i < nb; ++i) l[i * nb + j] -= total;
-    }
+    for (std::int64_t i = 0; i < nb; ++i) normalise_row(l + i * nb, nb);
+    normalise_columns(l, nb, peak, peak + nb);
   }
-  for (std::int64_t e = 0; e < nb * nb; ++e) l[e] = std::exp(l[e]);
+  exp_in_place(l, nb * nb);
   return nb * nb * (2 + 10 * c_.sinkhorn_iters);
 }
 
@@ -277,7 +305,7 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const std::int64_t threads = omp_get_max_threads();
   const std::int64_t floats = d * d + d + d * nb + nb + 2 * heads * nb * d + heads * nb * nb +
                               2 * heads * sorted_rows(p, c) * b * d +
-                              threads * (2 * std::max(d, nb) + b * ops::padded_ld(score_cols(p, c)) + 2 * b);
+                              threads * (2 * d + 2 * nb + b * ops::padded_ld(score_cols(p, c)) + 2 * b);
   return 4 * floats;
 }
 

@@ -66,7 +66,7 @@ class SinkhornAttention final : public Mechanism {
  private:
   std::int64_t embed_blocks(const Tensor& k, std::int64_t head, int thread);
   std::int64_t sorting_network();
-  std::int64_t balance(std::int64_t head);
+  std::int64_t balance(std::int64_t head, int thread);
   void mix_blocks(const Tensor& x, Tensor& sorted);
   std::int64_t attend_block(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head, std::int64_t block,
                             Tensor& out, int thread);
@@ -77,7 +77,7 @@ class SinkhornAttention final : public Mechanism {
   std::int64_t block_, blocks_, sortcut_, sorted_rows_, score_cols_, score_ld_, threads_ = 1;
   Tensor w1_, b1_, w2_, b2_;
   Tensor embeddings_, hidden_, permutation_, sorted_k_, sorted_v_;
-  Tensor running_, scores_, row_stats_;
+  Tensor running_, scratch_, scores_, row_stats_;  // per thread: prefix sums, column stats, tiles
 };
 
 Implementation sinkhorn_implementation();
