@@ -3,6 +3,7 @@
 // the same masks and relative-position terms, one segment equals causal attention with relative
 // terms, compression functions, FIFO state, causality, FLOP and memory scaling.
 #include <doctest/doctest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -379,6 +380,22 @@ TEST_SUITE("recurrence") {
         const Run xl = run_direct({.model = "x", .segment_len = 10, .memory_len = 15, .block_q = 4}, p, in);
         CHECK(std::memcmp(compressive.out.data(), xl.out.data(), static_cast<std::size_t>(xl.out.bytes())) == 0);
       }
+  }
+
+  TEST_CASE("whole heads per thread and threads sharing a segment's tiles give identical results") {
+    // B·H = 1 below the thread count runs the shared-segment schedule; one thread runs whole heads.
+    for (bool causal : {false, true}) {
+      const Problem p{.batch = 1, .heads = 1, .seq_len = 70, .head_dim = 8, .causal = causal};
+      const auto in = random_inputs(p, 12);
+      const std::vector<std::string> params{"segment_len=16", "memory_len=9", "compressed_len=4", "block_q=5"};
+      const int threads = omp_get_max_threads();
+      omp_set_num_threads(2);
+      const Tensor shared = run_model("compressive", p, in, params).out.clone();
+      omp_set_num_threads(1);
+      const Tensor whole = run_model("compressive", p, in, params).out.clone();
+      omp_set_num_threads(threads);
+      CHECK(std::memcmp(shared.data(), whole.data(), static_cast<std::size_t>(whole.bytes())) == 0);
+    }
   }
 
   TEST_CASE("the memory FIFO keeps exactly M slots and the compressed memory exactly n_cm") {

@@ -13,16 +13,17 @@
 // MAB's keys and values are S projected by per-head Wk_h, Wv_h [D, D], since S has no given
 // projection. rFF(x) = ReLU(x·W + b) with W [D, D], b [D] per head and MAB (the released code's
 // row-wise feed-forward). LN normalises the D features of a row (eps 1e-5) with per-head gain and
-// shift. Every parameter comes from the seed (dump names in parameters()). Not causal: every
-// output depends on every token through S.
+// shift. Every parameter comes from the seed; dumped as inducing_points [H, m, D], kv_projections
+// [2, H, D, D] (Wk, Wv), ff_weights [2, H, D, D] and ff_biases [2, H, D] (MAB 1, MAB 2), ln_gains
+// and ln_shifts [4, H, D] (LN index 0 … 3). Not causal: every output depends on every token
+// through S.
 //
-// Work: per head 4·N·m·D (two score and two value products) + 2·m·D·(2D) … all O(N·m·D + N·D²);
-// workspace per thread a [m, N] score matrix (MAB 1) and [block, m], [block, D] tiles (MAB 2).
-// FLOPs (exact, see set_transformer_flops in the .cpp), per head with r = rows of each part:
-//   MAB 1: 2·(2·m·N·D) + 5·m·N (softmax) + mab_tail(m) + 2·(2·m·D·D) (Wk, Wv)
-//   MAB 2: 2·(2·N·m·D) + 5·N·m (softmax) + mab_tail(N)
-//   mab_tail(r) = r·D (residual) + 7·r·D (LN) + 2·r·D·D + 2·r·D (rFF: product, bias, ReLU)
-//                 + r·D (residual) + 7·r·D (LN)
+// Work O(N·m·D + N·D²) per head; workspace per thread one [m, N] score matrix (MAB 1) and
+// [block_q, m], [block_q, D] tiles (MAB 2), plus S, S·Wk, S·Wv [m, D] per (batch, head).
+// FLOPs (exact) per (batch, head):
+//   MAB 1: 2·m·N·D (scores) + 2·m·N·D (values) + 5·m·N (softmax) + tail(m) + 2·2·m·D·D (Wk, Wv)
+//   MAB 2: 2·N·m·D (scores) + 2·N·m·D (values) + 5·N·m (softmax) + tail(N)
+//   tail(r) = 2·r·D·D (rFF product) + 18·r·D (residual 1 + LN 7, bias + ReLU 2, residual 1 + LN 7)
 #include "lib/mechanism.hpp"
 
 namespace xfb {

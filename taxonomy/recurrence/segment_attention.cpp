@@ -13,19 +13,15 @@
 namespace xfb {
 namespace {
 
-// FLOPs per visible score entry beyond the products: add the relative term, softmax.
-constexpr std::int64_t kFlopsPerVisibleEntry = 1 + kSoftmaxFlopsPerElement;
+// FLOPs per visible score entry beyond the products: add the relative term, then max,
+// subtract + exp, sum (the 1/sum scaling is applied to the D outputs of the row instead).
+constexpr std::int64_t kFlopsPerVisibleEntry = 1 + kOnlineSoftmaxFlopsPerElement;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
-// Valid slots of the two caches.
-struct CacheState {
-  std::int64_t memory = 0, compressed = 0;
-};
-
 // The cache after a segment of `rows` tokens (FIFO memory, compressed memory). Returns the
 // number of rows evicted from the memory.
-std::int64_t advance(CacheState& state, std::int64_t rows, const SegmentAttentionConfig& c) {
+std::int64_t advance(SegmentCache& state, std::int64_t rows, const SegmentAttentionConfig& c) {
   const std::int64_t total = state.memory + rows;
   state.memory = std::min(c.memory_len, total);
   const std::int64_t evicted = total - state.memory;
@@ -56,13 +52,13 @@ std::int64_t tile_flops(const Problem& p, std::int64_t context, std::int64_t r0,
   const std::int64_t cols = context + (p.causal ? r0 + rows : segment_rows);
   const std::int64_t relative = p.causal ? cols : cols + rows - 1;
   const std::int64_t visible = p.causal ? rows * (context + r0) + rows * (rows + 1) / 2 : rows * cols;
-  return matmul_flops(rows, cols, d) + matmul_flops(rows, relative, d) + matmul_flops(rows, d, cols) + 2 * rows * d +
+  return matmul_flops(rows, cols, d) + matmul_flops(rows, relative, d) + matmul_flops(rows, d, cols) + 3 * rows * d +
          kFlopsPerVisibleEntry * visible;
 }
 
-// row[x] += relative[x] for x < valid, then softmax over those entries; the rest of the row up
-// to cols becomes 0.
-void add_relative_and_softmax(float* row, const float* relative, std::int64_t valid, std::int64_t cols) {
+// row[x] = exp(row[x] + relative[x] − max) for x < valid; the rest of the row up to cols becomes
+// 0. Returns 1 / (sum of the exponentials).
+float add_relative_and_exponentiate(float* row, const float* relative, std::int64_t valid, std::int64_t cols) {
   float peak = row[0] + relative[0];
 #pragma omp simd reduction(max : peak)
   for (std::int64_t x = 0; x < valid; ++x) {
@@ -75,10 +71,8 @@ void add_relative_and_softmax(float* row, const float* relative, std::int64_t va
     row[x] = ops::fast_exp(row[x] - peak);
     sum += row[x];
   }
-  const float inverse = 1.0f / sum;
-#pragma omp simd
-  for (std::int64_t x = 0; x < valid; ++x) row[x] *= inverse;
   std::fill(row + valid, row + cols, 0.0f);
+  return 1.0f / sum;
 }
 
 }  // namespace
@@ -178,10 +172,40 @@ void SegmentAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
 }
 
 void SegmentAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  // Segments are sequential per (batch, head). With at least one (batch, head) per thread each
+  // thread runs whole heads without synchronisation; otherwise the threads share each segment's
+  // query tiles and meet at the memory update.
+  const bool per_head = p_.batch * p_.heads >= omp_get_max_threads();
+  FlopCounter::add(per_head ? run_heads(q, k, v, out) : run_lockstep(q, k, v, out));
+  cache_ = {};
+  for (std::int64_t s0 = 0; s0 < p_.seq_len; s0 += segment_) advance(cache_, std::min(segment_, p_.seq_len - s0), c_);
+}
+
+std::int64_t SegmentAttention::run_heads(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, block = biased_queries_.dim(2);
+  std::int64_t flops = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(+ : flops)
+  for (std::int64_t bh = 0; bh < p_.batch * p_.heads; ++bh) {
+    const int thread = omp_get_thread_num();
+    SegmentCache cache;
+    for (std::int64_t s0 = 0; s0 < n; s0 += segment_) {
+      const std::int64_t segment_rows = std::min(segment_, n - s0);
+      copy_segment(k, v, bh, s0, segment_rows);
+      for (std::int64_t r0 = 0; r0 < segment_rows; r0 += block) {
+        const std::int64_t offset = (bh * n + s0 + r0) * d;
+        flops += attend_tile(q.data() + offset, out.data() + offset, bh, r0, segment_rows, cache, thread);
+      }
+      flops += update_memory(bh, segment_rows, cache, thread);
+      advance(cache, segment_rows, c_);
+    }
+  }
+  return flops;
+}
+
+std::int64_t SegmentAttention::run_lockstep(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, bh_count = p_.batch * p_.heads;
   const std::int64_t block = biased_queries_.dim(2);
-  CacheState state;
-  memory_length_ = compressed_length_ = 0;
+  SegmentCache cache;
   std::int64_t flops = 0;
   for (std::int64_t s0 = 0; s0 < n; s0 += segment_) {
     const std::int64_t segment_rows = std::min(segment_, n - s0), tiles = ceil_div(segment_rows, block);
@@ -196,16 +220,14 @@ void SegmentAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v
         // Causal tiles late in the segment see more keys: start them first.
         const std::int64_t tile = p_.causal ? tiles - 1 - task % tiles : task % tiles;
         const std::int64_t offset = (bh * n + s0 + tile * block) * d;
-        flops += attend_tile(q.data() + offset, out.data() + offset, bh, tile * block, segment_rows, thread);
+        flops += attend_tile(q.data() + offset, out.data() + offset, bh, tile * block, segment_rows, cache, thread);
       }
 #pragma omp for
-      for (std::int64_t bh = 0; bh < bh_count; ++bh) flops += update_memory(bh, segment_rows, thread);
+      for (std::int64_t bh = 0; bh < bh_count; ++bh) flops += update_memory(bh, segment_rows, cache, thread);
     }
-    advance(state, segment_rows, c_);
-    memory_length_ = state.memory;
-    compressed_length_ = state.compressed;
+    advance(cache, segment_rows, c_);
   }
-  FlopCounter::add(flops);
+  return flops;
 }
 
 std::vector<NamedTensor> SegmentAttention::parameters() const {
@@ -219,11 +241,11 @@ std::vector<NamedTensor> SegmentAttention::parameters() const {
 }
 
 const float* SegmentAttention::memory_rows(bool values, std::int64_t b, std::int64_t h) const {
-  return window(values, b * p_.heads + h) + (context_ - memory_length_) * p_.head_dim;
+  return window(values, b * p_.heads + h) + (context_ - cache_.memory) * p_.head_dim;
 }
 
 const float* SegmentAttention::compressed_rows(bool values, std::int64_t b, std::int64_t h) const {
-  return window(values, b * p_.heads + h) + (c_.compressed_len - compressed_length_) * p_.head_dim;
+  return window(values, b * p_.heads + h) + (c_.compressed_len - cache_.compressed) * p_.head_dim;
 }
 
 float* SegmentAttention::window(bool values, std::int64_t bh) {
@@ -245,10 +267,10 @@ void SegmentAttention::copy_segment(const Tensor& k, const Tensor& v, std::int64
 // Score column x is window row lo + x; the relative term of (r, x) is column rows − 1 − r + x of
 // the relative product, whose column y holds distance δ_hi − y (δ_hi: row r0 + rows − 1, column 0).
 std::int64_t SegmentAttention::attend_tile(const float* q, float* out, std::int64_t bh, std::int64_t r0,
-                                           std::int64_t segment_rows, int thread) {
+                                           std::int64_t segment_rows, const SegmentCache& cache, int thread) {
   const std::int64_t d = p_.head_dim, head = bh % p_.heads, block = biased_queries_.dim(2);
   const std::int64_t rows = std::min(block, segment_rows - r0);
-  const std::int64_t lo = context_ - memory_length_ - compressed_length_;
+  const std::int64_t lo = context_ - cache.memory - cache.compressed;
   const std::int64_t cols = (p_.causal ? context_ + r0 + rows : context_ + segment_rows) - lo;
   const std::int64_t relative = p_.causal ? cols : cols + rows - 1;
   const std::int64_t first_table_row = delta_max_ - (context_ + r0 + rows - 1 - lo);
@@ -271,20 +293,26 @@ std::int64_t SegmentAttention::attend_tile(const float* q, float* out, std::int6
             relative_keys_.data() + (head * relative_keys_.dim(1) + first_table_row) * d, d, 0.0f, relative_scores,
             ld_relative);
   std::int64_t visible = 0;
+  float* inverse_sums = with_u;  // the biased queries are no longer needed
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t valid = p_.causal ? context_ - lo + r0 + r + 1 : cols;
-    add_relative_and_softmax(scores + r * ld, relative_scores + r * ld_relative + rows - 1 - r, valid, cols);
+    inverse_sums[r] =
+        add_relative_and_exponentiate(scores + r * ld, relative_scores + r * ld_relative + rows - 1 - r, valid, cols);
     visible += valid;
   }
   ops::gemm(false, false, rows, d, cols, 1.0f, scores, ld, window(true, bh) + lo * d, d, 0.0f, out, d);
-  return 2 * rows * d + kFlopsPerVisibleEntry * visible;
+  for (std::int64_t r = 0; r < rows; ++r)
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) out[r * d + j] *= inverse_sums[r];
+  return 3 * rows * d + kFlopsPerVisibleEntry * visible;
 }
 
 // FIFO update of one (batch, head) after a segment of `segment_rows` tokens; compresses the
 // evicted rows first. Returns the non-gemm FLOPs executed.
-std::int64_t SegmentAttention::update_memory(std::int64_t bh, std::int64_t segment_rows, int thread) {
+std::int64_t SegmentAttention::update_memory(std::int64_t bh, std::int64_t segment_rows, const SegmentCache& cache,
+                                             int thread) {
   const std::int64_t d = p_.head_dim, head = bh % p_.heads;
-  const std::int64_t total = memory_length_ + segment_rows;
+  const std::int64_t total = cache.memory + segment_rows;
   const std::int64_t kept = std::min(c_.memory_len, total), evicted = total - kept;
   std::int64_t flops = 0;
   for (bool values : {false, true}) {
@@ -294,9 +322,9 @@ std::int64_t SegmentAttention::update_memory(std::int64_t bh, std::int64_t segme
       const float* weights = c_.compression == Compression::Conv
                                  ? conv_weights_.data() + ((values ? p_.heads : 0) + head) * c_.rate * d * d
                                  : nullptr;
-      flops += compress_rows(c_.compression, rows + (context_ - memory_length_) * d, evicted, d, c_.rate, weights,
+      flops += compress_rows(c_.compression, rows + (context_ - cache.memory) * d, evicted, d, c_.rate, weights,
                              slots);
-      push_compressed(rows, slots, ceil_div(evicted, c_.rate));
+      push_compressed(rows, slots, ceil_div(evicted, c_.rate), cache.compressed);
     }
     std::memmove(rows + (context_ - kept) * d, rows + (context_ + segment_rows - kept) * d,
                  static_cast<std::size_t>(kept * d) * sizeof(float));
@@ -304,10 +332,12 @@ std::int64_t SegmentAttention::update_memory(std::int64_t bh, std::int64_t segme
   return flops;
 }
 
-// Appends `count` slots to the compressed memory of one window, keeping the newest n_cm.
-void SegmentAttention::push_compressed(float* window, const float* slots, std::int64_t count) const {
+// Appends `count` slots to the compressed memory of one window, which holds `valid` slots,
+// keeping the newest n_cm.
+void SegmentAttention::push_compressed(float* window, const float* slots, std::int64_t count,
+                                       std::int64_t valid) const {
   const std::int64_t d = p_.head_dim, capacity = c_.compressed_len;
-  const std::int64_t length = std::min(capacity, compressed_length_ + count);
+  const std::int64_t length = std::min(capacity, valid + count);
   const std::int64_t fresh = std::min(count, length), kept = length - fresh;
   std::memmove(window + (capacity - length) * d, window + (capacity - kept) * d,
                static_cast<std::size_t>(kept * d) * sizeof(float));
@@ -316,7 +346,7 @@ void SegmentAttention::push_compressed(float* window, const float* slots, std::i
 
 std::int64_t segment_attention_flops(const Problem& p, const SegmentAttentionConfig& c) {
   const Sizes s = sizes_of(p, c);
-  CacheState state;
+  SegmentCache state;
   std::int64_t per_head = 0;
   for (std::int64_t s0 = 0; s0 < p.seq_len; s0 += s.segment) {
     const std::int64_t segment_rows = std::min(s.segment, p.seq_len - s0);

@@ -38,7 +38,8 @@
 // Work per (batch, head, query tile of `rows` rows, `cols` visible window rows): two score
 // products 2·rows·cols·D and 2·rows·(cols + rows − 1)·D (causal: 2·rows·cols·D; the relative
 // term needs cols + rows − 1 distances), one value product 2·rows·D·cols, 2·rows·D (q + u, q + v),
-// and per visible entry 1 (add the relative term) + 5 (softmax). Per segment and (batch, head),
+// per visible entry 1 (add the relative term) + 4 (max, subtract + exp, sum), and rows·D for the
+// softmax's 1/sum applied to the output rows. Per segment and (batch, head),
 // for K and V each: compression FLOPs (compress_flops). Total O(N·(n_cm + M + L)·D): linear in N.
 // Workspace: windows 2·B·H·(W + L)·D, relative tables, per-thread tiles — independent of N.
 #include <cstdint>
@@ -68,6 +69,11 @@ std::int64_t compress_rows(Compression f, const float* rows, std::int64_t count,
 // All FLOPs of compress_rows: conv 2·count·d², max (count − slots)·d, mean count·d.
 std::int64_t compress_flops(Compression f, std::int64_t count, std::int64_t d, std::int64_t rate);
 
+// Valid slots of the two caches of every (batch, head) between segments.
+struct SegmentCache {
+  std::int64_t memory = 0, compressed = 0;
+};
+
 class SegmentAttention final : public Mechanism {
  public:
   SegmentAttention(const Problem& problem, const SegmentAttentionConfig& config, std::uint64_t seed);
@@ -79,17 +85,19 @@ class SegmentAttention final : public Mechanism {
   std::vector<NamedTensor> parameters() const override;
 
   // State after the last forward, for tests: valid slots, oldest first, rows of D floats.
-  std::int64_t memory_length() const { return memory_length_; }
-  std::int64_t compressed_length() const { return compressed_length_; }
+  std::int64_t memory_length() const { return cache_.memory; }
+  std::int64_t compressed_length() const { return cache_.compressed; }
   const float* memory_rows(bool values, std::int64_t b, std::int64_t h) const;
   const float* compressed_rows(bool values, std::int64_t b, std::int64_t h) const;
 
  private:
+  std::int64_t run_heads(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+  std::int64_t run_lockstep(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
   void copy_segment(const Tensor& k, const Tensor& v, std::int64_t bh, std::int64_t s0, std::int64_t rows);
   std::int64_t attend_tile(const float* q, float* out, std::int64_t bh, std::int64_t r0, std::int64_t segment_rows,
-                           int thread);
-  std::int64_t update_memory(std::int64_t bh, std::int64_t segment_rows, int thread);
-  void push_compressed(float* window, const float* slots, std::int64_t count) const;
+                           const SegmentCache& cache, int thread);
+  std::int64_t update_memory(std::int64_t bh, std::int64_t segment_rows, const SegmentCache& cache, int thread);
+  void push_compressed(float* window, const float* slots, std::int64_t count, std::int64_t valid) const;
   float* window(bool values, std::int64_t bh);
   const float* window(bool values, std::int64_t bh) const;
 
@@ -97,7 +105,7 @@ class SegmentAttention final : public Mechanism {
   SegmentAttentionConfig c_;
   std::uint64_t seed_;
   std::int64_t segment_ = 0, context_ = 0, rows_ = 0, delta_max_ = 0;  // L clamped to N, W, W + L, top δ
-  std::int64_t memory_length_ = 0, compressed_length_ = 0;
+  SegmentCache cache_;  // after the last forward
   Tensor bias_u_, bias_v_, w_r_, sinusoid_, relative_keys_, conv_weights_;
   Tensor windows_, biased_queries_, scores_, relative_scores_, compressed_slots_;
 };
