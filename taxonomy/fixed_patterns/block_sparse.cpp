@@ -41,10 +41,7 @@ std::int64_t softmax_row(const QueryBlock& q, std::int64_t r, float* row, std::i
     }
     return 0;
   }
-  const float peak = ops::row_max(row + lo, hi - lo, fresh ? -std::numeric_limits<float>::infinity() : row_max);
-  float peak = fresh ? kMinusInf : row_max;
-#pragma omp simd reduction(max : peak)
-  for (std::int64_t j = lo; j < hi; ++j) peak = row[j] > peak ? row[j] : peak;
+  const float peak = ops::row_max(row + lo, hi - lo, fresh ? kMinusInf : row_max);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (std::int64_t j = lo; j < hi; ++j) {
