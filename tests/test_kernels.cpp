@@ -359,11 +359,14 @@ TEST_SUITE("kernels") {
       }
   }
 
-  TEST_CASE("performer parameters are validated") {
+  TEST_CASE("performer and linear-transformer parameters are validated") {
     const ModelInfo* info = find_model("performer");
     REQUIRE(info != nullptr);
     CHECK_THROWS_AS(resolve_params("performer", info->impl.params, {"features=0"}), ParamError);
     CHECK_THROWS_AS(resolve_params("performer", info->impl.params, {"kernel=cosine"}), ParamError);
     CHECK_THROWS_AS(resolve_params("performer", info->impl.params, {"chunk=0"}), ParamError);
+    const ModelInfo* linear = find_model("linear-transformer");
+    REQUIRE(linear != nullptr);
+    CHECK_THROWS_AS(resolve_params("linear-transformer", linear->impl.params, {"chunk=0"}), ParamError);
   }
 }

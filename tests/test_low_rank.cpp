@@ -282,6 +282,15 @@ TEST_SUITE("low_rank") {
       }
   }
 
+  TEST_CASE("synthesizer parameters are validated") {
+    const ModelInfo* info = find_model("synthesizer");
+    REQUIRE(info != nullptr);
+    CHECK_THROWS_AS(resolve_params("synthesizer", info->impl.params, {"variant=factorized-dense"}), ParamError);
+    CHECK_THROWS_AS(resolve_params("synthesizer", info->impl.params, {"vanilla_weight=1.5"}), ParamError);
+    CHECK_THROWS_AS(resolve_params("synthesizer", info->impl.params, {"vanilla_weight=-0.1"}), ParamError);
+    CHECK_THROWS_AS(resolve_params("synthesizer", info->impl.params, {"factor_rank=0"}), ParamError);
+  }
+
   TEST_CASE("synthesizer is O(N²) by design: FLOPs and memory grow fourfold when N doubles") {
     for (const char* variant : {"dense", "random", "factorized-random"}) {
       const auto mid = quick_row("synthesizer", 1024, false, {"variant=" + std::string(variant)});

@@ -74,7 +74,7 @@ class FavorFeatures final : public FeatureMap {
       float* row = phi + r * ld;
       float peak = row[0];
 #pragma omp simd reduction(max : peak)
-      for (std::int64_t j = 1; j < m_; ++j) peak = std::max(peak, row[j]);
+      for (std::int64_t j = 1; j < m_; ++j) peak = row[j] > peak ? row[j] : peak;  // a select vectorises
 #pragma omp simd
       for (std::int64_t j = 0; j < m_; ++j) row[j] = ops::fast_exp(row[j] - peak);
     }
@@ -95,8 +95,9 @@ class FavorFeatures final : public FeatureMap {
       float* row = phi + r * ld;
 #pragma omp simd reduction(max : peak)
       for (std::int64_t j = 0; j < m_; ++j) {
-        row[j] -= half_norm;
-        peak = std::max(peak, row[j]);
+        const float exponent = row[j] - half_norm;
+        row[j] = exponent;
+        peak = exponent > peak ? exponent : peak;
       }
     }
     shift = peak;

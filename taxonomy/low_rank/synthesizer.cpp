@@ -44,9 +44,9 @@ class Synthesizer final : public Mechanism {
         b1_ = normal_tensor({h, d}, seed_, "synthesizer/b1", inv_d);
         w2_ = normal_tensor({h, d, n}, seed_, "synthesizer/w2", inv_d);
         b2_ = normal_tensor({h, n}, seed_, "synthesizer/b2", inv_d);
-        scaled_b2_ = b2_.clone();
-        for (float& value : scaled_b2_.values()) value *= 1.0f - mix_;
-        hidden_ = Tensor(Shape{bh, n, d});
+        w2_with_bias_ = stack_bias(w2_, b2_);
+        hidden_ = Tensor(Shape{bh, n, d + 1});
+        for (std::int64_t r = 0; r < bh * n; ++r) hidden_[r * (d + 1) + d] = 1.0f;
         break;
       case SynthesizerVariant::Random:
         r_ = normal_tensor({h, n, n}, seed_, "synthesizer/r", 1.0);
@@ -90,14 +90,27 @@ class Synthesizer final : public Mechanism {
   bool accumulate() const { return mix_ > 0.0f; }
   float* logits(std::int64_t b, std::int64_t h) { return logits_.data() + (b * p_.heads + h) * p_.seq_len * ld_; }
 
+  // [W₂; b₂] per head: [H, D+1, N], so the product with [ReLU(…) | 1] adds the bias.
+  static Tensor stack_bias(const Tensor& w2, const Tensor& b2) {
+    const std::int64_t h = w2.dim(0), d = w2.dim(1), n = w2.dim(2);
+    Tensor stacked(Shape{h, d + 1, n});
+    for (std::int64_t head = 0; head < h; ++head) {
+      std::copy(w2.data() + head * d * n, w2.data() + (head + 1) * d * n, stacked.data() + head * (d + 1) * n);
+      std::copy(b2.data() + head * n, b2.data() + (head + 1) * n, stacked.data() + (head * (d + 1) + d) * n);
+    }
+    return stacked;
+  }
+
+  // hidden = [ReLU(Q·W₁ + b₁) | 1]: [B·H, N, D+1];  logits (+)= (1 − α)·hidden·[W₂; b₂].
   void dense_logits(const Tensor& q) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, h = p_.heads;
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, h = p_.heads, ld = d + 1;
     for (std::int64_t b = 0; b < p_.batch; ++b)
-      ops::matmul({.batch = h, .m = n, .n = d, .k = d}, q.head(b, 0), w1_.data(), hidden_.data() + b * h * n * d);
+      ops::matmul({.batch = h, .m = n, .n = d, .k = d, .ldc = ld}, q.head(b, 0), w1_.data(),
+                  hidden_.data() + b * h * n * ld);
     const std::int64_t rows = p_.batch * h * n;
 #pragma omp parallel for schedule(static)
     for (std::int64_t r = 0; r < rows; ++r) {
-      float* row = hidden_.data() + r * d;
+      float* row = hidden_.data() + r * ld;
       const float* bias = b1_.data() + (r / n) % h * d;
 #pragma omp simd
       for (std::int64_t c = 0; c < d; ++c) {
@@ -106,17 +119,10 @@ class Synthesizer final : public Mechanism {
       }
     }
     for (std::int64_t b = 0; b < p_.batch; ++b)
-      ops::matmul({.batch = h, .m = n, .n = n, .k = d, .ldc = ld_, .alpha = synthetic_weight(),
+      ops::matmul({.batch = h, .m = n, .n = n, .k = ld, .ldc = ld_, .alpha = synthetic_weight(),
                    .accumulate = accumulate()},
-                  hidden_.data() + b * h * n * d, w2_.data(), logits(b, 0));
-#pragma omp parallel for schedule(static)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      float* row = logits_.data() + r * ld_;
-      const float* bias = scaled_b2_.data() + (r / n) % h * n;
-#pragma omp simd
-      for (std::int64_t j = 0; j < n; ++j) row[j] += bias[j];
-    }
-    FlopCounter::add(rows * (2 * d + n));
+                  hidden_.data() + b * h * n * ld, w2_with_bias_.data(), logits(b, 0));
+    FlopCounter::add(rows * 2 * d);
   }
 
   void random_logits() {
@@ -150,7 +156,7 @@ class Synthesizer final : public Mechanism {
   std::uint64_t seed_;
   std::int64_t ld_;
   float mix_;
-  Tensor w1_, b1_, w2_, b2_, scaled_b2_, hidden_, r_, r1_, r2_, logits_;
+  Tensor w1_, b1_, w2_, b2_, w2_with_bias_, hidden_, r_, r1_, r2_, logits_;
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
@@ -164,7 +170,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
   std::int64_t per_head = kSoftmaxFlopsPerElement * softmax_entries(p) + matmul_flops(n, d, n);
   if (mixed) per_head += matmul_flops(n, n, d);
   switch (c.variant) {
-    case SynthesizerVariant::Dense: per_head += matmul_flops(n, d, d) + 2 * n * d + matmul_flops(n, n, d) + n * n; break;
+    case SynthesizerVariant::Dense: per_head += matmul_flops(n, d, d) + 2 * n * d + matmul_flops(n, n, d + 1); break;
     case SynthesizerVariant::Random: per_head += mixed ? 2 * n * n : 0; break;
     case SynthesizerVariant::FactorizedRandom: per_head += matmul_flops(n, n, c.factor_rank); break;
   }
@@ -176,7 +182,7 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const std::int64_t h = p.heads, n = p.seq_len, d = p.head_dim, bh = p.batch * p.heads;
   std::int64_t floats = bh * n * ops::padded_ld(n);
   switch (c.variant) {
-    case SynthesizerVariant::Dense: floats += h * (d * d + d + d * n + 2 * n) + bh * n * d; break;
+    case SynthesizerVariant::Dense: floats += h * (d * d + d + d * n + n) + h * (d + 1) * n + bh * n * (d + 1); break;
     case SynthesizerVariant::Random: floats += h * n * n; break;
     case SynthesizerVariant::FactorizedRandom: floats += 2 * h * n * c.factor_rank; break;
   }

@@ -12,11 +12,12 @@
 // Causal (decoding): entries j > i of L are excluded by the masked softmax.
 // FLOPs per (batch, head): softmax 5·(N² or N(N+1)/2 causal) + P·V 2·N²·D
 //   + α > 0: 2·N²·D (Q·Kᵀ)
-//   + dense: 2·N·D² + 2·N·D (bias, ReLU) + 2·N²·D + N² (bias b₂, pre-scaled by 1 − α)
+//   + dense: 2·N·D² + 2·N·D (bias b₁, ReLU) + 2·N²·(D+1) (b₂ rides in the product as a ones
+//     column of the hidden layer times [W₂; b₂])
 //   + random: 2·N² when α > 0 (scaled add), none otherwise (a copy)
 //   + factorized-random: 2·N²·k.
 // Workspace: logits [B·H, N, padded_ld(N)], the parameters, and for dense the hidden layer
-// [B·H, N, D] and the scaled b₂ [H, N].
+// [B·H, N, D+1] and the stacked [W₂; b₂] [H, D+1, N].
 #include "lib/mechanism.hpp"
 
 namespace xfb {
