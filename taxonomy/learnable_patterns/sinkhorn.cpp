@@ -57,9 +57,7 @@ std::int64_t tile_flops(std::int64_t rows, std::int64_t cols, std::int64_t d) {
 // subtract).
 void normalise_row(float* x, std::int64_t n) {
   if (n == 0) return;
-  float peak = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : peak)
-  for (std::int64_t j = 0; j < n; ++j) peak = std::max(peak, x[j]);
+  const float peak = ops::row_max(x, n, -std::numeric_limits<float>::infinity());
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (std::int64_t j = 0; j < n; ++j) sum += ops::fast_exp(x[j] - peak);

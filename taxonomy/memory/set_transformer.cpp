@@ -26,9 +26,7 @@ std::int64_t block_rows(const Problem& p, const SetTransformerConfig& c) { retur
 
 // In-place softmax of one row of n values (n >= 1).
 void softmax_row(float* row, std::int64_t n) {
-  float peak = row[0];
-#pragma omp simd reduction(max : peak)
-  for (std::int64_t j = 1; j < n; ++j) peak = std::max(peak, row[j]);
+  const float peak = ops::row_max(row, n, row[0]);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (std::int64_t j = 0; j < n; ++j) {
