@@ -9,7 +9,7 @@ using v8 = float __attribute__((vector_size(32), aligned(4), may_alias));
 
 inline v8 load(const float* p) { return *reinterpret_cast<const v8*>(p); }
 inline void store(float* p, v8 x) { *reinterpret_cast<v8*>(p) = x; }
-inline v8 splat(float x) { return v8{} + x; }
+inline v8 splat(float x) { return v8{x, x, x, x, x, x, x, x}; }
 
 template <int R>
 void scores_block(const float* q, std::int64_t ldq, const float* panel, std::int64_t d, float alpha, float* s,

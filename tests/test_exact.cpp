@@ -50,6 +50,15 @@ TEST_SUITE("exact") {
         check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
                                 "exact-tiled 16x24 N=" + std::to_string(n));
       }
+    // D = 16 runs the tile kernels: block_k 24 becomes 32 (two panels); N around 16 and 32.
+    for (std::int64_t n : {15, 16, 17, 31, 32, 33, 100})
+      for (bool causal : {false, true}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
+        const auto in = random_inputs(p, 4);
+        const Tensor out = run_mechanism("exact-tiled", p, in, {"block_q=7", "block_k=24"});
+        check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
+                                "exact-tiled tiles 7x24 N=" + std::to_string(n));
+      }
   }
 
   TEST_CASE("rows whose scores would overflow a naive exp stay finite and exact") {
@@ -99,8 +108,9 @@ TEST_SUITE("exact") {
     const double vanilla_ratio = workspace("vanilla", 2048) / workspace("vanilla", 1024);
     CHECK(vanilla_ratio > 3.8);
     CHECK(vanilla_ratio < 4.2);
-    // exact-tiled: workspace independent of N, and the peak exactly linear in N.
-    CHECK(workspace("exact-tiled", 4096) == workspace("exact-tiled", 1024));
+    // exact-tiled: workspace = per-thread tiles + the packed copy of K (B·H·N·D floats, here
+    // 1·2·N·32), and the peak exactly linear in N.
+    CHECK(workspace("exact-tiled", 4096) - workspace("exact-tiled", 1024) == 2.0 * 3072 * 32 * sizeof(float));
     const double p1 = peak("exact-tiled", 1024), p2 = peak("exact-tiled", 2048), p4 = peak("exact-tiled", 4096);
     CHECK(p4 - p2 == 2 * (p2 - p1));
     CHECK(peak("exact-tiled", 4096) < 0.1 * peak("vanilla", 4096));

@@ -13,13 +13,22 @@
 namespace xfb {
 namespace {
 
-ExactTiledConfig config_from(const ParamValues& values) {
-  return {.block_q = values.get_int("block_q"), .block_k = values.get_int("block_k")};
-}
-
 // Head sizes that are multiples of the kernel panel run on the register-blocked tile kernels;
 // others on oneDNN's sgemm. The kernels compute whole key panels (the last one zero-padded).
 bool uses_tile_kernels(std::int64_t d) { return d % tiles::kPanel == 0; }
+
+// On the tile kernels a key tile starts on a panel boundary: block_k is rounded up to whole panels.
+ExactTiledConfig config_from(const Problem& p, const ParamValues& values) {
+  const std::int64_t block_k = values.get_int("block_k");
+  return {.block_q = values.get_int("block_q"),
+          .block_k = uses_tile_kernels(p.head_dim) ? tiles::panels_for(block_k) * tiles::kPanel : block_k};
+}
+
+// Floats of the packed copy of K (all heads) that the tile kernels read; 0 on the sgemm path.
+std::int64_t packed_key_floats(const Problem& p) {
+  if (!uses_tile_kernels(p.head_dim)) return 0;
+  return p.batch * p.heads * tiles::panels_for(p.seq_len) * p.head_dim * tiles::kPanel;
+}
 
 std::int64_t score_columns(std::int64_t cols, std::int64_t d) {
   return uses_tile_kernels(d) ? tiles::panels_for(cols) * tiles::kPanel : cols;
@@ -38,8 +47,7 @@ class ExactTiled final : public Mechanism {
     const std::int64_t threads = omp_get_max_threads();
     score_ld_ = score_columns(c_.block_k, p_.head_dim);
     scores_ = Tensor(Shape{threads, c_.block_q, score_ld_});
-    if (uses_tile_kernels(p_.head_dim))
-      packed_keys_ = Tensor(Shape{threads, tiles::panels_for(c_.block_k) * p_.head_dim * tiles::kPanel});
+    if (uses_tile_kernels(p_.head_dim)) packed_keys_ = Tensor(Shape{packed_key_floats(p_)});
     accumulators_ = Tensor(Shape{threads, c_.block_q, p_.head_dim});
     row_stats_ = Tensor(Shape{threads, 2, c_.block_q});
   }
@@ -48,6 +56,7 @@ class ExactTiled final : public Mechanism {
     const std::int64_t n = p_.seq_len;
     const std::int64_t query_blocks = (n + c_.block_q - 1) / c_.block_q;
     const std::int64_t tasks = p_.batch * p_.heads * query_blocks;
+    if (uses_tile_kernels(p_.head_dim)) pack_keys(k);
     std::int64_t kernel_flops = 0;
 #pragma omp parallel reduction(+ : kernel_flops)
     {
@@ -57,7 +66,7 @@ class ExactTiled final : public Mechanism {
         const std::int64_t head = task / query_blocks;
         // Causal tasks near the end of a head are the longest: start them first.
         const std::int64_t block = p_.causal ? query_blocks - 1 - task % query_blocks : task % query_blocks;
-        kernel_flops += query_block(q.data() + head * n * p_.head_dim, k.data() + head * n * p_.head_dim,
+        kernel_flops += query_block(head, q.data() + head * n * p_.head_dim, k.data() + head * n * p_.head_dim,
                                      v.data() + head * n * p_.head_dim, out.data() + head * n * p_.head_dim,
                                      block * c_.block_q, thread);
       }
@@ -66,8 +75,21 @@ class ExactTiled final : public Mechanism {
   }
 
  private:
+  // Packs every head's keys once per call, so query blocks share the panels.
+  void pack_keys(const Tensor& k) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, panels = tiles::panels_for(n);
+    const std::int64_t heads = p_.batch * p_.heads;
+#pragma omp parallel for schedule(static)
+    for (std::int64_t task = 0; task < heads * panels; ++task) {
+      const std::int64_t head = task / panels, panel = task % panels;
+      const std::int64_t first = panel * tiles::kPanel;
+      tiles::pack_key_panels(k.data() + (head * n + first) * d, d, std::min(tiles::kPanel, n - first), d,
+                             packed_keys_.data() + (head * panels + panel) * d * tiles::kPanel);
+    }
+  }
+
   // Computes rows [q0, q0 + bq) of one head. Returns the FLOPs it executed outside oneDNN.
-  std::int64_t query_block(const float* q, const float* k, const float* v, float* out, std::int64_t q0,
+  std::int64_t query_block(std::int64_t head, const float* q, const float* k, const float* v, float* out, std::int64_t q0,
                            int thread) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, bk = c_.block_k;
     const std::int64_t rows = std::min(c_.block_q, n - q0);
@@ -84,7 +106,7 @@ class ExactTiled final : public Mechanism {
     std::int64_t flops = 0;
     for (std::int64_t k0 = 0; k0 < key_end; k0 += bk) {
       const std::int64_t cols = std::min(bk, key_end - k0);
-      flops += compute_scores(q + q0 * d, rows, k + k0 * d, cols, scale, scores, thread);
+      flops += compute_scores(head, q + q0 * d, rows, k, k0, cols, scale, scores);
       for (std::int64_t r = 0; r < rows; ++r) {
         float* row = scores + r * lds;
         const std::int64_t valid = valid_in_row(p_.causal, q0 + r, k0, cols);
@@ -127,15 +149,15 @@ class ExactTiled final : public Mechanism {
 
   // scores[r, j] = scale · q[r]·k[j] for a [rows, cols] tile. Returns the FLOPs it executed that
   // the oneDNN path does not count itself.
-  std::int64_t compute_scores(const float* q, std::int64_t rows, const float* k, std::int64_t cols, float scale,
-                      float* scores, int thread) {
+  // Keys k0 .. k0 + cols of the head; k0 is a multiple of block_k.
+  std::int64_t compute_scores(std::int64_t head, const float* q, std::int64_t rows, const float* k, std::int64_t k0,
+                              std::int64_t cols, float scale, float* scores) {
     const std::int64_t d = p_.head_dim;
     if (!uses_tile_kernels(d)) {
-      ops::gemm(false, true, rows, cols, d, scale, q, d, k, d, 0.0f, scores, score_ld_);
+      ops::gemm(false, true, rows, cols, d, scale, q, d, k + k0 * d, d, 0.0f, scores, score_ld_);
       return 0;
     }
-    float* packed = packed_keys_.data() + thread * tiles::panels_for(c_.block_k) * d * tiles::kPanel;
-    tiles::pack_key_panels(k, d, cols, d, packed);
+    const float* packed = packed_keys_.data() + (head * tiles::panels_for(p_.seq_len) + k0 / tiles::kPanel) * d * tiles::kPanel;
     tiles::scores(q, d, rows, packed, tiles::panels_for(cols), d, scale, scores, score_ld_);
     return matmul_flops(rows, score_columns(cols, d), d);
   }
@@ -147,11 +169,11 @@ class ExactTiled final : public Mechanism {
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
-  return std::make_unique<ExactTiled>(problem, config_from(values));
+  return std::make_unique<ExactTiled>(problem, config_from(problem, values));
 }
 
 std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+  const auto c = config_from(p, values);
   const std::int64_t n = p.seq_len, d = p.head_dim;
   std::int64_t per_head = n * d;  // final 1/l scaling
   for (std::int64_t q0 = 0; q0 < n; q0 += c.block_q) {
@@ -170,11 +192,10 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
 }
 
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+  const auto c = config_from(p, values);
   const std::int64_t threads = omp_get_max_threads();
-  const std::int64_t packed = uses_tile_kernels(p.head_dim) ? tiles::panels_for(c.block_k) * p.head_dim * tiles::kPanel : 0;
-  return threads * (c.block_q * score_columns(c.block_k, p.head_dim) + packed + c.block_q * p.head_dim + 2 * c.block_q) *
-         static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t per_thread = c.block_q * score_columns(c.block_k, p.head_dim) + c.block_q * p.head_dim + 2 * c.block_q;
+  return (threads * per_thread + packed_key_floats(p)) * static_cast<std::int64_t>(sizeof(float));
 }
 
 }  // namespace
@@ -182,7 +203,7 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 Implementation exact_tiled_implementation() {
   return {{
               {"block_q", ParamType::Int, "64", 1, 4096, {}, "query rows per task (tokens)"},
-              {"block_k", ParamType::Int, "256", 1, 8192, {}, "key columns per tile (tokens)"},
+              {"block_k", ParamType::Int, "256", 1, 8192, {}, "key columns per tile (tokens; rounded up to a multiple of 16 when head_dim is)"},
           },
           create,
           flops,

@@ -6,7 +6,9 @@
 //   S = Q_blk·K_blkᵀ/√D;  m' = max(m, rowmax S);  P = exp(S − m');  l = l·e^(m−m') + rowsum P;
 //   acc = acc·e^(m−m') + P·V_blk;  finally O_blk = acc / l.
 // Causal: key blocks entirely above the diagonal are skipped; inside a diagonal block entries
-// j > i are excluded. Workspace: per thread S [bq, bk], acc [bq, D], m, l: O(bq·(bk+D)), not O(N²).
+// j > i are excluded. Workspace: per thread S [bq, bk], acc [bq, D], m, l: O(bq·(bk+D)), not O(N²);
+// when D is a multiple of 16 (the register-blocked tile kernels) also one panel-packed copy of K,
+// made once per call and shared by all query blocks: B·H·⌈N/16⌉·16·D floats.
 // FLOPs (exact, see exact_tiled_flops): per executed tile 4·rows·cols·D (two products) +
 // 4·valid (max, subtract+exp, sum) + D per row with valid > 0 (rescale); plus N·D per head (1/l).
 #include "lib/mechanism.hpp"
