@@ -446,11 +446,7 @@ std::int64_t RoutingAttention::attend_local(const Tensor& q, const Tensor& k, co
 namespace {
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  const RoutingConfig config = routing_config(values);
-  // Disabled: with two or more threads the causal local heads produced wrong rows in tests.
-  if (problem.causal && config.local_heads)
-    throw ParamError("routing: local_heads=true is not supported with --causal in this build");
-  return std::make_unique<RoutingAttention>(problem, config, seed);
+  return std::make_unique<RoutingAttention>(problem, routing_config(values), seed);
 }
 
 std::int64_t flops(const Problem& p, const ParamValues& values) {
