@@ -32,6 +32,9 @@ void print_human(const ResultRow& row) {
                 row.unstable ? ", UNSTABLE" : "", row.samples_ns.size());
     std::printf("work       %.3f GFLOP executed, %.1f GFLOP/s, %.0f tokens/s\n", static_cast<double>(row.flops) * 1e-9,
                 row.gflops_per_s, row.tokens_per_s);
+    for (const auto& [stage, ns] : row.stage_median_ns)
+      std::printf("stage      %-8s %.3f ms median (%.0f%% of the median call)\n", stage.c_str(), ns * 1e-6,
+                  row.median_ns > 0 ? 100.0 * ns / row.median_ns : 0.0);
     std::printf("memory     peak tracked %.2f MiB (workspace %.2f MiB, estimate %.2f MiB), peak RSS %.1f MiB\n",
                 static_cast<double>(row.peak_tensor_bytes) / 1048576.0, static_cast<double>(row.workspace_bytes) / 1048576.0,
                 static_cast<double>(row.estimated_workspace_bytes) / 1048576.0,

@@ -6,6 +6,7 @@
 #include "lib/flop_counter.hpp"
 #include "lib/ops.hpp"
 #include "lib/rng.hpp"
+#include "lib/stage_clock.hpp"
 
 namespace xfb {
 namespace {
@@ -67,6 +68,7 @@ void EncoderLayer::prepare(Mechanism& mechanism, const Tensor& x) {
 void EncoderLayer::forward(Mechanism& mechanism, const Tensor& x, Tensor& y) {
   const std::int64_t tokens = p_.batch * p_.seq_len, n = p_.seq_len, d = p_.head_dim, h = p_.heads;
   project_qkv(x);
+  stage_clock::restart();  // the mechanism's stages exclude the projections before it
   mechanism.forward(q_, k_, v_, o_);
 #pragma omp parallel for collapse(2) schedule(static)
   for (std::int64_t b = 0; b < p_.batch; ++b)

@@ -225,6 +225,7 @@ ResultRow run_point(const PointConfig& config, const std::optional<std::string>&
   row.mad_ns = stats.mad;
   row.cv = stats.cv;
   row.unstable = stats.cv > kUnstableCv;
+  for (const auto& [stage, samples] : timed.stage_samples_ns) row.stage_median_ns[stage] = summarize(samples).median;
   row.gflops_per_s = stats.median > 0 ? static_cast<double>(row.flops) / stats.median : 0;
   row.tokens_per_s = stats.median > 0 ? static_cast<double>(p.batch * p.seq_len) / (stats.median * 1e-9) : 0;
   if (timed.primitives_created_while_timed > 0)

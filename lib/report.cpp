@@ -69,6 +69,7 @@ void to_json(nlohmann::json& j, const ResultRow& r) {
                      {"mad_ns", r.mad_ns},
                      {"cv", r.cv},
                      {"unstable", r.unstable},
+                     {"stage_median_ns", r.stage_median_ns},
                      {"flops", r.flops},
                      {"gflops_per_s", r.gflops_per_s},
                      {"tokens_per_s", r.tokens_per_s},
@@ -103,6 +104,7 @@ void from_json(const nlohmann::json& j, ResultRow& r) {
     j.at("mad_ns").get_to(r.mad_ns);
     j.at("cv").get_to(r.cv);
     j.at("unstable").get_to(r.unstable);
+    r.stage_median_ns = j.value("stage_median_ns", std::map<std::string, double>{});
     j.at("flops").get_to(r.flops);
     j.at("gflops_per_s").get_to(r.gflops_per_s);
     j.at("tokens_per_s").get_to(r.tokens_per_s);

@@ -2,6 +2,7 @@
 // The versioned JSON report: { schema_version, tool, context, settings, results: [ResultRow] }.
 // The README documents every field; bump kSchemaVersion on any incompatible change.
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,7 @@ struct ResultRow {
   std::vector<double> samples_ns;  // every timed repetition, nanoseconds
   double median_ns = 0, min_ns = 0, max_ns = 0, mad_ns = 0, cv = 0;
   bool unstable = false;           // cv > 5%
+  std::map<std::string, double> stage_median_ns;  // median per stage (see stage_clock.hpp); often empty
   std::int64_t flops = 0;          // executed in one forward (counter)
   double gflops_per_s = 0;         // flops / median
   double tokens_per_s = 0;         // batch·seq_len / median

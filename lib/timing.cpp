@@ -4,6 +4,7 @@
 #include <string_view>
 
 #include "lib/dnnl_context.hpp"
+#include "lib/stage_clock.hpp"
 
 namespace xfb {
 
@@ -16,8 +17,10 @@ TimingResult time_repeatedly(const TimingSettings& settings, const std::function
   while (static_cast<int>(result.samples_ns.size()) < settings.max_reps &&
          (static_cast<int>(result.samples_ns.size()) < settings.min_reps || total_ns < settings.min_time_s * 1e9)) {
     const auto start = clock::now();
+    stage_clock::open();
     body();
     const auto stop = clock::now();
+    for (const auto& [stage, ns] : stage_clock::close()) result.stage_samples_ns[stage].push_back(ns);
     const double ns = std::chrono::duration<double, std::nano>(stop - start).count();
     result.samples_ns.push_back(ns);
     total_ns += ns;

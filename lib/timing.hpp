@@ -3,6 +3,8 @@
 // (capped by max_reps). Every repetition's wall time is kept.
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <string>
 #include <vector>
 
 namespace xfb {
@@ -16,6 +18,7 @@ struct TimingSettings {
 
 struct TimingResult {
   std::vector<double> samples_ns;
+  std::map<std::string, std::vector<double>> stage_samples_ns;  // per stage_clock stage, one per run
   std::int64_t primitives_created_while_timed = 0;
 };
 

@@ -644,4 +644,23 @@ TEST_SUITE("learnable") {
       }
     }
   }
+
+  TEST_CASE("the routing step and the attention are timed as separate stages within the call") {
+    for (const char* model : {"reformer", "routing", "sinkhorn"})
+      for (bool causal : {false, true})
+        for (Scope scope : {Scope::Attention, Scope::Layer}) {
+          PointConfig config = counter_point(model, 1000, causal);
+          config.scope = scope;
+          const ResultRow row = run_point(config);
+          CAPTURE(model);
+          CAPTURE(causal);
+          REQUIRE(row.samples_ns.size() == 1);
+          REQUIRE(row.stage_median_ns.size() == 2);
+          const double route = row.stage_median_ns.at("route"), attend = row.stage_median_ns.at("attend");
+          CHECK(route > 0);
+          CHECK(attend > 0);
+          CHECK(route + attend <= row.samples_ns[0]);  // one call: its stages lie inside its window
+        }
+    CHECK(run_point(counter_point("vanilla", 100)).stage_median_ns.empty());
+  }
 }

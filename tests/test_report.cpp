@@ -60,6 +60,7 @@ TEST_SUITE("report") {
     report.context = {{"cpu_model", "test"}, {"threads", 2}};
     report.settings = {{"seq_lens", {256}}};
     report.results.push_back(sample_row("vanilla", 256, 1e6));
+    report.results.back().stage_median_ns = {{"route", 2.5e5}, {"attend", 7.5e5}};
     ResultRow skipped = sample_row("exact-tiled", 256, 0);
     skipped.status = Status::Skipped;
     skipped.reason = "memory";
@@ -74,6 +75,8 @@ TEST_SUITE("report") {
     const Report back = report_from_json(nlohmann::json::parse(j.dump()));
     REQUIRE(back.results.size() == 2);
     CHECK(back.results[0].samples_ns == report.results[0].samples_ns);
+    CHECK(back.results[0].stage_median_ns == report.results[0].stage_median_ns);
+    CHECK(back.results[1].stage_median_ns.empty());
     CHECK(back.results[0].key() == report.results[0].key());
     CHECK(back.results[1].status == Status::Skipped);
     CHECK(back.context == report.context);

@@ -11,6 +11,7 @@
 #include "lib/flop_counter.hpp"
 #include "lib/ops.hpp"
 #include "lib/rng.hpp"
+#include "lib/stage_clock.hpp"
 
 namespace xfb {
 
@@ -107,9 +108,13 @@ void ReformerAttention::forward(const Tensor& q, const Tensor&, const Tensor& v,
     for (std::int64_t round = 0; round < c_.n_rounds; ++round) {
 #pragma omp for schedule(static)
       for (std::int64_t head = 0; head < heads; ++head) flops += hash_and_sort(round, head);
+#pragma omp master
+      stage_clock::lap("route");
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t task = 0; task < heads * chunks; ++task)
         flops += attend_chunk(round, task / chunks, task % chunks, q, v, out, thread);
+#pragma omp master
+      stage_clock::lap("attend");
     }
   }
   FlopCounter::add(flops);

@@ -13,6 +13,7 @@
 #include "lib/flop_counter.hpp"
 #include "lib/ops.hpp"
 #include "lib/rng.hpp"
+#include "lib/stage_clock.hpp"
 
 namespace xfb {
 
@@ -257,6 +258,8 @@ void RoutingAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v
     if (!p_.causal) {
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t r = 0; r < routed; ++r) flops += route_balanced(q, k, r, thread);
+#pragma omp master
+      stage_clock::lap("route");
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t task = 0; task < routed * cl; ++task)
         flops += attend_cluster(q, k, v, task / cl, task % cl, thread);
@@ -265,6 +268,8 @@ void RoutingAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v
     } else {
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t r = 0; r < routed; ++r) flops += route_nearest(q, k, v, r, thread);
+#pragma omp master
+      stage_clock::lap("route");
 #pragma omp for schedule(dynamic, 64)
       for (std::int64_t task = 0; task < routed * n; ++task)
         flops += attend_recent(q, task / n, query_order_.data()[task], out, thread);
@@ -273,6 +278,7 @@ void RoutingAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v
     for (std::int64_t task = 0; task < local * blocks; ++task)
       flops += attend_local(q, k, v, local_heads_[task / blocks], task % blocks, out, thread);
   }
+  stage_clock::lap("attend");
   FlopCounter::add(flops);
 }
 

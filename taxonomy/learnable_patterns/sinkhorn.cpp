@@ -10,6 +10,7 @@
 #include "lib/flop_counter.hpp"
 #include "lib/ops.hpp"
 #include "lib/rng.hpp"
+#include "lib/stage_clock.hpp"
 #include "taxonomy/learnable_patterns/pattern_common.hpp"
 
 namespace xfb {
@@ -146,11 +147,13 @@ void SinkhornAttention::forward(const Tensor& q, const Tensor& k, const Tensor& 
   flops += sorting_network();
 #pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
   for (std::int64_t head = 0; head < heads; ++head) flops += balance(head, omp_get_thread_num());
+  stage_clock::lap("route");
   mix_blocks(k, sorted_k_);
   mix_blocks(v, sorted_v_);
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) reduction(+ : flops)
   for (std::int64_t task = 0; task < heads * blocks_; ++task)
     flops += attend_block(q, k, v, task / blocks_, task % blocks_, out, omp_get_thread_num());
+  stage_clock::lap("attend");
   FlopCounter::add(flops);
 }
 
