@@ -1,32 +1,52 @@
 #!/usr/bin/env bash
-# Regenerates results/ from a release build: the reference sweep of every implemented model, its
-# tables (time, speed-up, memory, GFLOP/s, complexity), its plots, and the taxonomy. Arguments
-# are passed to the sweep (e.g. --seq-lens 512:8192:x2). The CI baseline has its own script:
-# tools/ci_regression.sh --update.
+# Regenerates results/ from a release build: the reference sweeps of every implemented model
+# (non-causal, and causal for the models that decode), their tables (time, speed-up, memory,
+# GFLOP/s, complexity), plots, the Long Range Arena preset against LRA's published table, and the
+# taxonomy. The CI baseline has its own script: tools/ci_regression.sh --update.
+#   tools/reference_results.sh                 run the three sweeps (~20 min on 2 cores), then render
+#   tools/reference_results.sh --render-only   re-render tables and plots from the committed JSON
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh
 cmake --preset release >/dev/null
 cmake --build --preset release
 x=build/release/xfbench
-out=results/reference-sweep
-$x sweep --models implemented --seq-lens 256:4096:x2 --threads 2 --no-table --out "$out.json" "$@"
+sweep_args=(--models implemented --seq-lens 1024:16384:x2 --batch 1 --heads 8 --head-dim 64 --threads 2)
+if [ "${1:-}" != "--render-only" ]; then
+  $x sweep "${sweep_args[@]}" --no-table --out results/reference-sweep.json
+  $x sweep "${sweep_args[@]}" --causal --no-table --out results/reference-sweep-causal.json
+  $x sweep --preset lra --threads 2 --no-table --out results/lra-sweep.json
+fi
 {
-  echo "# Reference sweep"
+  echo "# Long Range Arena preset"
   echo
-  echo "\`xfbench sweep --models implemented --seq-lens 256:4096:x2 --threads 2 $*\` on 2 shared cores of an"
-  echo "AMD EPYC (Zen 3, AVX2); times are noisy on this shared machine, tracked memory and FLOPs are exact."
-  for metric in time speedup memory gflops; do
+  echo "\`xfbench sweep --preset lra --threads 2\` (layer scope, B=32, 4 heads of 64, d_ff 1024) against"
+  echo "LRA's published speed and memory ratios (\`xfbench table --paper lra\`)."
+  echo
+  $x table results/lra-sweep.json --paper lra --format md
+} >results/lra-sweep.md
+for variant in reference-sweep reference-sweep-causal; do
+  json=results/$variant.json
+  {
+    echo "# Reference sweep ($([ "$variant" = reference-sweep ] && echo non-causal || echo causal))"
     echo
-    $x table "$out.json" --metric "$metric" --format md
-  done
-  echo
-  echo "**Complexity** (\`xfbench complexity\`)"
-  echo
-  $x complexity "$out.json" --format md
-} >"$out.md"
+    echo "\`xfbench sweep ${sweep_args[*]}$([ "$variant" = reference-sweep-causal ] && echo ' --causal')\` on 2 shared"
+    echo "cores of an AMD EPYC (Zen 3, AVX2); the FMA peak measured in the same run is in the JSON context."
+    echo "Times are medians on a shared machine (ratios are more telling than absolute figures); tracked"
+    echo "memory and FLOPs are exact. Models that cannot decode are \`unsupported\` in the causal sweep."
+    echo "The exact command line is the JSON's \`context.command_line\`."
+    for metric in time speedup memory gflops; do
+      echo
+      $x table "$json" --metric "$metric" --format md
+    done
+    echo
+    echo "**Complexity** (\`xfbench complexity\`)"
+    echo
+    $x complexity "$json" --format md
+  } >"results/$variant.md"
+done
 for metric in time memory speedup; do
-  $x plot "$out.json" --metric "$metric" --out "results/reference-$metric.svg"
+  $x plot results/reference-sweep.json --metric "$metric" --out "results/reference-$metric.svg"
 done
 $x taxonomy --format md >results/taxonomy.md
 $x taxonomy --format svg --out results/taxonomy.svg
