@@ -510,6 +510,22 @@ TEST_SUITE("learnable") {
     }
   }
 
+  TEST_CASE("routing's top-w selection breaks ties by lower position") {
+    // Zero queries and keys: every cosine affinity is 0, so each cluster takes positions 0 … w−1.
+    const Problem p{.batch = 1, .heads = 2, .seq_len = 300, .head_dim = 16, .causal = false};
+    auto in = random_inputs(p, 13);
+    std::fill(in.q.data(), in.q.data() + in.q.size(), 0.0f);
+    std::fill(in.k.data(), in.k.data() + in.k.size(), 0.0f);
+    auto run = run_model<RoutingAttention>("routing", p, in, {"kmeans_updates=0"});
+    std::vector<std::int32_t> first(static_cast<std::size_t>(run.model->window()));
+    std::iota(first.begin(), first.end(), 0);
+    for (std::int64_t h = 0; h < p.heads; ++h)
+      for (std::int64_t c = 0; c < run.model->clusters(); ++c) {
+        CHECK(run.model->query_members(0, h, c) == first);
+        CHECK(run.model->key_members(0, h, c) == first);
+      }
+  }
+
   TEST_CASE("routing with one cluster is exact softmax attention") {
     for (bool causal : {false, true})
       for (std::int64_t n : {1, 33, 200}) {

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -60,37 +61,33 @@ float inverse_norm(const float* x, std::int64_t d) {
   return squares > 0.0f ? 1.0f / std::sqrt(squares) : 0.0f;
 }
 
-// members = the w positions of largest value (ties: lower position first), ascending. A heap of
-// the best w so far, worst on top: most values fail the one comparison with the top.
-void top_positions(const float* values, std::int64_t n, std::int64_t w, float* heap_value, std::int32_t* heap_index,
+// Histogram bins over [-1, 1] used to find the cut of a top-w selection of cosine values.
+constexpr std::int64_t kSelectionBins = 1024;
+
+// Monotone in `value`: a larger value never falls in a lower bin. Out-of-range values and NaN clamp.
+std::int64_t selection_bin(float value) {
+  const float x = (value + 1.0f) * static_cast<float>(kSelectionBins / 2);
+  if (!(x > 0.0f)) return 0;
+  return x >= static_cast<float>(kSelectionBins - 1) ? kSelectionBins - 1 : static_cast<std::int64_t>(x);
+}
+
+// members = the w ≤ n positions of largest value (ties: lower position first), ascending. A
+// histogram finds the bin holding the w-th largest value; only the positions in that bin or above
+// (w plus that bin's share, for spread-out values) are ranked exactly.
+void top_positions(const float* values, std::int64_t n, std::int64_t w, std::int32_t* candidates,
                    std::int32_t* members) {
-  auto worse = [&](std::int64_t a, std::int64_t b) {
-    return heap_value[a] < heap_value[b] || (heap_value[a] == heap_value[b] && heap_index[a] > heap_index[b]);
+  std::array<std::int32_t, kSelectionBins> count{};
+  for (std::int64_t i = 0; i < n; ++i) ++count[static_cast<std::size_t>(selection_bin(values[i]))];
+  std::int64_t cut = kSelectionBins - 1, above = count[kSelectionBins - 1];
+  while (above < w) above += count[static_cast<std::size_t>(--cut)];
+  std::int64_t size = 0;
+  for (std::int64_t i = 0; i < n; ++i)
+    if (selection_bin(values[i]) >= cut) candidates[size++] = static_cast<std::int32_t>(i);
+  auto better = [values](std::int32_t a, std::int32_t b) {
+    return values[a] > values[b] || (values[a] == values[b] && a < b);
   };
-  auto swap_entries = [&](std::int64_t a, std::int64_t b) {
-    std::swap(heap_value[a], heap_value[b]);
-    std::swap(heap_index[a], heap_index[b]);
-  };
-  for (std::int64_t i = 0; i < w; ++i) {
-    heap_value[i] = values[i];
-    heap_index[i] = static_cast<std::int32_t>(i);
-    for (std::int64_t child = i; child > 0 && worse(child, (child - 1) / 2); child = (child - 1) / 2)
-      swap_entries(child, (child - 1) / 2);
-  }
-  for (std::int64_t i = w; i < n; ++i) {
-    if (!(values[i] > heap_value[0])) continue;  // equal value, higher position: not better
-    heap_value[0] = values[i];
-    heap_index[0] = static_cast<std::int32_t>(i);
-    for (std::int64_t parent = 0;;) {
-      std::int64_t target = parent;
-      for (std::int64_t child : {2 * parent + 1, 2 * parent + 2})
-        if (child < w && worse(child, target)) target = child;
-      if (target == parent) break;
-      swap_entries(parent, target);
-      parent = target;
-    }
-  }
-  std::copy(heap_index, heap_index + w, members);
+  std::nth_element(candidates, candidates + (w - 1), candidates + size, better);
+  std::copy(candidates, candidates + w, members);
   std::sort(members, members + w);
 }
 
@@ -160,7 +157,7 @@ void RoutingAttention::prepare(const Tensor& q, const Tensor& k, const Tensor&) 
     scale_row(mu, mu, inverse_norm(mu, d), d);
   }
   affinity_ = Tensor(Shape{threads_, 2, cl, affinity_ld_});
-  selection_ = Tensor(Shape{threads_, 4, n});
+  selection_ = Tensor(Shape{threads_, 3, n});
   candidates_ = IndexBuffer(threads_ * n);
   counts_ = IndexBuffer(threads_ * (cl + 1));
   gathered_ = Tensor(Shape{threads_, p_.causal ? 1 : 3 * w, d});
@@ -192,7 +189,7 @@ void RoutingAttention::refine_centroids(const Tensor& q, const Tensor& k) {
   {
     const int thread = omp_get_thread_num();
     float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-    float* best = selection_.data() + thread * 4 * n;
+    float* best = selection_.data() + thread * 3 * n;
     std::int32_t* nearest = candidates_.data() + thread * n;
     std::vector<float> sums(static_cast<std::size_t>(cl * d));
 #pragma omp for schedule(dynamic, 1)
@@ -297,7 +294,7 @@ std::int64_t RoutingAttention::route_balanced(const Tensor& q, const Tensor& k, 
   const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_, w = window_;
   affinities(q, k, r, thread);
   const float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-  float* inverse = selection_.data() + thread * 4 * n;  // [2, N] inverse norms, [N] values, [N] scratch
+  float* inverse = selection_.data() + thread * 3 * n;  // [2, N] inverse norms, [N] values
   float* values = inverse + 2 * n;
   std::int32_t* candidates = candidates_.data() + thread * n;
   for (std::int64_t i = 0; i < n; ++i) {
@@ -309,7 +306,7 @@ std::int64_t RoutingAttention::route_balanced(const Tensor& q, const Tensor& k, 
       const float* row = affinity + (role * cl + c) * affinity_ld_;
 #pragma omp simd
       for (std::int64_t i = 0; i < n; ++i) values[i] = row[i] * inverse[role * n + i];
-      top_positions(values, n, w, values + n, candidates, members_.data() + ((r * 2 + role) * cl + c) * w);
+      top_positions(values, n, w, candidates, members_.data() + ((r * 2 + role) * cl + c) * w);
     }
   // Slot lists: for every query, the (cluster · w + slot) entries that took it, in cluster order.
   std::int32_t* start = slot_start_.data() + r * (n + 1);
@@ -374,7 +371,7 @@ std::int64_t RoutingAttention::route_nearest(const Tensor& q, const Tensor& k, c
   const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_;
   affinities(q, k, r, thread);
   const float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-  float* best = selection_.data() + thread * 4 * n;
+  float* best = selection_.data() + thread * 3 * n;
   std::int32_t* query_cluster = token_clusters_.data() + r * 2 * n;
   std::int32_t* key_cluster = query_cluster + n;
   argmax_columns(affinity, cl, n, affinity_ld_, best, query_cluster);
@@ -475,7 +472,7 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
   const std::int64_t threads = omp_get_max_threads(), routed = p.batch * (p.heads - local_head_count(p, c));
   std::int64_t floats = p.heads * cl * d +
-                        threads * (2 * cl * ops::padded_ld(n) + 4 * n + (p.causal ? 1 : 3 * w) * d +
+                        threads * (2 * cl * ops::padded_ld(n) + 3 * n + (p.causal ? 1 : 3 * w) * d +
                                    score_rows(p, c) * ops::padded_ld(score_cols(p, c)) + 2 * w);
   std::int64_t ints = threads * (n + cl + 1);
   if (p.causal) {

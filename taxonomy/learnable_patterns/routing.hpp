@@ -87,7 +87,7 @@ class RoutingAttention final : public Mechanism {
   std::int64_t clusters_, window_, affinity_ld_, score_ld_, threads_ = 1;
   std::vector<std::int64_t> routed_heads_, local_heads_;
   Tensor centroids_;
-  // Per thread: affinities [2, C, ld], norms/selection values [4, N], gathered rows, scores, row stats.
+  // Per thread: affinities [2, C, ld], norms and selection values [3, N], gathered rows, scores, row stats.
   Tensor affinity_, selection_, gathered_, scores_, row_stats_;
   IndexBuffer candidates_, counts_;
   // Non-causal pattern and per-cluster results.
