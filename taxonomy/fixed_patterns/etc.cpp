@@ -42,24 +42,14 @@ class Etc final : public Mechanism {
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    const auto task_count = static_cast<std::int64_t>(tasks_.size());
     const std::int64_t d = p_.head_dim;
-    std::int64_t softmax_flops = 0;
-#pragma omp parallel reduction(+ : softmax_flops)
-    {
-      auto& kernel = kernels_[static_cast<std::size_t>(omp_get_thread_num())];
-      TilePattern tile;
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t index = 0; index < p_.batch * task_count; ++index) {
-        const std::int64_t b = index / task_count;
-        const WindowGlobalTask& task = tasks_[static_cast<std::size_t>(index % task_count)];
-        fixed::plan_window_global(shape_, task, tile);
-        const std::int64_t offset = fixed::first_row(task) * d;
-        softmax_flops += kernel.run(tile, q.head(b, task.head) + offset, d, k.head(b, task.head), v.head(b, task.head),
-                                    out.head(b, task.head) + offset, d, false);
-      }
-    }
-    FlopCounter::add(softmax_flops);
+    fixed::run_tile_tasks(p_.batch, tasks_, kernels_,
+                          [&](std::int64_t b, const WindowGlobalTask& task, TileAttention& kernel, TilePattern& tile) {
+                            fixed::plan_window_global(shape_, task, tile);
+                            const std::int64_t offset = fixed::first_row(task) * d;
+                            return kernel.run(tile, q.head(b, task.head) + offset, d, k.head(b, task.head),
+                                              v.head(b, task.head), out.head(b, task.head) + offset, d, false);
+                          });
   }
 
  private:

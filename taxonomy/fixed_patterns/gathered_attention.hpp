@@ -19,10 +19,13 @@
 //
 // FLOPs of a tile (tile_flops): 4·rows·Σ widths·D (both products) + kSoftmaxFlopsPerElement per
 // visible entry. Rows that see nothing cost nothing.
+#include <omp.h>
+
 #include <cstdint>
 #include <utility>
 #include <vector>
 
+#include "lib/flop_counter.hpp"
 #include "lib/tensor.hpp"
 
 namespace xfb::fixed {
@@ -97,5 +100,25 @@ class TileAttention {
   std::vector<std::int64_t> offsets_;  // per run: first score column
   std::vector<std::pair<std::int64_t, std::int64_t>> spans_;  // one row's visible (first column, length)
 };
+
+// Runs tasks of one tile each on the OpenMP team, dynamically scheduled: for every batch entry b
+// and task t, run_task(b, tasks[t], kernel, tile) with the calling thread's kernel and a reused
+// TilePattern. Adds the returned softmax FLOPs (the kernel adds its gemm FLOPs itself) to the
+// FlopCounter.
+template <typename Task, typename RunTask>
+void run_tile_tasks(std::int64_t batch, const std::vector<Task>& tasks, std::vector<TileAttention>& kernels,
+                    RunTask&& run_task) {
+  const auto count = static_cast<std::int64_t>(tasks.size());
+  std::int64_t softmax_flops = 0;
+#pragma omp parallel reduction(+ : softmax_flops)
+  {
+    TileAttention& kernel = kernels[static_cast<std::size_t>(omp_get_thread_num())];
+    TilePattern tile;
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t index = 0; index < batch * count; ++index)
+      softmax_flops += run_task(index / count, tasks[static_cast<std::size_t>(index % count)], kernel, tile);
+  }
+  FlopCounter::add(softmax_flops);
+}
 
 }  // namespace xfb::fixed

@@ -68,22 +68,13 @@ class Longformer final : public Mechanism {
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    const auto task_count = static_cast<std::int64_t>(tasks_.size());
-    std::int64_t softmax_flops = 0;
-#pragma omp parallel reduction(+ : softmax_flops)
-    {
-      const int thread = omp_get_thread_num();
-      TilePattern tile;
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t index = 0; index < p_.batch * task_count; ++index) {
-        const std::int64_t b = index / task_count;
-        const WindowGlobalTask& task = tasks_[static_cast<std::size_t>(index % task_count)];
-        fixed::plan_window_global(shape_, task, tile);
-        softmax_flops += task.global ? global_tile(task, tile, q, k, v, out, b, thread)
-                                     : window_tile(task, tile, q, k, v, out, b, thread);
-      }
-    }
-    FlopCounter::add(softmax_flops);
+    fixed::run_tile_tasks(p_.batch, tasks_, kernels_,
+                          [&](std::int64_t b, const WindowGlobalTask& task, TileAttention&, TilePattern& tile) {
+                            fixed::plan_window_global(shape_, task, tile);
+                            const int thread = omp_get_thread_num();  // also picks the projection buffers
+                            return task.global ? global_tile(task, tile, q, k, v, out, b, thread)
+                                               : window_tile(task, tile, q, k, v, out, b, thread);
+                          });
   }
 
   std::vector<NamedTensor> parameters() const override {

@@ -107,26 +107,17 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
       compress(k, packed_k_, memory_k_);
       compress(v, packed_v_, memory_v_);
     }
-    const auto task_count = static_cast<std::int64_t>(tasks_.size());
     const std::int64_t d = p_.head_dim;
-    std::int64_t softmax_flops = 0;
-#pragma omp parallel reduction(+ : softmax_flops)
-    {
-      auto& kernel = kernels_[static_cast<std::size_t>(omp_get_thread_num())];
-      TilePattern tile;
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t index = 0; index < p_.batch * task_count; ++index) {
-        const std::int64_t b = index / task_count;
-        const Task& task = tasks_[static_cast<std::size_t>(index % task_count)];
-        plan(l_, task, tile);
-        const bool local = task.head < l_.local_heads;
-        const float* keys = local ? k.head(b, task.head) : memory_k_.head(b, task.head - l_.local_heads);
-        const float* values = local ? v.head(b, task.head) : memory_v_.head(b, task.head - l_.local_heads);
-        softmax_flops += kernel.run(tile, q.head(b, task.head) + task.start * d, d, keys, values,
-                                    out.head(b, task.head) + task.start * d, d, false);
-      }
-    }
-    FlopCounter::add(softmax_flops);
+    fixed::run_tile_tasks(p_.batch, tasks_, kernels_,
+                          [&](std::int64_t b, const Task& task, TileAttention& kernel, TilePattern& tile) {
+                            plan(l_, task, tile);
+                            const bool local = task.head < l_.local_heads;
+                            const std::int64_t memory_head = task.head - l_.local_heads;
+                            const float* keys = local ? k.head(b, task.head) : memory_k_.head(b, memory_head);
+                            const float* values = local ? v.head(b, task.head) : memory_v_.head(b, memory_head);
+                            return kernel.run(tile, q.head(b, task.head) + task.start * d, d, keys, values,
+                                              out.head(b, task.head) + task.start * d, d, false);
+                          });
   }
 
   std::vector<NamedTensor> parameters() const override {
