@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "lib/dnnl_context.hpp"
 #include "lib/encoder_layer.hpp"
@@ -42,23 +44,24 @@ TEST_SUITE("exact") {
   }
 
   TEST_CASE("exact-tiled with small uneven blocks, block ± 1 and non-multiples") {
-    for (std::int64_t n : {15, 16, 17, 23, 24, 25, 100})
-      for (bool causal : {false, true}) {
-        const Problem p{.batch = 1, .heads = 3, .seq_len = n, .head_dim = 8, .causal = causal};
-        const auto in = random_inputs(p, 3);
-        const Tensor out = run_mechanism("exact-tiled", p, in, {"block_q=16", "block_k=24"});
-        check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
-                                "exact-tiled 16x24 N=" + std::to_string(n));
-      }
-    // D = 16 runs the tile kernels: block_k 24 becomes 32 (two panels); N around 16 and 32.
-    for (std::int64_t n : {15, 16, 17, 31, 32, 33, 100})
-      for (bool causal : {false, true}) {
-        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
-        const auto in = random_inputs(p, 4);
-        const Tensor out = run_mechanism("exact-tiled", p, in, {"block_q=7", "block_k=24"});
-        check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
-                                "exact-tiled tiles 7x24 N=" + std::to_string(n));
-      }
+    struct Case {
+      std::int64_t head_dim;
+      const char* block_q;
+      std::vector<std::int64_t> lengths;
+    };
+    // D = 8 runs oneDNN sgemm tiles with block_k 24 exactly; D = 16 runs the tile kernels, where
+    // block_k 24 becomes 32 (two 16-key panels).
+    for (const Case& c : {Case{8, "block_q=16", {15, 16, 17, 23, 24, 25, 100}},
+                          Case{16, "block_q=7", {15, 16, 17, 31, 32, 33, 100}}})
+      for (std::int64_t n : c.lengths)
+        for (bool causal : {false, true}) {
+          const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = c.head_dim, .causal = causal};
+          const auto in = random_inputs(p, 3);
+          const Tensor out = run_mechanism("exact-tiled", p, in, {c.block_q, "block_k=24"});
+          check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
+                                  std::string("exact-tiled ") + c.block_q + " D=" + std::to_string(c.head_dim) +
+                                      " N=" + std::to_string(n));
+        }
   }
 
   TEST_CASE("rows whose scores would overflow a naive exp stay finite and exact") {
