@@ -503,9 +503,8 @@ TEST_SUITE("learnable") {
         check_routing({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal}, {"clusters=4"});
       for (std::int64_t n : {63, 64, 65, 257})
         check_routing({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal}, {});
-      if (!causal)
-        check_routing({.batch = 1, .heads = 4, .seq_len = 90, .head_dim = 16, .causal = causal},
-                      {"local_heads=true", "clusters=9"});
+      check_routing({.batch = 1, .heads = 4, .seq_len = 90, .head_dim = 16, .causal = causal},
+                    {"local_heads=true", "clusters=9"});
       check_routing({.batch = 1, .heads = 2, .seq_len = 60, .head_dim = 16, .causal = causal},
                     {"kmeans_updates=0", "clusters=60"});
     }
@@ -525,13 +524,6 @@ TEST_SUITE("learnable") {
         CHECK(run.model->query_members(0, h, c) == first);
         CHECK(run.model->key_members(0, h, c) == first);
       }
-  }
-
-  TEST_CASE("routing rejects local heads with causal attention") {
-    const ModelInfo* model = find_model("routing");
-    const Problem p{.batch = 1, .heads = 4, .seq_len = 90, .head_dim = 16, .causal = true};
-    CHECK_THROWS_AS(model->impl.create(p, resolve_params("routing", model->impl.params, {"local_heads=true"}), 1),
-                    ParamError);
   }
 
   TEST_CASE("routing with one cluster is exact softmax attention") {

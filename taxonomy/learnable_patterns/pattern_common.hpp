@@ -49,13 +49,9 @@ std::int64_t exp_rows_masked(float* scores, std::int64_t rows, std::int64_t cols
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (std::int64_t r = 0; r < rows; ++r) {
     float* row = scores + r * ld;
-    float peak = kNegInf;
-#pragma omp simd reduction(max : peak)
-    for (std::int64_t c = 0; c < cols; ++c) {
-      const float value = allowed(r, c) ? row[c] : kNegInf;
-      row[c] = value;
-      peak = std::max(peak, value);
-    }
+#pragma omp simd
+    for (std::int64_t c = 0; c < cols; ++c) row[c] = allowed(r, c) ? row[c] : kNegInf;
+    const float peak = ops::row_max(row, cols, kNegInf);
     const float shift = peak == kNegInf ? 0.0f : peak;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)

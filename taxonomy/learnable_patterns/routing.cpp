@@ -449,13 +449,7 @@ std::int64_t RoutingAttention::attend_local(const Tensor& q, const Tensor& k, co
 namespace {
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  const RoutingConfig config = routing_config(values);
-  // Disabled: under oversubscription (two 2-thread test processes at once) the causal local-head
-  // path intermittently returns a zero row (head 0, block 1, row 0: its softmax sum comes out
-  // non-positive/NaN although the scores are finite). Not yet explained; see the closing note.
-  if (problem.causal && config.local_heads)
-    throw ParamError("routing: local_heads=true is not supported with --causal in this build");
-  return std::make_unique<RoutingAttention>(problem, config, seed);
+  return std::make_unique<RoutingAttention>(problem, routing_config(values), seed);
 }
 
 std::int64_t flops(const Problem& p, const ParamValues& values) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "lib/flop_counter.hpp"
 #include "lib/ops.hpp"
@@ -59,12 +60,9 @@ std::int64_t tile_flops(const Problem& p, std::int64_t context, std::int64_t r0,
 // row[x] = exp(row[x] + relative[x] − max) for x < valid; the rest of the row up to cols becomes
 // 0. Returns 1 / (sum of the exponentials).
 float add_relative_and_exponentiate(float* row, const float* relative, std::int64_t valid, std::int64_t cols) {
-  float peak = row[0] + relative[0];
-#pragma omp simd reduction(max : peak)
-  for (std::int64_t x = 0; x < valid; ++x) {
-    row[x] += relative[x];
-    peak = std::max(peak, row[x]);
-  }
+#pragma omp simd
+  for (std::int64_t x = 0; x < valid; ++x) row[x] += relative[x];
+  const float peak = ops::row_max(row, valid, -std::numeric_limits<float>::infinity());
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
   for (std::int64_t x = 0; x < valid; ++x) {
