@@ -114,14 +114,7 @@ void softmax_rows_masked(float* data, std::int64_t batch, std::int64_t rows, std
       std::fill(row, row + cols, 0.0f);
       continue;
     }
-    const float peak = row_max(row, valid, row[0]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (std::int64_t j = 0; j < valid; ++j) {
-      row[j] = fast_exp(row[j] - peak);
-      sum += row[j];
-    }
-    const float inverse = 1.0f / sum;
+    const float inverse = 1.0f / exp_and_sum(row, valid, row_max(row, valid, row[0]));
 #pragma omp simd
     for (std::int64_t j = 0; j < valid; ++j) row[j] *= inverse;
     std::fill(row + valid, row + cols, 0.0f);

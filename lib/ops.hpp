@@ -76,6 +76,18 @@ inline float row_max(const float* x, std::int64_t n, float start) {
   return peak;
 }
 
+// x[j] := exp(x[j] − shift) for j < n (fast_exp); returns Σ x[j]. The exponent-and-sum step of
+// every softmax row in the project.
+inline float exp_and_sum(float* x, std::int64_t n, float shift) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (std::int64_t j = 0; j < n; ++j) {
+    x[j] = fast_exp(x[j] - shift);
+    sum += x[j];
+  }
+  return sum;
+}
+
 // A row stride of at least n floats that is a multiple of 16 and avoids multiples of 256 floats
 // (power-of-two strides make oneDNN's gemm ~45% slower on this machine class through cache
 // conflicts).

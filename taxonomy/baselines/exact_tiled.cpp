@@ -115,12 +115,7 @@ class ExactTiled final : public Mechanism {
           continue;
         }
         const float peak = ops::row_max(row, valid, row_max[r]);
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (std::int64_t j = 0; j < valid; ++j) {
-          row[j] = ops::fast_exp(row[j] - peak);
-          sum += row[j];
-        }
+        const float sum = ops::exp_and_sum(row, valid, peak);
         std::fill(row + valid, row + cols, 0.0f);
         const float rescale = ops::fast_exp(row_max[r] - peak);
         row_sum[r] = row_sum[r] * rescale + sum;

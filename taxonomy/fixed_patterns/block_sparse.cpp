@@ -42,12 +42,7 @@ std::int64_t softmax_row(const QueryBlock& q, std::int64_t r, float* row, std::i
     return 0;
   }
   const float peak = ops::row_max(row + lo, hi - lo, fresh ? kMinusInf : row_max);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (std::int64_t j = lo; j < hi; ++j) {
-    row[j] = ops::fast_exp(row[j] - peak);
-    sum += row[j];
-  }
+  const float sum = ops::exp_and_sum(row + lo, hi - lo, peak);
   std::fill(row, row + lo, 0.0f);
   std::fill(row + hi, row + width, 0.0f);
   const std::int64_t valid = hi - lo;

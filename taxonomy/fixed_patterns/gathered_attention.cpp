@@ -74,17 +74,6 @@ float span_max(const float* x, std::int64_t n) {
   return peak;
 }
 
-// x := exp(x − shift); returns Σ x.
-float exp_and_sum(float* x, std::int64_t n, float shift) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (std::int64_t i = 0; i < n; ++i) {
-    x[i] = ops::fast_exp(x[i] - shift);
-    sum += x[i];
-  }
-  return sum;
-}
-
 void scale_span(float* x, std::int64_t n, float factor) {
 #pragma omp simd
   for (std::int64_t i = 0; i < n; ++i) x[i] *= factor;
@@ -181,7 +170,7 @@ std::int64_t TileAttention::softmax_rows(const TilePattern& tile, std::int64_t w
     std::int64_t next = 0;  // first score column not yet written in this row
     for (const auto& [begin, length] : spans_) {
       std::fill(row + next, row + begin, 0.0f);
-      sum += exp_and_sum(row + begin, length, peak);
+      sum += ops::exp_and_sum(row + begin, length, peak);
       next = begin + length;
       visible_total += length;
     }

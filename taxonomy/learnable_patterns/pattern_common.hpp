@@ -53,13 +53,7 @@ std::int64_t exp_rows_masked(float* scores, std::int64_t rows, std::int64_t cols
     for (std::int64_t c = 0; c < cols; ++c) row[c] = allowed(r, c) ? row[c] : kNegInf;
     const float peak = ops::row_max(row, cols, kNegInf);
     const float shift = peak == kNegInf ? 0.0f : peak;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (std::int64_t c = 0; c < cols; ++c) {
-      const float e = ops::fast_exp(row[c] - shift);
-      row[c] = e;
-      sum += e;
-    }
+    const float sum = ops::exp_and_sum(row, cols, shift);
     lse[r] = sum > 0.0f ? shift + std::log(sum) : kNegInf;
     inverse[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
   }

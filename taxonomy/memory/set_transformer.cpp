@@ -26,14 +26,7 @@ std::int64_t block_rows(const Problem& p, const SetTransformerConfig& c) { retur
 
 // In-place softmax of one row of n values (n >= 1).
 void softmax_row(float* row, std::int64_t n) {
-  const float peak = ops::row_max(row, n, row[0]);
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (std::int64_t j = 0; j < n; ++j) {
-    row[j] = ops::fast_exp(row[j] - peak);
-    sum += row[j];
-  }
-  const float inverse = 1.0f / sum;
+  const float inverse = 1.0f / ops::exp_and_sum(row, n, ops::row_max(row, n, row[0]));
 #pragma omp simd
   for (std::int64_t j = 0; j < n; ++j) row[j] *= inverse;
 }

@@ -62,13 +62,7 @@ std::int64_t tile_flops(const Problem& p, std::int64_t context, std::int64_t r0,
 float add_relative_and_exponentiate(float* row, const float* relative, std::int64_t valid, std::int64_t cols) {
 #pragma omp simd
   for (std::int64_t x = 0; x < valid; ++x) row[x] += relative[x];
-  const float peak = ops::row_max(row, valid, -std::numeric_limits<float>::infinity());
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (std::int64_t x = 0; x < valid; ++x) {
-    row[x] = ops::fast_exp(row[x] - peak);
-    sum += row[x];
-  }
+  const float sum = ops::exp_and_sum(row, valid, ops::row_max(row, valid, -std::numeric_limits<float>::infinity()));
   std::fill(row + valid, row + cols, 0.0f);
   return 1.0f / sum;
 }
