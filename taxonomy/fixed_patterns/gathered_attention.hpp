@@ -21,6 +21,7 @@
 // visible entry. Rows that see nothing cost nothing.
 #include <omp.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -100,6 +101,19 @@ class TileAttention {
   std::vector<std::int64_t> offsets_;  // per run: first score column
   std::vector<std::pair<std::int64_t, std::int64_t>> spans_;  // one row's visible (first column, length)
 };
+
+// The score floats the largest of `tasks` needs (TileAttention's score capacity); plan(task, tile)
+// fills the tile pattern of a task.
+template <typename Task, typename Plan>
+std::int64_t most_score_floats(const std::vector<Task>& tasks, Plan&& plan) {
+  TilePattern tile;
+  std::int64_t most = 0;
+  for (const Task& task : tasks) {
+    plan(task, tile);
+    most = std::max(most, TileAttention::score_floats(task.rows, tile.computed_width()));
+  }
+  return most;
+}
 
 // Runs tasks of one tile each on the OpenMP team, dynamically scheduled: for every batch entry b
 // and task t, run_task(b, tasks[t], kernel, tile) with the calling thread's kernel and a reused

@@ -74,13 +74,7 @@ void plan(const Layout& l, const Task& t, TilePattern& tile) {
 }
 
 std::int64_t score_capacity(const Layout& l, const std::vector<Task>& tasks) {
-  TilePattern tile;
-  std::int64_t most = 0;
-  for (const auto& task : tasks) {
-    plan(l, task, tile);
-    most = std::max(most, TileAttention::score_floats(task.rows, tile.computed_width()));
-  }
-  return most;
+  return fixed::most_score_floats(tasks, [&](const Task& task, TilePattern& tile) { plan(l, task, tile); });
 }
 
 class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories {

@@ -60,13 +60,9 @@ void plan_window_global(const WindowGlobalShape& shape, const WindowGlobalTask& 
 }
 
 std::int64_t window_global_score_floats(const WindowGlobalShape& shape, const std::vector<WindowGlobalTask>& tasks) {
-  TilePattern tile;
-  std::int64_t most = 0;
-  for (const auto& task : tasks) {
+  return most_score_floats(tasks, [&](const WindowGlobalTask& task, TilePattern& tile) {
     plan_window_global(shape, task, tile);
-    most = std::max(most, TileAttention::score_floats(task.rows, tile.computed_width()));
-  }
-  return most;
+  });
 }
 
 }  // namespace xfb::fixed
