@@ -107,6 +107,17 @@ void ChunkedLinearAttention::forward(const FeatureMap& map, const Tensor& q, con
   FlopCounter::add(flops);
 }
 
+std::int64_t ChunkedLinearAttention::load_key_chunk(const FeatureMap& map, const float* k, const float* v,
+                                                    std::int64_t c0, std::int64_t rows, float& shift,
+                                                    const Buffers& b) const {
+  const std::int64_t d = p_.head_dim;
+  const float old_shift = shift;
+  std::int64_t flops = map.keys(k + c0 * d, rows, b.phi_k, ld_m_, shift);
+  if (c0 > 0 && map.shifts()) flops += rescale(b.state, m_, d + 1, ld_v_, old_shift, shift);
+  load_values(v + c0 * d, rows, d, b.values, ld_v_);
+  return flops;
+}
+
 std::int64_t ChunkedLinearAttention::head_full(const FeatureMap& map, const float* q, const float* k, const float* v,
                                                float* out, const Buffers& b) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
@@ -114,10 +125,7 @@ std::int64_t ChunkedLinearAttention::head_full(const FeatureMap& map, const floa
   std::int64_t flops = 0;
   for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {
     const std::int64_t rows = std::min(chunk_, n - c0);
-    const float old_shift = shift;
-    flops += map.keys(k + c0 * d, rows, b.phi_k, ld_m_, shift);
-    if (c0 > 0 && map.shifts()) flops += rescale(b.state, m_, d + 1, ld_v_, old_shift, shift);
-    load_values(v + c0 * d, rows, d, b.values, ld_v_);
+    flops += load_key_chunk(map, k, v, c0, rows, shift, b);
     ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_k, ld_m_, b.values, ld_v_, c0 > 0 ? 1.0f : 0.0f, b.state,
               ld_v_);
   }
@@ -137,11 +145,8 @@ std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const fl
   std::int64_t flops = 0;
   for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {
     const std::int64_t rows = std::min(chunk_, n - c0);
-    const float old_shift = shift;
-    flops += map.keys(k + c0 * d, rows, b.phi_k, ld_m_, shift);
-    if (c0 > 0 && map.shifts()) flops += rescale(b.state, m_, d + 1, ld_v_, old_shift, shift);
+    flops += load_key_chunk(map, k, v, c0, rows, shift, b);
     flops += map.queries(q + c0 * d, rows, b.phi_q, ld_m_);
-    load_values(v + c0 * d, rows, d, b.values, ld_v_);
     // Inside the chunk: the masked small product.
     ops::gemm(false, true, rows, rows, m_, 1.0f, b.phi_q, ld_m_, b.phi_k, ld_m_, 0.0f, b.scores, ld_c_);
     mask_future(b.scores, rows, ld_c_);

@@ -71,6 +71,10 @@ class ChunkedLinearAttention {
                            const Buffers& b) const;
   std::int64_t head_full(const FeatureMap& map, const float* q, const float* k, const float* v, float* out,
                          const Buffers& b) const;
+  // The key side of chunk [c0, c0 + rows): φ(K) into b.phi_k (moving the running shift, and
+  // rescaling the state to it when the map shifts), and [V | 1] into b.values. Returns its FLOPs.
+  std::int64_t load_key_chunk(const FeatureMap& map, const float* k, const float* v, std::int64_t c0,
+                              std::int64_t rows, float& shift, const Buffers& b) const;
   Buffers buffers(int thread);
 
   Problem p_;
