@@ -11,6 +11,7 @@
 #include "lib/encoder_layer.hpp"
 #include "lib/point.hpp"
 #include "lib/registry.hpp"
+#include "tests/counter_point.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -19,13 +20,8 @@ using namespace xfb::test;
 namespace {
 PointConfig quick_point(const std::string& model, std::int64_t n, bool causal, Scope scope = Scope::Attention,
                         std::vector<std::string> params = {}) {
-  PointConfig c;
-  c.model = model;
-  c.problem = {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
-  c.scope = scope;
-  c.params = std::move(params);
-  c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};
-  return c;
+  return counter_point(model, {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal},
+                       std::move(params), scope);
 }
 }  // namespace
 

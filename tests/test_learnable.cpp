@@ -15,6 +15,7 @@
 #include "taxonomy/learnable_patterns/reformer.hpp"
 #include "taxonomy/learnable_patterns/routing.hpp"
 #include "taxonomy/learnable_patterns/sinkhorn.hpp"
+#include "tests/counter_point.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -426,11 +427,7 @@ void check_sinkhorn(const Problem& p, const std::vector<std::string>& params, st
 }
 
 PointConfig counter_point(const std::string& model, std::int64_t n, bool causal = false) {
-  PointConfig c;
-  c.model = model;
-  c.problem = {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
-  c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};
-  return c;
+  return test::counter_point(model, {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal});
 }
 
 }  // namespace

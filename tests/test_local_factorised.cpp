@@ -12,6 +12,7 @@
 #include "lib/errors.hpp"
 #include "lib/point.hpp"
 #include "lib/registry.hpp"
+#include "tests/counter_point.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -171,12 +172,8 @@ void check_future_invariance(const std::string& model, const std::vector<std::st
 }
 
 PointConfig counter_point(const std::string& model, std::int64_t n, std::vector<std::string> params = {}) {
-  PointConfig c;
-  c.model = model;
-  c.problem = {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = false};
-  c.params = std::move(params);
-  c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};
-  return c;
+  return test::counter_point(model, {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = false},
+                             std::move(params));
 }
 
 }  // namespace

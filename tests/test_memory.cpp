@@ -8,6 +8,7 @@
 
 #include "lib/point.hpp"
 #include "lib/registry.hpp"
+#include "tests/counter_point.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -146,12 +147,8 @@ void check_isab(const Problem& p, const std::vector<std::string>& params, const 
 }
 
 PointConfig quick_point(std::int64_t n, std::vector<std::string> params = {}) {
-  PointConfig c;
-  c.model = "set-transformer";
-  c.problem = {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false};
-  c.params = std::move(params);
-  c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};
-  return c;
+  return counter_point("set-transformer", {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false},
+                       std::move(params));
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "taxonomy/recurrence/compressive.hpp"
 #include "taxonomy/recurrence/segment_attention.hpp"
 #include "taxonomy/recurrence/transformer_xl.hpp"
+#include "tests/counter_point.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -247,12 +248,8 @@ std::string param(const char* name, std::int64_t value) { return std::string(nam
 
 PointConfig quick_point(const std::string& model, std::int64_t n, bool causal, std::vector<std::string> params = {},
                         std::int64_t heads = 2, std::int64_t d = 32) {
-  PointConfig c;
-  c.model = model;
-  c.problem = {.batch = 1, .heads = heads, .seq_len = n, .head_dim = d, .causal = causal};
-  c.params = std::move(params);
-  c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};
-  return c;
+  return counter_point(model, {.batch = 1, .heads = heads, .seq_len = n, .head_dim = d, .causal = causal},
+                       std::move(params));
 }
 
 }  // namespace

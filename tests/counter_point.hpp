@@ -1,0 +1,23 @@
+#pragma once
+// A sweep point that runs its mechanism once untimed and once timed: for tests that read the
+// counters of a run (executed FLOPs, tracked bytes, stages), not its times.
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lib/point.hpp"
+
+namespace xfb::test {
+
+inline PointConfig counter_point(const std::string& model, const Problem& problem,
+                                 std::vector<std::string> params = {}, Scope scope = Scope::Attention) {
+  PointConfig c;
+  c.model = model;
+  c.problem = problem;
+  c.scope = scope;
+  c.params = std::move(params);
+  c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};
+  return c;
+}
+
+}  // namespace xfb::test
