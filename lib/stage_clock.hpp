@@ -11,6 +11,7 @@
 namespace xfb::stage_clock {
 
 void open();
+// `stage` must be a string literal (its pointer is kept until close()); at most 8 per call.
 void lap(const char* stage);
 // Charges the time since the previous lap to no stage (e.g. a layer's work before its attention).
 void restart();
