@@ -1,5 +1,6 @@
 #include "lib/compare.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -51,6 +52,7 @@ std::string verdict_name(Verdict v) {
     case Verdict::Faster: return "faster";
     case Verdict::Slower: return "slower";
     case Verdict::Same: return "same";
+    case Verdict::Noisy: return "noisy";
     case Verdict::New: return "new";
     case Verdict::Missing: return "missing";
     case Verdict::Error: return "error";
@@ -78,9 +80,25 @@ std::vector<std::string> context_differences(const nlohmann::json& a, const nloh
   return differences;
 }
 
+std::vector<std::string> required_context_fields(const CompareOptions& options) {
+  std::vector<std::string> fields;
+  auto add = [&](const std::vector<std::string>& more) {
+    for (const auto& field : more)
+      if (std::find(fields.begin(), fields.end(), field) == fields.end()) fields.push_back(field);
+  };
+  if (options.gate_time) add(kTimeContextFields);
+  if (options.gate_memory) add(kMemoryContextFields);
+  return fields;
+}
+
 namespace {
 
-void judge(PointComparison& point, const CompareOptions& o) {
+double growth(std::int64_t delta, std::int64_t base) {
+  if (base > 0) return static_cast<double>(delta) / static_cast<double>(base);
+  return delta > 0 ? INFINITY : 0.0;
+}
+
+void judge(PointComparison& point, const CompareOptions& o, bool scratchpad_compared) {
   const bool base_ok = point.base && point.base->status == Status::Ok;
   const bool now_ok = point.now && point.now->status == Status::Ok;
   if (point.now && point.now->status == Status::Error) {
@@ -104,30 +122,46 @@ void judge(PointComparison& point, const CompareOptions& o) {
   point.time_ratio = base.median_ns > 0 ? now.median_ns / base.median_ns : 0;
   point.test = mann_whitney_u(now.samples_ns, base.samples_ns);
   const bool significant = point.test.p_value < o.alpha;
-  point.verdict = !significant || now.median_ns == base.median_ns ? Verdict::Same
-                  : now.median_ns > base.median_ns                 ? Verdict::Slower
-                                                                   : Verdict::Faster;
+  point.verdict = base.contended || now.contended                   ? Verdict::Noisy
+                  : !significant || now.median_ns == base.median_ns ? Verdict::Same
+                  : now.median_ns > base.median_ns                   ? Verdict::Slower
+                                                                     : Verdict::Faster;
   point.memory_delta = now.peak_tensor_bytes - base.peak_tensor_bytes;
+  point.owned_known = base.peak_owned_bytes >= 0 && now.peak_owned_bytes >= 0;
+  if (point.owned_known) point.owned_delta = now.peak_owned_bytes - base.peak_owned_bytes;
   point.flops_delta = now.flops - base.flops;
   point.time_regression = o.gate_time && point.verdict == Verdict::Slower && point.time_ratio - 1 > o.max_slowdown;
-  const double growth = base.peak_tensor_bytes > 0
-                            ? static_cast<double>(point.memory_delta) / static_cast<double>(base.peak_tensor_bytes)
-                            : (point.memory_delta > 0 ? INFINITY : 0.0);
-  point.memory_regression = o.gate_memory && growth > o.max_memory_growth;
+  // Reports without owned bytes (older schema) fall back to the total, as before.
+  const bool owned_grew = point.owned_known && growth(point.owned_delta, base.peak_owned_bytes) > o.max_memory_growth;
+  const bool total_grew = (scratchpad_compared || !point.owned_known) &&
+                          growth(point.memory_delta, base.peak_tensor_bytes) > o.max_memory_growth;
+  point.memory_regression = o.gate_memory && (owned_grew || total_grew);
   point.flops_regression = o.gate_flops && point.flops_delta != 0;
 }
 
 }  // namespace
 
 Comparison compare_reports(const Report& base, const Report& now, const CompareOptions& options) {
-  const auto differences = context_differences(base.context, now.context, kCompareContextFields);
-  if (!differences.empty() && !options.allow_different_context) {
+  auto joined = [](const std::vector<std::string>& items) {
     std::string list;
-    for (const auto& d : differences) list += (list.empty() ? "" : ", ") + d;
-    throw InputError("reports were measured in different contexts: " + list +
+    for (const auto& item : items) list += (list.empty() ? "" : ", ") + item;
+    return list;
+  };
+  const auto differences = context_differences(base.context, now.context, required_context_fields(options));
+  if (!differences.empty() && !options.allow_different_context)
+    throw InputError("reports were measured in different contexts: " + joined(differences) +
                      "; pass --allow-different-context to compare them anyway");
-  }
   Comparison result;
+  const auto scratchpad_differences = context_differences(base.context, now.context, kScratchpadContextFields);
+  result.scratchpad_compared = scratchpad_differences.empty();
+  if (!result.scratchpad_compared)
+    result.notes.push_back("oneDNN scratchpad not compared (" + joined(scratchpad_differences) +
+                           "): memory is gated on peak_owned_bytes, the project's own tensors");
+  if (!options.gate_time) {
+    const auto time_differences = context_differences(base.context, now.context, kTimeContextFields);
+    if (!time_differences.empty())
+      result.notes.push_back("times are not gated and come from different contexts (" + joined(time_differences) + ")");
+  }
   std::map<std::string, std::size_t> index;
   for (const auto& row : base.results) {
     if (index.count(row.key())) throw InputError("BASE report holds the point " + row.key() + " twice");
@@ -152,7 +186,7 @@ Comparison compare_reports(const Report& base, const Report& now, const CompareO
   }
   std::vector<double> time_ratios, memory_ratios;
   for (auto& point : result.points) {
-    judge(point, options);
+    judge(point, options, result.scratchpad_compared);
     if (point.base && point.now && point.base->status == Status::Ok && point.now->status == Status::Ok) {
       ++result.both_ok;
       if (point.time_ratio > 0) time_ratios.push_back(point.time_ratio);
@@ -191,6 +225,13 @@ std::string signed_count(std::int64_t delta, double base, const char* unit) {
   else
     amount = magnitude < 1e6 ? format("%.0f FLOP", magnitude) : format("%.3g MFLOP", magnitude / 1e6);
   return (delta > 0 ? "+" : "−") + amount + (base > 0 ? format(" (%+.2f%%)", 100.0 * static_cast<double>(delta) / base) : "");
+}
+
+// Δ of peak_tensor_bytes where the scratchpad is comparable, else Δ of the owned bytes, marked.
+std::string memory_cell(const PointComparison& p, bool scratchpad_compared) {
+  if (scratchpad_compared || !p.owned_known)
+    return signed_count(p.memory_delta, static_cast<double>(p.base->peak_tensor_bytes), "B");
+  return signed_count(p.owned_delta, static_cast<double>(p.base->peak_owned_bytes), "B") + " owned";
 }
 
 std::string median_cell(const std::optional<ResultRow>& row) {
@@ -257,6 +298,13 @@ nlohmann::json point_json(const PointComparison& p) {
     j["base_peak_tensor_bytes"] = p.base->peak_tensor_bytes;
     j["new_peak_tensor_bytes"] = p.now->peak_tensor_bytes;
     j["memory_delta_bytes"] = p.memory_delta;
+    if (p.owned_known) {
+      j["base_peak_owned_bytes"] = p.base->peak_owned_bytes;
+      j["new_peak_owned_bytes"] = p.now->peak_owned_bytes;
+      j["owned_delta_bytes"] = p.owned_delta;
+    }
+    j["base_contended"] = p.base->contended;
+    j["new_contended"] = p.now->contended;
     j["base_flops"] = p.base->flops;
     j["new_flops"] = p.now->flops;
     j["flops_delta"] = p.flops_delta;
@@ -306,6 +354,8 @@ std::string render_comparison(const Comparison& c, const CompareOptions& o, Comp
                               {"error_regressions", c.error_regressions},
                               {"flops_changes", c.flops_changes},
                               {"verdicts", verdicts},
+                              {"scratchpad_compared", c.scratchpad_compared},
+                              {"notes", c.notes},
                               {"text", comparison_summary(c)}};
     nlohmann::json options = {{"alpha", o.alpha},
                               {"max_slowdown", o.max_slowdown},
@@ -323,7 +373,7 @@ std::string render_comparison(const Comparison& c, const CompareOptions& o, Comp
     const bool measured = p.time_ratio > 0;
     cells.push_back({labels[i], median_cell(p.base), median_cell(p.now), measured ? format("%.3f×", p.time_ratio) : "-",
                      measured ? format("%.2g", p.test.p_value) : "-", verdict_name(p.verdict),
-                     measured ? signed_count(p.memory_delta, static_cast<double>(p.base->peak_tensor_bytes), "B") : "-",
+                     measured ? memory_cell(p, c.scratchpad_compared) : "-",
                      measured ? signed_count(p.flops_delta, static_cast<double>(p.base->flops), "FLOP") : "-",
                      regression_cell(p)});
   }
@@ -331,6 +381,7 @@ std::string render_comparison(const Comparison& c, const CompareOptions& o, Comp
   if (md) out << "**xfbench compare**: " << (c.regressions ? "❌ " : "✅ ") << c.regressions << " regression(s)\n\n";
   out << render_cells(cells, md ? TableFormat::Markdown : TableFormat::Text, 1);
   out << (md ? "\n" : "") << comparison_summary(c) << "\n";
+  for (const auto& note : c.notes) out << (md ? "\n" : "") << "note: " << note << "\n";
   return out.str();
 }
 

@@ -28,9 +28,9 @@ const DnnlContext::CachedPrimitive& DnnlContext::primitive(
   CachedPrimitive entry{std::move(prim), static_cast<std::int64_t>(scratch_desc.get_size())};
   if (entry.scratchpad_bytes > scratch_bytes_) {
     auto& tracker = MemoryTracker::instance();
-    tracker.release(scratch_, static_cast<std::size_t>(scratch_bytes_));
+    tracker.release(scratch_, static_cast<std::size_t>(scratch_bytes_), MemoryPool::Library);
     scratch_ = nullptr;
-    scratch_ = tracker.allocate(static_cast<std::size_t>(entry.scratchpad_bytes));
+    scratch_ = tracker.allocate(static_cast<std::size_t>(entry.scratchpad_bytes), MemoryPool::Library);
     scratch_bytes_ = entry.scratchpad_bytes;
   }
   return cache_.emplace(key, std::move(entry)).first->second;
@@ -44,7 +44,7 @@ dnnl::memory DnnlContext::scratchpad_memory(const CachedPrimitive& p) {
 
 void DnnlContext::clear_cache() {
   cache_.clear();
-  MemoryTracker::instance().release(scratch_, static_cast<std::size_t>(scratch_bytes_));
+  MemoryTracker::instance().release(scratch_, static_cast<std::size_t>(scratch_bytes_), MemoryPool::Library);
   scratch_ = nullptr;
   scratch_bytes_ = 0;
 }

@@ -174,6 +174,7 @@ ResultRow run_point(const PointConfig& config, const std::optional<std::string>&
 
   auto& tracker = MemoryTracker::instance();
   const std::int64_t baseline = tracker.current_bytes();
+  const std::int64_t owned_baseline = tracker.owned_current_bytes();
   tracker.reset_peak();
 
   // Untimed setup: inputs, output, parameters, buffers, primitives (first warm-up run).
@@ -216,6 +217,7 @@ ResultRow run_point(const PointConfig& config, const std::optional<std::string>&
   const TimingResult timed = time_repeatedly(timing, body);
 
   row.peak_tensor_bytes = tracker.peak_bytes() - baseline;
+  row.peak_owned_bytes = tracker.owned_peak_bytes() - owned_baseline;
   row.workspace_bytes = row.peak_tensor_bytes - io_bytes;
   row.samples_ns = timed.samples_ns;
   const SampleStats stats = summarize(timed.samples_ns);

@@ -69,11 +69,18 @@ void to_json(nlohmann::json& j, const ResultRow& r) {
                      {"mad_ns", r.mad_ns},
                      {"cv", r.cv},
                      {"unstable", r.unstable},
+                     {"contended_samples", r.contended_samples},
+                     {"contended_samples_ns", r.contended_samples_ns},
+                     {"contended", r.contended},
+                     {"cpu_ratio", r.cpu_ratio},
+                     {"host_busy", r.host_busy},
+                     {"load_average", r.load_average},
                      {"stage_median_ns", r.stage_median_ns},
                      {"flops", r.flops},
                      {"gflops_per_s", r.gflops_per_s},
                      {"tokens_per_s", r.tokens_per_s},
                      {"peak_tensor_bytes", r.peak_tensor_bytes},
+                     {"peak_owned_bytes", r.peak_owned_bytes},
                      {"workspace_bytes", r.workspace_bytes},
                      {"estimated_workspace_bytes", r.estimated_workspace_bytes},
                      {"peak_rss_bytes", r.peak_rss_bytes},
@@ -104,11 +111,18 @@ void from_json(const nlohmann::json& j, ResultRow& r) {
     j.at("mad_ns").get_to(r.mad_ns);
     j.at("cv").get_to(r.cv);
     j.at("unstable").get_to(r.unstable);
+    r.contended_samples = j.value("contended_samples", std::int64_t{0});
+    r.contended_samples_ns = j.value("contended_samples_ns", std::vector<double>{});
+    r.contended = j.value("contended", false);
+    r.cpu_ratio = j.value("cpu_ratio", 0.0);
+    r.host_busy = j.value("host_busy", 0.0);
+    r.load_average = j.value("load_average", 0.0);
     r.stage_median_ns = j.value("stage_median_ns", std::map<std::string, double>{});
     j.at("flops").get_to(r.flops);
     j.at("gflops_per_s").get_to(r.gflops_per_s);
     j.at("tokens_per_s").get_to(r.tokens_per_s);
     j.at("peak_tensor_bytes").get_to(r.peak_tensor_bytes);
+    r.peak_owned_bytes = j.value("peak_owned_bytes", std::int64_t{-1});
     j.at("workspace_bytes").get_to(r.workspace_bytes);
     r.estimated_workspace_bytes = j.value("estimated_workspace_bytes", std::int64_t{0});
     j.at("peak_rss_bytes").get_to(r.peak_rss_bytes);

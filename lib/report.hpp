@@ -31,11 +31,21 @@ struct ResultRow {
   std::vector<double> samples_ns;  // every timed repetition, nanoseconds
   double median_ns = 0, min_ns = 0, max_ns = 0, mad_ns = 0, cv = 0;
   bool unstable = false;           // cv > 5%
+  // Contention (lib/contention.hpp): samples during which the point's threads waited for a CPU
+  // are kept apart in `contended_samples_ns` and left out of the statistics above.
+  std::int64_t contended_samples = 0;       // timed repetitions marked descheduled
+  std::vector<double> contended_samples_ns; // their wall times, nanoseconds
+  bool contended = false;                   // too few clean samples: time figures are not trustworthy
+  double cpu_ratio = 0;                     // median over clean samples of cpu time / (wall · threads)
+  double host_busy = 0;                     // other processes' + steal share of all CPUs while timed
+  double load_average = 0;                  // 1-minute load average after timing
   std::map<std::string, double> stage_median_ns;  // median per stage (see stage_clock.hpp); often empty
   std::int64_t flops = 0;          // executed in one forward (counter)
   double gflops_per_s = 0;         // flops / median
   double tokens_per_s = 0;         // batch·seq_len / median
   std::int64_t peak_tensor_bytes = 0;  // tracked bytes live at the peak, inputs and output included
+  std::int64_t peak_owned_bytes = -1;  // same, the project's own tensors only (no oneDNN scratchpad):
+                                       // machine-independent; -1 in reports that predate it
   std::int64_t workspace_bytes = 0;    // peak_tensor_bytes minus inputs and output
   std::int64_t estimated_workspace_bytes = 0;  // the registry's analytic estimate
   std::int64_t peak_rss_bytes = 0;     // of the process that ran the point

@@ -191,6 +191,17 @@ expect_error 2 compare "$work/base.json" "$work/othercpu.json"
 grep -q "cpu_model ('.*' vs 'Another CPU')" "$work/err" && grep -q -- "--allow-different-context" "$work/err" \
   && pass || fail "context mismatch must name the field: $(cat "$work/err")"
 "$bin" compare "$work/base.json" "$work/othercpu.json" --allow-different-context >/dev/null && pass || fail "--allow-different-context"
+# Memory and FLOPs do not depend on the CPU model; another oneDNN ISA leaves the scratchpad out
+# of the memory gate (one byte more total, same owned bytes: no regression) but not the owned bytes.
+"$bin" compare "$work/base.json" "$work/othercpu.json" --metrics memory,flops >/dev/null \
+  && pass || fail "compare --metrics memory,flops across CPU models"
+expect_error 2 compare "$work/base.json" "$work/othercpu.json" --metrics time
+sed 's/"onednn_isa": "[^"]*"/"onednn_isa": "another_isa"/' "$work/memory.json" >"$work/otherisa.json"
+"$bin" compare "$work/base.json" "$work/otherisa.json" --metrics memory,flops >"$work/c.txt" \
+  && grep -q "scratchpad not compared" "$work/c.txt" && pass || fail "scratchpad compared across ISAs: $(cat "$work/c.txt")"
+bump_first peak_owned_bytes 1 <"$work/otherisa.json" >"$work/otherisa-owned.json"
+"$bin" compare "$work/base.json" "$work/otherisa-owned.json" --metrics memory >"$work/c.txt"
+[ $? -eq 1 ] && grep -q "REGRESSION: memory" "$work/c.txt" && pass || fail "owned bytes not gated across ISAs"
 echo '{"schema_version": 1, "results": []}' >"$work/empty.json"
 expect_error 2 compare "$work/base.json" "$work/broken.json"
 expect_error 2 compare "$work/future.json" "$work/base.json"
@@ -278,10 +289,14 @@ expect_error 2 sweep --preset nosuch --out "$work/r.json"
 gate="$(dirname "$0")/../tools/ci_regression.sh"
 baseline="$(dirname "$0")/../results/ci-baseline.json"
 bash "$gate" "$bin" "$baseline" >"$work/gate.md" 2>&1 && pass || fail "CI gate fails on the committed baseline: $(cat "$work/gate.md")"
-# A baseline one byte smaller (so the new run grew by one byte) and one with other FLOPs must fail.
-bump_first peak_tensor_bytes -1 <"$baseline" >"$work/doctored-memory.json"
+# A baseline one byte smaller (so the new run grew by one byte) and one with other FLOPs must fail:
+# owned bytes on any host, the total (scratchpad included) where oneDNN runs the baseline's ISA.
+bump_first peak_owned_bytes -1 <"$baseline" >"$work/doctored-memory.json"
 bash "$gate" "$bin" "$work/doctored-memory.json" >"$work/gate.md" 2>&1
 [ $? -eq 1 ] && grep -q "REGRESSION: memory" "$work/gate.md" && pass || fail "CI gate misses a memory regression"
+bump_first peak_tensor_bytes -1 <"$baseline" >"$work/doctored-total.json"
+ONEDNN_MAX_CPU_ISA=AVX2 bash "$gate" "$bin" "$work/doctored-total.json" >"$work/gate.md" 2>&1
+[ $? -eq 1 ] && grep -q "REGRESSION: memory" "$work/gate.md" && pass || fail "CI gate (AVX2) misses a scratchpad regression"
 bump_first flops 100 <"$baseline" >"$work/doctored-flops.json"
 bash "$gate" "$bin" "$work/doctored-flops.json" >"$work/gate.md" 2>&1
 [ $? -eq 1 ] && grep -q "REGRESSION: flops" "$work/gate.md" && pass || fail "CI gate misses a FLOP change"
