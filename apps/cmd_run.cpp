@@ -30,6 +30,9 @@ void print_human(const ResultRow& row) {
     std::printf("median     %.3f ms  (min %.3f, max %.3f, MAD %.3f, CV %.1f%%%s, %zu samples)\n", row.median_ns * 1e-6,
                 row.min_ns * 1e-6, row.max_ns * 1e-6, row.mad_ns * 1e-6, row.cv * 100,
                 row.unstable ? ", UNSTABLE" : "", row.samples_ns.size());
+    std::printf("contention %lld descheduled sample(s) re-measured, on-CPU ratio %.2f, host busy %.0f%%, load %.2f%s\n",
+                static_cast<long long>(row.contended_samples), row.cpu_ratio, 100 * row.host_busy, row.load_average,
+                row.contended ? ", CONTENDED" : "");
     std::printf("work       %.3f GFLOP executed, %.1f GFLOP/s, %.0f tokens/s\n", static_cast<double>(row.flops) * 1e-9,
                 row.gflops_per_s, row.tokens_per_s);
     for (const auto& [stage, ns] : row.stage_median_ns)
@@ -70,6 +73,7 @@ int run(RunOptions& o) {
     row.reason = e.what();
   }
   if (!optimised_build()) spdlog::warn("this build is not optimised: times are not representative");
+  if (row.contended) spdlog::warn("{}", contended_warning(row));
   if (o.json)
     std::printf("%s\n", nlohmann::json(row).dump().c_str());
   else

@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "apps/commands.hpp"
+#include "lib/dashboard.hpp"
 #include "lib/errors.hpp"
 #include "lib/lra.hpp"
 #include "lib/table.hpp"
@@ -20,7 +21,8 @@ void add_table(CLI::App& app, Action& action) {
   command->add_option("file", *file, "report JSON")->required();
   command->add_option("--metric", *metric, "time | speedup | memory | gflops")
       ->check(CLI::IsMember({"time", "speedup", "memory", "gflops"}));
-  command->add_option("--format", *format, "text | md | csv")->check(CLI::IsMember({"text", "md", "csv"}));
+  command->add_option("--format", *format, "text | md | csv | github-benchmark | bmf")
+      ->check(CLI::IsMember({"text", "md", "csv", "github-benchmark", "bmf"}));
   command->add_option("--baseline", *baseline, "model the speed-up is relative to")->capture_default_str();
   command->add_option("--paper", *paper, "lra: our speed-ups and memory ratios next to LRA Table 2's")
       ->check(CLI::IsMember({"lra"}));
@@ -32,6 +34,12 @@ void add_table(CLI::App& app, Action& action) {
                        : *metric == "memory" ? TableMetric::Memory
                        : *metric == "gflops" ? TableMetric::Gflops
                                              : TableMetric::Time;
+      if (*format == "github-benchmark" || *format == "bmf") {
+        if (!paper->empty()) throw InputError("--paper lra prints text or md");
+        const auto entries = dashboard_entries(load_report(*file));
+        std::printf("%s", (*format == "bmf" ? bencher_bmf_json(entries) : github_benchmark_json(entries)).c_str());
+        return 0;
+      }
       options.format = *format == "md" ? TableFormat::Markdown : *format == "csv" ? TableFormat::Csv : TableFormat::Text;
       options.baseline = *baseline;
       options.complexity = *complexity;

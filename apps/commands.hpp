@@ -18,6 +18,7 @@ void add_run(CLI::App& app, Action& action);
 void add_sweep(CLI::App& app, Action& action);
 void add_table(CLI::App& app, Action& action);
 void add_compare(CLI::App& app, Action& action);
+void add_ab(CLI::App& app, Action& action);
 void add_merge(CLI::App& app, Action& action);
 void add_plot(CLI::App& app, Action& action);
 void add_complexity(CLI::App& app, Action& action);

@@ -58,6 +58,7 @@ int main(int argc, char** argv) {
   cli::add_sweep(app, action);
   cli::add_table(app, action);
   cli::add_compare(app, action);
+  cli::add_ab(app, action);
   cli::add_merge(app, action);
   cli::add_plot(app, action);
   cli::add_complexity(app, action);

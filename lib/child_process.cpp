@@ -19,6 +19,10 @@ void close_fd(int& fd) {
 }  // namespace
 
 ChildResult run_self(const std::vector<std::string>& args, double timeout_s) {
+  return run_program("/proc/self/exe", args, timeout_s);
+}
+
+ChildResult run_program(const std::string& program, const std::vector<std::string>& args, double timeout_s) {
   int out_pipe[2], err_pipe[2];
   if (pipe(out_pipe) != 0 || pipe(err_pipe) != 0) throw std::runtime_error("pipe() failed");
   std::vector<std::string> argv_storage = {"xfbench"};
@@ -44,7 +48,7 @@ ChildResult run_self(const std::vector<std::string>& args, double timeout_s) {
     close(err_pipe[0]);
     close(out_pipe[1]);
     close(err_pipe[1]);
-    execv("/proc/self/exe", argv.data());
+    execv(program.c_str(), argv.data());
     _exit(127);
   }
   close(out_pipe[1]);

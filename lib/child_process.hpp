@@ -16,5 +16,7 @@ struct ChildResult {
 };
 
 ChildResult run_self(const std::vector<std::string>& args, double timeout_s);
+// The same for another executable (a path); exit code 127 when it cannot be started.
+ChildResult run_program(const std::string& program, const std::vector<std::string>& args, double timeout_s);
 
 }  // namespace xfb

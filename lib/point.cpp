@@ -219,8 +219,19 @@ ResultRow run_point(const PointConfig& config, const std::optional<std::string>&
   row.peak_tensor_bytes = tracker.peak_bytes() - baseline;
   row.peak_owned_bytes = tracker.owned_peak_bytes() - owned_baseline;
   row.workspace_bytes = row.peak_tensor_bytes - io_bytes;
-  row.samples_ns = timed.samples_ns;
-  const SampleStats stats = summarize(timed.samples_ns);
+  // With no clean sample at all, the statistics fall back to every sample (the row is contended).
+  row.samples_ns = timed.samples_ns.empty() ? timed.contended_samples_ns : timed.samples_ns;
+  row.contended_samples_ns = timed.samples_ns.empty() ? std::vector<double>{} : timed.contended_samples_ns;
+  row.contended_samples = static_cast<std::int64_t>(timed.contended_samples_ns.size());
+  row.contended = timed.contended;
+  row.cpu_ratio = timed.contention.cpu_ratio;
+  row.host_busy = timed.contention.host_busy;
+  row.load_average = timed.contention.load_average;
+  if (row.contended)
+    row.warnings.push_back(contention_reason(row.contended_samples,
+                                             row.contended_samples + static_cast<std::int64_t>(timed.samples_ns.size()),
+                                             timed.contention));
+  const SampleStats stats = summarize(row.samples_ns);
   row.median_ns = stats.median;
   row.min_ns = stats.min;
   row.max_ns = stats.max;

@@ -47,6 +47,12 @@ std::string params_text(const nlohmann::json& params) {
   return text;
 }
 
+std::string contended_warning(const ResultRow& row) {
+  for (const auto& warning : row.warnings)
+    if (warning.rfind("contended:", 0) == 0) return warning;
+  return "contended: " + std::to_string(row.contended_samples) + " timed samples waited for a CPU";
+}
+
 void to_json(nlohmann::json& j, const ResultRow& r) {
   j = nlohmann::json{{"model", r.model},
                      {"classes", r.classes},

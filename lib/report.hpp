@@ -61,6 +61,9 @@ std::string configuration_text(const ResultRow& row);
 // "block_k=256,block_q=64"; empty for no parameters.
 std::string params_text(const nlohmann::json& params);
 
+// The row's contention warning (the one in `warnings` that starts "contended:"), or a summary.
+std::string contended_warning(const ResultRow& row);
+
 void to_json(nlohmann::json& j, const ResultRow& row);
 void from_json(const nlohmann::json& j, ResultRow& row);
 

@@ -1,5 +1,7 @@
 #include "lib/sweep.hpp"
 
+#include <spdlog/spdlog.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -278,6 +280,7 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
     }
     if (s.progress && row.status != Status::Ok)
       std::fprintf(stderr, "        %s: %s\n", status_name(row.status).c_str(), row.reason.c_str());
+    if (row.contended) spdlog::warn("{} N={}: {}", row.model, row.seq_len, contended_warning(row));
     report.results.push_back(std::move(row));
     save_report_atomically(report, s.out_path);
   }

@@ -28,8 +28,8 @@ std::string printf_string(const char* format, double value) {
 
 std::string metric_title(const TableOptions& o) {
   switch (o.metric) {
-    case TableMetric::Time: return "median time (ms; ~ marks CV > 5%)";
-    case TableMetric::Speedup: return "speed-up over " + o.baseline + " (× , higher is faster)";
+    case TableMetric::Time: return "median time (ms; ~ marks CV > 5%, ! a contended point)";
+    case TableMetric::Speedup: return "speed-up over " + o.baseline + " (× , higher is faster; ! a contended point)";
     case TableMetric::Memory: return "peak tracked memory (MiB)";
     case TableMetric::Gflops: return "executed GFLOP/s (% of measured FMA peak)";
   }
@@ -50,10 +50,11 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
   if (row.status != Status::Ok) return status_cell(row);
   switch (o.metric) {
     case TableMetric::Time:
-      return printf_string("%.3f", row.median_ns * 1e-6) + (row.unstable ? "~" : "");
+      return printf_string("%.3f", row.median_ns * 1e-6) + (row.unstable ? "~" : "") + (row.contended ? "!" : "");
     case TableMetric::Speedup:
       if (baseline == nullptr || baseline->status != Status::Ok) return "-";
-      return printf_string("%.2f×", baseline->median_ns / row.median_ns);
+      return printf_string("%.2f×", baseline->median_ns / row.median_ns) +
+             (row.contended || baseline->contended ? "!" : "");
     case TableMetric::Memory:
       return printf_string("%.1f", static_cast<double>(row.peak_tensor_bytes) / (1024.0 * 1024.0));
     case TableMetric::Gflops:

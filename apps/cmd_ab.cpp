@@ -1,0 +1,79 @@
+// `xfbench ab`: interleaved A/B timing of two builds, two parameter sets or two models, point by
+// point in alternating A B | B A rounds, decided on the paired per-round ratios (lib/ab.hpp).
+#include <cstdio>
+#include <filesystem>
+
+#include "apps/commands.hpp"
+#include "lib/ab.hpp"
+#include "lib/errors.hpp"
+#include "lib/compare.hpp"
+#include "lib/report.hpp"
+#include "lib/sweep.hpp"
+
+namespace xfb::cli {
+namespace {
+
+struct AbOptions {
+  ProblemOptions problem;
+  std::string models;
+  std::string seq_lens = "512,1024,2048";
+  std::string max_slowdown = "5%";
+  std::string format = "text";
+  std::string out;
+  AbSettings settings;
+};
+
+int run(AbOptions& o) {
+  finish_problem_options(o.problem);
+  auto& s = o.settings;
+  s.models = parse_model_selection(o.models);
+  s.seq_lens = parse_seq_lens(o.seq_lens);
+  s.base = o.problem.point;
+  s.base.params.clear();
+  s.params = o.problem.params;
+  s.max_slowdown = parse_fraction(o.max_slowdown, "--max-slowdown");
+  if (!s.b.model.empty() && s.models.size() != 1) throw InputError("--b-model needs exactly one model in --models");
+  if (!o.out.empty()) {
+    const auto parent = std::filesystem::path(o.out).parent_path();
+    if (!parent.empty() && !std::filesystem::is_directory(parent))
+      throw InputError("output folder " + parent.string() + " does not exist");
+  }
+  const AbReport report = run_ab(s, command_line());
+  const AbFormat format = o.format == "md"                 ? AbFormat::Markdown
+                          : o.format == "json"             ? AbFormat::Json
+                          : o.format == "github-benchmark" ? AbFormat::GithubBenchmark
+                          : o.format == "bmf"              ? AbFormat::Bencher
+                                                           : AbFormat::Text;
+  if (!o.out.empty()) write_file_atomically(o.out, ab_to_json(report).dump(2) + "\n");
+  std::printf("%s", render_ab(report, format).c_str());
+  return ab_regressions(report) > 0 ? kExitCheckFailed : kExitOk;
+}
+
+}  // namespace
+
+void add_ab(CLI::App& app, Action& action) {
+  auto* command = app.add_subcommand("ab", "interleaved A/B timing of two builds, parameter sets or models");
+  auto o = std::make_shared<AbOptions>();
+  o->problem.point.timing.min_time_s = 0.1;
+  o->settings.a.label = "A";
+  o->settings.b.label = "B";
+  command->add_option("--models", o->models, "all | implemented | class:<class> | a,b,c")->required();
+  command->add_option("--seq-lens", o->seq_lens, "a,b,c | lo:hi:xK | lo:hi:+K")->capture_default_str();
+  add_problem_options(*command, o->problem);
+  command->add_option("--a-bin", o->settings.a.program, "xfbench binary of side A (default: this one)");
+  command->add_option("--b-bin", o->settings.b.program, "xfbench binary of side B (default: this one)");
+  command->add_option("--a-param", o->settings.a.params, "key=value for side A only (repeatable)");
+  command->add_option("--b-param", o->settings.b.params, "key=value for side B only (repeatable)");
+  command->add_option("--b-model", o->settings.b.model, "model of side B (with one model in --models)");
+  command->add_option("--rounds", o->settings.rounds, "A B | B A rounds per point")->capture_default_str();
+  command->add_option("--alpha", o->settings.alpha, "1 − confidence of the ratio's interval")->capture_default_str();
+  command->add_option("--max-slowdown", o->max_slowdown, "smallest ratio change that is a verdict (5% or 0.05)")
+      ->capture_default_str();
+  command->add_option("--timeout", o->settings.timeout_s, "seconds per child run")->capture_default_str();
+  command->add_option("--format", o->format, "text | md | json | github-benchmark | bmf")
+      ->check(CLI::IsMember({"text", "md", "json", "github-benchmark", "bmf"}));
+  command->add_option("--out,-o", o->out, "also write the JSON result here");
+  command->callback([o, &action] { action = [o] { return run(*o); }; });
+}
+
+}  // namespace xfb::cli
