@@ -87,10 +87,10 @@ void judge_ab_point(AbPoint& point, const AbSettings& s) {
                    (interval ? "" : "; too few clean rounds for a " + format("%.3g", 100 * (1 - s.alpha)) + "% interval");
     return;
   }
-  const double limit = 1 + s.max_slowdown;
-  if (point.stats.ci_low > 1 && point.stats.ratio > limit)
+  const double limit = 1 + s.max_slowdown, margin = 1 + s.max_slowdown / 2;
+  if (point.stats.ci_low > margin && point.stats.ratio > limit)
     point.verdict = AbVerdict::Slower;
-  else if (point.stats.ci_high < 1 && point.stats.ratio < 1 / limit)
+  else if (point.stats.ci_high < 1 / margin && point.stats.ratio < 1 / limit)
     point.verdict = AbVerdict::Faster;
   else
     point.verdict = AbVerdict::Same;

@@ -211,6 +211,33 @@ expect_error 2 compare "$work/base.json" "$work/base.json" --metrics time,speed
 expect_error 2 compare "$work/base.json" "$work/base.json" --max-slowdown fast
 expect_error 2 compare "$work/base.json"
 
+# --- ab: interleaved A/B, contention fields, dashboard exports ----------------------------------
+tiny=(--seq-lens 64 --heads 2 --head-dim 16 --threads 2 --min-reps 3 --min-time 0 --rounds 4)
+# No verdict can pass a 1000% threshold: exit 0 whatever this machine's noise.
+"$bin" ab --models local "${tiny[@]}" --a-param block=16 --b-param block=32 --max-slowdown 1000% --format json \
+  --out "$work/ab.json" >"$work/ab.out" 2>/dev/null && grep -q '"verdict"' "$work/ab.out" \
+  && grep -q '"order": "BA"' "$work/ab.json" && pass || fail "ab of two parameter sets"
+# A side whose binary fails is an error verdict: exit 1, the reason kept.
+printf '#!/bin/sh\nexit 4\n' >"$work/broken-bin"
+chmod +x "$work/broken-bin"
+"$bin" ab --models local "${tiny[@]}" --b-bin "$work/broken-bin" >"$work/ab.out" 2>/dev/null
+[ $? -eq 1 ] && grep -q "error" "$work/ab.out" && grep -q "exited with code 4" "$work/ab.out" \
+  && pass || fail "ab with a failing B binary must exit 1: $(cat "$work/ab.out")"
+"$bin" ab --models local "${tiny[@]}" --max-slowdown 1000% --format bmf >"$work/ab.bmf" 2>/dev/null \
+  && grep -q '"latency"' "$work/ab.bmf" && grep -q '"ratio"' "$work/ab.bmf" && pass || fail "ab --format bmf"
+expect_error 2 ab --models local --rounds 1
+expect_error 2 ab --models nosuch
+expect_error 2 ab --models local --b-bin "$work/nosuch-bin"
+expect_error 2 ab --models local,axial --b-model vanilla
+expect_error 2 ab --models local --out "$work/nosuch/ab.json"
+[ ! -e "$work/nosuch" ] && pass || fail "ab wrote into a missing folder"
+grep -q '"contended_samples":' "$work/base.json" && grep -q '"cpu_ratio":' "$work/base.json" \
+  && grep -q '"host_busy":' "$work/base.json" && pass || fail "rows carry the contention fields"
+"$bin" table "$work/base.json" --format github-benchmark >"$work/gab.json" && grep -q '"unit": "ms"' "$work/gab.json" \
+  && grep -q '"range": "± ' "$work/gab.json" && pass || fail "table --format github-benchmark"
+"$bin" table "$work/base.json" --format bmf >"$work/bmf.json" && grep -q '"lower_value"' "$work/bmf.json" \
+  && pass || fail "table --format bmf"
+
 # --- shards and merge ------------------------------------------------------------------------
 few=(--heads 2 --head-dim 16 --min-reps 1 --min-time 0 --threads 2 --no-measure --no-table)
 models=vanilla,exact-tiled,linformer
