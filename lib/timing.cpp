@@ -16,6 +16,7 @@ void SampleCollector::add(double wall_ns, const SampleContention& contention,
   if (contention.descheduled) {
     result_.contended_samples_ns.push_back(wall_ns);
     contended_ns_ += wall_ns;
+    for (const auto& [stage, ns] : stages) contended_stage_samples_ns_[stage].push_back(ns);
     return;
   }
   result_.samples_ns.push_back(wall_ns);
@@ -34,6 +35,7 @@ bool SampleCollector::done() const {
 TimingResult SampleCollector::finish(int threads) const {
   TimingResult result = result_;
   result.contended = static_cast<int>(result.samples_ns.size()) < settings_.min_reps;
+  if (result.samples_ns.empty()) result.stage_samples_ns = contended_stage_samples_ns_;
   result.contention = summarize_contention(all_wall_ns_, all_contention_, threads);
   return result;
 }

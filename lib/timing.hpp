@@ -25,7 +25,8 @@ struct TimingSettings {
 struct TimingResult {
   std::vector<double> samples_ns;            // clean repetitions, wall clock
   std::vector<double> contended_samples_ns;  // descheduled repetitions, left out of statistics
-  std::map<std::string, std::vector<double>> stage_samples_ns;  // per stage_clock stage, clean runs
+  // Per stage_clock stage, one per clean run (per run of any kind when no run was clean).
+  std::map<std::string, std::vector<double>> stage_samples_ns;
   ContentionSummary contention;
   bool contended = false;                    // fewer clean samples than min_reps
   std::int64_t primitives_created_while_timed = 0;
@@ -44,6 +45,7 @@ class SampleCollector {
   TimingResult result_;
   std::vector<double> all_wall_ns_;
   std::vector<SampleContention> all_contention_;
+  std::map<std::string, std::vector<double>> contended_stage_samples_ns_;
   double clean_ns_ = 0, contended_ns_ = 0;
 };
 

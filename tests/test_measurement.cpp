@@ -114,6 +114,15 @@ TEST_SUITE("measurement") {
     CHECK(result.samples_ns.size() == 1);
   }
 
+  TEST_CASE("with no clean sample the stages come from the descheduled ones") {
+    SampleCollector collector({.warmup = 1, .min_reps = 2, .min_time_s = 0, .max_reps = 2});
+    collector.add(5e6, descheduled_sample(), {{"route", 1e6}, {"attend", 3e6}});
+    collector.add(6e6, descheduled_sample(), {{"route", 2e6}, {"attend", 3e6}});
+    const TimingResult result = collector.finish(2);
+    CHECK(result.samples_ns.empty());
+    CHECK(result.stage_samples_ns.at("route") == std::vector<double>{1e6, 2e6});
+  }
+
   TEST_CASE("max_reps caps clean and descheduled samples together") {
     SampleCollector collector({.warmup = 1, .min_reps = 5, .min_time_s = 10, .max_reps = 4});
     for (int i = 0; i < 2; ++i) collector.add(1e3, clean_sample());
