@@ -23,6 +23,8 @@ void add_env(CLI::App& app, Action& action) {
       if (*measure) {
         const auto m = measure_machine(context.threads());
         info["fma_peak_gflops"] = m.fma_peak_gflops;
+        info["fma_peak_256_gflops"] = m.fma_peak_256_gflops;
+        info["fma_peak_512_gflops"] = m.fma_peak_512_gflops;
         info["triad_bandwidth_gbs"] = m.triad_bandwidth_gbs;
       }
       if (*json) {

@@ -80,11 +80,11 @@ void judge_ab_point(AbPoint& point, const AbSettings& s) {
   point.stats = paired_log_ratio_test(log_ratios, 1 - s.alpha);
   if (point.verdict == AbVerdict::Error) return;
   const bool interval = point.stats.ci_low > 0 && std::isfinite(point.stats.ci_high);
-  if (2 * point.usable_rounds < point.rounds.size() || !interval) {
+  if (2 * point.usable_rounds < static_cast<std::size_t>(s.rounds) || !interval) {
     point.verdict = AbVerdict::Noisy;
-    point.reason = std::to_string(point.rounds.size() - point.usable_rounds) + " of " +
-                   std::to_string(point.rounds.size()) + " rounds contended" +
-                   (interval ? "" : "; too few clean rounds for a " + format("%.3g", 100 * (1 - s.alpha)) + "% interval");
+    point.reason = std::to_string(point.usable_rounds) + " clean of " + std::to_string(point.rounds.size()) +
+                   " rounds" +
+                   (interval ? "" : "; too few for a " + format("%.3g", 100 * (1 - s.alpha)) + "% interval");
     return;
   }
   const double limit = 1 + s.max_slowdown, margin = 1 + s.max_slowdown / 2;
@@ -134,7 +134,10 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
       std::fprintf(stderr, "[%zu/%zu] %s N=%lld: %d rounds\n", index, pairs.size(), a_point.model.c_str(),
                    static_cast<long long>(a_point.problem.seq_len), s.rounds);
     AbPoint point;
-    for (int r = 0; r < s.rounds; ++r) {
+    // A round in which either row is contended is run again (the order keeps alternating), until
+    // `rounds` rounds are clean or 2·rounds have been run.
+    std::size_t clean_rounds = 0;
+    for (int r = 0; r < 2 * s.rounds && clean_rounds < static_cast<std::size_t>(s.rounds); ++r) {
       AbRound round;
       round.b_first = r % 2 == 1;
       ResultRow first = run_side(round.b_first ? s.b : s.a, round.b_first ? b_point : a_point, s.timeout_s);
@@ -150,6 +153,7 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
       round.b_ns = point.b.median_ns;
       round.a_contended = point.a.contended;
       round.b_contended = point.b.contended;
+      clean_rounds += !round.a_contended && !round.b_contended;
       point.rounds.push_back(round);
       if (point.verdict == AbVerdict::Error) break;
     }

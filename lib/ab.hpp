@@ -11,8 +11,9 @@
 // (the margin keeps thousands of A/A decisions free of verdicts while a change of twice the
 // threshold is still found in nearly every run at 10 rounds and a few percent of noise)
 //   same    otherwise
-//   noisy   rounds where either side's row was `contended` are dropped; fewer than half the
-//           rounds left, or too few for the interval: no verdict
+//   noisy   rounds where either side's row was `contended` are dropped and run again (at most
+//           2·rounds in all); fewer than half of `rounds` clean, or too few for the interval: no
+//           verdict
 //   error   a child failed (its reason is kept)
 #include <cstdint>
 #include <string>

@@ -72,8 +72,8 @@ struct Comparison {
 // Context fields that must agree for `compare` (unless allowed), by gated metric: times need the
 // same machine, build and oneDNN path; the project's own tracked bytes depend on the thread count
 // alone; FLOP counts on nothing of the context.
-inline const std::vector<std::string> kTimeContextFields = {"cpu_model", "threads", "onednn_version", "onednn_isa",
-                                                            "build_type"};
+inline const std::vector<std::string> kTimeContextFields = {"cpu_model", "threads",    "onednn_version",
+                                                            "onednn_isa", "kernel_isa", "build_type"};
 inline const std::vector<std::string> kMemoryContextFields = {"threads"};
 // Where these agree, oneDNN's scratchpad (inside peak_tensor_bytes) is comparable.
 inline const std::vector<std::string> kScratchpadContextFields = {"onednn_version", "onednn_isa"};

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "lib/cpu_isa.hpp"
 #include "lib/dnnl_context.hpp"
 #include "lib/encoder_layer.hpp"
 #include "lib/errors.hpp"
@@ -124,7 +125,8 @@ std::vector<std::string> run_arguments(const PointConfig& c) {
 }
 
 std::string reproducer_command(const PointConfig& config) {
-  std::string command = "xfbench";
+  // A capped kernel ISA is part of what ran.
+  std::string command = kernel_isa() == detected_kernel_isa() ? "xfbench" : "XFBENCH_MAX_ISA=" + kernel_isa_name(kernel_isa()) + " xfbench";
   for (const auto& arg : run_arguments(config)) command += " " + arg;
   return command;
 }
@@ -144,6 +146,7 @@ ResultRow describe_point(const PointConfig& config, std::int64_t memory_limit_by
   const ParamValues values = resolve_params(model.name, model.impl.params, config.params);
   row.params = values.to_json();
   row.threads = config.threads > 0 ? config.threads : DnnlContext::instance().threads();
+  row.kernel_isa = kernel_isa_name(kernel_isa());
   row.seed = config.seed;
   row.reproducer = reproducer_command(config);
   if (!model.implemented()) {

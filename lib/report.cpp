@@ -65,6 +65,7 @@ void to_json(nlohmann::json& j, const ResultRow& r) {
                      {"d_ff", r.d_ff},
                      {"params", r.params},
                      {"threads", r.threads},
+                     {"kernel_isa", r.kernel_isa},
                      {"seed", r.seed},
                      {"status", status_name(r.status)},
                      {"reason", r.reason},
@@ -107,6 +108,7 @@ void from_json(const nlohmann::json& j, ResultRow& r) {
     r.d_ff = j.value("d_ff", std::int64_t{0});
     r.params = j.at("params");
     r.threads = j.value("threads", 0);
+    r.kernel_isa = j.value("kernel_isa", std::string{});
     r.seed = j.value("seed", std::uint64_t{0});
     r.status = parse_status(j.at("status").get<std::string>());
     j.at("reason").get_to(r.reason);

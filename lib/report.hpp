@@ -25,6 +25,7 @@ struct ResultRow {
   std::int64_t d_ff = 0;  // layer scope only; 0 otherwise
   nlohmann::json params = nlohmann::json::object();  // resolved mechanism parameters
   int threads = 0;
+  std::string kernel_isa;  // vector ISA of the project's kernels that ran (lib/cpu_isa.hpp)
   std::uint64_t seed = 0;
   Status status = Status::Ok;
   std::string reason;  // why the point is not ok; empty when ok

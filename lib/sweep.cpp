@@ -237,6 +237,8 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
     if (s.measure_machine) {
       const auto m = measure_machine(threads);
       report.context["fma_peak_gflops"] = m.fma_peak_gflops;
+      report.context["fma_peak_256_gflops"] = m.fma_peak_256_gflops;
+      report.context["fma_peak_512_gflops"] = m.fma_peak_512_gflops;
       report.context["triad_bandwidth_gbs"] = m.triad_bandwidth_gbs;
     }
   }

@@ -10,7 +10,9 @@ namespace xfb {
 nlohmann::json capture_context(int threads);
 
 struct MachineMeasurement {
-  double fma_peak_gflops = 0;       // fp32, all threads, 12 independent 8-wide FMA chains per thread
+  double fma_peak_gflops = 0;       // the highest of the two below: this machine's fp32 FMA peak
+  double fma_peak_256_gflops = 0;   // all threads, 12 independent 8-float FMA chains per thread
+  double fma_peak_512_gflops = 0;   // the same with 16-float (512-bit) vectors; 0 without AVX-512
   double triad_bandwidth_gbs = 0;   // STREAM triad a = b + s·c over 3×64 MiB arrays
 };
 MachineMeasurement measure_machine(int threads);

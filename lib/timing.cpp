@@ -29,7 +29,7 @@ bool SampleCollector::done() const {
   const auto contended = static_cast<int>(result_.contended_samples_ns.size());
   if (clean + contended >= settings_.max_reps) return true;
   if (clean >= settings_.min_reps && clean_ns_ >= settings_.min_time_s * 1e9) return true;
-  return contended_ns_ > (2 * settings_.min_time_s + 1) * 1e9;  // the retry budget is spent
+  return contended_ns_ > (2 * settings_.min_time_s + 0.25) * 1e9;  // the retry budget is spent
 }
 
 TimingResult SampleCollector::finish(int threads) const {

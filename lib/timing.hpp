@@ -3,7 +3,7 @@
 // min_reps and min_time (capped by max_reps). Every repetition's wall time is kept; repetitions
 // during which the point's threads waited for a CPU (lib/contention.hpp) are kept apart and
 // re-measured, within a retry budget: the loop gives up once the descheduled samples add up to
-// more than 2·min_time + 1 s (or max_reps samples were taken in all). A result with fewer clean
+// more than 2·min_time + 0.25 s (or max_reps samples were taken in all). A result with fewer clean
 // samples than min_reps is `contended`.
 #include <cstdint>
 #include <functional>

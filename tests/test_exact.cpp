@@ -7,10 +7,13 @@
 #include <string>
 #include <vector>
 
+#include "lib/cpu_isa.hpp"
 #include "lib/dnnl_context.hpp"
 #include "lib/encoder_layer.hpp"
 #include "lib/point.hpp"
 #include "lib/registry.hpp"
+#include "lib/rng.hpp"
+#include "lib/tile_kernels.hpp"
 #include "tests/counter_point.hpp"
 #include "tests/reference.hpp"
 
@@ -58,6 +61,65 @@ TEST_SUITE("exact") {
                                   std::string("exact-tiled ") + c.block_q + " D=" + std::to_string(c.head_dim) +
                                       " N=" + std::to_string(n));
         }
+  }
+
+  TEST_CASE("tile kernels of every ISA the host runs equal double-precision loops") {
+    // Register blocks: AVX2 6 rows × 16 columns, AVX-512 12 rows × 32 columns (two panels), so
+    // rows and panel counts run one below, at and above both, and d covers 16-column remainders.
+    const KernelIsa original = kernel_isa();
+    for (KernelIsa isa : supported_kernel_isas()) {
+      force_kernel_isa(isa);
+      for (std::int64_t d : {16, 32, 48, 64})
+        for (std::int64_t rows : {1, 5, 6, 7, 11, 12, 13, 25})
+          for (std::int64_t cols : {1, 15, 16, 17, 31, 33, 48, 50}) {
+            const std::int64_t panels = tiles::panels_for(cols), width = panels * tiles::kPanel;
+            Tensor q(Shape{rows, d}), k(Shape{cols, d}), pr(Shape{rows, cols}), v(Shape{cols, d});
+            CounterRng(7, "tile/q").fill_normal(q);
+            CounterRng(7, "tile/k").fill_normal(k);
+            CounterRng(7, "tile/p").fill_normal(pr);
+            CounterRng(7, "tile/v").fill_normal(v);
+            std::vector<float> packed(static_cast<std::size_t>(panels * d * tiles::kPanel));
+            tiles::pack_key_panels(k.data(), d, cols, d, packed.data());
+            std::vector<float> s(static_cast<std::size_t>(rows * width), -1.0f), o(static_cast<std::size_t>(rows * d), 0.5f);
+            tiles::scores(q.data(), d, rows, packed.data(), panels, d, 0.25f, s.data(), width);
+            tiles::accumulate_pv(pr.data(), cols, rows, cols, v.data(), d, d, o.data(), d);
+            // fp32 dot products of length L: |error| ≤ L·ε·Σ|terms|, bounded by L·ε·(typical 3²·L).
+            const std::string where = kernel_isa_name(isa) + " d=" + std::to_string(d) + " rows=" +
+                                      std::to_string(rows) + " cols=" + std::to_string(cols);
+            for (std::int64_t r = 0; r < rows; ++r) {
+              for (std::int64_t j = 0; j < width; ++j) {
+                double want = 0, magnitude = 0;
+                for (std::int64_t c = 0; j < cols && c < d; ++c) {
+                  want += double(q.data()[r * d + c]) * k.data()[j * d + c];
+                  magnitude += std::fabs(double(q.data()[r * d + c]) * k.data()[j * d + c]);
+                }
+                const double got = s[static_cast<std::size_t>(r * width + j)];
+                REQUIRE_MESSAGE(std::fabs(got - 0.25 * want) <= 0.25 * d * 1.2e-7 * magnitude + 1e-30,
+                                where << " S[" << r << "," << j << "] " << got << " vs " << 0.25 * want);
+              }
+              for (std::int64_t c = 0; c < d; ++c) {
+                double want = 0.5, magnitude = 0.5;
+                for (std::int64_t j = 0; j < cols; ++j) {
+                  want += double(pr.data()[r * cols + j]) * v.data()[j * d + c];
+                  magnitude += std::fabs(double(pr.data()[r * cols + j]) * v.data()[j * d + c]);
+                }
+                const double got = o[static_cast<std::size_t>(r * d + c)];
+                REQUIRE_MESSAGE(std::fabs(got - want) <= (cols + 1) * 1.2e-7 * magnitude,
+                                where << " O[" << r << "," << c << "] " << got << " vs " << want);
+              }
+            }
+          }
+      // The whole mechanism on this path: exact-tiled against naive attention, odd block sizes.
+      for (std::int64_t n : {11, 12, 13, 47, 100})
+        for (bool causal : {false, true}) {
+          const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
+          const auto in = random_inputs(p, 5);
+          const Tensor out = run_mechanism("exact-tiled", p, in, {"block_q=13", "block_k=40"});
+          check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
+                                  "exact-tiled " + kernel_isa_name(isa) + " N=" + std::to_string(n));
+        }
+    }
+    force_kernel_isa(original);
   }
 
   TEST_CASE("rows whose scores would overflow a naive exp stay finite and exact") {
