@@ -24,13 +24,8 @@ struct AbOptions {
 };
 
 int run(AbOptions& o) {
-  finish_problem_options(o.problem);
   auto& s = o.settings;
-  s.models = parse_model_selection(o.models);
-  s.seq_lens = parse_seq_lens(o.seq_lens);
-  s.base = o.problem.point;
-  s.base.params.clear();
-  s.params = o.problem.params;
+  fill_point_grid(o.problem, o.models, o.seq_lens, s);
   s.max_slowdown = parse_fraction(o.max_slowdown, "--max-slowdown");
   if (!s.b.model.empty() && s.models.size() != 1) throw InputError("--b-model needs exactly one model in --models");
   if (!o.out.empty()) {

@@ -54,13 +54,8 @@ void apply_preset(const CLI::App& command, SweepOptions& o) {
 
 int run(const CLI::App& command, SweepOptions& o) {
   if (!o.preset.empty()) apply_preset(command, o);
-  finish_problem_options(o.problem);
   auto& s = o.settings;
-  s.models = parse_model_selection(o.models);
-  s.seq_lens = parse_seq_lens(o.seq_lens);
-  s.base = o.problem.point;
-  s.base.params.clear();
-  s.params = o.problem.params;
+  fill_point_grid(o.problem, o.models, o.seq_lens, s);
   if (!o.shard.empty()) std::tie(s.shard_index, s.shard_count) = parse_shard(o.shard);
   if (o.memory_limit_gib < 0) throw InputError("--memory-limit must not be negative");
   if (s.timeout_s <= 0) throw InputError("--timeout must be positive");

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "lib/point.hpp"
+#include "lib/sweep.hpp"
 
 namespace xfb::cli {
 
@@ -34,6 +35,19 @@ struct ProblemOptions {
 void add_problem_options(CLI::App& command, ProblemOptions& options);
 // Applies scope/causal/params to options.point (throws InputError on a bad scope).
 void finish_problem_options(ProblemOptions& options);
+
+// Fills the point grid shared by sweep-like settings (models, seq_lens, base point without
+// parameters, parameters) from the parsed options; finishes the problem options first.
+template <class GridSettings>
+void fill_point_grid(ProblemOptions& problem, const std::string& models, const std::string& seq_lens,
+                     GridSettings& settings) {
+  finish_problem_options(problem);
+  settings.models = parse_model_selection(models);
+  settings.seq_lens = parse_seq_lens(seq_lens);
+  settings.base = problem.point;
+  settings.base.params.clear();
+  settings.params = problem.params;
+}
 
 // The command line as typed, for report provenance.
 const std::string& command_line();

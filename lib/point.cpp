@@ -126,7 +126,8 @@ std::vector<std::string> run_arguments(const PointConfig& c) {
 
 std::string reproducer_command(const PointConfig& config) {
   // A capped kernel ISA is part of what ran.
-  std::string command = kernel_isa() == detected_kernel_isa() ? "xfbench" : "XFBENCH_MAX_ISA=" + kernel_isa_name(kernel_isa()) + " xfbench";
+  std::string command = "xfbench";
+  if (kernel_isa() != detected_kernel_isa()) command = "XFBENCH_MAX_ISA=" + kernel_isa_name(kernel_isa()) + " xfbench";
   for (const auto& arg : run_arguments(config)) command += " " + arg;
   return command;
 }
