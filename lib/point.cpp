@@ -260,6 +260,7 @@ ResultRow run_point(const PointConfig& config, const std::optional<std::string>&
       files = {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
     }
     for (const auto& named : mechanism->parameters()) files.emplace_back(named.name, named.tensor);
+    std::filesystem::create_directories(*dump_dir);
     for (const auto& [name, tensor] : files) write_npy(*dump_dir + "/" + name + ".npy", *tensor);
     write_manifest(*dump_dir, config, row, files);
   }

@@ -41,7 +41,8 @@ std::int64_t point_io_bytes(const PointConfig& config);
 // Analytic estimate of the tracked bytes of the point: inputs, output, workspace.
 std::int64_t estimated_point_bytes(const PointConfig& config);
 
-// Runs the point here. `dump_dir`, when set, receives inputs, output, parameters and a manifest.
+// Runs the point here. `dump_dir`, when set, receives inputs, output, parameters and a manifest
+// (the folder is created only when the point runs).
 ResultRow run_point(const PointConfig& config, const std::optional<std::string>& dump_dir = std::nullopt);
 
 // The `xfbench run …` command line that reproduces the point.
