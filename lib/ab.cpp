@@ -6,7 +6,6 @@
 
 #include <unistd.h>
 
-#include "lib/child_process.hpp"
 #include "lib/dnnl_context.hpp"
 #include "lib/errors.hpp"
 #include "lib/stats.hpp"
@@ -36,27 +35,6 @@ PointConfig side_point(const AbSettings& s, const AbSide& side, const std::strin
   point.params = params_for_model(point.model, s.params);
   point.params.insert(point.params.end(), side.params.begin(), side.params.end());
   return point;
-}
-
-// One child run of one side; an error row when the child fails.
-ResultRow run_side(const AbSide& side, const PointConfig& point, double timeout_s) {
-  if (side.program.empty()) return run_point_in_child(point, timeout_s);
-  ResultRow row;
-  row.model = point.model;
-  row.seq_len = point.problem.seq_len;
-  auto args = run_arguments(point);
-  args.insert(args.begin(), "-q");
-  args.push_back("--json");
-  const ChildResult child = run_program(side.program, args, timeout_s);
-  try {
-    if (child.exit_code == 0 || child.exit_code == 3) return nlohmann::json::parse(child.out).get<ResultRow>();
-  } catch (const std::exception&) {
-  }
-  row.status = Status::Error;
-  row.reason = side.program + " exited with code " + std::to_string(child.exit_code) +
-               (child.timed_out ? " (timed out)" : "") + (child.err.empty() ? "" : ": " + child.err);
-  while (!row.reason.empty() && row.reason.back() == '\n') row.reason.pop_back();
-  return row;
 }
 
 std::string point_label(const AbPoint& p) {
@@ -140,8 +118,8 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
     for (int r = 0; r < 2 * s.rounds && clean_rounds < static_cast<std::size_t>(s.rounds); ++r) {
       AbRound round;
       round.b_first = r % 2 == 1;
-      ResultRow first = run_side(round.b_first ? s.b : s.a, round.b_first ? b_point : a_point, s.timeout_s);
-      ResultRow second = run_side(round.b_first ? s.a : s.b, round.b_first ? a_point : b_point, s.timeout_s);
+      ResultRow first = run_point_in_child(round.b_first ? b_point : a_point, s.timeout_s, (round.b_first ? s.b : s.a).program);
+      ResultRow second = run_point_in_child(round.b_first ? a_point : b_point, s.timeout_s, (round.b_first ? s.a : s.b).program);
       point.a = round.b_first ? second : first;
       point.b = round.b_first ? first : second;
       for (const auto* row : {&point.a, &point.b})

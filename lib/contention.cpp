@@ -24,6 +24,10 @@ std::size_t read_proc(int fd, char* buffer, std::size_t size) {
   return static_cast<std::size_t>(got);
 }
 
+double ticks_to_ns(unsigned long long ticks) {
+  return static_cast<double>(ticks) * 1e9 / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
 double process_cpu_ns() {
   timespec ts{};
   clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
@@ -86,7 +90,7 @@ ContentionProbe::Snapshot ContentionProbe::snapshot() const {
     if (std::sscanf(buffer, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &field[0], &field[1], &field[2], &field[3],
                     &field[4], &field[5], &field[6], &field[7]) == 8) {
       const unsigned long long busy = field[0] + field[1] + field[2] + field[5] + field[6] + field[7];
-      s.other_busy_ns = static_cast<double>(busy) * 1e9 / static_cast<double>(sysconf(_SC_CLK_TCK));
+      s.other_busy_ns = ticks_to_ns(busy);
     }
   }
   if (self_stat_fd_ >= 0 && read_proc(self_stat_fd_, buffer, sizeof buffer) > 0) {
@@ -96,7 +100,7 @@ ContentionProbe::Snapshot ContentionProbe::snapshot() const {
     unsigned long long utime = 0, stime = 0;
     if (after != nullptr &&
         std::sscanf(after + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime, &stime) == 2)
-      s.other_busy_ns -= static_cast<double>(utime + stime) * 1e9 / static_cast<double>(sysconf(_SC_CLK_TCK));
+      s.other_busy_ns -= ticks_to_ns(utime + stime);
   }
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);

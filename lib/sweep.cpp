@@ -171,12 +171,12 @@ std::vector<PointConfig> points_of_shard(const std::vector<PointConfig>& points,
 
 }  // namespace
 
-ResultRow run_point_in_child(const PointConfig& config, double timeout_s) {
+ResultRow run_point_in_child(const PointConfig& config, double timeout_s, const std::string& program) {
   ResultRow row = describe_point(config);
   auto args = run_arguments(config);
   args.push_back("--json");
   args.insert(args.begin(), "-q");
-  const ChildResult child = run_self(args, timeout_s);
+  const ChildResult child = program.empty() ? run_self(args, timeout_s) : run_program(program, args, timeout_s);
   if (child.timed_out) {
     row.status = Status::Error;
     row.reason = "timed out after " + std::to_string(static_cast<int>(timeout_s)) + " s (--timeout)";

@@ -45,7 +45,8 @@ std::vector<std::string> params_for_model(const std::string& model, const std::v
 // Validates everything (throws InputError before any output is written), then runs.
 Report run_sweep(const SweepSettings& settings, const std::string& command_line);
 
-// Runs one point in a child process and returns its row (error rows on crash or timeout).
-ResultRow run_point_in_child(const PointConfig& config, double timeout_s);
+// Runs one point in a child process and returns its row (error rows on crash or timeout). The
+// child is this executable, or `program` (another xfbench build) when given.
+ResultRow run_point_in_child(const PointConfig& config, double timeout_s, const std::string& program = "");
 
 }  // namespace xfb
