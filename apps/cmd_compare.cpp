@@ -47,7 +47,7 @@ void add_compare(CLI::App& app, Action& action) {
   command->add_option("--max-memory-growth", c->max_memory_growth, "peak tracked memory growth allowed (0, 1%, 0.01)")
       ->capture_default_str();
   command->add_flag("--allow-different-context", c->options.allow_different_context,
-                    "compare even if CPU model, threads, oneDNN version or build type differ");
+                    "compare even if CPU model, threads, oneDNN version or ISA, kernel ISA or build type differ");
   command->add_option("--format", c->format, "text | md | json")->check(CLI::IsMember({"text", "md", "json"}));
   command->callback([c, &action] { action = [c] { return run(*c); }; });
 }

@@ -7,6 +7,7 @@
 #include <iostream>
 
 #include "apps/commands.hpp"
+#include "lib/dnnl_context.hpp"
 #include "lib/errors.hpp"
 #include "lib/point.hpp"
 
@@ -26,7 +27,9 @@ void add_problem_options(CLI::App& command, ProblemOptions& o) {
       ->check(CLI::IsMember({"attention", "layer"}))
       ->capture_default_str();
   command.add_option("--d-ff", p.d_ff, "layer scope FFN width (default 4·heads·head-dim)");
-  command.add_option("--threads,-t", p.threads, "threads for oneDNN and OpenMP loops (default: all cores)");
+  p.problem.threads = DnnlContext::default_threads();
+  command.add_option("--threads,-t", p.problem.threads, "threads for oneDNN and OpenMP loops (default: all cores)")
+      ->capture_default_str();
   command.add_option("--seed", p.seed, "seed of inputs and parameters")->capture_default_str();
   command.add_option("--param,-p", o.params, "mechanism parameter key=value (repeatable)");
   command.add_option("--warmup", p.timing.warmup, "untimed runs before timing (>= 1)")->capture_default_str();

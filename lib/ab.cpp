@@ -93,7 +93,7 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
   if (pairs.empty()) throw InputError("no points to compare");
 
   AbReport report;
-  const int threads = s.base.threads > 0 ? s.base.threads : DnnlContext::instance().threads();
+  const int threads = s.base.problem.threads;
   report.context = capture_context(threads);
   report.context["command_line"] = command_line;
   report.context["seed"] = s.base.seed;

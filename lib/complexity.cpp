@@ -274,7 +274,7 @@ std::string render_complexity(const std::vector<ComplexitySeries>& series, const
   out << render_cells(cells, md ? TableFormat::Markdown : TableFormat::Text, 2);
   if (series.empty()) out << "(no model with three or more ok sequence lengths)\n";
   out << (md ? "\n" : "") << "verdict compares the FLOP-count fit with the survey's complexity; '?' marks an ambiguous "
-      << "survey string (see the README)\n";
+      << "survey string (see docs/cli.md#complexity)\n";
   for (const auto& line : skipped) out << (md ? "- " : "") << "not fitted: " << line << "\n";
   return out.str();
 }

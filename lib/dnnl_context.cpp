@@ -11,7 +11,12 @@ DnnlContext& DnnlContext::instance() {
   return context;
 }
 
-DnnlContext::DnnlContext() : engine_(dnnl::engine::kind::cpu, 0), stream_(engine_) {}
+DnnlContext::DnnlContext() : engine_(dnnl::engine::kind::cpu, 0), stream_(engine_) { default_threads(); }
+
+int DnnlContext::default_threads() {
+  static const int threads = omp_get_max_threads();
+  return threads;
+}
 
 void DnnlContext::set_threads(int threads) {
   if (threads > 0) omp_set_num_threads(threads);

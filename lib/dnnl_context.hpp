@@ -23,6 +23,9 @@ class DnnlContext {
   // Governs oneDNN (OpenMP runtime) and the project's own OpenMP loops.
   void set_threads(int threads);
   int threads() const;
+  // The team size the process started with (OMP_NUM_THREADS, else every core): the default of
+  // --threads, read once before anything sets the team.
+  static int default_threads();
 
   struct CachedPrimitive {
     dnnl::primitive primitive;

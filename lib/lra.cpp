@@ -12,7 +12,7 @@
 namespace xfb {
 
 const SweepPreset& lra_preset() {
-  // Parameter names are the implementations' (README, "sweep --preset lra"). Linformer's k is
+  // Parameter names are the implementations' (docs/lra.md). Linformer's k is
   // the byte-level text config's.
   static const SweepPreset preset = {
       "lra",

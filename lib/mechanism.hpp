@@ -21,6 +21,8 @@ struct Problem {
   std::int64_t seq_len = 1024; // tokens, N
   std::int64_t head_dim = 64;  // features per head, D
   bool causal = false;         // token i attends only to j <= i
+  int threads = 1;             // OpenMP threads the mechanism runs on; per-thread buffers are sized
+                               // for exactly this many (the harness sets the OpenMP team to match)
 };
 
 struct NamedTensor {
@@ -50,14 +52,23 @@ const std::vector<ModelClass>& all_classes();
 using CreateFn = std::unique_ptr<Mechanism> (*)(const Problem&, const ParamValues&, std::uint64_t seed);
 // FLOPs one forward executes (conventions in lib/flop_counter.hpp); equals the counter exactly.
 using FlopsFn = std::int64_t (*)(const Problem&, const ParamValues&);
-// Tracked bytes one forward needs beyond its inputs and output (parameters, buffers, scratchpad).
+// Tracked bytes one forward needs beyond its inputs and output (parameters, buffers, scratchpad),
+// with per-thread buffers for Problem::threads threads.
 using WorkspaceFn = std::int64_t (*)(const Problem&, const ParamValues&);
+// Throws ParamError (one line) for values the model rejects for this problem. Called before
+// anything runs or is written; create, flops and workspace may assume it passed.
+using ValidateFn = void (*)(const Problem&, const ParamValues&);
+// Why the model cannot run this valid problem ("" when it can): the point becomes an `unsupported`
+// row with that reason.
+using UnsupportedFn = std::string (*)(const Problem&, const ParamValues&);
 
 struct Implementation {
   std::vector<ParamSpec> params;
   CreateFn create = nullptr;
   FlopsFn flops = nullptr;
   WorkspaceFn workspace_bytes = nullptr;
+  ValidateFn validate = nullptr;        // optional: parameter ranges alone suffice without it
+  UnsupportedFn unsupported = nullptr;  // optional: beyond the survey's Decode column
 };
 
 struct ModelInfo {

@@ -80,11 +80,12 @@ void validate_point(const PointConfig& config) {
   positive(p.seq_len, "--seq-len");
   positive(p.head_dim, "--head-dim");
   if (config.d_ff < 0) throw InputError("--d-ff must be positive");
-  if (config.threads < 0) throw InputError("--threads must be positive");
+  if (p.threads < 1) throw InputError("--threads must be positive, got " + std::to_string(p.threads));
   if (config.timing.warmup < 1) throw InputError("--warmup must be at least 1 (primitives are created in warm-up)");
   if (config.timing.min_reps < 1) throw InputError("--min-reps must be at least 1");
   if (config.timing.min_time_s < 0) throw InputError("--min-time must not be negative");
-  resolve_params(config.model, model.impl.params, config.params);
+  const ParamValues values = resolve_params(config.model, model.impl.params, config.params);
+  if (model.impl.validate != nullptr) model.impl.validate(p, values);
 }
 
 std::int64_t point_io_bytes(const PointConfig& config) {
@@ -116,7 +117,7 @@ std::vector<std::string> run_arguments(const PointConfig& c) {
     args.push_back("--d-ff");
     args.push_back(std::to_string(c.effective_d_ff()));
   }
-  args.insert(args.end(), {"--threads", std::to_string(c.threads > 0 ? c.threads : DnnlContext::instance().threads()),
+  args.insert(args.end(), {"--threads", std::to_string(c.problem.threads),
                            "--seed", std::to_string(c.seed)});
   for (const auto& param : c.params) args.insert(args.end(), {"--param", param});
   args.insert(args.end(), {"--warmup", std::to_string(c.timing.warmup), "--min-reps", std::to_string(c.timing.min_reps),
@@ -146,7 +147,7 @@ ResultRow describe_point(const PointConfig& config, std::int64_t memory_limit_by
   row.d_ff = config.scope == Scope::Layer ? config.effective_d_ff() : 0;
   const ParamValues values = resolve_params(model.name, model.impl.params, config.params);
   row.params = values.to_json();
-  row.threads = config.threads > 0 ? config.threads : DnnlContext::instance().threads();
+  row.threads = config.problem.threads;
   row.kernel_isa = kernel_isa_name(kernel_isa());
   row.seed = config.seed;
   row.reproducer = reproducer_command(config);
@@ -156,6 +157,10 @@ ResultRow describe_point(const PointConfig& config, std::int64_t memory_limit_by
   } else if (config.problem.causal && !model.decodes) {
     row.status = Status::Unsupported;
     row.reason = model.display_name + " cannot decode (survey Table 1: Decode = no), so it has no causal mode";
+  } else if (const std::string why = model.impl.unsupported ? model.impl.unsupported(config.problem, values) : "";
+             !why.empty()) {
+    row.status = Status::Unsupported;
+    row.reason = model.display_name + ": " + why;
   } else {
     row.estimated_workspace_bytes = estimated_point_bytes(config) - point_io_bytes(config);
     if (memory_limit_bytes > 0 && estimated_point_bytes(config) > memory_limit_bytes) {
@@ -173,8 +178,8 @@ ResultRow run_point(const PointConfig& config, const std::optional<std::string>&
   if (row.status != Status::Ok) return row;
   const ModelInfo& model = *find_model(config.model);
   const ParamValues values = resolve_params(model.name, model.impl.params, config.params);
-  DnnlContext::instance().set_threads(config.threads);
   const Problem& p = config.problem;
+  DnnlContext::instance().set_threads(p.threads);  // the team oneDNN and every OpenMP loop use
 
   auto& tracker = MemoryTracker::instance();
   const std::int64_t baseline = tracker.current_bytes();

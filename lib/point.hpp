@@ -21,7 +21,6 @@ struct PointConfig {
   Problem problem;
   Scope scope = Scope::Attention;
   std::int64_t d_ff = 0;     // layer scope FFN width; 0 means 4·H·D
-  int threads = 0;           // 0 means every core
   std::uint64_t seed = 42;
   std::vector<std::string> params;  // `key=value` assignments
   TimingSettings timing;

@@ -1,6 +1,6 @@
 #pragma once
 // The versioned JSON report: { schema_version, tool, context, settings, results: [ResultRow] }.
-// The README documents every field; bump kSchemaVersion on any incompatible change.
+// docs/report-schema.md documents every field; bump kSchemaVersion on any incompatible change.
 #include <cstdint>
 #include <map>
 #include <string>

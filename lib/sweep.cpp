@@ -229,7 +229,7 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
     report = load_report(s.out_path);
     for (const auto& row : report.results) done.insert(row.key());
   }
-  const int threads = s.base.threads > 0 ? s.base.threads : DnnlContext::instance().threads();
+  const int threads = s.base.problem.threads;
   if (report.context.empty()) {
     report.context = capture_context(threads);
     report.context["command_line"] = command_line;

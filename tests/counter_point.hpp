@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "lib/point.hpp"
+#include "tests/reference.hpp"
 
 namespace xfb::test {
 
@@ -13,7 +14,7 @@ inline PointConfig counter_point(const std::string& model, const Problem& proble
                                  std::vector<std::string> params = {}, Scope scope = Scope::Attention) {
   PointConfig c;
   c.model = model;
-  c.problem = problem;
+  c.problem = on_test_threads(problem);
   c.scope = scope;
   c.params = std::move(params);
   c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};

@@ -2,9 +2,10 @@
 #include <doctest/doctest.h>
 
 #include "lib/dnnl_context.hpp"
+#include "tests/reference.hpp"
 
 int main(int argc, char** argv) {
-  xfb::DnnlContext::instance().set_threads(2);
+  xfb::DnnlContext::instance().set_threads(xfb::test::kTestThreads);
   doctest::Context context(argc, argv);
   return context.run();
 }

@@ -31,7 +31,7 @@ inline MechanismRun run_keeping(const std::string& model, const Problem& p, cons
   const ModelInfo* info = find_model(model);
   REQUIRE(info != nullptr);
   REQUIRE(info->implemented());
-  MechanismRun run{info->impl.create(p, resolve_params(model, info->impl.params, params), seed),
+  MechanismRun run{info->impl.create(on_test_threads(p), resolve_params(model, info->impl.params, params), seed),
                    Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim)};
   run.mechanism->prepare(in.q, in.k, in.v);
   run.out.fill(std::nanf(""));  // every element must be written
@@ -63,7 +63,7 @@ inline ResultRow quick_row(const std::string& model, std::int64_t n, bool causal
                            std::vector<std::string> params = {}) {
   PointConfig c;
   c.model = model;
-  c.problem = {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
+  c.problem = {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal, .threads = kTestThreads};
   c.params = std::move(params);
   c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};
   const ResultRow row = run_point(c);

@@ -65,7 +65,7 @@ Tensor run_mechanism(const std::string& model, const Problem& p, const Attention
   const ModelInfo* info = find_model(model);
   REQUIRE(info != nullptr);
   REQUIRE(info->implemented());
-  auto mechanism = info->impl.create(p, resolve_params(model, info->impl.params, params), seed);
+  auto mechanism = info->impl.create(on_test_threads(p), resolve_params(model, info->impl.params, params), seed);
   mechanism->prepare(in.q, in.k, in.v);
   Tensor out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
   out.fill(std::nanf(""));  // every element must be written

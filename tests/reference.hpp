@@ -13,6 +13,14 @@ namespace xfb::test {
 
 inline constexpr double kFloatEps = 1.1920928955078125e-07;
 
+// The OpenMP team of the test process (tests/main.cpp sets it). Test helpers create mechanisms for
+// this many threads, so their parallel paths and per-thread buffers are exercised.
+inline constexpr int kTestThreads = 2;
+inline Problem on_test_threads(Problem p) {
+  p.threads = kTestThreads;
+  return p;
+}
+
 // allowed(i, j): may query i attend to key j.
 using MaskFn = std::function<bool(std::int64_t i, std::int64_t j)>;
 inline bool full_mask(std::int64_t, std::int64_t) { return true; }

@@ -215,6 +215,26 @@ TEST_SUITE("exact") {
     }
   }
 
+  TEST_CASE("workspace estimates equal the tracked owned bytes at 1 and 2 threads") {
+    // The estimate is what --memory-limit and estimated_workspace_bytes use; oneDNN's scratchpad
+    // is outside it (library pool), so the owned pool is the one to match exactly.
+    for (const auto& model : registry())
+      for (int threads : {1, 2})
+        for (bool causal : {false, true}) {
+          if (causal && !model.decodes) continue;
+          PointConfig config = quick_point(model.name, 300, causal);
+          config.problem.threads = threads;
+          DnnlContext::instance().clear_cache();
+          const ResultRow row = run_point(config);
+          CAPTURE(model.name);
+          CAPTURE(threads);
+          CAPTURE(causal);
+          REQUIRE(row.status == Status::Ok);
+          CHECK(row.threads == threads);
+          CHECK(row.peak_owned_bytes - point_io_bytes(config) == row.estimated_workspace_bytes);
+        }
+  }
+
   TEST_CASE("causal runs of models that cannot decode are unsupported rows with the reason") {
     for (const auto& model : registry()) {
       if (model.decodes) continue;

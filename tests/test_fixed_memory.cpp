@@ -32,7 +32,7 @@ Ran run_model(const std::string& model, const Problem& p, const AttentionInputs&
   const ModelInfo* info = find_model(model);
   REQUIRE(info != nullptr);
   REQUIRE(info->implemented());
-  Ran ran{info->impl.create(p, resolve_params(model, info->impl.params, params), seed),
+  Ran ran{info->impl.create(on_test_threads(p), resolve_params(model, info->impl.params, params), seed),
           Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim)};
   ran.mechanism->prepare(in.q, in.k, in.v);
   ran.out.fill(std::nanf(""));  // every element must be written

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <numeric>
+#include <set>
 #include <sstream>
 
 #include "lib/point.hpp"
@@ -36,7 +37,7 @@ Run<Model> run_model(const std::string& name, const Problem& p, const AttentionI
   const ModelInfo* info = find_model(name);
   REQUIRE(info != nullptr);
   Run<Model> run;
-  run.mechanism = info->impl.create(p, resolve_params(name, info->impl.params, params), seed);
+  run.mechanism = info->impl.create(on_test_threads(p), resolve_params(name, info->impl.params, params), seed);
   run.model = dynamic_cast<Model*>(run.mechanism.get());
   REQUIRE(run.model != nullptr);
   run.mechanism->prepare(in.q, in.k, in.v);
@@ -100,8 +101,29 @@ double head_tolerance(const AttentionInputs& in, std::int64_t b, std::int64_t h,
                              1.0 / std::sqrt(static_cast<double>(p.head_dim)));
 }
 
-// With the parameters fixed by one prepare(), changing tokens >= cut leaves earlier outputs
-// unchanged (to rounding) and changes later ones.
+// Outputs of batch element 0 before rows >= cut changed equal those after, to rounding; later
+// rows differ.
+void check_changes_after(const Tensor& before, const Tensor& after, const AttentionInputs& in, const Problem& p,
+                         std::int64_t cut, const std::string& label) {
+  const std::int64_t d = p.head_dim;
+  for (std::int64_t h = 0; h < p.heads; ++h) {
+    const double tolerance = head_tolerance(in, 0, h, p);
+    double earlier = 0, later = 0;
+    for (std::int64_t e = 0; e < p.seq_len * d; ++e) {
+      const double change = std::fabs(before.head(0, h)[e] - after.head(0, h)[e]);
+      double& largest = e < cut * d ? earlier : later;
+      largest = std::max(largest, change);
+    }
+    CAPTURE(label);
+    CAPTURE(h);
+    CHECK(earlier <= tolerance);
+    CHECK(later > 100 * tolerance);
+  }
+}
+
+// Changing tokens >= cut leaves earlier outputs unchanged (to rounding) and changes later ones,
+// both through the same prepared mechanism and through a fresh one prepared on the changed input
+// (so a parameter fitted in prepare() cannot carry the future either).
 template <class Model>
 void check_future_invariance(const std::string& name, const Problem& p, const std::vector<std::string>& params,
                              std::int64_t cut) {
@@ -117,19 +139,8 @@ void check_future_invariance(const std::string& name, const Problem& p, const st
     }
   Tensor after = Tensor::bhnd(p.batch, p.heads, p.seq_len, d);
   run.mechanism->forward(in.q, in.k, in.v, after);
-  for (std::int64_t h = 0; h < p.heads; ++h) {
-    const double tolerance = head_tolerance(in, 0, h, p);
-    double earlier = 0, later = 0;
-    for (std::int64_t e = 0; e < p.seq_len * d; ++e) {
-      const double change = std::fabs(before.head(0, h)[e] - after.head(0, h)[e]);
-      double& largest = e < cut * d ? earlier : later;
-      largest = std::max(largest, change);
-    }
-    CAPTURE(name);
-    CAPTURE(h);
-    CHECK(earlier <= tolerance);
-    CHECK(later > 100 * tolerance);
-  }
+  check_changes_after(before, after, in, p, cut, name + " (same prepare)");
+  check_changes_after(before, run_model<Model>(name, p, in, params).out, in, p, cut, name + " (fresh prepare)");
 }
 
 std::string label_of(const std::string& model, std::int64_t n, bool causal, const std::vector<std::string>& params) {
@@ -208,7 +219,8 @@ void check_reformer_hashing(ReformerAttention& model, const AttentionInputs& in,
       }
 }
 
-// Naive reformer: every round from the exposed pattern, combined by log-sum-exp weights.
+// Naive reformer: softmax over the union of every round's visible keys (each key once), from the
+// exposed patterns.
 void check_reformer(const Problem& p, const std::vector<std::string>& params, std::int64_t n_buckets,
                     std::int64_t rounds) {
   const auto in = random_inputs(p, static_cast<std::uint64_t>(p.seq_len * 7 + rounds));
@@ -220,22 +232,15 @@ void check_reformer(const Problem& p, const std::vector<std::string>& params, st
     for (std::int64_t h = 0; h < p.heads; ++h) {
       const auto q = to_double(in.q.head(b, h), n * d), k = to_double(keys.head(b, h), n * d),
                  v = to_double(in.v.head(b, h), n * d);
-      std::vector<std::vector<double>> outs(rounds), lses(rounds);
+      std::vector<std::set<std::int64_t>> seen(n);
       for (std::int64_t r = 0; r < rounds; ++r) {
         const auto pattern = reformer_pattern(run.model->buckets(r, b, h), run.model->sort_order(r, b, h),
                                               run.model->chunk(), p.causal);
-        outs[r] = list_attention(q, k, v, n, d, [&](std::int64_t i) { return pattern[i]; }, &lses[r]);
+        for (std::int64_t i = 0; i < n; ++i) seen[i].insert(pattern[i].begin(), pattern[i].end());
       }
-      std::vector<double> want(n * d, 0.0);
-      for (std::int64_t i = 0; i < n; ++i) {
-        double total = -INFINITY;
-        for (std::int64_t r = 0; r < rounds; ++r) {
-          const double hi = std::max(total, lses[r][i]);
-          total = hi + std::log(std::exp(total - hi) + std::exp(lses[r][i] - hi));
-        }
-        for (std::int64_t r = 0; r < rounds; ++r)
-          for (std::int64_t c = 0; c < d; ++c) want[i * d + c] += std::exp(lses[r][i] - total) * outs[r][i * d + c];
-      }
+      const auto want = list_attention(q, k, v, n, d, [&](std::int64_t i) {
+        return std::vector<std::int64_t>(seen[i].begin(), seen[i].end());
+      });
       check_close(run.out.head(b, h), want, d, 2 * head_tolerance(in, b, h, p, &keys),
                   label_of("reformer", n, p.causal, params));
     }
@@ -446,7 +451,7 @@ TEST_SUITE("learnable") {
     }
   }
 
-  TEST_CASE("multi-round reformer equals the log-sum-exp combination of its rounds computed naively") {
+  TEST_CASE("multi-round reformer equals softmax over the union of its rounds' keys, computed naively") {
     for (bool causal : {false, true})
       for (const char* rounds : {"2", "4", "8"}) {
         const Problem p{.batch = 1, .heads = 2, .seq_len = 77, .head_dim = 16, .causal = causal};
@@ -490,8 +495,9 @@ TEST_SUITE("learnable") {
     const ModelInfo* info = find_model("reformer");
     REQUIRE(info != nullptr);
     const Problem p{.batch = 1, .heads = 1, .seq_len = 16, .head_dim = 8, .causal = false};
-    CHECK_THROWS_AS(info->impl.create(p, resolve_params("reformer", info->impl.params, {"n_buckets=5"}), 1),
-                    ParamError);
+    CHECK_THROWS_AS(validate_point(counter_point("reformer", p, {"n_buckets=5"})), ParamError);
+    CHECK_NOTHROW(validate_point(counter_point("reformer", p, {"n_buckets=6"})));
+    CHECK_NOTHROW(validate_point(counter_point("reformer", p, {"n_buckets=1"})));
   }
 
   TEST_CASE("routing equals its naive cluster attention, balanced and causal, with and without local heads") {
@@ -534,6 +540,32 @@ TEST_SUITE("learnable") {
       }
   }
 
+  TEST_CASE("routing: each batch element's output depends on that element alone, k-means on") {
+    for (bool causal : {false, true}) {
+      const Problem pair{.batch = 2, .heads = 2, .seq_len = 97, .head_dim = 16, .causal = causal};
+      const auto both = random_inputs(pair, 31);
+      const Tensor together = run_model<RoutingAttention>("routing", pair, both, {"kmeans_updates=3"}).out.clone();
+      Problem single = pair;
+      single.batch = 1;
+      for (std::int64_t b = 0; b < 2; ++b) {
+        auto alone = random_inputs(single, 1);
+        for (std::int64_t h = 0; h < pair.heads; ++h)
+          for (auto [from, to] : {std::pair{&both.q, &alone.q}, std::pair{&both.k, &alone.k}, std::pair{&both.v, &alone.v}})
+            std::copy_n(from->head(b, h), pair.seq_len * pair.head_dim, to->head(0, h));
+        const auto run = run_model<RoutingAttention>("routing", single, alone, {"kmeans_updates=3"});
+        for (std::int64_t h = 0; h < pair.heads; ++h) {
+          CAPTURE(causal);
+          CAPTURE(b);
+          CAPTURE(h);
+          double largest = 0;
+          for (std::int64_t e = 0; e < pair.seq_len * pair.head_dim; ++e)
+            largest = std::max(largest, std::fabs(double(run.out.head(0, h)[e]) - together.head(b, h)[e]));
+          CHECK(largest <= head_tolerance(alone, 0, h, single));
+        }
+      }
+    }
+  }
+
   TEST_CASE("routing centroids move under the EMA update and the routing is deterministic") {
     const Problem p{.batch = 1, .heads = 2, .seq_len = 256, .head_dim = 16, .causal = false};
     const auto in = random_inputs(p, 21);
@@ -572,19 +604,20 @@ TEST_SUITE("learnable") {
     }
   }
 
-  TEST_CASE("sinkhorn SortCut attends to the first sorted blocks and is rejected with causal") {
+  TEST_CASE("sinkhorn SortCut attends to the first sorted blocks and is unsupported with causal") {
     for (std::int64_t n : {40, 41, 100}) {
       check_sinkhorn({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false},
                      {"block=8", "sortcut_blocks=2"});
       check_sinkhorn({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false},
                      {"block=8", "sortcut_blocks=1000"});
     }
-    const ModelInfo* info = find_model("sinkhorn");
-    REQUIRE(info != nullptr);
     const Problem causal{.batch = 1, .heads = 1, .seq_len = 64, .head_dim = 8, .causal = true};
-    const auto values = resolve_params("sinkhorn", info->impl.params, {"sortcut_blocks=2"});
-    CHECK_THROWS_AS(info->impl.create(causal, values, 1), ParamError);
-    CHECK_THROWS_AS(info->impl.flops(causal, values), ParamError);
+    const PointConfig point = counter_point("sinkhorn", causal, {"sortcut_blocks=2"});
+    CHECK_NOTHROW(validate_point(point));  // a valid request the model cannot do: a row, not an error
+    const ResultRow row = run_point(point);
+    CHECK(row.status == Status::Unsupported);
+    CHECK(row.reason.find("SortCut") != std::string::npos);
+    CHECK(describe_point(counter_point("sinkhorn", causal, {"sortcut_blocks=0"})).status == Status::Ok);
   }
 
   TEST_CASE("sinkhorn with one block is exact softmax attention") {
@@ -629,6 +662,7 @@ TEST_SUITE("learnable") {
     check_future_invariance<ReformerAttention>("reformer", p, {"chunk_len=16", "n_buckets=4", "n_rounds=2"}, 150);
     check_future_invariance<ReformerAttention>("reformer", p, {}, 200);
     check_future_invariance<RoutingAttention>("routing", p, {}, 150);
+    check_future_invariance<RoutingAttention>("routing", p, {"kmeans_updates=5", "clusters=8"}, 150);
     check_future_invariance<SinkhornAttention>("sinkhorn", p, {}, 150);
     check_future_invariance<SinkhornAttention>("sinkhorn", p, {"block=16"}, 200);
   }

@@ -298,10 +298,8 @@ TEST_SUITE("local_factorised") {
     const ModelInfo* info = find_model("sparse-transformer");
     REQUIRE(info != nullptr);
     const Problem p{.batch = 1, .heads = 2, .seq_len = 64, .head_dim = 8, .causal = false};
-    const auto bad = resolve_params(info->name, info->impl.params, {"pattern=fixed", "stride=4", "summary=5"});
-    CHECK_THROWS_AS(info->impl.create(p, bad, 1), ParamError);
-    const auto good = resolve_params(info->name, info->impl.params, {"pattern=fixed", "stride=4", "summary=4"});
-    CHECK_NOTHROW(info->impl.create(p, good, 1));
+    CHECK_THROWS_AS(validate_point(counter_point(info->name, p, {"pattern=fixed", "stride=4", "summary=5"})), ParamError);
+    CHECK_NOTHROW(validate_point(counter_point(info->name, p, {"pattern=fixed", "stride=4", "summary=4"})));
   }
 
   TEST_CASE("counters scale as the survey says: O(N·b) local and image-transformer, O(N√N) sparse and axial") {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/counter_point.hpp"
 #include "tests/mechanism_run.hpp"
 #include "tests/reference.hpp"
 
@@ -190,9 +191,8 @@ TEST_SUITE("low_rank") {
     const ModelInfo* info = find_model("linformer");
     REQUIRE(info != nullptr);
     const Problem p{.batch = 1, .heads = 1, .seq_len = 300, .head_dim = 8, .causal = false};
-    CHECK_THROWS_AS(info->impl.create(p, resolve_params("linformer", info->impl.params, {"projection=identity"}), 1),
-                    ParamError);
-    CHECK_NOTHROW(info->impl.create(p, resolve_params("linformer", info->impl.params, {"projection=identity", "k=300"}), 1));
+    CHECK_THROWS_AS(validate_point(counter_point("linformer", p, {"projection=identity"})), ParamError);
+    CHECK_NOTHROW(validate_point(counter_point("linformer", p, {"projection=identity", "k=300"})));
     CHECK_THROWS_AS(resolve_params("linformer", info->impl.params, {"k=0"}), ParamError);
     CHECK_THROWS_AS(resolve_params("linformer", info->impl.params, {"sharing=layerwise"}), ParamError);
   }

@@ -104,7 +104,7 @@ void check_isab(const Problem& p, const std::vector<std::string>& params, const 
   const ParamValues values = resolve_params("set-transformer", info->impl.params, params);
   const std::int64_t m = values.get_int("inducing_points"), d = p.head_dim, n = p.seq_len, heads = p.heads;
   const auto in = random_inputs(p, static_cast<std::uint64_t>(n + 3 * m));
-  auto mechanism = info->impl.create(p, values, 42);
+  auto mechanism = info->impl.create(on_test_threads(p), values, 42);
   mechanism->prepare(in.q, in.k, in.v);
   Tensor out = Tensor::bhnd(p.batch, heads, n, d);
   out.fill(std::nanf(""));

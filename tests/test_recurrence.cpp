@@ -3,7 +3,6 @@
 // the same masks and relative-position terms, one segment equals causal attention with relative
 // terms, compression functions, FIFO state, causality, FLOP and memory scaling.
 #include <doctest/doctest.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -45,7 +44,7 @@ Run run_model(const std::string& model, const Problem& p, const AttentionInputs&
               const std::vector<std::string>& params, std::uint64_t seed = 42) {
   const ModelInfo* info = find_model(model);
   REQUIRE(info != nullptr);
-  Run run{info->impl.create(p, resolve_params(model, info->impl.params, params), seed),
+  Run run{info->impl.create(on_test_threads(p), resolve_params(model, info->impl.params, params), seed),
           Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim)};
   run.mechanism->prepare(in.q, in.k, in.v);
   run.out.fill(std::nanf(""));
@@ -54,7 +53,7 @@ Run run_model(const std::string& model, const Problem& p, const AttentionInputs&
 }
 
 Run run_direct(const SegmentAttentionConfig& config, const Problem& p, const AttentionInputs& in) {
-  Run run{std::make_unique<SegmentAttention>(p, config, 7), Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim)};
+  Run run{std::make_unique<SegmentAttention>(on_test_threads(p), config, 7), Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim)};
   run.mechanism->prepare(in.q, in.k, in.v);
   run.out.fill(std::nanf(""));
   run.mechanism->forward(in.q, in.k, in.v, run.out);
@@ -385,12 +384,19 @@ TEST_SUITE("recurrence") {
       const Problem p{.batch = 1, .heads = 1, .seq_len = 70, .head_dim = 8, .causal = causal};
       const auto in = random_inputs(p, 12);
       const std::vector<std::string> params{"segment_len=16", "memory_len=9", "compressed_len=4", "block_q=5"};
-      const int threads = omp_get_max_threads();
-      omp_set_num_threads(2);
-      const Tensor shared = run_model("compressive", p, in, params).out.clone();
-      omp_set_num_threads(1);
-      const Tensor whole = run_model("compressive", p, in, params).out.clone();
-      omp_set_num_threads(threads);
+      const ModelInfo* info = find_model("compressive");
+      REQUIRE(info != nullptr);
+      auto run_on = [&](int threads) {
+        Problem on = p;
+        on.threads = threads;
+        auto mechanism = info->impl.create(on, resolve_params("compressive", info->impl.params, params), 42);
+        mechanism->prepare(in.q, in.k, in.v);
+        Tensor out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+        mechanism->forward(in.q, in.k, in.v, out);
+        return out;
+      };
+      const Tensor shared = run_on(2);
+      const Tensor whole = run_on(1);
       CHECK(std::memcmp(shared.data(), whole.data(), static_cast<std::size_t>(whole.bytes())) == 0);
     }
   }

@@ -44,7 +44,7 @@ class ExactTiled final : public Mechanism {
   ExactTiled(const Problem& problem, const ExactTiledConfig& config) : p_(problem), c_(config) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
-    const std::int64_t threads = omp_get_max_threads();
+    const std::int64_t threads = p_.threads;
     score_ld_ = score_columns(c_.block_k, p_.head_dim);
     scores_ = Tensor(Shape{threads, c_.block_q, score_ld_});
     if (uses_tile_kernels(p_.head_dim)) packed_keys_ = Tensor(Shape{packed_key_floats(p_)});
@@ -58,7 +58,7 @@ class ExactTiled final : public Mechanism {
     const std::int64_t tasks = p_.batch * p_.heads * query_blocks;
     if (uses_tile_kernels(p_.head_dim)) pack_keys(k);
     std::int64_t kernel_flops = 0;
-#pragma omp parallel reduction(+ : kernel_flops)
+#pragma omp parallel num_threads(p_.threads) reduction(+ : kernel_flops)
     {
       const int thread = omp_get_thread_num();
 #pragma omp for schedule(dynamic, 1)
@@ -79,7 +79,7 @@ class ExactTiled final : public Mechanism {
   void pack_keys(const Tensor& k) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, panels = tiles::panels_for(n);
     const std::int64_t heads = p_.batch * p_.heads;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
     for (std::int64_t task = 0; task < heads * panels; ++task) {
       const std::int64_t head = task / panels, panel = task % panels;
       const std::int64_t first = panel * tiles::kPanel;
@@ -188,7 +188,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
 
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const auto c = config_from(p, values);
-  const std::int64_t threads = omp_get_max_threads();
+  const std::int64_t threads = p.threads;
   const std::int64_t per_thread = c.block_q * score_columns(c.block_k, p.head_dim) + c.block_q * p.head_dim + 2 * c.block_q;
   return (threads * per_thread + packed_key_floats(p)) * static_cast<std::int64_t>(sizeof(float));
 }

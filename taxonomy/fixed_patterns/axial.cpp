@@ -72,7 +72,7 @@ class Axial final : public Mechanism {
   Axial(const Problem& problem, const AxialConfig& config) : p_(problem), grid_(problem, config) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
-    scratch_ = bs::ThreadScratch(omp_get_max_threads(), grid_.max_width());
+    scratch_ = bs::ThreadScratch(p_.threads, grid_.max_width());
     row_outputs_ = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
     if (p_.causal) token_stats_ = Tensor(Shape{p_.batch * p_.heads, 2, p_.seq_len});
   }
@@ -107,7 +107,7 @@ class Axial final : public Mechanism {
     const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len;
     const std::int64_t column_tasks = grid_.columns.tasks(), row_tasks = grid_.rows.tasks();
     std::int64_t flops = 0;
-#pragma omp parallel reduction(+ : flops)
+#pragma omp parallel num_threads(scratch_.threads()) reduction(+ : flops)
     {
       const int thread = omp_get_thread_num();
       std::int64_t* lo = scratch_.lo(thread);
@@ -177,7 +177,7 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const Grid grid(p, config_from(values));
   const std::int64_t tokens = p.batch * p.heads * p.seq_len;
   const std::int64_t floats = tokens * p.head_dim + (p.causal ? 2 * tokens : 0);
-  return bs::ThreadScratch::tracked_bytes(omp_get_max_threads(), grid.max_width()) +
+  return bs::ThreadScratch::tracked_bytes(p.threads, grid.max_width()) +
          floats * static_cast<std::int64_t>(sizeof(float));
 }
 

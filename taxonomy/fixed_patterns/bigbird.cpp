@@ -107,13 +107,13 @@ class BigBird final : public Mechanism {
     draw_random_blocks();
     const auto sizes = tile_sizes(layout_);
     kernels_.clear();
-    for (std::int64_t t = 0; t < omp_get_max_threads(); ++t) kernels_.emplace_back(sizes.scores, sizes.gathered, p_.head_dim);
+    for (std::int64_t t = 0; t < p_.threads; ++t) kernels_.emplace_back(sizes.scores, sizes.gathered, p_.head_dim);
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     const std::int64_t blocks = layout_.blocks, d = p_.head_dim;
     std::int64_t softmax_flops = 0;
-#pragma omp parallel reduction(+ : softmax_flops)
+#pragma omp parallel num_threads(p_.threads) reduction(+ : softmax_flops)
     {
       auto& kernel = kernels_[static_cast<std::size_t>(omp_get_thread_num())];
       TilePattern tile;
@@ -191,7 +191,7 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const BlockLayout layout(p, config_from(values));
   const auto sizes = tile_sizes(layout);
   return p.heads * layout.blocks * layout.random * static_cast<std::int64_t>(sizeof(float)) +
-         omp_get_max_threads() * TileAttention::bytes(sizes.scores, sizes.gathered, p.head_dim);
+         p.threads * TileAttention::bytes(sizes.scores, sizes.gathered, p.head_dim);
 }
 
 }  // namespace

@@ -188,7 +188,8 @@ HeadView head_view(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& ou
 }
 
 ThreadScratch::ThreadScratch(std::int64_t threads, std::int64_t max_cols)
-    : scores_(Shape{threads, kTaskRows, ops::padded_ld(max_cols)}),
+    : threads_(static_cast<int>(threads)),
+      scores_(Shape{threads, kTaskRows, ops::padded_ld(max_cols)}),
       stats_(Shape{threads, 2, kTaskRows}),
       bounds_(static_cast<std::size_t>(threads * 2 * kTaskRows)) {}
 

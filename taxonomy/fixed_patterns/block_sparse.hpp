@@ -129,6 +129,7 @@ class ThreadScratch {
   ThreadScratch(std::int64_t threads, std::int64_t max_cols);
   static std::int64_t tracked_bytes(std::int64_t threads, std::int64_t max_cols);
 
+  int threads() const { return threads_; }  // buffers exist for threads 0 … threads()−1
   ScoreTile scores(int thread);
   float* row_max(int thread) { return stats_.data() + thread * 2 * kTaskRows; }
   float* row_sum(int thread) { return row_max(thread) + kTaskRows; }
@@ -136,6 +137,7 @@ class ThreadScratch {
   std::int64_t* hi(int thread) { return lo(thread) + kTaskRows; }
 
  private:
+  int threads_ = 0;
   Tensor scores_, stats_;
   std::vector<std::int64_t> bounds_;
 };
@@ -172,7 +174,7 @@ std::int64_t attend(const HeadView& head, const Tile& tile, ThreadScratch& scrat
 
 // A plan is a callable plan(task, lo, hi) -> Tile that fills lo/hi of the tile's rows; tasks are
 // independent. run_tiles runs tasks [0, tasks) of every head h < heads (views from head_of(h)) in
-// one OpenMP loop and adds the FLOPs to the counter; plan_flops is the exact count for one head.
+// one OpenMP loop of scratch.threads() threads and adds the FLOPs to the counter; plan_flops is the exact count for one head.
 template <class Plan>
 std::int64_t plan_flops(std::int64_t tasks, std::int64_t d, const Plan& plan) {
   std::vector<std::int64_t> lo(kTaskRows), hi(kTaskRows);
@@ -189,7 +191,7 @@ void run_tiles(std::int64_t heads, std::int64_t tasks, ThreadScratch& scratch, c
                const Plan& plan) {
   const std::int64_t total = heads * tasks;
   std::int64_t flops = 0;
-#pragma omp parallel reduction(+ : flops)
+#pragma omp parallel num_threads(scratch.threads()) reduction(+ : flops)
   {
     const int thread = omp_get_thread_num();
 #pragma omp for schedule(dynamic, 1)

@@ -1,7 +1,5 @@
 #include "taxonomy/fixed_patterns/etc.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 
 #include "lib/flop_counter.hpp"
@@ -35,7 +33,7 @@ class Etc final : public Mechanism {
       : p_(problem), shape_(shape_of(problem, config)), tasks_(tasks_of(problem, config)) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
-    const std::int64_t threads = omp_get_max_threads();
+    const std::int64_t threads = p_.threads;
     const std::int64_t scores = fixed::window_global_score_floats(shape_, tasks_);
     kernels_.clear();
     for (std::int64_t t = 0; t < threads; ++t) kernels_.emplace_back(scores, 0, p_.head_dim);
@@ -78,7 +76,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const auto c = config_from(values);
   const std::int64_t scores = fixed::window_global_score_floats(shape_of(p, c), tasks_of(p, c));
-  return omp_get_max_threads() * TileAttention::bytes(scores, 0, p.head_dim);
+  return p.threads * TileAttention::bytes(scores, 0, p.head_dim);
 }
 
 }  // namespace

@@ -115,7 +115,7 @@ std::int64_t most_score_floats(const std::vector<Task>& tasks, Plan&& plan) {
   return most;
 }
 
-// Runs tasks of one tile each on the OpenMP team, dynamically scheduled: for every batch entry b
+// Runs tasks of one tile each on kernels.size() OpenMP threads, dynamically scheduled: for every batch entry b
 // and task t, run_task(b, tasks[t], kernel, tile) with the calling thread's kernel and a reused
 // TilePattern. Adds the returned softmax FLOPs (the kernel adds its gemm FLOPs itself) to the
 // FlopCounter.
@@ -124,7 +124,7 @@ void run_tile_tasks(std::int64_t batch, const std::vector<Task>& tasks, std::vec
                     RunTask&& run_task) {
   const auto count = static_cast<std::int64_t>(tasks.size());
   std::int64_t softmax_flops = 0;
-#pragma omp parallel reduction(+ : softmax_flops)
+#pragma omp parallel num_threads(static_cast<int>(kernels.size())) reduction(+ : softmax_flops)
   {
     TileAttention& kernel = kernels[static_cast<std::size_t>(omp_get_thread_num())];
     TilePattern tile;

@@ -1,7 +1,5 @@
 #include "taxonomy/fixed_patterns/image_transformer.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 
 #include "taxonomy/fixed_patterns/block_sparse.hpp"
@@ -37,7 +35,7 @@ class ImageTransformer final : public Mechanism {
       : p_(problem), plan_(problem, config) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
-    scratch_ = bs::ThreadScratch(omp_get_max_threads(), plan_.max_memory());
+    scratch_ = bs::ThreadScratch(p_.threads, plan_.max_memory());
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
@@ -62,7 +60,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
 }
 
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  return bs::ThreadScratch::tracked_bytes(omp_get_max_threads(), Plan(p, config_from(values)).max_memory());
+  return bs::ThreadScratch::tracked_bytes(p.threads, Plan(p, config_from(values)).max_memory());
 }
 
 }  // namespace

@@ -1,7 +1,5 @@
 #include "taxonomy/fixed_patterns/local.hpp"
 
-#include <omp.h>
-
 #include "taxonomy/fixed_patterns/block_sparse.hpp"
 
 namespace xfb {
@@ -16,7 +14,7 @@ class Local final : public Mechanism {
   Local(const Problem& problem, const LocalConfig& config) : p_(problem), tiling_(problem.seq_len, config.block) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
-    scratch_ = bs::ThreadScratch(omp_get_max_threads(), tiling_.block);
+    scratch_ = bs::ThreadScratch(p_.threads, tiling_.block);
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
@@ -47,7 +45,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
 }
 
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  return bs::ThreadScratch::tracked_bytes(omp_get_max_threads(),
+  return bs::ThreadScratch::tracked_bytes(p.threads,
                                           bs::BlockTiling(p.seq_len, config_from(values).block).block);
 }
 

@@ -60,7 +60,7 @@ class Longformer final : public Mechanism {
       *tensor = Tensor(Shape{p_.heads, d, d});
       CounterRng(seed_, name).fill_normal(*tensor, 0.0f, std_dev);
     }
-    const std::int64_t threads = omp_get_max_threads();
+    const std::int64_t threads = p_.threads;
     const std::int64_t scores = fixed::window_global_score_floats(shape_, tasks_);
     kernels_.clear();
     for (std::int64_t t = 0; t < threads; ++t) kernels_.emplace_back(scores, 0, d);
@@ -117,15 +117,14 @@ class Longformer final : public Mechanism {
   std::vector<TileAttention> kernels_;
 };
 
-void check(const LongformerConfig& c) {
+void validate(const Problem&, const ParamValues& values) {
+  const auto c = config_from(values);
   if (c.window % 2 != 0) throw ParamError("longformer: window must be even (w/2 keys on each side), got " +
                                           std::to_string(c.window));
 }
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  const auto config = config_from(values);
-  check(config);
-  return std::make_unique<Longformer>(problem, config, seed);
+  return std::make_unique<Longformer>(problem, config_from(values), seed);
 }
 
 std::int64_t flops(const Problem& p, const ParamValues& values) {
@@ -144,7 +143,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const auto c = config_from(values);
   const auto shape = shape_of(p, c);
-  const std::int64_t threads = omp_get_max_threads();
+  const std::int64_t threads = p.threads;
   const std::int64_t scores = fixed::window_global_score_floats(shape, fixed::window_global_tasks(shape, head_dilations(p, c)));
   const std::int64_t floats = 3 * p.heads * p.head_dim * p.head_dim + threads * projection_floats(p, c);
   return floats * static_cast<std::int64_t>(sizeof(float)) + threads * TileAttention::bytes(scores, 0, p.head_dim);
@@ -162,7 +161,8 @@ Implementation longformer_implementation() {
           },
           create,
           flops,
-          workspace};
+          workspace,
+          validate};
 }
 
 }  // namespace xfb

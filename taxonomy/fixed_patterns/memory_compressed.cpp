@@ -1,7 +1,5 @@
 #include "taxonomy/fixed_patterns/memory_compressed.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 
@@ -93,7 +91,7 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
     }
     const std::int64_t scores = score_capacity(l_, tasks_);
     kernels_.clear();
-    for (std::int64_t t = 0; t < omp_get_max_threads(); ++t) kernels_.emplace_back(scores, 0, d);
+    for (std::int64_t t = 0; t < p_.threads; ++t) kernels_.emplace_back(scores, 0, d);
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
@@ -185,7 +183,7 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const std::int64_t d = p.head_dim, c = l.compression, hc = l.compressed_heads;
   const std::int64_t floats = 4 * hc * c * d * d + 2 * p.batch * hc * l.slots * d + hc * c * d;
   return floats * static_cast<std::int64_t>(sizeof(float)) +
-         omp_get_max_threads() * TileAttention::bytes(score_capacity(l, tasks_of(l, p.heads)), 0, d);
+         p.threads * TileAttention::bytes(score_capacity(l, tasks_of(l, p.heads)), 0, d);
 }
 
 }  // namespace

@@ -102,7 +102,7 @@ class SparseTransformer final : public Mechanism {
       : p_(problem), layout_(problem, config) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
-    scratch_ = bs::ThreadScratch(omp_get_max_threads(), layout_.max_width());
+    scratch_ = bs::ThreadScratch(p_.threads, layout_.max_width());
     const std::int64_t g = layout_.summary_count();
     if (g == 0) return;
     summary_index_.resize(static_cast<std::size_t>(g));
@@ -147,7 +147,7 @@ class SparseTransformer final : public Mechanism {
  private:
   void gather_summaries(const Tensor& k, const Tensor& v) {
     const std::int64_t a2 = layout_.heads_a2, g = layout_.summary_count(), d = p_.head_dim, n = p_.seq_len;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
     for (std::int64_t index = 0; index < p_.batch * a2; ++index) {
       const std::int64_t head = index / a2 * p_.heads + layout_.heads_a1 + index % a2;
       bs::gather_rows(k.data() + head * n * d, d, summary_index_.data(), g, d, summary_keys_.data() + index * g * d, d);
@@ -163,12 +163,15 @@ class SparseTransformer final : public Mechanism {
   Tensor summary_keys_, summary_values_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
+void validate(const Problem&, const ParamValues& values) {
   const auto config = config_from(values);
   if (config.pattern == "fixed" && config.stride > 0 && config.summary > config.stride)
     throw ParamError("sparse-transformer: summary=" + std::to_string(config.summary) +
                      " exceeds stride=" + std::to_string(config.stride) + " (c must be at most l)");
-  return std::make_unique<SparseTransformer>(problem, config);
+}
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
+  return std::make_unique<SparseTransformer>(problem, config_from(values));
 }
 
 std::int64_t flops(const Problem& p, const ParamValues& values) {
@@ -193,7 +196,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const Layout layout(p, config_from(values));
   const std::int64_t gathered = 2 * p.batch * layout.heads_a2 * layout.summary_count() * p.head_dim;
-  return bs::ThreadScratch::tracked_bytes(omp_get_max_threads(), layout.max_width()) +
+  return bs::ThreadScratch::tracked_bytes(p.threads, layout.max_width()) +
          gathered * static_cast<std::int64_t>(sizeof(float));
 }
 
@@ -207,7 +210,8 @@ Implementation sparse_transformer_implementation() {
           },
           create,
           flops,
-          workspace};
+          workspace,
+          validate};
 }
 
 }  // namespace xfb

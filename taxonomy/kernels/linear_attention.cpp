@@ -70,7 +70,7 @@ ChunkedLinearAttention::ChunkedLinearAttention(const Problem& problem, std::int6
       ld_m_(ops::padded_ld(feature_dim)),
       ld_c_(ops::padded_ld(chunk_)),
       ld_v_(ops::padded_ld(problem.head_dim + 1)) {
-  const std::int64_t threads = omp_get_max_threads();
+  const std::int64_t threads = p_.threads;
   phi_q_ = Tensor(Shape{threads, chunk_, ld_m_});
   phi_k_ = Tensor(Shape{threads, chunk_, ld_m_});
   if (p_.causal) scores_ = Tensor(Shape{threads, chunk_, ld_c_});
@@ -92,7 +92,7 @@ void ChunkedLinearAttention::forward(const FeatureMap& map, const Tensor& q, con
                                      Tensor& out) {
   const std::int64_t tasks = p_.batch * p_.heads, head_size = p_.seq_len * p_.head_dim;
   std::int64_t flops = 0;
-#pragma omp parallel reduction(+ : flops)
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
   {
     const Buffers b = buffers(omp_get_thread_num());
 #pragma omp for schedule(dynamic, 1)
@@ -182,7 +182,7 @@ std::int64_t linear_attention_workspace(const Problem& p, std::int64_t chunk, st
   const std::int64_t c = clamp_chunk(p, chunk), ld_v = ops::padded_ld(p.head_dim + 1);
   std::int64_t per_thread = 2 * c * ops::padded_ld(feature_dim) + 2 * c * ld_v + feature_dim * ld_v;
   if (p.causal) per_thread += c * ops::padded_ld(c);
-  return omp_get_max_threads() * per_thread * static_cast<std::int64_t>(sizeof(float));
+  return p.threads * per_thread * static_cast<std::int64_t>(sizeof(float));
 }
 
 }  // namespace xfb

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -19,9 +20,6 @@ ReformerConfig reformer_config(const ParamValues& values) {
   ReformerConfig c{.n_buckets = values.get_int("n_buckets"),
                    .n_rounds = std::stoll(values.get_choice("n_rounds")),
                    .chunk_len = values.get_int("chunk_len")};
-  if (c.n_buckets != 1 && c.n_buckets % 2 != 0)
-    throw ParamError("reformer: n_buckets must be 1 or even (buckets are argmax over [xR; -xR]), got " +
-                     std::to_string(c.n_buckets));
   return c;
 }
 
@@ -37,10 +35,16 @@ std::int64_t max_key_cols(const Problem& p, std::int64_t chunk) {
   return std::min(p.seq_len, (p.causal ? 3 : 2) * chunk);
 }
 
-std::int64_t tile_flops(std::int64_t rows, std::int64_t cols, std::int64_t d, bool merge) {
+// merge: a round after the first (log-sum-exp merge); discount: several rounds (one subtraction
+// of log(count) per candidate pair).
+std::int64_t tile_flops(std::int64_t rows, std::int64_t cols, std::int64_t d, bool merge, bool discount) {
   return 2 * matmul_flops(rows, cols, d) + kOnlineSoftmaxFlopsPerElement * rows * cols + rows * d +
-         (merge ? 3 * rows * d : 0);
+         (merge ? 3 * rows * d : 0) + (discount ? rows * cols : 0);
 }
+
+// log(c) for the number of rounds c ∈ [1, 8] in which a key is visible to a query.
+constexpr std::array<float, 9> kLogCount = {0.0f,         0.0f,         0.693147181f, 1.098612289f, 1.386294361f,
+                                            1.609437912f, 1.791759469f, 1.945910149f, 2.079441542f};
 
 }  // namespace
 
@@ -55,7 +59,7 @@ ReformerAttention::ReformerAttention(const Problem& problem, const ReformerConfi
 
 void ReformerAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
-  threads_ = omp_get_max_threads();
+  threads_ = p_.threads;
   if (half_ > 0) {
     rotations_ = Tensor(Shape{d, c_.n_rounds, half_});
     CounterRng(seed_, "reformer/rotations").fill_normal(rotations_);
@@ -65,8 +69,9 @@ void ReformerAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   running_lse_ = Tensor(Shape{heads, n});
   buckets_ = IndexBuffer(c_.n_rounds * heads * n);
   orders_ = IndexBuffer(c_.n_rounds * heads * n);
-  sorted_buckets_ = IndexBuffer(heads * n);
-  ranks_ = IndexBuffer(heads * n);
+  sorted_buckets_ = IndexBuffer(c_.n_rounds * heads * n);
+  ranks_ = IndexBuffer(c_.n_rounds * heads * n);
+  if (c_.n_rounds > 1) positions_ = IndexBuffer(c_.n_rounds * heads * n);
   bucket_counts_ = IndexBuffer(threads_ * c_.n_buckets);
   gathered_ = Tensor(Shape{threads_, chunk_ + 2 * key_cols_, d});
   scores_ = Tensor(Shape{threads_, chunk_, score_ld_});
@@ -102,20 +107,21 @@ void ReformerAttention::forward(const Tensor& q, const Tensor&, const Tensor& v,
     ops::matmul(rotate, keys_.data(), rotations_.data(), rotated_.data());
   }
   const std::int64_t chunks = (n + chunk_ - 1) / chunk_;
+  // Every round is hashed before any attends: a round's discount reads the other rounds' patterns.
 #pragma omp parallel num_threads(threads_) reduction(+ : flops)
   {
     const int thread = omp_get_thread_num();
-    for (std::int64_t round = 0; round < c_.n_rounds; ++round) {
 #pragma omp for schedule(static)
-      for (std::int64_t head = 0; head < heads; ++head) flops += hash_and_sort(round, head);
+    for (std::int64_t task = 0; task < c_.n_rounds * heads; ++task) flops += hash_and_sort(task / heads, task % heads);
 #pragma omp master
-      stage_clock::lap("route");
+    stage_clock::lap("route");
+    for (std::int64_t round = 0; round < c_.n_rounds; ++round) {
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t task = 0; task < heads * chunks; ++task)
         flops += attend_chunk(round, task / chunks, task % chunks, q, v, out, thread);
-#pragma omp master
-      stage_clock::lap("attend");
     }
+#pragma omp master
+    stage_clock::lap("attend");
   }
   FlopCounter::add(flops);
 }
@@ -138,8 +144,8 @@ std::int64_t ReformerAttention::hash_and_sort(std::int64_t round, std::int64_t h
   const std::int64_t n = p_.seq_len, heads = p_.batch * p_.heads, nb = c_.n_buckets;
   std::int32_t* bucket = buckets_.data() + (round * heads + head) * n;
   std::int32_t* order = orders_.data() + (round * heads + head) * n;
-  std::int32_t* sorted = sorted_buckets_.data() + head * n;
-  std::int32_t* rank = ranks_.data() + head * n;
+  std::int32_t* sorted = sorted_buckets_.data() + (round * heads + head) * n;
+  std::int32_t* rank = ranks_.data() + (round * heads + head) * n;
   std::int32_t* next = bucket_counts_.data() + omp_get_thread_num() * nb;
   std::int64_t flops = 0;
   if (half_ > 0) {
@@ -174,7 +180,47 @@ std::int64_t ReformerAttention::hash_and_sort(std::int64_t round, std::int64_t h
     sorted[s] = bucket[order[s]];
     rank[s] = s > 0 && sorted[s - 1] == sorted[s] ? rank[s - 1] + 1 : 0;
   }
+  if (c_.n_rounds > 1) {
+    std::int32_t* position = positions_.data() + (round * heads + head) * n;
+    for (std::int64_t s = 0; s < n; ++s) position[order[s]] = static_cast<std::int32_t>(s);
+  }
   return flops;
+}
+
+// Non-causal: no other key of the query's bucket lies in its window (sorted chunks c−1 and c).
+bool ReformerAttention::alone_in_window(const std::int32_t* sorted, std::int64_t s) const {
+  const std::int64_t q0 = s / chunk_ * chunk_, k0 = key_start(q0), end = std::min(q0 + chunk_, p_.seq_len);
+  return !((s > k0 && sorted[s - 1] == sorted[s]) || (s + 1 < end && sorted[s + 1] == sorted[s]));
+}
+
+// The rule of reformer.hpp for one round, from token positions i (query) and j (key).
+bool ReformerAttention::sees(std::int64_t round, std::int64_t head, std::int64_t i, std::int64_t j) const {
+  const std::int64_t n = p_.seq_len, m = chunk_, at = (round * p_.batch * p_.heads + head) * n;
+  const std::int32_t* bucket = buckets_.data() + at;
+  if (bucket[i] != bucket[j]) return false;
+  const std::int64_t s = positions_.data()[at + i], t = positions_.data()[at + j];
+  if (p_.causal) {
+    const std::int32_t* rank = ranks_.data() + at;
+    if (t > s || rank[t] / m + 1 < rank[s] / m) return false;
+    return t != s || rank[s] == 0;
+  }
+  if (t / m != s / m && t / m + 1 != s / m) return false;
+  return t != s || alone_in_window(sorted_buckets_.data() + at, s);
+}
+
+// Several rounds: score(i, j) −= log(number of rounds in which j is visible to i), so the merged
+// softmax counts each key of the union once. Every pair of the tile is adjusted (by 0 when no
+// round shows it; pairs the current round masks are masked after this anyway).
+std::int64_t ReformerAttention::discount_repeats(std::int64_t head, const std::int32_t* order, std::int64_t q0,
+                                                 std::int64_t rows, std::int64_t k0, std::int64_t cols,
+                                                 float* scores) const {
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t t = 0; t < cols; ++t) {
+      std::size_t count = 0;
+      for (std::int64_t round = 0; round < c_.n_rounds; ++round) count += sees(round, head, order[q0 + r], order[k0 + t]);
+      scores[r * score_ld_ + t] -= kLogCount[count];
+    }
+  return rows * cols;
 }
 
 // Queries of sorted chunk `chunk` against their candidate keys; merges into out and running_lse.
@@ -182,9 +228,10 @@ std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t he
                                              const Tensor& q, const Tensor& v, Tensor& out, int thread) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, m = chunk_;
   const std::int64_t q0 = chunk * m, rows = std::min(m, n - q0), k0 = key_start(q0), cols = q0 + rows - k0;
-  const std::int32_t* order = orders_.data() + (round * p_.batch * p_.heads + head) * n;
-  const std::int32_t* sorted = sorted_buckets_.data() + head * n;
-  const std::int32_t* rank = ranks_.data() + head * n;
+  const std::int64_t at = (round * p_.batch * p_.heads + head) * n;
+  const std::int32_t* order = orders_.data() + at;
+  const std::int32_t* sorted = sorted_buckets_.data() + at;
+  const std::int32_t* rank = ranks_.data() + at;
   const float* q_head = q.data() + head * n * d;
   const float* k_head = keys_.data() + head * n * d;
   const float* v_head = v.data() + head * n * d;
@@ -202,11 +249,7 @@ std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t he
 
   // A query sees itself only when no other key is visible.
   std::int32_t* alone = alone_.data() + thread * m;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int64_t s = q0 + r;
-    alone[r] = p_.causal ? rank[s] == 0
-                         : !((s > k0 && sorted[s - 1] == sorted[s]) || (s + 1 < q0 + rows && sorted[s + 1] == sorted[s]));
-  }
+  for (std::int64_t r = 0; r < rows; ++r) alone[r] = p_.causal ? rank[q0 + r] == 0 : alone_in_window(sorted, q0 + r);
   const bool causal = p_.causal;
   auto visible = [&](std::int64_t r, std::int64_t t) {
     const std::int64_t s = q0 + r, key = k0 + t;
@@ -214,9 +257,10 @@ std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t he
     if (causal && (key > s || rank[key] / m + 1 < rank[s] / m)) return false;
     return key != s || alone[r] != 0;
   };
+  std::int64_t flops = c_.n_rounds > 1 ? discount_repeats(head, order, q0, rows, k0, cols, scores) : 0;
   float* lse = row_stats_.data() + thread * 2 * m;
   float* inverse = lse + m;
-  std::int64_t flops = exp_rows_masked(scores, rows, cols, score_ld_, visible, lse, inverse);
+  flops += exp_rows_masked(scores, rows, cols, score_ld_, visible, lse, inverse);
   float* o = tile_out_.data() + thread * m * d;
   ops::gemm(false, false, rows, d, cols, 1.0f, scores, score_ld_, v_rows, d, 0.0f, o, d);
 
@@ -242,6 +286,13 @@ std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t he
 
 namespace {
 
+void validate(const Problem&, const ParamValues& values) {
+  const ReformerConfig c = reformer_config(values);
+  if (c.n_buckets != 1 && c.n_buckets % 2 != 0)
+    throw ParamError("reformer: n_buckets must be 1 or even (buckets are argmax over [xR; -xR]), got " +
+                     std::to_string(c.n_buckets));
+}
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
   return std::make_unique<ReformerAttention>(problem, reformer_config(values), seed);
 }
@@ -255,7 +306,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
     for (std::int64_t q0 = 0; q0 < n; q0 += m) {
       const std::int64_t rows = std::min(m, n - q0);
       const std::int64_t k0 = std::max<std::int64_t>(0, q0 - (p.causal ? 2 : 1) * m);
-      per_head += tile_flops(rows, q0 + rows - k0, d, round > 0);
+      per_head += tile_flops(rows, q0 + rows - k0, d, round > 0, c.n_rounds > 1);
     }
   return p.batch * p.heads * per_head;
 }
@@ -263,10 +314,11 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const ReformerConfig c = reformer_config(values);
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c);
-  const std::int64_t half = c.n_buckets / 2, threads = omp_get_max_threads(), kc = max_key_cols(p, m);
+  const std::int64_t half = c.n_buckets / 2, threads = p.threads, kc = max_key_cols(p, m);
   const std::int64_t floats = half * d * c.n_rounds + heads * n * (d + c.n_rounds * half + 1) +
                               threads * ((m + 2 * kc) * d + m * ops::padded_ld(kc) + m * d + 2 * m);
-  const std::int64_t ints = heads * n * (2 * c.n_rounds + 2) + threads * (c.n_buckets + m);
+  // buckets, orders, sorted buckets, ranks (and token positions with several rounds) per round.
+  const std::int64_t ints = heads * n * c.n_rounds * (c.n_rounds > 1 ? 5 : 4) + threads * (c.n_buckets + m);
   return 4 * (floats + ints);
 }
 
@@ -281,7 +333,8 @@ Implementation reformer_implementation() {
           },
           create,
           flops,
-          workspace};
+          workspace,
+          validate};
 }
 
 }  // namespace xfb

@@ -16,16 +16,22 @@
 //     boundaries whenever later tokens hash into lower buckets, so earlier outputs would depend on
 //     future tokens; per-bucket chunks keep the output of token i a function of tokens ≤ i.)
 //     Such keys lie in sorted chunks c−2..c, which is the key range each causal tile computes.
-// A query never sees itself unless nothing else is visible; then it sees only itself.
-// Round r gives o_r(i) = softmax over the visible keys, and lse_r(i) = log Σ exp(scores); rounds
-// combine as out(i) = Σ_r exp(lse_r(i) − L(i)) · o_r(i) with L(i) = log Σ_r exp(lse_r(i)).
+// A query never sees itself unless nothing else is visible in that round; then it sees only itself.
+// Several rounds attend to the union of their visible sets, each key once (the paper's multi-round
+// attention): in every round the score of a visible key j is lowered by log c(i, j), c the number
+// of rounds in which j is visible to i. Round r gives o_r(i) = softmax over its visible keys of
+// those scores and lse_r(i) = log Σ exp(scores); rounds combine as
+// out(i) = Σ_r exp(lse_r(i) − L(i)) · o_r(i) with L(i) = log Σ_r exp(lse_r(i)), which equals
+// softmax(q_i·k̂_jᵀ/√D) over the union. One round: c = 1, plain attention over its keys.
 //
 // FLOPs per head (exact, see reformer_flops): 3·N·D (normalise) + [n_buckets > 1]
 // (2·N·D·n_rounds·n_buckets/2 (rotations) + n_rounds·N·n_buckets (argmax)) + per round and chunk
 // with `rows` queries and `cols` candidate keys: 4·rows·cols·D (two products) + 4·rows·cols (masked
-// softmax) + rows·D (1/Σ) + 3·rows·D for rounds after the first (log-sum-exp merge).
-// Tracked workspace: k̂ [B·H·N, D], rotated [B·H·N, n_rounds·n_buckets/2], int32 buckets and
-// orders [n_rounds, B·H, N] plus per-head sort scratch, running lse [B·H·N], and per thread one
+// softmax) + rows·D (1/Σ) + 3·rows·D for rounds after the first (log-sum-exp merge) + rows·cols
+// when n_rounds > 1 (the log c discount; counting rounds is integer work, not counted).
+// Tracked workspace: k̂ [B·H·N, D], rotated [B·H·N, n_rounds·n_buckets/2], int32 buckets, orders,
+// sorted buckets and ranks [n_rounds, B·H, N] (and token positions when n_rounds > 1), running
+// lse [B·H·N], and per thread one
 // tile: gathered rows [m + 2·kc, D] (kc = 2m, or 3m causal), scores [m, kc], output [m, D].
 #include <cstdint>
 #include <vector>
@@ -66,13 +72,19 @@ class ReformerAttention final : public Mechanism {
   std::int64_t hash_and_sort(std::int64_t round, std::int64_t head);
   std::int64_t attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk, const Tensor& q,
                             const Tensor& v, Tensor& out, int thread);
+  bool alone_in_window(const std::int32_t* sorted, std::int64_t s) const;
+  bool sees(std::int64_t round, std::int64_t head, std::int64_t i, std::int64_t j) const;
+  std::int64_t discount_repeats(std::int64_t head, const std::int32_t* order, std::int64_t q0, std::int64_t rows,
+                                std::int64_t k0, std::int64_t cols, float* scores) const;
 
   Problem p_;
   ReformerConfig c_;
   std::uint64_t seed_;
   std::int64_t chunk_, half_, key_cols_, score_ld_, threads_ = 1;
   Tensor rotations_, keys_, rotated_, running_lse_;
-  IndexBuffer buckets_, orders_, sorted_buckets_, ranks_, bucket_counts_;
+  // Per round and head: buckets (token order), sort order, buckets and in-bucket ranks (sorted
+  // order), token → sorted position (several rounds only).
+  IndexBuffer buckets_, orders_, sorted_buckets_, ranks_, positions_, bucket_counts_;
   Tensor gathered_, scores_, tile_out_, row_stats_;
   IndexBuffer alone_;
 };

@@ -146,10 +146,10 @@ RoutingAttention::RoutingAttention(const Problem& problem, const RoutingConfig& 
       (h < local ? local_heads_ : routed_heads_).push_back(b * problem.heads + h);
 }
 
-void RoutingAttention::prepare(const Tensor& q, const Tensor& k, const Tensor&) {
+void RoutingAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, cl = clusters_, w = window_;
   const auto routed = static_cast<std::int64_t>(routed_heads_.size());
-  threads_ = omp_get_max_threads();
+  threads_ = p_.threads;
   centroids_ = Tensor(Shape{p_.heads, cl, d});
   CounterRng(seed_, "routing/centroids").fill_normal(centroids_);
   for (std::int64_t row = 0; row < p_.heads * cl; ++row) {
@@ -160,6 +160,7 @@ void RoutingAttention::prepare(const Tensor& q, const Tensor& k, const Tensor&) 
   selection_ = Tensor(Shape{threads_, 3, n});
   candidates_ = IndexBuffer(threads_ * n);
   counts_ = IndexBuffer(threads_ * (cl + 1));
+  fit_centroids();  // before the pattern buffers exist: its fitting rows are freed first
   gathered_ = Tensor(Shape{threads_, p_.causal ? 1 : 3 * w, d});
   scores_ = Tensor(Shape{threads_, score_rows(p_, c_), score_ld_});
   row_stats_ = Tensor(Shape{threads_, 2, w});
@@ -178,37 +179,40 @@ void RoutingAttention::prepare(const Tensor& q, const Tensor& k, const Tensor&) 
     sorted_kt_ = Tensor(Shape{routed, d, n});
     sorted_v_ = Tensor(Shape{routed, n, d});
   }
-  refine_centroids(q, k);
 }
 
-// Online spherical k-means (EMA) on the normalised queries and keys of each head.
-void RoutingAttention::refine_centroids(const Tensor& q, const Tensor& k) {
+// Online spherical k-means (EMA) of each head's centroids on that head's fitting rows.
+void RoutingAttention::fit_centroids() {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, cl = clusters_;
   const float decay = static_cast<float>(c_.ema_decay), step = 0.5f * (1.0f - decay);
+  if (c_.kmeans_updates == 0) return;
+  Tensor fit_rows(Shape{threads_, 2, n, d});
+  const CounterRng fit_rng(seed_, "routing/fit");
 #pragma omp parallel num_threads(threads_)
   {
     const int thread = omp_get_thread_num();
     float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
     float* best = selection_.data() + thread * 3 * n;
     std::int32_t* nearest = candidates_.data() + thread * n;
+    float* fit = fit_rows.data() + thread * 2 * n * d;
     std::vector<float> sums(static_cast<std::size_t>(cl * d));
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t h = 0; h < p_.heads; ++h) {
       float* mu = centroids_.data() + h * cl * d;
+      for (std::int64_t e = 0; e < 2 * n * d; ++e)
+        fit[e] = static_cast<float>(fit_rng.normal(static_cast<std::uint64_t>(h * 2 * n * d + e)));
       for (std::int64_t pass = 0; pass < c_.kmeans_updates; ++pass) {
         std::fill(sums.begin(), sums.end(), 0.0f);
-        for (std::int64_t b = 0; b < p_.batch; ++b)
-          for (const Tensor* x : {&q, &k}) {
-            const float* rows = x->head(b, h);
-            ops::gemm(false, true, cl, n, d, 1.0f, mu, d, rows, d, 0.0f, affinity, affinity_ld_);
-            argmax_columns(affinity, cl, n, affinity_ld_, best, nearest);
-            for (std::int64_t i = 0; i < n; ++i) {
-              const float scale = inverse_norm(rows + i * d, d);
-              float* sum = sums.data() + nearest[i] * d;
+        for (const float* rows : {fit, fit + n * d}) {
+          ops::gemm(false, true, cl, n, d, 1.0f, mu, d, rows, d, 0.0f, affinity, affinity_ld_);
+          argmax_columns(affinity, cl, n, affinity_ld_, best, nearest);
+          for (std::int64_t i = 0; i < n; ++i) {
+            const float scale = inverse_norm(rows + i * d, d);
+            float* sum = sums.data() + nearest[i] * d;
 #pragma omp simd
-              for (std::int64_t j = 0; j < d; ++j) sum[j] += rows[i * d + j] * scale;
-            }
+            for (std::int64_t j = 0; j < d; ++j) sum[j] += rows[i * d + j] * scale;
           }
+        }
         for (std::int64_t c = 0; c < cl; ++c) {
           float* centroid = mu + c * d;
 #pragma omp simd
@@ -470,19 +474,17 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const RoutingConfig c = routing_config(values);
   const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
-  const std::int64_t threads = omp_get_max_threads(), routed = p.batch * (p.heads - local_head_count(p, c));
-  std::int64_t floats = p.heads * cl * d +
-                        threads * (2 * cl * ops::padded_ld(n) + 3 * n + (p.causal ? 1 : 3 * w) * d +
-                                   score_rows(p, c) * ops::padded_ld(score_cols(p, c)) + 2 * w);
-  std::int64_t ints = threads * (n + cl + 1);
-  if (p.causal) {
-    ints += routed * (5 * n + cl + 1);
-    floats += routed * 2 * n * d;
-  } else {
-    ints += routed * (3 * cl * w + n + 1);
-    floats += routed * cl * w * (d + 1);
-  }
-  return 4 * (floats + ints);
+  const std::int64_t threads = p.threads, routed = p.batch * (p.heads - local_head_count(p, c));
+  // Elements (4 bytes each, float or int32) held throughout, then either the fitting rows or the
+  // buffers allocated after fitting.
+  const std::int64_t kept = p.heads * cl * d + threads * (2 * cl * ops::padded_ld(n) + 3 * n + n + cl + 1);
+  const std::int64_t fitting = c.kmeans_updates > 0 ? threads * 2 * n * d : 0;
+  std::int64_t after = threads * ((p.causal ? 1 : 3 * w) * d + score_rows(p, c) * ops::padded_ld(score_cols(p, c)) + 2 * w);
+  if (p.causal)
+    after += routed * (5 * n + cl + 1) + routed * 2 * n * d;
+  else
+    after += routed * (3 * cl * w + n + 1) + routed * cl * w * (d + 1);
+  return 4 * (kept + std::max(fitting, after));
 }
 
 }  // namespace
@@ -491,7 +493,7 @@ Implementation routing_implementation() {
   return {{
               {"clusters", ParamType::Int, "0", 0, 65536, {}, "k-means clusters C; 0 = round(sqrt(N))"},
               {"kmeans_updates", ParamType::Int, "10", 0, 1000, {},
-               "online k-means (EMA) passes over the input in the untimed setup"},
+               "online k-means (EMA) passes over seeded fitting rows (not the input) in the untimed setup"},
               {"ema_decay", ParamType::Float, "0.999", 0, 1, {}, "centroid moving-average decay lambda"},
               {"local_heads", ParamType::Bool, "false", 0, 0, {},
                "first floor(H/2) heads use local attention (blocks of N/C tokens: own + previous)"},

@@ -2,10 +2,12 @@
 // `routing`: Routing Transformer attention (Roy et al. 2020), per head of [B, H, N, D].
 //
 // Centroids μ [H, C, D] (unit rows, "centroids"): drawn N(0, 1) from the seed and normalised, then
-// refined in the untimed prepare() by `kmeans_updates` passes of the online spherical k-means
-// update on the input itself: every normalised query q̂ and key k̂ of head h (all batches) goes to
-// its nearest centroid, μ_c ← λ·μ_c + (1−λ)/2·(Σ q̂ assigned to c + Σ k̂ assigned to c), then
-// μ_c ← μ_c/‖μ_c‖ (λ = ema_decay). C = clusters (0: round(√N)), clamped to [1, N]; w = ⌈N/C⌉.
+// fitted in the untimed prepare() by `kmeans_updates` passes of the online spherical k-means
+// update on seeded fitting rows that stand in for training data — never the measured input, so
+// causal outputs depend on no later token and batch elements are independent. Head h fits on 2N
+// rows of N(0, 1) entries (stream "routing/fit", element e of head h: index h·2·N·D + e; the first
+// N rows play queries, the next N keys): every normalised row x̂ goes to its nearest centroid,
+// μ_c ← λ·μ_c + (1−λ)/2·(Σ x̂ assigned to c), then μ_c ← μ_c/‖μ_c‖ (λ = ema_decay). C = clusters (0: round(√N)), clamped to [1, N]; w = ⌈N/C⌉.
 // Scores are q_i·k_j/√D on the raw inputs; the routing affinities are q̂_i·μ_c and k̂_j·μ_c.
 //
 // Non-causal (the paper's balanced routing): cluster c takes the w queries and, separately, the
@@ -27,7 +29,8 @@
 //               scale q, w scores, masked softmax, w-row weighted sum, 1/Σ).
 // Top-k selection and sorting are comparisons, not counted. Local heads: per block of `rows`
 // queries and `cols` keys 4·rows·cols·D + 4·rows·cols + rows·D.
-// Tracked workspace: per thread affinities [2, C, N] and selection scratch; non-causal int32
+// Tracked workspace: per thread affinities [2, C, N] and selection scratch; while fitting (before
+// the pattern buffers exist) per thread fitting rows [2, N, D]; non-causal int32
 // memberships [B·H, 2, C, w], slot lists, per-cluster outputs [B·H, C·w, D + 1]; causal int32
 // clusters/orders [B·H, 5, N] and key-sorted copies of Kᵀ [B·H, D, N] and V [B·H, N, D].
 #include <cstdint>
@@ -40,7 +43,7 @@ namespace xfb {
 
 struct RoutingConfig {
   std::int64_t clusters = 0;         // k-means clusters C; 0: round(√N)
-  std::int64_t kmeans_updates = 10;  // online k-means passes over the input in prepare()
+  std::int64_t kmeans_updates = 10;  // online k-means passes over the seeded fitting rows in prepare()
   double ema_decay = 0.999;          // λ of the centroid moving average
   bool local_heads = false;          // first ⌊H/2⌋ heads use local attention
 };
@@ -70,7 +73,7 @@ class RoutingAttention final : public Mechanism {
   std::vector<std::int32_t> key_clusters(std::int64_t b, std::int64_t h) const;
 
  private:
-  void refine_centroids(const Tensor& q, const Tensor& k);
+  void fit_centroids();
   void affinities(const Tensor& q, const Tensor& k, std::int64_t head, int thread);
   std::int64_t route_balanced(const Tensor& q, const Tensor& k, std::int64_t head, int thread);
   std::int64_t attend_cluster(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head,

@@ -15,13 +15,11 @@
 
 namespace xfb {
 
-SinkhornConfig sinkhorn_config(const Problem& p, const ParamValues& values) {
+SinkhornConfig sinkhorn_config(const ParamValues& values) {
   SinkhornConfig c{.block = values.get_int("block"),
                    .sinkhorn_iters = values.get_int("sinkhorn_iters"),
                    .temperature = values.get_float("temperature"),
                    .sortcut_blocks = values.get_int("sortcut_blocks")};
-  if (p.causal && c.sortcut_blocks > 0)
-    throw ParamError("sinkhorn: SortCut (sortcut_blocks > 0) is encoder only and has no causal mode");
   return c;
 }
 
@@ -109,7 +107,7 @@ SinkhornAttention::SinkhornAttention(const Problem& problem, const SinkhornConfi
 
 void SinkhornAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, nb = blocks_;
-  threads_ = omp_get_max_threads();
+  threads_ = p_.threads;
   const float spread = 1.0f / std::sqrt(static_cast<float>(d));
   w1_ = Tensor(Shape{d, d});
   b1_ = Tensor(Shape{d});
@@ -281,12 +279,18 @@ std::int64_t SinkhornAttention::attend_block(const Tensor& q, const Tensor& k, c
 
 namespace {
 
+std::string unsupported(const Problem& p, const ParamValues& values) {
+  if (p.causal && sinkhorn_config(values).sortcut_blocks > 0)
+    return "SortCut (sortcut_blocks > 0) is encoder only: it has no causal mode";
+  return "";
+}
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  return std::make_unique<SinkhornAttention>(problem, sinkhorn_config(problem, values), seed);
+  return std::make_unique<SinkhornAttention>(problem, sinkhorn_config(values), seed);
 }
 
 std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const SinkhornConfig c = sinkhorn_config(p, values);
+  const SinkhornConfig c = sinkhorn_config(values);
   const std::int64_t n = p.seq_len, d = p.head_dim, b = sinkhorn_block(p, c), nb = sinkhorn_blocks(p, c);
   const std::int64_t cut = sortcut(p, c);
   std::int64_t per_head = n * d + (p.causal ? (nb - 1) * d : 0) + matmul_flops(nb, d, d) + 2 * nb * d +
@@ -301,9 +305,9 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
 }
 
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const SinkhornConfig c = sinkhorn_config(p, values);
+  const SinkhornConfig c = sinkhorn_config(values);
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim, b = sinkhorn_block(p, c), nb = sinkhorn_blocks(p, c);
-  const std::int64_t threads = omp_get_max_threads();
+  const std::int64_t threads = p.threads;
   const std::int64_t floats = d * d + d + d * nb + nb + 2 * heads * nb * d + heads * nb * nb +
                               2 * heads * sorted_rows(p, c) * b * d +
                               threads * (2 * d + 2 * nb + b * ops::padded_ld(score_cols(p, c)) + 2 * b);
@@ -324,7 +328,9 @@ Implementation sinkhorn_implementation() {
           },
           create,
           flops,
-          workspace};
+          workspace,
+          nullptr,
+          unsupported};
 }
 
 }  // namespace xfb

@@ -44,8 +44,8 @@ struct SinkhornConfig {
   std::int64_t sortcut_blocks = 0;  // SortCut n_k: attend only to the first n_k sorted blocks; 0: off
 };
 
-// Throws ParamError for SortCut with a causal problem (SortCut is encoder only).
-SinkhornConfig sinkhorn_config(const Problem& p, const ParamValues& values);
+// SortCut with a causal problem is an `unsupported` point (SortCut is encoder only).
+SinkhornConfig sinkhorn_config(const ParamValues& values);
 std::int64_t sinkhorn_block(const Problem& p, const SinkhornConfig& c);   // b clamped to [1, N]
 std::int64_t sinkhorn_blocks(const Problem& p, const SinkhornConfig& c);  // n_B
 

@@ -91,12 +91,15 @@ class Linformer final : public Mechanism {
   Tensor e_, f_, keys_, values_, scores_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
+void validate(const Problem& problem, const ParamValues& values) {
   const auto config = config_from(values);
   if (config.identity && config.k < problem.seq_len)
     throw ParamError("linformer: projection=identity needs k >= N (E = F = I is N×N); got k=" +
                      std::to_string(config.k) + ", N=" + std::to_string(problem.seq_len));
-  return std::make_unique<Linformer>(problem, config, seed);
+}
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
+  return std::make_unique<Linformer>(problem, config_from(values), seed);
 }
 
 std::int64_t flops(const Problem& p, const ParamValues& values) {
@@ -125,7 +128,8 @@ Implementation linformer_implementation() {
           },
           create,
           flops,
-          workspace};
+          workspace,
+          validate};
 }
 
 }  // namespace xfb

@@ -108,7 +108,7 @@ class Synthesizer final : public Mechanism {
       ops::matmul({.batch = h, .m = n, .n = d, .k = d, .ldc = ld}, q.head(b, 0), w1_.data(),
                   hidden_.data() + b * h * n * ld);
     const std::int64_t rows = p_.batch * h * n;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
     for (std::int64_t r = 0; r < rows; ++r) {
       float* row = hidden_.data() + r * ld;
       const float* bias = b1_.data() + (r / n) % h * d;
@@ -129,7 +129,7 @@ class Synthesizer final : public Mechanism {
     const std::int64_t n = p_.seq_len, h = p_.heads, rows = p_.batch * h * n;
     const float weight = synthetic_weight();
     const bool add = accumulate();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
     for (std::int64_t r = 0; r < rows; ++r) {
       float* row = logits_.data() + r * ld_;
       const float* src = r_.data() + ((r / n) % h * n + r % n) * n;

@@ -74,7 +74,7 @@ class SetTransformer final : public Mechanism {
     CounterRng(seed_, "set-transformer/ln_gains").fill_normal(ln_gains_, 1.0f, 0.1f);
     CounterRng(seed_, "set-transformer/ln_shifts").fill_normal(ln_shifts_, 0.0f, 0.1f);
 
-    const std::int64_t bh = p_.batch * h, threads = omp_get_max_threads(), rows = block_rows(p_, c_);
+    const std::int64_t bh = p_.batch * h, threads = p_.threads, rows = block_rows(p_, c_);
     summaries_ = Tensor(Shape{3, bh, m, d});
     summary_scores_ = Tensor(Shape{threads, m, ops::padded_ld(p_.seq_len)});
     query_scores_ = Tensor(Shape{threads, rows, ops::padded_ld(m)});
@@ -85,7 +85,7 @@ class SetTransformer final : public Mechanism {
     const std::int64_t bh_count = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
     const std::int64_t blocks = (n + c_.block_q - 1) / c_.block_q;
     std::int64_t flops = 0;
-#pragma omp parallel reduction(+ : flops)
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
     {
       const int thread = omp_get_thread_num();
 #pragma omp for schedule(dynamic, 1)
@@ -192,7 +192,7 @@ std::int64_t set_transformer_flops(const Problem& p, const ParamValues& values) 
 std::int64_t workspace(const Problem& p, const ParamValues& values) {
   const auto c = config_from(values);
   const std::int64_t h = p.heads, d = p.head_dim, m = c.inducing_points, rows = block_rows(p, c);
-  const std::int64_t threads = omp_get_max_threads();
+  const std::int64_t threads = p.threads;
   const std::int64_t parameters = h * m * d + 4 * h * d * d + 2 * h * d + 8 * h * d;
   const std::int64_t summaries = 3 * p.batch * h * m * d;
   const std::int64_t per_thread = m * ops::padded_ld(p.seq_len) + rows * ops::padded_ld(m) + std::max(rows, m) * d;

@@ -126,7 +126,7 @@ SegmentAttention::SegmentAttention(const Problem& problem, const SegmentAttentio
 
 void SegmentAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   const Sizes s = sizes_of(p_, c_);
-  const std::int64_t h = p_.heads, d = p_.head_dim, d_r = h * d, threads = omp_get_max_threads();
+  const std::int64_t h = p_.heads, d = p_.head_dim, d_r = h * d, threads = p_.threads;
   segment_ = s.segment;
   context_ = s.context;
   rows_ = s.rows;
@@ -167,7 +167,7 @@ void SegmentAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v
   // Segments are sequential per (batch, head). With at least one (batch, head) per thread each
   // thread runs whole heads without synchronisation; otherwise the threads share each segment's
   // query tiles and meet at the memory update.
-  const bool per_head = p_.batch * p_.heads >= omp_get_max_threads();
+  const bool per_head = p_.batch * p_.heads >= p_.threads;
   FlopCounter::add(per_head ? run_heads(q, k, v, out) : run_lockstep(q, k, v, out));
   cache_ = {};
   for (std::int64_t s0 = 0; s0 < p_.seq_len; s0 += segment_) advance(cache_, std::min(segment_, p_.seq_len - s0), c_);
@@ -176,7 +176,7 @@ void SegmentAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v
 std::int64_t SegmentAttention::run_heads(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, block = biased_queries_.dim(2);
   std::int64_t flops = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(+ : flops)
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
   for (std::int64_t bh = 0; bh < p_.batch * p_.heads; ++bh) {
     const int thread = omp_get_thread_num();
     SegmentCache cache;
@@ -201,7 +201,7 @@ std::int64_t SegmentAttention::run_lockstep(const Tensor& q, const Tensor& k, co
   std::int64_t flops = 0;
   for (std::int64_t s0 = 0; s0 < n; s0 += segment_) {
     const std::int64_t segment_rows = std::min(segment_, n - s0), tiles = ceil_div(segment_rows, block);
-#pragma omp parallel reduction(+ : flops)
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
     {
       const int thread = omp_get_thread_num();
 #pragma omp for
@@ -353,7 +353,7 @@ std::int64_t segment_attention_flops(const Problem& p, const SegmentAttentionCon
 
 std::int64_t segment_attention_workspace(const Problem& p, const SegmentAttentionConfig& c) {
   const Sizes s = sizes_of(p, c);
-  const std::int64_t h = p.heads, d = p.head_dim, d_r = h * d, threads = omp_get_max_threads();
+  const std::int64_t h = p.heads, d = p.head_dim, d_r = h * d, threads = p.threads;
   std::int64_t floats = 2 * h * d + h * d_r * d + s.relative * d_r + h * s.relative * d;
   if (c.compression == Compression::Conv) floats += 2 * h * c.rate * d * d;
   if (c.compression != Compression::None) floats += threads * ceil_div(s.segment, c.rate) * d;
