@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end tests of the xfbench command line: exit codes, one-line errors, no partial output,
 # run/sweep/table/list/env behaviour, child-process isolation, resume and memory-limit skips;
-# compare on doctored reports, shards and merge, plot, complexity, taxonomy, the LRA preset and
-# the CI regression gate.
+# compare on doctored reports, shards and merge, plot, complexity, taxonomy, the LRA preset, the
+# report schema document against the fields reports carry, and the CI regression gate.
 set -u
 bin="$1"
 work=$(mktemp -d)
@@ -54,6 +54,18 @@ expect_error 2 sweep --models vanilla --seq-lens 0 --out "$work/r.json"
 expect_error 2 sweep --models vanilla --seq-lens 64:32:x2 --out "$work/r.json"
 expect_error 2 sweep --models vanilla --seq-lens 64 --param block_q=8 --out "$work/r.json"
 [ ! -e "$work/r.json" ] && pass || fail "a report file was written for bad input"
+# Constraints between a model's values and the problem are checked before anything runs.
+expect_error 2 sweep --models longformer --seq-lens 64 --param window=7 --out "$work/r.json"
+expect_error 2 sweep --models linformer --seq-lens 64,512 --param projection=identity --param k=100 --out "$work/r.json"
+expect_error 2 run --model reformer --seq-len 64 --param n_buckets=5
+expect_error 2 run --model sparse-transformer --seq-len 64 --param pattern=fixed --param stride=4 --param summary=5
+[ ! -e "$work/r.json" ] && pass || fail "a report file was written for a model's bad combination"
+
+# --threads below the core count: per-thread buffers, the estimate and the row follow it.
+"$bin" run --model local --seq-len 1024 --threads 1 --min-reps 1 --min-time 0 --json >"$work/t1.json" 2>/dev/null &&
+  python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+assert r["threads"] == 1 and r["estimated_workspace_bytes"] == r["workspace_bytes"] == 16896, r' "$work/t1.json" \
+  && pass || fail "run --threads 1: estimate, tracked workspace and threads of the row"
 expect_error 2 table "$work/nosuch.json"
 echo "{ broken" >"$work/broken.json"
 expect_error 2 table "$work/broken.json"
@@ -310,6 +322,76 @@ expect_error 2 taxonomy --format pdf
 expect_error 2 table "$work/base.json" --paper lra
 expect_error 2 table "$work/lra.json" --paper nosuch
 expect_error 2 sweep --preset nosuch --out "$work/r.json"
+
+# --- the report schema document names exactly the fields reports carry ----------------------------
+# One measured sweep (the context's peak fields) with a preset and a shard (the optional settings),
+# then merged (context.merged_from): together they carry every field the writer emits. Objects whose
+# keys are data (a row's params, stage_median_ns) are single fields; arrays of objects are `name[]`.
+schema_doc="$(dirname "$0")/../docs/report-schema.md"
+"$bin" sweep --preset lra --models vanilla --seq-lens 32,64 --batch 1 --heads 1 --head-dim 16 --d-ff 32 --threads 2 \
+  --min-reps 1 --min-time 0 --shard 1/2 --no-table --out "$work/schema-shard.json" >/dev/null 2>&1 \
+  && "$bin" merge "$work/schema-shard.json" -o "$work/schema-merged.json" 2>/dev/null \
+  && pass || fail "sweep and merge for the schema check"
+if ! command -v python3 >/dev/null; then
+  fail "python3 is needed to check docs/report-schema.md against reports (tools/install_deps.sh installs it)"
+else
+  python3 - "$schema_doc" "$work/schema-shard.json" "$work/schema-merged.json" >"$work/schema.txt" 2>&1 <<'PY'
+import json, re, sys
+
+doc, reports = sys.argv[1], sys.argv[2:]
+data_keyed = {"results[].params", "results[].stage_median_ns"}
+
+def walk(value, path, out):
+    if isinstance(value, dict):
+        for key, child in value.items():
+            field = f"{path}.{key}" if path else key
+            out.add(field)
+            if field not in data_keyed:
+                walk(child, field, out)
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, dict):
+                walk(item, path + "[]", out)
+
+emitted = set()
+for report in reports:
+    with open(report, encoding="utf-8") as f:
+        walk(json.load(f), "", emitted)
+
+# Field tables: in a section headed "Fields of the report" or "Fields of `object`", every table
+# row's first cell is one field name in backticks.
+documented, twice, unparsed, prefix = set(), [], [], None
+with open(doc, encoding="utf-8") as f:
+    for line in f:
+        heading = re.match(r"#+\s+(.*?)\s*$", line)
+        if heading:
+            section = re.fullmatch(r"Fields of (?:the report|`([^`]+)`)", heading.group(1))
+            prefix = None if section is None else (section.group(1) + "." if section.group(1) else "")
+            continue
+        if prefix is None or not line.startswith("|") or re.match(r"\|\s*(field\s*\||-)", line):
+            continue
+        row = re.match(r"\|\s*`([A-Za-z0-9_]+)`\s*\|", line)
+        if row is None:
+            unparsed.append(line.strip()[:60])
+            continue
+        field = prefix + row.group(1)
+        (twice if field in documented else []).append(field)
+        documented.add(field)
+
+problems = []
+if emitted - documented:
+    problems.append("emitted but not in docs/report-schema.md: " + ", ".join(sorted(emitted - documented)))
+if documented - emitted:
+    problems.append("in docs/report-schema.md but not emitted: " + ", ".join(sorted(documented - emitted)))
+if twice:
+    problems.append("listed twice: " + ", ".join(twice))
+if unparsed:
+    problems.append("field-table rows without one `field` first: " + "; ".join(unparsed))
+print("\n".join(problems) if problems else f"{len(documented)} fields, documented and emitted alike")
+sys.exit(1 if problems else 0)
+PY
+  [ $? -eq 0 ] && pass || fail "docs/report-schema.md and the report writer disagree: $(cat "$work/schema.txt")"
+fi
 
 # --- the CI regression gate ----------------------------------------------------------------------
 gate="$(dirname "$0")/../tools/ci_regression.sh"
