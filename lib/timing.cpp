@@ -34,7 +34,10 @@ bool SampleCollector::done() const {
 
 TimingResult SampleCollector::finish(int threads) const {
   TimingResult result = result_;
-  result.contended = static_cast<int>(result.samples_ns.size()) < settings_.min_reps;
+  const auto clean = result.samples_ns.size(), descheduled = result.contended_samples_ns.size();
+  // Too few clean samples: below min_reps, or outnumbered by descheduled ones — the machine was busy
+  // throughout, and the clean minority is a selection of lucky repetitions, not the point's time.
+  result.contended = static_cast<int>(clean) < settings_.min_reps || descheduled > clean;
   if (result.samples_ns.empty()) result.stage_samples_ns = contended_stage_samples_ns_;
   result.contention = summarize_contention(all_wall_ns_, all_contention_, threads);
   return result;

@@ -4,7 +4,7 @@
 // during which the point's threads waited for a CPU (lib/contention.hpp) are kept apart and
 // re-measured, within a retry budget: the loop gives up once the descheduled samples add up to
 // more than 2·min_time + 0.25 s (or max_reps samples were taken in all). A result with fewer clean
-// samples than min_reps is `contended`.
+// samples than min_reps, or with more descheduled samples than clean ones, is `contended`.
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -28,7 +28,7 @@ struct TimingResult {
   // Per stage_clock stage, one per clean run (per run of any kind when no run was clean).
   std::map<std::string, std::vector<double>> stage_samples_ns;
   ContentionSummary contention;
-  bool contended = false;                    // fewer clean samples than min_reps
+  bool contended = false;                    // clean samples < min_reps, or < descheduled ones
   std::int64_t primitives_created_while_timed = 0;
 };
 

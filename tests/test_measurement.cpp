@@ -114,6 +114,17 @@ TEST_SUITE("measurement") {
     CHECK(result.samples_ns.size() == 1);
   }
 
+  TEST_CASE("a result with more descheduled than clean samples is contended, however many are clean") {
+    const TimingSettings settings{.warmup = 1, .min_reps = 2, .min_time_s = 0, .max_reps = 1000};
+    SampleCollector outnumbered(settings), ahead(settings);
+    for (int i = 0; i < 6; ++i) outnumbered.add(1e6, descheduled_sample());
+    for (int i = 0; i < 5; ++i) outnumbered.add(1e6, clean_sample());
+    CHECK(outnumbered.finish(2).contended);
+    for (int i = 0; i < 5; ++i) ahead.add(1e6, descheduled_sample());
+    for (int i = 0; i < 5; ++i) ahead.add(1e6, clean_sample());
+    CHECK_FALSE(ahead.finish(2).contended);
+  }
+
   TEST_CASE("with no clean sample the stages come from the descheduled ones") {
     SampleCollector collector({.warmup = 1, .min_reps = 2, .min_time_s = 0, .max_reps = 2});
     collector.add(5e6, descheduled_sample(), {{"route", 1e6}, {"attend", 3e6}});
