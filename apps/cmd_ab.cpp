@@ -1,14 +1,14 @@
 // `xfbench ab`: interleaved A/B timing of two builds, two parameter sets or two models, point by
-// point in alternating A B | B A rounds, decided on the paired per-round ratios (lib/ab.hpp).
+// point in alternating A B | B A rounds, decided on the paired per-round ratios (lib/bench/ab.hpp).
 #include <cstdio>
 #include <filesystem>
 
 #include "apps/commands.hpp"
-#include "lib/ab.hpp"
-#include "lib/errors.hpp"
-#include "lib/compare.hpp"
-#include "lib/report.hpp"
-#include "lib/sweep.hpp"
+#include "lib/bench/ab.hpp"
+#include "lib/bench/sweep.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/report/compare.hpp"
+#include "lib/report/report.hpp"
 
 namespace xfb::cli {
 namespace {

@@ -1,10 +1,10 @@
 // `xfbench compare BASE.json NEW.json`: point-by-point comparison with verdicts and regression
-// gates; exit 1 when at least one regression exists (lib/compare.hpp has the rules).
+// gates; exit 1 when at least one regression exists (lib/report/compare.hpp has the rules).
 #include <cstdio>
 
 #include "apps/commands.hpp"
-#include "lib/compare.hpp"
-#include "lib/errors.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/report/compare.hpp"
 
 namespace xfb::cli {
 namespace {

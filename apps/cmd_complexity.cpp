@@ -2,7 +2,7 @@
 #include <cstdio>
 
 #include "apps/commands.hpp"
-#include "lib/complexity.hpp"
+#include "lib/report/complexity.hpp"
 
 namespace xfb::cli {
 

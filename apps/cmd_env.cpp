@@ -2,8 +2,8 @@
 #include <cstdio>
 
 #include "apps/commands.hpp"
-#include "lib/dnnl_context.hpp"
-#include "lib/system_info.hpp"
+#include "lib/bench/system_info.hpp"
+#include "lib/core/dnnl_context.hpp"
 
 namespace xfb::cli {
 

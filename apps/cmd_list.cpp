@@ -4,8 +4,8 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/commands.hpp"
-#include "lib/errors.hpp"
-#include "lib/registry.hpp"
+#include "lib/core/errors.hpp"
+#include "taxonomy/registry.hpp"
 
 namespace xfb::cli {
 namespace {

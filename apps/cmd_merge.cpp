@@ -3,8 +3,8 @@
 #include <filesystem>
 
 #include "apps/commands.hpp"
-#include "lib/errors.hpp"
-#include "lib/merge.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/report/merge.hpp"
 
 namespace xfb::cli {
 

@@ -2,8 +2,8 @@
 #include <cstdio>
 
 #include "apps/commands.hpp"
-#include "lib/errors.hpp"
-#include "lib/plot.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/report/plot.hpp"
 
 namespace xfb::cli {
 

@@ -7,8 +7,8 @@
 #include <spdlog/spdlog.h>
 
 #include "apps/commands.hpp"
-#include "lib/errors.hpp"
-#include "lib/point.hpp"
+#include "lib/bench/point.hpp"
+#include "lib/core/errors.hpp"
 
 namespace xfb::cli {
 namespace {
@@ -49,7 +49,7 @@ void print_human(const ResultRow& row) {
 
 int run(RunOptions& o) {
   finish_problem_options(o.problem);
-  validate_point(o.problem.point);
+  const Point point = resolve_point(o.problem.point);
   std::optional<std::string> dump;
   if (!o.dump_dir.empty()) {
     const auto parent = std::filesystem::absolute(o.dump_dir).parent_path();
@@ -59,15 +59,15 @@ int run(RunOptions& o) {
   }
   ResultRow row;
   try {
-    row = run_point(o.problem.point, dump);
+    row = run_point(point, dump);
   } catch (const InputError&) {
     throw;
   } catch (const std::bad_alloc&) {
-    row = describe_point(o.problem.point);
+    row = describe_point(point);
     row.status = Status::Error;
     row.reason = "out of memory: an allocation failed";
   } catch (const std::exception& e) {
-    row = describe_point(o.problem.point);
+    row = describe_point(point);
     row.status = Status::Error;
     row.reason = e.what();
   }

@@ -7,10 +7,10 @@
 #include <spdlog/spdlog.h>
 
 #include "apps/commands.hpp"
-#include "lib/errors.hpp"
-#include "lib/lra.hpp"
-#include "lib/sweep.hpp"
-#include "lib/table.hpp"
+#include "lib/bench/presets.hpp"
+#include "lib/bench/sweep.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/report/table.hpp"
 
 namespace xfb::cli {
 namespace {

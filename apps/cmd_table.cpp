@@ -3,10 +3,10 @@
 #include <cstdio>
 
 #include "apps/commands.hpp"
-#include "lib/dashboard.hpp"
-#include "lib/errors.hpp"
-#include "lib/lra.hpp"
-#include "lib/table.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/report/dashboard.hpp"
+#include "lib/report/lra.hpp"
+#include "lib/report/table.hpp"
 
 namespace xfb::cli {
 

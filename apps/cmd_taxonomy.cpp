@@ -2,8 +2,8 @@
 #include <cstdio>
 
 #include "apps/commands.hpp"
-#include "lib/report.hpp"
-#include "lib/taxonomy_view.hpp"
+#include "lib/report/report.hpp"
+#include "lib/report/taxonomy_view.hpp"
 
 namespace xfb::cli {
 

@@ -6,8 +6,8 @@
 
 #include <CLI/CLI.hpp>
 
-#include "lib/point.hpp"
-#include "lib/sweep.hpp"
+#include "lib/bench/point.hpp"
+#include "lib/bench/sweep.hpp"
 
 namespace xfb::cli {
 

@@ -7,9 +7,9 @@
 #include <iostream>
 
 #include "apps/commands.hpp"
-#include "lib/dnnl_context.hpp"
-#include "lib/errors.hpp"
-#include "lib/point.hpp"
+#include "lib/bench/point.hpp"
+#include "lib/core/dnnl_context.hpp"
+#include "lib/core/errors.hpp"
 
 namespace xfb::cli {
 namespace {

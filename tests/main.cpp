@@ -1,7 +1,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
-#include "lib/dnnl_context.hpp"
+#include "lib/core/dnnl_context.hpp"
 #include "tests/reference.hpp"
 
 int main(int argc, char** argv) {

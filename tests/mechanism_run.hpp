@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "lib/point.hpp"
-#include "lib/registry.hpp"
+#include "lib/bench/point.hpp"
+#include "taxonomy/registry.hpp"
 #include "tests/reference.hpp"
 
 namespace xfb::test {
@@ -30,7 +30,6 @@ inline MechanismRun run_keeping(const std::string& model, const Problem& p, cons
                                 const std::vector<std::string>& params = {}, std::uint64_t seed = 42) {
   const ModelInfo* info = find_model(model);
   REQUIRE(info != nullptr);
-  REQUIRE(info->implemented());
   MechanismRun run{info->impl.create(on_test_threads(p), resolve_params(model, info->impl.params, params), seed),
                    Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim)};
   run.mechanism->prepare(in.q, in.k, in.v);

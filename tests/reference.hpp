@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "lib/mechanism.hpp"
-#include "lib/tensor.hpp"
+#include "lib/core/mechanism.hpp"
+#include "lib/core/tensor.hpp"
 
 namespace xfb::test {
 

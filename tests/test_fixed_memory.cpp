@@ -10,10 +10,10 @@
 #include <set>
 #include <sstream>
 
-#include "lib/dnnl_context.hpp"
-#include "lib/point.hpp"
-#include "lib/registry.hpp"
+#include "lib/bench/point.hpp"
+#include "lib/core/dnnl_context.hpp"
 #include "taxonomy/fixed_patterns/memory_compressed.hpp"
+#include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
 #include "tests/reference.hpp"
 
@@ -31,7 +31,6 @@ Ran run_model(const std::string& model, const Problem& p, const AttentionInputs&
               const std::vector<std::string>& params, std::uint64_t seed = 42) {
   const ModelInfo* info = find_model(model);
   REQUIRE(info != nullptr);
-  REQUIRE(info->implemented());
   Ran ran{info->impl.create(on_test_threads(p), resolve_params(model, info->impl.params, params), seed),
           Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim)};
   ran.mechanism->prepare(in.q, in.k, in.v);

@@ -11,11 +11,11 @@
 #include <set>
 #include <sstream>
 
-#include "lib/point.hpp"
-#include "lib/registry.hpp"
+#include "lib/bench/point.hpp"
 #include "taxonomy/learnable_patterns/reformer.hpp"
 #include "taxonomy/learnable_patterns/routing.hpp"
 #include "taxonomy/learnable_patterns/sinkhorn.hpp"
+#include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
 #include "tests/reference.hpp"
 

@@ -8,10 +8,10 @@
 #include <cstring>
 #include <sstream>
 
-#include "lib/dnnl_context.hpp"
-#include "lib/errors.hpp"
-#include "lib/point.hpp"
-#include "lib/registry.hpp"
+#include "lib/bench/point.hpp"
+#include "lib/core/dnnl_context.hpp"
+#include "lib/core/errors.hpp"
+#include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
 #include "tests/reference.hpp"
 

@@ -6,13 +6,13 @@
 #include <cmath>
 #include <random>
 
-#include "lib/ab.hpp"
-#include "lib/compare.hpp"
-#include "lib/contention.hpp"
-#include "lib/dashboard.hpp"
-#include "lib/memory_tracker.hpp"
-#include "lib/paired.hpp"
-#include "lib/timing.hpp"
+#include "lib/bench/ab.hpp"
+#include "lib/core/contention.hpp"
+#include "lib/core/memory_tracker.hpp"
+#include "lib/core/paired.hpp"
+#include "lib/core/timing.hpp"
+#include "lib/report/compare.hpp"
+#include "lib/report/dashboard.hpp"
 
 using namespace xfb;
 

@@ -6,8 +6,8 @@
 #include <cmath>
 #include <cstring>
 
-#include "lib/point.hpp"
-#include "lib/registry.hpp"
+#include "lib/bench/point.hpp"
+#include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
 #include "tests/reference.hpp"
 

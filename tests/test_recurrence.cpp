@@ -10,12 +10,12 @@
 #include <map>
 #include <sstream>
 
-#include "lib/flop_counter.hpp"
-#include "lib/point.hpp"
-#include "lib/registry.hpp"
+#include "lib/bench/point.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "taxonomy/engines/segment_attention.hpp"
 #include "taxonomy/recurrence/compressive.hpp"
-#include "taxonomy/recurrence/segment_attention.hpp"
 #include "taxonomy/recurrence/transformer_xl.hpp"
+#include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
 #include "tests/reference.hpp"
 

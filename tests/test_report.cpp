@@ -6,11 +6,11 @@
 #include <filesystem>
 #include <fstream>
 
-#include "lib/errors.hpp"
-#include "lib/npy.hpp"
-#include "lib/point.hpp"
-#include "lib/report.hpp"
-#include "lib/table.hpp"
+#include "lib/bench/point.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/core/npy.hpp"
+#include "lib/report/report.hpp"
+#include "lib/report/table.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -152,6 +152,32 @@ TEST_SUITE("report") {
     const Problem p{.batch = 2, .heads = 2, .seq_len = 19, .head_dim = 8, .causal = true};
     test::check_against_reference(out, {q.clone(), k.clone(), v.clone()}, p, test::causal_mask, "dumped vanilla");
     fs::remove_all(dir);
+  }
+
+  TEST_CASE("the manifest records the values that ran, derived defaults computed and blocks clamped") {
+    struct Case {
+      const char* model;
+      std::vector<std::string> params;
+      const char* key;
+      std::int64_t requested, ran;
+    };
+    // N = 100: clusters round(√N) = 10, stride ⌈√N⌉ = 10, cols 10, chunk ⌈N/10⌉ = 10, block 50 → 50,
+    // block 500 → N, linformer k 256 → N.
+    for (const Case& c : {Case{"routing", {}, "clusters", 0, 10}, Case{"sparse-transformer", {}, "stride", 0, 10},
+                          Case{"axial", {}, "cols", 0, 10}, Case{"reformer", {"chunk_len=0"}, "chunk_len", 0, 10},
+                          Case{"local", {"block=500"}, "block", 500, 100}, Case{"linformer", {}, "k", 256, 100}}) {
+      const auto dir = temp_dir("manifest");
+      PointConfig config = point(c.model, 100, Scope::Attention);
+      config.problem.causal = false;  // linformer has no causal mode
+      config.params = c.params;
+      REQUIRE(run_point(config, dir.string()).status == Status::Ok);
+      std::ifstream manifest_file(dir / "manifest.json");
+      const auto manifest = nlohmann::json::parse(manifest_file);
+      CAPTURE(c.model);
+      CHECK(manifest["requested_params"][c.key] == c.requested);
+      CHECK(manifest["params"][c.key] == c.ran);
+      fs::remove_all(dir);
+    }
   }
 
   TEST_CASE("layer scope equals a naive pre-LN encoder layer recomputed from the dump") {

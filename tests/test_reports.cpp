@@ -11,17 +11,18 @@
 #include <set>
 #include <stdexcept>
 
-#include "lib/compare.hpp"
-#include "lib/complexity.hpp"
-#include "lib/errors.hpp"
-#include "lib/lra.hpp"
-#include "lib/merge.hpp"
-#include "lib/plot.hpp"
-#include "lib/registry.hpp"
-#include "lib/stats.hpp"
-#include "lib/sweep.hpp"
-#include "lib/table.hpp"
-#include "lib/taxonomy_view.hpp"
+#include "lib/bench/presets.hpp"
+#include "lib/bench/sweep.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/core/stats.hpp"
+#include "lib/report/compare.hpp"
+#include "lib/report/complexity.hpp"
+#include "lib/report/lra.hpp"
+#include "lib/report/merge.hpp"
+#include "lib/report/plot.hpp"
+#include "lib/report/table.hpp"
+#include "lib/report/taxonomy_view.hpp"
+#include "taxonomy/registry.hpp"
 
 using namespace xfb;
 

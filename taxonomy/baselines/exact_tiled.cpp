@@ -6,9 +6,10 @@
 #include <cmath>
 #include <limits>
 
-#include "lib/flop_counter.hpp"
-#include "lib/ops.hpp"
-#include "lib/tile_kernels.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/tile_kernels.hpp"
 
 namespace xfb {
 namespace {
@@ -18,10 +19,9 @@ namespace {
 bool uses_tile_kernels(std::int64_t d) { return d % tiles::kPanel == 0; }
 
 // On the tile kernels a key tile starts on a panel boundary: block_k is rounded up to whole panels.
-ExactTiledConfig config_from(const Problem& p, const ParamValues& values) {
-  const std::int64_t block_k = values.get_int("block_k");
-  return {.block_q = values.get_int("block_q"),
-          .block_k = uses_tile_kernels(p.head_dim) ? tiles::panels_for(block_k) * tiles::kPanel : block_k};
+ExactTiledConfig resolve(const Problem& p, ExactTiledConfig c) {
+  if (uses_tile_kernels(p.head_dim)) c.block_k = tiles::panels_for(c.block_k) * tiles::kPanel;
+  return c;
 }
 
 // Floats of the packed copy of K (all heads) that the tile kernels read; 0 on the sgemm path.
@@ -163,12 +163,11 @@ class ExactTiled final : public Mechanism {
   Tensor scores_, packed_keys_, accumulators_, row_stats_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
-  return std::make_unique<ExactTiled>(problem, config_from(problem, values));
+std::unique_ptr<Mechanism> create(const Problem& problem, const ExactTiledConfig& c, std::uint64_t) {
+  return std::make_unique<ExactTiled>(problem, c);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(p, values);
+std::int64_t flops(const Problem& p, const ExactTiledConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim;
   std::int64_t per_head = n * d;  // final 1/l scaling
   for (std::int64_t q0 = 0; q0 < n; q0 += c.block_q) {
@@ -186,8 +185,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
   return p.batch * p.heads * per_head;
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(p, values);
+std::int64_t workspace(const Problem& p, const ExactTiledConfig& c) {
   const std::int64_t threads = p.threads;
   const std::int64_t per_thread = c.block_q * score_columns(c.block_k, p.head_dim) + c.block_q * p.head_dim + 2 * c.block_q;
   return (threads * per_thread + packed_key_floats(p)) * static_cast<std::int64_t>(sizeof(float));
@@ -196,13 +194,14 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation exact_tiled_implementation() {
-  return {{
-              {"block_q", ParamType::Int, "64", 1, 4096, {}, "query rows per task (tokens)"},
-              {"block_k", ParamType::Int, "256", 1, 8192, {}, "key columns per tile (tokens; rounded up to a multiple of 16 when head_dim is)"},
-          },
-          create,
-          flops,
-          workspace};
+  return implement(ModelSpec<ExactTiledConfig>{
+      .fields = {int_field("block_q", &ExactTiledConfig::block_q, 1, 4096, "query rows per task (tokens)"),
+                 int_field("block_k", &ExactTiledConfig::block_k, 1, 8192,
+                           "key columns per tile (tokens; rounded up to a multiple of 16 when head_dim is)")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace,
+      .resolve = resolve});
 }
 
 }  // namespace xfb

@@ -11,7 +11,7 @@
 // made once per call and shared by all query blocks: B·H·⌈N/16⌉·16·D floats.
 // FLOPs (exact, see exact_tiled_flops): per executed tile 4·rows·cols·D (two products) +
 // 4·valid (max, subtract+exp, sum) + D per row with valid > 0 (rescale); plus N·D per head (1/l).
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 

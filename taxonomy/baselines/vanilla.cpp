@@ -2,8 +2,9 @@
 
 #include <cmath>
 
-#include "lib/flop_counter.hpp"
-#include "lib/ops.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
 
 namespace xfb {
 namespace {
@@ -35,21 +36,23 @@ class Vanilla final : public Mechanism {
   Tensor scores_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues&, std::uint64_t) {
+std::unique_ptr<Mechanism> create(const Problem& problem, const VanillaConfig&, std::uint64_t) {
   return std::make_unique<Vanilla>(problem);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues&) {
+std::int64_t flops(const Problem& p, const VanillaConfig&) {
   const std::int64_t bh = p.batch * p.heads;
   return 2 * bh * matmul_flops(p.seq_len, p.seq_len, p.head_dim) + kSoftmaxFlopsPerElement * bh * softmax_entries(p);
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues&) {
+std::int64_t workspace(const Problem& p, const VanillaConfig&) {
   return p.batch * p.heads * p.seq_len * ops::padded_ld(p.seq_len) * static_cast<std::int64_t>(sizeof(float));
 }
 
 }  // namespace
 
-Implementation vanilla_implementation() { return {{}, create, flops, workspace}; }
+Implementation vanilla_implementation() {
+  return implement(ModelSpec<VanillaConfig>{.fields = {}, .create = create, .flops = flops, .workspace = workspace});
+}
 
 }  // namespace xfb

@@ -3,8 +3,9 @@
 // Shapes: Q, K, V, O [B, H, N, D]; scores S [B·H, N, ld] with ld = padded_ld(N) ≥ N.
 // Causal by masking: the full S is computed, entries j > i are zeroed by the masked softmax.
 // FLOPs: 4·B·H·N²·D (both products, always full) + 5·B·H·(N² or N(N+1)/2 when causal).
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
+struct VanillaConfig {};  // no parameters
 Implementation vanilla_implementation();
 }

@@ -6,16 +6,15 @@
 #include <cmath>
 #include <vector>
 
-#include "lib/flop_counter.hpp"
-#include "taxonomy/fixed_patterns/block_sparse.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "taxonomy/engines/block_sparse.hpp"
 
 namespace xfb {
 namespace {
 
 namespace bs = block_sparse;
 using bs::kTaskRows;
-
-AxialConfig config_from(const ParamValues& values) { return {.cols = values.get_int("cols")}; }
 
 std::int64_t ceil_sqrt(std::int64_t n) {
   auto root = static_cast<std::int64_t>(std::sqrt(static_cast<double>(n)));
@@ -137,8 +136,8 @@ class Axial final : public Mechanism {
   Tensor row_outputs_, token_stats_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
-  return std::make_unique<Axial>(problem, config_from(values));
+std::unique_ptr<Mechanism> create(const Problem& problem, const AxialConfig& c, std::uint64_t) {
+  return std::make_unique<Axial>(problem, c);
 }
 
 // Exact FLOPs of the causal column and row passes for one head.
@@ -157,8 +156,8 @@ std::int64_t causal_pass_flops(const Grid& grid, std::int64_t d) {
   return flops;
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const Grid grid(p, config_from(values));
+std::int64_t flops(const Problem& p, const AxialConfig& c) {
+  const Grid grid(p, c);
   const std::int64_t d = p.head_dim;
   std::int64_t per_head =
       bs::plan_flops(grid.rows.tasks(), d, [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
@@ -173,8 +172,8 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
   return p.batch * p.heads * per_head;
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const Grid grid(p, config_from(values));
+std::int64_t workspace(const Problem& p, const AxialConfig& c) {
+  const Grid grid(p, c);
   const std::int64_t tokens = p.batch * p.heads * p.seq_len;
   const std::int64_t floats = tokens * p.head_dim + (p.causal ? 2 * tokens : 0);
   return bs::ThreadScratch::tracked_bytes(p.threads, grid.max_width()) +
@@ -184,10 +183,15 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation axial_implementation() {
-  return {{{"cols", ParamType::Int, "0", 0, 1000000, {}, "grid width C in tokens; 0 means ceil(sqrt(N))"}},
-          create,
-          flops,
-          workspace};
+  return implement(ModelSpec<AxialConfig>{
+      .fields = {int_field("cols", &AxialConfig::cols, 0, 1000000, "grid width C in tokens; 0 means ceil(sqrt(N))")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace,
+      .resolve = [](const Problem& p, AxialConfig c) {
+        c.cols = Grid(p, c).cols;
+        return c;
+      }});
 }
 
 }  // namespace xfb

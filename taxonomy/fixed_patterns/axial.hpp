@@ -19,7 +19,7 @@
 // token. FLOPs: Σ over tiles of block_sparse::accumulate_flops (+ finish_flops where a pass
 // normalises): row pass fresh + finish; column pass fresh (+ finish when non-causal); causal row
 // pass not fresh (D per row rescale) + finish. O(N·(C + R)·D) = O(N√N·D).
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 

@@ -4,22 +4,16 @@
 
 #include <algorithm>
 
-#include "lib/flop_counter.hpp"
-#include "lib/rng.hpp"
-#include "taxonomy/fixed_patterns/gathered_attention.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/rng.hpp"
+#include "taxonomy/engines/gathered_attention.hpp"
 
 namespace xfb {
 namespace {
 
 using fixed::TileAttention;
 using fixed::TilePattern;
-
-BigBirdConfig config_from(const ParamValues& values) {
-  return {.block = values.get_int("block"),
-          .window_blocks = values.get_int("window_blocks"),
-          .random_blocks = values.get_int("random_blocks"),
-          .global_blocks = values.get_int("global_blocks")};
-}
 
 // Block geometry of one head: which blocks are global, each block's window and candidates.
 struct BlockLayout {
@@ -172,12 +166,12 @@ class BigBird final : public Mechanism {
   std::vector<TileAttention> kernels_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  return std::make_unique<BigBird>(problem, config_from(values), seed);
+std::unique_ptr<Mechanism> create(const Problem& problem, const BigBirdConfig& c, std::uint64_t seed) {
+  return std::make_unique<BigBird>(problem, c, seed);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const BlockLayout layout(p, config_from(values));
+std::int64_t flops(const Problem& p, const BigBirdConfig& c) {
+  const BlockLayout layout(p, c);
   TilePattern tile;
   std::int64_t per_head = 0;
   for (std::int64_t qb = 0; qb < layout.blocks; ++qb) {
@@ -187,8 +181,8 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
   return p.batch * p.heads * per_head;
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const BlockLayout layout(p, config_from(values));
+std::int64_t workspace(const Problem& p, const BigBirdConfig& c) {
+  const BlockLayout layout(p, c);
   const auto sizes = tile_sizes(layout);
   return p.heads * layout.blocks * layout.random * static_cast<std::int64_t>(sizeof(float)) +
          p.threads * TileAttention::bytes(sizes.scores, sizes.gathered, p.head_dim);
@@ -197,15 +191,16 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation bigbird_implementation() {
-  return {{
-              {"block", ParamType::Int, "64", 1, 1 << 16, {}, "block size b, tokens"},
-              {"window_blocks", ParamType::Int, "3", 1, 1 << 16, {}, "sliding-window blocks w (query block in the middle)"},
-              {"random_blocks", ParamType::Int, "3", 0, 1 << 16, {}, "random key blocks r per query block"},
-              {"global_blocks", ParamType::Int, "2", 0, 1 << 16, {}, "global blocks g: first ceil(g/2) and last floor(g/2)"},
-          },
-          create,
-          flops,
-          workspace};
+  return implement(ModelSpec<BigBirdConfig>{
+      .fields = {int_field("block", &BigBirdConfig::block, 1, 1 << 16, "block size b, tokens"),
+                 int_field("window_blocks", &BigBirdConfig::window_blocks, 1, 1 << 16,
+                           "sliding-window blocks w (query block in the middle)"),
+                 int_field("random_blocks", &BigBirdConfig::random_blocks, 0, 1 << 16, "random key blocks r per query block"),
+                 int_field("global_blocks", &BigBirdConfig::global_blocks, 0, 1 << 16,
+                           "global blocks g: first ceil(g/2) and last floor(g/2)")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace});
 }
 
 }  // namespace xfb

@@ -17,10 +17,10 @@
 // unused (global query blocks, too few candidates).
 // Not causal (the survey's Table 1).
 // Computation: one tile per (batch, head, query block); non-global tiles gather their key blocks
-// into contiguous buffers and run one pair of sgemms (gathered_attention.hpp). Partial blocks are
+// into contiguous buffers and run one pair of sgemms (engines/gathered_attention.hpp). Partial blocks are
 // never random, so the FLOPs do not depend on the draw.
 // FLOPs per tile: 4·rows·keys·D + 5·rows·keys (every gathered key is visible to every row).
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 

@@ -2,9 +2,10 @@
 
 #include <algorithm>
 
-#include "lib/flop_counter.hpp"
-#include "taxonomy/fixed_patterns/gathered_attention.hpp"
-#include "taxonomy/fixed_patterns/window_global.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "taxonomy/engines/gathered_attention.hpp"
+#include "taxonomy/engines/window_global.hpp"
 
 namespace xfb {
 namespace {
@@ -13,10 +14,6 @@ using fixed::TileAttention;
 using fixed::TilePattern;
 using fixed::WindowGlobalShape;
 using fixed::WindowGlobalTask;
-
-EtcConfig config_from(const ParamValues& values) {
-  return {.globals = values.get_int("globals"), .radius = values.get_int("radius"), .tile = values.get_int("tile")};
-}
 
 WindowGlobalShape shape_of(const Problem& p, const EtcConfig& c) {
   return {.tokens = p.seq_len, .globals = std::min(c.globals, p.seq_len), .before = c.radius, .after = c.radius,
@@ -57,12 +54,11 @@ class Etc final : public Mechanism {
   std::vector<TileAttention> kernels_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
-  return std::make_unique<Etc>(problem, config_from(values));
+std::unique_ptr<Mechanism> create(const Problem& problem, const EtcConfig& c, std::uint64_t) {
+  return std::make_unique<Etc>(problem, c);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+std::int64_t flops(const Problem& p, const EtcConfig& c) {
   const auto shape = shape_of(p, c);
   TilePattern tile;
   std::int64_t total = 0;
@@ -73,8 +69,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
   return p.batch * total;
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+std::int64_t workspace(const Problem& p, const EtcConfig& c) {
   const std::int64_t scores = fixed::window_global_score_floats(shape_of(p, c), tasks_of(p, c));
   return p.threads * TileAttention::bytes(scores, 0, p.head_dim);
 }
@@ -82,14 +77,17 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation etc_implementation() {
-  return {{
-              {"globals", ParamType::Int, "230", 0, 1 << 20, {}, "global tokens n_g: the first n_g positions"},
-              {"radius", ParamType::Int, "84", 0, 1 << 20, {}, "long-to-long radius r, tokens on each side"},
-              {"tile", ParamType::Int, "64", 1, 1024, {}, "query rows per computed tile (implementation)"},
-          },
-          create,
-          flops,
-          workspace};
+  return implement(ModelSpec<EtcConfig>{
+      .fields = {int_field("globals", &EtcConfig::globals, 0, 1 << 20, "global tokens n_g: the first n_g positions"),
+                 int_field("radius", &EtcConfig::radius, 0, 1 << 20, "long-to-long radius r, tokens on each side"),
+                 int_field("tile", &EtcConfig::tile, 1, 1024, "query rows per computed tile (implementation)")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace,
+      .resolve = [](const Problem& p, EtcConfig c) {
+        c.globals = std::min(c.globals, p.seq_len);
+        return c;
+      }});
 }
 
 }  // namespace xfb

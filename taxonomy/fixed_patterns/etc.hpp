@@ -10,10 +10,10 @@
 //   position labels and structured-input masks are not part of this kernel).
 // Not causal (the survey's Table 1). Defaults: radius 84 and 230 global tokens, ETC's Natural
 // Questions setting as we recall it; the survey marks ETC's radius and global counts unconfirmed.
-// Computation: window_global.hpp with before = after = r and no dilation, on the
-// gathered-attention kernel. FLOPs: Σ tiles tile_flops (gathered_attention.hpp).
+// Computation: engines/window_global.hpp with before = after = r and no dilation, on the
+// gathered-attention kernel. FLOPs: Σ tiles tile_flops (engines/gathered_attention.hpp).
 // Work and memory: O(N_g·N + N·r) — the survey's O(N_g² + N·N_g) plus the local band.
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 

@@ -2,16 +2,13 @@
 
 #include <algorithm>
 
-#include "taxonomy/fixed_patterns/block_sparse.hpp"
+#include "lib/core/config_table.hpp"
+#include "taxonomy/engines/block_sparse.hpp"
 
 namespace xfb {
 namespace {
 
 namespace bs = block_sparse;
-
-ImageTransformerConfig config_from(const ParamValues& values) {
-  return {.query_block = values.get_int("query_block"), .memory_flange = values.get_int("memory_flange")};
-}
 
 // Query tiles inside query blocks of l_q tokens, each attending to its block's memory block.
 struct Plan {
@@ -50,35 +47,36 @@ class ImageTransformer final : public Mechanism {
   bs::ThreadScratch scratch_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
-  return std::make_unique<ImageTransformer>(problem, config_from(values));
+std::unique_ptr<Mechanism> create(const Problem& problem, const ImageTransformerConfig& c, std::uint64_t) {
+  return std::make_unique<ImageTransformer>(problem, c);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const Plan plan(p, config_from(values));
+std::int64_t flops(const Problem& p, const ImageTransformerConfig& c) {
+  const Plan plan(p, c);
   return p.batch * p.heads * bs::plan_flops(plan.blocks.tasks(), p.head_dim, plan);
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  return bs::ThreadScratch::tracked_bytes(p.threads, Plan(p, config_from(values)).max_memory());
+std::int64_t workspace(const Problem& p, const ImageTransformerConfig& c) {
+  return bs::ThreadScratch::tracked_bytes(p.threads, Plan(p, c).max_memory());
 }
 
 }  // namespace
 
 Implementation image_transformer_implementation() {
-  return {{
-              {"query_block", ParamType::Int, "256", 1, 1000000, {}, "l_q: tokens per query block (clamped to N)"},
-              {"memory_flange",
-               ParamType::Int,
-               "128",
-               0,
-               1000000,
-               {},
-               "l_m: preceding tokens each query block also attends to"},
-          },
-          create,
-          flops,
-          workspace};
+  return implement(ModelSpec<ImageTransformerConfig>{
+      .fields = {int_field("query_block", &ImageTransformerConfig::query_block, 1, 1000000,
+                           "l_q: tokens per query block (clamped to N)"),
+                 int_field("memory_flange", &ImageTransformerConfig::memory_flange, 0, 1000000,
+                           "l_m: preceding tokens each query block also attends to")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace,
+      .resolve = [](const Problem& p, ImageTransformerConfig c) {
+        const Plan plan(p, c);
+        c.query_block = plan.blocks.block;
+        c.memory_flange = plan.flange;
+        return c;
+      }});
 }
 
 }  // namespace xfb

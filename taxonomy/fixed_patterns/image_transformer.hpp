@@ -11,7 +11,7 @@
 // causal. Workspace: per thread one 64 × (l_m + l_q) score tile — independent of N.
 // FLOPs per head: Σ over tiles of block_sparse::accumulate_flops (fresh) + finish_flops, i.e.
 // 4·D per computed score (two gemms) + 4 per allowed entry + D per row: O(N·(l_q + l_m)·D).
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 

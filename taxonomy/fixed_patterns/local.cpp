@@ -1,13 +1,12 @@
 #include "taxonomy/fixed_patterns/local.hpp"
 
-#include "taxonomy/fixed_patterns/block_sparse.hpp"
+#include "lib/core/config_table.hpp"
+#include "taxonomy/engines/block_sparse.hpp"
 
 namespace xfb {
 namespace {
 
 namespace bs = block_sparse;
-
-LocalConfig config_from(const ParamValues& values) { return {.block = values.get_int("block")}; }
 
 class Local final : public Mechanism {
  public:
@@ -32,30 +31,35 @@ class Local final : public Mechanism {
   bs::ThreadScratch scratch_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
-  return std::make_unique<Local>(problem, config_from(values));
+std::unique_ptr<Mechanism> create(const Problem& problem, const LocalConfig& c, std::uint64_t) {
+  return std::make_unique<Local>(problem, c);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const bs::BlockTiling tiling(p.seq_len, config_from(values).block);
+std::int64_t flops(const Problem& p, const LocalConfig& c) {
+  const bs::BlockTiling tiling(p.seq_len, c.block);
   return p.batch * p.heads *
          bs::plan_flops(tiling.tasks(), p.head_dim, [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
            return bs::block_tile(tiling, task, p.causal, lo, hi);
          });
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
+std::int64_t workspace(const Problem& p, const LocalConfig& c) {
   return bs::ThreadScratch::tracked_bytes(p.threads,
-                                          bs::BlockTiling(p.seq_len, config_from(values).block).block);
+                                          bs::BlockTiling(p.seq_len, c.block).block);
 }
 
 }  // namespace
 
 Implementation local_implementation() {
-  return {{{"block", ParamType::Int, "50", 1, 1000000, {}, "tokens per local block (clamped to N)"}},
-          create,
-          flops,
-          workspace};
+  return implement(ModelSpec<LocalConfig>{
+      .fields = {int_field("block", &LocalConfig::block, 1, 1000000, "tokens per local block (clamped to N)")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace,
+      .resolve = [](const Problem& p, LocalConfig c) {
+        c.block = bs::BlockTiling(p.seq_len, c.block).block;
+        return c;
+      }});
 }
 
 }  // namespace xfb

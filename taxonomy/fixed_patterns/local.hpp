@@ -9,7 +9,7 @@
 // FLOPs per head: Σ over tiles of block_sparse::accumulate_flops (fresh) + finish_flops; for a
 // block of L ≤ 64 tokens that is 4·L²·D + 4·L² + L·D (non-causal) or 4·L²·D + 2·L(L+1) + L·D
 // (causal). Total O(N·b·D).
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 

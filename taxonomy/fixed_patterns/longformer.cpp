@@ -5,11 +5,12 @@
 #include <algorithm>
 #include <cmath>
 
-#include "lib/flop_counter.hpp"
-#include "lib/ops.hpp"
-#include "lib/rng.hpp"
-#include "taxonomy/fixed_patterns/gathered_attention.hpp"
-#include "taxonomy/fixed_patterns/window_global.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
+#include "taxonomy/engines/gathered_attention.hpp"
+#include "taxonomy/engines/window_global.hpp"
 
 namespace xfb {
 namespace {
@@ -18,14 +19,6 @@ using fixed::TileAttention;
 using fixed::TilePattern;
 using fixed::WindowGlobalShape;
 using fixed::WindowGlobalTask;
-
-LongformerConfig config_from(const ParamValues& values) {
-  return {.window = values.get_int("window"),
-          .dilation = values.get_int("dilation"),
-          .dilated_heads = values.get_int("dilated_heads"),
-          .globals = values.get_int("globals"),
-          .tile = values.get_int("tile")};
-}
 
 WindowGlobalShape shape_of(const Problem& p, const LongformerConfig& c) {
   const std::int64_t half = c.window / 2;
@@ -117,18 +110,16 @@ class Longformer final : public Mechanism {
   std::vector<TileAttention> kernels_;
 };
 
-void validate(const Problem&, const ParamValues& values) {
-  const auto c = config_from(values);
+void validate(const Problem&, const LongformerConfig& c) {
   if (c.window % 2 != 0) throw ParamError("longformer: window must be even (w/2 keys on each side), got " +
                                           std::to_string(c.window));
 }
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  return std::make_unique<Longformer>(problem, config_from(values), seed);
+std::unique_ptr<Mechanism> create(const Problem& problem, const LongformerConfig& c, std::uint64_t seed) {
+  return std::make_unique<Longformer>(problem, c, seed);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+std::int64_t flops(const Problem& p, const LongformerConfig& c) {
   const auto shape = shape_of(p, c);
   TilePattern tile;
   std::int64_t total = 0;
@@ -140,8 +131,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
   return p.batch * total;
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+std::int64_t workspace(const Problem& p, const LongformerConfig& c) {
   const auto shape = shape_of(p, c);
   const std::int64_t threads = p.threads;
   const std::int64_t scores = fixed::window_global_score_floats(shape, fixed::window_global_tasks(shape, head_dilations(p, c)));
@@ -152,17 +142,22 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation longformer_implementation() {
-  return {{
-              {"window", ParamType::Int, "512", 0, 1 << 20, {}, "sliding window w (even), tokens: w/2 on each side"},
-              {"dilation", ParamType::Int, "1", 1, 1024, {}, "gap between window keys on dilated heads, tokens"},
-              {"dilated_heads", ParamType::Int, "2", 0, 4096, {}, "number of (last) heads using the dilation"},
-              {"globals", ParamType::Int, "1", 0, 1 << 20, {}, "global tokens: the first g positions"},
-              {"tile", ParamType::Int, "64", 1, 1024, {}, "query rows per computed tile (implementation)"},
-          },
-          create,
-          flops,
-          workspace,
-          validate};
+  return implement(ModelSpec<LongformerConfig>{
+      .fields = {int_field("window", &LongformerConfig::window, 0, 1 << 20,
+                           "sliding window w (even), tokens: w/2 on each side"),
+                 int_field("dilation", &LongformerConfig::dilation, 1, 1024, "gap between window keys on dilated heads, tokens"),
+                 int_field("dilated_heads", &LongformerConfig::dilated_heads, 0, 4096,
+                           "number of (last) heads using the dilation"),
+                 int_field("globals", &LongformerConfig::globals, 0, 1 << 20, "global tokens: the first g positions"),
+                 int_field("tile", &LongformerConfig::tile, 1, 1024, "query rows per computed tile (implementation)")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace,
+      .resolve = [](const Problem& p, LongformerConfig c) {
+        c.globals = std::min(c.globals, p.seq_len);
+        return c;
+      },
+      .validate = validate});
 }
 
 }  // namespace xfb

@@ -16,9 +16,9 @@
 // only j ≤ i; globals are the first positions, so every other token sees them without seeing the
 // future.
 // Parameters (from the seed): global_wq, global_wk, global_wv, each [H, D, D], N(0, 1/D) entries.
-// Computation: tiles of `tile` query rows (window_global.hpp) on the gathered-attention kernel.
-// FLOPs: Σ tiles tile_flops (gathered_attention.hpp) + per global tile 3·2·rows·D·D (projections).
-#include "lib/mechanism.hpp"
+// Computation: tiles of `tile` query rows (engines/window_global.hpp) on the gathered-attention kernel.
+// FLOPs: Σ tiles tile_flops (engines/gathered_attention.hpp) + per global tile 3·2·rows·D·D (projections).
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 

@@ -3,23 +3,17 @@
 #include <algorithm>
 #include <cmath>
 
-#include "lib/flop_counter.hpp"
-#include "lib/ops.hpp"
-#include "lib/rng.hpp"
-#include "taxonomy/fixed_patterns/gathered_attention.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
+#include "taxonomy/engines/gathered_attention.hpp"
 
 namespace xfb {
 namespace {
 
 using fixed::TileAttention;
 using fixed::TilePattern;
-
-MemoryCompressedConfig config_from(const ParamValues& values) {
-  return {.block = values.get_int("block"),
-          .compression = values.get_int("compression"),
-          .mode = values.get_choice("mode"),
-          .tile = values.get_int("tile")};
-}
 
 // Head split and sizes shared by the mechanism, flops() and workspace().
 struct Layout {
@@ -162,12 +156,12 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
   std::vector<TileAttention> kernels_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  return std::make_unique<MemoryCompressed>(problem, Layout(problem, config_from(values)), seed);
+std::unique_ptr<Mechanism> create(const Problem& problem, const MemoryCompressedConfig& c, std::uint64_t seed) {
+  return std::make_unique<MemoryCompressed>(problem, Layout(problem, c), seed);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const Layout l(p, config_from(values));
+std::int64_t flops(const Problem& p, const MemoryCompressedConfig& c) {
+  const Layout l(p, c);
   TilePattern tile;
   std::int64_t total = 0;
   for (const auto& task : tasks_of(l, p.heads)) {
@@ -178,8 +172,8 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
   return p.batch * (total + convolutions);
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const Layout l(p, config_from(values));
+std::int64_t workspace(const Problem& p, const MemoryCompressedConfig& config) {
+  const Layout l(p, config);
   const std::int64_t d = p.head_dim, c = l.compression, hc = l.compressed_heads;
   const std::int64_t floats = 4 * hc * c * d * d + 2 * p.batch * hc * l.slots * d + hc * c * d;
   return floats * static_cast<std::int64_t>(sizeof(float)) +
@@ -189,16 +183,21 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation memory_compressed_implementation() {
-  return {{
-              {"block", ParamType::Int, "256", 1, 1 << 20, {}, "local attention block, tokens"},
-              {"compression", ParamType::Int, "3", 1, 1024, {}, "convolution kernel = stride c, tokens per memory slot"},
-              {"mode", ParamType::Choice, "split", 0, 0, {"local", "compressed", "split"},
-               "heads: all local, all compressed, or split (first half local)"},
-              {"tile", ParamType::Int, "64", 1, 1024, {}, "query rows per computed tile (implementation)"},
-          },
-          create,
-          flops,
-          workspace};
+  return implement(ModelSpec<MemoryCompressedConfig>{
+      .fields = {int_field("block", &MemoryCompressedConfig::block, 1, 1 << 20, "local attention block, tokens"),
+                 int_field("compression", &MemoryCompressedConfig::compression, 1, 1024,
+                           "convolution kernel = stride c, tokens per memory slot"),
+                 choice_field("mode", &MemoryCompressedConfig::mode,
+                              {{"local", "local"}, {"compressed", "compressed"}, {"split", "split"}},
+                              "heads: all local, all compressed, or split (first half local)"),
+                 int_field("tile", &MemoryCompressedConfig::tile, 1, 1024, "query rows per computed tile (implementation)")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace,
+      .resolve = [](const Problem& p, MemoryCompressedConfig c) {
+        c.block = std::min(c.block, p.seq_len);
+        return c;
+      }});
 }
 
 }  // namespace xfb

@@ -18,9 +18,9 @@
 // consecutive floats times the repacked weights [c·D, D]) plus one row for a partial last window;
 // attention runs in tiles of `tile` query rows (never crossing a local block) on the
 // gathered-attention kernel. Compressed memory is kept as [B, H_c, N_c, D].
-// FLOPs: 2·B·H_c·2·N_c·c·D·D (two convolutions) + Σ tiles tile_flops (gathered_attention.hpp).
+// FLOPs: 2·B·H_c·2·N_c·c·D·D (two convolutions) + Σ tiles tile_flops (engines/gathered_attention.hpp).
 // Work: O(N·block) local, O(N·N/c) compressed (the survey's O(N_c²) class); memory O(N).
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 

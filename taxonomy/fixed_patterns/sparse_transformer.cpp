@@ -6,19 +6,14 @@
 #include <cmath>
 #include <vector>
 
-#include "taxonomy/fixed_patterns/block_sparse.hpp"
+#include "lib/core/config_table.hpp"
+#include "taxonomy/engines/block_sparse.hpp"
 
 namespace xfb {
 namespace {
 
 namespace bs = block_sparse;
 using bs::kTaskRows;
-
-SparseTransformerConfig config_from(const ParamValues& values) {
-  return {.pattern = values.get_choice("pattern"),
-          .stride = values.get_int("stride"),
-          .summary = values.get_int("summary")};
-}
 
 // ⌈√n⌉, at least 1.
 std::int64_t ceil_sqrt(std::int64_t n) {
@@ -163,19 +158,18 @@ class SparseTransformer final : public Mechanism {
   Tensor summary_keys_, summary_values_;
 };
 
-void validate(const Problem&, const ParamValues& values) {
-  const auto config = config_from(values);
-  if (config.pattern == "fixed" && config.stride > 0 && config.summary > config.stride)
-    throw ParamError("sparse-transformer: summary=" + std::to_string(config.summary) +
-                     " exceeds stride=" + std::to_string(config.stride) + " (c must be at most l)");
+void validate(const Problem&, const SparseTransformerConfig& c) {
+  if (c.pattern == "fixed" && c.stride > 0 && c.summary > c.stride)
+    throw ParamError("sparse-transformer: summary=" + std::to_string(c.summary) +
+                     " exceeds stride=" + std::to_string(c.stride) + " (c must be at most l)");
 }
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
-  return std::make_unique<SparseTransformer>(problem, config_from(values));
+std::unique_ptr<Mechanism> create(const Problem& problem, const SparseTransformerConfig& c, std::uint64_t) {
+  return std::make_unique<SparseTransformer>(problem, c);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const Layout layout(p, config_from(values));
+std::int64_t flops(const Problem& p, const SparseTransformerConfig& c) {
+  const Layout layout(p, c);
   const std::int64_t d = p.head_dim;
   std::int64_t first = 0, second = 0;
   if (layout.fixed) {
@@ -193,8 +187,8 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
   return p.batch * (layout.heads_a1 * first + layout.heads_a2 * second);
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const Layout layout(p, config_from(values));
+std::int64_t workspace(const Problem& p, const SparseTransformerConfig& c) {
+  const Layout layout(p, c);
   const std::int64_t gathered = 2 * p.batch * layout.heads_a2 * layout.summary_count() * p.head_dim;
   return bs::ThreadScratch::tracked_bytes(p.threads, layout.max_width()) +
          gathered * static_cast<std::int64_t>(sizeof(float));
@@ -203,15 +197,22 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation sparse_transformer_implementation() {
-  return {{
-              {"pattern", ParamType::Choice, "strided", 0, 0, {"strided", "fixed"}, "factorised pattern"},
-              {"stride", ParamType::Int, "0", 0, 1000000, {}, "l in tokens; 0 means ceil(sqrt(N))"},
-              {"summary", ParamType::Int, "8", 1, 1000000, {}, "c: summary tokens per block of l (fixed pattern)"},
-          },
-          create,
-          flops,
-          workspace,
-          validate};
+  return implement(ModelSpec<SparseTransformerConfig>{
+      .fields = {choice_field("pattern", &SparseTransformerConfig::pattern,
+                              {{"strided", "strided"}, {"fixed", "fixed"}}, "factorised pattern"),
+                 int_field("stride", &SparseTransformerConfig::stride, 0, 1000000, "l in tokens; 0 means ceil(sqrt(N))"),
+                 int_field("summary", &SparseTransformerConfig::summary, 1, 1000000,
+                           "c: summary tokens per block of l (fixed pattern)")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace,
+      .resolve = [](const Problem& p, SparseTransformerConfig c) {
+        const Layout layout(p, c);
+        c.stride = layout.l;
+        c.summary = layout.c;
+        return c;
+      },
+      .validate = validate});
 }
 
 }  // namespace xfb

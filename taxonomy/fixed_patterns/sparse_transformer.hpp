@@ -21,7 +21,7 @@
 // FLOPs: Σ over tiles of block_sparse::accumulate_flops (fresh) + finish_flops — 4·D per computed
 // score + 4 per allowed entry + D per query row; O(N·l·D) = O(N√N·D) for strided and fixed A1,
 // O(N·(N·c/l)·D) for fixed A2. The gather is a copy (0 FLOPs).
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 

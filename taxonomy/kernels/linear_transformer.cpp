@@ -1,13 +1,12 @@
 #include "taxonomy/kernels/linear_transformer.hpp"
 
 
-#include "lib/ops.hpp"
-#include "taxonomy/kernels/linear_attention.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/ops.hpp"
+#include "taxonomy/engines/linear_attention.hpp"
 
 namespace xfb {
 namespace {
-
-LinearTransformerConfig config_from(const ParamValues& values) { return {.chunk = values.get_int("chunk")}; }
 
 inline constexpr std::int64_t kEluPlusOneFlops = 4;
 
@@ -59,26 +58,28 @@ class LinearTransformer final : public Mechanism {
   std::unique_ptr<ChunkedLinearAttention> engine_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t) {
-  return std::make_unique<LinearTransformer>(problem, config_from(values));
+std::unique_ptr<Mechanism> create(const Problem& problem, const LinearTransformerConfig& c, std::uint64_t) {
+  return std::make_unique<LinearTransformer>(problem, c);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
+std::int64_t flops(const Problem& p, const LinearTransformerConfig& c) {
   const std::int64_t per_row = kEluPlusOneFlops * p.head_dim;
-  return linear_attention_flops(p, config_from(values).chunk, {p.head_dim, per_row, per_row, false});
+  return linear_attention_flops(p, c.chunk, {p.head_dim, per_row, per_row, false});
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  return linear_attention_workspace(p, config_from(values).chunk, p.head_dim);
+std::int64_t workspace(const Problem& p, const LinearTransformerConfig& c) {
+  return linear_attention_workspace(p, c.chunk, p.head_dim);
 }
 
 }  // namespace
 
 Implementation linear_transformer_implementation() {
-  return {{{"chunk", ParamType::Int, "32", 1, 8192, {}, "rows per chunk of the prefix-sum walk (tokens)"}},
-          create,
-          flops,
-          workspace};
+  return implement(ModelSpec<LinearTransformerConfig>{
+      .fields = {int_field("chunk", &LinearTransformerConfig::chunk, 1, 8192,
+                           "rows per chunk of the prefix-sum walk (tokens)")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace});
 }
 
 }  // namespace xfb

@@ -1,6 +1,6 @@
 #pragma once
 // `linear-transformer` (Katharopoulos et al. 2020): φ(x) = elu(x) + 1 on the chunked
-// linear-attention engine (taxonomy/kernels/linear_attention.hpp) with M = D:
+// linear-attention engine (taxonomy/engines/linear_attention.hpp) with M = D:
 //   out_i = φ(q_i)ᵀ S / φ(q_i)ᵀ z,  S = Σ_j φ(k_j) v_jᵀ,  z = Σ_j φ(k_j)   (j <= i when causal).
 // Non-causal: the K–V summary [S | z] is built once per head. Causal: the running [D, D+1] state,
 // chunk by chunk — never an N×D×D prefix tensor.
@@ -9,7 +9,7 @@
 // Default chunk C = 32: the causal in-chunk work, 2·C·(2D + 1) per row, then stays below the
 // state work 4·D·(D + 1) per row at D = 64.
 // Workspace: the engine's per-thread buffers, independent of N.
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 

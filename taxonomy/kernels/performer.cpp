@@ -4,19 +4,14 @@
 #include <cmath>
 #include <vector>
 
-#include "lib/flop_counter.hpp"
-#include "lib/ops.hpp"
-#include "lib/rng.hpp"
-#include "taxonomy/kernels/linear_attention.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
+#include "taxonomy/engines/linear_attention.hpp"
 
 namespace xfb {
 namespace {
-
-PerformerConfig config_from(const ParamValues& values) {
-  return {.features = values.get_int("features"),
-          .kernel = values.get_choice("kernel") == "relu" ? PerformerKernel::Relu : PerformerKernel::Softmax,
-          .chunk = values.get_int("chunk")};
-}
 
 // Rows of `block` (d×d Gaussian) orthonormalised in order by modified Gram–Schmidt; keeps `rows`.
 std::vector<double> orthonormal_rows(const CounterRng& rng, std::int64_t block, std::int64_t d, std::int64_t rows) {
@@ -72,11 +67,7 @@ class FavorFeatures final : public FeatureMap {
     if (kernel_ == PerformerKernel::Relu) return relu(phi, rows, ld);
     for (std::int64_t r = 0; r < rows; ++r) {
       float* row = phi + r * ld;
-      float peak = row[0];
-#pragma omp simd reduction(max : peak)
-      for (std::int64_t j = 1; j < m_; ++j) peak = row[j] > peak ? row[j] : peak;  // a select vectorises
-#pragma omp simd
-      for (std::int64_t j = 0; j < m_; ++j) row[j] = ops::fast_exp(row[j] - peak);
+      ops::exp_shifted(row, m_, ops::row_max(row, m_, row[0]));
     }
     return rows * 3 * m_;
   }
@@ -101,11 +92,7 @@ class FavorFeatures final : public FeatureMap {
       }
     }
     shift = peak;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      float* row = phi + r * ld;
-#pragma omp simd
-      for (std::int64_t j = 0; j < m_; ++j) row[j] = ops::fast_exp(row[j] - peak);
-    }
+    for (std::int64_t r = 0; r < rows; ++r) ops::exp_shifted(phi + r * ld, m_, peak);
     return rows * (2 * d_ + 4 * m_);
   }
 
@@ -161,17 +148,15 @@ class Performer final : public Mechanism {
   std::unique_ptr<ChunkedLinearAttention> engine_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  return std::make_unique<Performer>(problem, config_from(values), seed);
+std::unique_ptr<Mechanism> create(const Problem& problem, const PerformerConfig& c, std::uint64_t seed) {
+  return std::make_unique<Performer>(problem, c, seed);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+std::int64_t flops(const Problem& p, const PerformerConfig& c) {
   return linear_attention_flops(p, c.chunk, feature_costs(p, c));
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+std::int64_t workspace(const Problem& p, const PerformerConfig& c) {
   return c.features * p.head_dim * static_cast<std::int64_t>(sizeof(float)) +
          linear_attention_workspace(p, c.chunk, c.features);
 }
@@ -179,15 +164,15 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation performer_implementation() {
-  return {{
-              {"features", ParamType::Int, "256", 1, 16384, {}, "random features M per head"},
-              {"kernel", ParamType::Choice, "softmax", 0, 0, {"softmax", "relu"},
-               "softmax: FAVOR+ positive features for exp(qᵀk/√D); relu: max(ωx/√M, 0) + 1e-3"},
-              {"chunk", ParamType::Int, "64", 1, 8192, {}, "rows per chunk of the prefix-sum walk (tokens)"},
-          },
-          create,
-          flops,
-          workspace};
+  return implement(ModelSpec<PerformerConfig>{
+      .fields = {int_field("features", &PerformerConfig::features, 1, 16384, "random features M per head"),
+                 choice_field("kernel", &PerformerConfig::kernel,
+                              {{"softmax", PerformerKernel::Softmax}, {"relu", PerformerKernel::Relu}},
+                              "softmax: FAVOR+ positive features for exp(qᵀk/√D); relu: max(ωx/√M, 0) + 1e-3"),
+                 int_field("chunk", &PerformerConfig::chunk, 1, 8192, "rows per chunk of the prefix-sum walk (tokens)")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace});
 }
 
 }  // namespace xfb

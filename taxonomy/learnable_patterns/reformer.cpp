@@ -9,19 +9,13 @@
 #include <string>
 #include <utility>
 
-#include "lib/flop_counter.hpp"
-#include "lib/ops.hpp"
-#include "lib/rng.hpp"
-#include "lib/stage_clock.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
+#include "lib/core/stage_clock.hpp"
 
 namespace xfb {
-
-ReformerConfig reformer_config(const ParamValues& values) {
-  ReformerConfig c{.n_buckets = values.get_int("n_buckets"),
-                   .n_rounds = std::stoll(values.get_choice("n_rounds")),
-                   .chunk_len = values.get_int("chunk_len")};
-  return c;
-}
 
 std::int64_t reformer_chunk(const Problem& p, const ReformerConfig& c) {
   const std::int64_t wanted = c.chunk_len > 0 ? c.chunk_len : (p.seq_len + c.n_buckets - 1) / c.n_buckets;
@@ -286,19 +280,17 @@ std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t he
 
 namespace {
 
-void validate(const Problem&, const ParamValues& values) {
-  const ReformerConfig c = reformer_config(values);
+void validate(const Problem&, const ReformerConfig& c) {
   if (c.n_buckets != 1 && c.n_buckets % 2 != 0)
     throw ParamError("reformer: n_buckets must be 1 or even (buckets are argmax over [xR; -xR]), got " +
                      std::to_string(c.n_buckets));
 }
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  return std::make_unique<ReformerAttention>(problem, reformer_config(values), seed);
+std::unique_ptr<Mechanism> create(const Problem& problem, const ReformerConfig& c, std::uint64_t seed) {
+  return std::make_unique<ReformerAttention>(problem, c, seed);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const ReformerConfig c = reformer_config(values);
+std::int64_t flops(const Problem& p, const ReformerConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c), half = c.n_buckets / 2;
   std::int64_t per_head = 3 * n * d;
   if (half > 0) per_head += matmul_flops(n, c.n_rounds * half, d) + c.n_rounds * n * c.n_buckets;
@@ -311,8 +303,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
   return p.batch * p.heads * per_head;
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const ReformerConfig c = reformer_config(values);
+std::int64_t workspace(const Problem& p, const ReformerConfig& c) {
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c);
   const std::int64_t half = c.n_buckets / 2, threads = p.threads, kc = max_key_cols(p, m);
   const std::int64_t floats = half * d * c.n_rounds + heads * n * (d + c.n_rounds * half + 1) +
@@ -325,16 +316,21 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation reformer_implementation() {
-  return {{
-              {"n_buckets", ParamType::Int, "10", 1, 4096, {}, "hash buckets per round (1, or even); LRA: 10"},
-              {"n_rounds", ParamType::Choice, "1", 0, 0, {"1", "2", "4", "8"}, "independent hash rounds; LRA: 1"},
-              {"chunk_len", ParamType::Int, "64", 0, 65536, {},
-               "tokens per chunk of the sorted order (paper 64-128); 0 = ceil(N / n_buckets) as in LRA's code"},
-          },
-          create,
-          flops,
-          workspace,
-          validate};
+  return implement(ModelSpec<ReformerConfig>{
+      .fields = {int_field("n_buckets", &ReformerConfig::n_buckets, 1, 4096, "hash buckets per round (1, or even); LRA: 10"),
+                 choice_field("n_rounds", &ReformerConfig::n_rounds,
+                              {{"1", std::int64_t{1}}, {"2", std::int64_t{2}}, {"4", std::int64_t{4}}, {"8", std::int64_t{8}}},
+                              "independent hash rounds; LRA: 1"),
+                 int_field("chunk_len", &ReformerConfig::chunk_len, 0, 65536,
+                           "tokens per chunk of the sorted order (paper 64-128); 0 = ceil(N / n_buckets) as in LRA's code")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace,
+      .resolve = [](const Problem& p, ReformerConfig c) {
+        c.chunk_len = reformer_chunk(p, c);
+        return c;
+      },
+      .validate = validate});
 }
 
 }  // namespace xfb

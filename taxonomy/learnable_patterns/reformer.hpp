@@ -36,8 +36,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "lib/mechanism.hpp"
-#include "taxonomy/learnable_patterns/pattern_common.hpp"
+#include "lib/core/mechanism.hpp"
+#include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
 
@@ -47,7 +47,6 @@ struct ReformerConfig {
   std::int64_t chunk_len = 64;  // tokens per chunk of the sorted order; 0: ⌈N / n_buckets⌉ as in LRA's code
 };
 
-ReformerConfig reformer_config(const ParamValues& values);
 // The chunk length m used for a problem: chunk_len (or ⌈N / n_buckets⌉ when 0), clamped to [1, N].
 std::int64_t reformer_chunk(const Problem& p, const ReformerConfig& c);
 

@@ -11,19 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "lib/flop_counter.hpp"
-#include "lib/ops.hpp"
-#include "lib/rng.hpp"
-#include "lib/stage_clock.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
+#include "lib/core/stage_clock.hpp"
 
 namespace xfb {
-
-RoutingConfig routing_config(const ParamValues& values) {
-  return {.clusters = values.get_int("clusters"),
-          .kmeans_updates = values.get_int("kmeans_updates"),
-          .ema_decay = values.get_float("ema_decay"),
-          .local_heads = values.get_bool("local_heads")};
-}
 
 std::int64_t routing_clusters(const Problem& p, const RoutingConfig& c) {
   const std::int64_t n = std::max<std::int64_t>(p.seq_len, 1);
@@ -452,12 +446,11 @@ std::int64_t RoutingAttention::attend_local(const Tensor& q, const Tensor& k, co
 
 namespace {
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  return std::make_unique<RoutingAttention>(problem, routing_config(values), seed);
+std::unique_ptr<Mechanism> create(const Problem& problem, const RoutingConfig& c, std::uint64_t seed) {
+  return std::make_unique<RoutingAttention>(problem, c, seed);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const RoutingConfig c = routing_config(values);
+std::int64_t flops(const Problem& p, const RoutingConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
   const std::int64_t local = local_head_count(p, c);
   const std::int64_t routed_head =
@@ -471,8 +464,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
   return p.batch * ((p.heads - local) * routed_head + local * local_head);
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const RoutingConfig c = routing_config(values);
+std::int64_t workspace(const Problem& p, const RoutingConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
   const std::int64_t threads = p.threads, routed = p.batch * (p.heads - local_head_count(p, c));
   // Elements (4 bytes each, float or int32) held throughout, then either the fitting rows or the
@@ -490,17 +482,20 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation routing_implementation() {
-  return {{
-              {"clusters", ParamType::Int, "0", 0, 65536, {}, "k-means clusters C; 0 = round(sqrt(N))"},
-              {"kmeans_updates", ParamType::Int, "10", 0, 1000, {},
-               "online k-means (EMA) passes over seeded fitting rows (not the input) in the untimed setup"},
-              {"ema_decay", ParamType::Float, "0.999", 0, 1, {}, "centroid moving-average decay lambda"},
-              {"local_heads", ParamType::Bool, "false", 0, 0, {},
-               "first floor(H/2) heads use local attention (blocks of N/C tokens: own + previous)"},
-          },
-          create,
-          flops,
-          workspace};
+  return implement(ModelSpec<RoutingConfig>{
+      .fields = {int_field("clusters", &RoutingConfig::clusters, 0, 65536, "k-means clusters C; 0 = round(sqrt(N))"),
+                 int_field("kmeans_updates", &RoutingConfig::kmeans_updates, 0, 1000,
+                           "online k-means (EMA) passes over seeded fitting rows (not the input) in the untimed setup"),
+                 real_field("ema_decay", &RoutingConfig::ema_decay, 0, 1, "centroid moving-average decay lambda"),
+                 flag_field("local_heads", &RoutingConfig::local_heads,
+                            "first floor(H/2) heads use local attention (blocks of N/C tokens: own + previous)")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace,
+      .resolve = [](const Problem& p, RoutingConfig c) {
+        c.clusters = routing_clusters(p, c);
+        return c;
+      }});
 }
 
 }  // namespace xfb

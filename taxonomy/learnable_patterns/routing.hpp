@@ -36,8 +36,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "lib/mechanism.hpp"
-#include "taxonomy/learnable_patterns/pattern_common.hpp"
+#include "lib/core/mechanism.hpp"
+#include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
 
@@ -48,7 +48,6 @@ struct RoutingConfig {
   bool local_heads = false;          // first ⌊H/2⌋ heads use local attention
 };
 
-RoutingConfig routing_config(const ParamValues& values);
 std::int64_t routing_clusters(const Problem& p, const RoutingConfig& c);  // C used for a problem
 std::int64_t routing_window(const Problem& p, const RoutingConfig& c);    // w = ⌈N / C⌉
 

@@ -7,21 +7,14 @@
 #include <limits>
 #include <string>
 
-#include "lib/flop_counter.hpp"
-#include "lib/ops.hpp"
-#include "lib/rng.hpp"
-#include "lib/stage_clock.hpp"
-#include "taxonomy/learnable_patterns/pattern_common.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
+#include "lib/core/stage_clock.hpp"
+#include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
-
-SinkhornConfig sinkhorn_config(const ParamValues& values) {
-  SinkhornConfig c{.block = values.get_int("block"),
-                   .sinkhorn_iters = values.get_int("sinkhorn_iters"),
-                   .temperature = values.get_float("temperature"),
-                   .sortcut_blocks = values.get_int("sortcut_blocks")};
-  return c;
-}
 
 std::int64_t sinkhorn_block(const Problem& p, const SinkhornConfig& c) {
   return std::clamp<std::int64_t>(c.block, 1, std::max<std::int64_t>(p.seq_len, 1));
@@ -279,18 +272,17 @@ std::int64_t SinkhornAttention::attend_block(const Tensor& q, const Tensor& k, c
 
 namespace {
 
-std::string unsupported(const Problem& p, const ParamValues& values) {
-  if (p.causal && sinkhorn_config(values).sortcut_blocks > 0)
+std::string unsupported(const Problem& p, const SinkhornConfig& c) {
+  if (p.causal && c.sortcut_blocks > 0)
     return "SortCut (sortcut_blocks > 0) is encoder only: it has no causal mode";
   return "";
 }
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  return std::make_unique<SinkhornAttention>(problem, sinkhorn_config(values), seed);
+std::unique_ptr<Mechanism> create(const Problem& problem, const SinkhornConfig& c, std::uint64_t seed) {
+  return std::make_unique<SinkhornAttention>(problem, c, seed);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const SinkhornConfig c = sinkhorn_config(values);
+std::int64_t flops(const Problem& p, const SinkhornConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, b = sinkhorn_block(p, c), nb = sinkhorn_blocks(p, c);
   const std::int64_t cut = sortcut(p, c);
   std::int64_t per_head = n * d + (p.causal ? (nb - 1) * d : 0) + matmul_flops(nb, d, d) + 2 * nb * d +
@@ -304,8 +296,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
   return p.batch * p.heads * per_head;
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const SinkhornConfig c = sinkhorn_config(values);
+std::int64_t workspace(const Problem& p, const SinkhornConfig& c) {
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim, b = sinkhorn_block(p, c), nb = sinkhorn_blocks(p, c);
   const std::int64_t threads = p.threads;
   const std::int64_t floats = d * d + d + d * nb + nb + 2 * heads * nb * d + heads * nb * nb +
@@ -317,20 +308,23 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation sinkhorn_implementation() {
-  return {{
-              {"block", ParamType::Int, "50", 1, 65536, {}, "tokens per block b (LRA: 50)"},
-              {"sinkhorn_iters", ParamType::Int, "7", 1, 100, {},
-               "log-domain row+column normalisation rounds (non-causal; unconfirmed default)"},
-              {"temperature", ParamType::Float, "0.75", 0.01, 100, {},
-               "temperature tau dividing the sorting scores (unconfirmed default)"},
-              {"sortcut_blocks", ParamType::Int, "0", 0, 65536, {},
-               "SortCut: attend only to the first n_k sorted blocks (encoder only); 0 = off"},
-          },
-          create,
-          flops,
-          workspace,
-          nullptr,
-          unsupported};
+  return implement(ModelSpec<SinkhornConfig>{
+      .fields = {int_field("block", &SinkhornConfig::block, 1, 65536, "tokens per block b (LRA: 50)"),
+                 int_field("sinkhorn_iters", &SinkhornConfig::sinkhorn_iters, 1, 100,
+                           "log-domain row+column normalisation rounds (non-causal; unconfirmed default)"),
+                 real_field("temperature", &SinkhornConfig::temperature, 0.01, 100,
+                            "temperature tau dividing the sorting scores (unconfirmed default)"),
+                 int_field("sortcut_blocks", &SinkhornConfig::sortcut_blocks, 0, 65536,
+                           "SortCut: attend only to the first n_k sorted blocks (encoder only); 0 = off")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace,
+      .resolve = [](const Problem& p, SinkhornConfig c) {
+        c.block = sinkhorn_block(p, c);
+        c.sortcut_blocks = sortcut(p, c);
+        return c;
+      },
+      .unsupported = unsupported});
 }
 
 }  // namespace xfb

@@ -33,7 +33,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 
@@ -44,8 +44,6 @@ struct SinkhornConfig {
   std::int64_t sortcut_blocks = 0;  // SortCut n_k: attend only to the first n_k sorted blocks; 0: off
 };
 
-// SortCut with a causal problem is an `unsupported` point (SortCut is encoder only).
-SinkhornConfig sinkhorn_config(const ParamValues& values);
 std::int64_t sinkhorn_block(const Problem& p, const SinkhornConfig& c);   // b clamped to [1, N]
 std::int64_t sinkhorn_blocks(const Problem& p, const SinkhornConfig& c);  // n_B
 

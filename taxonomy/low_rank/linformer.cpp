@@ -3,21 +3,13 @@
 #include <algorithm>
 #include <cmath>
 
-#include "lib/flop_counter.hpp"
-#include "lib/ops.hpp"
-#include "lib/rng.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
 
 namespace xfb {
 namespace {
-
-LinformerConfig config_from(const ParamValues& values) {
-  const std::string& sharing = values.get_choice("sharing");
-  return {.k = values.get_int("k"),
-          .sharing = sharing == "headwise"    ? LinformerSharing::Headwise
-                     : sharing == "key-value" ? LinformerSharing::KeyValue
-                                              : LinformerSharing::PerHead,
-          .identity = values.get_choice("projection") == "identity"};
-}
 
 std::int64_t projected_length(const Problem& p, const LinformerConfig& c) { return std::min(c.k, p.seq_len); }
 
@@ -91,24 +83,22 @@ class Linformer final : public Mechanism {
   Tensor e_, f_, keys_, values_, scores_;
 };
 
-void validate(const Problem& problem, const ParamValues& values) {
-  const auto config = config_from(values);
-  if (config.identity && config.k < problem.seq_len)
+void validate(const Problem& problem, const LinformerConfig& c) {
+  if (c.identity && c.k < problem.seq_len)
     throw ParamError("linformer: projection=identity needs k >= N (E = F = I is N×N); got k=" +
-                     std::to_string(config.k) + ", N=" + std::to_string(problem.seq_len));
+                     std::to_string(c.k) + ", N=" + std::to_string(problem.seq_len));
 }
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  return std::make_unique<Linformer>(problem, config_from(values), seed);
+std::unique_ptr<Mechanism> create(const Problem& problem, const LinformerConfig& c, std::uint64_t seed) {
+  return std::make_unique<Linformer>(problem, c, seed);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const std::int64_t k = projected_length(p, config_from(values)), n = p.seq_len, d = p.head_dim;
+std::int64_t flops(const Problem& p, const LinformerConfig& c) {
+  const std::int64_t k = projected_length(p, c), n = p.seq_len, d = p.head_dim;
   return p.batch * p.heads * (4 * matmul_flops(n, k, d) + kSoftmaxFlopsPerElement * n * k);
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+std::int64_t workspace(const Problem& p, const LinformerConfig& c) {
   const std::int64_t k = projected_length(p, c), bh = p.batch * p.heads;
   const std::int64_t tensors = c.sharing == LinformerSharing::KeyValue ? 1 : 2;
   const std::int64_t projections = tensors * matrices_per_tensor(p, c) * k * p.seq_len;
@@ -119,17 +109,24 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation linformer_implementation() {
-  return {{
-              {"k", ParamType::Int, "256", 1, 1 << 20, {}, "projected sequence length (rows of E, F), tokens"},
-              {"sharing", ParamType::Choice, "per-head", 0, 0, {"per-head", "headwise", "key-value"},
-               "per-head: E_h, F_h per head; headwise: one E, F for all heads; key-value: one E = F"},
-              {"projection", ParamType::Choice, "gaussian", 0, 0, {"gaussian", "identity"},
-               "gaussian: entries N(0, 1/k) from the seed; identity: E = F = I (needs k >= N, exact attention)"},
-          },
-          create,
-          flops,
-          workspace,
-          validate};
+  return implement(ModelSpec<LinformerConfig>{
+      .fields = {int_field("k", &LinformerConfig::k, 1, 1 << 20, "projected sequence length (rows of E, F), tokens"),
+                 choice_field("sharing", &LinformerConfig::sharing,
+                              {{"per-head", LinformerSharing::PerHead},
+                               {"headwise", LinformerSharing::Headwise},
+                               {"key-value", LinformerSharing::KeyValue}},
+                              "per-head: E_h, F_h per head; headwise: one E, F for all heads; key-value: one E = F"),
+                 choice_field("projection", &LinformerConfig::identity, {{"gaussian", false}, {"identity", true}},
+                              "gaussian: entries N(0, 1/k) from the seed; identity: E = F = I (needs k >= N, exact "
+                              "attention)")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace,
+      .resolve = [](const Problem& p, LinformerConfig c) {
+        c.k = projected_length(p, c);
+        return c;
+      },
+      .validate = validate});
 }
 
 }  // namespace xfb

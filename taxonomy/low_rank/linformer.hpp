@@ -11,7 +11,7 @@
 // matmuls batched over B·H, except a shared projection: one matmul per (batch, head).
 // FLOPs: B·H·(8·N·k·D + 5·N·k)   (E·K, F·V, Q·K̃ᵀ, P·Ṽ: 2·N·k·D each; softmax 5 per score).
 // Workspace: projections (2·H, 2 or 1 × k·N floats) + E·K, F·V (2·B·H·k·D) + scores (B·H·N·ld).
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 

@@ -3,21 +3,13 @@
 #include <algorithm>
 #include <cmath>
 
-#include "lib/flop_counter.hpp"
-#include "lib/ops.hpp"
-#include "lib/rng.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
 
 namespace xfb {
 namespace {
-
-SynthesizerConfig config_from(const ParamValues& values) {
-  const std::string& variant = values.get_choice("variant");
-  return {.variant = variant == "random"              ? SynthesizerVariant::Random
-                     : variant == "factorized-random" ? SynthesizerVariant::FactorizedRandom
-                                                      : SynthesizerVariant::Dense,
-          .factor_rank = values.get_int("factor_rank"),
-          .vanilla_weight = values.get_float("vanilla_weight")};
-}
 
 std::int64_t softmax_entries(const Problem& p) {
   return p.causal ? p.seq_len * (p.seq_len + 1) / 2 : p.seq_len * p.seq_len;
@@ -159,12 +151,11 @@ class Synthesizer final : public Mechanism {
   Tensor w1_, b1_, w2_, b2_, w2_with_bias_, hidden_, r_, r1_, r2_, logits_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  return std::make_unique<Synthesizer>(problem, config_from(values), seed);
+std::unique_ptr<Mechanism> create(const Problem& problem, const SynthesizerConfig& c, std::uint64_t seed) {
+  return std::make_unique<Synthesizer>(problem, c, seed);
 }
 
-std::int64_t flops(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+std::int64_t flops(const Problem& p, const SynthesizerConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim;
   const bool mixed = static_cast<float>(c.vanilla_weight) > 0.0f;
   std::int64_t per_head = kSoftmaxFlopsPerElement * softmax_entries(p) + matmul_flops(n, d, n);
@@ -177,8 +168,7 @@ std::int64_t flops(const Problem& p, const ParamValues& values) {
   return p.batch * p.heads * per_head;
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+std::int64_t workspace(const Problem& p, const SynthesizerConfig& c) {
   const std::int64_t h = p.heads, n = p.seq_len, d = p.head_dim, bh = p.batch * p.heads;
   std::int64_t floats = bh * n * ops::padded_ld(n);
   switch (c.variant) {
@@ -192,16 +182,19 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation synthesizer_implementation() {
-  return {{
-              {"variant", ParamType::Choice, "dense", 0, 0, {"dense", "random", "factorized-random"},
-               "how the logits are synthesised: per-token MLP, fixed random N×N, or R₁·R₂ᵀ"},
-              {"factor_rank", ParamType::Int, "8", 1, 4096, {}, "k of the factorized-random R₁·R₂ᵀ (R₁, R₂: N×k)"},
-              {"vanilla_weight", ParamType::Float, "0", 0, 1, {},
-               "weight α of Q·Kᵀ/√D mixed into the logits (\"+ Vanilla\"); 0 = pure synthesizer"},
-          },
-          create,
-          flops,
-          workspace};
+  return implement(ModelSpec<SynthesizerConfig>{
+      .fields = {choice_field("variant", &SynthesizerConfig::variant,
+                              {{"dense", SynthesizerVariant::Dense},
+                               {"random", SynthesizerVariant::Random},
+                               {"factorized-random", SynthesizerVariant::FactorizedRandom}},
+                              "how the logits are synthesised: per-token MLP, fixed random N×N, or R₁·R₂ᵀ"),
+                 int_field("factor_rank", &SynthesizerConfig::factor_rank, 1, 4096,
+                           "k of the factorized-random R₁·R₂ᵀ (R₁, R₂: N×k)"),
+                 real_field("vanilla_weight", &SynthesizerConfig::vanilla_weight, 0, 1,
+                            "weight α of Q·Kᵀ/√D mixed into the logits (\"+ Vanilla\"); 0 = pure synthesizer")},
+      .create = create,
+      .flops = flops,
+      .workspace = workspace});
 }
 
 }  // namespace xfb

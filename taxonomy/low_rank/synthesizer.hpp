@@ -18,7 +18,7 @@
 //   + factorized-random: 2·N²·k.
 // Workspace: logits [B·H, N, padded_ld(N)], the parameters, and for dense the hidden layer
 // [B·H, N, D+1] and the stacked [W₂; b₂] [H, D+1, N].
-#include "lib/mechanism.hpp"
+#include "lib/core/mechanism.hpp"
 
 namespace xfb {
 

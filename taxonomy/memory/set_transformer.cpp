@@ -5,9 +5,10 @@
 #include <algorithm>
 #include <cmath>
 
-#include "lib/flop_counter.hpp"
-#include "lib/ops.hpp"
-#include "lib/rng.hpp"
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
 
 namespace xfb {
 namespace {
@@ -16,10 +17,6 @@ constexpr float kLayerNormEps = 1e-5f;
 // Non-product FLOPs per row element of one MAB after its attention: residual + LN, rFF bias +
 // ReLU, residual + LN.
 constexpr std::int64_t kMabTailFlopsPerElement = (1 + kLayerNormFlopsPerElement) + 2 + (1 + kLayerNormFlopsPerElement);
-
-SetTransformerConfig config_from(const ParamValues& values) {
-  return {.inducing_points = values.get_int("inducing_points"), .block_q = values.get_int("block_q")};
-}
 
 // Rows of a query block that the tiles actually hold.
 std::int64_t block_rows(const Problem& p, const SetTransformerConfig& c) { return std::min(c.block_q, p.seq_len); }
@@ -171,16 +168,15 @@ class SetTransformer final : public Mechanism {
   Tensor summaries_, summary_scores_, query_scores_, hidden_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const ParamValues& values, std::uint64_t seed) {
-  return std::make_unique<SetTransformer>(problem, config_from(values), seed);
+std::unique_ptr<Mechanism> create(const Problem& problem, const SetTransformerConfig& c, std::uint64_t seed) {
+  return std::make_unique<SetTransformer>(problem, c, seed);
 }
 
 std::int64_t mab_tail_flops(std::int64_t rows, std::int64_t d) {
   return matmul_flops(rows, d, d) + kMabTailFlopsPerElement * rows * d;
 }
 
-std::int64_t set_transformer_flops(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+std::int64_t set_transformer_flops(const Problem& p, const SetTransformerConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, m = c.inducing_points;
   const std::int64_t mab1 = matmul_flops(m, n, d) + matmul_flops(m, d, n) + kSoftmaxFlopsPerElement * m * n +
                             mab_tail_flops(m, d) + 2 * matmul_flops(m, d, d);
@@ -189,8 +185,7 @@ std::int64_t set_transformer_flops(const Problem& p, const ParamValues& values) 
   return p.batch * p.heads * (mab1 + mab2);
 }
 
-std::int64_t workspace(const Problem& p, const ParamValues& values) {
-  const auto c = config_from(values);
+std::int64_t workspace(const Problem& p, const SetTransformerConfig& c) {
   const std::int64_t h = p.heads, d = p.head_dim, m = c.inducing_points, rows = block_rows(p, c);
   const std::int64_t threads = p.threads;
   const std::int64_t parameters = h * m * d + 4 * h * d * d + 2 * h * d + 8 * h * d;
@@ -202,13 +197,18 @@ std::int64_t workspace(const Problem& p, const ParamValues& values) {
 }  // namespace
 
 Implementation set_transformer_implementation() {
-  return {{
-              {"inducing_points", ParamType::Int, "32", 1, 4096, {}, "m, learned inducing points per head"},
-              {"block_q", ParamType::Int, "256", 1, 65536, {}, "query rows per task in the second MAB (tokens)"},
-          },
-          create,
-          set_transformer_flops,
-          workspace};
+  return implement(ModelSpec<SetTransformerConfig>{
+      .fields = {int_field("inducing_points", &SetTransformerConfig::inducing_points, 1, 4096,
+                           "m, learned inducing points per head"),
+                 int_field("block_q", &SetTransformerConfig::block_q, 1, 65536,
+                           "query rows per task in the second MAB (tokens)")},
+      .create = create,
+      .flops = set_transformer_flops,
+      .workspace = workspace,
+      .resolve = [](const Problem& p, SetTransformerConfig c) {
+        c.block_q = block_rows(p, c);
+        return c;
+      }});
 }
 
 }  // namespace xfb

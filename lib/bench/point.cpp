@@ -1,0 +1,296 @@
+#include "lib/bench/point.hpp"
+
+#include <sys/resource.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "lib/bench/encoder_layer.hpp"
+#include "lib/core/cpu_isa.hpp"
+#include "lib/core/dnnl_context.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/memory_tracker.hpp"
+#include "lib/core/npy.hpp"
+#include "lib/core/rng.hpp"
+#include "lib/core/stats.hpp"
+#include "taxonomy/registry.hpp"
+
+namespace xfb {
+
+std::string scope_name(Scope s) { return s == Scope::Attention ? "attention" : "layer"; }
+
+namespace {
+
+const ModelInfo& model_or_throw(const std::string& name) {
+  const ModelInfo* model = find_model(name);
+  if (model == nullptr) {
+    std::string known;
+    for (const auto& m : registry()) known += (known.empty() ? "" : ", ") + m.name;
+    throw InputError("unknown model '" + name + "' (known: " + known + ")");
+  }
+  return *model;
+}
+
+std::string format_number(double value) {
+  std::ostringstream out;
+  out << value;
+  return out.str();
+}
+
+std::int64_t peak_rss_of_self() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<std::int64_t>(usage.ru_maxrss) * 1024;
+}
+
+// `params`: the values that ran (derived defaults computed, blocks clamped); `requested_params`:
+// the row's, as asked for.
+void write_manifest(const std::string& dir, const Point& point, const ResultRow& row,
+                    const std::vector<std::pair<std::string, const Tensor*>>& files) {
+  nlohmann::json manifest = problem_settings(point.config);
+  manifest["model"] = point.config.model;
+  manifest["seq_len"] = point.config.problem.seq_len;
+  manifest["params"] = point.running.to_json();
+  manifest["requested_params"] = row.params;
+  manifest["layout"] = "attention tensors are [B, H, N, D]; little-endian float32, C order";
+  manifest["reproducer"] = row.reproducer;
+  nlohmann::json list = nlohmann::json::array();
+  for (const auto& [name, tensor] : files)
+    list.push_back({{"name", name}, {"file", name + ".npy"}, {"shape", tensor->shape()}});
+  manifest["files"] = list;
+  std::ofstream(dir + "/manifest.json") << manifest.dump(2) << "\n";
+}
+
+}  // namespace
+
+Point resolve_point(const PointConfig& config) {
+  const ModelInfo& model = model_or_throw(config.model);
+  const Problem& p = config.problem;
+  auto positive = [](std::int64_t value, const char* what) {
+    if (value <= 0) throw InputError(std::string(what) + " must be positive, got " + std::to_string(value));
+  };
+  positive(p.batch, "--batch");
+  positive(p.heads, "--heads");
+  positive(p.seq_len, "--seq-len");
+  positive(p.head_dim, "--head-dim");
+  if (config.d_ff < 0) throw InputError("--d-ff must be positive");
+  if (p.threads < 1) throw InputError("--threads must be positive, got " + std::to_string(p.threads));
+  if (config.timing.warmup < 1) throw InputError("--warmup must be at least 1 (primitives are created in warm-up)");
+  if (config.timing.min_reps < 1) throw InputError("--min-reps must be at least 1");
+  if (config.timing.min_time_s < 0) throw InputError("--min-time must not be negative");
+  Point point;
+  point.model = &model;
+  point.config = config;
+  point.requested = resolve_params(config.model, model.impl.params, config.params);
+  if (model.impl.validate) model.impl.validate(p, point.requested);
+  point.running = model.impl.resolved(p, point.requested);
+  return point;
+}
+
+void validate_point(const PointConfig& config) { resolve_point(config); }
+
+nlohmann::json problem_settings(const PointConfig& c) {
+  return {{"batch", c.problem.batch},
+          {"heads", c.problem.heads},
+          {"head_dim", c.problem.head_dim},
+          {"causal", c.problem.causal},
+          {"scope", scope_name(c.scope)},
+          {"d_ff", c.scope == Scope::Layer ? c.effective_d_ff() : 0},
+          {"threads", c.problem.threads},
+          {"seed", c.seed},
+          {"warmup", c.timing.warmup},
+          {"min_reps", c.timing.min_reps},
+          {"min_time_s", c.timing.min_time_s}};
+}
+
+std::int64_t point_io_bytes(const PointConfig& config) {
+  const Problem& p = config.problem;
+  const std::int64_t tensor = p.batch * p.heads * p.seq_len * p.head_dim * static_cast<std::int64_t>(sizeof(float));
+  return (config.scope == Scope::Layer ? 2 : 4) * tensor;
+}
+
+std::int64_t estimated_point_bytes(const Point& point) {
+  const PointConfig& c = point.config;
+  std::int64_t bytes = point_io_bytes(c) + point.model->impl.workspace_bytes(c.problem, point.requested);
+  if (c.scope == Scope::Layer) bytes += EncoderLayer::workspace_bytes(c.problem, c.effective_d_ff());
+  return bytes;
+}
+
+std::vector<std::string> run_arguments(const Point& point) {
+  const PointConfig& c = point.config;
+  std::vector<std::string> args = {"run",
+                                   "--model", c.model,
+                                   "--seq-len", std::to_string(c.problem.seq_len),
+                                   "--batch", std::to_string(c.problem.batch),
+                                   "--heads", std::to_string(c.problem.heads),
+                                   "--head-dim", std::to_string(c.problem.head_dim),
+                                   "--scope", scope_name(c.scope)};
+  if (c.problem.causal) args.push_back("--causal");
+  if (c.scope == Scope::Layer) {
+    args.push_back("--d-ff");
+    args.push_back(std::to_string(c.effective_d_ff()));
+  }
+  args.insert(args.end(), {"--threads", std::to_string(c.problem.threads), "--seed", std::to_string(c.seed)});
+  for (const auto& param : c.params) args.insert(args.end(), {"--param", param});
+  args.insert(args.end(), {"--warmup", std::to_string(c.timing.warmup), "--min-reps", std::to_string(c.timing.min_reps),
+                           "--min-time", format_number(c.timing.min_time_s)});
+  return args;
+}
+
+std::string reproducer_command(const Point& point) {
+  // A capped kernel ISA is part of what ran.
+  std::string command = "xfbench";
+  if (kernel_isa() != detected_kernel_isa()) command = "XFBENCH_MAX_ISA=" + kernel_isa_name(kernel_isa()) + " xfbench";
+  for (const auto& arg : run_arguments(point)) command += " " + arg;
+  return command;
+}
+
+ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
+  const ModelInfo& model = *point.model;
+  const PointConfig& config = point.config;
+  ResultRow row;
+  row.model = model.name;
+  for (auto c : model.classes) row.classes.push_back(class_name(c));
+  row.scope = scope_name(config.scope);
+  row.causal = config.problem.causal;
+  row.batch = config.problem.batch;
+  row.heads = config.problem.heads;
+  row.seq_len = config.problem.seq_len;
+  row.head_dim = config.problem.head_dim;
+  row.d_ff = config.scope == Scope::Layer ? config.effective_d_ff() : 0;
+  row.params = point.requested.to_json();
+  row.threads = config.problem.threads;
+  row.kernel_isa = kernel_isa_name(kernel_isa());
+  row.seed = config.seed;
+  row.reproducer = reproducer_command(point);
+  const std::string why = model.impl.unsupported ? model.impl.unsupported(config.problem, point.requested) : "";
+  if (config.problem.causal && !model.decodes) {
+    row.status = Status::Unsupported;
+    row.reason = model.display_name + " cannot decode (survey Table 1: Decode = no), so it has no causal mode";
+  } else if (!why.empty()) {
+    row.status = Status::Unsupported;
+    row.reason = model.display_name + ": " + why;
+  } else {
+    const std::int64_t estimate = estimated_point_bytes(point);
+    row.estimated_workspace_bytes = estimate - point_io_bytes(config);
+    if (memory_limit_bytes > 0 && estimate > memory_limit_bytes) {
+      row.status = Status::Skipped;
+      row.reason = "estimated " + std::to_string(estimate) + " bytes exceed --memory-limit " +
+                   std::to_string(memory_limit_bytes);
+    }
+  }
+  return row;
+}
+
+ResultRow describe_point(const PointConfig& config, std::int64_t memory_limit_bytes) {
+  return describe_point(resolve_point(config), memory_limit_bytes);
+}
+
+ResultRow run_point(const PointConfig& config, const std::optional<std::string>& dump_dir) {
+  return run_point(resolve_point(config), dump_dir);
+}
+
+ResultRow run_point(const Point& point, const std::optional<std::string>& dump_dir) {
+  ResultRow row = describe_point(point);
+  if (row.status != Status::Ok) return row;
+  const ModelInfo& model = *point.model;
+  const PointConfig& config = point.config;
+  const ParamValues& values = point.requested;
+  const Problem& p = config.problem;
+  DnnlContext::instance().set_threads(p.threads);  // the team oneDNN and every OpenMP loop use
+
+  auto& tracker = MemoryTracker::instance();
+  const std::int64_t baseline = tracker.current_bytes();
+  const std::int64_t owned_baseline = tracker.owned_current_bytes();
+  tracker.reset_peak();
+
+  // Untimed setup: inputs, output, parameters, buffers, primitives (first warm-up run).
+  const bool layer = config.scope == Scope::Layer;
+  Tensor q, k, v, x;
+  if (layer) {
+    x = Tensor(Shape{p.batch, p.seq_len, p.heads * p.head_dim});
+    CounterRng(config.seed, "input/x").fill_normal(x);
+  } else {
+    q = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    k = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    v = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    CounterRng(config.seed, "input/q").fill_normal(q);
+    CounterRng(config.seed, "input/k").fill_normal(k);
+    CounterRng(config.seed, "input/v").fill_normal(v);
+  }
+  Tensor out = layer ? Tensor(Shape{p.batch, p.seq_len, p.heads * p.head_dim})
+                     : Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+  const std::int64_t io_bytes = point_io_bytes(config);
+  auto mechanism = model.impl.create(p, values, config.seed);
+  std::unique_ptr<EncoderLayer> encoder;
+  if (layer) {
+    encoder = std::make_unique<EncoderLayer>(p, config.effective_d_ff(), config.seed);
+    encoder->prepare(*mechanism, x);
+  } else {
+    mechanism->prepare(q, k, v);
+  }
+  auto body = [&] {
+    if (layer)
+      encoder->forward(*mechanism, x, out);
+    else
+      mechanism->forward(q, k, v, out);
+  };
+  FlopCounter::reset();
+  body();
+  row.flops = FlopCounter::total();
+
+  TimingSettings timing = config.timing;
+  timing.warmup -= 1;
+  const TimingResult timed = time_repeatedly(timing, body);
+
+  row.peak_tensor_bytes = tracker.peak_bytes() - baseline;
+  row.peak_owned_bytes = tracker.owned_peak_bytes() - owned_baseline;
+  row.workspace_bytes = row.peak_tensor_bytes - io_bytes;
+  // With no clean sample at all, the statistics fall back to every sample (the row is contended).
+  row.samples_ns = timed.samples_ns.empty() ? timed.contended_samples_ns : timed.samples_ns;
+  row.contended_samples_ns = timed.samples_ns.empty() ? std::vector<double>{} : timed.contended_samples_ns;
+  row.contended_samples = static_cast<std::int64_t>(timed.contended_samples_ns.size());
+  row.contended = timed.contended;
+  row.cpu_ratio = timed.contention.cpu_ratio;
+  row.host_busy = timed.contention.host_busy;
+  row.load_average = timed.contention.load_average;
+  if (row.contended)
+    row.warnings.push_back(contention_reason(row.contended_samples,
+                                             row.contended_samples + static_cast<std::int64_t>(timed.samples_ns.size()),
+                                             timed.contention));
+  const SampleStats stats = summarize(row.samples_ns);
+  row.median_ns = stats.median;
+  row.min_ns = stats.min;
+  row.max_ns = stats.max;
+  row.mad_ns = stats.mad;
+  row.cv = stats.cv;
+  row.unstable = stats.cv > kUnstableCv;
+  for (const auto& [stage, samples] : timed.stage_samples_ns) row.stage_median_ns[stage] = summarize(samples).median;
+  row.gflops_per_s = stats.median > 0 ? static_cast<double>(row.flops) / stats.median : 0;
+  row.tokens_per_s = stats.median > 0 ? static_cast<double>(p.batch * p.seq_len) / (stats.median * 1e-9) : 0;
+  if (timed.primitives_created_while_timed > 0)
+    row.warnings.push_back(std::to_string(timed.primitives_created_while_timed) +
+                           " oneDNN primitive(s) were created inside the timed region");
+  if (!optimised_build()) row.warnings.push_back("this build is not optimised (" XFBENCH_BUILD_TYPE "): times are not representative");
+
+  if (dump_dir) {
+    std::vector<std::pair<std::string, const Tensor*>> files;
+    if (layer) {
+      files = {{"x", &x}, {"q", &encoder->q()}, {"k", &encoder->k()}, {"v", &encoder->v()},
+               {"attention_out", &encoder->attention_output()}, {"out", &out}};
+      for (const auto& named : encoder->parameters()) files.emplace_back(named.name, named.tensor);
+    } else {
+      files = {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
+    }
+    for (const auto& named : mechanism->parameters()) files.emplace_back(named.name, named.tensor);
+    std::filesystem::create_directories(*dump_dir);
+    for (const auto& [name, tensor] : files) write_npy(*dump_dir + "/" + name + ".npy", *tensor);
+    write_manifest(*dump_dir, point, row, files);
+  }
+  row.peak_rss_bytes = peak_rss_of_self();
+  return row;
+}
+
+}  // namespace xfb

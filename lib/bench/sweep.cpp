@@ -1,0 +1,280 @@
+#include "lib/bench/sweep.hpp"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "lib/bench/child_process.hpp"
+#include "lib/bench/system_info.hpp"
+#include "lib/core/dnnl_context.hpp"
+#include "lib/core/errors.hpp"
+#include "taxonomy/registry.hpp"
+
+namespace xfb {
+namespace {
+
+std::vector<std::string> split(const std::string& text, char separator) {
+  std::vector<std::string> parts;
+  std::stringstream in(text);
+  std::string part;
+  while (std::getline(in, part, separator)) parts.push_back(part);
+  return parts;
+}
+
+std::int64_t parse_positive(const std::string& text, const std::string& what) {
+  std::size_t used = 0;
+  long long value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size()) throw InputError(what + ": '" + text + "' is not an integer");
+  if (value <= 0) throw InputError(what + ": " + text + " must be positive");
+  return value;
+}
+
+std::string last_line(const std::string& text) {
+  auto end = text.find_last_not_of("\n\r ");
+  if (end == std::string::npos) return "";
+  auto start = text.rfind('\n', end);
+  return text.substr(start == std::string::npos ? 0 : start + 1, end - (start == std::string::npos ? 0 : start + 1) + 1);
+}
+
+std::string signal_text(int signal) {
+  const char* name = strsignal(signal);
+  return "killed by signal " + std::to_string(signal) + " (" + (name ? name : "?") + ")" +
+         (signal == 9 ? ", possibly out of memory" : "");
+}
+
+std::string format_duration(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%dm%02ds", static_cast<int>(seconds) / 60, static_cast<int>(seconds) % 60);
+  return text;
+}
+
+}  // namespace
+
+std::vector<std::string> parse_model_selection(const std::string& text) {
+  std::vector<std::string> names;
+  if (text == "all" || text == "implemented") {
+    for (const auto& model : registry())
+      if (model.implemented()) names.push_back(model.name);
+    return names;
+  }
+  if (text.rfind("class:", 0) == 0) {
+    ModelClass wanted;
+    if (!parse_class(text.substr(6), wanted)) throw InputError("unknown class '" + text.substr(6) + "'");
+    for (const auto& model : registry())
+      if (model.implemented() && model.has_class(wanted)) names.push_back(model.name);
+    if (names.empty()) throw InputError("no implemented model in class " + text.substr(6));
+    return names;
+  }
+  for (const auto& name : split(text, ',')) {
+    if (find_model(name) == nullptr) throw InputError("unknown model '" + name + "' in --models");
+    names.push_back(name);
+  }
+  if (names.empty()) throw InputError("--models is empty");
+  return names;
+}
+
+std::vector<std::int64_t> parse_seq_lens(const std::string& text) {
+  std::vector<std::int64_t> lens;
+  const auto range = split(text, ':');
+  if (range.size() == 3) {
+    const std::int64_t lo = parse_positive(range[0], "--seq-lens"), hi = parse_positive(range[1], "--seq-lens");
+    const std::string& step = range[2];
+    if (step.size() < 2 || (step[0] != 'x' && step[0] != '+'))
+      throw InputError("--seq-lens step must be xK (geometric) or +K (arithmetic), got '" + step + "'");
+    const std::int64_t k = parse_positive(step.substr(1), "--seq-lens step");
+    if (step[0] == 'x' && k < 2) throw InputError("--seq-lens geometric step must be at least x2");
+    if (lo > hi) throw InputError("--seq-lens range is empty");
+    for (std::int64_t n = lo; n <= hi; n = step[0] == 'x' ? n * k : n + k) lens.push_back(n);
+    return lens;
+  }
+  if (range.size() != 1) throw InputError("--seq-lens expects a,b,c or lo:hi:xK, got '" + text + "'");
+  for (const auto& part : split(text, ',')) lens.push_back(parse_positive(part, "--seq-lens"));
+  if (lens.empty()) throw InputError("--seq-lens is empty");
+  return lens;
+}
+
+std::vector<std::string> params_for_model(const std::string& model, const std::vector<std::string>& params) {
+  std::vector<std::string> own;
+  const ModelInfo* info = find_model(model);
+  for (const auto& param : params) {
+    const auto eq = param.find('=');
+    const auto dot = param.find('.');
+    if (dot != std::string::npos && dot < eq) {
+      if (param.substr(0, dot) == model) own.push_back(param.substr(dot + 1));
+      continue;
+    }
+    const std::string key = param.substr(0, eq);
+    for (const auto& spec : info->impl.params)
+      if (spec.name == key) own.push_back(param);
+  }
+  return own;
+}
+
+std::pair<int, int> parse_shard(const std::string& text) {
+  const auto parts = split(text, '/');
+  if (parts.size() != 2) throw InputError("--shard expects i/n (e.g. 2/4), got '" + text + "'");
+  const auto index = parse_positive(parts[0], "--shard index"), count = parse_positive(parts[1], "--shard count");
+  if (index > count) throw InputError("--shard " + text + ": the index must be between 1 and " + parts[1]);
+  if (count > 100000) throw InputError("--shard " + text + ": too many shards");
+  return {static_cast<int>(index), static_cast<int>(count)};
+}
+
+std::vector<int> assign_shards(const std::vector<std::int64_t>& costs, int shards) {
+  std::vector<std::size_t> order(costs.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return costs[a] > costs[b]; });
+  std::vector<std::int64_t> load(static_cast<std::size_t>(shards), 0);
+  std::vector<std::size_t> count(static_cast<std::size_t>(shards), 0);
+  std::vector<int> shard_of(costs.size(), 0);
+  for (std::size_t point : order) {
+    std::size_t best = 0;
+    for (std::size_t s = 1; s < load.size(); ++s)
+      if (load[s] < load[best] || (load[s] == load[best] && count[s] < count[best])) best = s;
+    shard_of[point] = static_cast<int>(best);
+    load[best] += costs[point];
+    ++count[best];
+  }
+  return shard_of;
+}
+
+namespace {
+
+// Estimated FLOPs of a point's mechanism; 0 for points that will not run.
+std::int64_t estimated_cost(const Point& point) {
+  if (describe_point(point).status != Status::Ok) return 0;
+  return point.model->impl.flops(point.config.problem, point.requested);
+}
+
+std::vector<Point> points_of_shard(const std::vector<Point>& points, int index, int count) {
+  if (count <= 1) return points;
+  std::vector<std::int64_t> costs;
+  for (const auto& point : points) costs.push_back(estimated_cost(point));
+  const auto shard_of = assign_shards(costs, count);
+  std::vector<Point> mine;
+  for (std::size_t i = 0; i < points.size(); ++i)
+    if (shard_of[i] == index - 1) mine.push_back(points[i]);
+  return mine;
+}
+
+}  // namespace
+
+ResultRow run_point_in_child(const Point& point, double timeout_s, const std::string& program) {
+  ResultRow row = describe_point(point);
+  auto args = run_arguments(point);
+  args.push_back("--json");
+  args.insert(args.begin(), "-q");
+  const ChildResult child = program.empty() ? run_self(args, timeout_s) : run_program(program, args, timeout_s);
+  if (child.timed_out) {
+    row.status = Status::Error;
+    row.reason = "timed out after " + std::to_string(static_cast<int>(timeout_s)) + " s (--timeout)";
+  } else if (child.signal != 0) {
+    row.status = Status::Error;
+    row.reason = signal_text(child.signal);
+  } else {
+    try {
+      row = nlohmann::json::parse(child.out).get<ResultRow>();
+    } catch (const std::exception&) {
+      row.status = Status::Error;
+      const std::string detail = last_line(child.err);
+      row.reason = "child exited with code " + std::to_string(child.exit_code) + (detail.empty() ? "" : ": " + detail);
+    }
+  }
+  row.peak_rss_bytes = std::max(row.peak_rss_bytes, child.peak_rss_bytes);
+  return row;
+}
+
+Report run_sweep(const SweepSettings& s, const std::string& command_line) {
+  // Validate everything before writing anything.
+  if (s.out_path.empty()) throw InputError("--out is required");
+  const auto parent = std::filesystem::path(s.out_path).parent_path();
+  if (!parent.empty() && !std::filesystem::is_directory(parent))
+    throw InputError("output folder " + parent.string() + " does not exist");
+  std::vector<Point> points;
+  for (const auto& model : s.models) {
+    const auto own = params_for_model(model, s.params);
+    for (auto n : s.seq_lens) {
+      PointConfig point = s.base;
+      point.model = model;
+      point.problem.seq_len = n;
+      point.params = own;
+      points.push_back(resolve_point(point));
+    }
+  }
+  for (const auto& param : s.params) {
+    bool used = false;
+    for (const auto& model : s.models)
+      if (!params_for_model(model, {param}).empty()) used = true;
+    if (!used) throw InputError("--param " + param + " matches no parameter of the selected models");
+  }
+  if (s.shard_index < 1 || s.shard_index > s.shard_count) throw InputError("--shard index out of range");
+  points = points_of_shard(points, s.shard_index, s.shard_count);
+
+  Report report;
+  std::set<std::string> done;
+  if (s.resume && std::filesystem::exists(s.out_path)) {
+    report = load_report(s.out_path);
+    for (const auto& row : report.results) done.insert(row.key());
+  }
+  const int threads = s.base.problem.threads;
+  if (report.context.empty()) {
+    report.context = capture_context(threads);
+    report.context["command_line"] = command_line;
+    report.context["seed"] = s.base.seed;
+    if (s.measure_machine) {
+      const auto m = measure_machine(threads);
+      report.context["fma_peak_gflops"] = m.fma_peak_gflops;
+      report.context["fma_peak_256_gflops"] = m.fma_peak_256_gflops;
+      report.context["fma_peak_512_gflops"] = m.fma_peak_512_gflops;
+      report.context["triad_bandwidth_gbs"] = m.triad_bandwidth_gbs;
+    }
+  }
+  report.settings = problem_settings(s.base);
+  report.settings["models"] = s.models;
+  report.settings["seq_lens"] = s.seq_lens;
+  report.settings["params"] = s.params;
+  report.settings["timeout_s"] = s.timeout_s;
+  report.settings["memory_limit_bytes"] = s.memory_limit_bytes;
+  if (s.shard_count > 1) report.settings["shard"] = std::to_string(s.shard_index) + "/" + std::to_string(s.shard_count);
+  if (!s.preset.empty()) report.settings["preset"] = s.preset;
+  save_report_atomically(report, s.out_path);
+
+  const auto start = std::chrono::steady_clock::now();
+  std::size_t index = 0, ran = 0;
+  for (const auto& point : points) {
+    ++index;
+    ResultRow row = describe_point(point, s.memory_limit_bytes);
+    if (done.count(row.key())) continue;
+    if (s.progress) {
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const std::size_t remaining_points = points.size() - index + 1;
+      const std::string eta = ran > 0 ? format_duration(elapsed / static_cast<double>(ran) * static_cast<double>(remaining_points)) : "?";
+      const PointConfig& c = point.config;
+      std::fprintf(stderr, "[%zu/%zu] %s N=%lld%s  elapsed %s  eta %s\n", index, points.size(), c.model.c_str(),
+                   static_cast<long long>(c.problem.seq_len), c.problem.causal ? " causal" : "",
+                   format_duration(elapsed).c_str(), eta.c_str());
+    }
+    if (row.status == Status::Ok) {
+      row = run_point_in_child(point, s.timeout_s);
+      ++ran;
+    }
+    if (s.progress && row.status != Status::Ok)
+      std::fprintf(stderr, "        %s: %s\n", status_name(row.status).c_str(), row.reason.c_str());
+    if (row.contended) spdlog::warn("{} N={}: {}", row.model, row.seq_len, contended_warning(row));
+    report.results.push_back(std::move(row));
+    save_report_atomically(report, s.out_path);
+  }
+  return report;
+}
+
+}  // namespace xfb

@@ -1,0 +1,52 @@
+#include "lib/core/cpu_isa.hpp"
+
+#include <cstdlib>
+#include <optional>
+
+#include "lib/core/errors.hpp"
+
+namespace xfb {
+namespace {
+std::optional<KernelIsa> g_forced;
+
+KernelIsa parse_cap(const std::string& text) {
+  if (text == "avx2" || text == "AVX2") return KernelIsa::Avx2;
+  if (text == "avx512" || text == "AVX512") return KernelIsa::Avx512;
+  throw InputError("XFBENCH_MAX_ISA='" + text + "' is not avx2 or avx512");
+}
+}  // namespace
+
+std::string kernel_isa_name(KernelIsa isa) { return isa == KernelIsa::Avx512 ? "avx512" : "avx2"; }
+
+KernelIsa detected_kernel_isa() {
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+  return avx512 ? KernelIsa::Avx512 : KernelIsa::Avx2;
+}
+
+KernelIsa kernel_isa() {
+  if (g_forced) return *g_forced;
+  static const KernelIsa chosen = [] {
+    KernelIsa isa = detected_kernel_isa();
+    if (const char* cap = std::getenv("XFBENCH_MAX_ISA"); cap != nullptr && *cap != '\0') {
+      const KernelIsa limit = parse_cap(cap);
+      if (limit < isa) isa = limit;
+    }
+    return isa;
+  }();
+  return chosen;
+}
+
+std::vector<KernelIsa> supported_kernel_isas() {
+  std::vector<KernelIsa> isas = {KernelIsa::Avx2};
+  if (detected_kernel_isa() == KernelIsa::Avx512) isas.push_back(KernelIsa::Avx512);
+  return isas;
+}
+
+void force_kernel_isa(KernelIsa isa) {
+  if (isa > detected_kernel_isa()) throw InputError(kernel_isa_name(isa) + " is not supported on this CPU");
+  g_forced = isa;
+}
+
+}  // namespace xfb

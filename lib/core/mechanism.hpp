@@ -1,0 +1,66 @@
+#pragma once
+// The interface every attention mechanism implements, and the implementation the registry holds.
+//
+// A mechanism computes O = attention(Q, K, V) for per-head tensors of shape [B, H, N, D]
+// (batch, heads, tokens, features per head; row-major), optionally causal (token i depends only
+// on tokens j <= i). Parameters (projections, random features, centroids …) are made from the seed
+// in the untimed `prepare`; `forward` is the timed work.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lib/core/params.hpp"
+#include "lib/core/tensor.hpp"
+
+namespace xfb {
+
+struct Problem {
+  std::int64_t batch = 1;      // sequences per call
+  std::int64_t heads = 8;      // attention heads
+  std::int64_t seq_len = 1024; // tokens, N
+  std::int64_t head_dim = 64;  // features per head, D
+  bool causal = false;         // token i attends only to j <= i
+  int threads = 1;             // OpenMP threads the mechanism runs on; per-thread buffers are sized
+                               // for exactly this many (the harness sets the OpenMP team to match)
+};
+
+struct NamedTensor {
+  std::string name;  // file stem for --dump, e.g. "random_features"
+  const Tensor* tensor = nullptr;
+};
+
+class Mechanism {
+ public:
+  virtual ~Mechanism() = default;
+  // Untimed. q, k, v: [B, H, N, D]. Builds parameters, buffers and oneDNN primitives. Nothing may
+  // be fitted to the inputs (a causal output would depend on later tokens).
+  virtual void prepare(const Tensor& q, const Tensor& k, const Tensor& v) = 0;
+  // Timed. Writes every element of out: [B, H, N, D].
+  virtual void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) = 0;
+  // Every parameter tensor the mechanism used (for --dump).
+  virtual std::vector<NamedTensor> parameters() const { return {}; }
+};
+
+// A model's implementation as the registry holds it, on parsed parameter values (a model writes
+// it with a typed config and lib/core/config_table.hpp's implement()).
+struct Implementation {
+  std::vector<ParamSpec> params;
+  std::function<std::unique_ptr<Mechanism>(const Problem&, const ParamValues&, std::uint64_t seed)> create;
+  // FLOPs one forward executes (conventions in lib/core/flop_counter.hpp); equals the counter exactly.
+  std::function<std::int64_t(const Problem&, const ParamValues&)> flops;
+  // Tracked bytes one forward needs beyond its inputs and output (parameters, buffers, scratchpad),
+  // with per-thread buffers for Problem::threads threads.
+  std::function<std::int64_t(const Problem&, const ParamValues&)> workspace_bytes;
+  // The values as they run on the problem: derived defaults computed, blocks clamped.
+  std::function<ParamValues(const Problem&, const ParamValues&)> resolved;
+  // Optional: throws ParamError (one line) for values the model rejects for this problem. Called
+  // before anything runs or is written; the functions above may assume it passed.
+  std::function<void(const Problem&, const ParamValues&)> validate;
+  // Optional: why the model cannot run this valid problem ("" when it can): the point becomes an
+  // `unsupported` row with that reason (beyond the survey's Decode column).
+  std::function<std::string(const Problem&, const ParamValues&)> unsupported;
+};
+
+}  // namespace xfb

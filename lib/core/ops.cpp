@@ -1,0 +1,182 @@
+#include "lib/core/ops.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <stdexcept>
+#include <string>
+
+#include "lib/core/dnnl_context.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/tile_kernels.hpp"
+
+namespace xfb::ops {
+namespace {
+
+using dnnl::memory;
+using tag = memory::format_tag;
+using dt = memory::data_type;
+
+std::string key_of(const char* op, std::initializer_list<std::int64_t> values) {
+  std::string key = op;
+  for (auto v : values) key += ":" + std::to_string(v);
+  return key;
+}
+
+void execute(const DnnlContext::CachedPrimitive& cached, std::unordered_map<int, memory> args) {
+  auto& context = DnnlContext::instance();
+  args.emplace(DNNL_ARG_SCRATCHPAD, context.scratchpad_memory(cached));
+  cached.primitive.execute(context.stream(), args);
+  context.stream().wait();
+}
+
+dnnl::primitive_attr user_scratchpad_attr() {
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return attr;
+}
+
+memory::desc dense_1d(std::int64_t n) { return memory::desc({n}, dt::f32, tag::a); }
+
+}  // namespace
+
+float row_max(const float* x, std::int64_t n, float start) { return tiles::row_max(x, n, start); }
+
+float exp_and_sum(float* x, std::int64_t n, float shift) { return tiles::exp_and_sum(x, n, shift); }
+
+void exp_shifted(float* x, std::int64_t n, float shift) { tiles::exp_shifted(x, n, shift); }
+
+void matmul(const MatmulShape& s, const float* a, const float* b, float* c) {
+  if (s.batch <= 0 || s.m <= 0 || s.n <= 0 || s.k <= 0) throw std::invalid_argument("matmul: empty shape");
+  const std::int64_t lda = s.lda ? s.lda : (s.trans_a ? s.m : s.k);
+  const std::int64_t ldb = s.ldb ? s.ldb : (s.trans_b ? s.k : s.n);
+  const std::int64_t ldc = s.ldc ? s.ldc : s.n;
+  const std::int64_t rows_a = s.trans_a ? s.k : s.m;
+  const std::int64_t rows_b = s.trans_b ? s.n : s.k;
+  const std::int64_t stride_a = s.stride_a >= 0 ? s.stride_a : rows_a * lda;
+  const std::int64_t stride_b = s.stride_b >= 0 ? s.stride_b : rows_b * ldb;
+  const std::int64_t stride_c = s.stride_c >= 0 ? s.stride_c : s.m * ldc;
+  const std::int64_t batch_a = stride_a == 0 ? 1 : s.batch;
+  const std::int64_t batch_b = stride_b == 0 ? 1 : s.batch;
+  const memory::dims a_dims{batch_a, s.m, s.k}, b_dims{batch_b, s.k, s.n}, c_dims{s.batch, s.m, s.n};
+  const memory::dims a_strides = s.trans_a ? memory::dims{stride_a, 1, lda} : memory::dims{stride_a, lda, 1};
+  const memory::dims b_strides = s.trans_b ? memory::dims{stride_b, 1, ldb} : memory::dims{stride_b, ldb, 1};
+  const memory::dims c_strides{stride_c, ldc, 1};
+  const memory::desc a_desc(a_dims, dt::f32, a_strides), b_desc(b_dims, dt::f32, b_strides),
+      c_desc(c_dims, dt::f32, c_strides);
+
+  auto& context = DnnlContext::instance();
+  const auto key = key_of("matmul", {s.batch, s.m, s.n, s.k, s.trans_a, s.trans_b, lda, ldb, ldc, stride_a, stride_b,
+                                     stride_c, static_cast<std::int64_t>(std::bit_cast<std::uint32_t>(s.alpha)),
+                                     s.accumulate});
+  const auto& cached = context.primitive(key, [&] {
+    auto attr = user_scratchpad_attr();
+    if (s.alpha != 1.0f) attr.set_output_scales(0, {s.alpha});
+    if (s.accumulate) {
+      dnnl::post_ops post;
+      post.append_sum(1.0f);
+      attr.set_post_ops(post);
+    }
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_desc, b_desc, c_desc), attr, context.engine());
+    return std::make_pair(dnnl::primitive(dnnl::matmul(pd)), pd.scratchpad_desc());
+  });
+  auto& engine = context.engine();
+  execute(cached, {{DNNL_ARG_SRC, memory(a_desc, engine, const_cast<float*>(a))},
+                   {DNNL_ARG_WEIGHTS, memory(b_desc, engine, const_cast<float*>(b))},
+                   {DNNL_ARG_DST, memory(c_desc, engine, c)}});
+  FlopCounter::add(s.batch * matmul_flops(s.m, s.n, s.k));
+}
+
+void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+          std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+  const auto status = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (status != dnnl_success) throw std::runtime_error("dnnl_sgemm failed with status " + std::to_string(status));
+  FlopCounter::add(matmul_flops(m, n, k));
+}
+
+void softmax(float* data, std::int64_t rows, std::int64_t cols) {
+  auto& context = DnnlContext::instance();
+  const memory::desc desc({rows, cols}, dt::f32, tag::ab);
+  const auto& cached = context.primitive(key_of("softmax", {rows, cols}), [&] {
+    dnnl::softmax_forward::primitive_desc pd(
+        dnnl::softmax_forward::desc(dnnl::prop_kind::forward_inference, desc, 1), user_scratchpad_attr(),
+        context.engine());
+    return std::make_pair(dnnl::primitive(dnnl::softmax_forward(pd)), pd.scratchpad_desc());
+  });
+  memory mem(desc, context.engine(), data);
+  execute(cached, {{DNNL_ARG_SRC, mem}, {DNNL_ARG_DST, mem}});
+  FlopCounter::add(kSoftmaxFlopsPerElement * rows * cols);
+}
+
+void softmax_rows_masked(float* data, std::int64_t batch, std::int64_t rows, std::int64_t cols, std::int64_t ld, bool causal,
+                         std::int64_t causal_offset) {
+  std::int64_t executed = 0;
+  const std::int64_t total_rows = batch * rows;
+#pragma omp parallel for schedule(dynamic, 16) reduction(+ : executed)
+  for (std::int64_t index = 0; index < total_rows; ++index) {
+    const std::int64_t r = index % rows;
+    float* row = data + index * ld;
+    const std::int64_t valid = causal ? std::clamp<std::int64_t>(r + 1 + causal_offset, 0, cols) : cols;
+    executed += valid;
+    if (valid == 0) {
+      std::fill(row, row + cols, 0.0f);
+      continue;
+    }
+    const float inverse = 1.0f / exp_and_sum(row, valid, row_max(row, valid, row[0]));
+#pragma omp simd
+    for (std::int64_t j = 0; j < valid; ++j) row[j] *= inverse;
+    std::fill(row + valid, row + cols, 0.0f);
+  }
+  FlopCounter::add(kSoftmaxFlopsPerElement * executed);
+}
+
+void layer_norm(const float* x, float* y, std::int64_t rows, std::int64_t cols, const float* gamma,
+                const float* beta, float eps) {
+  auto& context = DnnlContext::instance();
+  const memory::desc desc({rows, cols}, dt::f32, tag::ab);
+  const memory::desc param_desc = dense_1d(cols);
+  const auto flags = dnnl::normalization_flags::use_scale | dnnl::normalization_flags::use_shift;
+  const auto& cached = context.primitive(
+      key_of("layer_norm", {rows, cols, static_cast<std::int64_t>(std::bit_cast<std::uint32_t>(eps))}), [&] {
+        dnnl::layer_normalization_forward::primitive_desc pd(
+            dnnl::layer_normalization_forward::desc(dnnl::prop_kind::forward_inference, desc, eps, flags),
+            user_scratchpad_attr(), context.engine());
+        return std::make_pair(dnnl::primitive(dnnl::layer_normalization_forward(pd)), pd.scratchpad_desc());
+      });
+  auto& engine = context.engine();
+  execute(cached, {{DNNL_ARG_SRC, memory(desc, engine, const_cast<float*>(x))},
+                   {DNNL_ARG_DST, memory(desc, engine, y)},
+                   {DNNL_ARG_SCALE, memory(param_desc, engine, const_cast<float*>(gamma))},
+                   {DNNL_ARG_SHIFT, memory(param_desc, engine, const_cast<float*>(beta))}});
+  FlopCounter::add(kLayerNormFlopsPerElement * rows * cols);
+}
+
+void gelu(float* data, std::int64_t n) {
+  auto& context = DnnlContext::instance();
+  const memory::desc desc = dense_1d(n);
+  const auto& cached = context.primitive(key_of("gelu", {n}), [&] {
+    dnnl::eltwise_forward::primitive_desc pd(
+        dnnl::eltwise_forward::desc(dnnl::prop_kind::forward_inference, dnnl::algorithm::eltwise_gelu_erf, desc),
+        user_scratchpad_attr(), context.engine());
+    return std::make_pair(dnnl::primitive(dnnl::eltwise_forward(pd)), pd.scratchpad_desc());
+  });
+  memory mem(desc, context.engine(), data);
+  execute(cached, {{DNNL_ARG_SRC, mem}, {DNNL_ARG_DST, mem}});
+  FlopCounter::add(kGeluFlopsPerElement * n);
+}
+
+void add(const float* a, const float* b, float* c, std::int64_t n) {
+  auto& context = DnnlContext::instance();
+  const memory::desc desc = dense_1d(n);
+  const auto& cached = context.primitive(key_of("add", {n}), [&] {
+    dnnl::binary::primitive_desc pd(dnnl::binary::desc(dnnl::algorithm::binary_add, desc, desc, desc),
+                                    user_scratchpad_attr(), context.engine());
+    return std::make_pair(dnnl::primitive(dnnl::binary(pd)), pd.scratchpad_desc());
+  });
+  auto& engine = context.engine();
+  execute(cached, {{DNNL_ARG_SRC_0, memory(desc, engine, const_cast<float*>(a))},
+                   {DNNL_ARG_SRC_1, memory(desc, engine, const_cast<float*>(b))},
+                   {DNNL_ARG_DST, memory(desc, engine, c)}});
+  FlopCounter::add(n);
+}
+
+}  // namespace xfb::ops

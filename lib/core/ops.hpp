@@ -1,0 +1,87 @@
+#pragma once
+// Dense operations on fp32 row-major buffers. Each adds its executed FLOPs to FlopCounter
+// (conventions in lib/core/flop_counter.hpp). Primitive-backed ops create their oneDNN primitive on the
+// first call with a given shape; later calls reuse it.
+#include <cstdint>
+
+namespace xfb::ops {
+
+// C[b] = alpha · op(A[b]) · op(B[b]) (+ C[b] when accumulate), b < batch.
+// op(X) is X or Xᵀ. Stored operand sizes: A is [m,k] (or [k,m] when trans_a), B is [k,n] (or [n,k]
+// when trans_b), C is [m,n]; ld* are row strides of the stored matrices, stride_* batch strides
+// in elements (0 broadcasts one matrix over the batch). oneDNN matmul primitive.
+struct MatmulShape {
+  std::int64_t batch = 1, m = 0, n = 0, k = 0;
+  bool trans_a = false, trans_b = false;
+  std::int64_t lda = 0, ldb = 0, ldc = 0;  // 0: packed (the stored row length)
+  std::int64_t stride_a = -1, stride_b = -1, stride_c = -1;  // -1: packed
+  float alpha = 1.0f;
+  bool accumulate = false;
+};
+void matmul(const MatmulShape& shape, const float* a, const float* b, float* c);
+
+// Single-matrix product for use inside the project's own OpenMP loops (runs on the calling
+// thread): C = alpha · op(A) · op(B) + beta · C. oneDNN's sgemm (the same JIT kernels as matmul).
+void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+          std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc);
+
+// In-place softmax over each of `rows` dense rows of length `cols` (oneDNN softmax primitive).
+void softmax(float* data, std::int64_t rows, std::int64_t cols);
+
+// In-place softmax over the rows of `batch` strided [rows, cols] matrices (row stride ld, matrix
+// stride rows·ld). Row r uses its first valid(r) entries, where
+// valid(r) = cols, or min(cols, r + 1 + causal_offset) when causal; the rest of the row is set
+// to 0. Counts kSoftmaxFlopsPerElement per valid entry. Project kernel (OpenMP over rows).
+void softmax_rows_masked(float* data, std::int64_t batch, std::int64_t rows, std::int64_t cols, std::int64_t ld, bool causal,
+                         std::int64_t causal_offset = 0);
+
+// y = (x - mean) / sqrt(var + eps) · gamma + beta over each row of [rows, cols] (oneDNN).
+void layer_norm(const float* x, float* y, std::int64_t rows, std::int64_t cols, const float* gamma,
+                const float* beta, float eps = 1e-5f);
+
+// In-place GELU (erf form) over n values (oneDNN eltwise).
+void gelu(float* data, std::int64_t n);
+
+// c = a + b over n values (oneDNN binary); c may alias a or b.
+void add(const float* a, const float* b, float* c, std::int64_t n);
+
+// exp(x) to a few ulp (Cody–Waite reduction, degree-7 polynomial) for x in [-87, 88]; 0 below. Branch-free so loops vectorise.
+inline float fast_exp(float x) {
+  const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float t = clamped * 1.44269504088896341f;
+  const float rounded = __builtin_floorf(t + 0.5f);
+  const float f = clamped - rounded * 0.693359375f + rounded * 2.12194440e-4f;  // |f| <= ln2/2
+  float p = 1.0f / 5040.0f;
+  p = p * f + 1.0f / 720.0f;
+  p = p * f + 1.0f / 120.0f;
+  p = p * f + 1.0f / 24.0f;
+  p = p * f + 1.0f / 6.0f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int exponent = static_cast<int>(rounded) + 127;
+  const float scale = __builtin_bit_cast(float, exponent << 23);
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+}  // namespace xfb::ops
+
+namespace xfb::ops {
+// max(start, x[0..n)).
+float row_max(const float* x, std::int64_t n, float start);
+// x[j] := exp(x[j] − shift) for j < n (fast_exp per element, up to the rounding of ties); returns
+// Σ x[j]. The exponent-and-sum step of every softmax row in the project. Both run on the vectors
+// of the run-time kernel ISA (lib/core/tile_kernels_isa.inc), whatever flags the caller was built with.
+float exp_and_sum(float* x, std::int64_t n, float shift);
+// x[j] := exp(x[j] − shift) for j < n, as exp_and_sum without the sum.
+void exp_shifted(float* x, std::int64_t n, float shift);
+
+// A row stride of at least n floats that is a multiple of 16 and avoids multiples of 256 floats
+// (power-of-two strides make oneDNN's gemm ~45% slower on this machine class through cache
+// conflicts).
+inline std::int64_t padded_ld(std::int64_t n) {
+  std::int64_t ld = (n + 15) / 16 * 16;
+  if (ld % 256 == 0) ld += 16;
+  return ld;
+}
+}  // namespace xfb::ops

@@ -1,0 +1,33 @@
+#pragma once
+// Counter-based random numbers: value i of stream s under seed k is a pure function of (k, s, i),
+// so fills are bit-identical whatever the thread count or the order of evaluation.
+#include <cstdint>
+#include <string_view>
+
+#include "lib/core/tensor.hpp"
+
+namespace xfb {
+
+std::uint64_t mix64(std::uint64_t x);
+// A stream id derived from a name, e.g. stream_id("vanilla/q").
+std::uint64_t stream_id(std::string_view name);
+
+class CounterRng {
+ public:
+  CounterRng(std::uint64_t seed, std::uint64_t stream) : key_(mix64(seed ^ mix64(stream + 0x9e3779b97f4a7c15ULL))) {}
+  CounterRng(std::uint64_t seed, std::string_view stream) : CounterRng(seed, stream_id(stream)) {}
+
+  std::uint64_t bits(std::uint64_t index) const { return mix64(key_ + mix64(index)); }
+  // Uniform in (0, 1): never exactly 0 or 1.
+  double uniform(std::uint64_t index) const;
+  // Standard normal by Box–Muller on the uniforms 2i and 2i+1.
+  double normal(std::uint64_t index) const;
+
+  void fill_normal(Tensor& t, float mean = 0.0f, float stddev = 1.0f) const;
+  void fill_uniform(Tensor& t, float lo, float hi) const;
+
+ private:
+  std::uint64_t key_;
+};
+
+}  // namespace xfb

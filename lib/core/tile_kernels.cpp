@@ -1,0 +1,51 @@
+#include "lib/core/tile_kernels.hpp"
+
+#include <cstring>
+
+#include "lib/core/cpu_isa.hpp"
+#include "lib/core/tile_kernels_isa.hpp"
+
+namespace xfb::tiles {
+
+void pack_key_panels(const float* keys, std::int64_t ldk, std::int64_t cols, std::int64_t d, float* packed) {
+  const std::int64_t panels = panels_for(cols);
+  std::memset(packed, 0, static_cast<std::size_t>(panels * d * kPanel) * sizeof(float));
+  for (std::int64_t j = 0; j < cols; ++j) {
+    float* column = packed + (j / kPanel) * d * kPanel + j % kPanel;
+    const float* key = keys + j * ldk;
+    for (std::int64_t c = 0; c < d; ++c) column[c * kPanel] = key[c];
+  }
+}
+
+void scores(const float* q, std::int64_t ldq, std::int64_t rows, const float* packed, std::int64_t panels,
+            std::int64_t d, float alpha, float* s, std::int64_t lds) {
+  if (kernel_isa() == KernelIsa::Avx512)
+    avx512::scores(q, ldq, rows, packed, panels, d, alpha, s, lds);
+  else
+    avx2::scores(q, ldq, rows, packed, panels, d, alpha, s, lds);
+}
+
+void accumulate_pv(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* v,
+                   std::int64_t ldv, std::int64_t d, float* out, std::int64_t ldo) {
+  if (kernel_isa() == KernelIsa::Avx512)
+    avx512::accumulate_pv(p, ldp, rows, cols, v, ldv, d, out, ldo);
+  else
+    avx2::accumulate_pv(p, ldp, rows, cols, v, ldv, d, out, ldo);
+}
+
+float row_max(const float* x, std::int64_t n, float start) {
+  return kernel_isa() == KernelIsa::Avx512 ? avx512::row_max(x, n, start) : avx2::row_max(x, n, start);
+}
+
+float exp_and_sum(float* x, std::int64_t n, float shift) {
+  return kernel_isa() == KernelIsa::Avx512 ? avx512::exp_and_sum(x, n, shift) : avx2::exp_and_sum(x, n, shift);
+}
+
+void exp_shifted(float* x, std::int64_t n, float shift) {
+  if (kernel_isa() == KernelIsa::Avx512)
+    avx512::exp_shifted(x, n, shift);
+  else
+    avx2::exp_shifted(x, n, shift);
+}
+
+}  // namespace xfb::tiles

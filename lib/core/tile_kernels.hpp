@@ -1,0 +1,39 @@
+#pragma once
+// Register-blocked fp32 kernels for attention tiles, run on the calling thread (for use inside
+// the project's OpenMP loops). They keep a 6×16 block of results in registers (12 8-wide
+// accumulators) and stream the shared operand from L1/L2, avoiding the per-call packing and
+// dispatch of a general GEMM on small tiles.
+//
+// Layouts (row-major, leading dimensions in floats):
+//   keys K [cols, d] are packed into panels of kPanel keys: packed[(p·d + c)·kPanel + t] =
+//   K[p·kPanel + t][c], zero for t beyond `cols`. A tile then covers panels·kPanel columns.
+#include <cstdint>
+
+namespace xfb::tiles {
+
+inline constexpr std::int64_t kPanel = 16;  // key columns per packed panel
+inline constexpr std::int64_t kRows = 6;    // query rows per register block
+
+inline std::int64_t panels_for(std::int64_t cols) { return (cols + kPanel - 1) / kPanel; }
+
+// Packs keys [cols, d] (row stride ldk) into panels_for(cols) panels; `packed` holds
+// panels_for(cols)·d·kPanel floats.
+void pack_key_panels(const float* keys, std::int64_t ldk, std::int64_t cols, std::int64_t d, float* packed);
+
+// S[r, j] = alpha · Σ_c Q[r, c]·K[j, c] for r < rows, j < panels·kPanel (columns past the packed
+// keys are 0). Q: [rows, d] stride ldq; S stride lds ≥ panels·kPanel.
+// Executes 2·rows·panels·kPanel·d FLOPs (not counted here).
+void scores(const float* q, std::int64_t ldq, std::int64_t rows, const float* packed, std::int64_t panels,
+            std::int64_t d, float alpha, float* s, std::int64_t lds);
+
+// O[r, :] += Σ_{j < cols} P[r, j]·V[j, :] for r < rows. P stride ldp, V [cols, d] stride ldv,
+// O stride ldo. Requires d % kPanel == 0. Executes 2·rows·cols·d FLOPs (not counted here).
+void accumulate_pv(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* v,
+                   std::int64_t ldv, std::int64_t d, float* out, std::int64_t ldo);
+
+// ops::row_max, ops::exp_and_sum and ops::exp_shifted (lib/core/ops.hpp) on the kernel ISA's vectors.
+float row_max(const float* x, std::int64_t n, float start);
+float exp_and_sum(float* x, std::int64_t n, float shift);
+void exp_shifted(float* x, std::int64_t n, float shift);
+
+}  // namespace xfb::tiles

@@ -1,0 +1,11 @@
+// lib/core/tile_kernels_isa.inc for 512-bit vectors (compiled with -mavx512f -mavx512vl -mavx512bw
+// -mavx512dq -mfma): 32 zmm registers hold 12 rows × 2 vectors of accumulators.
+#include "lib/core/tile_kernels_isa.hpp"
+
+namespace xfb::tiles::avx512 {
+#define XFB_VECTOR_FLOATS 16
+#define XFB_BLOCK_ROWS 12
+#define XFB_SPLAT(x) \
+  vec { (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x), (x) }
+#include "lib/core/tile_kernels_isa.inc"
+}  // namespace xfb::tiles::avx512

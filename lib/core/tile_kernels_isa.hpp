@@ -1,0 +1,19 @@
+#pragma once
+// Per-ISA entry points of the tile kernels (contracts in lib/core/tile_kernels.hpp), each compiled in
+// its own file with its ISA's flags; lib/core/tile_kernels.cpp picks one by kernel_isa(). Plain types
+// only: this header is included under AVX-512 flags.
+namespace xfb::tiles {
+#define XFB_TILE_KERNELS(ns)                                                                                     \
+  namespace ns {                                                                                                 \
+  void scores(const float* q, long ldq, long rows, const float* packed, long panels, long d, float alpha,       \
+              float* s, long lds);                                                                               \
+  void accumulate_pv(const float* p, long ldp, long rows, long cols, const float* v, long ldv, long d,          \
+                     float* out, long ldo);                                                                      \
+  float row_max(const float* x, long n, float start);                                                            \
+  float exp_and_sum(float* x, long n, float shift);                                                              \
+  void exp_shifted(float* x, long n, float shift);                                                               \
+  }
+XFB_TILE_KERNELS(avx2)
+XFB_TILE_KERNELS(avx512)
+#undef XFB_TILE_KERNELS
+}  // namespace xfb::tiles

@@ -1,0 +1,57 @@
+#pragma once
+// Timing harness: untimed warm-up, then timed repetitions until the clean samples meet both
+// min_reps and min_time (capped by max_reps). Every repetition's wall time is kept; repetitions
+// during which the point's threads waited for a CPU (lib/core/contention.hpp) are kept apart and
+// re-measured, within a retry budget: the loop gives up once the descheduled samples add up to
+// more than 2·min_time + 0.25 s (or max_reps samples were taken in all). A result with fewer clean
+// samples than min_reps, or with more descheduled samples than clean ones, is `contended`.
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "lib/core/contention.hpp"
+
+namespace xfb {
+
+struct TimingSettings {
+  int warmup = 1;          // untimed runs before timing
+  int min_reps = 5;        // clean timed runs, at least
+  double min_time_s = 0.5; // seconds of clean timed runs, at least
+  int max_reps = 1000;     // timed runs, clean or not, at most
+};
+
+struct TimingResult {
+  std::vector<double> samples_ns;            // clean repetitions, wall clock
+  std::vector<double> contended_samples_ns;  // descheduled repetitions, left out of statistics
+  // Per stage_clock stage, one per clean run (per run of any kind when no run was clean).
+  std::map<std::string, std::vector<double>> stage_samples_ns;
+  ContentionSummary contention;
+  bool contended = false;                    // clean samples < min_reps, or < descheduled ones
+  std::int64_t primitives_created_while_timed = 0;
+};
+
+// The stopping and sorting rule of the loop, apart from any clock (tests feed it samples).
+class SampleCollector {
+ public:
+  explicit SampleCollector(const TimingSettings& settings) : settings_(settings) {}
+  void add(double wall_ns, const SampleContention& contention, const std::map<std::string, double>& stages = {});
+  bool done() const;
+  TimingResult finish(int threads) const;
+
+ private:
+  TimingSettings settings_;
+  TimingResult result_;
+  std::vector<double> all_wall_ns_;
+  std::vector<SampleContention> all_contention_;
+  std::map<std::string, std::vector<double>> contended_stage_samples_ns_;
+  double clean_ns_ = 0, contended_ns_ = 0;
+};
+
+TimingResult time_repeatedly(const TimingSettings& settings, const std::function<void()>& body);
+
+// True when this binary was built with optimisation (NDEBUG and not a Debug build).
+bool optimised_build();
+
+}  // namespace xfb

@@ -1,0 +1,87 @@
+#pragma once
+// The versioned JSON report: { schema_version, tool, context, settings, results: [ResultRow] }.
+// docs/report-schema.md documents every field; bump kSchemaVersion on any incompatible change.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+namespace xfb {
+
+inline constexpr int kSchemaVersion = 1;
+
+enum class Status { Ok, Skipped, Unsupported, Error };
+std::string status_name(Status s);
+Status parse_status(const std::string& s);
+
+struct ResultRow {
+  std::string model;
+  std::vector<std::string> classes;  // class names, e.g. {"fixed_patterns", "memory"}
+  std::string scope = "attention";   // attention | layer
+  bool causal = false;
+  std::int64_t batch = 0, heads = 0, seq_len = 0, head_dim = 0;
+  std::int64_t d_ff = 0;  // layer scope only; 0 otherwise
+  nlohmann::json params = nlohmann::json::object();  // resolved mechanism parameters
+  int threads = 0;
+  std::string kernel_isa;  // vector ISA of the project's kernels that ran (lib/core/cpu_isa.hpp)
+  std::uint64_t seed = 0;
+  Status status = Status::Ok;
+  std::string reason;  // why the point is not ok; empty when ok
+  std::vector<double> samples_ns;  // every timed repetition, nanoseconds
+  double median_ns = 0, min_ns = 0, max_ns = 0, mad_ns = 0, cv = 0;
+  bool unstable = false;           // cv > 5%
+  // Contention (lib/core/contention.hpp): samples during which the point's threads waited for a CPU
+  // are kept apart in `contended_samples_ns` and left out of the statistics above.
+  std::int64_t contended_samples = 0;       // timed repetitions marked descheduled
+  std::vector<double> contended_samples_ns; // their wall times, nanoseconds
+  bool contended = false;                   // too few clean samples: time figures are not trustworthy
+  double cpu_ratio = 0;                     // median over clean samples of cpu time / (wall · threads)
+  double host_busy = 0;                     // other processes' + steal share of all CPUs while timed
+  double load_average = 0;                  // 1-minute load average after timing
+  std::map<std::string, double> stage_median_ns;  // median per stage (see stage_clock.hpp); often empty
+  std::int64_t flops = 0;          // executed in one forward (counter)
+  double gflops_per_s = 0;         // flops / median
+  double tokens_per_s = 0;         // batch·seq_len / median
+  std::int64_t peak_tensor_bytes = 0;  // tracked bytes live at the peak, inputs and output included
+  std::int64_t peak_owned_bytes = -1;  // same, the project's own tensors only (no oneDNN scratchpad):
+                                       // machine-independent; -1 in reports that predate it
+  std::int64_t workspace_bytes = 0;    // peak_tensor_bytes minus inputs and output
+  std::int64_t estimated_workspace_bytes = 0;  // the registry's analytic estimate
+  std::int64_t peak_rss_bytes = 0;     // of the process that ran the point
+  std::vector<std::string> warnings;
+  std::string reproducer;  // the `xfbench run …` command for this point
+
+  // Points are matched across reports by this key.
+  std::string key() const;
+};
+
+// "attention, B=1 H=8 D=64" (+ ", causal", ", d_ff=…"): everything of the key but model, N, params.
+std::string configuration_text(const ResultRow& row);
+// "block_k=256,block_q=64"; empty for no parameters.
+std::string params_text(const nlohmann::json& params);
+
+// The row's contention warning (the one in `warnings` that starts "contended:"), or a summary.
+std::string contended_warning(const ResultRow& row);
+
+void to_json(nlohmann::json& j, const ResultRow& row);
+void from_json(const nlohmann::json& j, ResultRow& row);
+
+struct Report {
+  nlohmann::json context = nlohmann::json::object();
+  nlohmann::json settings = nlohmann::json::object();
+  std::vector<ResultRow> results;
+};
+
+nlohmann::json report_to_json(const Report& report);
+// Throws InputError with a one-line message on malformed input or a future schema.
+Report report_from_json(const nlohmann::json& j);
+Report load_report(const std::string& path);
+// load_report, and an InputError when the report has no results (for commands that analyse one).
+Report load_nonempty_report(const std::string& path);
+// Writes to path.tmp then renames: readers never see a half-written file.
+void save_report_atomically(const Report& report, const std::string& path);
+void write_file_atomically(const std::string& path, const std::string& content);
+
+}  // namespace xfb

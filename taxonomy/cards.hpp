@@ -1,0 +1,41 @@
+#pragma once
+// Model cards: what the survey says about each model (class, complexity, decode support, paper)
+// and its parameters — everything report code may know about a model. Report code includes this
+// header, never the registry or a mechanism. The cards are the registry's rows
+// (taxonomy/registry.cpp) without their implementations.
+#include <string>
+#include <vector>
+
+#include "lib/core/params.hpp"
+
+namespace xfb {
+
+// Survey class tags (the survey's letters in brackets).
+enum class ModelClass { Exact, FixedPatterns, LearnablePatterns, Memory, LowRank, Kernels, Recurrence };
+std::string class_name(ModelClass c);    // "fixed_patterns", …: the folder under taxonomy/
+std::string class_letter(ModelClass c);  // "FP", …; "X" for the exact baselines
+bool parse_class(const std::string& name, ModelClass& out);
+const std::vector<ModelClass>& all_classes();
+
+struct ModelCard {
+  std::string name;          // command-line name, e.g. "sparse-transformer"
+  std::string display_name;  // e.g. "Sparse Transformer"
+  std::vector<ModelClass> classes;
+  std::string complexity;    // as printed in the survey's Table 1
+  bool decodes = false;      // survey's Table 1 "Decode" column: supports causal attention
+  std::string paper;         // authors and year
+  std::string arxiv;         // arXiv id
+  int year = 0;
+  int survey_row = 0;        // row in the survey's Table 1 (v1); 0 when not in it
+  std::vector<ParamSpec> params = {};  // the implementation's parameters (set by the registry)
+  bool has_implementation = false;     // set by the registry
+
+  bool has_class(ModelClass c) const;
+};
+
+// Every model's card, in registry order.
+const std::vector<ModelCard>& model_cards();
+// nullptr when unknown.
+const ModelCard* find_card(const std::string& name);
+
+}  // namespace xfb

@@ -1,0 +1,225 @@
+#include "taxonomy/engines/block_sparse.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+
+namespace xfb::block_sparse {
+namespace {
+
+struct Hull {
+  std::int64_t begin = 0, end = 0;
+  std::int64_t width() const { return end - begin; }
+};
+
+Hull hull_of(std::int64_t rows, const std::int64_t* lo, const std::int64_t* hi) {
+  Hull hull{std::numeric_limits<std::int64_t>::max(), std::numeric_limits<std::int64_t>::min()};
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (hi[r] <= lo[r]) continue;
+    hull.begin = std::min(hull.begin, lo[r]);
+    hull.end = std::max(hull.end, hi[r]);
+  }
+  return hull.end > hull.begin ? hull : Hull{};
+}
+
+// Turns row r of the score tile into P (see the header) and updates M_r, S_r and A_r's scale.
+// Returns the FLOPs it executed.
+std::int64_t softmax_row(const QueryBlock& q, std::int64_t r, float* row, std::int64_t width, std::int64_t lo,
+                         std::int64_t hi, std::int64_t d, bool fresh) {
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  float& row_max = q.row_max[r * q.ld_stats];
+  float& row_sum = q.row_sum[r * q.ld_stats];
+  if (hi <= lo) {
+    std::fill(row, row + width, 0.0f);
+    if (fresh) {
+      row_max = kMinusInf;
+      row_sum = 0.0f;
+    }
+    return 0;
+  }
+  const float peak = ops::row_max(row + lo, hi - lo, fresh ? kMinusInf : row_max);
+  const float sum = ops::exp_and_sum(row + lo, hi - lo, peak);
+  std::fill(row, row + lo, 0.0f);
+  std::fill(row + hi, row + width, 0.0f);
+  const std::int64_t valid = hi - lo;
+  if (fresh) {
+    row_max = peak;
+    row_sum = sum;
+    return kOnlineSoftmaxFlopsPerElement * valid;
+  }
+  const float rescale = ops::fast_exp(row_max - peak);
+  row_sum = row_sum * rescale + sum;
+  row_max = peak;
+  float* acc = q.acc + r * q.ld_acc;
+#pragma omp simd
+  for (std::int64_t j = 0; j < d; ++j) acc[j] *= rescale;
+  return kOnlineSoftmaxFlopsPerElement * valid + d;
+}
+
+// Loads every cache line of `count` rows of d floats (row stride ld), so that the gemm's packing
+// finds them in cache, or only requests them (prefetch_rows, for the values of the second gemm).
+// Measured: ~10% less CPU time for local attention's 50-token tiles than letting the packing miss.
+float touch_rows(const float* data, std::int64_t ld, std::int64_t count, std::int64_t d) {
+  float sink = 0.0f;
+  for (std::int64_t r = 0; r < count; ++r)
+    for (std::int64_t j = 0; j < d; j += 16) sink += data[r * ld + j];
+  return sink;
+}
+
+void prefetch_rows(const float* data, std::int64_t ld, std::int64_t count, std::int64_t d) {
+  for (std::int64_t r = 0; r < count; ++r)
+    for (std::int64_t j = 0; j < d; j += 16) __builtin_prefetch(data + r * ld + j);
+}
+
+}  // namespace
+
+std::int64_t hull_width(std::int64_t rows, const std::int64_t* lo, const std::int64_t* hi) {
+  return hull_of(rows, lo, hi).width();
+}
+
+std::int64_t accumulate(const QueryBlock& q, const KeyBlock& k, std::int64_t d, float scale, bool fresh,
+                        const ScoreTile& scores) {
+  const Hull hull = hull_of(q.rows, k.lo, k.hi);
+  const std::int64_t width = hull.width();
+  if (width == 0) {
+    if (fresh)
+      for (std::int64_t r = 0; r < q.rows; ++r) {
+        std::fill(q.acc + r * q.ld_acc, q.acc + r * q.ld_acc + d, 0.0f);
+        q.row_max[r * q.ld_stats] = -std::numeric_limits<float>::infinity();
+        q.row_sum[r * q.ld_stats] = 0.0f;
+      }
+    return 0;
+  }
+  prefetch_rows(k.values + hull.begin * k.ld_values, k.ld_values, width, d);
+  volatile float sink = touch_rows(q.queries, q.ld_queries, q.rows, d) +
+                        touch_rows(k.keys + hull.begin * k.ld_keys, k.ld_keys, width, d);
+  (void)sink;
+  ops::gemm(false, true, q.rows, width, d, scale, q.queries, q.ld_queries, k.keys + hull.begin * k.ld_keys, k.ld_keys,
+            0.0f, scores.data, scores.ld);
+  std::int64_t flops = 0;
+  for (std::int64_t r = 0; r < q.rows; ++r)
+    flops +=
+        softmax_row(q, r, scores.data + r * scores.ld, width, k.lo[r] - hull.begin, k.hi[r] - hull.begin, d, fresh);
+  ops::gemm(false, false, q.rows, d, width, 1.0f, scores.data, scores.ld, k.values + hull.begin * k.ld_values,
+            k.ld_values, fresh ? 0.0f : 1.0f, q.acc, q.ld_acc);
+  return flops;
+}
+
+std::int64_t finish(const QueryBlock& q, std::int64_t d, float* out, std::int64_t ld_out) {
+  for (std::int64_t r = 0; r < q.rows; ++r) {
+    const float sum = q.row_sum[r * q.ld_stats];
+    const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const float* src = q.acc + r * q.ld_acc;
+    float* dst = out + r * ld_out;
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) dst[j] = src[j] * inverse;
+  }
+  return finish_flops(q.rows, d);
+}
+
+std::int64_t accumulate_flops(std::int64_t rows, const std::int64_t* lo, const std::int64_t* hi, std::int64_t d,
+                              bool fresh) {
+  const std::int64_t width = hull_width(rows, lo, hi);
+  if (width == 0) return 0;
+  std::int64_t flops = matmul_flops(rows, width, d) + matmul_flops(rows, d, width);
+  for (std::int64_t r = 0; r < rows; ++r)
+    if (hi[r] > lo[r]) flops += kOnlineSoftmaxFlopsPerElement * (hi[r] - lo[r]) + (fresh ? 0 : d);
+  return flops;
+}
+
+void gather_rows(const float* src, std::int64_t ld_src, const std::int64_t* index, std::int64_t count, std::int64_t d,
+                 float* dst, std::int64_t ld_dst) {
+  for (std::int64_t r = 0; r < count; ++r)
+    std::memcpy(dst + r * ld_dst, src + index[r] * ld_src, static_cast<std::size_t>(d) * sizeof(float));
+}
+
+BlockTiling::BlockTiling(std::int64_t tokens, std::int64_t block_tokens)
+    : n(tokens),
+      block(std::clamp<std::int64_t>(block_tokens, 1, std::max<std::int64_t>(tokens, 1))),
+      tiles_per_block((block + kTaskRows - 1) / kTaskRows),
+      blocks((n + block - 1) / block) {}
+
+std::int64_t BlockTiling::rows(std::int64_t t) const {
+  return std::clamp<std::int64_t>(block_end(t) - first_row(t), 0, kTaskRows);
+}
+
+StridedTiling::StridedTiling(std::int64_t tokens, std::int64_t stride_tokens)
+    : n(tokens),
+      stride(std::max<std::int64_t>(stride_tokens, 1)),
+      classes(std::min(stride, n)),
+      longest((n + stride - 1) / stride),
+      tiles_per_class(std::max<std::int64_t>((longest + kTaskRows - 1) / kTaskRows, 1)) {}
+
+std::int64_t StridedTiling::rows(std::int64_t t) const {
+  return std::clamp<std::int64_t>(members(t) - first_member(t), 0, kTaskRows);
+}
+
+void prefix_bounds(std::int64_t rows, std::int64_t first, std::int64_t count, bool causal, std::int64_t* lo,
+                   std::int64_t* hi) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    lo[r] = 0;
+    hi[r] = causal ? std::clamp<std::int64_t>(first + r + 1, 0, count) : count;
+  }
+}
+
+Tile block_tile(const BlockTiling& tiling, std::int64_t t, bool causal, std::int64_t* lo, std::int64_t* hi) {
+  const Tile tile{.rows = tiling.rows(t), .q_first = tiling.first_row(t), .k_first = tiling.block_start(t)};
+  prefix_bounds(tile.rows, tile.q_first - tile.k_first, tiling.block_end(t) - tile.k_first, causal, lo, hi);
+  return tile;
+}
+
+Tile class_tile(const StridedTiling& tiling, std::int64_t t, bool causal, std::int64_t* lo, std::int64_t* hi) {
+  const Tile tile{.rows = tiling.rows(t),
+                  .q_first = tiling.first_row(t),
+                  .q_step = tiling.stride,
+                  .k_first = tiling.residue(t),
+                  .k_step = tiling.stride};
+  prefix_bounds(tile.rows, tiling.first_member(t), tiling.members(t), causal, lo, hi);
+  return tile;
+}
+
+HeadView head_view(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, std::int64_t head) {
+  const std::int64_t d = q.dim(3), offset = head * q.dim(2) * d;
+  return {q.data() + offset, k.data() + offset, v.data() + offset, out.data() + offset, d};
+}
+
+ThreadScratch::ThreadScratch(std::int64_t threads, std::int64_t max_cols)
+    : threads_(static_cast<int>(threads)),
+      scores_(Shape{threads, kTaskRows, ops::padded_ld(max_cols)}),
+      stats_(Shape{threads, 2, kTaskRows}),
+      bounds_(static_cast<std::size_t>(threads * 2 * kTaskRows)) {}
+
+std::int64_t ThreadScratch::tracked_bytes(std::int64_t threads, std::int64_t max_cols) {
+  return threads * kTaskRows * (ops::padded_ld(max_cols) + 2) * static_cast<std::int64_t>(sizeof(float));
+}
+
+ScoreTile ThreadScratch::scores(int thread) {
+  const std::int64_t ld = scores_.dim(2);
+  return {scores_.data() + thread * kTaskRows * ld, ld};
+}
+
+std::int64_t attend(const HeadView& head, const Tile& tile, ThreadScratch& scratch, int thread) {
+  const std::int64_t d = head.d;
+  const QueryBlock queries{.queries = head.q + tile.q_first * d,
+                           .ld_queries = tile.q_step * d,
+                           .rows = tile.rows,
+                           .acc = head.out + tile.q_first * d,
+                           .ld_acc = tile.q_step * d,
+                           .row_max = scratch.row_max(thread),
+                           .row_sum = scratch.row_sum(thread)};
+  const KeyBlock keys{.keys = head.k + tile.k_first * d,
+                      .ld_keys = tile.k_step * d,
+                      .values = head.v + tile.k_first * d,
+                      .ld_values = tile.k_step * d,
+                      .lo = scratch.lo(thread),
+                      .hi = scratch.hi(thread)};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const std::int64_t flops = accumulate(queries, keys, d, scale, true, scratch.scores(thread));
+  return flops + finish(queries, d, queries.acc, queries.ld_acc);
+}
+
+}  // namespace xfb::block_sparse

@@ -1,0 +1,206 @@
+#pragma once
+// Shared kernel of the fixed-pattern models: softmax attention of a block of query rows over a
+// block of key/value rows in which every query row sees one contiguous interval of the keys.
+//
+// Views. Matrices are fp32 rows of D features; row r of a view starts at data + r·ld (ld ≥ D, in
+// floats). A view with ld = l·D addresses every l-th token of a head (a strided column) without a
+// copy; `gather_rows` copies an arbitrary index list into a contiguous buffer when no stride fits.
+//
+// Online-softmax state of a query block of m rows: running max M_r, running sum S_r and the
+// unnormalised output A_r ∈ R^D (r < m). `accumulate` folds one key block into it:
+//   [c0, c1) = hull of the non-empty row intervals [lo_r, hi_r) (rows with hi_r ≤ lo_r see nothing)
+//   X = scale · Q·K[c0:c1]ᵀ                                       gemm m×w×D, w = c1 − c0
+//   per row with lo_r < hi_r:  M' = max(M_r, max_{lo_r ≤ j < hi_r} X_rj)
+//     P_rj = exp(X_rj − M') for lo_r ≤ j < hi_r, else 0;  α = exp(M_r − M')
+//     S_r = α·S_r + Σ_j P_rj;  A_r = α·A_r (skipped on a fresh state);  M_r = M'
+//   A += P·V[c0:c1]                                               gemm m×D×w
+// A fresh state (`fresh`) ignores the previous contents of A, M and S, so A may be the output
+// itself. `finish` writes O_r = A_r / S_r, or 0 for a row that never saw a key.
+// Only the interval hull is computed, so the wasted work of a call is the hull minus the rows'
+// intervals: the padding of partial blocks and the triangle of causal diagonal blocks.
+//
+// FLOPs (flop_counter.hpp conventions), mirrored exactly by accumulate_flops / finish_flops:
+//   accumulate: 4·m·w·D (two gemms) + 4 per valid entry (max, subtract+exp, sum)
+//               + D per non-empty row when not fresh (the α rescale); 0 when every row is empty
+//   finish:     D per row
+#include <omp.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/tensor.hpp"
+
+namespace xfb::block_sparse {
+
+// Query rows per task in the models of this folder: a tile of at most kTaskRows rows shares one
+// score tile of kTaskRows × (hull width) floats.
+inline constexpr std::int64_t kTaskRows = 64;
+
+// Query rows of one block and where their online-softmax state lives.
+struct QueryBlock {
+  const float* queries = nullptr;  // row r at queries + r·ld_queries
+  std::int64_t ld_queries = 0;
+  std::int64_t rows = 0;  // m
+  float* acc = nullptr;   // A: row r at acc + r·ld_acc (may alias the output)
+  std::int64_t ld_acc = 0;
+  float* row_max = nullptr;  // M_r at row_max[r·ld_stats]
+  float* row_sum = nullptr;  // S_r at row_sum[r·ld_stats]
+  std::int64_t ld_stats = 1;
+};
+
+// Keys and values of one block and each query row's interval of them.
+struct KeyBlock {
+  const float* keys = nullptr;  // key row j at keys + j·ld_keys
+  std::int64_t ld_keys = 0;
+  const float* values = nullptr;  // value row j at values + j·ld_values
+  std::int64_t ld_values = 0;
+  const std::int64_t* lo = nullptr;  // query row r sees key rows [lo[r], hi[r])
+  const std::int64_t* hi = nullptr;
+};
+
+// Per-call scratch: the m×w score tile, row stride ld (ld ≥ the largest w of the caller's calls).
+struct ScoreTile {
+  float* data = nullptr;
+  std::int64_t ld = 0;
+};
+
+// Folds `keys` into the state of `queries` (see the header comment); d = features per row,
+// scale = the logit scale (1/√D). Returns the elementwise FLOPs it executed; its two gemms add
+// their own FLOPs to the counter.
+std::int64_t accumulate(const QueryBlock& queries, const KeyBlock& keys, std::int64_t d, float scale, bool fresh,
+                        const ScoreTile& scores);
+
+// O_r = A_r / S_r (0 when S_r = 0); out row r at out + r·ld_out, may alias acc with the same
+// stride. Returns the FLOPs it executed (D per row).
+std::int64_t finish(const QueryBlock& queries, std::int64_t d, float* out, std::int64_t ld_out);
+
+// The exact FLOPs of accumulate (gemms included) and finish for the same rows and intervals.
+std::int64_t accumulate_flops(std::int64_t rows, const std::int64_t* lo, const std::int64_t* hi, std::int64_t d,
+                              bool fresh);
+inline std::int64_t finish_flops(std::int64_t rows, std::int64_t d) { return rows * d; }
+
+// Width of the interval hull accumulate computes for these rows (0 when all are empty).
+std::int64_t hull_width(std::int64_t rows, const std::int64_t* lo, const std::int64_t* hi);
+
+// dst row r = src row index[r] (r < count); rows of d floats, row strides ld_src and ld_dst.
+void gather_rows(const float* src, std::int64_t ld_src, const std::int64_t* index, std::int64_t count, std::int64_t d,
+                 float* dst, std::int64_t ld_dst);
+
+// Consecutive blocks of `block` tokens over n tokens (block clamped to [1, n], the last block
+// partial), each split into tiles of ≤ kTaskRows query rows. Task t is tile t % tiles_per_block of
+// block t / tiles_per_block; the missing tiles of a partial last block have 0 rows.
+struct BlockTiling {
+  std::int64_t n = 0, block = 1, tiles_per_block = 1, blocks = 0;
+  BlockTiling() = default;
+  BlockTiling(std::int64_t tokens, std::int64_t block_tokens);
+  std::int64_t tasks() const { return blocks * tiles_per_block; }
+  std::int64_t block_start(std::int64_t t) const { return t / tiles_per_block * block; }
+  std::int64_t block_end(std::int64_t t) const { return block_start(t) + block < n ? block_start(t) + block : n; }
+  std::int64_t first_row(std::int64_t t) const { return block_start(t) + t % tiles_per_block * kTaskRows; }
+  std::int64_t rows(std::int64_t t) const;
+};
+
+// The residue classes of a stride: class r < min(stride, n) holds tokens r, r + stride, … < n;
+// each class is split into tiles of ≤ kTaskRows consecutive members. Task t is tile
+// t % tiles_per_class of class t / tiles_per_class; tiles past a short class have 0 rows.
+struct StridedTiling {
+  std::int64_t n = 0, stride = 1, classes = 0, longest = 0, tiles_per_class = 1;
+  StridedTiling() = default;
+  StridedTiling(std::int64_t tokens, std::int64_t stride_tokens);
+  std::int64_t tasks() const { return classes * tiles_per_class; }
+  std::int64_t residue(std::int64_t t) const { return t / tiles_per_class; }
+  std::int64_t members(std::int64_t t) const { return (n - residue(t) + stride - 1) / stride; }
+  std::int64_t first_member(std::int64_t t) const { return t % tiles_per_class * kTaskRows; }
+  std::int64_t first_row(std::int64_t t) const { return residue(t) + first_member(t) * stride; }
+  std::int64_t rows(std::int64_t t) const;
+};
+
+// Bounds of a tile whose query row r is key row first + r: every row sees keys [0, count), or
+// [0, first + r + 1) when causal (clamped to [0, count]).
+void prefix_bounds(std::int64_t rows, std::int64_t first, std::int64_t count, bool causal, std::int64_t* lo,
+                   std::int64_t* hi);
+
+// Per-thread buffers for tiles of up to kTaskRows query rows and hull width up to max_cols: the
+// score tile, M and S of the tile's rows, and the row intervals lo/hi. Tracked: the floats.
+class ThreadScratch {
+ public:
+  ThreadScratch() = default;
+  ThreadScratch(std::int64_t threads, std::int64_t max_cols);
+  static std::int64_t tracked_bytes(std::int64_t threads, std::int64_t max_cols);
+
+  int threads() const { return threads_; }  // buffers exist for threads 0 … threads()−1
+  ScoreTile scores(int thread);
+  float* row_max(int thread) { return stats_.data() + thread * 2 * kTaskRows; }
+  float* row_sum(int thread) { return row_max(thread) + kTaskRows; }
+  std::int64_t* lo(int thread) { return bounds_.data() + thread * 2 * kTaskRows; }
+  std::int64_t* hi(int thread) { return lo(thread) + kTaskRows; }
+
+ private:
+  int threads_ = 0;
+  Tensor scores_, stats_;
+  std::vector<std::int64_t> bounds_;
+};
+
+// One head's [N, D] matrices (any of them may be a same-layout buffer such as gathered keys).
+struct HeadView {
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  float* out = nullptr;
+  std::int64_t d = 0;
+};
+
+// One task of a single-source plan: query row r is head row q_first + r·q_step, key/value row j
+// is head row k_first + j·k_step (strided views, no copies).
+struct Tile {
+  std::int64_t rows = 0;  // query rows, ≤ kTaskRows; 0: nothing to do
+  std::int64_t q_first = 0, q_step = 1;
+  std::int64_t k_first = 0, k_step = 1;
+};
+
+// The tile of task t of a BlockTiling attending to its own block (local attention), and of a
+// StridedTiling attending to its own residue class; lo/hi by prefix_bounds.
+Tile block_tile(const BlockTiling& tiling, std::int64_t t, bool causal, std::int64_t* lo, std::int64_t* hi);
+Tile class_tile(const StridedTiling& tiling, std::int64_t t, bool causal, std::int64_t* lo, std::int64_t* hi);
+
+// Views of head `head` (= b·H + h) of [B, H, N, D] tensors.
+HeadView head_view(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, std::int64_t head);
+
+// Complete attention of one tile whose rows see keys [lo[r], hi[r]) (the thread's lo/hi): fresh
+// accumulate at scale 1/√D, then finish into the tile's query rows of head.out. Returns the
+// elementwise FLOPs (the gemms count themselves).
+std::int64_t attend(const HeadView& head, const Tile& tile, ThreadScratch& scratch, int thread);
+
+// A plan is a callable plan(task, lo, hi) -> Tile that fills lo/hi of the tile's rows; tasks are
+// independent. run_tiles runs tasks [0, tasks) of every head h < heads (views from head_of(h)) in
+// one OpenMP loop of scratch.threads() threads and adds the FLOPs to the counter; plan_flops is the exact count for one head.
+template <class Plan>
+std::int64_t plan_flops(std::int64_t tasks, std::int64_t d, const Plan& plan) {
+  std::vector<std::int64_t> lo(kTaskRows), hi(kTaskRows);
+  std::int64_t flops = 0;
+  for (std::int64_t task = 0; task < tasks; ++task) {
+    const Tile tile = plan(task, lo.data(), hi.data());
+    if (tile.rows > 0) flops += accumulate_flops(tile.rows, lo.data(), hi.data(), d, true) + finish_flops(tile.rows, d);
+  }
+  return flops;
+}
+
+template <class HeadOf, class Plan>
+void run_tiles(std::int64_t heads, std::int64_t tasks, ThreadScratch& scratch, const HeadOf& head_of,
+               const Plan& plan) {
+  const std::int64_t total = heads * tasks;
+  std::int64_t flops = 0;
+#pragma omp parallel num_threads(scratch.threads()) reduction(+ : flops)
+  {
+    const int thread = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t index = 0; index < total; ++index) {
+      const Tile tile = plan(index % tasks, scratch.lo(thread), scratch.hi(thread));
+      if (tile.rows > 0) flops += attend(head_of(index / tasks), tile, scratch, thread);
+    }
+  }
+  FlopCounter::add(flops);
+}
+
+}  // namespace xfb::block_sparse

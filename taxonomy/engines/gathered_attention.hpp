@@ -1,0 +1,138 @@
+#pragma once
+// Shared kernel of the block-sparse fixed-pattern + memory models (memory-compressed, longformer,
+// etc, bigbird): exact softmax attention of one tile of query rows over a few runs of key rows.
+//
+// A tile is `rows` query rows (row r at q + r·q_ld) of one head. Its keys come in runs: run s is
+// the rows first, first+step, …, first+(count−1)·step of that head's [n, D] key and value
+// matrices (row stride D). Query row r may see the columns visible(r, s) = [lo, hi) of run s.
+// The kernel computes, for every row,
+//   out_r = Σ_s Σ_{c ∈ visible(r,s)} softmax_r(q_r·k_{s,c}/√D) · v_{s,c}
+// with the softmax over all columns the row sees; a row that sees nothing gets zeros.
+//
+// Work: for each run only the union over rows of its visible columns, [c0, c1), is computed, as
+// dense products S = Q·K[c0:c1]ᵀ/√D (scores stored run after run in one [rows, Σ widths] buffer)
+// and O = P·V; entries outside a row's visible range are zeroed in P. So the work beyond the exact
+// pattern is only where a row's range is narrower than its tile's union (band edges, causal
+// diagonals, partial blocks). With `gather`, the union rows of all runs are first copied into
+// contiguous [Σ widths, D] buffers and each product is one sgemm (worth it for many short runs);
+// otherwise each run is multiplied in place (strided runs use ld = step·D).
+//
+// FLOPs of a tile (tile_flops): 4·rows·Σ widths·D (both products) + kSoftmaxFlopsPerElement per
+// visible entry. Rows that see nothing cost nothing.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/tensor.hpp"
+
+namespace xfb::fixed {
+
+// Rows first + c·step of a key/value matrix pair, c < count.
+struct KeyRun {
+  std::int64_t first = 0;  // row of column 0
+  std::int64_t step = 1;   // rows between consecutive columns
+  std::int64_t count = 0;  // columns
+};
+
+// Columns [lo, hi) of one run; empty when lo >= hi.
+struct ColumnRange {
+  std::int64_t lo = 0, hi = 0;
+  std::int64_t width() const { return hi > lo ? hi - lo : 0; }
+};
+
+// The pattern of one tile: its key runs and, per query row and run, the visible columns.
+class TilePattern {
+ public:
+  // Starts a tile of `rows` query rows with no runs.
+  void reset(std::int64_t rows);
+  // Adds a run whose columns every row sees (set other ranges with visible()). Returns its index.
+  std::size_t add_run(KeyRun run);
+  ColumnRange& visible(std::int64_t row, std::size_t run) { return visible_[run * rows_ + row]; }
+  const ColumnRange& visible(std::int64_t row, std::size_t run) const { return visible_[run * rows_ + row]; }
+
+  std::int64_t rows() const { return rows_; }
+  const std::vector<KeyRun>& runs() const { return runs_; }
+  // Union over rows of the visible columns of a run, as a range (empty when nobody sees it).
+  ColumnRange computed_columns(std::size_t run) const;
+  // Σ over runs of the union widths: the score columns the tile computes.
+  std::int64_t computed_width() const;
+  // Visible (row, column) pairs over all runs.
+  std::int64_t visible_entries() const;
+
+ private:
+  std::int64_t rows_ = 0;
+  std::vector<KeyRun> runs_;
+  std::vector<ColumnRange> visible_;  // [runs][rows]
+};
+
+// Executed FLOPs of TileAttention::run on this tile (formula above).
+std::int64_t tile_flops(const TilePattern& tile, std::int64_t d);
+
+// Per-thread buffers and the kernel. `score_capacity` bounds rows·padded_ld(computed_width) over
+// the tiles this instance will run; `gather_capacity` bounds computed_width of gathered tiles.
+class TileAttention {
+ public:
+  TileAttention(std::int64_t score_capacity, std::int64_t gather_capacity, std::int64_t d);
+  // Tracked bytes of one instance.
+  static std::int64_t bytes(std::int64_t score_capacity, std::int64_t gather_capacity, std::int64_t d);
+  // Score floats a tile of `rows` rows and `width` computed columns needs.
+  static std::int64_t score_floats(std::int64_t rows, std::int64_t width);
+
+  // Computes the tile's output rows (out + r·out_ld) from q (q + r·q_ld) and the head's k, v
+  // ([n, D], row stride D). Adds gemm FLOPs to FlopCounter itself; returns the softmax FLOPs.
+  std::int64_t run(const TilePattern& tile, const float* q, std::int64_t q_ld, const float* k, const float* v,
+                   float* out, std::int64_t out_ld, bool gather);
+
+ private:
+  const float* first_computed(const TilePattern& tile, const float* base, std::size_t run) const;
+  void scores(const TilePattern& tile, const float* q, std::int64_t q_ld, const float* k, std::int64_t width,
+              std::int64_t ld, bool gather);
+  std::int64_t softmax_rows(const TilePattern& tile, std::int64_t width, std::int64_t ld);
+  void weighted_values(const TilePattern& tile, const float* v, float* out, std::int64_t out_ld, std::int64_t width,
+                       std::int64_t ld, bool gather);
+
+  std::int64_t d_;
+  Tensor scores_, keys_, values_;
+  std::vector<ColumnRange> columns_;   // per run: computed union
+  std::vector<std::int64_t> offsets_;  // per run: first score column
+  std::vector<std::pair<std::int64_t, std::int64_t>> spans_;  // one row's visible (first column, length)
+};
+
+// The score floats the largest of `tasks` needs (TileAttention's score capacity); plan(task, tile)
+// fills the tile pattern of a task.
+template <typename Task, typename Plan>
+std::int64_t most_score_floats(const std::vector<Task>& tasks, Plan&& plan) {
+  TilePattern tile;
+  std::int64_t most = 0;
+  for (const Task& task : tasks) {
+    plan(task, tile);
+    most = std::max(most, TileAttention::score_floats(task.rows, tile.computed_width()));
+  }
+  return most;
+}
+
+// Runs tasks of one tile each on kernels.size() OpenMP threads, dynamically scheduled: for every batch entry b
+// and task t, run_task(b, tasks[t], kernel, tile) with the calling thread's kernel and a reused
+// TilePattern. Adds the returned softmax FLOPs (the kernel adds its gemm FLOPs itself) to the
+// FlopCounter.
+template <typename Task, typename RunTask>
+void run_tile_tasks(std::int64_t batch, const std::vector<Task>& tasks, std::vector<TileAttention>& kernels,
+                    RunTask&& run_task) {
+  const auto count = static_cast<std::int64_t>(tasks.size());
+  std::int64_t softmax_flops = 0;
+#pragma omp parallel num_threads(static_cast<int>(kernels.size())) reduction(+ : softmax_flops)
+  {
+    TileAttention& kernel = kernels[static_cast<std::size_t>(omp_get_thread_num())];
+    TilePattern tile;
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t index = 0; index < batch * count; ++index)
+      softmax_flops += run_task(index / count, tasks[static_cast<std::size_t>(index % count)], kernel, tile);
+  }
+  FlopCounter::add(softmax_flops);
+}
+
+}  // namespace xfb::fixed

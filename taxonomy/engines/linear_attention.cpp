@@ -1,0 +1,188 @@
+#include "taxonomy/engines/linear_attention.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+
+namespace xfb {
+
+struct ChunkedLinearAttention::Buffers {
+  float* phi_q;       // [C, ld_m]
+  float* phi_k;       // [C, ld_m]
+  float* scores;      // [C, ld_c]
+  float* values;      // [C, ld_v]: V_c and a ones column at D
+  float* numerators;  // [C, ld_v]
+  float* state;       // [M, ld_v]
+};
+
+namespace {
+
+std::int64_t clamp_chunk(const Problem& p, std::int64_t chunk) { return std::max<std::int64_t>(1, std::min(chunk, p.seq_len)); }
+
+// values[r] = [v_r | 1] for the rows of one chunk.
+void load_values(const float* v, std::int64_t rows, std::int64_t d, float* values, std::int64_t ld) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::copy(v + r * d, v + (r + 1) * d, values + r * ld);
+    values[r * ld + d] = 1.0f;
+  }
+}
+
+// out[r] = numerators[r][0:D] / numerators[r][D]. Returns its FLOPs (D per row).
+std::int64_t normalise(const float* numerators, std::int64_t rows, std::int64_t d, std::int64_t ld, float* out) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* src = numerators + r * ld;
+    const float inverse = 1.0f / src[d];
+    float* dst = out + r * d;
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) dst[j] = src[j] * inverse;
+  }
+  return rows * d;
+}
+
+// Multiplies the [m, d+1] state by exp(old − new) after the key shift moved. Returns its FLOPs.
+std::int64_t rescale(float* state, std::int64_t m, std::int64_t cols, std::int64_t ld, float old_shift,
+                     float new_shift) {
+  const float factor = std::exp(old_shift - new_shift);
+  for (std::int64_t r = 0; r < m; ++r) {
+    float* row = state + r * ld;
+#pragma omp simd
+    for (std::int64_t j = 0; j < cols; ++j) row[j] *= factor;
+  }
+  return m * cols;
+}
+
+// Zeroes entries j > i of a square [rows, rows] block (row stride ld).
+void mask_future(float* scores, std::int64_t rows, std::int64_t ld) {
+  for (std::int64_t r = 0; r + 1 < rows; ++r) std::fill(scores + r * ld + r + 1, scores + r * ld + rows, 0.0f);
+}
+
+}  // namespace
+
+ChunkedLinearAttention::ChunkedLinearAttention(const Problem& problem, std::int64_t chunk, std::int64_t feature_dim)
+    : p_(problem),
+      chunk_(clamp_chunk(problem, chunk)),
+      m_(feature_dim),
+      ld_m_(ops::padded_ld(feature_dim)),
+      ld_c_(ops::padded_ld(chunk_)),
+      ld_v_(ops::padded_ld(problem.head_dim + 1)) {
+  const std::int64_t threads = p_.threads;
+  phi_q_ = Tensor(Shape{threads, chunk_, ld_m_});
+  phi_k_ = Tensor(Shape{threads, chunk_, ld_m_});
+  if (p_.causal) scores_ = Tensor(Shape{threads, chunk_, ld_c_});
+  values_ = Tensor(Shape{threads, chunk_, ld_v_});
+  numerators_ = Tensor(Shape{threads, chunk_, ld_v_});
+  state_ = Tensor(Shape{threads, m_, ld_v_});
+}
+
+ChunkedLinearAttention::Buffers ChunkedLinearAttention::buffers(int thread) {
+  return {phi_q_.data() + thread * chunk_ * ld_m_,
+          phi_k_.data() + thread * chunk_ * ld_m_,
+          p_.causal ? scores_.data() + thread * chunk_ * ld_c_ : nullptr,
+          values_.data() + thread * chunk_ * ld_v_,
+          numerators_.data() + thread * chunk_ * ld_v_,
+          state_.data() + thread * m_ * ld_v_};
+}
+
+void ChunkedLinearAttention::forward(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v,
+                                     Tensor& out) {
+  const std::int64_t tasks = p_.batch * p_.heads, head_size = p_.seq_len * p_.head_dim;
+  std::int64_t flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+  {
+    const Buffers b = buffers(omp_get_thread_num());
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      const std::int64_t offset = task * head_size;
+      flops += p_.causal ? head_causal(map, q.data() + offset, k.data() + offset, v.data() + offset,
+                                       out.data() + offset, b)
+                         : head_full(map, q.data() + offset, k.data() + offset, v.data() + offset,
+                                     out.data() + offset, b);
+    }
+  }
+  FlopCounter::add(flops);
+}
+
+std::int64_t ChunkedLinearAttention::load_key_chunk(const FeatureMap& map, const float* k, const float* v,
+                                                    std::int64_t c0, std::int64_t rows, float& shift,
+                                                    const Buffers& b) const {
+  const std::int64_t d = p_.head_dim;
+  const float old_shift = shift;
+  std::int64_t flops = map.keys(k + c0 * d, rows, b.phi_k, ld_m_, shift);
+  if (c0 > 0 && map.shifts()) flops += rescale(b.state, m_, d + 1, ld_v_, old_shift, shift);
+  load_values(v + c0 * d, rows, d, b.values, ld_v_);
+  return flops;
+}
+
+std::int64_t ChunkedLinearAttention::head_full(const FeatureMap& map, const float* q, const float* k, const float* v,
+                                               float* out, const Buffers& b) const {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim;
+  float shift = -std::numeric_limits<float>::infinity();
+  std::int64_t flops = 0;
+  for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {
+    const std::int64_t rows = std::min(chunk_, n - c0);
+    flops += load_key_chunk(map, k, v, c0, rows, shift, b);
+    ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_k, ld_m_, b.values, ld_v_, c0 > 0 ? 1.0f : 0.0f, b.state,
+              ld_v_);
+  }
+  for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {
+    const std::int64_t rows = std::min(chunk_, n - c0);
+    flops += map.queries(q + c0 * d, rows, b.phi_q, ld_m_);
+    ops::gemm(false, false, rows, d + 1, m_, 1.0f, b.phi_q, ld_m_, b.state, ld_v_, 0.0f, b.numerators, ld_v_);
+    flops += normalise(b.numerators, rows, d, ld_v_, out + c0 * d);
+  }
+  return flops;
+}
+
+std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const float* q, const float* k,
+                                                 const float* v, float* out, const Buffers& b) const {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim;
+  float shift = -std::numeric_limits<float>::infinity();
+  std::int64_t flops = 0;
+  for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {
+    const std::int64_t rows = std::min(chunk_, n - c0);
+    flops += load_key_chunk(map, k, v, c0, rows, shift, b);
+    flops += map.queries(q + c0 * d, rows, b.phi_q, ld_m_);
+    // Inside the chunk: the masked small product.
+    ops::gemm(false, true, rows, rows, m_, 1.0f, b.phi_q, ld_m_, b.phi_k, ld_m_, 0.0f, b.scores, ld_c_);
+    mask_future(b.scores, rows, ld_c_);
+    ops::gemm(false, false, rows, d + 1, rows, 1.0f, b.scores, ld_c_, b.values, ld_v_, 0.0f, b.numerators, ld_v_);
+    // Earlier chunks: the running state.
+    if (c0 > 0)
+      ops::gemm(false, false, rows, d + 1, m_, 1.0f, b.phi_q, ld_m_, b.state, ld_v_, 1.0f, b.numerators, ld_v_);
+    if (c0 + rows < n)
+      ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_k, ld_m_, b.values, ld_v_, c0 > 0 ? 1.0f : 0.0f, b.state,
+                ld_v_);
+    flops += normalise(b.numerators, rows, d, ld_v_, out + c0 * d);
+  }
+  return flops;
+}
+
+std::int64_t linear_attention_flops(const Problem& p, std::int64_t chunk, const FeatureCosts& costs) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, m = costs.dim, c = clamp_chunk(p, chunk);
+  const std::int64_t state_size = m * (d + 1);
+  std::int64_t per_head = n * (costs.query_row + costs.key_row) + n * d;
+  const std::int64_t chunks = (n + c - 1) / c;
+  if (costs.shifts) per_head += (chunks - 1) * state_size;
+  if (!p.causal) return p.batch * p.heads * (per_head + 4 * n * state_size);
+  for (std::int64_t c0 = 0; c0 < n; c0 += c) {
+    const std::int64_t rows = std::min(c, n - c0);
+    per_head += matmul_flops(rows, rows, m) + matmul_flops(rows, d + 1, rows);
+    if (c0 > 0) per_head += matmul_flops(rows, d + 1, m);
+    if (c0 + rows < n) per_head += matmul_flops(m, d + 1, rows);
+  }
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t linear_attention_workspace(const Problem& p, std::int64_t chunk, std::int64_t feature_dim) {
+  const std::int64_t c = clamp_chunk(p, chunk), ld_v = ops::padded_ld(p.head_dim + 1);
+  std::int64_t per_thread = 2 * c * ops::padded_ld(feature_dim) + 2 * c * ld_v + feature_dim * ld_v;
+  if (p.causal) per_thread += c * ops::padded_ld(c);
+  return p.threads * per_thread * static_cast<std::int64_t>(sizeof(float));
+}
+
+}  // namespace xfb

@@ -1,0 +1,88 @@
+#pragma once
+// The chunked engine shared by the kernel models (Performer, Linear Transformer): attention with a
+// positive feature map φ: R^D → R^M,
+//   out_i = Σ_j φ(q_i)·φ(k_j) v_j / Σ_j φ(q_i)·φ(k_j),   j over all keys, or j <= i when causal,
+// computed without any N×N matrix and without an N×M×D prefix tensor.
+//
+// Work is split into tasks, one per (batch, head), run by OpenMP threads; each task walks the
+// sequence in chunks of C rows (the last chunk may be shorter) with per-thread buffers only:
+//   V'_c = [V_c | 1]   (values with a ones column, so the normaliser rides along every product)
+//   S'   = Σ φ(K_c)ᵀ V'_c   — the running [M, D+1] state: numerator sums and normaliser z.
+// Non-causal: pass 1 builds S' over all chunks; pass 2 computes out'_c = φ(Q_c)·S'.
+// Causal, chunk c:  A = tril(φ(Q_c)·φ(K_c)ᵀ) [C, C] (j <= i inside the chunk);
+//   out'_c = A·V'_c + φ(Q_c)·S'_{<c};  then S' += φ(K_c)ᵀ·V'_c.
+// Finally out_i = out'_i[0:D] / out'_i[D]. Every product is one ops::gemm (oneDNN sgemm).
+// Why per-head tasks rather than batched ops::matmul over B·H: the causal walk is sequential in
+// the chunks, and keeping one head's chunk buffers on one core keeps them in cache and the
+// workspace independent of N (batched calls per chunk would need [B·H, C, M] buffers and a
+// synchronisation per product). Parallelism is therefore min(B·H, threads).
+//
+// Stabiliser: a feature map may scale its key features by exp(−shift) with a running shift that
+// only grows (Performer's max subtraction). When it grows, S' is multiplied by exp(old − new),
+// so all keys in S' always share one factor, which cancels in the ratio.
+//
+// FLOPs per head (exact, see linear_attention_flops), with n_c rows in chunk c:
+//   features: N·(query_row + key_row)   (the feature map's own count, its gemm included)
+//   rescales: M·(D+1) per chunk after the first, when the map shifts
+//   normalise: N·D
+//   non-causal: 4·N·M·(D+1)
+//   causal, chunk c: 2·n_c²·M + 2·n_c²·(D+1) + [c > 0] 2·n_c·M·(D+1) + [not last] 2·n_c·M·(D+1)
+// Workspace: per thread φ(Q_c), φ(K_c) [C, M], A [C, C], V'_c, out'_c [C, D+1], S' [M, D+1]:
+// independent of N.
+#include <cstdint>
+
+#include "lib/core/mechanism.hpp"
+
+namespace xfb {
+
+// A positive feature map, applied to `rows` consecutive rows of one head (x: [rows, D], row stride
+// D) and written to phi ([rows, M], row stride ld). Implementations are const and thread-safe.
+class FeatureMap {
+ public:
+  virtual ~FeatureMap() = default;
+  virtual std::int64_t dim() const = 0;  // M
+  // φ(q) up to a positive factor per row (it cancels in the row normalisation). Returns the
+  // FLOPs it executed outside ops::gemm.
+  virtual std::int64_t queries(const float* x, std::int64_t rows, float* phi, std::int64_t ld) const = 0;
+  // φ(k)·exp(−shift). May raise `shift` (never lowers it); starts at −∞ for a task. Returns the
+  // FLOPs it executed outside ops::gemm.
+  virtual std::int64_t keys(const float* x, std::int64_t rows, float* phi, std::int64_t ld, float& shift) const = 0;
+  // Whether keys() ever changes shift (then the engine rescales its state).
+  virtual bool shifts() const = 0;
+};
+
+// FLOPs of a feature map per row, gemm included; used by the analytic formulas.
+struct FeatureCosts {
+  std::int64_t dim = 0;        // M
+  std::int64_t query_row = 0;  // per query row
+  std::int64_t key_row = 0;    // per key row
+  bool shifts = false;
+};
+
+class ChunkedLinearAttention {
+ public:
+  // chunk: rows per chunk C (clamped to N). Allocates the per-thread buffers.
+  ChunkedLinearAttention(const Problem& problem, std::int64_t chunk, std::int64_t feature_dim);
+  void forward(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+
+ private:
+  struct Buffers;
+  std::int64_t head_causal(const FeatureMap& map, const float* q, const float* k, const float* v, float* out,
+                           const Buffers& b) const;
+  std::int64_t head_full(const FeatureMap& map, const float* q, const float* k, const float* v, float* out,
+                         const Buffers& b) const;
+  // The key side of chunk [c0, c0 + rows): φ(K) into b.phi_k (moving the running shift, and
+  // rescaling the state to it when the map shifts), and [V | 1] into b.values. Returns its FLOPs.
+  std::int64_t load_key_chunk(const FeatureMap& map, const float* k, const float* v, std::int64_t c0,
+                              std::int64_t rows, float& shift, const Buffers& b) const;
+  Buffers buffers(int thread);
+
+  Problem p_;
+  std::int64_t chunk_, m_, ld_m_, ld_c_, ld_v_;
+  Tensor phi_q_, phi_k_, scores_, values_, numerators_, state_;
+};
+
+std::int64_t linear_attention_flops(const Problem& p, std::int64_t chunk, const FeatureCosts& costs);
+std::int64_t linear_attention_workspace(const Problem& p, std::int64_t chunk, std::int64_t feature_dim);
+
+}  // namespace xfb

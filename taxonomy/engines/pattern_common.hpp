@@ -1,0 +1,76 @@
+#pragma once
+// Pieces shared by the learnable-pattern mechanisms (reformer, routing, sinkhorn).
+//
+// IndexBuffer: a tracked int32 array (bucket ids, sort orders, cluster memberships), so the
+// integer side of a routing decision shows up in tracked memory like the float buffers.
+//
+// exp_rows_masked: the softmax core of every score tile these models compute. For each of `rows`
+// rows of a [rows, cols] tile (row stride ld) it keeps the entries allowed(r, c) says are visible,
+// replaces the row by p = exp(s − max) (0 where not allowed), and writes
+//   lse[r] = max + log Σ p   and   inverse[r] = 1 / Σ p
+// (−inf and 0 for a row with nothing visible, whose p row is all zero). The caller multiplies P by
+// V and scales row r by inverse[r]. Every entry is processed whatever the mask, so the work is
+// data-independent: kOnlineSoftmaxFlopsPerElement · rows · cols FLOPs (max, subtract+exp, sum),
+// which the function returns.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+
+namespace xfb {
+
+class IndexBuffer {
+ public:
+  IndexBuffer() = default;
+  explicit IndexBuffer(std::int64_t count);  // zero-filled
+  ~IndexBuffer();
+  IndexBuffer(IndexBuffer&& other) noexcept;
+  IndexBuffer& operator=(IndexBuffer&& other) noexcept;
+  IndexBuffer(const IndexBuffer&) = delete;
+  IndexBuffer& operator=(const IndexBuffer&) = delete;
+
+  std::int32_t* data() { return data_; }
+  const std::int32_t* data() const { return data_; }
+  std::int64_t size() const { return size_; }
+  std::int64_t bytes() const { return size_ * static_cast<std::int64_t>(sizeof(std::int32_t)); }
+
+ private:
+  void release() noexcept;
+  std::int64_t size_ = 0;
+  std::int32_t* data_ = nullptr;
+};
+
+template <class Allowed>
+std::int64_t exp_rows_masked(float* scores, std::int64_t rows, std::int64_t cols, std::int64_t ld,
+                             const Allowed& allowed, float* lse, float* inverse) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* row = scores + r * ld;
+#pragma omp simd
+    for (std::int64_t c = 0; c < cols; ++c) row[c] = allowed(r, c) ? row[c] : kNegInf;
+    const float peak = ops::row_max(row, cols, kNegInf);
+    const float shift = peak == kNegInf ? 0.0f : peak;
+    const float sum = ops::exp_and_sum(row, cols, shift);
+    lse[r] = sum > 0.0f ? shift + std::log(sum) : kNegInf;
+    inverse[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
+  }
+  return kOnlineSoftmaxFlopsPerElement * rows * cols;
+}
+
+// dst[i] = src[i] · factor over n values.
+inline void scale_row(float* dst, const float* src, float factor, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = src[i] * factor;
+}
+
+// log(exp(a) + exp(b)), exact for −inf operands.
+inline float log_add_exp(float a, float b) {
+  const float hi = a > b ? a : b;
+  if (hi == -std::numeric_limits<float>::infinity()) return hi;
+  return hi + std::log(std::exp(a - hi) + std::exp(b - hi));
+}
+
+}  // namespace xfb

@@ -1,0 +1,366 @@
+#include "taxonomy/engines/segment_attention.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
+
+namespace xfb {
+namespace {
+
+// FLOPs per visible score entry beyond the products: add the relative term, then max,
+// subtract + exp, sum (the 1/sum scaling is applied to the D outputs of the row instead).
+constexpr std::int64_t kFlopsPerVisibleEntry = 1 + kOnlineSoftmaxFlopsPerElement;
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+
+// The cache after a segment of `rows` tokens (FIFO memory, compressed memory). Returns the
+// number of rows evicted from the memory.
+std::int64_t advance(SegmentCache& state, std::int64_t rows, const SegmentAttentionConfig& c) {
+  const std::int64_t total = state.memory + rows;
+  state.memory = std::min(c.memory_len, total);
+  const std::int64_t evicted = total - state.memory;
+  if (c.compression != Compression::None)
+    state.compressed = std::min(c.compressed_len, state.compressed + ceil_div(evicted, c.rate));
+  return evicted;
+}
+
+struct Sizes {
+  std::int64_t segment, context, rows, block, relative;  // L clamped to N, W, W + L, tile rows, n_rel
+};
+
+Sizes sizes_of(const Problem& p, const SegmentAttentionConfig& c) {
+  Sizes s{};
+  s.segment = std::min(c.segment_len, p.seq_len);
+  s.context = c.compressed_len + c.memory_len;
+  s.rows = s.context + s.segment;
+  s.block = std::min(c.block_q, s.segment);
+  s.relative = p.causal ? s.rows : s.rows + s.segment - 1;
+  return s;
+}
+
+// FLOPs of one query tile: rows r0 … r0 + rows − 1 of a segment of `segment_rows` tokens that
+// sees `context` valid cache slots.
+std::int64_t tile_flops(const Problem& p, std::int64_t context, std::int64_t r0, std::int64_t rows,
+                        std::int64_t segment_rows) {
+  const std::int64_t d = p.head_dim;
+  const std::int64_t cols = context + (p.causal ? r0 + rows : segment_rows);
+  const std::int64_t relative = p.causal ? cols : cols + rows - 1;
+  const std::int64_t visible = p.causal ? rows * (context + r0) + rows * (rows + 1) / 2 : rows * cols;
+  return matmul_flops(rows, cols, d) + matmul_flops(rows, relative, d) + matmul_flops(rows, d, cols) + 3 * rows * d +
+         kFlopsPerVisibleEntry * visible;
+}
+
+// row[x] = exp(row[x] + relative[x] − max) for x < valid; the rest of the row up to cols becomes
+// 0. Returns 1 / (sum of the exponentials).
+float add_relative_and_exponentiate(float* row, const float* relative, std::int64_t valid, std::int64_t cols) {
+#pragma omp simd
+  for (std::int64_t x = 0; x < valid; ++x) row[x] += relative[x];
+  const float sum = ops::exp_and_sum(row, valid, ops::row_max(row, valid, -std::numeric_limits<float>::infinity()));
+  std::fill(row + valid, row + cols, 0.0f);
+  return 1.0f / sum;
+}
+
+}  // namespace
+
+std::int64_t compress_rows(Compression f, const float* rows, std::int64_t count, std::int64_t d, std::int64_t rate,
+                           const float* conv_weights, float* out) {
+  const std::int64_t full = count / rate, rest = count % rate;
+  if (f == Compression::Conv) {
+    if (full > 0) ops::gemm(false, false, full, d, rate * d, 1.0f, rows, rate * d, conv_weights, d, 0.0f, out, d);
+    if (rest > 0)
+      ops::gemm(false, false, 1, d, rest * d, 1.0f, rows + full * rate * d, rest * d, conv_weights, d, 0.0f,
+                out + full * d, d);
+    return 0;
+  }
+  std::int64_t flops = 0;
+  for (std::int64_t g = 0; g * rate < count; ++g) {
+    const float* group = rows + g * rate * d;
+    const std::int64_t members = std::min(rate, count - g * rate);
+    float* dst = out + g * d;
+    std::copy(group, group + d, dst);
+    for (std::int64_t t = 1; t < members; ++t) {
+      const float* src = group + t * d;
+      if (f == Compression::MaxPool) {
+#pragma omp simd
+        for (std::int64_t j = 0; j < d; ++j) dst[j] = std::max(dst[j], src[j]);
+      } else {
+#pragma omp simd
+        for (std::int64_t j = 0; j < d; ++j) dst[j] += src[j];
+      }
+    }
+    if (f == Compression::MeanPool) {
+      const float inverse = 1.0f / static_cast<float>(members);
+#pragma omp simd
+      for (std::int64_t j = 0; j < d; ++j) dst[j] *= inverse;
+      flops += members * d;
+    } else {
+      flops += (members - 1) * d;
+    }
+  }
+  return flops;
+}
+
+std::int64_t compress_flops(Compression f, std::int64_t count, std::int64_t d, std::int64_t rate) {
+  switch (f) {
+    case Compression::Conv:
+      return 2 * count * d * d;
+    case Compression::MaxPool:
+      return (count - ceil_div(count, rate)) * d;
+    case Compression::MeanPool:
+      return count * d;
+    case Compression::None:
+      break;
+  }
+  return 0;
+}
+
+SegmentAttention::SegmentAttention(const Problem& problem, const SegmentAttentionConfig& config, std::uint64_t seed)
+    : p_(problem), c_(config), seed_(seed) {}
+
+void SegmentAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
+  const Sizes s = sizes_of(p_, c_);
+  const std::int64_t h = p_.heads, d = p_.head_dim, d_r = h * d, threads = p_.threads;
+  segment_ = s.segment;
+  context_ = s.context;
+  rows_ = s.rows;
+  delta_max_ = s.rows - 1;
+
+  bias_u_ = Tensor(Shape{h, d});
+  bias_v_ = Tensor(Shape{h, d});
+  w_r_ = Tensor(Shape{h, d_r, d});
+  CounterRng(seed_, c_.model + "/pos_bias_u").fill_normal(bias_u_, 0.0f, 0.5f);
+  CounterRng(seed_, c_.model + "/pos_bias_v").fill_normal(bias_v_, 0.0f, 0.5f);
+  CounterRng(seed_, c_.model + "/w_r").fill_normal(w_r_, 0.0f, 1.0f / std::sqrt(static_cast<float>(d_r)));
+  sinusoid_ = Tensor(Shape{s.relative, d_r});
+  for (std::int64_t t = 0; t < s.relative; ++t)
+    for (std::int64_t k = 0; k < d_r; ++k) {
+      const double omega = std::pow(10000.0, -static_cast<double>(k - k % 2) / static_cast<double>(d_r));
+      const double angle = static_cast<double>(delta_max_ - t) * omega;
+      sinusoid_[t * d_r + k] = static_cast<float>(k % 2 == 0 ? std::sin(angle) : std::cos(angle));
+    }
+  relative_keys_ = Tensor(Shape{h, s.relative, d});
+  for (std::int64_t head = 0; head < h; ++head)
+    ops::gemm(false, false, s.relative, d, d_r, 1.0f, sinusoid_.data(), d_r, w_r_.data() + head * d_r * d, d, 0.0f,
+              relative_keys_.data() + head * s.relative * d, d);
+  if (c_.compression == Compression::Conv) {
+    conv_weights_ = Tensor(Shape{2, h, c_.rate * d, d});
+    CounterRng(seed_, c_.model + "/conv_weights")
+        .fill_normal(conv_weights_, 0.0f, 1.0f / std::sqrt(static_cast<float>(c_.rate * d)));
+  }
+  if (c_.compression != Compression::None)
+    compressed_slots_ = Tensor(Shape{threads, ceil_div(s.segment, c_.rate), d});
+
+  windows_ = Tensor(Shape{2, p_.batch * h, s.rows, d});
+  biased_queries_ = Tensor(Shape{threads, 2, s.block, d});
+  scores_ = Tensor(Shape{threads, s.block, ops::padded_ld(s.rows)});
+  relative_scores_ = Tensor(Shape{threads, s.block, ops::padded_ld(s.rows + s.block - 1)});
+}
+
+void SegmentAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  // Segments are sequential per (batch, head). With at least one (batch, head) per thread each
+  // thread runs whole heads without synchronisation; otherwise the threads share each segment's
+  // query tiles and meet at the memory update.
+  const bool per_head = p_.batch * p_.heads >= p_.threads;
+  FlopCounter::add(per_head ? run_heads(q, k, v, out) : run_lockstep(q, k, v, out));
+  cache_ = {};
+  for (std::int64_t s0 = 0; s0 < p_.seq_len; s0 += segment_) advance(cache_, std::min(segment_, p_.seq_len - s0), c_);
+}
+
+std::int64_t SegmentAttention::run_heads(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, block = biased_queries_.dim(2);
+  std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
+  for (std::int64_t bh = 0; bh < p_.batch * p_.heads; ++bh) {
+    const int thread = omp_get_thread_num();
+    SegmentCache cache;
+    for (std::int64_t s0 = 0; s0 < n; s0 += segment_) {
+      const std::int64_t segment_rows = std::min(segment_, n - s0);
+      copy_segment(k, v, bh, s0, segment_rows);
+      for (std::int64_t r0 = 0; r0 < segment_rows; r0 += block) {
+        const std::int64_t offset = (bh * n + s0 + r0) * d;
+        flops += attend_tile(q.data() + offset, out.data() + offset, bh, r0, segment_rows, cache, thread);
+      }
+      flops += update_memory(bh, segment_rows, cache, thread);
+      advance(cache, segment_rows, c_);
+    }
+  }
+  return flops;
+}
+
+std::int64_t SegmentAttention::run_lockstep(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, bh_count = p_.batch * p_.heads;
+  const std::int64_t block = biased_queries_.dim(2);
+  SegmentCache cache;
+  std::int64_t flops = 0;
+  for (std::int64_t s0 = 0; s0 < n; s0 += segment_) {
+    const std::int64_t segment_rows = std::min(segment_, n - s0), tiles = ceil_div(segment_rows, block);
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+    {
+      const int thread = omp_get_thread_num();
+#pragma omp for
+      for (std::int64_t bh = 0; bh < bh_count; ++bh) copy_segment(k, v, bh, s0, segment_rows);
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t task = 0; task < bh_count * tiles; ++task) {
+        const std::int64_t bh = task / tiles;
+        // Causal tiles late in the segment see more keys: start them first.
+        const std::int64_t tile = p_.causal ? tiles - 1 - task % tiles : task % tiles;
+        const std::int64_t offset = (bh * n + s0 + tile * block) * d;
+        flops += attend_tile(q.data() + offset, out.data() + offset, bh, tile * block, segment_rows, cache, thread);
+      }
+#pragma omp for
+      for (std::int64_t bh = 0; bh < bh_count; ++bh) flops += update_memory(bh, segment_rows, cache, thread);
+    }
+    advance(cache, segment_rows, c_);
+  }
+  return flops;
+}
+
+std::vector<NamedTensor> SegmentAttention::parameters() const {
+  std::vector<NamedTensor> list{{"pos_bias_u", &bias_u_},
+                                {"pos_bias_v", &bias_v_},
+                                {"w_r", &w_r_},
+                                {"sinusoid", &sinusoid_},
+                                {"relative_keys", &relative_keys_}};
+  if (c_.compression == Compression::Conv) list.push_back({"conv_weights", &conv_weights_});
+  return list;
+}
+
+const float* SegmentAttention::memory_rows(bool values, std::int64_t b, std::int64_t h) const {
+  return window(values, b * p_.heads + h) + (context_ - cache_.memory) * p_.head_dim;
+}
+
+const float* SegmentAttention::compressed_rows(bool values, std::int64_t b, std::int64_t h) const {
+  return window(values, b * p_.heads + h) + (c_.compressed_len - cache_.compressed) * p_.head_dim;
+}
+
+float* SegmentAttention::window(bool values, std::int64_t bh) {
+  return windows_.data() + ((values ? p_.batch * p_.heads : 0) + bh) * rows_ * p_.head_dim;
+}
+
+const float* SegmentAttention::window(bool values, std::int64_t bh) const {
+  return windows_.data() + ((values ? p_.batch * p_.heads : 0) + bh) * rows_ * p_.head_dim;
+}
+
+void SegmentAttention::copy_segment(const Tensor& k, const Tensor& v, std::int64_t bh, std::int64_t s0,
+                                    std::int64_t rows) {
+  const std::int64_t d = p_.head_dim, offset = (bh * p_.seq_len + s0) * d;
+  std::copy(k.data() + offset, k.data() + offset + rows * d, window(false, bh) + context_ * d);
+  std::copy(v.data() + offset, v.data() + offset + rows * d, window(true, bh) + context_ * d);
+}
+
+// Rows r0 … r0 + rows − 1 of the current segment for one (batch, head); q and out point at row r0.
+// Score column x is window row lo + x; the relative term of (r, x) is column rows − 1 − r + x of
+// the relative product, whose column y holds distance δ_hi − y (δ_hi: row r0 + rows − 1, column 0).
+std::int64_t SegmentAttention::attend_tile(const float* q, float* out, std::int64_t bh, std::int64_t r0,
+                                           std::int64_t segment_rows, const SegmentCache& cache, int thread) {
+  const std::int64_t d = p_.head_dim, head = bh % p_.heads, block = biased_queries_.dim(2);
+  const std::int64_t rows = std::min(block, segment_rows - r0);
+  const std::int64_t lo = context_ - cache.memory - cache.compressed;
+  const std::int64_t cols = (p_.causal ? context_ + r0 + rows : context_ + segment_rows) - lo;
+  const std::int64_t relative = p_.causal ? cols : cols + rows - 1;
+  const std::int64_t first_table_row = delta_max_ - (context_ + r0 + rows - 1 - lo);
+  float* with_u = biased_queries_.data() + thread * 2 * block * d;
+  float* with_v = with_u + block * d;
+  const float* u = bias_u_.data() + head * d;
+  const float* v = bias_v_.data() + head * d;
+  for (std::int64_t r = 0; r < rows; ++r)
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) {
+      with_u[r * d + j] = q[r * d + j] + u[j];
+      with_v[r * d + j] = q[r * d + j] + v[j];
+    }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const std::int64_t ld = scores_.dim(2), ld_relative = relative_scores_.dim(2);
+  float* scores = scores_.data() + thread * block * ld;
+  float* relative_scores = relative_scores_.data() + thread * block * ld_relative;
+  ops::gemm(false, true, rows, cols, d, scale, with_u, d, window(false, bh) + lo * d, d, 0.0f, scores, ld);
+  ops::gemm(false, true, rows, relative, d, scale, with_v, d,
+            relative_keys_.data() + (head * relative_keys_.dim(1) + first_table_row) * d, d, 0.0f, relative_scores,
+            ld_relative);
+  std::int64_t visible = 0;
+  float* inverse_sums = with_u;  // the biased queries are no longer needed
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t valid = p_.causal ? context_ - lo + r0 + r + 1 : cols;
+    inverse_sums[r] =
+        add_relative_and_exponentiate(scores + r * ld, relative_scores + r * ld_relative + rows - 1 - r, valid, cols);
+    visible += valid;
+  }
+  ops::gemm(false, false, rows, d, cols, 1.0f, scores, ld, window(true, bh) + lo * d, d, 0.0f, out, d);
+  for (std::int64_t r = 0; r < rows; ++r)
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) out[r * d + j] *= inverse_sums[r];
+  return 3 * rows * d + kFlopsPerVisibleEntry * visible;
+}
+
+// FIFO update of one (batch, head) after a segment of `segment_rows` tokens; compresses the
+// evicted rows first. Returns the non-gemm FLOPs executed.
+std::int64_t SegmentAttention::update_memory(std::int64_t bh, std::int64_t segment_rows, const SegmentCache& cache,
+                                             int thread) {
+  const std::int64_t d = p_.head_dim, head = bh % p_.heads;
+  const std::int64_t total = cache.memory + segment_rows;
+  const std::int64_t kept = std::min(c_.memory_len, total), evicted = total - kept;
+  std::int64_t flops = 0;
+  for (bool values : {false, true}) {
+    float* rows = window(values, bh);
+    if (c_.compression != Compression::None && evicted > 0) {
+      float* slots = compressed_slots_.data() + thread * compressed_slots_.dim(1) * d;
+      const float* weights = c_.compression == Compression::Conv
+                                 ? conv_weights_.data() + ((values ? p_.heads : 0) + head) * c_.rate * d * d
+                                 : nullptr;
+      flops += compress_rows(c_.compression, rows + (context_ - cache.memory) * d, evicted, d, c_.rate, weights,
+                             slots);
+      push_compressed(rows, slots, ceil_div(evicted, c_.rate), cache.compressed);
+    }
+    std::memmove(rows + (context_ - kept) * d, rows + (context_ + segment_rows - kept) * d,
+                 static_cast<std::size_t>(kept * d) * sizeof(float));
+  }
+  return flops;
+}
+
+// Appends `count` slots to the compressed memory of one window, which holds `valid` slots,
+// keeping the newest n_cm.
+void SegmentAttention::push_compressed(float* window, const float* slots, std::int64_t count,
+                                       std::int64_t valid) const {
+  const std::int64_t d = p_.head_dim, capacity = c_.compressed_len;
+  const std::int64_t length = std::min(capacity, valid + count);
+  const std::int64_t fresh = std::min(count, length), kept = length - fresh;
+  std::memmove(window + (capacity - length) * d, window + (capacity - kept) * d,
+               static_cast<std::size_t>(kept * d) * sizeof(float));
+  std::copy(slots + (count - fresh) * d, slots + count * d, window + (capacity - fresh) * d);
+}
+
+std::int64_t segment_attention_flops(const Problem& p, const SegmentAttentionConfig& c) {
+  const Sizes s = sizes_of(p, c);
+  SegmentCache state;
+  std::int64_t per_head = 0;
+  for (std::int64_t s0 = 0; s0 < p.seq_len; s0 += s.segment) {
+    const std::int64_t segment_rows = std::min(s.segment, p.seq_len - s0);
+    for (std::int64_t r0 = 0; r0 < segment_rows; r0 += s.block)
+      per_head += tile_flops(p, state.memory + state.compressed, r0, std::min(s.block, segment_rows - r0),
+                             segment_rows);
+    const std::int64_t evicted = advance(state, segment_rows, c);
+    per_head += 2 * compress_flops(c.compression, evicted, p.head_dim, c.rate);
+  }
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t segment_attention_workspace(const Problem& p, const SegmentAttentionConfig& c) {
+  const Sizes s = sizes_of(p, c);
+  const std::int64_t h = p.heads, d = p.head_dim, d_r = h * d, threads = p.threads;
+  std::int64_t floats = 2 * h * d + h * d_r * d + s.relative * d_r + h * s.relative * d;
+  if (c.compression == Compression::Conv) floats += 2 * h * c.rate * d * d;
+  if (c.compression != Compression::None) floats += threads * ceil_div(s.segment, c.rate) * d;
+  floats += 2 * p.batch * h * s.rows * d;
+  floats += threads * (2 * s.block * d + s.block * ops::padded_ld(s.rows) +
+                       s.block * ops::padded_ld(s.rows + s.block - 1));
+  return floats * static_cast<std::int64_t>(sizeof(float));
+}
+
+}  // namespace xfb

@@ -1,0 +1,116 @@
+#pragma once
+// Segment-level recurrence with Transformer-XL relative-position scores: the engine behind
+// `transformer-xl` (Dai et al. 2019) and `compressive` (Rae et al. 2020).
+//
+// Per (batch, head) the sequence [N, D] is processed in segments of L tokens (the last may be
+// shorter). Keys and values of previous positions are cached in a FIFO memory of M slots and,
+// for the Compressive Transformer, a compressed memory of n_cm slots. Both caches are right-
+// aligned in one window buffer per (batch, head) and tensor (K and V):
+//   window rows [0, n_cm) compressed memory | [n_cm, W) memory | [W, W + L) segment,  W = n_cm + M;
+// the valid slots are the last cm_len of the first part and the last mem_len of the second.
+// Segment s (tokens s0 … s0 + Ls − 1): its K/V rows are copied into the segment part, its queries
+// attend to the valid window rows, then the memory is updated (FIFO):
+//   new memory = the last min(M, mem_len + Ls) rows of [memory ; segment];
+//   the e = mem_len + Ls − new mem_len rows that fall out are evicted, oldest first. With
+//   compression (rate c) the evicted rows become ⌈e/c⌉ compressed slots: consecutive groups of c
+//   rows, oldest first, the last group holding e mod c rows when c does not divide e; f_c is max
+//   pool or mean pool over each group's rows, or a 1-D convolution with kernel = stride = c,
+//   out = Σ_t x_t·C_t with C [c·D, D] per head and tensor (a short group uses its first taps only,
+//   i.e. zero padding at the end). Compressed slots are appended to the compressed memory, which
+//   keeps its newest n_cm slots. Without compression evicted rows are dropped (Transformer-XL).
+//
+// Scores (query at window row W + i, i the row in the segment; key at window row j):
+//   A_ij = [(q_i + u)·k_j + (q_i + v)·r_{δ}] / √D,   δ = W + i − j,   r_δ = W_R,h·R_δ,
+// the paper's q_iᵀk_j + q_iᵀW_R R_{i−j} + uᵀk_j + vᵀW_R R_{i−j} grouped for two products. R_δ is
+// the sinusoid of width d_r = H·D (the model width in attention scope): R_δ[2k] = sin(δ·ω_k),
+// R_δ[2k+1] = cos(δ·ω_k), ω_k = 10000^(−2k/d_r); W_R,h [d_r, D], u_h, v_h [D] come from the seed.
+// For memory and segment slots δ is the true token distance. Compressed slots sit, in the
+// concatenated index, directly before the oldest memory slot (the newest compressed slot at
+// distance i + M + 1, the next at i + M + 2 …), as when Transformer-XL's relative encoding is
+// applied to the concatenation [compressed memory ; memory ; segment]; with c = 1 this is the
+// true distance again (compressive with c = 1 and pooling equals Transformer-XL with M + n_cm).
+// The table r_δ is precomputed in prepare (input-independent), rows in order of decreasing δ.
+//
+// Masks: causal (decoding): query i sees every valid memory slot and segment rows j ≤ i. Not
+// causal: query i sees every valid memory slot and the whole current segment (bidirectional
+// within the segment, memory as past context); positions of later segments are never seen.
+//
+// Work per (batch, head, query tile of `rows` rows, `cols` visible window rows): two score
+// products 2·rows·cols·D and 2·rows·(cols + rows − 1)·D (causal: 2·rows·cols·D; the relative
+// term needs cols + rows − 1 distances), one value product 2·rows·D·cols, 2·rows·D (q + u, q + v),
+// per visible entry 1 (add the relative term) + 4 (max, subtract + exp, sum), and rows·D for the
+// softmax's 1/sum applied to the output rows. Per segment and (batch, head),
+// for K and V each: compression FLOPs (compress_flops). Total O(N·(n_cm + M + L)·D): linear in N.
+// Workspace: windows 2·B·H·(W + L)·D, relative tables, per-thread tiles — independent of N.
+#include <cstdint>
+#include <string>
+
+#include "lib/core/mechanism.hpp"
+
+namespace xfb {
+
+enum class Compression { None, MaxPool, MeanPool, Conv };
+
+struct SegmentAttentionConfig {
+  std::string model;                 // registry name; prefixes the seed streams
+  std::int64_t segment_len = 512;    // L, tokens per segment
+  std::int64_t memory_len = 512;     // M, memory slots (cached previous positions)
+  std::int64_t compressed_len = 0;   // n_cm, compressed-memory slots (0 with Compression::None)
+  std::int64_t rate = 1;             // c, evicted slots per compressed slot
+  Compression compression = Compression::None;
+  std::int64_t block_q = 64;         // query rows per task, tokens
+};
+
+// Compresses `count` consecutive rows [count, d] into ⌈count/rate⌉ rows of `out` as described
+// above; conv_weights [rate·d, d] (Conv only). Products go through ops::gemm (counted there);
+// returns the other FLOPs executed: max pool (group rows − 1)·d, mean pool (group rows)·d per slot.
+std::int64_t compress_rows(Compression f, const float* rows, std::int64_t count, std::int64_t d, std::int64_t rate,
+                           const float* conv_weights, float* out);
+// All FLOPs of compress_rows: conv 2·count·d², max (count − slots)·d, mean count·d.
+std::int64_t compress_flops(Compression f, std::int64_t count, std::int64_t d, std::int64_t rate);
+
+// Valid slots of the two caches of every (batch, head) between segments.
+struct SegmentCache {
+  std::int64_t memory = 0, compressed = 0;
+};
+
+class SegmentAttention final : public Mechanism {
+ public:
+  SegmentAttention(const Problem& problem, const SegmentAttentionConfig& config, std::uint64_t seed);
+
+  void prepare(const Tensor& q, const Tensor& k, const Tensor& v) override;
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
+  // pos_bias_u, pos_bias_v [H, D]; w_r [H, d_r, D]; sinusoid [n_rel, d_r] and relative_keys
+  // [H, n_rel, D] (row t: δ = δ_max − t); conv_weights [2, H, c·D, D] (K, V) with Conv.
+  std::vector<NamedTensor> parameters() const override;
+
+  // State after the last forward, for tests: valid slots, oldest first, rows of D floats.
+  std::int64_t memory_length() const { return cache_.memory; }
+  std::int64_t compressed_length() const { return cache_.compressed; }
+  const float* memory_rows(bool values, std::int64_t b, std::int64_t h) const;
+  const float* compressed_rows(bool values, std::int64_t b, std::int64_t h) const;
+
+ private:
+  std::int64_t run_heads(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+  std::int64_t run_lockstep(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+  void copy_segment(const Tensor& k, const Tensor& v, std::int64_t bh, std::int64_t s0, std::int64_t rows);
+  std::int64_t attend_tile(const float* q, float* out, std::int64_t bh, std::int64_t r0, std::int64_t segment_rows,
+                           const SegmentCache& cache, int thread);
+  std::int64_t update_memory(std::int64_t bh, std::int64_t segment_rows, const SegmentCache& cache, int thread);
+  void push_compressed(float* window, const float* slots, std::int64_t count, std::int64_t valid) const;
+  float* window(bool values, std::int64_t bh);
+  const float* window(bool values, std::int64_t bh) const;
+
+  Problem p_;
+  SegmentAttentionConfig c_;
+  std::uint64_t seed_;
+  std::int64_t segment_ = 0, context_ = 0, rows_ = 0, delta_max_ = 0;  // L clamped to N, W, W + L, top δ
+  SegmentCache cache_;  // after the last forward
+  Tensor bias_u_, bias_v_, w_r_, sinusoid_, relative_keys_, conv_weights_;
+  Tensor windows_, biased_queries_, scores_, relative_scores_, compressed_slots_;
+};
+
+std::int64_t segment_attention_flops(const Problem& p, const SegmentAttentionConfig& c);
+std::int64_t segment_attention_workspace(const Problem& p, const SegmentAttentionConfig& c);
+
+}  // namespace xfb
