@@ -7,7 +7,6 @@
 
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/flop_counter.hpp"
-#include "lib/core/tile_kernels.hpp"
 
 namespace xfb::ops {
 namespace {
@@ -38,12 +37,6 @@ dnnl::primitive_attr user_scratchpad_attr() {
 memory::desc dense_1d(std::int64_t n) { return memory::desc({n}, dt::f32, tag::a); }
 
 }  // namespace
-
-float row_max(const float* x, std::int64_t n, float start) { return tiles::row_max(x, n, start); }
-
-float exp_and_sum(float* x, std::int64_t n, float shift) { return tiles::exp_and_sum(x, n, shift); }
-
-void exp_shifted(float* x, std::int64_t n, float shift) { tiles::exp_shifted(x, n, shift); }
 
 void matmul(const MatmulShape& s, const float* a, const float* b, float* c) {
   if (s.batch <= 0 || s.m <= 0 || s.n <= 0 || s.k <= 0) throw std::invalid_argument("matmul: empty shape");

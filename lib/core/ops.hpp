@@ -67,14 +67,26 @@ inline float fast_exp(float x) {
 }  // namespace xfb::ops
 
 namespace xfb::ops {
-// max(start, x[0..n)).
-float row_max(const float* x, std::int64_t n, float start);
-// x[j] := exp(x[j] − shift) for j < n (fast_exp per element, up to the rounding of ties); returns
-// Σ x[j]. The exponent-and-sum step of every softmax row in the project. Both run on the vectors
-// of the run-time kernel ISA (lib/core/tile_kernels_isa.inc), whatever flags the caller was built with.
-float exp_and_sum(float* x, std::int64_t n, float shift);
-// x[j] := exp(x[j] − shift) for j < n, as exp_and_sum without the sum.
-void exp_shifted(float* x, std::int64_t n, float shift);
+// max(start, x[0..n)). Written as a select so GCC 12 vectorises it (std::max inside an
+// `omp simd reduction(max)` stays scalar).
+inline float row_max(const float* x, std::int64_t n, float start) {
+  float peak = start;
+#pragma omp simd reduction(max : peak)
+  for (std::int64_t j = 0; j < n; ++j) peak = x[j] > peak ? x[j] : peak;
+  return peak;
+}
+
+// x[j] := exp(x[j] − shift) for j < n (fast_exp); returns Σ x[j]. The exponent-and-sum step of
+// every softmax row in the project.
+inline float exp_and_sum(float* x, std::int64_t n, float shift) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (std::int64_t j = 0; j < n; ++j) {
+    x[j] = fast_exp(x[j] - shift);
+    sum += x[j];
+  }
+  return sum;
+}
 
 // A row stride of at least n floats that is a multiple of 16 and avoids multiples of 256 floats
 // (power-of-two strides make oneDNN's gemm ~45% slower on this machine class through cache

@@ -33,19 +33,4 @@ void accumulate_pv(const float* p, std::int64_t ldp, std::int64_t rows, std::int
     avx2::accumulate_pv(p, ldp, rows, cols, v, ldv, d, out, ldo);
 }
 
-float row_max(const float* x, std::int64_t n, float start) {
-  return kernel_isa() == KernelIsa::Avx512 ? avx512::row_max(x, n, start) : avx2::row_max(x, n, start);
-}
-
-float exp_and_sum(float* x, std::int64_t n, float shift) {
-  return kernel_isa() == KernelIsa::Avx512 ? avx512::exp_and_sum(x, n, shift) : avx2::exp_and_sum(x, n, shift);
-}
-
-void exp_shifted(float* x, std::int64_t n, float shift) {
-  if (kernel_isa() == KernelIsa::Avx512)
-    avx512::exp_shifted(x, n, shift);
-  else
-    avx2::exp_shifted(x, n, shift);
-}
-
 }  // namespace xfb::tiles

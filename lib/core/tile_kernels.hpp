@@ -31,9 +31,4 @@ void scores(const float* q, std::int64_t ldq, std::int64_t rows, const float* pa
 void accumulate_pv(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* v,
                    std::int64_t ldv, std::int64_t d, float* out, std::int64_t ldo);
 
-// ops::row_max, ops::exp_and_sum and ops::exp_shifted (lib/core/ops.hpp) on the kernel ISA's vectors.
-float row_max(const float* x, std::int64_t n, float start);
-float exp_and_sum(float* x, std::int64_t n, float shift);
-void exp_shifted(float* x, std::int64_t n, float shift);
-
 }  // namespace xfb::tiles

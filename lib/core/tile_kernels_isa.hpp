@@ -9,9 +9,6 @@ namespace xfb::tiles {
               float* s, long lds);                                                                               \
   void accumulate_pv(const float* p, long ldp, long rows, long cols, const float* v, long ldv, long d,          \
                      float* out, long ldo);                                                                      \
-  float row_max(const float* x, long n, float start);                                                            \
-  float exp_and_sum(float* x, long n, float shift);                                                              \
-  void exp_shifted(float* x, long n, float shift);                                                               \
   }
 XFB_TILE_KERNELS(avx2)
 XFB_TILE_KERNELS(avx512)
