@@ -2,7 +2,7 @@
 # End-to-end tests of the xfbench command line: exit codes, one-line errors, no partial output,
 # run/sweep/table/list/env behaviour, child-process isolation, resume and memory-limit skips;
 # compare on doctored reports, shards and merge, plot, complexity, taxonomy, the LRA preset, the
-# report schema document against the fields reports carry, and the CI regression gate.
+# report schema document against the fields reports carry, the CI regression gate and the layer check.
 set -u
 bin="$1"
 work=$(mktemp -d)
@@ -408,6 +408,16 @@ ONEDNN_MAX_CPU_ISA=AVX2 bash "$gate" "$bin" "$work/doctored-total.json" >"$work/
 bump_first flops 100 <"$baseline" >"$work/doctored-flops.json"
 bash "$gate" "$bin" "$work/doctored-flops.json" >"$work/gate.md" 2>&1
 [ $? -eq 1 ] && grep -q "REGRESSION: flops" "$work/gate.md" && pass || fail "CI gate misses a FLOP change"
+
+# --- layers: the build's include check passes on the tree and fails on a wrong-way include ---
+src="$(cd "$(dirname "$0")/.." && pwd)"
+bash "$src/tools/check_layers.sh" "$src" && pass || fail "tools/check_layers.sh rejects the tree"
+mkdir -p "$work/layers/lib/core" "$work/layers/lib/report" "$work/layers/taxonomy"
+printf '#include "lib/bench/point.hpp"\n' >"$work/layers/lib/core/wrong.hpp"
+printf '#include "taxonomy/registry.hpp"\n' >"$work/layers/lib/report/kernels.cpp"
+bash "$src/tools/check_layers.sh" "$work/layers" 2>"$work/layers.err"
+[ $? -eq 1 ] && [ "$(wc -l <"$work/layers.err")" -eq 2 ] && pass \
+  || fail "tools/check_layers.sh misses a wrong-way include: $(cat "$work/layers.err")"
 
 echo "$passes passed, $failures failed"
 [ "$failures" -eq 0 ]
