@@ -181,25 +181,26 @@ std::int64_t ReformerAttention::hash_and_sort(std::int64_t round, std::int64_t h
   return flops;
 }
 
-// Non-causal: no other key of the query's bucket lies in its window (sorted chunks c−1 and c).
-bool ReformerAttention::alone_in_window(const std::int32_t* sorted, std::int64_t s) const {
+// The query at sorted position s sees no other key: causal, it is first in its bucket; non-causal,
+// no other key of its bucket lies in its window (sorted chunks c−1 and c).
+bool ReformerAttention::alone(const std::int32_t* sorted, const std::int32_t* rank, std::int64_t s) const {
+  if (p_.causal) return rank[s] == 0;
   const std::int64_t q0 = s / chunk_ * chunk_, k0 = key_start(q0), end = std::min(q0 + chunk_, p_.seq_len);
   return !((s > k0 && sorted[s - 1] == sorted[s]) || (s + 1 < end && sorted[s + 1] == sorted[s]));
 }
 
-// The rule of reformer.hpp for one round, from token positions i (query) and j (key).
+// The rule of reformer.hpp for one round, from token positions i (query) and j (key); attend_chunk's
+// `visible` is the same rule for the keys of one tile, in sorted positions.
 bool ReformerAttention::sees(std::int64_t round, std::int64_t head, std::int64_t i, std::int64_t j) const {
   const std::int64_t n = p_.seq_len, m = chunk_, at = (round * p_.batch * p_.heads + head) * n;
   const std::int32_t* bucket = buckets_.data() + at;
   if (bucket[i] != bucket[j]) return false;
+  const std::int32_t* sorted = sorted_buckets_.data() + at;
+  const std::int32_t* rank = ranks_.data() + at;
   const std::int64_t s = positions_.data()[at + i], t = positions_.data()[at + j];
-  if (p_.causal) {
-    const std::int32_t* rank = ranks_.data() + at;
-    if (t > s || rank[t] / m + 1 < rank[s] / m) return false;
-    return t != s || rank[s] == 0;
-  }
-  if (t / m != s / m && t / m + 1 != s / m) return false;
-  return t != s || alone_in_window(sorted_buckets_.data() + at, s);
+  if (p_.causal && (t > s || rank[t] / m + 1 < rank[s] / m)) return false;
+  if (!p_.causal && t / m != s / m && t / m + 1 != s / m) return false;
+  return t != s || alone(sorted, rank, s);
 }
 
 // Several rounds: score(i, j) −= log(number of rounds in which j is visible to i), so the merged
@@ -242,14 +243,14 @@ std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t he
             score_ld_);
 
   // A query sees itself only when no other key is visible.
-  std::int32_t* alone = alone_.data() + thread * m;
-  for (std::int64_t r = 0; r < rows; ++r) alone[r] = p_.causal ? rank[q0 + r] == 0 : alone_in_window(sorted, q0 + r);
+  std::int32_t* query_alone = alone_.data() + thread * m;
+  for (std::int64_t r = 0; r < rows; ++r) query_alone[r] = alone(sorted, rank, q0 + r);
   const bool causal = p_.causal;
   auto visible = [&](std::int64_t r, std::int64_t t) {
     const std::int64_t s = q0 + r, key = k0 + t;
     if (sorted[key] != sorted[s]) return false;
     if (causal && (key > s || rank[key] / m + 1 < rank[s] / m)) return false;
-    return key != s || alone[r] != 0;
+    return key != s || query_alone[r] != 0;
   };
   std::int64_t flops = c_.n_rounds > 1 ? discount_repeats(head, order, q0, rows, k0, cols, scores) : 0;
   float* lse = row_stats_.data() + thread * 2 * m;

@@ -71,7 +71,7 @@ class ReformerAttention final : public Mechanism {
   std::int64_t hash_and_sort(std::int64_t round, std::int64_t head);
   std::int64_t attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk, const Tensor& q,
                             const Tensor& v, Tensor& out, int thread);
-  bool alone_in_window(const std::int32_t* sorted, std::int64_t s) const;
+  bool alone(const std::int32_t* sorted, const std::int32_t* rank, std::int64_t s) const;
   bool sees(std::int64_t round, std::int64_t head, std::int64_t i, std::int64_t j) const;
   std::int64_t discount_repeats(std::int64_t head, const std::int32_t* order, std::int64_t q0, std::int64_t rows,
                                 std::int64_t k0, std::int64_t cols, float* scores) const;
