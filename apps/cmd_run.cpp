@@ -20,7 +20,8 @@ struct RunOptions {
 };
 
 void print_human(const ResultRow& row) {
-  std::printf("model      %s (%s, %s%s)\n", row.model.c_str(), row.scope.c_str(), row.causal ? "causal" : "non-causal",
+  std::printf("model      %s (%s, %s pass, %s%s)\n", row.model.c_str(), row.scope.c_str(), row.pass.c_str(),
+              row.causal ? "causal" : "non-causal",
               row.params.empty() ? "" : (", " + row.params.dump()).c_str());
   std::printf("shape      B=%lld H=%lld N=%lld D=%lld\n", static_cast<long long>(row.batch),
               static_cast<long long>(row.heads), static_cast<long long>(row.seq_len),
@@ -42,6 +43,9 @@ void print_human(const ResultRow& row) {
                 static_cast<double>(row.peak_tensor_bytes) / 1048576.0, static_cast<double>(row.workspace_bytes) / 1048576.0,
                 static_cast<double>(row.estimated_workspace_bytes) / 1048576.0,
                 static_cast<double>(row.peak_rss_bytes) / 1048576.0);
+    if (row.pass != "forward")
+      std::printf("saved      %.2f MiB kept by the forward for the backward\n",
+                  static_cast<double>(row.saved_bytes) / 1048576.0);
   }
   for (const auto& warning : row.warnings) std::printf("warning    %s\n", warning.c_str());
   std::printf("reproduce  %s\n", row.reproducer.c_str());

@@ -25,15 +25,16 @@ void add_plot(CLI::App& app, Action& action);
 void add_complexity(CLI::App& app, Action& action);
 void add_taxonomy(CLI::App& app, Action& action);
 
-// Options shared by `run` and `sweep`: problem shape, scope, threads, seed, timing.
+// Options shared by `run`, `sweep` and `ab`: problem shape, scope, pass, threads, seed, timing.
 struct ProblemOptions {
   PointConfig point;
   bool causal = false;
   std::string scope = "attention";
+  std::string pass = "forward";
   std::vector<std::string> params;
 };
 void add_problem_options(CLI::App& command, ProblemOptions& options);
-// Applies scope/causal/params to options.point (throws InputError on a bad scope).
+// Applies scope/pass/causal/params to options.point (throws InputError on a bad scope).
 void finish_problem_options(ProblemOptions& options);
 
 // Fills the point grid shared by sweep-like settings (models, seq_lens, base point without

@@ -26,6 +26,10 @@ void add_problem_options(CLI::App& command, ProblemOptions& o) {
   command.add_option("--scope", o.scope, "attention (the mechanism alone) or layer (pre-LN encoder layer)")
       ->check(CLI::IsMember({"attention", "layer"}))
       ->capture_default_str();
+  command.add_option("--pass", o.pass,
+                     "forward, backward (after an untimed forward) or train (forward + backward as one step)")
+      ->check(CLI::IsMember({"forward", "backward", "train"}))
+      ->capture_default_str();
   command.add_option("--d-ff", p.d_ff, "layer scope FFN width (default 4·heads·head-dim)");
   p.problem.threads = DnnlContext::default_threads();
   command.add_option("--threads,-t", p.problem.threads, "threads for oneDNN and OpenMP loops (default: all cores)")
@@ -41,6 +45,7 @@ void add_problem_options(CLI::App& command, ProblemOptions& o) {
 void finish_problem_options(ProblemOptions& o) {
   o.point.problem.causal = o.causal;
   o.point.scope = o.scope == "layer" ? Scope::Layer : Scope::Attention;
+  o.point.pass = parse_pass(o.pass);
   o.point.params = o.params;
 }
 

@@ -9,6 +9,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 failures=0
 passes=0
+src="$(cd "$(dirname "$0")/.." && pwd)"
 
 pass() { passes=$((passes + 1)); }
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
@@ -100,6 +101,28 @@ grep -q '"status":"unsupported"' "$work/causal.json" && pass || fail "causal non
   && [ -f "$work/dump/manifest.json" ] && [ -f "$work/dump/q.npy" ] && [ -f "$work/dump/out.npy" ] \
   && [ -f "$work/dump/layer_w_qkv.npy" ] && pass || fail "--dump files missing"
 
+# --- training passes -------------------------------------------------------------------------------
+expect_error 2 run --model vanilla --seq-len 64 --pass nosuch
+# A train dump holds dO and the gradients; recomputed in float64 outside the project.
+for model in vanilla exact-tiled; do
+  rm -rf "$work/grad"
+  "$bin" run --model "$model" --seq-len 37 --causal --pass train "${quick[@]}" \
+    --dump "$work/grad" >/dev/null \
+    && grep -q '"pass": "train"' "$work/grad/manifest.json" \
+    && python3 "$src/tools/check_gradient_dump.py" "$work/grad" >"$work/grad.txt" \
+    && pass || fail "$model train dump: gradients do not match a float64 recomputation: $(cat "$work/grad.txt")"
+done
+"$bin" run --model exact-tiled --seq-len 100 --pass backward "${quick[@]}" --json >"$work/bwd.json" &&
+  python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+assert r["pass"] == "backward" and r["saved_bytes"] == 2 * 100 * 4 and "--pass backward" in r["reproducer"], r' \
+    "$work/bwd.json" && pass || fail "run --pass backward: row pass, saved_bytes, reproducer"
+"$bin" run --model local --seq-len 64 --pass train "${quick[@]}" --json >"$work/nobwd.json" &&
+  grep -q '"status":"unsupported"' "$work/nobwd.json" && pass || fail "a model without backward is not an unsupported train row"
+"$bin" sweep --models vanilla,exact-tiled --seq-lens 64,100 --pass train "${quick[@]}" --no-measure \
+  --out "$work/train.json" >"$work/train.txt" 2>/dev/null \
+  && [ "$(grep -c '"pass": "train"' "$work/train.json")" -eq 5 ] && grep -q "train pass" "$work/train.txt" \
+  && pass || fail "sweep --pass train: rows, settings and table"
+
 # --- sweep: report, table, progress, resume, memory limit, child isolation ----------------------
 # Causal: linformer cannot decode, so its rows are unsupported whatever is implemented.
 "$bin" sweep --models vanilla,exact-tiled,linformer --seq-lens 64,100 "${quick[@]}" --causal --no-measure \
@@ -136,6 +159,8 @@ done
 # --- list and env ------------------------------------------------------------------------------
 [ "$("$bin" list --format json | grep -c '"survey_row"')" -eq 20 ] && pass || fail "list --format json"
 "$bin" list --implemented | grep -q "^exact-tiled" && pass || fail "list --implemented"
+"$bin" list --format json | python3 -c 'import json, sys; m = {r["name"]: r for r in json.load(sys.stdin)}
+assert m["exact-tiled"]["backward"] and not m["etc"]["backward"]' && pass || fail "list --format json: backward"
 "$bin" list --class kernels --format md | grep -q "Performer" && pass || fail "list --class kernels"
 "$bin" env --json | grep -q '"onednn_version"' && pass || fail "env"
 
@@ -410,7 +435,6 @@ bash "$gate" "$bin" "$work/doctored-flops.json" >"$work/gate.md" 2>&1
 [ $? -eq 1 ] && grep -q "REGRESSION: flops" "$work/gate.md" && pass || fail "CI gate misses a FLOP change"
 
 # --- layers: the build's include check passes on the tree and fails on a wrong-way include ---
-src="$(cd "$(dirname "$0")/.." && pwd)"
 bash "$src/tools/check_layers.sh" "$src" && pass || fail "tools/check_layers.sh rejects the tree"
 mkdir -p "$work/layers/lib/core" "$work/layers/lib/report" "$work/layers/taxonomy"
 printf '#include "lib/bench/point.hpp"\n' >"$work/layers/lib/core/wrong.hpp"

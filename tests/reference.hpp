@@ -28,8 +28,27 @@ inline bool causal_mask(std::int64_t i, std::int64_t j) { return j <= i; }
 
 // O = softmax(Q·Kᵀ·scale restricted to mask)·V for one head; q: [nq, d], k, v: [nk, d].
 // Rows with no allowed key are zero. Returns [nq, d].
+std::vector<double> reference_attention(const double* q, const double* k, const double* v, std::int64_t nq,
+                                        std::int64_t nk, std::int64_t d, double scale, const MaskFn& allowed);
 std::vector<double> reference_attention(const float* q, const float* k, const float* v, std::int64_t nq,
                                         std::int64_t nk, std::int64_t d, double scale, const MaskFn& allowed);
+
+// The analytic gradient of reference_attention for an output gradient dO [nq, d]:
+//   dV = Pᵀ·dO;  dS = P ⊙ (dO·Vᵀ − rowsum(P ⊙ dO·Vᵀ));  dQ = scale·dS·K;  dK = scale·dSᵀ·Q.
+// Each *_terms holds, per element, the sum of the absolute values of the terms the element is a sum
+// of (with |dP| taken as Σ_c |dO·V|): what fp32 rounding errors scale with.
+struct AttentionGradients {
+  std::vector<double> dq, dk, dv;
+  std::vector<double> dq_terms, dk_terms, dv_terms;
+};
+AttentionGradients reference_attention_backward(const float* q, const float* k, const float* v, const float* dout,
+                                                std::int64_t nq, std::int64_t nk, std::int64_t d, double scale,
+                                                const MaskFn& allowed);
+
+// The relative rounding error fp32 attention gradients may carry, per unit of an element's terms:
+// 8·eps·(largest |score| contribution + log2(nk) + log2(d) + 1).
+double gradient_error_factor(const float* q, const float* k, std::int64_t nq, std::int64_t nk, std::int64_t d,
+                             double scale);
 
 // Tolerance for an attention output element: 8·eps·(largest |score| contribution + log2(nk) + 1)·max|v|.
 double attention_tolerance(const float* q, const float* k, const float* v, std::int64_t nq, std::int64_t nk,

@@ -120,7 +120,7 @@ TEST_SUITE("report") {
     CHECK(speedup.find("2.00×") != std::string::npos);
     CHECK(speedup.find("error") != std::string::npos);
     const auto csv = render_table(report, {.metric = TableMetric::Memory, .format = TableFormat::Csv});
-    CHECK(csv.find("scope,causal,batch,heads,head_dim,class,model,N=1024,N=2048") == 0);
+    CHECK(csv.find("scope,pass,causal,batch,heads,head_dim,class,model,N=1024,N=2048") == 0);
     CHECK(csv.find("exact,vanilla,1.0,1.0") != std::string::npos);
     const auto text = render_table(report, {});
     CHECK(text.find("4.000") != std::string::npos);

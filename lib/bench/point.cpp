@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 #include "lib/bench/encoder_layer.hpp"
@@ -14,12 +15,28 @@
 #include "lib/core/memory_tracker.hpp"
 #include "lib/core/npy.hpp"
 #include "lib/core/rng.hpp"
+#include "lib/core/stage_clock.hpp"
 #include "lib/core/stats.hpp"
 #include "taxonomy/registry.hpp"
 
 namespace xfb {
 
 std::string scope_name(Scope s) { return s == Scope::Attention ? "attention" : "layer"; }
+
+std::string pass_name(Pass p) {
+  switch (p) {
+    case Pass::Forward: return "forward";
+    case Pass::Backward: return "backward";
+    case Pass::Train: return "train";
+  }
+  return "forward";
+}
+
+Pass parse_pass(const std::string& name) {
+  for (Pass p : {Pass::Forward, Pass::Backward, Pass::Train})
+    if (pass_name(p) == name) return p;
+  throw InputError("unknown --pass '" + name + "' (known: forward, backward, train)");
+}
 
 namespace {
 
@@ -97,6 +114,7 @@ nlohmann::json problem_settings(const PointConfig& c) {
           {"head_dim", c.problem.head_dim},
           {"causal", c.problem.causal},
           {"scope", scope_name(c.scope)},
+          {"pass", pass_name(c.pass)},
           {"d_ff", c.scope == Scope::Layer ? c.effective_d_ff() : 0},
           {"threads", c.problem.threads},
           {"seed", c.seed},
@@ -108,12 +126,14 @@ nlohmann::json problem_settings(const PointConfig& c) {
 std::int64_t point_io_bytes(const PointConfig& config) {
   const Problem& p = config.problem;
   const std::int64_t tensor = p.batch * p.heads * p.seq_len * p.head_dim * static_cast<std::int64_t>(sizeof(float));
-  return (config.scope == Scope::Layer ? 2 : 4) * tensor;
+  const std::int64_t gradients = config.pass == Pass::Forward ? 0 : 4;
+  return (config.scope == Scope::Layer ? 2 : 4 + gradients) * tensor;
 }
 
 std::int64_t estimated_point_bytes(const Point& point) {
   const PointConfig& c = point.config;
   std::int64_t bytes = point_io_bytes(c) + point.model->impl.workspace_bytes(c.problem, point.requested);
+  if (c.pass != Pass::Forward) bytes += point.model->impl.backward_workspace_bytes(c.problem, point.requested);
   if (c.scope == Scope::Layer) bytes += EncoderLayer::workspace_bytes(c.problem, c.effective_d_ff());
   return bytes;
 }
@@ -127,6 +147,7 @@ std::vector<std::string> run_arguments(const Point& point) {
                                    "--heads", std::to_string(c.problem.heads),
                                    "--head-dim", std::to_string(c.problem.head_dim),
                                    "--scope", scope_name(c.scope)};
+  if (c.pass != Pass::Forward) args.insert(args.end(), {"--pass", pass_name(c.pass)});
   if (c.problem.causal) args.push_back("--causal");
   if (c.scope == Scope::Layer) {
     args.push_back("--d-ff");
@@ -154,6 +175,7 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
   row.model = model.name;
   for (auto c : model.classes) row.classes.push_back(class_name(c));
   row.scope = scope_name(config.scope);
+  row.pass = pass_name(config.pass);
   row.causal = config.problem.causal;
   row.batch = config.problem.batch;
   row.heads = config.problem.heads;
@@ -172,6 +194,12 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
   } else if (!why.empty()) {
     row.status = Status::Unsupported;
     row.reason = model.display_name + ": " + why;
+  } else if (config.pass != Pass::Forward && !model.impl.has_backward()) {
+    row.status = Status::Unsupported;
+    row.reason = model.display_name + " has no backward pass in this build, so no " + row.pass + " pass";
+  } else if (config.pass != Pass::Forward && config.scope == Scope::Layer) {
+    row.status = Status::Unsupported;
+    row.reason = "the layer scope has no backward pass in this build (attention scope only)";
   } else {
     const std::int64_t estimate = estimated_point_bytes(point);
     row.estimated_workspace_bytes = estimate - point_io_bytes(config);
@@ -231,15 +259,41 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
   } else {
     mechanism->prepare(q, k, v);
   }
-  auto body = [&] {
+  // Training passes (attention scope): a seeded dO, the gradients, and what the forward saves.
+  const bool training = config.pass != Pass::Forward;
+  Tensor dout, dq, dk, dv;
+  if (training) {
+    dout = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    CounterRng(config.seed, "input/dout").fill_normal(dout);
+    dq = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    dk = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    dv = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    mechanism->prepare_backward();
+  }
+  auto forward = [&] {
     if (layer)
       encoder->forward(*mechanism, x, out);
     else
       mechanism->forward(q, k, v, out);
   };
+  auto backward = [&] { mechanism->backward(q, k, v, out, dout, dq, dk, dv); };
+  std::function<void()> body = forward;
+  if (config.pass == Pass::Backward) {
+    forward();  // untimed: saves what the timed backward reads (the backward leaves it unchanged)
+    body = backward;
+  } else if (config.pass == Pass::Train) {
+    body = [&] {
+      forward();
+      stage_clock::lap("forward");
+      backward();
+      stage_clock::lap("backward");
+    };
+  }
   FlopCounter::reset();
   body();
   row.flops = FlopCounter::total();
+  if (training)
+    for (const auto& named : mechanism->saved()) row.saved_bytes += named.tensor->bytes();
 
   TimingSettings timing = config.timing;
   timing.warmup -= 1;
@@ -284,7 +338,10 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
     } else {
       files = {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
     }
+    if (training) files.insert(files.end(), {{"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
     for (const auto& named : mechanism->parameters()) files.emplace_back(named.name, named.tensor);
+    if (training)
+      for (const auto& named : mechanism->parameter_gradients()) files.emplace_back(named.name, named.tensor);
     std::filesystem::create_directories(*dump_dir);
     for (const auto& [name, tensor] : files) write_npy(*dump_dir + "/" + name + ".npy", *tensor);
     write_manifest(*dump_dir, point, row, files);

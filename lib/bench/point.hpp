@@ -20,10 +20,17 @@ namespace xfb {
 enum class Scope { Attention, Layer };
 std::string scope_name(Scope s);
 
+// What a point times: the forward alone; the backward alone (after an untimed forward that saved
+// what it needs); or one training step, forward then backward.
+enum class Pass { Forward, Backward, Train };
+std::string pass_name(Pass p);
+Pass parse_pass(const std::string& name);  // InputError on an unknown name
+
 struct PointConfig {
   std::string model;
   Problem problem;
   Scope scope = Scope::Attention;
+  Pass pass = Pass::Forward;
   std::int64_t d_ff = 0;     // layer scope FFN width; 0 means 4·H·D
   std::uint64_t seed = 42;
   std::vector<std::string> params;  // `key=value` assignments
@@ -48,9 +55,9 @@ struct Point {
 Point resolve_point(const PointConfig& config);
 void validate_point(const PointConfig& config);
 
-// The settings a point's problem, scope, seed and timing contribute to a report (`settings` of a
-// sweep) and a dump manifest: batch, heads, head_dim, causal, scope, d_ff, threads, seed, warmup,
-// min_reps, min_time_s.
+// The settings a point's problem, scope, pass, seed and timing contribute to a report (`settings` of
+// a sweep) and a dump manifest: batch, heads, head_dim, causal, scope, pass, d_ff, threads, seed,
+// warmup, min_reps, min_time_s.
 nlohmann::json problem_settings(const PointConfig& config);
 
 // A row filled with the point's identity (model, classes, shape, resolved params, reproducer)
@@ -58,13 +65,15 @@ nlohmann::json problem_settings(const PointConfig& config);
 ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes = 0);
 ResultRow describe_point(const PointConfig& config, std::int64_t memory_limit_bytes = 0);
 
-// Tracked bytes of the point's inputs and output: q, k, v, out (attention) or x, y (layer).
+// Tracked bytes of the point's inputs and output: q, k, v, out (attention) or x, y (layer); for the
+// backward and train passes also dout, dq, dk, dv.
 std::int64_t point_io_bytes(const PointConfig& config);
 // Analytic estimate of the tracked bytes of the point: inputs, output, workspace.
 std::int64_t estimated_point_bytes(const Point& point);
 
 // Runs the point here. `dump_dir`, when set, receives inputs, output, parameters and a manifest
-// (the folder is created only when the point runs).
+// (the folder is created only when the point runs); for the backward and train passes also dout,
+// dq, dk, dv and the parameter gradients (d<parameter>).
 ResultRow run_point(const Point& point, const std::optional<std::string>& dump_dir = std::nullopt);
 ResultRow run_point(const PointConfig& config, const std::optional<std::string>& dump_dir = std::nullopt);
 

@@ -12,6 +12,8 @@
 //   unsupported why a valid combination cannot run ("" when it can): an `unsupported` row. Optional.
 //   create, flops (executed FLOPs of one forward, equal to the counter), workspace (tracked bytes
 //   beyond inputs and output, per-thread buffers for Problem::threads threads).
+//   backward_flops, backward_workspace: the same for the backward pass (what prepare_backward adds);
+//               both set exactly when the mechanism implements the backward contract.
 // implement() erases the config type into the registry's Implementation.
 #include <cstdint>
 #include <functional>
@@ -95,6 +97,8 @@ struct ModelSpec {
   Config (*resolve)(const Problem&, Config) = nullptr;
   void (*validate)(const Problem&, const Config&) = nullptr;
   std::string (*unsupported)(const Problem&, const Config&) = nullptr;
+  std::int64_t (*backward_flops)(const Problem&, const Config&) = nullptr;
+  std::int64_t (*backward_workspace)(const Problem&, const Config&) = nullptr;
 };
 
 template <class Config>
@@ -137,6 +141,14 @@ Implementation implement(const ModelSpec<Config>& spec) {
     impl.unsupported = [spec](const Problem& p, const ParamValues& v) {
       return spec.unsupported(p, read_config(spec.fields, v));
     };
+  if (spec.backward_flops) {
+    impl.backward_flops = [spec, running](const Problem& p, const ParamValues& v) {
+      return spec.backward_flops(p, running(p, v));
+    };
+    impl.backward_workspace_bytes = [spec, running](const Problem& p, const ParamValues& v) {
+      return spec.backward_workspace(p, running(p, v));
+    };
+  }
   return impl;
 }
 

@@ -13,6 +13,10 @@ inline constexpr std::int64_t kSoftmaxFlopsPerElement = 5;
 inline constexpr std::int64_t kLayerNormFlopsPerElement = 7;  // mean, centre+square+sum, scale+shift
 inline constexpr std::int64_t kGeluFlopsPerElement = 5;       // 0.5·x·(1+erf(x/√2))
 inline constexpr std::int64_t kOnlineSoftmaxFlopsPerElement = 4;  // max, subtract+exp, sum
+// Softmax backward dS = P·(dP − Σ P·dP): multiply+add of the dot, subtract+multiply.
+inline constexpr std::int64_t kSoftmaxBackwardFlopsPerElement = 4;
+// A recomputed tile's backward from saved log-sum-exp: subtract+exp (P), subtract+multiply (dS).
+inline constexpr std::int64_t kRecomputedSoftmaxBackwardFlopsPerElement = 4;
 
 inline constexpr std::int64_t matmul_flops(std::int64_t m, std::int64_t n, std::int64_t k) {
   return 2 * m * n * k;

@@ -5,9 +5,17 @@
 // (batch, heads, tokens, features per head; row-major), optionally causal (token i depends only
 // on tokens j <= i). Parameters (projections, random features, centroids …) are made from the seed
 // in the untimed `prepare`; `forward` is the timed work.
+//
+// The backward contract (mechanisms that implement it; the registry's `backward_flops` says which):
+// after `prepare_backward` (untimed), every forward also saves what the backward needs (listed by
+// `saved`); `backward` then maps dO to dQ, dK, dV and the gradient of every learned parameter the
+// mechanism owns (`parameter_gradients`, named "d" + the parameter's name). Choices the papers do not
+// differentiate (fixed patterns, random blocks, hash buckets) are held as the forward made them.
+// `backward` reads the saved state without changing it, so it may be repeated after one forward.
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -41,6 +49,20 @@ class Mechanism {
   virtual void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) = 0;
   // Every parameter tensor the mechanism used (for --dump).
   virtual std::vector<NamedTensor> parameters() const { return {}; }
+
+  // Untimed, after prepare: allocates the backward's buffers and what the forward saves for it.
+  virtual void prepare_backward() { throw std::logic_error("this mechanism has no backward pass"); }
+  // Timed. q, k, v, out: the last forward's; dout, dq, dk, dv: [B, H, N, D]. Writes every element of
+  // dq, dk, dv (= ∂⟨dout, O⟩/∂q, …) and of every parameter gradient.
+  virtual void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
+                        Tensor& dq, Tensor& dk, Tensor& dv) {
+    (void)q, (void)k, (void)v, (void)out, (void)dout, (void)dq, (void)dk, (void)dv;
+    throw std::logic_error("this mechanism has no backward pass");
+  }
+  // What the forward keeps for the backward beyond its inputs and output (the row's saved_bytes).
+  virtual std::vector<NamedTensor> saved() const { return {}; }
+  // The gradients of the learned parameters, named "d<parameter>" (for --dump and the tests).
+  virtual std::vector<NamedTensor> parameter_gradients() const { return {}; }
 };
 
 // A model's implementation as the registry holds it, on parsed parameter values (a model writes
@@ -61,6 +83,12 @@ struct Implementation {
   // Optional: why the model cannot run this valid problem ("" when it can): the point becomes an
   // `unsupported` row with that reason (beyond the survey's Decode column).
   std::function<std::string(const Problem&, const ParamValues&)> unsupported;
+  // Optional, present exactly when the mechanism implements the backward contract: FLOPs one
+  // backward executes (equal to the counter), and the tracked bytes `prepare_backward` adds to the
+  // forward's workspace (saved tensors, backward buffers, parameter gradients).
+  std::function<std::int64_t(const Problem&, const ParamValues&)> backward_flops;
+  std::function<std::int64_t(const Problem&, const ParamValues&)> backward_workspace_bytes;
+  bool has_backward() const { return static_cast<bool>(backward_flops); }
 };
 
 }  // namespace xfb

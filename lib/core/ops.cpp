@@ -122,6 +122,27 @@ void softmax_rows_masked(float* data, std::int64_t batch, std::int64_t rows, std
   FlopCounter::add(kSoftmaxFlopsPerElement * executed);
 }
 
+void softmax_backward_rows_masked(const float* p, float* grad, std::int64_t batch, std::int64_t rows,
+                                  std::int64_t cols, std::int64_t ld, bool causal) {
+  std::int64_t executed = 0;
+  const std::int64_t total_rows = batch * rows;
+#pragma omp parallel for schedule(dynamic, 16) reduction(+ : executed)
+  for (std::int64_t index = 0; index < total_rows; ++index) {
+    const std::int64_t r = index % rows;
+    const float* prob = p + index * ld;
+    float* row = grad + index * ld;
+    const std::int64_t valid = causal ? std::min(r + 1, cols) : cols;
+    executed += valid;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (std::int64_t j = 0; j < valid; ++j) dot += prob[j] * row[j];
+#pragma omp simd
+    for (std::int64_t j = 0; j < valid; ++j) row[j] = prob[j] * (row[j] - dot);
+    std::fill(row + valid, row + cols, 0.0f);
+  }
+  FlopCounter::add(kSoftmaxBackwardFlopsPerElement * executed);
+}
+
 void layer_norm(const float* x, float* y, std::int64_t rows, std::int64_t cols, const float* gamma,
                 const float* beta, float eps) {
   auto& context = DnnlContext::instance();

@@ -35,6 +35,13 @@ void softmax(float* data, std::int64_t rows, std::int64_t cols);
 void softmax_rows_masked(float* data, std::int64_t batch, std::int64_t rows, std::int64_t cols, std::int64_t ld, bool causal,
                          std::int64_t causal_offset = 0);
 
+// Softmax backward over the same strided rows: grad holds dP on entry and dS on return, where
+// dS[r, j] = P[r, j]·(dP[r, j] − Σ_valid P[r, ·]·dP[r, ·]) for the valid(r) entries (as above) and 0
+// beyond them. p: the softmax output (row stride ld), unchanged. Counts
+// kSoftmaxBackwardFlopsPerElement per valid entry. Project kernel (OpenMP over rows).
+void softmax_backward_rows_masked(const float* p, float* grad, std::int64_t batch, std::int64_t rows,
+                                  std::int64_t cols, std::int64_t ld, bool causal);
+
 // y = (x - mean) / sqrt(var + eps) · gamma + beta over each row of [rows, cols] (oneDNN).
 void layer_norm(const float* x, float* y, std::int64_t rows, std::int64_t cols, const float* gamma,
                 const float* beta, float eps = 1e-5f);

@@ -282,7 +282,7 @@ nlohmann::json point_json(const PointComparison& p) {
   if (p.memory_regression) regressions.push_back("memory");
   if (p.flops_regression) regressions.push_back("flops");
   if (p.error_regression) regressions.push_back("error");
-  nlohmann::json j = {{"model", row.model},     {"scope", row.scope},       {"causal", row.causal},
+  nlohmann::json j = {{"model", row.model},     {"scope", row.scope},       {"pass", row.pass},  {"causal", row.causal},
                       {"batch", row.batch},     {"heads", row.heads},       {"seq_len", row.seq_len},
                       {"head_dim", row.head_dim}, {"d_ff", row.d_ff},       {"params", row.params},
                       {"verdict", verdict_name(p.verdict)}, {"regressions", regressions},

@@ -30,12 +30,14 @@ std::string ResultRow::key() const {
   std::ostringstream out;
   out << model << "|" << scope << "|" << (causal ? "causal" : "full") << "|b" << batch << "|h" << heads << "|n"
       << seq_len << "|d" << head_dim << "|f" << d_ff << "|" << params.dump();
+  if (pass != "forward") out << "|" << pass;  // forward keys stay as before passes existed
   return out.str();
 }
 
 std::string configuration_text(const ResultRow& row) {
   std::ostringstream out;
-  out << row.scope << (row.causal ? ", causal" : "") << ", B=" << row.batch << " H=" << row.heads << " D=" << row.head_dim;
+  out << row.scope << (row.pass != "forward" ? ", " + row.pass + " pass" : "") << (row.causal ? ", causal" : "")
+      << ", B=" << row.batch << " H=" << row.heads << " D=" << row.head_dim;
   if (row.d_ff) out << ", d_ff=" << row.d_ff;
   return out.str();
 }
@@ -57,6 +59,7 @@ void to_json(nlohmann::json& j, const ResultRow& r) {
   j = nlohmann::json{{"model", r.model},
                      {"classes", r.classes},
                      {"scope", r.scope},
+                     {"pass", r.pass},
                      {"causal", r.causal},
                      {"batch", r.batch},
                      {"heads", r.heads},
@@ -89,6 +92,7 @@ void to_json(nlohmann::json& j, const ResultRow& r) {
                      {"peak_tensor_bytes", r.peak_tensor_bytes},
                      {"peak_owned_bytes", r.peak_owned_bytes},
                      {"workspace_bytes", r.workspace_bytes},
+                     {"saved_bytes", r.saved_bytes},
                      {"estimated_workspace_bytes", r.estimated_workspace_bytes},
                      {"peak_rss_bytes", r.peak_rss_bytes},
                      {"warnings", r.warnings},
@@ -100,6 +104,7 @@ void from_json(const nlohmann::json& j, ResultRow& r) {
     j.at("model").get_to(r.model);
     j.at("classes").get_to(r.classes);
     j.at("scope").get_to(r.scope);
+    r.pass = j.value("pass", std::string("forward"));
     j.at("causal").get_to(r.causal);
     j.at("batch").get_to(r.batch);
     j.at("heads").get_to(r.heads);
@@ -132,6 +137,7 @@ void from_json(const nlohmann::json& j, ResultRow& r) {
     j.at("peak_tensor_bytes").get_to(r.peak_tensor_bytes);
     r.peak_owned_bytes = j.value("peak_owned_bytes", std::int64_t{-1});
     j.at("workspace_bytes").get_to(r.workspace_bytes);
+    r.saved_bytes = j.value("saved_bytes", std::int64_t{0});
     r.estimated_workspace_bytes = j.value("estimated_workspace_bytes", std::int64_t{0});
     j.at("peak_rss_bytes").get_to(r.peak_rss_bytes);
     r.warnings = j.value("warnings", std::vector<std::string>{});

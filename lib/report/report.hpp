@@ -20,6 +20,7 @@ struct ResultRow {
   std::string model;
   std::vector<std::string> classes;  // class names, e.g. {"fixed_patterns", "memory"}
   std::string scope = "attention";   // attention | layer
+  std::string pass = "forward";      // forward | backward | train: what was timed
   bool causal = false;
   std::int64_t batch = 0, heads = 0, seq_len = 0, head_dim = 0;
   std::int64_t d_ff = 0;  // layer scope only; 0 otherwise
@@ -41,13 +42,15 @@ struct ResultRow {
   double host_busy = 0;                     // other processes' + steal share of all CPUs while timed
   double load_average = 0;                  // 1-minute load average after timing
   std::map<std::string, double> stage_median_ns;  // median per stage (see stage_clock.hpp); often empty
-  std::int64_t flops = 0;          // executed in one forward (counter)
+  std::int64_t flops = 0;          // executed in one timed call (counter): forward, backward, or both
   double gflops_per_s = 0;         // flops / median
   double tokens_per_s = 0;         // batch·seq_len / median
   std::int64_t peak_tensor_bytes = 0;  // tracked bytes live at the peak, inputs and output included
   std::int64_t peak_owned_bytes = -1;  // same, the project's own tensors only (no oneDNN scratchpad):
                                        // machine-independent; -1 in reports that predate it
-  std::int64_t workspace_bytes = 0;    // peak_tensor_bytes minus inputs and output
+  std::int64_t workspace_bytes = 0;    // peak_tensor_bytes minus inputs and output (and, for the
+                                       // backward and train passes, dout and the gradients of q, k, v)
+  std::int64_t saved_bytes = 0;        // tracked bytes the forward keeps for the backward (0: forward pass)
   std::int64_t estimated_workspace_bytes = 0;  // the registry's analytic estimate
   std::int64_t peak_rss_bytes = 0;     // of the process that ran the point
   std::vector<std::string> warnings;
@@ -57,7 +60,8 @@ struct ResultRow {
   std::string key() const;
 };
 
-// "attention, B=1 H=8 D=64" (+ ", causal", ", d_ff=…"): everything of the key but model, N, params.
+// "attention, B=1 H=8 D=64" (+ ", train pass", ", causal", ", d_ff=…"): everything of the key but
+// model, N, params.
 std::string configuration_text(const ResultRow& row);
 // "block_k=256,block_q=64"; empty for no parameters.
 std::string params_text(const nlohmann::json& params);

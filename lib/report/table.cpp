@@ -13,7 +13,7 @@ namespace xfb {
 namespace {
 
 struct GroupKey {
-  std::string scope;
+  std::string scope, pass;
   bool causal;
   std::int64_t batch, heads, head_dim, d_ff;
   auto operator<=>(const GroupKey&) const = default;
@@ -151,7 +151,7 @@ std::string render_cells(const std::vector<std::vector<std::string>>& cells, Tab
 std::string render_table(const Report& report, const TableOptions& options) {
   std::map<GroupKey, std::vector<const ResultRow*>> groups;
   for (const auto& row : report.results)
-    groups[{row.scope, row.causal, row.batch, row.heads, row.head_dim, row.d_ff}].push_back(&row);
+    groups[{row.scope, row.pass, row.causal, row.batch, row.heads, row.head_dim, row.d_ff}].push_back(&row);
   const double peak = report.context.value("fma_peak_gflops", 0.0);
   std::ostringstream out;
   bool first_group = true;
@@ -181,20 +181,20 @@ std::string render_table(const Report& report, const TableOptions& options) {
     if (options.format != TableFormat::Csv) {
       if (!first_group) out << "\n";
       out << (options.format == TableFormat::Markdown ? "**" : "") << metric_title(options) << " — scope "
-          << key.scope << (key.causal ? ", causal" : "") << ", B=" << key.batch << " H=" << key.heads
+          << key.scope << (key.pass != "forward" ? ", " + key.pass + " pass" : "") << (key.causal ? ", causal" : "") << ", B=" << key.batch << " H=" << key.heads
           << " D=" << key.head_dim << (key.d_ff ? ", d_ff=" + std::to_string(key.d_ff) : "")
           << (options.format == TableFormat::Markdown ? "**\n\n" : "\n");
     }
     std::vector<std::vector<std::string>> cells;
     std::vector<std::string> header = {"class", "model"};
-    if (options.format == TableFormat::Csv) header = {"scope", "causal", "batch", "heads", "head_dim", "class", "model"};
+    if (options.format == TableFormat::Csv) header = {"scope", "pass", "causal", "batch", "heads", "head_dim", "class", "model"};
     for (auto n : lengths) header.push_back("N=" + std::to_string(n));
     if (options.complexity) header.insert(header.end(), {"survey", "flops fit", "time"});
     cells.push_back(header);
     for (const auto& label : labels) {
       std::vector<std::string> line;
       if (options.format == TableFormat::Csv)
-        line = {key.scope, key.causal ? "true" : "false", std::to_string(key.batch), std::to_string(key.heads),
+        line = {key.scope, key.pass, key.causal ? "true" : "false", std::to_string(key.batch), std::to_string(key.heads),
                 std::to_string(key.head_dim)};
       line.push_back(first_class(label_model[label]));
       line.push_back(label);

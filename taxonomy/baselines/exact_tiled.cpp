@@ -74,7 +74,98 @@ class ExactTiled final : public Mechanism {
     FlopCounter::add(kernel_flops);
   }
 
+  void prepare_backward() override {
+    const std::int64_t rows = p_.batch * p_.heads * p_.seq_len;
+    log_sum_exp_ = Tensor(Shape{rows});
+    deltas_ = Tensor(Shape{rows});
+    tile_grads_ = Tensor(Shape{p_.threads, 2, c_.block_q, c_.block_k});
+  }
+
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, heads = p_.batch * p_.heads;
+    std::int64_t own_flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : own_flops)
+    {
+      const int thread = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t head = 0; head < heads; ++head) {
+        const std::int64_t offset = head * n * d;
+        own_flops += head_backward(head, {q.data() + offset, k.data() + offset, v.data() + offset, out.data() + offset,
+                                          dout.data() + offset, dq.data() + offset, dk.data() + offset,
+                                          dv.data() + offset},
+                                   thread);
+      }
+    }
+    FlopCounter::add(own_flops);
+  }
+
+  std::vector<NamedTensor> saved() const override { return {{"log_sum_exp", &log_sum_exp_}}; }
+
  private:
+  // One head's tensors for the backward, each [N, D].
+  struct HeadGrads {
+    const float *q, *k, *v, *out, *dout;
+    float *dq, *dk, *dv;
+  };
+
+  bool saves_log_sum_exp() const { return !log_sum_exp_.empty(); }
+
+  // The whole backward of one head. Returns the FLOPs it executed outside oneDNN.
+  std::int64_t head_backward(std::int64_t head, const HeadGrads& g, int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, bq = c_.block_q, bk = c_.block_k;
+    float* delta = deltas_.data() + head * n;
+    for (std::int64_t i = 0; i < n; ++i) {
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (std::int64_t c = 0; c < d; ++c) dot += g.dout[i * d + c] * g.out[i * d + c];
+      delta[i] = dot;
+    }
+    std::fill(g.dq, g.dq + n * d, 0.0f);
+    std::fill(g.dk, g.dk + n * d, 0.0f);
+    std::fill(g.dv, g.dv + n * d, 0.0f);
+    std::int64_t flops = 2 * n * d;
+    for (std::int64_t k0 = 0; k0 < n; k0 += bk) {
+      const std::int64_t cols = std::min(bk, n - k0);
+      const std::int64_t first_block = p_.causal ? k0 / bq * bq : 0;
+      for (std::int64_t q0 = first_block; q0 < n; q0 += bq)
+        flops += tile_backward(head, g, q0, std::min(bq, n - q0), k0, cols, thread);
+    }
+    return flops;
+  }
+
+  // The backward of the [rows, cols] tile at (q0, k0). Returns the FLOPs it executed outside oneDNN.
+  std::int64_t tile_backward(std::int64_t head, const HeadGrads& g, std::int64_t q0, std::int64_t rows,
+                             std::int64_t k0, std::int64_t cols, int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = c_.block_k;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    float* probs = tile_grads_.data() + thread * 2 * c_.block_q * ld;
+    float* grads = probs + c_.block_q * ld;
+    const float* lse = log_sum_exp_.data() + head * n + q0;
+    const float* delta = deltas_.data() + head * n + q0;
+    ops::gemm(false, true, rows, cols, d, scale, g.q + q0 * d, d, g.k + k0 * d, d, 0.0f, probs, ld);
+    ops::gemm(false, true, rows, cols, d, 1.0f, g.dout + q0 * d, d, g.v + k0 * d, d, 0.0f, grads, ld);
+    std::int64_t valid_entries = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* p_row = probs + r * ld;
+      float* g_row = grads + r * ld;
+      const std::int64_t valid = valid_in_row(p_.causal, q0 + r, k0, cols);
+      const float shift = lse[r], dot = delta[r];
+#pragma omp simd
+      for (std::int64_t j = 0; j < valid; ++j) {
+        p_row[j] = ops::fast_exp(p_row[j] - shift);
+        g_row[j] = p_row[j] * (g_row[j] - dot);
+      }
+      std::fill(p_row + valid, p_row + cols, 0.0f);
+      std::fill(g_row + valid, g_row + cols, 0.0f);
+      valid_entries += valid;
+    }
+    ops::gemm(true, false, cols, d, rows, 1.0f, probs, ld, g.dout + q0 * d, d, 1.0f, g.dv + k0 * d, d);
+    ops::gemm(true, false, cols, d, rows, scale, grads, ld, g.q + q0 * d, d, 1.0f, g.dk + k0 * d, d);
+    ops::gemm(false, false, rows, d, cols, scale, grads, ld, g.k + k0 * d, d, 1.0f, g.dq + q0 * d, d);
+    return kRecomputedSoftmaxBackwardFlopsPerElement * valid_entries;
+  }
+
   // Packs every head's keys once per call, so query blocks share the panels.
   void pack_keys(const Tensor& k) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, panels = tiles::panels_for(n);
@@ -132,6 +223,10 @@ class ExactTiled final : public Mechanism {
         ops::gemm(false, false, rows, d, cols, 1.0f, scores, lds, v + k0 * d, d, 1.0f, acc, d);
       }
     }
+    if (saves_log_sum_exp()) {
+      float* lse = log_sum_exp_.data() + head * n + q0;
+      for (std::int64_t r = 0; r < rows; ++r) lse[r] = row_max[r] + std::log(row_sum[r]);
+    }
     for (std::int64_t r = 0; r < rows; ++r) {
       const float inverse = 1.0f / row_sum[r];
       float* dst = out + (q0 + r) * d;
@@ -161,6 +256,7 @@ class ExactTiled final : public Mechanism {
   ExactTiledConfig c_;
   std::int64_t score_ld_ = 0;
   Tensor scores_, packed_keys_, accumulators_, row_stats_;
+  Tensor log_sum_exp_, deltas_, tile_grads_;  // training only (prepare_backward)
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ExactTiledConfig& c, std::uint64_t) {
@@ -191,6 +287,27 @@ std::int64_t workspace(const Problem& p, const ExactTiledConfig& c) {
   return (threads * per_thread + packed_key_floats(p)) * static_cast<std::int64_t>(sizeof(float));
 }
 
+// Tiles the backward executes: those the forward did (see tile_backward).
+std::int64_t backward_flops(const Problem& p, const ExactTiledConfig& c) {
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  std::int64_t per_head = 2 * n * d;  // δ
+  for (std::int64_t k0 = 0; k0 < n; k0 += c.block_k) {
+    const std::int64_t cols = std::min(c.block_k, n - k0);
+    for (std::int64_t q0 = p.causal ? k0 / c.block_q * c.block_q : 0; q0 < n; q0 += c.block_q) {
+      const std::int64_t rows = std::min(c.block_q, n - q0);
+      per_head += 5 * matmul_flops(rows, cols, d);
+      for (std::int64_t r = 0; r < rows; ++r)
+        per_head += kRecomputedSoftmaxBackwardFlopsPerElement * valid_in_row(p.causal, q0 + r, k0, cols);
+    }
+  }
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t backward_workspace(const Problem& p, const ExactTiledConfig& c) {
+  const std::int64_t floats = 2 * p.batch * p.heads * p.seq_len + p.threads * 2 * c.block_q * c.block_k;
+  return floats * static_cast<std::int64_t>(sizeof(float));
+}
+
 }  // namespace
 
 Implementation exact_tiled_implementation() {
@@ -201,7 +318,9 @@ Implementation exact_tiled_implementation() {
       .create = create,
       .flops = flops,
       .workspace = workspace,
-      .resolve = resolve});
+      .resolve = resolve,
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb

@@ -11,6 +11,16 @@
 // made once per call and shared by all query blocks: B·H·⌈N/16⌉·16·D floats.
 // FLOPs (exact, see exact_tiled_flops): per executed tile 4·rows·cols·D (two products) +
 // 4·valid (max, subtract+exp, sum) + D per row with valid > 0 (rescale); plus N·D per head (1/l).
+//
+// Backward (FlashAttention-2's): the forward saves only the row log-sum-exp L = m + log l, B·H·N
+// floats; nothing N×N is saved or materialised. The backward first forms δ_i = Σ_c dO[i,c]·O[i,c],
+// then, per head (one task; dQ rows are shared by its key blocks), walks key blocks of bk keys,
+// and for each the query blocks of bq rows that see them, recomputing the tile:
+//   S = Q_blk·K_blkᵀ/√D;  P = exp(S − L);  dV_blk += Pᵀ·dO_blk;  dP = dO_blk·V_blkᵀ;
+//   dS = P ⊙ (dP − δ);  dK_blk += dSᵀ·Q_blk/√D;  dQ_blk += dS·K_blk/√D.
+// Causal: the tiles the forward executed (key blocks that start at or before the query block's
+// last row); entries j > i have P = 0. Workspace: L and δ (B·H·N each) and per thread P and dP
+// tiles [bq, bk]. FLOPs: per executed tile 10·rows·cols·D + 4·valid; plus 2·N·D per head (δ).
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

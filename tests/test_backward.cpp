@@ -1,0 +1,195 @@
+// The backward contract: gradients against the double-precision reference and its directional
+// derivative, the causal zero-gradient property, repeatability, the backward FLOP counters against
+// their formulas, and the memory of a training step (saved bytes, tracked peak = estimate).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "lib/bench/point.hpp"
+#include "taxonomy/registry.hpp"
+#include "tests/counter_point.hpp"
+#include "tests/gradient_check.hpp"
+#include "tests/reference.hpp"
+
+using namespace xfb;
+using namespace xfb::test;
+
+namespace {
+
+MaskFn mask_for(bool causal) { return causal ? MaskFn(causal_mask) : MaskFn(full_mask); }
+
+ResultRow pass_row(const std::string& model, const Problem& p, Pass pass, std::vector<std::string> params = {}) {
+  PointConfig c = counter_point(model, p, std::move(params));
+  c.pass = pass;
+  const ResultRow row = run_point(c);
+  REQUIRE_MESSAGE(row.status == Status::Ok, row.reason);
+  return row;
+}
+
+}  // namespace
+
+TEST_SUITE("backward") {
+  TEST_CASE("the reference's analytic gradient is its own derivative (central differences, tiny problem)") {
+    const Problem p{.batch = 1, .heads = 1, .seq_len = 5, .head_dim = 3};
+    for (bool causal : {false, true}) {
+      const auto in = random_inputs(p, 5);
+      const Tensor dout = random_like(p, 5, "dout");
+      const double scale = 1.0 / std::sqrt(3.0), step = 1e-6;
+      const auto grads = reference_attention_backward(in.q.data(), in.k.data(), in.v.data(), dout.data(), 5, 5, 3,
+                                                      scale, mask_for(causal));
+      // d⟨dO, O⟩/dx_e for every element of q, k and v.
+      for (int which = 0; which < 3; ++which)
+        for (std::int64_t e = 0; e < 15; ++e) {
+          auto objective = [&](double s) {
+            std::vector<double> x[3] = {std::vector<double>(in.q.data(), in.q.data() + 15),
+                                        std::vector<double>(in.k.data(), in.k.data() + 15),
+                                        std::vector<double>(in.v.data(), in.v.data() + 15)};
+            x[which][static_cast<std::size_t>(e)] += s;
+            const auto out = reference_attention(x[0].data(), x[1].data(), x[2].data(), 5, 5, 3, scale, mask_for(causal));
+            double sum = 0;
+            for (std::int64_t i = 0; i < 15; ++i) sum += dout[i] * out[static_cast<std::size_t>(i)];
+            return sum;
+          };
+          const double numeric = (objective(step) - objective(-step)) / (2 * step);
+          const auto& analytic = which == 0 ? grads.dq : which == 1 ? grads.dk : grads.dv;
+          CHECK(analytic[static_cast<std::size_t>(e)] == doctest::Approx(numeric).epsilon(1e-7).scale(1));
+        }
+    }
+  }
+
+  TEST_CASE("vanilla and exact-tiled gradients, causal and not, batch 2, at and around block sizes") {
+    double worst = 0;
+    // exact-tiled defaults: block_q 64, block_k 256.
+    for (std::int64_t n : {1, 7, 63, 64, 65, 255, 256, 257})
+      for (bool causal : {false, true})
+        for (const char* model : {"vanilla", "exact-tiled"})
+          worst = std::max(worst, check_model_gradients(model, {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal},
+                                mask_for(causal)));
+    CHECK(worst <= 1);
+  }
+
+  TEST_CASE("exact-tiled gradients with small uneven blocks, block ± 1 and non-multiples") {
+    // D = 8: block_k 24 exactly; D = 16: block_k 24 rounds up to 32 (two 16-key panels).
+    struct Case {
+      std::int64_t head_dim;
+      const char* block_q;
+      std::vector<std::int64_t> lengths;
+    };
+    for (const Case& c : {Case{8, "block_q=16", {15, 16, 17, 23, 24, 25, 100}},
+                          Case{16, "block_q=7", {6, 7, 8, 31, 32, 33, 100}}})
+      for (std::int64_t n : c.lengths)
+        for (bool causal : {false, true})
+          check_model_gradients("exact-tiled", {.batch = 2, .heads = 2, .seq_len = n, .head_dim = c.head_dim, .causal = causal},
+                                mask_for(causal), {c.block_q, "block_k=24"});
+  }
+
+  TEST_CASE("the gradient check passes the true gradient and fails one that is 0.1% off") {
+    const Problem p{.batch = 1, .heads = 2, .seq_len = 100, .head_dim = 32, .causal = true};
+    const auto in = random_inputs(p, 3);
+    const Tensor dout = random_like(p, 3, "dout");
+    const BackwardRun run = run_backward("exact-tiled", p, in, dout);
+    const double ratio = check_gradients(run, in, dout, p, causal_mask, "true gradient", false);
+    CHECK(ratio <= 1);
+    // The gradients of dO·1.001 are the true ones 0.1% off.
+    Tensor scaled = dout.clone();
+    for (float& x : scaled.values()) x *= 1.001f;
+    const BackwardRun off = run_backward("exact-tiled", p, in, scaled);
+    CHECK(check_gradients(off, in, dout, p, causal_mask, "0.1% off", false) > 1);
+  }
+
+  TEST_CASE("causal backward: dO zero after token i gives exactly zero dQ, dK, dV after i") {
+    for (const char* model : {"vanilla", "exact-tiled"})
+      for (std::int64_t n : {37, 100, 300}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = true};
+        const std::int64_t last = n / 3;  // a non-multiple of every block
+        const auto in = random_inputs(p, 9);
+        Tensor dout = random_like(p, 9, "dout");
+        for (std::int64_t b = 0; b < 2; ++b)
+          for (std::int64_t h = 0; h < 2; ++h) std::fill(dout.head(b, h) + (last + 1) * 16, dout.head(b, h) + n * 16, 0.0f);
+        const BackwardRun run = run_backward(model, p, in, dout);
+        std::int64_t nonzero_after = 0, nonzero_before = 0;
+        for (const Tensor* g : {&run.dq, &run.dk, &run.dv})
+          for (std::int64_t b = 0; b < 2; ++b)
+            for (std::int64_t h = 0; h < 2; ++h)
+              for (std::int64_t e = 0; e < n * 16; ++e)
+                (e / 16 > last ? nonzero_after : nonzero_before) += g->head(b, h)[e] != 0.0f;
+        CHECK_MESSAGE(nonzero_after == 0, model << " N=" << n);
+        CHECK(nonzero_before > 0);
+      }
+  }
+
+  TEST_CASE("a backward leaves the saved state unchanged: repeating it gives the same gradients") {
+    for (const char* model : {"vanilla", "exact-tiled"}) {
+      const Problem p{.batch = 1, .heads = 3, .seq_len = 130, .head_dim = 16, .causal = true};
+      const auto in = random_inputs(p, 4);
+      const Tensor dout = random_like(p, 4, "dout");
+      BackwardRun run = run_backward(model, p, in, dout);
+      const Tensor first = run.dk.clone();
+      run.mechanism->backward(in.q, in.k, in.v, run.out, dout, run.dq, run.dk, run.dv);
+      CHECK(std::memcmp(first.data(), run.dk.data(), static_cast<std::size_t>(first.bytes())) == 0);
+    }
+  }
+
+  TEST_CASE("backward and train FLOP counters equal the formulas; train = forward + backward") {
+    for (const auto& model : registry()) {
+      if (!model.implemented() || !model.impl.has_backward()) continue;
+      for (bool causal : {false, true})
+        for (std::int64_t n : {1, 37, 100, 300}) {
+          const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
+          const ParamValues values = resolve_params(model.name, model.impl.params, {});
+          const std::int64_t forward = model.impl.flops(on_test_threads(p), values);
+          const std::int64_t backward = model.impl.backward_flops(on_test_threads(p), values);
+          CAPTURE(model.name);
+          CAPTURE(n);
+          CAPTURE(causal);
+          CHECK(pass_row(model.name, p, Pass::Backward).flops == backward);
+          CHECK(pass_row(model.name, p, Pass::Train).flops == forward + backward);
+        }
+    }
+  }
+
+  TEST_CASE("training memory: tracked owned peak equals the estimate; saved bytes as the model says") {
+    for (const auto& model : registry()) {
+      if (!model.implemented() || !model.impl.has_backward()) continue;
+      for (bool causal : {false, true})
+        for (std::int64_t n : {100, 300}) {
+          const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
+          PointConfig c = counter_point(model.name, p);
+          c.pass = Pass::Train;
+          const ResultRow row = run_point(c);
+          CAPTURE(model.name);
+          CAPTURE(n);
+          REQUIRE(row.status == Status::Ok);
+          CHECK(row.peak_owned_bytes - point_io_bytes(c) == row.estimated_workspace_bytes);
+          CHECK(row.saved_bytes > 0);
+          CHECK(row.saved_bytes <= row.workspace_bytes);
+        }
+    }
+    // exact-tiled saves the row log-sum-exp (linear in N); vanilla the probabilities (quadratic).
+    const Problem small{.batch = 1, .heads = 2, .seq_len = 512, .head_dim = 32};
+    Problem large = small;
+    large.seq_len = 1024;
+    CHECK(pass_row("exact-tiled", small, Pass::Train).saved_bytes == 2 * 512 * 4);
+    CHECK(pass_row("exact-tiled", large, Pass::Train).saved_bytes == 2 * 1024 * 4);
+    const double vanilla_growth = static_cast<double>(pass_row("vanilla", large, Pass::Train).saved_bytes) /
+                                  static_cast<double>(pass_row("vanilla", small, Pass::Train).saved_bytes);
+    CHECK(vanilla_growth > 3.9);
+    CHECK(vanilla_growth < 4.1);
+    CHECK(pass_row("vanilla", small, Pass::Forward).saved_bytes == 0);
+  }
+
+  TEST_CASE("models without a backward pass give an unsupported row for backward and train") {
+    for (const auto& model : registry()) {
+      if (!model.implemented() || model.impl.has_backward()) continue;
+      PointConfig c = counter_point(model.name, {.batch = 1, .heads = 2, .seq_len = 64, .head_dim = 16});
+      c.pass = Pass::Train;
+      const ResultRow row = describe_point(c);
+      CHECK(row.status == Status::Unsupported);
+      CHECK(row.reason.find("no backward pass") != std::string::npos);
+      CHECK(row.pass == "train");
+    }
+  }
+}

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""Recomputes softmax attention's gradients in float64 from an `xfbench run --pass train --dump DIR`
+of an exact model (vanilla, exact-tiled) and compares them with the dumped dq, dk, dv.
+
+Plain Python (no NumPy), so keep dumps small (B·H·N²·D of a few million). Exit 0 when every
+gradient element is within 1e-4 of the largest magnitude of its tensor, 1 otherwise.
+"""
+import json
+import math
+import struct
+import sys
+
+
+def read_npy(path):
+    with open(path, "rb") as f:
+        if f.read(6) != b"\x93NUMPY":
+            raise ValueError(path + " is not an .npy file")
+        major = f.read(2)[0]
+        header_len = struct.unpack("<H" if major == 1 else "<I", f.read(2 if major == 1 else 4))[0]
+        header = f.read(header_len).decode("latin1")
+        if "'<f4'" not in header or "'fortran_order': False" not in header:
+            raise ValueError(path + ": expected little-endian float32 in C order")
+        data = f.read()
+    return list(struct.unpack("<%df" % (len(data) // 4), data))
+
+
+def head_gradients(q, k, v, dout, n, d, causal):
+    """dq, dk, dv of one head ([n·d] lists) for O = softmax(q·kᵀ/√d)·v."""
+    scale = 1.0 / math.sqrt(d)
+    dq, dk, dv = [0.0] * (n * d), [0.0] * (n * d), [0.0] * (n * d)
+    for i in range(n):
+        keys = range(i + 1) if causal else range(n)
+        scores = [scale * sum(q[i * d + c] * k[j * d + c] for c in range(d)) for j in keys]
+        peak = max(scores)
+        weights = [math.exp(s - peak) for s in scores]
+        total = sum(weights)
+        probs = [w / total for w in weights]
+        dp = [sum(dout[i * d + c] * v[j * d + c] for c in range(d)) for j in keys]
+        delta = sum(p * g for p, g in zip(probs, dp))
+        for p, g, j in zip(probs, dp, keys):
+            ds = p * (g - delta)
+            for c in range(d):
+                dv[j * d + c] += p * dout[i * d + c]
+                dq[i * d + c] += scale * ds * k[j * d + c]
+                dk[j * d + c] += scale * ds * q[i * d + c]
+    return dq, dk, dv
+
+
+def main(folder):
+    manifest = json.load(open(folder + "/manifest.json"))
+    if manifest["model"] not in ("vanilla", "exact-tiled"):
+        print("check_gradient_dump: only the exact models' gradients are recomputed here", file=sys.stderr)
+        return 2
+    b, h, n, d = manifest["batch"], manifest["heads"], manifest["seq_len"], manifest["head_dim"]
+    causal = manifest["causal"]
+    tensors = {name: read_npy(folder + "/" + name + ".npy") for name in ("q", "k", "v", "dout", "dq", "dk", "dv")}
+    worst = 0.0
+    for name_index, name in enumerate(("dq", "dk", "dv")):
+        largest = max(abs(x) for x in tensors[name]) or 1.0
+        for head in range(b * h):
+            part = slice(head * n * d, (head + 1) * n * d)
+            want = head_gradients(*(tensors[t][part] for t in ("q", "k", "v", "dout")), n, d, causal)[name_index]
+            got = tensors[name][part]
+            worst = max(worst, max(abs(g - w) for g, w in zip(got, want)) / largest)
+    print("largest gradient error relative to the tensor's largest element: %.3g" % worst)
+    return 0 if worst <= 1e-4 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
