@@ -116,7 +116,7 @@ done
   python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
 assert r["pass"] == "backward" and r["saved_bytes"] == 2 * 100 * 4 and "--pass backward" in r["reproducer"], r' \
     "$work/bwd.json" && pass || fail "run --pass backward: row pass, saved_bytes, reproducer"
-"$bin" run --model local --seq-len 64 --pass train "${quick[@]}" --json >"$work/nobwd.json" &&
+"$bin" run --model performer --seq-len 64 --pass train "${quick[@]}" --json >"$work/nobwd.json" &&
   grep -q '"status":"unsupported"' "$work/nobwd.json" && pass || fail "a model without backward is not an unsupported train row"
 "$bin" sweep --models vanilla,exact-tiled --seq-lens 64,100 --pass train "${quick[@]}" --no-measure \
   --out "$work/train.json" >"$work/train.txt" 2>/dev/null \

@@ -67,14 +67,15 @@ std::vector<double> shifted(const float* x, const float* direction, double h, st
 }  // namespace
 
 double check_gradients(const BackwardRun& run, const AttentionInputs& in, const Tensor& dout, const Problem& p,
-                       const MaskFn& allowed, const std::string& label, bool report) {
+                       const HeadMask& allowed, const std::string& label, bool report) {
   const std::int64_t n = p.seq_len, d = p.head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   double worst = 0;
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
+      const MaskFn head_mask = [&](std::int64_t i, std::int64_t j) { return allowed(h, i, j); };
       const auto want = reference_attention_backward(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h),
-                                                     dout.head(b, h), n, n, d, scale, allowed);
+                                                     dout.head(b, h), n, n, d, scale, head_mask);
       const double factor = gradient_error_factor(in.q.head(b, h), in.k.head(b, h), n, n, d, scale);
       std::ostringstream head;
       head << label << " b=" << b << " h=" << h;
@@ -87,26 +88,27 @@ double check_gradients(const BackwardRun& run, const AttentionInputs& in, const 
 }
 
 void check_directional_derivative(const BackwardRun& run, const AttentionInputs& in, const Tensor& dout,
-                                  const Problem& p, const MaskFn& allowed, const std::string& label) {
+                                  const Problem& p, const HeadMask& allowed, const std::string& label) {
   const std::int64_t n = p.seq_len, d = p.head_dim, count = n * d;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d)), step = 1e-5;
   const Tensor dir_q = random_like(p, 11, "direction/q"), dir_k = random_like(p, 11, "direction/k"),
                dir_v = random_like(p, 11, "direction/v");
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
+      const MaskFn head_mask = [&](std::int64_t i, std::int64_t j) { return allowed(h, i, j); };
       // ⟨dO, reference(x + s·δ)⟩ in double.
       auto objective = [&](double s) {
         const auto q = shifted(in.q.head(b, h), dir_q.head(b, h), s, count);
         const auto k = shifted(in.k.head(b, h), dir_k.head(b, h), s, count);
         const auto v = shifted(in.v.head(b, h), dir_v.head(b, h), s, count);
-        const auto out = reference_attention(q.data(), k.data(), v.data(), n, n, d, scale, allowed);
+        const auto out = reference_attention(q.data(), k.data(), v.data(), n, n, d, scale, head_mask);
         double sum = 0;
         for (std::int64_t e = 0; e < count; ++e) sum += dout.head(b, h)[e] * out[static_cast<std::size_t>(e)];
         return sum;
       };
       const double numeric = (objective(step) - objective(-step)) / (2 * step);
       const auto want = reference_attention_backward(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h),
-                                                     dout.head(b, h), n, n, d, scale, allowed);
+                                                     dout.head(b, h), n, n, d, scale, head_mask);
       const double factor = gradient_error_factor(in.q.head(b, h), in.k.head(b, h), n, n, d, scale);
       double analytic = 0, tolerance = 0;
       for (std::int64_t e = 0; e < count; ++e) {
@@ -123,7 +125,7 @@ void check_directional_derivative(const BackwardRun& run, const AttentionInputs&
     }
 }
 
-double check_model_gradients(const std::string& model, const Problem& p, const MaskFn& allowed,
+double check_model_gradients(const std::string& model, const Problem& p, const HeadMask& allowed,
                              const std::vector<std::string>& params, std::uint64_t seed) {
   const auto in = random_inputs(p, seed);
   const Tensor dout = random_like(p, seed, "dout");

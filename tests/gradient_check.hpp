@@ -29,15 +29,15 @@ Tensor random_like(const Problem& p, std::uint64_t seed, const char* name);
 // Every element of dQ, dK, dV of every head within gradient_error_factor · (its terms). Returns the
 // largest error / tolerance ratio; with `report`, CHECKs fail for elements above 1.
 double check_gradients(const BackwardRun& run, const AttentionInputs& in, const Tensor& dout, const Problem& p,
-                       const MaskFn& allowed, const std::string& label, bool report = true);
+                       const HeadMask& allowed, const std::string& label, bool report = true);
 
 // ⟨dQ, δq⟩ + ⟨dK, δk⟩ + ⟨dV, δv⟩ against the central difference of ⟨dO, reference(x + hδ)⟩, per head,
 // within the element tolerances weighted by |δ| (plus the difference's own error).
 void check_directional_derivative(const BackwardRun& run, const AttentionInputs& in, const Tensor& dout,
-                                  const Problem& p, const MaskFn& allowed, const std::string& label);
+                                  const Problem& p, const HeadMask& allowed, const std::string& label);
 
 // Both checks on seeded inputs and dO; returns check_gradients' largest ratio.
-double check_model_gradients(const std::string& model, const Problem& p, const MaskFn& allowed,
+double check_model_gradients(const std::string& model, const Problem& p, const HeadMask& allowed,
                            const std::vector<std::string>& params = {}, std::uint64_t seed = 7);
 
 }  // namespace xfb::test

@@ -25,6 +25,11 @@ inline Problem on_test_threads(Problem p) {
 using MaskFn = std::function<bool(std::int64_t i, std::int64_t j)>;
 inline bool full_mask(std::int64_t, std::int64_t) { return true; }
 inline bool causal_mask(std::int64_t i, std::int64_t j) { return j <= i; }
+// allowed(h, i, j): may query i of head h (within a batch element) attend to key j.
+using HeadMask = std::function<bool(std::int64_t h, std::int64_t i, std::int64_t j)>;
+inline HeadMask same_for_every_head(MaskFn allowed) {
+  return [allowed](std::int64_t, std::int64_t i, std::int64_t j) { return allowed(i, j); };
+}
 
 // O = softmax(Q·Kᵀ·scale restricted to mask)·V for one head; q: [nq, d], k, v: [nk, d].
 // Rows with no allowed key are zero. Returns [nq, d].

@@ -19,7 +19,7 @@ using namespace xfb::test;
 
 namespace {
 
-MaskFn mask_for(bool causal) { return causal ? MaskFn(causal_mask) : MaskFn(full_mask); }
+HeadMask mask_for(bool causal) { return same_for_every_head(causal ? MaskFn(causal_mask) : MaskFn(full_mask)); }
 
 ResultRow pass_row(const std::string& model, const Problem& p, Pass pass, std::vector<std::string> params = {}) {
   PointConfig c = counter_point(model, p, std::move(params));
@@ -27,6 +27,14 @@ ResultRow pass_row(const std::string& model, const Problem& p, Pass pass, std::v
   const ResultRow row = run_point(c);
   REQUIRE_MESSAGE(row.status == Status::Ok, row.reason);
   return row;
+}
+
+// Implemented models with a backward pass and a causal mode.
+std::vector<std::string> decoders_with_backward() {
+  std::vector<std::string> names;
+  for (const auto& model : registry())
+    if (model.implemented() && model.impl.has_backward() && model.decodes) names.push_back(model.name);
+  return names;
 }
 
 }  // namespace
@@ -39,7 +47,7 @@ TEST_SUITE("backward") {
       const Tensor dout = random_like(p, 5, "dout");
       const double scale = 1.0 / std::sqrt(3.0), step = 1e-6;
       const auto grads = reference_attention_backward(in.q.data(), in.k.data(), in.v.data(), dout.data(), 5, 5, 3,
-                                                      scale, mask_for(causal));
+                                                      scale, causal ? MaskFn(causal_mask) : MaskFn(full_mask));
       // d⟨dO, O⟩/dx_e for every element of q, k and v.
       for (int which = 0; which < 3; ++which)
         for (std::int64_t e = 0; e < 15; ++e) {
@@ -48,7 +56,8 @@ TEST_SUITE("backward") {
                                         std::vector<double>(in.k.data(), in.k.data() + 15),
                                         std::vector<double>(in.v.data(), in.v.data() + 15)};
             x[which][static_cast<std::size_t>(e)] += s;
-            const auto out = reference_attention(x[0].data(), x[1].data(), x[2].data(), 5, 5, 3, scale, mask_for(causal));
+            const auto out = reference_attention(x[0].data(), x[1].data(), x[2].data(), 5, 5, 3, scale,
+                                                 causal ? MaskFn(causal_mask) : MaskFn(full_mask));
             double sum = 0;
             for (std::int64_t i = 0; i < 15; ++i) sum += dout[i] * out[static_cast<std::size_t>(i)];
             return sum;
@@ -91,17 +100,17 @@ TEST_SUITE("backward") {
     const auto in = random_inputs(p, 3);
     const Tensor dout = random_like(p, 3, "dout");
     const BackwardRun run = run_backward("exact-tiled", p, in, dout);
-    const double ratio = check_gradients(run, in, dout, p, causal_mask, "true gradient", false);
+    const double ratio = check_gradients(run, in, dout, p, mask_for(true), "true gradient", false);
     CHECK(ratio <= 1);
     // The gradients of dO·1.001 are the true ones 0.1% off.
     Tensor scaled = dout.clone();
     for (float& x : scaled.values()) x *= 1.001f;
     const BackwardRun off = run_backward("exact-tiled", p, in, scaled);
-    CHECK(check_gradients(off, in, dout, p, causal_mask, "0.1% off", false) > 1);
+    CHECK(check_gradients(off, in, dout, p, mask_for(true), "0.1% off", false) > 1);
   }
 
-  TEST_CASE("causal backward: dO zero after token i gives exactly zero dQ, dK, dV after i") {
-    for (const char* model : {"vanilla", "exact-tiled"})
+  TEST_CASE("causal backward: dO zero after token i gives exactly zero dQ, dK, dV after i (every model)") {
+    for (const std::string& model : decoders_with_backward())
       for (std::int64_t n : {37, 100, 300}) {
         const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = true};
         const std::int64_t last = n / 3;  // a non-multiple of every block
@@ -122,7 +131,7 @@ TEST_SUITE("backward") {
   }
 
   TEST_CASE("a backward leaves the saved state unchanged: repeating it gives the same gradients") {
-    for (const char* model : {"vanilla", "exact-tiled"}) {
+    for (const std::string& model : decoders_with_backward()) {
       const Problem p{.batch = 1, .heads = 3, .seq_len = 130, .head_dim = 16, .causal = true};
       const auto in = random_inputs(p, 4);
       const Tensor dout = random_like(p, 4, "dout");

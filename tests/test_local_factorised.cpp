@@ -7,12 +7,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
+#include <tuple>
 
 #include "lib/bench/point.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
+#include "tests/gradient_check.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -20,8 +22,6 @@ using namespace xfb::test;
 
 namespace {
 
-// allowed(h, i, j): may query i of head h attend to key j.
-using HeadMask = std::function<bool(std::int64_t h, std::int64_t i, std::int64_t j)>;
 
 std::int64_t naive_ceil_sqrt(std::int64_t n) {
   std::int64_t root = 1;
@@ -198,6 +198,16 @@ TEST_SUITE("local_factorised") {
         }
   }
 
+  TEST_CASE("local gradients against the masked reference: block and 64-row tile ± 1, causal and not, batch 2") {
+    for (const auto& [params, block, sizes] :
+         std::vector<std::tuple<std::vector<std::string>, std::int64_t, std::vector<std::int64_t>>>{
+             {{}, 50, {1, 49, 50, 51, 101}}, {{"block=16"}, 16, {15, 16, 17, 63, 64, 65}}, {{"block=70"}, 70, {69, 70, 71}}})
+      for (std::int64_t n : sizes)
+        for (bool causal : {false, true})
+          check_model_gradients("local", {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal},
+                                local_mask(block, causal), params);
+  }
+
   TEST_CASE("image-transformer equals query-block + memory-flange naive attention") {
     struct Case {
       std::vector<std::string> params;
@@ -217,6 +227,34 @@ TEST_SUITE("local_factorised") {
           const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
           check_pattern("image-transformer", p, c.params, image_mask(c.query_block, c.flange, causal));
         }
+  }
+
+  TEST_CASE("image-transformer gradients against the masked reference") {
+    for (const auto& [params, query_block, flange, sizes] :
+         std::vector<std::tuple<std::vector<std::string>, std::int64_t, std::int64_t, std::vector<std::int64_t>>>{
+             {{"query_block=16", "memory_flange=8"}, 16, 8, {1, 8, 15, 16, 17, 25, 100}},
+             {{"query_block=100", "memory_flange=30"}, 100, 30, {63, 64, 65, 99, 100, 101, 250}}})
+      for (std::int64_t n : sizes)
+        for (bool causal : {false, true})
+          check_model_gradients("image-transformer",
+                                {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal},
+                                image_mask(query_block, flange, causal), params);
+  }
+
+  TEST_CASE("sparse-transformer gradients, strided and fixed, both head groups, against the naive masks") {
+    for (const auto& [params, fixed, stride, summary, sizes] :
+         std::vector<std::tuple<std::vector<std::string>, bool, std::int64_t, std::int64_t, std::vector<std::int64_t>>>{
+             {{"stride=8"}, false, 8, 0, {1, 7, 8, 9, 17, 65}},
+             {{"stride=2"}, false, 2, 0, {129, 130}},
+             {{"pattern=fixed", "stride=8", "summary=2"}, true, 8, 2, {1, 7, 8, 9, 17, 100}},
+             {{"pattern=fixed", "stride=70", "summary=5"}, true, 70, 5, {64, 65, 70, 71, 150}}})
+      for (std::int64_t n : sizes)
+        for (bool causal : {false, true})
+          for (std::int64_t heads : {1, 3}) {
+            const Problem p{.batch = 2, .heads = heads, .seq_len = n, .head_dim = 8, .causal = causal};
+            check_model_gradients("sparse-transformer", p, sparse_mask(fixed, stride, std::min(summary, stride), heads, causal),
+                                  params);
+          }
   }
 
   TEST_CASE("sparse-transformer strided and fixed patterns, split across heads, equal their naive masks") {

@@ -219,7 +219,112 @@ std::int64_t attend(const HeadView& head, const Tile& tile, ThreadScratch& scrat
                       .hi = scratch.hi(thread)};
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const std::int64_t flops = accumulate(queries, keys, d, scale, true, scratch.scores(thread));
+  if (head.lse != nullptr)
+    for (std::int64_t r = 0; r < tile.rows; ++r)
+      head.lse[tile.q_first + r * tile.q_step] = log_sum_exp(queries.row_max[r], queries.row_sum[r]);
   return flops + finish(queries, d, queries.acc, queries.ld_acc);
+}
+
+float log_sum_exp(float row_max, float row_sum) {
+  return row_sum > 0.0f ? row_max + std::log(row_sum) : -std::numeric_limits<float>::infinity();
+}
+
+BackwardScratch::BackwardScratch(std::int64_t threads, std::int64_t max_cols, std::int64_t tokens)
+    : threads_(static_cast<int>(threads)),
+      ld_(ops::padded_ld(max_cols)),
+      tokens_(tokens),
+      tiles_(Shape{threads, 2, kTaskRows, ld_}),
+      deltas_(Shape{threads, tokens}),
+      bounds_(static_cast<std::size_t>(threads * 2 * kTaskRows)) {}
+
+std::int64_t BackwardScratch::tracked_bytes(std::int64_t threads, std::int64_t max_cols, std::int64_t tokens) {
+  return threads * (2 * kTaskRows * ops::padded_ld(max_cols) + tokens) * static_cast<std::int64_t>(sizeof(float));
+}
+
+void TileTraining::prepare(std::int64_t heads, std::int64_t tokens, std::int64_t threads, std::int64_t max_cols) {
+  tokens_ = tokens;
+  lse_ = Tensor(Shape{heads, tokens});
+  scratch_ = BackwardScratch(threads, max_cols, tokens);
+}
+
+std::int64_t TileTraining::tracked_bytes(std::int64_t heads, std::int64_t tokens, std::int64_t threads,
+                                         std::int64_t max_cols) {
+  return heads * tokens * static_cast<std::int64_t>(sizeof(float)) +
+         BackwardScratch::tracked_bytes(threads, max_cols, tokens);
+}
+
+HeadGrads TileTraining::grads(const BackwardTensors& t, std::int64_t head, int thread) {
+  const std::int64_t n = t.q.dim(2), d = t.q.dim(3), offset = head * n * d;
+  return {.q = t.q.data() + offset,
+          .k = t.k.data() + offset,
+          .v = t.v.data() + offset,
+          .out = t.out.data() + offset,
+          .dout = t.dout.data() + offset,
+          .lse = lse_.data() + head * tokens_,
+          .delta = scratch_.delta(thread),
+          .dq = t.dq.data() + offset,
+          .dk = t.dk.data() + offset,
+          .dv = t.dv.data() + offset,
+          .d = d};
+}
+
+std::int64_t begin_head(const HeadGrads& g, std::int64_t q_rows, std::int64_t k_rows) {
+  const std::int64_t d = g.d;
+  for (std::int64_t i = 0; i < q_rows; ++i) {
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (std::int64_t c = 0; c < d; ++c) dot += g.dout[i * d + c] * g.out[i * d + c];
+    g.delta[i] = dot;
+  }
+  std::fill(g.dq, g.dq + q_rows * d, 0.0f);
+  std::fill(g.dk, g.dk + k_rows * d, 0.0f);
+  std::fill(g.dv, g.dv + k_rows * d, 0.0f);
+  return 2 * q_rows * d;
+}
+
+std::int64_t attend_backward(const HeadGrads& g, const Tile& tile, const std::int64_t* lo, const std::int64_t* hi,
+                             BackwardScratch& scratch, int thread) {
+  const Hull hull = hull_of(tile.rows, lo, hi);
+  const std::int64_t width = hull.width(), d = g.d, ld = scratch.ld();
+  if (width == 0) return 0;
+  const std::int64_t ldq = tile.q_step * d, ldk = tile.k_step * d;
+  const std::int64_t q_offset = tile.q_first * d, k_offset = (tile.k_first + hull.begin * tile.k_step) * d;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  float* probs = scratch.probs(thread);
+  float* grads = scratch.grads(thread);
+  ops::gemm(false, true, tile.rows, width, d, scale, g.q + q_offset, ldq, g.k + k_offset, ldk, 0.0f, probs, ld);
+  ops::gemm(false, true, tile.rows, width, d, 1.0f, g.dout + q_offset, ldq, g.v + k_offset, ldk, 0.0f, grads, ld);
+  std::int64_t valid_entries = 0;
+  for (std::int64_t r = 0; r < tile.rows; ++r) {
+    const std::int64_t token = tile.q_first + r * tile.q_step;
+    const std::int64_t begin = std::max<std::int64_t>(lo[r] - hull.begin, 0), end = std::max(hi[r] - hull.begin, begin);
+    float* p_row = probs + r * ld;
+    float* g_row = grads + r * ld;
+    const float shift = g.lse[token], dot = g.delta[token];
+#pragma omp simd
+    for (std::int64_t j = begin; j < end; ++j) {
+      p_row[j] = ops::fast_exp(p_row[j] - shift);
+      g_row[j] = p_row[j] * (g_row[j] - dot);
+    }
+    std::fill(p_row, p_row + begin, 0.0f);
+    std::fill(g_row, g_row + begin, 0.0f);
+    std::fill(p_row + end, p_row + width, 0.0f);
+    std::fill(g_row + end, g_row + width, 0.0f);
+    valid_entries += end - begin;
+  }
+  ops::gemm(true, false, width, d, tile.rows, 1.0f, probs, ld, g.dout + q_offset, ldq, 1.0f, g.dv + k_offset, ldk);
+  ops::gemm(true, false, width, d, tile.rows, scale, grads, ld, g.q + q_offset, ldq, 1.0f, g.dk + k_offset, ldk);
+  ops::gemm(false, false, tile.rows, d, width, scale, grads, ld, g.k + k_offset, ldk, 1.0f, g.dq + q_offset, ldq);
+  return kRecomputedSoftmaxBackwardFlopsPerElement * valid_entries;
+}
+
+std::int64_t attend_backward_flops(std::int64_t rows, const std::int64_t* lo, const std::int64_t* hi, std::int64_t d) {
+  const Hull hull = hull_of(rows, lo, hi);
+  if (hull.width() == 0) return 0;
+  std::int64_t flops = 5 * matmul_flops(rows, hull.width(), d);
+  for (std::int64_t r = 0; r < rows; ++r)
+    if (hi[r] > lo[r]) flops += kRecomputedSoftmaxBackwardFlopsPerElement * (hi[r] - lo[r]);
+  return flops;
 }
 
 }  // namespace xfb::block_sparse

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "lib/core/flop_counter.hpp"
+#include "lib/core/mechanism.hpp"
 #include "lib/core/tensor.hpp"
 
 namespace xfb::block_sparse {
@@ -74,6 +75,9 @@ std::int64_t accumulate(const QueryBlock& queries, const KeyBlock& keys, std::in
 // O_r = A_r / S_r (0 when S_r = 0); out row r at out + r·ld_out, may alias acc with the same
 // stride. Returns the FLOPs it executed (D per row).
 std::int64_t finish(const QueryBlock& queries, std::int64_t d, float* out, std::int64_t ld_out);
+
+// L = M + log S, or −inf when S = 0 (a row that saw nothing).
+float log_sum_exp(float row_max, float row_sum);
 
 // The exact FLOPs of accumulate (gemms included) and finish for the same rows and intervals.
 std::int64_t accumulate_flops(std::int64_t rows, const std::int64_t* lo, const std::int64_t* hi, std::int64_t d,
@@ -149,6 +153,8 @@ struct HeadView {
   const float* v = nullptr;
   float* out = nullptr;
   std::int64_t d = 0;
+  float* lse = nullptr;  // when set, attend() saves each query token's log-sum-exp L = M + log S here
+                         // (indexed by token; −inf for a row that saw nothing): the backward's input
 };
 
 // One task of a single-source plan: query row r is head row q_first + r·q_step, key/value row j
@@ -201,6 +207,133 @@ void run_tiles(std::int64_t heads, std::int64_t tasks, ThreadScratch& scratch, c
     }
   }
   FlopCounter::add(flops);
+}
+
+// ---- Backward (FlashAttention-2 style recomputation) -------------------------------------------
+// The forward saved L_r per query token (HeadView::lse). With δ_r = dO_r·O_r, the backward of one
+// tile recomputes the scores of its hull and accumulates
+//   P = exp(X − L) on each row's interval, 0 elsewhere;  dV[hull] += Pᵀ·dO;  dP = dO·V[hull]ᵀ;
+//   dS = P ⊙ (dP − δ);  dK[hull] += scale·dSᵀ·Q;  dQ += scale·dS·K[hull].
+// When a row's softmax spans several tiles (axial's union of column and row keys), P from the
+// joint L is each tile's share of the one softmax, so the tiles together give the exact gradient.
+// Tiles that write the same dK/dV rows must not run concurrently: the models run one head per task.
+// FLOPs of a tile (attend_backward_flops): 5 gemms of rows × hull width × D, plus
+// kRecomputedSoftmaxBackwardFlopsPerElement per valid entry; begin_head: 2·D per query row (δ).
+
+// The tensors a backward reads and writes, [B, H, N, D] each.
+struct BackwardTensors {
+  const Tensor &q, &k, &v, &out, &dout;
+  Tensor &dq, &dk, &dv;
+};
+
+// One head's tensors for the backward. Query-side rows (q, out, dout, dq, lse, delta) are indexed
+// by query token, key-side rows (k, v, dk, dv) by key row; any may be a same-layout buffer.
+struct HeadGrads {
+  const float *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr, *dout = nullptr;
+  const float* lse = nullptr;  // [query tokens]
+  float* delta = nullptr;      // [query tokens]: δ, written by begin_head
+  float *dq = nullptr, *dk = nullptr, *dv = nullptr;
+  std::int64_t d = 0;
+};
+
+// Per-thread buffers of the backward: the P and dS tiles (kTaskRows × ld, ld ≥ max_cols), the row
+// intervals, and δ of one head (`tokens` floats).
+class BackwardScratch {
+ public:
+  BackwardScratch() = default;
+  BackwardScratch(std::int64_t threads, std::int64_t max_cols, std::int64_t tokens);
+  static std::int64_t tracked_bytes(std::int64_t threads, std::int64_t max_cols, std::int64_t tokens);
+  int threads() const { return threads_; }
+  float* probs(int thread) { return tiles_.data() + thread * 2 * kTaskRows * ld_; }
+  float* grads(int thread) { return probs(thread) + kTaskRows * ld_; }
+  std::int64_t ld() const { return ld_; }
+  float* delta(int thread) { return deltas_.data() + thread * tokens_; }
+  std::int64_t* lo(int thread) { return bounds_.data() + thread * 2 * kTaskRows; }
+  std::int64_t* hi(int thread) { return lo(thread) + kTaskRows; }
+
+ private:
+  int threads_ = 0;
+  std::int64_t ld_ = 0, tokens_ = 0;
+  Tensor tiles_, deltas_;
+  std::vector<std::int64_t> bounds_;
+};
+
+// δ of query rows [0, q_rows) into g.delta; zeroes dq (q_rows rows) and dk, dv (k_rows rows).
+// Returns its FLOPs (2·q_rows·D).
+std::int64_t begin_head(const HeadGrads& g, std::int64_t q_rows, std::int64_t k_rows);
+
+// The backward of one tile whose rows see key rows [lo[r], hi[r]) (Tile addressing as in attend).
+// Returns the elementwise FLOPs (the gemms count themselves).
+std::int64_t attend_backward(const HeadGrads& g, const Tile& tile, const std::int64_t* lo, const std::int64_t* hi,
+                             BackwardScratch& scratch, int thread);
+std::int64_t attend_backward_flops(std::int64_t rows, const std::int64_t* lo, const std::int64_t* hi, std::int64_t d);
+
+// Runs head_task(head, thread) for every head h < heads on scratch.threads() OpenMP threads, one
+// head per task (dynamically scheduled), and adds the returned FLOPs to the counter.
+template <class HeadTask>
+void run_heads(std::int64_t heads, int threads, const HeadTask& head_task) {
+  std::int64_t flops = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) reduction(+ : flops)
+  for (std::int64_t head = 0; head < heads; ++head) flops += head_task(head, omp_get_thread_num());
+  FlopCounter::add(flops);
+}
+
+// The backward of every task's tile of one head (after begin_head). Returns the elementwise FLOPs.
+template <class Plan>
+std::int64_t backward_tiles(const HeadGrads& g, std::int64_t tasks, const Plan& plan, BackwardScratch& scratch,
+                            int thread) {
+  std::int64_t *lo = scratch.lo(thread), *hi = scratch.hi(thread), flops = 0;
+  for (std::int64_t task = 0; task < tasks; ++task) {
+    const Tile tile = plan(task, lo, hi);
+    if (tile.rows > 0) flops += attend_backward(g, tile, lo, hi, scratch, thread);
+  }
+  return flops;
+}
+
+// The training state of a model on these tiles: the log-sum-exp its forward saves ([heads, N]) and
+// the backward's per-thread scratch. Allocated by prepare (prepare_backward); until then
+// saving() leaves views unchanged and the forward saves nothing.
+class TileTraining {
+ public:
+  void prepare(std::int64_t heads, std::int64_t tokens, std::int64_t threads, std::int64_t max_cols);
+  static std::int64_t tracked_bytes(std::int64_t heads, std::int64_t tokens, std::int64_t threads,
+                                    std::int64_t max_cols);
+  // The view with lse at head `head`'s entries of the saved log-sum-exp (when prepared).
+  HeadView saving(HeadView view, std::int64_t head) {
+    if (!lse_.empty()) view.lse = lse_.data() + head * tokens_;
+    return view;
+  }
+  // Head `head`'s HeadGrads of t with the saved log-sum-exp, δ in the thread's scratch.
+  HeadGrads grads(const BackwardTensors& t, std::int64_t head, int thread);
+  BackwardScratch& scratch() { return scratch_; }
+  std::vector<NamedTensor> saved() const { return {{"log_sum_exp", &lse_}}; }
+
+  // The backward of a single-plan model (run_tiles' forward over heads [0, heads) of t): per head,
+  // begin_head over its N query and key rows, then every task's tile.
+  template <class Plan>
+  void run(const BackwardTensors& t, std::int64_t heads, std::int64_t tasks, const Plan& plan) {
+    run_heads(heads, scratch_.threads(), [&](std::int64_t head, int thread) {
+      const HeadGrads g = grads(t, head, thread);
+      return begin_head(g, tokens_, tokens_) + backward_tiles(g, tasks, plan, scratch_, thread);
+    });
+  }
+
+ private:
+  std::int64_t tokens_ = 0;
+  Tensor lse_;
+  BackwardScratch scratch_;
+};
+
+// The exact FLOPs of run_tiles_backward for one head.
+template <class Plan>
+std::int64_t plan_backward_flops(std::int64_t tokens, std::int64_t tasks, std::int64_t d, const Plan& plan) {
+  std::vector<std::int64_t> lo(kTaskRows), hi(kTaskRows);
+  std::int64_t flops = 2 * tokens * d;
+  for (std::int64_t task = 0; task < tasks; ++task) {
+    const Tile tile = plan(task, lo.data(), hi.data());
+    if (tile.rows > 0) flops += attend_backward_flops(tile.rows, lo.data(), hi.data(), d);
+  }
+  return flops;
 }
 
 }  // namespace xfb::block_sparse

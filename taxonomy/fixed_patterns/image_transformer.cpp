@@ -38,13 +38,25 @@ class ImageTransformer final : public Mechanism {
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     bs::run_tiles(
         p_.batch * p_.heads, plan_.blocks.tasks(), scratch_,
-        [&](std::int64_t head) { return bs::head_view(q, k, v, out, head); }, plan_);
+        [&](std::int64_t head) { return training_.saving(bs::head_view(q, k, v, out, head), head); }, plan_);
   }
+
+  void prepare_backward() override {
+    training_.prepare(p_.batch * p_.heads, p_.seq_len, p_.threads, plan_.max_memory());
+  }
+
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    training_.run({q, k, v, out, dout, dq, dk, dv}, p_.batch * p_.heads, plan_.blocks.tasks(), plan_);
+  }
+
+  std::vector<NamedTensor> saved() const override { return training_.saved(); }
 
  private:
   Problem p_;
   Plan plan_;
   bs::ThreadScratch scratch_;
+  bs::TileTraining training_;
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ImageTransformerConfig& c, std::uint64_t) {
@@ -58,6 +70,15 @@ std::int64_t flops(const Problem& p, const ImageTransformerConfig& c) {
 
 std::int64_t workspace(const Problem& p, const ImageTransformerConfig& c) {
   return bs::ThreadScratch::tracked_bytes(p.threads, Plan(p, c).max_memory());
+}
+
+std::int64_t backward_flops(const Problem& p, const ImageTransformerConfig& c) {
+  const Plan plan(p, c);
+  return p.batch * p.heads * bs::plan_backward_flops(p.seq_len, plan.blocks.tasks(), p.head_dim, plan);
+}
+
+std::int64_t backward_workspace(const Problem& p, const ImageTransformerConfig& c) {
+  return bs::TileTraining::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, Plan(p, c).max_memory());
 }
 
 }  // namespace
@@ -76,7 +97,9 @@ Implementation image_transformer_implementation() {
         c.query_block = plan.blocks.block;
         c.memory_flange = plan.flange;
         return c;
-      }});
+      },
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb

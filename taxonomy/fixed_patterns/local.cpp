@@ -8,27 +8,46 @@ namespace {
 
 namespace bs = block_sparse;
 
+// Every query tile attends to its own block.
+struct Plan {
+  bs::BlockTiling tiling;
+  bool causal;
+  Plan(const Problem& p, const LocalConfig& c) : tiling(p.seq_len, c.block), causal(p.causal) {}
+  bs::Tile operator()(std::int64_t task, std::int64_t* lo, std::int64_t* hi) const {
+    return bs::block_tile(tiling, task, causal, lo, hi);
+  }
+};
+
 class Local final : public Mechanism {
  public:
-  Local(const Problem& problem, const LocalConfig& config) : p_(problem), tiling_(problem.seq_len, config.block) {}
+  Local(const Problem& problem, const LocalConfig& config) : p_(problem), plan_(problem, config) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
-    scratch_ = bs::ThreadScratch(p_.threads, tiling_.block);
+    scratch_ = bs::ThreadScratch(p_.threads, plan_.tiling.block);
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     bs::run_tiles(
-        p_.batch * p_.heads, tiling_.tasks(), scratch_,
-        [&](std::int64_t head) { return bs::head_view(q, k, v, out, head); },
-        [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
-          return bs::block_tile(tiling_, task, p_.causal, lo, hi);
-        });
+        p_.batch * p_.heads, plan_.tiling.tasks(), scratch_,
+        [&](std::int64_t head) { return training_.saving(bs::head_view(q, k, v, out, head), head); }, plan_);
   }
+
+  void prepare_backward() override {
+    training_.prepare(p_.batch * p_.heads, p_.seq_len, p_.threads, plan_.tiling.block);
+  }
+
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    training_.run({q, k, v, out, dout, dq, dk, dv}, p_.batch * p_.heads, plan_.tiling.tasks(), plan_);
+  }
+
+  std::vector<NamedTensor> saved() const override { return training_.saved(); }
 
  private:
   Problem p_;
-  bs::BlockTiling tiling_;
+  Plan plan_;
   bs::ThreadScratch scratch_;
+  bs::TileTraining training_;
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const LocalConfig& c, std::uint64_t) {
@@ -36,16 +55,22 @@ std::unique_ptr<Mechanism> create(const Problem& problem, const LocalConfig& c, 
 }
 
 std::int64_t flops(const Problem& p, const LocalConfig& c) {
-  const bs::BlockTiling tiling(p.seq_len, c.block);
-  return p.batch * p.heads *
-         bs::plan_flops(tiling.tasks(), p.head_dim, [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
-           return bs::block_tile(tiling, task, p.causal, lo, hi);
-         });
+  const Plan plan(p, c);
+  return p.batch * p.heads * bs::plan_flops(plan.tiling.tasks(), p.head_dim, plan);
 }
 
 std::int64_t workspace(const Problem& p, const LocalConfig& c) {
   return bs::ThreadScratch::tracked_bytes(p.threads,
                                           bs::BlockTiling(p.seq_len, c.block).block);
+}
+
+std::int64_t backward_flops(const Problem& p, const LocalConfig& c) {
+  const Plan plan(p, c);
+  return p.batch * p.heads * bs::plan_backward_flops(p.seq_len, plan.tiling.tasks(), p.head_dim, plan);
+}
+
+std::int64_t backward_workspace(const Problem& p, const LocalConfig& c) {
+  return bs::TileTraining::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, Plan(p, c).tiling.block);
 }
 
 }  // namespace
@@ -59,7 +84,9 @@ Implementation local_implementation() {
       .resolve = [](const Problem& p, LocalConfig c) {
         c.block = bs::BlockTiling(p.seq_len, c.block).block;
         return c;
-      }});
+      },
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb

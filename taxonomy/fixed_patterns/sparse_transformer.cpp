@@ -84,6 +84,21 @@ struct Layout {
         summaries{p.seq_len, l, c, p.causal} {}
 
   std::int64_t summary_count() const { return fixed && heads_a2 > 0 ? summaries.count() : 0; }
+  bool first_group(std::int64_t head, std::int64_t heads) const { return head % heads < heads_a1; }
+
+  // Runs with_plan(tasks, plan) with the tile plan of the first (A1) or second (A2) head group.
+  template <class WithPlan>
+  auto with_group_plan(bool first, bool causal, const WithPlan& with_plan) const {
+    if (first && fixed)
+      return with_plan(blocks.tasks(), [this, causal](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
+        return bs::block_tile(blocks, task, causal, lo, hi);
+      });
+    if (first) return with_plan(band.tasks(), band);
+    if (fixed) return with_plan(summaries.tasks(), summaries);
+    return with_plan(classes.tasks(), [this, causal](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
+      return bs::class_tile(classes, task, causal, lo, hi);
+    });
+  }
   std::int64_t max_width() const {
     const std::int64_t a1 = fixed ? blocks.block : band.max_width();
     const std::int64_t a2 = heads_a2 == 0 ? 0 : (fixed ? summaries.count() : classes.longest);
@@ -109,10 +124,12 @@ class SparseTransformer final : public Mechanism {
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     const std::int64_t a1 = layout_.heads_a1, a2 = layout_.heads_a2;
     auto first_group = [&](std::int64_t index) {
-      return bs::head_view(q, k, v, out, index / a1 * p_.heads + index % a1);
+      const std::int64_t head = index / a1 * p_.heads + index % a1;
+      return training_.saving(bs::head_view(q, k, v, out, head), head);
     };
     auto second_group = [&](std::int64_t index) {
-      return bs::head_view(q, k, v, out, index / a2 * p_.heads + a1 + index % a2);
+      const std::int64_t head = index / a2 * p_.heads + a1 + index % a2;
+      return training_.saving(bs::head_view(q, k, v, out, head), head);
     };
     const bool causal = p_.causal;
     if (!layout_.fixed) {
@@ -139,7 +156,56 @@ class SparseTransformer final : public Mechanism {
     bs::run_tiles(p_.batch * a2, layout_.summaries.tasks(), scratch_, gathered, layout_.summaries);
   }
 
+  void prepare_backward() override {
+    training_.prepare(p_.batch * p_.heads, p_.seq_len, p_.threads, layout_.max_width());
+    const std::int64_t g = layout_.summary_count();
+    if (g > 0) summary_grads_ = Tensor(Shape{p_.threads, 2, g, p_.head_dim});
+  }
+
+  // Per head: its group's tiles; the fixed pattern's A2 heads accumulate dK, dV of the gathered
+  // summary rows and scatter them back (every other key row of such a head gets no gradient).
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const bs::BackwardTensors t{q, k, v, out, dout, dq, dk, dv};
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, g_rows = layout_.summary_count();
+    bs::run_heads(p_.batch * p_.heads, p_.threads, [&](std::int64_t head, int thread) {
+      bs::HeadGrads g = training_.grads(t, head, thread);
+      const bool first = layout_.first_group(head, p_.heads);
+      const bool gathered = !first && layout_.fixed;
+      if (gathered) {
+        const std::int64_t index = head / p_.heads * layout_.heads_a2 + head % p_.heads - layout_.heads_a1;
+        g.k = summary_keys_.data() + index * g_rows * d;
+        g.v = summary_values_.data() + index * g_rows * d;
+        g.dk = summary_grads_.data() + thread * 2 * g_rows * d;
+        g.dv = g.dk + g_rows * d;
+      }
+      const std::int64_t flops = bs::begin_head(g, n, gathered ? g_rows : n) +
+                                 layout_.with_group_plan(first, p_.causal, [&](std::int64_t tasks, const auto& plan) {
+                                   return bs::backward_tiles(g, tasks, plan, training_.scratch(), thread);
+                                 });
+      if (gathered) scatter_summary_grads(g, dk.data() + head * n * d, dv.data() + head * n * d);
+      return flops;
+    });
+  }
+
+  std::vector<NamedTensor> saved() const override {
+    auto saved = training_.saved();
+    if (!summary_keys_.empty()) saved.insert(saved.end(), {{"summary_keys", &summary_keys_}, {"summary_values", &summary_values_}});
+    return saved;
+  }
+
  private:
+  void scatter_summary_grads(const bs::HeadGrads& g, float* dk, float* dv) const {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    std::fill(dk, dk + n * d, 0.0f);
+    std::fill(dv, dv + n * d, 0.0f);
+    for (std::size_t s = 0; s < summary_index_.size(); ++s) {
+      const std::int64_t row = summary_index_[s];
+      std::copy(g.dk + static_cast<std::int64_t>(s) * d, g.dk + static_cast<std::int64_t>(s + 1) * d, dk + row * d);
+      std::copy(g.dv + static_cast<std::int64_t>(s) * d, g.dv + static_cast<std::int64_t>(s + 1) * d, dv + row * d);
+    }
+  }
+
   void gather_summaries(const Tensor& k, const Tensor& v) {
     const std::int64_t a2 = layout_.heads_a2, g = layout_.summary_count(), d = p_.head_dim, n = p_.seq_len;
 #pragma omp parallel for num_threads(p_.threads) schedule(static)
@@ -156,6 +222,8 @@ class SparseTransformer final : public Mechanism {
   bs::ThreadScratch scratch_;
   std::vector<std::int64_t> summary_index_;
   Tensor summary_keys_, summary_values_;
+  bs::TileTraining training_;
+  Tensor summary_grads_;  // training, fixed pattern: per thread dK, dV of one head's gathered rows
 };
 
 void validate(const Problem&, const SparseTransformerConfig& c) {
@@ -170,21 +238,29 @@ std::unique_ptr<Mechanism> create(const Problem& problem, const SparseTransforme
 
 std::int64_t flops(const Problem& p, const SparseTransformerConfig& c) {
   const Layout layout(p, c);
-  const std::int64_t d = p.head_dim;
-  std::int64_t first = 0, second = 0;
-  if (layout.fixed) {
-    first = bs::plan_flops(layout.blocks.tasks(), d, [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
-      return bs::block_tile(layout.blocks, task, p.causal, lo, hi);
+  auto group = [&](bool first) {
+    return layout.with_group_plan(first, p.causal, [&](std::int64_t tasks, const auto& plan) {
+      return bs::plan_flops(tasks, p.head_dim, plan);
     });
-    if (layout.heads_a2 > 0) second = bs::plan_flops(layout.summaries.tasks(), d, layout.summaries);
-  } else {
-    first = bs::plan_flops(layout.band.tasks(), d, layout.band);
-    if (layout.heads_a2 > 0)
-      second = bs::plan_flops(layout.classes.tasks(), d, [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
-        return bs::class_tile(layout.classes, task, p.causal, lo, hi);
-      });
-  }
-  return p.batch * (layout.heads_a1 * first + layout.heads_a2 * second);
+  };
+  return p.batch * (layout.heads_a1 * group(true) + (layout.heads_a2 > 0 ? layout.heads_a2 * group(false) : 0));
+}
+
+std::int64_t backward_flops(const Problem& p, const SparseTransformerConfig& c) {
+  const Layout layout(p, c);
+  auto group = [&](bool first) {
+    return layout.with_group_plan(first, p.causal, [&](std::int64_t tasks, const auto& plan) {
+      return bs::plan_backward_flops(p.seq_len, tasks, p.head_dim, plan);
+    });
+  };
+  return p.batch * (layout.heads_a1 * group(true) + (layout.heads_a2 > 0 ? layout.heads_a2 * group(false) : 0));
+}
+
+std::int64_t backward_workspace(const Problem& p, const SparseTransformerConfig& c) {
+  const Layout layout(p, c);
+  const std::int64_t summary_grads = p.threads * 2 * layout.summary_count() * p.head_dim;
+  return bs::TileTraining::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, layout.max_width()) +
+         summary_grads * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t workspace(const Problem& p, const SparseTransformerConfig& c) {
@@ -212,7 +288,9 @@ Implementation sparse_transformer_implementation() {
         c.summary = layout.c;
         return c;
       },
-      .validate = validate});
+      .validate = validate,
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb
