@@ -15,6 +15,7 @@
 #include "taxonomy/fixed_patterns/memory_compressed.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
+#include "tests/gradient_check.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -189,6 +190,16 @@ std::set<std::int64_t> random_set(const Tensor& random, std::int64_t h, std::int
   return chosen;
 }
 
+// The pattern of head h given the random blocks the mechanism exposes.
+MaskFn bigbird_mask(const Tensor& random, const BigBirdGeometry& geo, std::int64_t h) {
+  std::vector<std::set<std::int64_t>> chosen;
+  for (std::int64_t qb = 0; qb < geo.blocks; ++qb) chosen.push_back(random_set(random, h, qb));
+  return [geo, chosen](std::int64_t i, std::int64_t j) {
+    const std::int64_t qb = i / geo.block, kb = j / geo.block;
+    return geo.global(qb) || geo.global(kb) || geo.in_window(qb, kb) || chosen[qb].count(kb) > 0;
+  };
+}
+
 void check_bigbird(const Problem& p, const BigBirdCase& c, std::uint64_t seed) {
   const auto in = random_inputs(p, seed);
   const auto params = c.params();
@@ -196,15 +207,19 @@ void check_bigbird(const Problem& p, const BigBirdCase& c, std::uint64_t seed) {
   const Tensor& random = parameter(*ran.mechanism, "random_blocks");
   const BigBirdGeometry geo(p.seq_len, c);
   REQUIRE(random.shape() == Shape{p.heads, geo.blocks, c.random});
-  auto mask_of_head = [&](std::int64_t h) -> MaskFn {
-    std::vector<std::set<std::int64_t>> chosen;
-    for (std::int64_t qb = 0; qb < geo.blocks; ++qb) chosen.push_back(random_set(random, h, qb));
-    return [geo, chosen](std::int64_t i, std::int64_t j) {
-      const std::int64_t qb = i / geo.block, kb = j / geo.block;
-      return geo.global(qb) || geo.global(kb) || geo.in_window(qb, kb) || chosen[qb].count(kb) > 0;
-    };
-  };
-  check_masked(ran.out, in, p, mask_of_head, describe("bigbird", p, params));
+  check_masked(ran.out, in, p, [&](std::int64_t h) { return bigbird_mask(random, geo, h); },
+               describe("bigbird", p, params));
+}
+
+// Gradients against the reference with the pattern of the random blocks the same seed draws.
+void check_bigbird_gradients(const Problem& p, const BigBirdCase& c) {
+  const std::uint64_t seed = 7;
+  const Ran ran = run_model("bigbird", p, random_inputs(p, seed), c.params(), seed);
+  const Tensor& random = parameter(*ran.mechanism, "random_blocks");
+  const BigBirdGeometry geo(p.seq_len, c);
+  check_model_gradients("bigbird", p,
+                        [&](std::int64_t h, std::int64_t i, std::int64_t j) { return bigbird_mask(random, geo, h)(i, j); },
+                        c.params(), seed);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -419,6 +434,15 @@ TEST_SUITE("fixed_memory") {
       const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false};
       check_bigbird(p, BigBirdCase{}, static_cast<std::uint64_t>(n));
     }
+  }
+
+  TEST_CASE("bigbird gradients (random blocks held fixed) against the masked reference") {
+    for (std::int64_t n : {1, 7, 8, 9, 40, 65})
+      for (const BigBirdCase& c : {BigBirdCase{.block = 8, .window = 3, .random = 2, .globals = 2},
+                                   BigBirdCase{.block = 8, .window = 4, .random = 3, .globals = 1},
+                                   BigBirdCase{.block = 8, .window = 3, .random = 0, .globals = 3}})
+        check_bigbird_gradients({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8}, c);
+    check_bigbird_gradients({.batch = 1, .heads = 2, .seq_len = 200, .head_dim = 16}, BigBirdCase{});
   }
 
   TEST_CASE("bigbird: random blocks are distinct full candidates, as many as available, fixed by the seed") {

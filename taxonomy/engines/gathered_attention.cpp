@@ -85,8 +85,7 @@ void copy_rows(const float* src, std::int64_t step, std::int64_t count, std::int
 
 }  // namespace
 
-std::int64_t TileAttention::run(const TilePattern& tile, const float* q, std::int64_t q_ld, const float* k,
-                                const float* v, float* out, std::int64_t out_ld, bool gather) {
+std::int64_t TileAttention::computed_layout(const TilePattern& tile) {
   const auto& runs = tile.runs();
   columns_.resize(runs.size());
   offsets_.resize(runs.size());
@@ -96,23 +95,143 @@ std::int64_t TileAttention::run(const TilePattern& tile, const float* q, std::in
     offsets_[s] = width;
     width += columns_[s].width();
   }
+  return width;
+}
+
+void TileAttention::gather_union(const TilePattern& tile, const float* k, const float* v) {
+  const auto& runs = tile.runs();
+  for (std::size_t s = 0; s < runs.size(); ++s) {
+    copy_rows(first_computed(tile, k, s), runs[s].step, columns_[s].width(), d_, keys_.data() + offsets_[s] * d_);
+    copy_rows(first_computed(tile, v, s), runs[s].step, columns_[s].width(), d_, values_.data() + offsets_[s] * d_);
+  }
+}
+
+// The row's visible spans as score columns (first column, length), in column order.
+void TileAttention::visible_spans(const TilePattern& tile, std::int64_t row) {
+  spans_.clear();
+  for (std::size_t s = 0; s < tile.runs().size(); ++s) {
+    const ColumnRange& seen = tile.visible(row, s);
+    if (seen.width() > 0) spans_.push_back({offsets_[s] + seen.lo - columns_[s].lo, seen.width()});
+  }
+}
+
+std::int64_t TileAttention::run(const TilePattern& tile, const float* q, std::int64_t q_ld, const float* k,
+                                const float* v, float* out, std::int64_t out_ld, bool gather, float* lse,
+                                std::int64_t lse_step) {
+  const std::int64_t width = computed_layout(tile);
   if (width == 0) {
-    for (std::int64_t r = 0; r < tile.rows(); ++r) std::fill_n(out + r * out_ld, d_, 0.0f);
+    for (std::int64_t r = 0; r < tile.rows(); ++r) {
+      std::fill_n(out + r * out_ld, d_, 0.0f);
+      if (lse != nullptr) lse[r * lse_step] = -INFINITY;
+    }
     return 0;
   }
   const std::int64_t ld = ops::padded_ld(width);
   if (tile.rows() * ld > scores_.size() || (gather && width * d_ > keys_.size()))
     throw std::logic_error("TileAttention: tile larger than the buffers sized in prepare");
-  if (gather) {
-    for (std::size_t s = 0; s < runs.size(); ++s) {
-      copy_rows(first_computed(tile, k, s), runs[s].step, columns_[s].width(), d_, keys_.data() + offsets_[s] * d_);
-      copy_rows(first_computed(tile, v, s), runs[s].step, columns_[s].width(), d_, values_.data() + offsets_[s] * d_);
-    }
-  }
+  if (gather) gather_union(tile, k, v);
   scores(tile, q, q_ld, k, width, ld, gather);
-  const std::int64_t flops = softmax_rows(tile, width, ld);
+  const std::int64_t flops = softmax_rows(tile, width, ld, lse, lse_step);
   weighted_values(tile, v, out, out_ld, width, ld, gather);
   return flops;
+}
+
+void TileAttention::enable_backward() {
+  grads_ = Tensor(Shape{scores_.size()});
+  key_grads_ = Tensor(Shape{keys_.size()});
+  value_grads_ = Tensor(Shape{values_.size()});
+}
+
+std::int64_t TileAttention::backward_bytes(std::int64_t score_capacity, std::int64_t gather_capacity, std::int64_t d) {
+  return bytes(score_capacity, gather_capacity, d);
+}
+
+std::int64_t tile_backward_flops(const TilePattern& tile, std::int64_t d, bool gather) {
+  const std::int64_t width = tile.computed_width();
+  if (width == 0) return 0;
+  return 5 * matmul_flops(tile.rows(), width, d) + kRecomputedSoftmaxBackwardFlopsPerElement * tile.visible_entries() +
+         (gather ? 2 * width * d : 0);
+}
+
+std::int64_t TileAttention::backward(const TilePattern& tile, const TileGrads& g, const float* k, const float* v,
+                                     bool gather) {
+  const std::int64_t width = computed_layout(tile), rows = tile.rows(), d = d_;
+  if (width == 0) return 0;
+  const std::int64_t ld = ops::padded_ld(width);
+  if (gather) gather_union(tile, k, v);
+  scores(tile, g.q, g.ld, k, width, ld, gather);  // S, turned into P below
+  // dP = dO·Vᵀ into grads_, turned into dS below.
+  if (gather) {
+    ops::gemm(false, true, rows, width, d, 1.0f, g.dout, g.ld, values_.data(), d, 0.0f, grads_.data(), ld);
+  } else {
+    for (std::size_t s = 0; s < tile.runs().size(); ++s)
+      if (columns_[s].width() > 0)
+        ops::gemm(false, true, rows, columns_[s].width(), d, 1.0f, g.dout, g.ld, first_computed(tile, v, s),
+                  tile.runs()[s].step * d, 0.0f, grads_.data() + offsets_[s], ld);
+  }
+  std::int64_t visible_total = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* p_row = scores_.data() + r * ld;
+    float* g_row = grads_.data() + r * ld;
+    visible_spans(tile, r);
+    const float shift = g.lse[r * g.stats_step], dot = g.delta[r * g.stats_step];
+    std::int64_t next = 0;
+    for (const auto& [begin, length] : spans_) {
+      std::fill(p_row + next, p_row + begin, 0.0f);
+      std::fill(g_row + next, g_row + begin, 0.0f);
+#pragma omp simd
+      for (std::int64_t j = begin; j < begin + length; ++j) {
+        p_row[j] = ops::fast_exp(p_row[j] - shift);
+        g_row[j] = p_row[j] * (g_row[j] - dot);
+      }
+      next = begin + length;
+      visible_total += length;
+    }
+    std::fill(p_row + next, p_row + width, 0.0f);
+    std::fill(g_row + next, g_row + width, 0.0f);
+  }
+  per_run_products(tile, g, k, ld, gather);
+  return kRecomputedSoftmaxBackwardFlopsPerElement * visible_total;
+}
+
+// dV[cols] += Pᵀ·dO, dK[cols] += dSᵀ·Q/√D, dQ += dS·K[cols]/√D: one product each on the gathered
+// union (its dK, dV then added back row by row), else one per run in place.
+void TileAttention::per_run_products(const TilePattern& tile, const TileGrads& g, const float* k, std::int64_t ld,
+                                     bool gather) {
+  const std::int64_t rows = tile.rows(), d = d_;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const auto& runs = tile.runs();
+  if (gather) {
+    std::int64_t width = 0;
+    for (const auto& columns : columns_) width += columns.width();
+    ops::gemm(true, false, width, d, rows, 1.0f, scores_.data(), ld, g.dout, g.ld, 0.0f, value_grads_.data(), d);
+    ops::gemm(true, false, width, d, rows, scale, grads_.data(), ld, g.q, g.ld, 0.0f, key_grads_.data(), d);
+    ops::gemm(false, false, rows, d, width, scale, grads_.data(), ld, keys_.data(), d, 1.0f, g.dq, g.ld);
+    for (std::size_t s = 0; s < runs.size(); ++s)
+      for (std::int64_t c = 0; c < columns_[s].width(); ++c) {
+        const std::int64_t row = runs[s].first + (columns_[s].lo + c) * runs[s].step;
+        const float* dk_src = key_grads_.data() + (offsets_[s] + c) * d;
+        const float* dv_src = value_grads_.data() + (offsets_[s] + c) * d;
+#pragma omp simd
+        for (std::int64_t j = 0; j < d; ++j) {
+          g.dk[row * d + j] += dk_src[j];
+          g.dv[row * d + j] += dv_src[j];
+        }
+      }
+    FlopCounter::add(2 * width * d);
+    return;
+  }
+  for (std::size_t s = 0; s < runs.size(); ++s) {
+    const std::int64_t w = columns_[s].width(), step_ld = runs[s].step * d;
+    if (w == 0) continue;
+    const std::int64_t first_row = runs[s].first + columns_[s].lo * runs[s].step;
+    ops::gemm(true, false, w, d, rows, 1.0f, scores_.data() + offsets_[s], ld, g.dout, g.ld, 1.0f,
+              g.dv + first_row * d, step_ld);
+    ops::gemm(true, false, w, d, rows, scale, grads_.data() + offsets_[s], ld, g.q, g.ld, 1.0f, g.dk + first_row * d,
+              step_ld);
+    ops::gemm(false, false, rows, d, w, scale, grads_.data() + offsets_[s], ld, first_computed(tile, k, s), step_ld,
+              1.0f, g.dq, g.ld);
+  }
 }
 
 const float* TileAttention::first_computed(const TilePattern& tile, const float* base, std::size_t run) const {
@@ -153,17 +272,12 @@ void TileAttention::weighted_values(const TilePattern& tile, const float* v, flo
 }
 
 // Row-wise softmax over the visible score columns; every other computed column becomes 0.
-std::int64_t TileAttention::softmax_rows(const TilePattern& tile, std::int64_t width, std::int64_t ld) {
-  const auto& runs = tile.runs();
+std::int64_t TileAttention::softmax_rows(const TilePattern& tile, std::int64_t width, std::int64_t ld, float* lse,
+                                         std::int64_t lse_step) {
   std::int64_t visible_total = 0;
   for (std::int64_t r = 0; r < tile.rows(); ++r) {
     float* row = scores_.data() + r * ld;
-    // The row's visible spans as score columns [begin, begin + length), in column order.
-    spans_.clear();
-    for (std::size_t s = 0; s < runs.size(); ++s) {
-      const ColumnRange& seen = tile.visible(r, s);
-      if (seen.width() > 0) spans_.push_back({offsets_[s] + seen.lo - columns_[s].lo, seen.width()});
-    }
+    visible_spans(tile, r);
     float peak = -INFINITY;
     for (const auto& [begin, length] : spans_) peak = std::max(peak, span_max(row + begin, length));
     float sum = 0.0f;
@@ -175,6 +289,7 @@ std::int64_t TileAttention::softmax_rows(const TilePattern& tile, std::int64_t w
       visible_total += length;
     }
     std::fill(row + next, row + width, 0.0f);
+    if (lse != nullptr) lse[r * lse_step] = spans_.empty() ? -INFINITY : peak + std::log(sum);
     if (spans_.empty()) continue;
     const float inverse = 1.0f / sum;
     for (const auto& [begin, length] : spans_) scale_span(row + begin, length, inverse);

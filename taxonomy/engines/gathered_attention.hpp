@@ -72,6 +72,31 @@ class TilePattern {
 // Executed FLOPs of TileAttention::run on this tile (formula above).
 std::int64_t tile_flops(const TilePattern& tile, std::int64_t d);
 
+// Backward (FlashAttention-2 style): run() saves each row's log-sum-exp L_r when given `lse`; the
+// backward recomputes the tile's scores and, with δ_r = dO_r·O_r,
+//   P = exp(S − L) on the visible columns, 0 elsewhere;  dV[cols] += Pᵀ·dO;  dP = dO·V[cols]ᵀ;
+//   dS = P ⊙ (dP − δ);  dK[cols] += dSᵀ·Q/√D;  dQ += dS·K[cols]/√D.
+// Gathered tiles accumulate dK, dV of the union rows in contiguous buffers and add them back to
+// their rows. Tiles that write the same key rows must not run concurrently (the models run one head
+// per task). FLOPs (tile_backward_flops): 10·rows·Σ widths·D (five products) +
+// kRecomputedSoftmaxBackwardFlopsPerElement per visible entry, + 2·Σ widths·D when gathered (adding
+// dK and dV back); 0 for a tile that computes nothing.
+std::int64_t tile_backward_flops(const TilePattern& tile, std::int64_t d, bool gather);
+
+// A tile's query-side rows for the backward: row r of q/dout/dq at + r·ld; its L and δ at
+// lse[r·stats_step] and delta[r·stats_step]. dk, dv: the head's [n, D] gradients (the layout of k, v).
+struct TileGrads {
+  const float* q = nullptr;
+  const float* dout = nullptr;
+  float* dq = nullptr;
+  std::int64_t ld = 0;
+  const float* lse = nullptr;
+  const float* delta = nullptr;
+  std::int64_t stats_step = 1;
+  float* dk = nullptr;
+  float* dv = nullptr;
+};
+
 // Per-thread buffers and the kernel. `score_capacity` bounds rows·padded_ld(computed_width) over
 // the tiles this instance will run; `gather_capacity` bounds computed_width of gathered tiles.
 class TileAttention {
@@ -84,19 +109,34 @@ class TileAttention {
 
   // Computes the tile's output rows (out + r·out_ld) from q (q + r·q_ld) and the head's k, v
   // ([n, D], row stride D). Adds gemm FLOPs to FlopCounter itself; returns the softmax FLOPs.
+  // With `lse`, also saves row r's log-sum-exp at lse[r·lse_step] (−inf for a row that sees nothing).
   std::int64_t run(const TilePattern& tile, const float* q, std::int64_t q_ld, const float* k, const float* v,
-                   float* out, std::int64_t out_ld, bool gather);
+                   float* out, std::int64_t out_ld, bool gather, float* lse = nullptr, std::int64_t lse_step = 1);
+
+  // Allocates the backward's buffers (dS tile, gathered dK and dV): bytes() + backward_bytes().
+  void enable_backward();
+  static std::int64_t backward_bytes(std::int64_t score_capacity, std::int64_t gather_capacity, std::int64_t d);
+  // The backward of a tile run() computed (same pattern, inputs and `gather`). Adds gemm FLOPs to
+  // FlopCounter itself; returns the elementwise FLOPs.
+  std::int64_t backward(const TilePattern& tile, const TileGrads& g, const float* k, const float* v, bool gather);
 
  private:
   const float* first_computed(const TilePattern& tile, const float* base, std::size_t run) const;
   void scores(const TilePattern& tile, const float* q, std::int64_t q_ld, const float* k, std::int64_t width,
               std::int64_t ld, bool gather);
-  std::int64_t softmax_rows(const TilePattern& tile, std::int64_t width, std::int64_t ld);
+  std::int64_t softmax_rows(const TilePattern& tile, std::int64_t width, std::int64_t ld, float* lse,
+                            std::int64_t lse_step);
+  std::int64_t computed_layout(const TilePattern& tile);  // fills columns_, offsets_; returns the width
+  void visible_spans(const TilePattern& tile, std::int64_t row);  // fills spans_ for one row
+  void gather_union(const TilePattern& tile, const float* k, const float* v);
+  // C (+)= op(A)·B over each run's computed columns (see backward in the .cpp).
+  void per_run_products(const TilePattern& tile, const TileGrads& g, const float* k, std::int64_t ld, bool gather);
   void weighted_values(const TilePattern& tile, const float* v, float* out, std::int64_t out_ld, std::int64_t width,
                        std::int64_t ld, bool gather);
 
   std::int64_t d_;
   Tensor scores_, keys_, values_;
+  Tensor grads_, key_grads_, value_grads_;  // backward only (enable_backward)
   std::vector<ColumnRange> columns_;   // per run: computed union
   std::vector<std::int64_t> offsets_;  // per run: first score column
   std::vector<std::pair<std::int64_t, std::int64_t>> spans_;  // one row's visible (first column, length)

@@ -7,6 +7,7 @@
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/rng.hpp"
+#include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/gathered_attention.hpp"
 
 namespace xfb {
@@ -118,12 +119,57 @@ class BigBird final : public Mechanism {
         random_of(h, qb, chosen);
         plan_block(layout_, qb, chosen, tile);
         const std::int64_t offset = layout_.begin(qb) * d;
+        float* lse = lse_.empty() ? nullptr : lse_.data() + (b * p_.heads + h) * p_.seq_len + layout_.begin(qb);
         softmax_flops += kernel.run(tile, q.head(b, h) + offset, d, k.head(b, h), v.head(b, h), out.head(b, h) + offset,
-                                    d, !layout_.global(qb));
+                                    d, !layout_.global(qb), lse);
       }
     }
     FlopCounter::add(softmax_flops);
   }
+
+  void prepare_backward() override {
+    for (auto& kernel : kernels_) kernel.enable_backward();
+    lse_ = Tensor(Shape{p_.batch * p_.heads, p_.seq_len});
+    deltas_ = Tensor(Shape{p_.threads, p_.seq_len});
+  }
+
+  // One head per task (its query blocks write overlapping dK, dV rows); random blocks held fixed.
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    block_sparse::run_heads(p_.batch * p_.heads, p_.threads, [&](std::int64_t head, int thread) {
+      const std::int64_t offset = head * n * d, h = head % p_.heads;
+      float* delta = deltas_.data() + thread * n;
+      std::int64_t flops = block_sparse::begin_head({.out = out.data() + offset,
+                                                     .dout = dout.data() + offset,
+                                                     .delta = delta,
+                                                     .dq = dq.data() + offset,
+                                                     .dk = dk.data() + offset,
+                                                     .dv = dv.data() + offset,
+                                                     .d = d},
+                                                    n, n);
+      auto& kernel = kernels_[static_cast<std::size_t>(thread)];
+      TilePattern tile;
+      std::vector<std::int64_t> chosen;
+      for (std::int64_t qb = 0; qb < layout_.blocks; ++qb) {
+        random_of(h, qb, chosen);
+        plan_block(layout_, qb, chosen, tile);
+        const std::int64_t first = layout_.begin(qb);
+        const fixed::TileGrads g{.q = q.data() + offset + first * d,
+                                 .dout = dout.data() + offset + first * d,
+                                 .dq = dq.data() + offset + first * d,
+                                 .ld = d,
+                                 .lse = lse_.data() + head * n + first,
+                                 .delta = delta + first,
+                                 .dk = dk.data() + offset,
+                                 .dv = dv.data() + offset};
+        flops += kernel.backward(tile, g, k.data() + offset, v.data() + offset, !layout_.global(qb));
+      }
+      return flops;
+    });
+  }
+
+  std::vector<NamedTensor> saved() const override { return {{"log_sum_exp", &lse_}}; }
 
   std::vector<NamedTensor> parameters() const override { return {{"random_blocks", &random_}}; }
 
@@ -164,6 +210,7 @@ class BigBird final : public Mechanism {
   std::uint64_t seed_;
   Tensor random_;
   std::vector<TileAttention> kernels_;
+  Tensor lse_, deltas_;  // training only
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const BigBirdConfig& c, std::uint64_t seed) {
@@ -188,6 +235,24 @@ std::int64_t workspace(const Problem& p, const BigBirdConfig& c) {
          p.threads * TileAttention::bytes(sizes.scores, sizes.gathered, p.head_dim);
 }
 
+std::int64_t backward_flops(const Problem& p, const BigBirdConfig& c) {
+  const BlockLayout layout(p, c);
+  TilePattern tile;
+  std::int64_t per_head = 2 * p.seq_len * p.head_dim;  // δ
+  for (std::int64_t qb = 0; qb < layout.blocks; ++qb) {
+    plan_block(layout, qb, any_draw(layout, qb), tile);
+    per_head += fixed::tile_backward_flops(tile, p.head_dim, !layout.global(qb));
+  }
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t backward_workspace(const Problem& p, const BigBirdConfig& c) {
+  const auto sizes = tile_sizes(BlockLayout(p, c));
+  const std::int64_t floats = p.batch * p.heads * p.seq_len + p.threads * p.seq_len;
+  return floats * static_cast<std::int64_t>(sizeof(float)) +
+         p.threads * TileAttention::backward_bytes(sizes.scores, sizes.gathered, p.head_dim);
+}
+
 }  // namespace
 
 Implementation bigbird_implementation() {
@@ -200,7 +265,9 @@ Implementation bigbird_implementation() {
                            "global blocks g: first ceil(g/2) and last floor(g/2)")},
       .create = create,
       .flops = flops,
-      .workspace = workspace});
+      .workspace = workspace,
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb
