@@ -421,6 +421,22 @@ TEST_SUITE("fixed_memory") {
     for (std::int64_t n : {1, 84, 85, 229, 230, 231, 400, 500}) check(n, 230, 84, {});
   }
 
+  TEST_CASE("etc gradients against the global-local mask, at/±1 of the radius, the global count and the tile") {
+    auto check = [](std::int64_t n, std::int64_t globals, std::int64_t radius, std::vector<std::string> extra) {
+      std::vector<std::string> params{"globals=" + std::to_string(globals), "radius=" + std::to_string(radius)};
+      params.insert(params.end(), extra.begin(), extra.end());
+      check_model_gradients("etc", {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8},
+                            [=](std::int64_t, std::int64_t i, std::int64_t j) {
+                              return i < globals || j < globals || std::abs(i - j) <= radius;
+                            },
+                            params);
+    };
+    for (std::int64_t n : {1, 4, 5, 9, 20})
+      for (std::int64_t globals : {0, 2, 5})
+        for (std::int64_t radius : {0, 3}) check(n, globals, radius, {"tile=4"});
+    for (std::int64_t n : {84, 85, 231, 300}) check(n, 230, 84, {});
+  }
+
   TEST_CASE("bigbird: block-sparse pattern with the exposed random blocks, at/±1 of block multiples") {
     for (std::int64_t n : {1, 7, 8, 9, 40, 63, 64, 65, 100})
       for (const BigBirdCase& c : {BigBirdCase{.block = 8, .window = 3, .random = 2, .globals = 2},

@@ -47,6 +47,22 @@ void plan_window_global(const WindowGlobalShape& shape, const WindowGlobalTask& 
 inline std::int64_t first_row(const WindowGlobalTask& t) { return t.global ? t.start : t.residue + t.dilation * t.start; }
 inline std::int64_t row_step(const WindowGlobalTask& t) { return t.global ? 1 : t.dilation; }
 
+// Tasks of head h are [ranges[h], ranges[h + 1]) of window_global_tasks' list (heads in order).
+std::vector<std::size_t> task_ranges_by_head(const std::vector<WindowGlobalTask>& tasks, std::int64_t heads);
+
+// A task's query-side rows in one head's [N, D] tensors and [N] statistics, for
+// TileAttention::backward; dk, dv: the head's gradients.
+struct HeadRows {
+  const float* q;
+  const float* dout;
+  float* dq;
+  const float* lse;
+  const float* delta;
+  float* dk;
+  float* dv;
+};
+TileGrads task_grads(const WindowGlobalTask& task, const HeadRows& head, std::int64_t d);
+
 // Largest TileAttention::score_floats over the tasks.
 std::int64_t window_global_score_floats(const WindowGlobalShape& shape, const std::vector<WindowGlobalTask>& tasks);
 
