@@ -138,4 +138,72 @@ double check_model_gradients(const std::string& model, const Problem& p, const H
   return worst;
 }
 
+namespace {
+
+std::vector<double> widen(const Tensor& t) { return std::vector<double>(t.data(), t.data() + t.size()); }
+
+double largest(const Tensor& t) {
+  double most = 0;
+  for (float x : t.values()) most = std::max(most, std::fabs(static_cast<double>(x)));
+  return most;
+}
+
+}  // namespace
+
+void check_composite_gradients(const std::string& model, const Problem& p, const std::vector<std::string>& params,
+                               const ModelReference& reference, bool every_element, std::uint64_t seed) {
+  const auto in = random_inputs(p, seed);
+  const Tensor dout = random_like(p, seed, "dout");
+  const BackwardRun run = run_backward(model, p, in, dout, params, seed);
+  NamedValues inputs{{"q", widen(in.q)}, {"k", widen(in.k)}, {"v", widen(in.v)}};
+  std::map<std::string, const Tensor*> grads{{"q", &run.dq}, {"k", &run.dk}, {"v", &run.dv}};
+  for (const auto& parameter : run.mechanism->parameters())
+    for (const auto& gradient : run.mechanism->parameter_gradients())
+      if (gradient.name == "d" + parameter.name) {
+        inputs[parameter.name] = widen(*parameter.tensor);
+        grads[parameter.name] = gradient.tensor;
+      }
+  const double step = 1e-5;
+  auto objective = [&](const NamedValues& x) {
+    const auto out = reference(x);
+    double sum = 0;
+    for (std::int64_t e = 0; e < dout.size(); ++e) sum += dout[e] * out[static_cast<std::size_t>(e)];
+    return sum;
+  };
+  std::map<std::string, double> tolerance;
+  const double size_factor = std::log2(static_cast<double>(std::max<std::int64_t>(p.seq_len, 2))) + p.head_dim;
+  for (const auto& [name, grad] : grads) tolerance[name] = 64 * kFloatEps * size_factor * largest(*grad);
+  std::ostringstream label;
+  label << model << " N=" << p.seq_len << " D=" << p.head_dim << (p.causal ? " causal" : "");
+  for (const auto& param : params) label << " " << param;
+  if (every_element)
+    for (const auto& [name, grad] : grads)
+      for (std::int64_t e = 0; e < grad->size(); ++e) {
+        NamedValues x = inputs;
+        x[name][static_cast<std::size_t>(e)] += step;
+        const double up = objective(x);
+        x[name][static_cast<std::size_t>(e)] -= 2 * step;
+        const double numeric = (up - objective(x)) / (2 * step);
+        CHECK_MESSAGE(std::fabs((*grad)[e] - numeric) <= tolerance[name] + 1e-6 * (1 + std::fabs(numeric)),
+                      label.str() << " d" << name << "[" << e << "]: got " << (*grad)[e] << ", difference quotient "
+                                  << numeric << " (tolerance " << tolerance[name] << ")");
+      }
+  NamedValues up = inputs, down = inputs;
+  double analytic = 0, bound = 0;
+  for (const auto& [name, grad] : grads) {
+    const CounterRng rng(11, "direction/" + name);
+    for (std::int64_t e = 0; e < grad->size(); ++e) {
+      const double direction = rng.normal(static_cast<std::uint64_t>(e));
+      up[name][static_cast<std::size_t>(e)] += step * direction;
+      down[name][static_cast<std::size_t>(e)] -= step * direction;
+      analytic += (*grad)[e] * direction;
+      bound += tolerance[name] * std::fabs(direction);
+    }
+  }
+  const double numeric = (objective(up) - objective(down)) / (2 * step);
+  CHECK_MESSAGE(std::fabs(analytic - numeric) <= bound + 1e-6 * (1 + std::fabs(numeric)),
+                label.str() << ": ⟨∇, δ⟩ = " << analytic << ", difference quotient " << numeric << " (tolerance "
+                            << bound << ")");
+}
+
 }  // namespace xfb::test

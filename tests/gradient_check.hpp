@@ -4,6 +4,8 @@
 // the directional derivative ⟨dO, J·δ⟩ (central differences of the reference) = ⟨Jᵀ·dO, δ⟩.
 #include <doctest/doctest.h>
 
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -39,5 +41,18 @@ void check_directional_derivative(const BackwardRun& run, const AttentionInputs&
 // Both checks on seeded inputs and dO; returns check_gradients' largest ratio.
 double check_model_gradients(const std::string& model, const Problem& p, const HeadMask& allowed,
                            const std::vector<std::string>& params = {}, std::uint64_t seed = 7);
+
+// Named double-precision inputs of a whole model: "q", "k", "v" ([B, H, N, D]) and parameters.
+using NamedValues = std::map<std::string, std::vector<double>>;
+// The model's output [B, H, N, D] in double, from the named inputs.
+using ModelReference = std::function<std::vector<double>(const NamedValues& inputs)>;
+
+// For models whose forward is more than masked attention (learned projections, compressions): the
+// gradients of q, k, v and of every parameter with a gradient ("d<name>") against central
+// differences of ⟨dO, reference⟩. With `every_element` (tiny problems) each element, and always the
+// directional derivative along a seeded random direction. An element may be off by
+// 64·eps·(log2 N + D)·(largest |gradient| of its tensor), plus the difference quotient's own error.
+void check_composite_gradients(const std::string& model, const Problem& p, const std::vector<std::string>& params,
+                               const ModelReference& reference, bool every_element, std::uint64_t seed = 7);
 
 }  // namespace xfb::test

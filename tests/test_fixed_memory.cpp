@@ -145,6 +145,41 @@ void check_longformer_globals(const Ran& ran, const AttentionInputs& in, const P
     }
 }
 
+// y = x·w for x [n, d] and w [d, d], all in double.
+std::vector<double> project(const double* x, const double* w, std::int64_t n, std::int64_t d) {
+  std::vector<double> y(static_cast<std::size_t>(n * d), 0.0);
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t c = 0; c < d; ++c)
+      for (std::int64_t o = 0; o < d; ++o) y[i * d + o] += x[i * d + c] * w[c * d + o];
+  return y;
+}
+
+// The whole longformer forward in double, from q, k, v and the global projections.
+ModelReference longformer_reference(const Problem& p, const LongformerCase& c) {
+  return [p, c](const NamedValues& x) {
+    const std::int64_t n = p.seq_len, d = p.head_dim, g = std::min(c.globals, n);
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    std::vector<double> out(static_cast<std::size_t>(p.batch * p.heads * n * d));
+    for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
+      const std::int64_t h = head % p.heads, dilation = h >= p.heads - c.dilated_heads ? c.dilation : 1;
+      const double *q = x.at("q").data() + head * n * d, *k = x.at("k").data() + head * n * d,
+                   *v = x.at("v").data() + head * n * d;
+      auto window = reference_attention(q, k, v, n, n, d, scale, longformer_window_mask(c.window, dilation, g, p.causal));
+      if (g > 0) {
+        const auto qg = project(q, x.at("global_wq").data() + h * d * d, g, d);
+        const auto kg = project(k, x.at("global_wk").data() + h * d * d, n, d);
+        const auto vg = project(v, x.at("global_wv").data() + h * d * d, n, d);
+        const bool causal = p.causal;
+        const auto global = reference_attention(qg.data(), kg.data(), vg.data(), g, n, d, scale,
+                                                [=](std::int64_t i, std::int64_t j) { return !causal || j <= i; });
+        std::copy(global.begin(), global.end(), window.begin());
+      }
+      std::copy(window.begin(), window.end(), out.begin() + head * n * d);
+    }
+    return out;
+  };
+}
+
 void check_longformer(const Problem& p, const LongformerCase& c, std::uint64_t seed) {
   const auto in = random_inputs(p, seed);
   const auto params = c.params();
@@ -396,6 +431,21 @@ TEST_SUITE("fixed_memory") {
     const Problem p{.batch = 1, .heads = 3, .seq_len = 700, .head_dim = 16, .causal = true};
     check_longformer(p, LongformerCase{.dilation = 2, .globals = 70, .extra = {}}, 9);
     check_longformer(p, LongformerCase{.window = 0, .globals = 2, .extra = {}}, 10);
+  }
+
+  TEST_CASE("longformer gradients of q, k, v and the global projections (central differences of the whole model)") {
+    for (bool causal : {false, true}) {
+      // Tiny: every element; window, dilation, globals and tile each cut at a non-multiple.
+      const LongformerCase tiny{.window = 4, .dilation = 2, .dilated_heads = 1, .globals = 2, .extra = {"tile=4"}};
+      for (std::int64_t n : {1, 5, 9}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = causal};
+        check_composite_gradients("longformer", p, tiny.params(), longformer_reference(p, tiny), true);
+      }
+      // Larger: the directional derivative only.
+      const LongformerCase c{.window = 16, .dilation = 3, .dilated_heads = 1, .globals = 3, .extra = {"tile=8"}};
+      const Problem p{.batch = 2, .heads = 2, .seq_len = 70, .head_dim = 8, .causal = causal};
+      check_composite_gradients("longformer", p, c.params(), longformer_reference(p, c), false);
+    }
   }
 
   TEST_CASE("longformer: more globals than tokens makes every row global") {

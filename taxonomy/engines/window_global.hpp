@@ -57,7 +57,7 @@ struct HeadRows {
   const float* dout;
   float* dq;
   const float* lse;
-  const float* delta;
+  float* delta;  // δ of the head's rows (a model may overwrite its global rows')
   float* dk;
   float* dv;
 };

@@ -9,6 +9,7 @@
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
+#include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/gathered_attention.hpp"
 #include "taxonomy/engines/window_global.hpp"
 
@@ -74,29 +75,118 @@ class Longformer final : public Mechanism {
     return {{"global_wq", &wq_}, {"global_wk", &wk_}, {"global_wv", &wv_}};
   }
 
+  void prepare_backward() override {
+    const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+    for (auto& kernel : kernels_) kernel.enable_backward();
+    lse_ = Tensor(Shape{heads, n});
+    global_saved_ = Tensor(Shape{heads, 3, shape_.globals, d});
+    deltas_ = Tensor(Shape{p_.threads, n});
+    projection_grads_ = Tensor(Shape{p_.threads, 3, tile_rows_, d});
+    for (Tensor* grad : {&dwq_, &dwk_, &dwv_}) *grad = Tensor(Shape{p_.heads, d, d});
+    ranges_ = fixed::task_ranges_by_head(tasks_, p_.heads);
+  }
+
+  // One task per head index h (its batch entries in turn): the projection gradients of head h sum
+  // over the batch, and a head's tiles write overlapping dK, dV rows.
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    block_sparse::run_heads(p_.heads, p_.threads, [&](std::int64_t h, int thread) {
+      for (Tensor* grad : {&dwq_, &dwk_, &dwv_}) std::fill_n(grad->data() + h * d * d, d * d, 0.0f);
+      std::int64_t flops = 0;
+      for (std::int64_t b = 0; b < p_.batch; ++b) {
+        const std::int64_t head = b * p_.heads + h, offset = head * n * d;
+        float* delta = deltas_.data() + thread * n;
+        const fixed::HeadRows rows{q.data() + offset, dout.data() + offset, dq.data() + offset, lse_.data() + head * n,
+                                   delta, dk.data() + offset, dv.data() + offset};
+        flops += block_sparse::begin_head({.out = out.data() + offset, .dout = rows.dout, .delta = delta,
+                                           .dq = rows.dq, .dk = rows.dk, .dv = rows.dv, .d = d},
+                                          n, n);
+        TilePattern tile;
+        for (std::size_t t = ranges_[static_cast<std::size_t>(h)]; t < ranges_[static_cast<std::size_t>(h + 1)]; ++t) {
+          const WindowGlobalTask& task = tasks_[t];
+          fixed::plan_window_global(shape_, task, tile);
+          flops += task.global ? global_backward(task, tile, rows, k.data() + offset, v.data() + offset, head, thread)
+                               : kernels_[static_cast<std::size_t>(thread)].backward(
+                                     tile, fixed::task_grads(task, rows, d), k.data() + offset, v.data() + offset, false);
+        }
+      }
+      return flops;
+    });
+  }
+
+  std::vector<NamedTensor> saved() const override {
+    return {{"log_sum_exp", &lse_}, {"global_projections", &global_saved_}};
+  }
+  std::vector<NamedTensor> parameter_gradients() const override {
+    return {{"dglobal_wq", &dwq_}, {"dglobal_wk", &dwk_}, {"dglobal_wv", &dwv_}};
+  }
+
  private:
   std::int64_t window_tile(const WindowGlobalTask& task, const TilePattern& tile, const Tensor& q, const Tensor& k,
                            const Tensor& v, Tensor& out, std::int64_t b, int thread) {
     const std::int64_t d = p_.head_dim, offset = fixed::first_row(task) * d, ld = fixed::row_step(task) * d;
     return kernels_[static_cast<std::size_t>(thread)].run(tile, q.head(b, task.head) + offset, ld, k.head(b, task.head),
                                                           v.head(b, task.head), out.head(b, task.head) + offset, ld,
-                                                          false);
+                                                          false, lse_at(b, task), fixed::row_step(task));
+  }
+
+  float* lse_at(std::int64_t b, const WindowGlobalTask& task) {
+    return lse_.empty() ? nullptr : lse_.data() + (b * p_.heads + task.head) * p_.seq_len + fixed::first_row(task);
+  }
+
+  // The backward of a global tile (saved: P1 = q·Wq, q̃ = P1·Wkᵀ, A = the attention's output):
+  //   dA = dO·Wvᵀ, dWv += Aᵀ·dO; δ = dA·A; attention backward of q̃ → dq̃ (and dK, dV);
+  //   dP1 = dq̃·Wk, dWk += dq̃ᵀ·P1; dq = dP1·Wqᵀ, dWq += qᵀ·dP1. Returns the elementwise FLOPs.
+  std::int64_t global_backward(const WindowGlobalTask& task, const TilePattern& tile, const fixed::HeadRows& rows,
+                               const float* k, const float* v, std::int64_t head, int thread) {
+    const std::int64_t d = p_.head_dim, r = task.rows, h = task.head, first = task.start * d;
+    const std::int64_t g = shape_.globals;
+    const float* projected = global_saved_.data() + (head * 3 * g + task.start) * d;
+    const float* query = projected + g * d;
+    const float* attended = query + g * d;
+    float* d_attended = projection_grads_.data() + thread * 3 * tile_rows_ * d;
+    float* d_query = d_attended + tile_rows_ * d;
+    float* d_projected = d_query + tile_rows_ * d;
+    const float *wq = wq_.data() + h * d * d, *wk = wk_.data() + h * d * d, *wv = wv_.data() + h * d * d;
+    ops::gemm(false, true, r, d, d, 1.0f, rows.dout + first, d, wv, d, 0.0f, d_attended, d);
+    ops::gemm(true, false, d, d, r, 1.0f, attended, d, rows.dout + first, d, 1.0f, dwv_.data() + h * d * d, d);
+    float* delta = rows.delta + task.start;
+    for (std::int64_t i = 0; i < r; ++i) {
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (std::int64_t c = 0; c < d; ++c) dot += d_attended[i * d + c] * attended[i * d + c];
+      delta[i] = dot;
+    }
+    std::fill_n(d_query, r * d, 0.0f);
+    const fixed::TileGrads grads{.q = query, .dout = d_attended, .dq = d_query, .ld = d, .lse = rows.lse + task.start,
+                                 .delta = delta, .dk = rows.dk, .dv = rows.dv};
+    const std::int64_t flops = kernels_[static_cast<std::size_t>(thread)].backward(tile, grads, k, v, false);
+    ops::gemm(false, false, r, d, d, 1.0f, d_query, d, wk, d, 0.0f, d_projected, d);
+    ops::gemm(true, false, d, d, r, 1.0f, d_query, d, projected, d, 1.0f, dwk_.data() + h * d * d, d);
+    ops::gemm(false, true, r, d, d, 1.0f, d_projected, d, wq, d, 0.0f, rows.dq + first, d);
+    ops::gemm(true, false, d, d, r, 1.0f, rows.q + first, d, d_projected, d, 1.0f, dwq_.data() + h * d * d, d);
+    return flops + 2 * r * d;
   }
 
   // Global rows: q̃ = (q·Wq)·Wkᵀ attends the plain keys/values, then the result is multiplied by Wv.
+  // A training forward keeps P1 = q·Wq, q̃ and the attention's output for the backward.
   std::int64_t global_tile(const WindowGlobalTask& task, const TilePattern& tile, const Tensor& q, const Tensor& k,
                            const Tensor& v, Tensor& out, std::int64_t b, int thread) {
     const std::int64_t d = p_.head_dim, rows = task.rows, h = task.head;
-    float* projected = projections_.data() + thread * 3 * tile_rows_ * d;
-    float* query = projected + tile_rows_ * d;
-    float* attended = query + tile_rows_ * d;
+    const bool training = !global_saved_.empty();
+    const std::int64_t g = shape_.globals, slot = training ? g : tile_rows_;
+    float* projected = training ? global_saved_.data() + ((b * p_.heads + h) * 3 * g + task.start) * d
+                                : projections_.data() + thread * 3 * tile_rows_ * d;
+    float* query = projected + slot * d;
+    float* attended = query + slot * d;
     const float* wq = wq_.data() + h * d * d;
     const float* wk = wk_.data() + h * d * d;
     const float* wv = wv_.data() + h * d * d;
     ops::gemm(false, false, rows, d, d, 1.0f, q.head(b, h) + task.start * d, d, wq, d, 0.0f, projected, d);
     ops::gemm(false, true, rows, d, d, 1.0f, projected, d, wk, d, 0.0f, query, d);
     const std::int64_t flops = kernels_[static_cast<std::size_t>(thread)].run(tile, query, d, k.head(b, h), v.head(b, h),
-                                                                              attended, d, false);
+                                                                              attended, d, false, lse_at(b, task));
     ops::gemm(false, false, rows, d, d, 1.0f, attended, d, wv, d, 0.0f, out.head(b, h) + task.start * d, d);
     return flops;
   }
@@ -108,6 +198,9 @@ class Longformer final : public Mechanism {
   std::uint64_t seed_;
   Tensor wq_, wk_, wv_, projections_;
   std::vector<TileAttention> kernels_;
+  // Training only (prepare_backward).
+  Tensor lse_, global_saved_, deltas_, projection_grads_, dwq_, dwk_, dwv_;
+  std::vector<std::size_t> ranges_;
 };
 
 void validate(const Problem&, const LongformerConfig& c) {
@@ -139,6 +232,28 @@ std::int64_t workspace(const Problem& p, const LongformerConfig& c) {
   return floats * static_cast<std::int64_t>(sizeof(float)) + threads * TileAttention::bytes(scores, 0, p.head_dim);
 }
 
+std::int64_t backward_flops(const Problem& p, const LongformerConfig& c) {
+  const auto shape = shape_of(p, c);
+  const std::int64_t d = p.head_dim;
+  TilePattern tile;
+  std::int64_t total = 2 * p.heads * p.seq_len * d;  // δ of every row
+  for (const auto& task : fixed::window_global_tasks(shape, head_dilations(p, c))) {
+    fixed::plan_window_global(shape, task, tile);
+    total += fixed::tile_backward_flops(tile, d, false);
+    if (task.global) total += 6 * matmul_flops(task.rows, d, d) + 2 * task.rows * d;  // projections, global δ
+  }
+  return p.batch * total;
+}
+
+std::int64_t backward_workspace(const Problem& p, const LongformerConfig& c) {
+  const auto shape = shape_of(p, c);
+  const std::int64_t heads = p.batch * p.heads, d = p.head_dim, threads = p.threads;
+  const std::int64_t scores = fixed::window_global_score_floats(shape, fixed::window_global_tasks(shape, head_dilations(p, c)));
+  const std::int64_t floats = heads * p.seq_len + heads * 3 * shape.globals * d + threads * p.seq_len +
+                              threads * 3 * c.tile * d + 3 * p.heads * d * d;
+  return floats * static_cast<std::int64_t>(sizeof(float)) + threads * TileAttention::backward_bytes(scores, 0, d);
+}
+
 }  // namespace
 
 Implementation longformer_implementation() {
@@ -157,7 +272,9 @@ Implementation longformer_implementation() {
         c.globals = std::min(c.globals, p.seq_len);
         return c;
       },
-      .validate = validate});
+      .validate = validate,
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb
