@@ -287,6 +287,42 @@ std::vector<double> convolve(const float* x, const float* w, std::int64_t n, std
   return y;
 }
 
+// The whole memory-compressed forward in double, from q, k, v and the convolution weights.
+ModelReference memory_compressed_reference(const Problem& p, std::int64_t local_heads, std::int64_t block,
+                                           std::int64_t c) {
+  return [=](const NamedValues& x) {
+    const std::int64_t n = p.seq_len, d = p.head_dim, slots = (n + c - 1) / c;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    std::vector<double> out(static_cast<std::size_t>(p.batch * p.heads * n * d));
+    for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
+      const std::int64_t h = head % p.heads;
+      const double *q = x.at("q").data() + head * n * d, *k = x.at("k").data() + head * n * d,
+                   *v = x.at("v").data() + head * n * d;
+      std::vector<double> result;
+      if (h < local_heads) {
+        result = reference_attention(q, k, v, n, n, d, scale, [=](std::int64_t i, std::int64_t j) {
+          return i / block == j / block && (!p.causal || j <= i);
+        });
+      } else {
+        auto convolve = [&](const double* rows, const std::vector<double>& w) {
+          std::vector<double> y(static_cast<std::size_t>(slots * d), 0.0);
+          const double* wh = w.data() + (h - local_heads) * d * d * c;
+          for (std::int64_t t = 0; t < slots; ++t)
+            for (std::int64_t o = 0; o < d; ++o)
+              for (std::int64_t u = 0; u < c && c * t + u < n; ++u)
+                for (std::int64_t i = 0; i < d; ++i) y[t * d + o] += wh[(o * d + i) * c + u] * rows[(c * t + u) * d + i];
+          return y;
+        };
+        const auto keys = convolve(k, x.at("compress_wk")), values = convolve(v, x.at("compress_wv"));
+        result = reference_attention(q, keys.data(), values.data(), n, slots, d, scale,
+                                     [=](std::int64_t i, std::int64_t t) { return !p.causal || c * t + c - 1 <= i; });
+      }
+      std::copy(result.begin(), result.end(), out.begin() + head * n * d);
+    }
+    return out;
+  };
+}
+
 struct MemoryCompressedCase {
   std::string mode = "split";
   std::int64_t block = 256, compression = 3;
@@ -544,6 +580,19 @@ TEST_SUITE("fixed_memory") {
             CHECK(geo.full(kb));
           }
         }
+    }
+  }
+
+  TEST_CASE("memory-compressed gradients of q, k, v and the convolution weights (central differences)") {
+    for (bool causal : {false, true}) {
+      for (std::int64_t n : {1, 3, 4, 5, 7}) {  // every element: stride 3 at/±1, a partial last window
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 3, .causal = causal};
+        check_composite_gradients("memory-compressed", p, {"block=4", "compression=3", "tile=2"},
+                                  memory_compressed_reference(p, 1, 4, 3), true);
+      }
+      const Problem p{.batch = 2, .heads = 3, .seq_len = 50, .head_dim = 8, .causal = causal};
+      check_composite_gradients("memory-compressed", p, {"block=16", "compression=4", "tile=8"},
+                                memory_compressed_reference(p, 2, 16, 4), false);
     }
   }
 

@@ -155,6 +155,16 @@ std::int64_t most_score_floats(const std::vector<Task>& tasks, Plan&& plan) {
   return most;
 }
 
+// Tasks of head h are [ranges[h], ranges[h + 1]) of a task list sorted by `head` (heads < `heads`).
+template <typename Task>
+std::vector<std::size_t> task_ranges_by_head(const std::vector<Task>& tasks, std::int64_t heads) {
+  std::vector<std::size_t> ranges(static_cast<std::size_t>(heads + 1), tasks.size());
+  for (std::size_t t = tasks.size(); t-- > 0;) ranges[static_cast<std::size_t>(tasks[t].head)] = t;
+  for (std::int64_t h = heads; h-- > 0;)  // a head without tasks starts where the next one does
+    ranges[static_cast<std::size_t>(h)] = std::min(ranges[static_cast<std::size_t>(h)], ranges[static_cast<std::size_t>(h + 1)]);
+  return ranges;
+}
+
 // Runs tasks of one tile each on kernels.size() OpenMP threads, dynamically scheduled: for every batch entry b
 // and task t, run_task(b, tasks[t], kernel, tile) with the calling thread's kernel and a reused
 // TilePattern. Adds the returned softmax FLOPs (the kernel adds its gemm FLOPs itself) to the

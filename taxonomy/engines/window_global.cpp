@@ -59,14 +59,6 @@ void plan_window_global(const WindowGlobalShape& shape, const WindowGlobalTask& 
     plan_window(shape, task, tile);
 }
 
-std::vector<std::size_t> task_ranges_by_head(const std::vector<WindowGlobalTask>& tasks, std::int64_t heads) {
-  std::vector<std::size_t> ranges(static_cast<std::size_t>(heads + 1), tasks.size());
-  for (std::size_t t = tasks.size(); t-- > 0;) ranges[static_cast<std::size_t>(tasks[t].head)] = t;
-  for (std::int64_t h = heads; h-- > 0;)  // a head without tasks starts where the next one does
-    ranges[static_cast<std::size_t>(h)] = std::min(ranges[static_cast<std::size_t>(h)], ranges[static_cast<std::size_t>(h + 1)]);
-  return ranges;
-}
-
 TileGrads task_grads(const WindowGlobalTask& task, const HeadRows& head, std::int64_t d) {
   const std::int64_t first = first_row(task), step = row_step(task);
   return {.q = head.q + first * d,

@@ -47,9 +47,6 @@ void plan_window_global(const WindowGlobalShape& shape, const WindowGlobalTask& 
 inline std::int64_t first_row(const WindowGlobalTask& t) { return t.global ? t.start : t.residue + t.dilation * t.start; }
 inline std::int64_t row_step(const WindowGlobalTask& t) { return t.global ? 1 : t.dilation; }
 
-// Tasks of head h are [ranges[h], ranges[h + 1]) of window_global_tasks' list (heads in order).
-std::vector<std::size_t> task_ranges_by_head(const std::vector<WindowGlobalTask>& tasks, std::int64_t heads);
-
 // A task's query-side rows in one head's [N, D] tensors and [N] statistics, for
 // TileAttention::backward; dk, dv: the head's gradients.
 struct HeadRows {

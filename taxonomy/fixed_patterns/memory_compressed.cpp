@@ -7,6 +7,7 @@
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
+#include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/gathered_attention.hpp"
 
 namespace xfb {
@@ -101,9 +102,78 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
                             const std::int64_t memory_head = task.head - l_.local_heads;
                             const float* keys = local ? k.head(b, task.head) : memory_k_.head(b, memory_head);
                             const float* values = local ? v.head(b, task.head) : memory_v_.head(b, memory_head);
+                            float* lse = lse_.empty() ? nullptr
+                                                      : lse_.data() + (b * p_.heads + task.head) * p_.seq_len + task.start;
                             return kernel.run(tile, q.head(b, task.head) + task.start * d, d, keys, values,
-                                              out.head(b, task.head) + task.start * d, d, false);
+                                              out.head(b, task.head) + task.start * d, d, false, lse);
                           });
+  }
+
+  void prepare_backward() override {
+    const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression;
+    for (auto& kernel : kernels_) kernel.enable_backward();
+    lse_ = Tensor(Shape{p_.batch * p_.heads, p_.seq_len});
+    deltas_ = Tensor(Shape{p_.threads, p_.seq_len});
+    ranges_ = fixed::task_ranges_by_head(tasks_, p_.heads);
+    if (hc == 0) return;
+    memory_grads_ = Tensor(Shape{p_.threads, 2, l_.slots, d});
+    tail_rows_ = Tensor(Shape{p_.threads, c * d});
+    packed_grads_ = Tensor(Shape{2, hc, c * d, d});
+    dweights_k_ = Tensor(weights_k_.shape());
+    dweights_v_ = Tensor(weights_v_.shape());
+  }
+
+  // One task per head index h (batch entries in turn): the convolution weights' gradients of a
+  // compressed head sum over the batch, and a head's tiles write overlapping dK, dV rows.
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    if (!packed_grads_.empty()) packed_grads_.fill(0.0f);
+    block_sparse::run_heads(p_.heads, p_.threads, [&](std::int64_t h, int thread) {
+      std::int64_t flops = 0;
+      for (std::int64_t b = 0; b < p_.batch; ++b) {
+        const std::int64_t head = b * p_.heads + h, offset = head * n * d;
+        float* delta = deltas_.data() + thread * n;
+        block_sparse::HeadGrads g{.out = out.data() + offset, .dout = dout.data() + offset, .delta = delta,
+                                  .dq = dq.data() + offset, .dk = dk.data() + offset, .dv = dv.data() + offset, .d = d};
+        const bool local = h < l_.local_heads;
+        const float* keys = local ? k.data() + offset : memory_k_.head(b, h - l_.local_heads);
+        const float* values = local ? v.data() + offset : memory_v_.head(b, h - l_.local_heads);
+        float* key_grads = local ? g.dk : memory_grads_.data() + thread * 2 * l_.slots * d;
+        float* value_grads = local ? g.dv : key_grads + l_.slots * d;
+        flops += block_sparse::begin_head(g, n, n);
+        if (!local) std::fill_n(key_grads, 2 * l_.slots * d, 0.0f);
+        TilePattern tile;
+        for (std::size_t t = ranges_[static_cast<std::size_t>(h)]; t < ranges_[static_cast<std::size_t>(h + 1)]; ++t) {
+          const Task& task = tasks_[t];
+          plan(l_, task, tile);
+          const fixed::TileGrads grads{.q = q.data() + offset + task.start * d,
+                                       .dout = g.dout + task.start * d,
+                                       .dq = g.dq + task.start * d,
+                                       .ld = d,
+                                       .lse = lse_.data() + head * n + task.start,
+                                       .delta = delta + task.start,
+                                       .dk = key_grads,
+                                       .dv = value_grads};
+          flops += kernels_[static_cast<std::size_t>(thread)].backward(tile, grads, keys, values, false);
+        }
+        if (!local) {
+          compress_backward(k.data() + offset, key_grads, h - l_.local_heads, 0, g.dk, thread);
+          compress_backward(v.data() + offset, value_grads, h - l_.local_heads, 1, g.dv, thread);
+        }
+      }
+      return flops;
+    });
+    unpack_weight_grads();
+  }
+
+  std::vector<NamedTensor> saved() const override {
+    if (l_.compressed_heads == 0) return {{"log_sum_exp", &lse_}};
+    return {{"log_sum_exp", &lse_}, {"compressed_keys", &memory_k_}, {"compressed_values", &memory_v_}};
+  }
+  std::vector<NamedTensor> parameter_gradients() const override {
+    if (l_.compressed_heads == 0) return {};
+    return {{"dcompress_wk", &dweights_k_}, {"dcompress_wv", &dweights_v_}};
   }
 
   std::vector<NamedTensor> parameters() const override {
@@ -114,6 +184,41 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
   const Tensor& compressed_values() const override { return memory_v_; }
 
  private:
+  // The convolution's backward for one compressed head hc of one batch entry: x [N, D] its input
+  // rows, memory_grads [N_c, D] the gradient of its output. Writes dx [N, D] (every row of a
+  // compressed head is in exactly one window) and adds Xᵀ·d(memory) to the packed weight gradient.
+  void compress_backward(const float* x, const float* memory_grads, std::int64_t hc, int which, float* dx, int thread) {
+    const std::int64_t d = p_.head_dim, c = l_.compression, n = p_.seq_len, full = n / c, rest = n % c;
+    const float* packed = (which == 0 ? packed_k_ : packed_v_).data() + hc * c * d * d;
+    float* packed_grad = packed_grads_.data() + (which * l_.compressed_heads + hc) * c * d * d;
+    if (full > 0) {
+      ops::gemm(false, true, full, c * d, d, 1.0f, memory_grads, d, packed, d, 0.0f, dx, c * d);
+      ops::gemm(true, false, c * d, d, full, 1.0f, x, c * d, memory_grads, d, 1.0f, packed_grad, d);
+    }
+    if (rest > 0) {
+      float* tail = tail_rows_.data() + thread * c * d;
+      ops::gemm(false, true, 1, c * d, d, 1.0f, memory_grads + full * d, d, packed, d, 0.0f, tail, c * d);
+      std::copy_n(tail, rest * d, dx + full * c * d);
+      std::fill_n(tail, c * d, 0.0f);
+      std::copy_n(x + full * c * d, rest * d, tail);  // the zero-padded last window
+      ops::gemm(true, false, c * d, d, 1, 1.0f, tail, c * d, memory_grads + full * d, d, 1.0f, packed_grad, d);
+    }
+  }
+
+  // d weights [H_c, D_out, D_in, c] from the packed gradients [H_c, c·D_in, D_out] (make_weights' layout).
+  void unpack_weight_grads() {
+    const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression;
+    for (int which = 0; which < 2; ++which) {
+      Tensor& grads = which == 0 ? dweights_k_ : dweights_v_;
+      const float* packed = packed_grads_.data() + which * hc * c * d * d;
+      for (std::int64_t h = 0; h < hc; ++h)
+        for (std::int64_t o = 0; o < d; ++o)
+          for (std::int64_t i = 0; i < d; ++i)
+            for (std::int64_t u = 0; u < c; ++u)
+              grads[((h * d + o) * d + i) * c + u] = packed[(h * c * d + u * d + i) * d + o];
+    }
+  }
+
   // weights [H_c, D_out, D_in, c] from the seed; packed [H_c, c·D_in, D_out] with row u·D + i.
   void make_weights(const char* stream, Tensor& weights, Tensor& packed) const {
     const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression;
@@ -154,6 +259,9 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
   std::uint64_t seed_;
   Tensor weights_k_, weights_v_, packed_k_, packed_v_, memory_k_, memory_v_, tail_;
   std::vector<TileAttention> kernels_;
+  // Training only (prepare_backward).
+  Tensor lse_, deltas_, memory_grads_, tail_rows_, packed_grads_, dweights_k_, dweights_v_;
+  std::vector<std::size_t> ranges_;
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const MemoryCompressedConfig& c, std::uint64_t seed) {
@@ -180,6 +288,29 @@ std::int64_t workspace(const Problem& p, const MemoryCompressedConfig& config) {
          p.threads * TileAttention::bytes(score_capacity(l, tasks_of(l, p.heads)), 0, d);
 }
 
+std::int64_t backward_flops(const Problem& p, const MemoryCompressedConfig& c) {
+  const Layout l(p, c);
+  const std::int64_t d = p.head_dim;
+  TilePattern tile;
+  std::int64_t total = 2 * p.heads * p.seq_len * d;  // δ
+  for (const auto& task : tasks_of(l, p.heads)) {
+    plan(l, task, tile);
+    total += fixed::tile_backward_flops(tile, d, false);
+  }
+  // Per compressed head, for K and V: d(input) = d(memory)·packedᵀ and d(packed) += Xᵀ·d(memory).
+  const std::int64_t convolutions = 2 * l.compressed_heads * 2 * matmul_flops(l.slots, l.compression * d, d);
+  return p.batch * (total + convolutions);
+}
+
+std::int64_t backward_workspace(const Problem& p, const MemoryCompressedConfig& config) {
+  const Layout l(p, config);
+  const std::int64_t d = p.head_dim, c = l.compression, hc = l.compressed_heads, threads = p.threads;
+  std::int64_t floats = p.batch * p.heads * p.seq_len + threads * p.seq_len;
+  if (hc > 0) floats += threads * 2 * l.slots * d + threads * c * d + 2 * hc * c * d * d + 2 * hc * d * d * c;
+  return floats * static_cast<std::int64_t>(sizeof(float)) +
+         threads * TileAttention::backward_bytes(score_capacity(l, tasks_of(l, p.heads)), 0, d);
+}
+
 }  // namespace
 
 Implementation memory_compressed_implementation() {
@@ -197,7 +328,9 @@ Implementation memory_compressed_implementation() {
       .resolve = [](const Problem& p, MemoryCompressedConfig c) {
         c.block = std::min(c.block, p.seq_len);
         return c;
-      }});
+      },
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb
