@@ -90,7 +90,8 @@ HeadMask sparse_mask(bool fixed, std::int64_t l, std::int64_t c, std::int64_t he
 // Axial attention of one head, naively in double: rows of `cols` tokens, then columns over the
 // row outputs; causal: one softmax over the column tokens strictly above (values: row outputs)
 // and the row tokens at or before the query (values: V).
-std::vector<double> axial_reference(const float* q, const float* k, const float* v, std::int64_t n, std::int64_t d,
+template <class T>
+std::vector<double> axial_reference(const T* q, const T* k, const T* v, std::int64_t n, std::int64_t d,
                                     std::int64_t cols, bool causal) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   auto score = [&](std::int64_t i, std::int64_t j) {
@@ -283,6 +284,29 @@ TEST_SUITE("local_factorised") {
             check_pattern("sparse-transformer", p, c.params,
                           sparse_mask(c.fixed, l, std::min(c.summary, l), heads, causal));
           }
+  }
+
+  TEST_CASE("axial gradients: both stages, causal union, partial last grid row (central differences)") {
+    for (bool causal : {false, true})
+      for (auto [n, cols, every] : std::vector<std::tuple<std::int64_t, std::int64_t, bool>>{
+               {1, 1, true}, {5, 2, true}, {7, 3, true}, {9, 3, true}, {70, 8, false}, {150, 0, false}}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = every ? 3 : 8, .causal = causal};
+        const std::int64_t grid_cols = cols > 0 ? cols : naive_ceil_sqrt(n);
+        check_composite_gradients("axial", p, {"cols=" + std::to_string(cols)},
+                                  [=](const NamedValues& x) {
+                                    const std::int64_t size = n * p.head_dim;
+                                    std::vector<double> out;
+                                    for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
+                                      const auto one = axial_reference(x.at("q").data() + head * size,
+                                                                       x.at("k").data() + head * size,
+                                                                       x.at("v").data() + head * size, n, p.head_dim,
+                                                                       grid_cols, causal);
+                                      out.insert(out.end(), one.begin(), one.end());
+                                    }
+                                    return out;
+                                  },
+                                  every);
+      }
   }
 
   TEST_CASE("axial equals rows-then-columns naive attention on the padded grid") {

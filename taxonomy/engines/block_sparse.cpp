@@ -268,18 +268,22 @@ HeadGrads TileTraining::grads(const BackwardTensors& t, std::int64_t head, int t
           .d = d};
 }
 
-std::int64_t begin_head(const HeadGrads& g, std::int64_t q_rows, std::int64_t k_rows) {
-  const std::int64_t d = g.d;
-  for (std::int64_t i = 0; i < q_rows; ++i) {
+std::int64_t row_dots(const float* a, const float* b, std::int64_t rows, std::int64_t d, float* dots) {
+  for (std::int64_t i = 0; i < rows; ++i) {
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-    for (std::int64_t c = 0; c < d; ++c) dot += g.dout[i * d + c] * g.out[i * d + c];
-    g.delta[i] = dot;
+    for (std::int64_t c = 0; c < d; ++c) dot += a[i * d + c] * b[i * d + c];
+    dots[i] = dot;
   }
+  return 2 * rows * d;
+}
+
+std::int64_t begin_head(const HeadGrads& g, std::int64_t q_rows, std::int64_t k_rows) {
+  const std::int64_t d = g.d;
   std::fill(g.dq, g.dq + q_rows * d, 0.0f);
   std::fill(g.dk, g.dk + k_rows * d, 0.0f);
   std::fill(g.dv, g.dv + k_rows * d, 0.0f);
-  return 2 * q_rows * d;
+  return row_dots(g.dout, g.out, q_rows, d, g.delta);
 }
 
 std::int64_t attend_backward(const HeadGrads& g, const Tile& tile, const std::int64_t* lo, const std::int64_t* hi,

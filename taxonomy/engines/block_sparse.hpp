@@ -258,6 +258,9 @@ class BackwardScratch {
   std::vector<std::int64_t> bounds_;
 };
 
+// dots[i] = Σ_c a[i, c]·b[i, c] for i < rows (rows of d floats). Returns its FLOPs (2·rows·d).
+std::int64_t row_dots(const float* a, const float* b, std::int64_t rows, std::int64_t d, float* dots);
+
 // δ of query rows [0, q_rows) into g.delta; zeroes dq (q_rows rows) and dk, dv (k_rows rows).
 // Returns its FLOPs (2·q_rows·D).
 std::int64_t begin_head(const HeadGrads& g, std::int64_t q_rows, std::int64_t k_rows);

@@ -41,6 +41,24 @@ bs::Tile column_above_tile(const bs::StridedTiling& t, std::int64_t task, std::i
   return tile;
 }
 
+// The tile plans of the stages: rows (unmasked), columns (unmasked, non-causal), and the causal
+// union's column keys strictly above and masked row keys.
+struct StagePlan {
+  enum Kind { Rows, MaskedRows, Columns, ColumnsAbove };
+  const Grid* grid;
+  Kind kind;
+  std::int64_t tasks() const { return kind == Rows || kind == MaskedRows ? grid->rows.tasks() : grid->columns.tasks(); }
+  bs::Tile operator()(std::int64_t task, std::int64_t* lo, std::int64_t* hi) const {
+    switch (kind) {
+      case Rows: return bs::block_tile(grid->rows, task, false, lo, hi);
+      case MaskedRows: return bs::block_tile(grid->rows, task, true, lo, hi);
+      case Columns: return bs::class_tile(grid->columns, task, false, lo, hi);
+      case ColumnsAbove: return column_above_tile(grid->columns, task, lo, hi);
+    }
+    return {};
+  }
+};
+
 // Folds one tile into the per-token online-softmax state (`out` and the token's max/sum) and
 // optionally normalises. Returns the elementwise FLOPs.
 std::int64_t fold(const bs::HeadView& head, const bs::Tile& tile, float* token_max, float* token_sum, bool fresh,
@@ -81,12 +99,10 @@ class Axial final : public Mechanism {
     // Row stage: U = row attention of V (unmasked in both modes).
     bs::run_tiles(
         heads, grid_.rows.tasks(), scratch_,
-        [&](std::int64_t head) { return bs::head_view(q, k, v, row_outputs_, head); },
-        [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
-          return bs::block_tile(grid_.rows, task, false, lo, hi);
-        });
+        [&](std::int64_t head) { return saving(bs::head_view(q, k, v, row_outputs_, head), row_lse_, head); },
+        StagePlan{&grid_, StagePlan::Rows});
     auto over_rows = [&](std::int64_t head) {
-      bs::HeadView view = bs::head_view(q, k, v, out, head);
+      bs::HeadView view = saving(bs::head_view(q, k, v, out, head), column_lse_, head);
       view.v = row_outputs_.head(head / p_.heads, head % p_.heads);
       return view;
     };
@@ -100,7 +116,70 @@ class Axial final : public Mechanism {
     causal_passes(q, k, v, out, over_rows);
   }
 
+  void prepare_backward() override {
+    const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len;
+    row_lse_ = Tensor(Shape{heads, n});
+    if (!p_.causal) column_lse_ = Tensor(Shape{heads, n});
+    backward_scratch_ = bs::BackwardScratch(p_.threads, grid_.max_width(), n);
+    row_grads_ = Tensor(Shape{p_.threads, n, p_.head_dim});
+    row_stats_ = Tensor(Shape{p_.threads, 2, n});
+  }
+
+  // Per head, the second stage first (its value gradient is dU, the row outputs' gradient), then
+  // the row stage with dU as its output gradient; both add to dQ and dK.
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    bs::run_heads(p_.batch * p_.heads, p_.threads, [&](std::int64_t head, int thread) {
+      const std::int64_t offset = head * n * d;
+      float* stats = row_stats_.data() + thread * 2 * n;  // joint L (causal), then δ of the row stage
+      float* row_grads = row_grads_.data() + thread * n * d;
+      const float* row_outputs = row_outputs_.data() + offset;
+      bs::HeadGrads second{.q = q.data() + offset, .k = k.data() + offset, .v = row_outputs,
+                           .out = out.data() + offset, .dout = dout.data() + offset,
+                           .lse = p_.causal ? stats : column_lse_.data() + head * n,
+                           .delta = backward_scratch_.delta(thread), .dq = dq.data() + offset,
+                           .dk = dk.data() + offset, .dv = row_grads, .d = d};
+      std::int64_t flops = bs::begin_head(second, n, n);
+      std::fill_n(dv.data() + offset, n * d, 0.0f);
+      if (p_.causal) {
+        const float* token_stats = token_stats_.data() + head * 2 * n;
+        for (std::int64_t i = 0; i < n; ++i) stats[i] = bs::log_sum_exp(token_stats[i], token_stats[n + i]);
+        flops += backward_stage(second, {&grid_, StagePlan::ColumnsAbove}, thread);
+        bs::HeadGrads masked_row = second;
+        masked_row.v = v.data() + offset;
+        masked_row.dv = dv.data() + offset;
+        flops += backward_stage(masked_row, {&grid_, StagePlan::MaskedRows}, thread);
+      } else {
+        flops += backward_stage(second, {&grid_, StagePlan::Columns}, thread);
+      }
+      bs::HeadGrads first = second;
+      first.v = v.data() + offset;
+      first.out = row_outputs;
+      first.dout = row_grads;
+      first.lse = row_lse_.data() + head * n;
+      first.delta = stats + n;
+      first.dv = dv.data() + offset;
+      flops += bs::row_dots(row_grads, row_outputs, n, d, first.delta);
+      return flops + backward_stage(first, {&grid_, StagePlan::Rows}, thread);
+    });
+  }
+
+  std::vector<NamedTensor> saved() const override {
+    std::vector<NamedTensor> list{{"row_outputs", &row_outputs_}, {"row_log_sum_exp", &row_lse_}};
+    list.push_back(p_.causal ? NamedTensor{"token_stats", &token_stats_} : NamedTensor{"column_log_sum_exp", &column_lse_});
+    return list;
+  }
+
  private:
+  std::int64_t backward_stage(const bs::HeadGrads& g, const StagePlan& plan, int thread) {
+    return bs::backward_tiles(g, plan.tasks(), plan, backward_scratch_, thread);
+  }
+
+  static bs::HeadView saving(bs::HeadView view, Tensor& lse, std::int64_t head) {
+    if (!lse.empty()) view.lse = lse.data() + head * lse.dim(1);
+    return view;
+  }
   template <class OverRows>
   void causal_passes(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, const OverRows& over_rows) {
     const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len;
@@ -134,6 +213,9 @@ class Axial final : public Mechanism {
   Grid grid_;
   bs::ThreadScratch scratch_;
   Tensor row_outputs_, token_stats_;
+  // Training only (prepare_backward).
+  Tensor row_lse_, column_lse_, row_grads_, row_stats_;
+  bs::BackwardScratch backward_scratch_;
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const AxialConfig& c, std::uint64_t) {
@@ -159,17 +241,31 @@ std::int64_t causal_pass_flops(const Grid& grid, std::int64_t d) {
 std::int64_t flops(const Problem& p, const AxialConfig& c) {
   const Grid grid(p, c);
   const std::int64_t d = p.head_dim;
-  std::int64_t per_head =
-      bs::plan_flops(grid.rows.tasks(), d, [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
-        return bs::block_tile(grid.rows, task, false, lo, hi);
-      });
-  if (p.causal)
-    per_head += causal_pass_flops(grid, d);
-  else
-    per_head += bs::plan_flops(grid.columns.tasks(), d, [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
-      return bs::class_tile(grid.columns, task, false, lo, hi);
-    });
+  const StagePlan rows{&grid, StagePlan::Rows}, columns{&grid, StagePlan::Columns};
+  std::int64_t per_head = bs::plan_flops(rows.tasks(), d, rows);
+  per_head += p.causal ? causal_pass_flops(grid, d) : bs::plan_flops(columns.tasks(), d, columns);
   return p.batch * p.heads * per_head;
+}
+
+// δ of each stage plus every stage's tiles (plan_backward_flops counts one δ per plan).
+std::int64_t backward_flops(const Problem& p, const AxialConfig& c) {
+  const Grid grid(p, c);
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  auto stage = [&](StagePlan::Kind kind, std::int64_t deltas) {
+    const StagePlan plan{&grid, kind};
+    return bs::plan_backward_flops(n, plan.tasks(), d, plan) - (1 - deltas) * 2 * n * d;
+  };
+  std::int64_t per_head = stage(StagePlan::Rows, 1);
+  per_head += p.causal ? stage(StagePlan::ColumnsAbove, 1) + stage(StagePlan::MaskedRows, 0) : stage(StagePlan::Columns, 1);
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t backward_workspace(const Problem& p, const AxialConfig& c) {
+  const Grid grid(p, c);
+  const std::int64_t heads = p.batch * p.heads, n = p.seq_len;
+  const std::int64_t floats = (p.causal ? 1 : 2) * heads * n + p.threads * n * p.head_dim + p.threads * 2 * n;
+  return floats * static_cast<std::int64_t>(sizeof(float)) +
+         bs::BackwardScratch::tracked_bytes(p.threads, grid.max_width(), n);
 }
 
 std::int64_t workspace(const Problem& p, const AxialConfig& c) {
@@ -191,7 +287,9 @@ Implementation axial_implementation() {
       .resolve = [](const Problem& p, AxialConfig c) {
         c.cols = Grid(p, c).cols;
         return c;
-      }});
+      },
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb

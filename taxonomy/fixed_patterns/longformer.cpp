@@ -152,12 +152,7 @@ class Longformer final : public Mechanism {
     ops::gemm(false, true, r, d, d, 1.0f, rows.dout + first, d, wv, d, 0.0f, d_attended, d);
     ops::gemm(true, false, d, d, r, 1.0f, attended, d, rows.dout + first, d, 1.0f, dwv_.data() + h * d * d, d);
     float* delta = rows.delta + task.start;
-    for (std::int64_t i = 0; i < r; ++i) {
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (std::int64_t c = 0; c < d; ++c) dot += d_attended[i * d + c] * attended[i * d + c];
-      delta[i] = dot;
-    }
+    block_sparse::row_dots(d_attended, attended, r, d, delta);
     std::fill_n(d_query, r * d, 0.0f);
     const fixed::TileGrads grads{.q = query, .dout = d_attended, .dq = d_query, .ld = d, .lse = rows.lse + task.start,
                                  .delta = delta, .dk = rows.dk, .dv = rows.dv};
