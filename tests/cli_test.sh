@@ -160,7 +160,7 @@ done
 [ "$("$bin" list --format json | grep -c '"survey_row"')" -eq 20 ] && pass || fail "list --format json"
 "$bin" list --implemented | grep -q "^exact-tiled" && pass || fail "list --implemented"
 "$bin" list --format json | python3 -c 'import json, sys; m = {r["name"]: r for r in json.load(sys.stdin)}
-assert m["exact-tiled"]["backward"] and not m["etc"]["backward"]' && pass || fail "list --format json: backward"
+assert m["exact-tiled"]["backward"] and not m["performer"]["backward"]' && pass || fail "list --format json: backward"
 "$bin" list --class kernels --format md | grep -q "Performer" && pass || fail "list --class kernels"
 "$bin" env --json | grep -q '"onednn_version"' && pass || fail "env"
 
