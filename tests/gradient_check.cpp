@@ -163,6 +163,16 @@ void check_composite_gradients(const std::string& model, const Problem& p, const
         inputs[parameter.name] = widen(*parameter.tensor);
         grads[parameter.name] = gradient.tensor;
       }
+  std::ostringstream label;
+  label << model << " N=" << p.seq_len << " D=" << p.head_dim << (p.causal ? " causal" : "");
+  for (const auto& param : params) label << " " << param;
+  const double size_factor = std::log2(static_cast<double>(std::max<std::int64_t>(p.seq_len, 2))) + p.head_dim;
+  check_against_differences(label.str(), inputs, grads, dout, reference, size_factor, every_element);
+}
+
+void check_against_differences(const std::string& label, const NamedValues& inputs,
+                               const std::map<std::string, const Tensor*>& grads, const Tensor& dout,
+                               const ModelReference& reference, double size_factor, bool every_element) {
   const double step = 1e-5;
   auto objective = [&](const NamedValues& x) {
     const auto out = reference(x);
@@ -171,11 +181,7 @@ void check_composite_gradients(const std::string& model, const Problem& p, const
     return sum;
   };
   std::map<std::string, double> tolerance;
-  const double size_factor = std::log2(static_cast<double>(std::max<std::int64_t>(p.seq_len, 2))) + p.head_dim;
   for (const auto& [name, grad] : grads) tolerance[name] = 64 * kFloatEps * size_factor * largest(*grad);
-  std::ostringstream label;
-  label << model << " N=" << p.seq_len << " D=" << p.head_dim << (p.causal ? " causal" : "");
-  for (const auto& param : params) label << " " << param;
   if (every_element)
     for (const auto& [name, grad] : grads)
       for (std::int64_t e = 0; e < grad->size(); ++e) {
@@ -185,8 +191,8 @@ void check_composite_gradients(const std::string& model, const Problem& p, const
         x[name][static_cast<std::size_t>(e)] -= 2 * step;
         const double numeric = (up - objective(x)) / (2 * step);
         CHECK_MESSAGE(std::fabs((*grad)[e] - numeric) <= tolerance[name] + 1e-6 * (1 + std::fabs(numeric)),
-                      label.str() << " d" << name << "[" << e << "]: got " << (*grad)[e] << ", difference quotient "
-                                  << numeric << " (tolerance " << tolerance[name] << ")");
+                      label << " d" << name << "[" << e << "]: got " << (*grad)[e] << ", difference quotient "
+                            << numeric << " (tolerance " << tolerance[name] << ")");
       }
   NamedValues up = inputs, down = inputs;
   double analytic = 0, bound = 0;
@@ -202,8 +208,8 @@ void check_composite_gradients(const std::string& model, const Problem& p, const
   }
   const double numeric = (objective(up) - objective(down)) / (2 * step);
   CHECK_MESSAGE(std::fabs(analytic - numeric) <= bound + 1e-6 * (1 + std::fabs(numeric)),
-                label.str() << ": ⟨∇, δ⟩ = " << analytic << ", difference quotient " << numeric << " (tolerance "
-                            << bound << ")");
+                label << ": ⟨∇, δ⟩ = " << analytic << ", difference quotient " << numeric << " (tolerance " << bound
+                      << ")");
 }
 
 }  // namespace xfb::test

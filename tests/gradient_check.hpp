@@ -44,7 +44,7 @@ double check_model_gradients(const std::string& model, const Problem& p, const H
 
 // Named double-precision inputs of a whole model: "q", "k", "v" ([B, H, N, D]) and parameters.
 using NamedValues = std::map<std::string, std::vector<double>>;
-// The model's output [B, H, N, D] in double, from the named inputs.
+// The model's output in double (the layout of dO), from the named inputs.
 using ModelReference = std::function<std::vector<double>(const NamedValues& inputs)>;
 
 // For models whose forward is more than masked attention (learned projections, compressions): the
@@ -54,5 +54,12 @@ using ModelReference = std::function<std::vector<double>(const NamedValues& inpu
 // 64·eps·(log2 N + D)·(largest |gradient| of its tensor), plus the difference quotient's own error.
 void check_composite_gradients(const std::string& model, const Problem& p, const std::vector<std::string>& params,
                                const ModelReference& reference, bool every_element, std::uint64_t seed = 7);
+
+// The core of the check above, for any model with named inputs: grads[name] is the gradient of
+// ⟨dout, reference⟩ with respect to inputs[name]; an element may be off by
+// 64·eps·size_factor·(largest |gradient| of its tensor) plus the difference quotient's own error.
+void check_against_differences(const std::string& label, const NamedValues& inputs,
+                               const std::map<std::string, const Tensor*>& grads, const Tensor& dout,
+                               const ModelReference& reference, double size_factor, bool every_element);
 
 }  // namespace xfb::test

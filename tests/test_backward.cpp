@@ -8,7 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "lib/bench/encoder_layer.hpp"
 #include "lib/bench/point.hpp"
+#include "lib/core/rng.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
 #include "tests/gradient_check.hpp"
@@ -37,9 +39,86 @@ std::vector<std::string> decoders_with_backward() {
   return names;
 }
 
+// The pre-LN encoder layer (lib/bench/encoder_layer.hpp) in double, with exact softmax attention.
+std::vector<double> layer_reference(const Problem& p, std::int64_t f, const NamedValues& x) {
+  const std::int64_t b = p.batch, n = p.seq_len, h = p.heads, d = p.head_dim, e = h * d, tokens = b * n;
+  auto layer_norm = [&](const std::vector<double>& in, const std::string& gain, const std::string& shift) {
+    std::vector<double> out(in.size());
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      double mean = 0, var = 0;
+      for (std::int64_t c = 0; c < e; ++c) mean += in[t * e + c] / e;
+      for (std::int64_t c = 0; c < e; ++c) var += (in[t * e + c] - mean) * (in[t * e + c] - mean) / e;
+      for (std::int64_t c = 0; c < e; ++c)
+        out[t * e + c] = (in[t * e + c] - mean) / std::sqrt(var + 1e-5) * x.at(gain)[c] + x.at(shift)[c];
+    }
+    return out;
+  };
+  auto product = [&](const std::vector<double>& a, const std::string& w, std::int64_t inner, std::int64_t cols) {
+    std::vector<double> out(static_cast<std::size_t>(tokens * cols), 0.0);
+    for (std::int64_t r = 0; r < tokens; ++r)
+      for (std::int64_t k = 0; k < inner; ++k)
+        for (std::int64_t c = 0; c < cols; ++c) out[r * cols + c] += a[r * inner + k] * x.at(w)[k * cols + c];
+    return out;
+  };
+  const auto qkv = product(layer_norm(x.at("x"), "layer_ln1_gain", "layer_ln1_shift"), "layer_w_qkv", e, 3 * e);
+  std::vector<double> hidden = x.at("x"), attention(static_cast<std::size_t>(tokens * e));
+  for (std::int64_t bi = 0; bi < b; ++bi)
+    for (std::int64_t head = 0; head < h; ++head) {
+      std::vector<double> q(n * d), k(n * d), v(n * d);
+      for (std::int64_t t = 0; t < n; ++t)
+        for (std::int64_t c = 0; c < d; ++c) {
+          const std::int64_t base = (bi * n + t) * 3 * e + head * d + c;
+          q[t * d + c] = qkv[base];
+          k[t * d + c] = qkv[base + e];
+          v[t * d + c] = qkv[base + 2 * e];
+        }
+      const auto o = reference_attention(q.data(), k.data(), v.data(), n, n, d, 1.0 / std::sqrt(double(d)),
+                                         p.causal ? MaskFn(causal_mask) : MaskFn(full_mask));
+      for (std::int64_t t = 0; t < n; ++t)
+        for (std::int64_t c = 0; c < d; ++c) attention[(bi * n + t) * e + head * d + c] = o[t * d + c];
+    }
+  const auto projected = product(attention, "layer_w_o", e, e);
+  for (std::size_t i = 0; i < hidden.size(); ++i) hidden[i] += projected[i];
+  auto ffn = product(layer_norm(hidden, "layer_ln2_gain", "layer_ln2_shift"), "layer_w_1", e, f);
+  for (auto& z : ffn) z = 0.5 * z * (1 + std::erf(z / std::sqrt(2.0)));
+  auto y = product(ffn, "layer_w_2", f, e);
+  for (std::size_t i = 0; i < y.size(); ++i) y[i] += hidden[i];
+  return y;
+}
+
 }  // namespace
 
 TEST_SUITE("backward") {
+  TEST_CASE("layer-scope backward: dx and every weight's gradient against central differences of a double layer") {
+    const std::int64_t f = 12;
+    for (bool causal : {false, true})
+      for (auto [n, every_element] : {std::pair<std::int64_t, bool>{3, true}, {9, false}}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = causal, .threads = kTestThreads};
+        auto mechanism = find_model("vanilla")->impl.create(p, {}, 5);
+        EncoderLayer layer(p, f, 5);
+        Tensor x(Shape{2, n, 8}), dy(Shape{2, n, 8}), y(Shape{2, n, 8}), dx(Shape{2, n, 8});
+        CounterRng(5, "x").fill_normal(x);
+        CounterRng(5, "dy").fill_normal(dy);
+        layer.prepare(*mechanism, x);
+        layer.prepare_backward(*mechanism);
+        layer.forward(*mechanism, x, y);
+        layer.backward(*mechanism, x, dy, dx);
+        NamedValues inputs{{"x", std::vector<double>(x.data(), x.data() + x.size())}};
+        std::map<std::string, const Tensor*> grads{{"x", &dx}};
+        for (const auto& parameter : layer.parameters())
+          for (const auto& gradient : layer.parameter_gradients())
+            if (gradient.name == "d" + parameter.name) {
+              inputs[parameter.name] = std::vector<double>(parameter.tensor->data(),
+                                                           parameter.tensor->data() + parameter.tensor->size());
+              grads[parameter.name] = gradient.tensor;
+            }
+        CHECK(grads.size() == 9);
+        check_against_differences("layer N=" + std::to_string(n) + (causal ? " causal" : ""), inputs, grads, dy,
+                                  [&](const NamedValues& values) { return layer_reference(p, f, values); },
+                                  std::log2(static_cast<double>(n) + 1) + f, every_element);
+      }
+  }
+
   TEST_CASE("the reference's analytic gradient is its own derivative (central differences, tiny problem)") {
     const Problem p{.batch = 1, .heads = 1, .seq_len = 5, .head_dim = 3};
     for (bool causal : {false, true}) {
@@ -159,6 +238,26 @@ TEST_SUITE("backward") {
           CHECK(pass_row(model.name, p, Pass::Train).flops == forward + backward);
         }
     }
+  }
+
+  TEST_CASE("layer-scope train: FLOPs = forward + backward of layer and mechanism; tracked peak = estimate") {
+    for (const char* model : {"vanilla", "local", "longformer"})
+      for (bool causal : {false, true}) {
+        const Problem p = on_test_threads({.batch = 2, .heads = 2, .seq_len = 70, .head_dim = 16, .causal = causal});
+        PointConfig c = counter_point(model, p, {}, Scope::Layer);
+        c.pass = Pass::Train;
+        const ResultRow row = run_point(c);
+        CAPTURE(model);
+        REQUIRE(row.status == Status::Ok);
+        const ModelInfo& info = *find_model(model);
+        const ParamValues values = resolve_params(model, info.impl.params, {});
+        const std::int64_t f = c.effective_d_ff();
+        CHECK(row.flops == info.impl.flops(p, values) + info.impl.backward_flops(p, values) +
+                               EncoderLayer::flops_outside_mechanism(p, f) +
+                               EncoderLayer::backward_flops_outside_mechanism(p, f));
+        CHECK(row.peak_owned_bytes - point_io_bytes(c) == row.estimated_workspace_bytes);
+        CHECK(row.saved_bytes > 0);
+      }
   }
 
   TEST_CASE("training memory: tracked owned peak equals the estimate; saved bytes as the model says") {

@@ -4,6 +4,15 @@
 //   q, k, v reshaped to [B, H, N, D];  o = mechanism(q, k, v);  h = x + merge(o)·W_o (W_o: [E, E]);
 //   y = h + GELU(LN₂(h)·W₁)·W₂  (W₁: [E, F], W₂: [F, E]).  No biases; LN has gain and shift.
 // FLOPs beyond the mechanism: 2·7·B·N·E (two LN) + 2·B·N·E·(3E + E + 2F) (products) + 5·B·N·F (GELU).
+//
+// Training (prepare_backward): the forward also keeps LN₁'s output and the FFN pre-activation z
+// apart, so everything the backward reads is saved: a₁ = LN₁(x), q, k, v, o, merge(o), h, LN₂(h),
+// z, GELU(z) (and the mechanism's own saved state). The backward of y, given dy:
+//   dW₂ = GELU(z)ᵀ·dy;  dz = (dy·W₂ᵀ)·GELU'(z);  dW₁ = LN₂(h)ᵀ·dz;  dh = dy + LN₂ᵀ(dz·W₁ᵀ);
+//   dW_o = merge(o)ᵀ·dh;  do = split(dh·W_oᵀ);  (dq, dk, dv) = mechanism backward of do;
+//   dW_qkv = a₁ᵀ·[dq|dk|dv];  dx = dh + LN₁ᵀ([dq|dk|dv]·W_qkvᵀ);  LN gains and shifts likewise.
+// Backward FLOPs beyond the mechanism: twice the forward's products + 2·19·B·N·E (LN backward) +
+// 11·B·N·F (GELU backward).
 #include <cstdint>
 #include <vector>
 
@@ -21,6 +30,18 @@ class EncoderLayer {
   void forward(Mechanism& mechanism, const Tensor& x, Tensor& y);
 
   std::vector<NamedTensor> parameters() const;
+
+  // Untimed, after prepare: the backward's buffers, the saved activations, mechanism.prepare_backward().
+  void prepare_backward(Mechanism& mechanism);
+  // Timed, after a forward of x: dx = ∂⟨dy, y⟩/∂x ([B, N, E]), the layer's weight gradients and the
+  // mechanism's (through its backward).
+  void backward(Mechanism& mechanism, const Tensor& x, const Tensor& dy, Tensor& dx);
+  // What the forward keeps for the backward (beyond the mechanism's own), and the weights' gradients
+  // named "d" + parameter name.
+  std::vector<NamedTensor> saved() const;
+  std::vector<NamedTensor> parameter_gradients() const;
+  // The mechanism's gradients inside the last backward: do (its output's) and dq, dk, dv.
+  std::vector<NamedTensor> attention_gradients() const;
   const Tensor& q() const { return q_; }
   const Tensor& k() const { return k_; }
   const Tensor& v() const { return v_; }
@@ -28,14 +49,23 @@ class EncoderLayer {
 
   static std::int64_t flops_outside_mechanism(const Problem& p, std::int64_t d_ff);
   static std::int64_t workspace_bytes(const Problem& p, std::int64_t d_ff);
+  static std::int64_t backward_flops_outside_mechanism(const Problem& p, std::int64_t d_ff);
+  // Tracked bytes prepare_backward adds (the mechanism's own backward workspace not included).
+  static std::int64_t backward_workspace_bytes(const Problem& p, std::int64_t d_ff);
 
  private:
   void project_qkv(const Tensor& x);
+  bool training() const { return !ffn_pre_.empty(); }
+  const Tensor& first_normed() const { return training() ? first_normed_ : normed_; }
 
   Problem p_;
   std::int64_t e_, f_;
   Tensor w_qkv_, w_o_, w_1_, w_2_, ln1_gain_, ln1_shift_, ln2_gain_, ln2_shift_;
   Tensor normed_, qkv_, q_, k_, v_, o_, merged_, hidden_, ffn_;
+  // Training only: saved activations, gradients of activations and of the weights.
+  Tensor first_normed_, ffn_pre_;
+  Tensor d_ffn_, d_normed_, d_hidden_, d_merged_, d_qkv_, ln_scratch_, do_, dq_, dk_, dv_;
+  Tensor dw_qkv_, dw_o_, dw_1_, dw_2_, d_ln1_gain_, d_ln1_shift_, d_ln2_gain_, d_ln2_shift_;
 };
 
 }  // namespace xfb

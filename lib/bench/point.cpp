@@ -126,8 +126,8 @@ nlohmann::json problem_settings(const PointConfig& c) {
 std::int64_t point_io_bytes(const PointConfig& config) {
   const Problem& p = config.problem;
   const std::int64_t tensor = p.batch * p.heads * p.seq_len * p.head_dim * static_cast<std::int64_t>(sizeof(float));
-  const std::int64_t gradients = config.pass == Pass::Forward ? 0 : 4;
-  return (config.scope == Scope::Layer ? 2 : 4 + gradients) * tensor;
+  const std::int64_t gradients = config.pass == Pass::Forward ? 0 : 1;  // 1: dO and dx (layer), ×4 attention
+  return (config.scope == Scope::Layer ? 2 + 2 * gradients : 4 + 4 * gradients) * tensor;
 }
 
 std::int64_t estimated_point_bytes(const Point& point) {
@@ -135,6 +135,8 @@ std::int64_t estimated_point_bytes(const Point& point) {
   std::int64_t bytes = point_io_bytes(c) + point.model->impl.workspace_bytes(c.problem, point.requested);
   if (c.pass != Pass::Forward) bytes += point.model->impl.backward_workspace_bytes(c.problem, point.requested);
   if (c.scope == Scope::Layer) bytes += EncoderLayer::workspace_bytes(c.problem, c.effective_d_ff());
+  if (c.scope == Scope::Layer && c.pass != Pass::Forward)
+    bytes += EncoderLayer::backward_workspace_bytes(c.problem, c.effective_d_ff());
   return bytes;
 }
 
@@ -197,9 +199,6 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
   } else if (config.pass != Pass::Forward && !model.impl.has_backward()) {
     row.status = Status::Unsupported;
     row.reason = model.display_name + " has no backward pass in this build, so no " + row.pass + " pass";
-  } else if (config.pass != Pass::Forward && config.scope == Scope::Layer) {
-    row.status = Status::Unsupported;
-    row.reason = "the layer scope has no backward pass in this build (attention scope only)";
   } else {
     const std::int64_t estimate = estimated_point_bytes(point);
     row.estimated_workspace_bytes = estimate - point_io_bytes(config);
@@ -259,24 +258,34 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
   } else {
     mechanism->prepare(q, k, v);
   }
-  // Training passes (attention scope): a seeded dO, the gradients, and what the forward saves.
+  // Training passes: a seeded dO (of the output), the input gradients (attention: dq, dk, dv;
+  // layer: dx, the mechanism's inside the layer), and what the forward saves.
   const bool training = config.pass != Pass::Forward;
-  Tensor dout, dq, dk, dv;
-  if (training) {
+  Tensor dout, dq, dk, dv, dx;
+  if (training && layer) {
+    dout = Tensor(out.shape());
+    dx = Tensor(x.shape());
+    encoder->prepare_backward(*mechanism);
+  } else if (training) {
     dout = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-    CounterRng(config.seed, "input/dout").fill_normal(dout);
     dq = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
     dk = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
     dv = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
     mechanism->prepare_backward();
   }
+  if (training) CounterRng(config.seed, "input/dout").fill_normal(dout);
   auto forward = [&] {
     if (layer)
       encoder->forward(*mechanism, x, out);
     else
       mechanism->forward(q, k, v, out);
   };
-  auto backward = [&] { mechanism->backward(q, k, v, out, dout, dq, dk, dv); };
+  auto backward = [&] {
+    if (layer)
+      encoder->backward(*mechanism, x, dout, dx);
+    else
+      mechanism->backward(q, k, v, out, dout, dq, dk, dv);
+  };
   std::function<void()> body = forward;
   if (config.pass == Pass::Backward) {
     forward();  // untimed: saves what the timed backward reads (the backward leaves it unchanged)
@@ -292,8 +301,11 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
   FlopCounter::reset();
   body();
   row.flops = FlopCounter::total();
-  if (training)
+  if (training) {
     for (const auto& named : mechanism->saved()) row.saved_bytes += named.tensor->bytes();
+    if (layer)
+      for (const auto& named : encoder->saved()) row.saved_bytes += named.tensor->bytes();
+  }
 
   TimingSettings timing = config.timing;
   timing.warmup -= 1;
@@ -338,7 +350,13 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
     } else {
       files = {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
     }
-    if (training) files.insert(files.end(), {{"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
+    if (training && layer) {
+      files.insert(files.end(), {{"dout", &dout}, {"dx", &dx}});
+      for (const auto& named : encoder->attention_gradients()) files.emplace_back(named.name, named.tensor);
+      for (const auto& named : encoder->parameter_gradients()) files.emplace_back(named.name, named.tensor);
+    } else if (training) {
+      files.insert(files.end(), {{"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
+    }
     for (const auto& named : mechanism->parameters()) files.emplace_back(named.name, named.tensor);
     if (training)
       for (const auto& named : mechanism->parameter_gradients()) files.emplace_back(named.name, named.tensor);

@@ -12,6 +12,12 @@ namespace xfb {
 inline constexpr std::int64_t kSoftmaxFlopsPerElement = 5;
 inline constexpr std::int64_t kLayerNormFlopsPerElement = 7;  // mean, centre+square+sum, scale+shift
 inline constexpr std::int64_t kGeluFlopsPerElement = 5;       // 0.5·x·(1+erf(x/√2))
+// GELU'(x)·g = (0.5·(1+erf(x/√2)) + x·exp(−x²/2)/√(2π))·g: 4 + 5 + add + multiply.
+inline constexpr std::int64_t kGeluBackwardFlopsPerElement = 11;
+// LayerNorm backward per element, as executed: statistics again (4: sum, subtract, square, add),
+// x̂ (2), dx̂ (1), the two row sums (3), dx (6: dx̂ again, two subtracts, two multiplies, the
+// accumulation); then dgamma (2) and dbeta (1) over the column.
+inline constexpr std::int64_t kLayerNormBackwardFlopsPerElement = 19;
 inline constexpr std::int64_t kOnlineSoftmaxFlopsPerElement = 4;  // max, subtract+exp, sum
 // Softmax backward dS = P·(dP − Σ P·dP): multiply+add of the dot, subtract+multiply.
 inline constexpr std::int64_t kSoftmaxBackwardFlopsPerElement = 4;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -176,6 +177,70 @@ void gelu(float* data, std::int64_t n) {
   memory mem(desc, context.engine(), data);
   execute(cached, {{DNNL_ARG_SRC, mem}, {DNNL_ARG_DST, mem}});
   FlopCounter::add(kGeluFlopsPerElement * n);
+}
+
+void gelu_backward(const float* z, float* grad, std::int64_t n) {
+  auto& context = DnnlContext::instance();
+  const memory::desc desc = dense_1d(n);
+  const auto& cached = context.primitive(key_of("gelu_backward", {n}), [&] {
+    const dnnl::eltwise_forward::primitive_desc hint(
+        dnnl::eltwise_forward::desc(dnnl::prop_kind::forward_training, dnnl::algorithm::eltwise_gelu_erf, desc),
+        context.engine());
+    dnnl::eltwise_backward::primitive_desc pd(dnnl::eltwise_backward::desc(dnnl::algorithm::eltwise_gelu_erf, desc, desc),
+                                              user_scratchpad_attr(), context.engine(), hint);
+    return std::make_pair(dnnl::primitive(dnnl::eltwise_backward(pd)), pd.scratchpad_desc());
+  });
+  auto& engine = context.engine();
+  memory gradient(desc, engine, grad);
+  execute(cached, {{DNNL_ARG_SRC, memory(desc, engine, const_cast<float*>(z))},
+                   {DNNL_ARG_DIFF_DST, gradient},
+                   {DNNL_ARG_DIFF_SRC, gradient}});
+  FlopCounter::add(kGeluBackwardFlopsPerElement * n);
+}
+
+void layer_norm_backward(const float* x, const float* dy, std::int64_t rows, std::int64_t cols, const float* gamma,
+                         float* dx, float* dgamma, float* dbeta, float* normalised, float eps) {
+  const float inverse_cols = 1.0f / static_cast<float>(cols);
+#pragma omp parallel for schedule(static)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * cols;
+    const float* gr = dy + r * cols;
+    float* nr = normalised + r * cols;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (std::int64_t c = 0; c < cols; ++c) sum += xr[c];
+    const float mean = sum * inverse_cols;
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (std::int64_t c = 0; c < cols; ++c) squares += (xr[c] - mean) * (xr[c] - mean);
+    const float rstd = 1.0f / std::sqrt(squares * inverse_cols + eps);
+    float sum_grad = 0.0f, sum_grad_normalised = 0.0f;
+#pragma omp simd reduction(+ : sum_grad, sum_grad_normalised)
+    for (std::int64_t c = 0; c < cols; ++c) {
+      nr[c] = (xr[c] - mean) * rstd;
+      const float g = gr[c] * gamma[c];
+      sum_grad += g;
+      sum_grad_normalised += g * nr[c];
+    }
+    const float m1 = sum_grad * inverse_cols, m2 = sum_grad_normalised * inverse_cols;
+    float* dr = dx + r * cols;
+#pragma omp simd
+    for (std::int64_t c = 0; c < cols; ++c) dr[c] += rstd * (gr[c] * gamma[c] - m1 - nr[c] * m2);
+  }
+  constexpr std::int64_t kColumns = 16;
+#pragma omp parallel for schedule(static)
+  for (std::int64_t c0 = 0; c0 < cols; c0 += kColumns) {
+    const std::int64_t width = std::min(kColumns, cols - c0);
+    float gain[kColumns] = {}, shift[kColumns] = {};
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < width; ++c) {
+        gain[c] += dy[r * cols + c0 + c] * normalised[r * cols + c0 + c];
+        shift[c] += dy[r * cols + c0 + c];
+      }
+    std::copy_n(gain, width, dgamma + c0);
+    std::copy_n(shift, width, dbeta + c0);
+  }
+  FlopCounter::add(kLayerNormBackwardFlopsPerElement * rows * cols);
 }
 
 void add(const float* a, const float* b, float* c, std::int64_t n) {

@@ -49,6 +49,18 @@ void layer_norm(const float* x, float* y, std::int64_t rows, std::int64_t cols, 
 // In-place GELU (erf form) over n values (oneDNN eltwise).
 void gelu(float* data, std::int64_t n);
 
+// GELU's backward: grad holds dL/dGELU(z) on entry and dL/dz = grad·GELU'(z) on return, over n
+// values; z: the pre-activation. oneDNN eltwise backward; counts kGeluBackwardFlopsPerElement.
+void gelu_backward(const float* z, float* grad, std::int64_t n);
+
+// The backward of layer_norm over [rows, cols] for y = x̂·gamma + beta, x̂ = (x − mean)/sqrt(var + eps):
+// dx += rstd·(dx̂ − mean(dx̂) − x̂·mean(dx̂·x̂)) with dx̂ = dy·gamma (added to dx: a residual
+// branch's gradient may already be there); dgamma = Σ_rows dy·x̂, dbeta = Σ_rows dy (overwritten).
+// x̂ is recomputed from x into `normalised` ([rows, cols] scratch). Project kernel (OpenMP over
+// rows, then over columns); counts kLayerNormBackwardFlopsPerElement per element.
+void layer_norm_backward(const float* x, const float* dy, std::int64_t rows, std::int64_t cols, const float* gamma,
+                         float* dx, float* dgamma, float* dbeta, float* normalised, float eps = 1e-5f);
+
 // c = a + b over n values (oneDNN binary); c may alias a or b.
 void add(const float* a, const float* b, float* c, std::int64_t n);
 
