@@ -42,6 +42,8 @@ void finish_problem_options(ProblemOptions& options);
 template <class GridSettings>
 void fill_point_grid(ProblemOptions& problem, const std::string& models, const std::string& seq_lens,
                      GridSettings& settings) {
+  settings.passes = parse_passes(problem.pass);  // a sweep runs every point once per listed pass
+  problem.pass = pass_name(settings.passes.front());
   finish_problem_options(problem);
   settings.models = parse_model_selection(models);
   settings.seq_lens = parse_seq_lens(seq_lens);

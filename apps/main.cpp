@@ -27,8 +27,8 @@ void add_problem_options(CLI::App& command, ProblemOptions& o) {
       ->check(CLI::IsMember({"attention", "layer"}))
       ->capture_default_str();
   command.add_option("--pass", o.pass,
-                     "forward, backward (after an untimed forward) or train (forward + backward as one step)")
-      ->check(CLI::IsMember({"forward", "backward", "train"}))
+                     "forward, backward (after an untimed forward) or train (forward + backward as one step); "
+                     "sweep: also a list, e.g. forward,train")
       ->capture_default_str();
   command.add_option("--d-ff", p.d_ff, "layer scope FFN width (default 4·heads·head-dim)");
   p.problem.threads = DnnlContext::default_threads();

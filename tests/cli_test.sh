@@ -344,6 +344,16 @@ expect_error 2 taxonomy --format pdf
 "$bin" table "$work/lra.json" --paper lra >"$work/lra.txt" && grep -q "Spearman" "$work/lra.txt" \
   && grep -q "performer (Performer)" "$work/lra.txt" && pass || fail "table --paper lra"
 "$bin" table "$work/lra.json" --paper lra --format md | grep -q "^| vanilla (Transformer)" && pass || fail "table --paper lra md"
+# Both passes in one sweep of the preset: ρ side by side per pass.
+"$bin" sweep --preset lra --pass forward,train --seq-lens 1024 --batch 1 --heads 1 --head-dim 16 --d-ff 32 \
+  --min-reps 1 --min-time 0 --no-measure --out "$work/lra-both.json" >/dev/null 2>&1 \
+  && [ "$(grep -c '"pass": "train"' "$work/lra-both.json")" -eq 9 ] \
+  && grep -q '"pass": "forward,train"' "$work/lra-both.json" && pass || fail "sweep --preset lra --pass forward,train"
+"$bin" table "$work/lra-both.json" --paper lra >"$work/lra-both.txt" \
+  && grep -q "ρ speed forward.*ρ speed train.*ρ memory forward.*ρ memory train" "$work/lra-both.txt" \
+  && grep -q "layer, train pass" "$work/lra-both.txt" && pass || fail "table --paper lra: ρ by pass side by side"
+expect_error 2 run --model vanilla --seq-len 64 --pass forward,train
+expect_error 2 sweep --models vanilla --seq-lens 64 --pass train,train --out "$work/r.json"
 expect_error 2 table "$work/base.json" --paper lra
 expect_error 2 table "$work/lra.json" --paper nosuch
 expect_error 2 sweep --preset nosuch --out "$work/r.json"

@@ -37,8 +37,9 @@ bool too_few_clean(const ResultRow& row, int min_reps) {
   return none_clean || static_cast<int>(row.samples_ns.size()) < min_reps;
 }
 
-PointConfig side_point(const AbSettings& s, const AbSide& side, const std::string& model, std::int64_t n) {
+PointConfig side_point(const AbSettings& s, const AbSide& side, const std::string& model, std::int64_t n, Pass pass) {
   PointConfig point = s.base;
+  point.pass = pass;
   point.model = side.model.empty() ? model : side.model;
   point.problem.seq_len = n;
   point.params = params_for_model(point.model, s.params);
@@ -47,7 +48,8 @@ PointConfig side_point(const AbSettings& s, const AbSide& side, const std::strin
 }
 
 std::string point_label(const AbPoint& p) {
-  return p.a.model + (p.b.model != p.a.model ? " vs " + p.b.model : "") + " N=" + std::to_string(p.a.seq_len);
+  return p.a.model + (p.b.model != p.a.model ? " vs " + p.b.model : "") + " N=" + std::to_string(p.a.seq_len) +
+         (p.a.pass != "forward" ? " " + p.a.pass : "");
 }
 
 std::string format(const char* pattern, double value) {
@@ -93,8 +95,10 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
       throw InputError("--" + std::string(side == &s.a ? "a" : "b") + "-bin " + side->program + " is not an executable");
   std::vector<std::pair<Point, Point>> pairs;
   for (const auto& model : s.models)
-    for (auto n : s.seq_lens)
-      pairs.emplace_back(resolve_point(side_point(s, s.a, model, n)), resolve_point(side_point(s, s.b, model, n)));
+    for (Pass pass : s.passes)
+      for (auto n : s.seq_lens)
+        pairs.emplace_back(resolve_point(side_point(s, s.a, model, n, pass)),
+                           resolve_point(side_point(s, s.b, model, n, pass)));
   if (pairs.empty()) throw InputError("no points to compare");
 
   AbReport report;
@@ -110,6 +114,9 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
                      {"alpha", s.alpha},       {"max_slowdown", s.max_slowdown}, {"threads", threads},
                      {"a", side_json(s.a)},    {"b", side_json(s.b)},            {"params", s.params},
                      {"min_reps", s.base.timing.min_reps}, {"min_time_s", s.base.timing.min_time_s}};
+  std::string passes;
+  for (Pass pass : s.passes) passes += (passes.empty() ? "" : ",") + pass_name(pass);
+  report.settings["pass"] = passes;
   std::size_t index = 0;
   for (const auto& [a_point, b_point] : pairs) {
     ++index;

@@ -38,7 +38,8 @@ struct AbSide {
 struct AbSettings {
   std::vector<std::string> models;    // registry names (of this build)
   std::vector<std::int64_t> seq_lens;
-  PointConfig base;                   // everything but model, seq_len and params
+  PointConfig base;                   // everything but model, seq_len, params and pass
+  std::vector<Pass> passes = {Pass::Forward};  // every point is compared once per pass
   std::vector<std::string> params;    // common `key=value` / `model.key=value`
   AbSide a, b;
   int rounds = 10;

@@ -2,6 +2,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -36,6 +37,20 @@ Pass parse_pass(const std::string& name) {
   for (Pass p : {Pass::Forward, Pass::Backward, Pass::Train})
     if (pass_name(p) == name) return p;
   throw InputError("unknown --pass '" + name + "' (known: forward, backward, train)");
+}
+
+std::vector<Pass> parse_passes(const std::string& list) {
+  std::vector<Pass> passes;
+  std::size_t start = 0;
+  while (start <= list.size()) {
+    const std::size_t comma = std::min(list.find(',', start), list.size());
+    const Pass pass = parse_pass(list.substr(start, comma - start));
+    if (std::find(passes.begin(), passes.end(), pass) != passes.end())
+      throw InputError("--pass lists " + pass_name(pass) + " twice");
+    passes.push_back(pass);
+    start = comma + 1;
+  }
+  return passes;
 }
 
 namespace {

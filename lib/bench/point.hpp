@@ -25,6 +25,8 @@ std::string scope_name(Scope s);
 enum class Pass { Forward, Backward, Train };
 std::string pass_name(Pass p);
 Pass parse_pass(const std::string& name);  // InputError on an unknown name
+// `forward`, `train` or a comma list `forward,train` (InputError on an unknown or repeated name).
+std::vector<Pass> parse_passes(const std::string& list);
 
 struct PointConfig {
   std::string model;

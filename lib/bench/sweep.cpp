@@ -203,13 +203,15 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
   std::vector<Point> points;
   for (const auto& model : s.models) {
     const auto own = params_for_model(model, s.params);
-    for (auto n : s.seq_lens) {
-      PointConfig point = s.base;
-      point.model = model;
-      point.problem.seq_len = n;
-      point.params = own;
-      points.push_back(resolve_point(point));
-    }
+    for (Pass pass : s.passes)
+      for (auto n : s.seq_lens) {
+        PointConfig point = s.base;
+        point.model = model;
+        point.problem.seq_len = n;
+        point.params = own;
+        point.pass = pass;
+        points.push_back(resolve_point(point));
+      }
   }
   for (const auto& param : s.params) {
     bool used = false;
@@ -240,6 +242,9 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
     }
   }
   report.settings = problem_settings(s.base);
+  std::string passes;
+  for (Pass pass : s.passes) passes += (passes.empty() ? "" : ",") + pass_name(pass);
+  report.settings["pass"] = passes;
   report.settings["models"] = s.models;
   report.settings["seq_lens"] = s.seq_lens;
   report.settings["params"] = s.params;
@@ -260,8 +265,9 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
       const std::size_t remaining_points = points.size() - index + 1;
       const std::string eta = ran > 0 ? format_duration(elapsed / static_cast<double>(ran) * static_cast<double>(remaining_points)) : "?";
       const PointConfig& c = point.config;
-      std::fprintf(stderr, "[%zu/%zu] %s N=%lld%s  elapsed %s  eta %s\n", index, points.size(), c.model.c_str(),
+      std::fprintf(stderr, "[%zu/%zu] %s N=%lld%s%s  elapsed %s  eta %s\n", index, points.size(), c.model.c_str(),
                    static_cast<long long>(c.problem.seq_len), c.problem.causal ? " causal" : "",
+                   c.pass == Pass::Forward ? "" : (" " + pass_name(c.pass)).c_str(),
                    format_duration(elapsed).c_str(), eta.c_str());
     }
     if (row.status == Status::Ok) {

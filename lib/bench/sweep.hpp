@@ -15,7 +15,8 @@ namespace xfb {
 struct SweepSettings {
   std::vector<std::string> models;    // registry names
   std::vector<std::int64_t> seq_lens; // tokens
-  PointConfig base;                   // everything but model, seq_len and params
+  PointConfig base;                   // everything but model, seq_len, params and pass
+  std::vector<Pass> passes = {Pass::Forward};  // every point runs once per pass
   std::vector<std::string> params;    // `key=value` or `model.key=value`
   double timeout_s = 600;             // per point, seconds
   std::int64_t memory_limit_bytes = 0;  // 0: no limit

@@ -54,8 +54,9 @@ struct Column {
   std::map<std::string, const ResultRow*> rows;  // first row per model
 };
 
-// One table (speed-up or memory) for one configuration.
-std::string render_metric(const std::vector<Column>& columns, bool speed, TableFormat format) {
+// One table (speed-up or memory) for one configuration; rho receives its ρ per sequence length.
+std::string render_metric(const std::vector<Column>& columns, bool speed, TableFormat format,
+                          std::map<std::int64_t, std::string>& rho_by_length) {
   std::vector<std::vector<std::string>> cells;
   std::vector<std::string> header = {"model"};
   for (const auto& c : columns) {
@@ -94,8 +95,45 @@ std::string render_metric(const std::vector<Column>& columns, bool speed, TableF
   for (std::size_t i = 0; i < columns.size(); ++i) {
     rho.push_back(rho_text(ours[i], theirs[i]));
     rho.push_back("(n=" + std::to_string(ours[i].size()) + ")");
+    rho_by_length[columns[i].n] = rho.end()[-2] + " " + rho.back();
   }
   cells.push_back(rho);
+  return render_cells(cells, format, 1);
+}
+
+// ρ of one configuration's speed and memory tables per length, kept per pass for the side-by-side.
+struct PassRho {
+  std::map<std::int64_t, std::string> speed, memory;
+};
+
+// The configuration without its pass ("attention, B=1 H=8 D=64").
+std::string configuration_without_pass(const ResultRow& row) {
+  ResultRow forward = row;
+  forward.pass = "forward";
+  return configuration_text(forward);
+}
+
+// ρ for every pass of one configuration side by side (LRA timed training steps: its `train` column
+// compares like with like).
+std::string render_rho_by_pass(const std::map<std::string, PassRho>& passes, TableFormat format) {
+  std::set<std::int64_t> lengths;
+  for (const auto& [pass, rho] : passes)
+    for (const auto& [n, text] : rho.speed) lengths.insert(n);
+  std::vector<std::vector<std::string>> cells;
+  std::vector<std::string> header = {"N"};
+  for (const char* metric : {"speed", "memory"})
+    for (const auto& [pass, rho] : passes) header.push_back(std::string("ρ ") + metric + " " + pass);
+  cells.push_back(header);
+  for (auto n : lengths) {
+    std::vector<std::string> line = {std::to_string(n)};
+    for (bool speed : {true, false})
+      for (const auto& [pass, rho] : passes) {
+        const auto& by_length = speed ? rho.speed : rho.memory;
+        const auto found = by_length.find(n);
+        line.push_back(found == by_length.end() ? "-" : found->second);
+      }
+    cells.push_back(line);
+  }
   return render_cells(cells, format, 1);
 }
 
@@ -103,8 +141,10 @@ std::string render_metric(const std::vector<Column>& columns, bool speed, TableF
 
 std::string render_lra_comparison(const Report& report, TableFormat format) {
   std::map<std::string, std::map<std::int64_t, Column>> groups;
+  std::map<std::string, std::pair<std::string, std::string>> base_and_pass;  // configuration → (without pass, pass)
   for (const auto& row : report.results) {
     if (lra_column(row.seq_len) < 0) continue;
+    base_and_pass[configuration_text(row)] = {configuration_without_pass(row), row.pass};
     Column& column = groups[configuration_text(row)][row.seq_len];
     column.n = row.seq_len;
     column.rows.emplace(row.model, &row);
@@ -113,6 +153,7 @@ std::string render_lra_comparison(const Report& report, TableFormat format) {
   std::ostringstream out;
   const bool md = format == TableFormat::Markdown;
   bool any = false;
+  std::map<std::string, std::map<std::string, PassRho>> rho;  // configuration without pass → pass → ρ
   for (const auto& [configuration, by_length] : groups) {
     std::vector<Column> columns;
     for (const auto& [n, column] : by_length)
@@ -122,10 +163,18 @@ std::string render_lra_comparison(const Report& report, TableFormat format) {
     const std::string bold = md ? "**" : "";
     out << (out.tellp() > 0 ? "\n" : "") << bold << "Speed-up over vanilla (ours: median time; LRA: training steps/s over "
         << "the Transformer's) — " << configuration << bold << "\n" << (md ? "\n" : "");
-    out << render_metric(columns, true, format);
+    const auto& [base, pass] = base_and_pass[configuration];
+    PassRho& pass_rho = rho[base][pass];
+    out << render_metric(columns, true, format, pass_rho.speed);
     out << "\n" << bold << "Peak memory relative to vanilla (ours: tracked bytes; LRA: GB per device) — " << configuration
         << bold << "\n" << (md ? "\n" : "");
-    out << render_metric(columns, false, format);
+    out << render_metric(columns, false, format, pass_rho.memory);
+  }
+  for (const auto& [base, passes] : rho) {
+    const std::string bold = md ? "**" : "";
+    out << "\n" << bold << "Spearman ρ against LRA by pass (LRA timed training steps: `train` compares like with like) — "
+        << base << bold << "\n" << (md ? "\n" : "");
+    out << render_rho_by_pass(passes, format);
   }
   if (!any)
     throw InputError("report has no vanilla point at an LRA length (1000·k or 1024·k tokens, k = 1…4); run "
