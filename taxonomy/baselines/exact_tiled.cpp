@@ -79,13 +79,11 @@ class ExactTiled final : public Mechanism {
     log_sum_exp_ = Tensor(Shape{rows});
     deltas_ = Tensor(Shape{rows});
     tile_grads_ = Tensor(Shape{p_.threads, 2, c_.block_q, c_.block_k});
-    if (uses_tile_kernels(p_.head_dim)) packed_values_ = Tensor(Shape{packed_key_floats(p_)});
   }
 
   void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
                 Tensor& dk, Tensor& dv) override {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, heads = p_.batch * p_.heads;
-    if (uses_tile_kernels(d)) pack_panels(v, packed_values_);  // the forward packed K already
     std::int64_t own_flops = 0;
 #pragma omp parallel num_threads(p_.threads) reduction(+ : own_flops)
     {
@@ -136,10 +134,7 @@ class ExactTiled final : public Mechanism {
     return flops;
   }
 
-  // The backward of the [rows, cols] tile at (q0, k0): P and dS ([rows, cols], dS scaled by 1/√D)
-  // from S = Q·Kᵀ/√D and dP = dO·Vᵀ (on the tile kernels from the packed K and V panels, else
-  // sgemm), then dV += Pᵀ·dO, dK += dSᵀ·Q, dQ += dS·K on sgemm. Returns the FLOPs it executed
-  // outside oneDNN.
+  // The backward of the [rows, cols] tile at (q0, k0). Returns the FLOPs it executed outside oneDNN.
   std::int64_t tile_backward(std::int64_t head, const HeadGrads& g, std::int64_t q0, std::int64_t rows,
                              std::int64_t k0, std::int64_t cols, int thread) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = c_.block_k;
@@ -148,17 +143,8 @@ class ExactTiled final : public Mechanism {
     float* grads = probs + c_.block_q * ld;
     const float* lse = log_sum_exp_.data() + head * n + q0;
     const float* delta = deltas_.data() + head * n + q0;
-    std::int64_t flops = 0;
-    if (uses_tile_kernels(d)) {
-      const std::int64_t offset = (head * tiles::panels_for(n) + k0 / tiles::kPanel) * d * tiles::kPanel;
-      const std::int64_t panels = tiles::panels_for(cols);
-      tiles::scores(g.q + q0 * d, d, rows, packed_keys_.data() + offset, panels, d, scale, probs, ld);
-      tiles::scores(g.dout + q0 * d, d, rows, packed_values_.data() + offset, panels, d, 1.0f, grads, ld);
-      flops += 2 * matmul_flops(rows, score_columns(cols, d), d);
-    } else {
-      ops::gemm(false, true, rows, cols, d, scale, g.q + q0 * d, d, g.k + k0 * d, d, 0.0f, probs, ld);
-      ops::gemm(false, true, rows, cols, d, 1.0f, g.dout + q0 * d, d, g.v + k0 * d, d, 0.0f, grads, ld);
-    }
+    ops::gemm(false, true, rows, cols, d, scale, g.q + q0 * d, d, g.k + k0 * d, d, 0.0f, probs, ld);
+    ops::gemm(false, true, rows, cols, d, 1.0f, g.dout + q0 * d, d, g.v + k0 * d, d, 0.0f, grads, ld);
     std::int64_t valid_entries = 0;
     for (std::int64_t r = 0; r < rows; ++r) {
       float* p_row = probs + r * ld;
@@ -168,35 +154,28 @@ class ExactTiled final : public Mechanism {
 #pragma omp simd
       for (std::int64_t j = 0; j < valid; ++j) {
         p_row[j] = ops::fast_exp(p_row[j] - shift);
-        g_row[j] = p_row[j] * (g_row[j] - dot) * scale;
+        g_row[j] = p_row[j] * (g_row[j] - dot);
       }
       std::fill(p_row + valid, p_row + cols, 0.0f);
       std::fill(g_row + valid, g_row + cols, 0.0f);
       valid_entries += valid;
     }
-    flops += (kRecomputedSoftmaxBackwardFlopsPerElement + 1) * valid_entries;
-    // The accumulating products on sgemm: measured (interleaved, Zen 5 AVX-512, N = 2K/4K train)
-    // 2–8% faster than transposed copies of P and dS on the tile kernels; S and dP on the kernels
-    // gain ~10% over sgemm.
     ops::gemm(true, false, cols, d, rows, 1.0f, probs, ld, g.dout + q0 * d, d, 1.0f, g.dv + k0 * d, d);
-    ops::gemm(true, false, cols, d, rows, 1.0f, grads, ld, g.q + q0 * d, d, 1.0f, g.dk + k0 * d, d);
-    ops::gemm(false, false, rows, d, cols, 1.0f, grads, ld, g.k + k0 * d, d, 1.0f, g.dq + q0 * d, d);
-    return flops;
+    ops::gemm(true, false, cols, d, rows, scale, grads, ld, g.q + q0 * d, d, 1.0f, g.dk + k0 * d, d);
+    ops::gemm(false, false, rows, d, cols, scale, grads, ld, g.k + k0 * d, d, 1.0f, g.dq + q0 * d, d);
+    return kRecomputedSoftmaxBackwardFlopsPerElement * valid_entries;
   }
 
-  void pack_keys(const Tensor& k) { pack_panels(k, packed_keys_); }
-
-  // Packs every head's rows of x (keys, or values for the backward's dP) once per call, so query
-  // blocks share the panels.
-  void pack_panels(const Tensor& x, Tensor& packed) {
+  // Packs every head's keys once per call, so query blocks share the panels.
+  void pack_keys(const Tensor& k) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, panels = tiles::panels_for(n);
     const std::int64_t heads = p_.batch * p_.heads;
 #pragma omp parallel for num_threads(p_.threads) schedule(static)
     for (std::int64_t task = 0; task < heads * panels; ++task) {
       const std::int64_t head = task / panels, panel = task % panels;
       const std::int64_t first = panel * tiles::kPanel;
-      tiles::pack_key_panels(x.data() + (head * n + first) * d, d, std::min(tiles::kPanel, n - first), d,
-                             packed.data() + (head * panels + panel) * d * tiles::kPanel);
+      tiles::pack_key_panels(k.data() + (head * n + first) * d, d, std::min(tiles::kPanel, n - first), d,
+                             packed_keys_.data() + (head * panels + panel) * d * tiles::kPanel);
     }
   }
 
@@ -277,7 +256,7 @@ class ExactTiled final : public Mechanism {
   ExactTiledConfig c_;
   std::int64_t score_ld_ = 0;
   Tensor scores_, packed_keys_, accumulators_, row_stats_;
-  Tensor log_sum_exp_, deltas_, tile_grads_, packed_values_;  // training only (prepare_backward)
+  Tensor log_sum_exp_, deltas_, tile_grads_;  // training only (prepare_backward)
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ExactTiledConfig& c, std::uint64_t) {
@@ -316,17 +295,16 @@ std::int64_t backward_flops(const Problem& p, const ExactTiledConfig& c) {
     const std::int64_t cols = std::min(c.block_k, n - k0);
     for (std::int64_t q0 = p.causal ? k0 / c.block_q * c.block_q : 0; q0 < n; q0 += c.block_q) {
       const std::int64_t rows = std::min(c.block_q, n - q0);
-      per_head += 2 * matmul_flops(rows, score_columns(cols, d), d) + 3 * matmul_flops(rows, cols, d);
+      per_head += 5 * matmul_flops(rows, cols, d);
       for (std::int64_t r = 0; r < rows; ++r)
-        per_head += (kRecomputedSoftmaxBackwardFlopsPerElement + 1) * valid_in_row(p.causal, q0 + r, k0, cols);
+        per_head += kRecomputedSoftmaxBackwardFlopsPerElement * valid_in_row(p.causal, q0 + r, k0, cols);
     }
   }
   return p.batch * p.heads * per_head;
 }
 
 std::int64_t backward_workspace(const Problem& p, const ExactTiledConfig& c) {
-  const std::int64_t floats =
-      2 * p.batch * p.heads * p.seq_len + p.threads * 2 * c.block_q * c.block_k + packed_key_floats(p);
+  const std::int64_t floats = 2 * p.batch * p.heads * p.seq_len + p.threads * 2 * c.block_q * c.block_k;
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
 

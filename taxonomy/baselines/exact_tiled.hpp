@@ -16,15 +16,11 @@
 // floats; nothing N×N is saved or materialised. The backward first forms δ_i = Σ_c dO[i,c]·O[i,c],
 // then, per head (one task; dQ rows are shared by its key blocks), walks key blocks of bk keys,
 // and for each the query blocks of bq rows that see them, recomputing the tile:
-//   S = Q_blk·K_blkᵀ/√D;  P = exp(S − L);  dP = dO_blk·V_blkᵀ;  dS = P ⊙ (dP − δ)/√D;
-//   dV_blk += Pᵀ·dO_blk;  dK_blk += dSᵀ·Q_blk;  dQ_blk += dS·K_blk.
-// On the tile kernels (D % 16 = 0) S and dP use the forward's packed K panels and V panels packed
-// once per backward; the three accumulating products run on oneDNN's sgemm (as everything does
-// when D % 16 ≠ 0). Causal: the tiles the forward executed (key blocks that start at or before the
-// query block's last row); entries j > i have P = 0. Workspace: L and δ (B·H·N each), per thread P
-// and dS tiles [bq, bk], and on the tile kernels the packed V (as K). FLOPs: per executed tile
-// 2·2·rows·cols'·D (S, dP over whole key panels: cols' = cols rounded up to 16 on the kernels) +
-// 6·rows·cols·D + 5·valid; plus 2·N·D per head (δ).
+//   S = Q_blk·K_blkᵀ/√D;  P = exp(S − L);  dV_blk += Pᵀ·dO_blk;  dP = dO_blk·V_blkᵀ;
+//   dS = P ⊙ (dP − δ);  dK_blk += dSᵀ·Q_blk/√D;  dQ_blk += dS·K_blk/√D.
+// Causal: the tiles the forward executed (key blocks that start at or before the query block's
+// last row); entries j > i have P = 0. Workspace: L and δ (B·H·N each) and per thread P and dP
+// tiles [bq, bk]. FLOPs: per executed tile 10·rows·cols·D + 4·valid; plus 2·N·D per head (δ).
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
