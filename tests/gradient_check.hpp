@@ -49,8 +49,8 @@ using ModelReference = std::function<std::vector<double>(const NamedValues& inpu
 
 // For models whose forward is more than masked attention (learned projections, compressions): the
 // gradients of q, k, v and of every parameter with a gradient ("d<name>") against central
-// differences of ⟨dO, reference⟩. With `every_element` (tiny problems) each element, and always the
-// directional derivative along a seeded random direction. An element may be off by
+// differences of ⟨dO, reference⟩: with `every_element` (tiny problems) each element, else a seeded
+// sample of 24 per tensor; and always the directional derivative along a seeded random direction. An element may be off by
 // 64·eps·(log2 N + D)·(largest |gradient| of its tensor), plus the difference quotient's own error.
 void check_composite_gradients(const std::string& model, const Problem& p, const std::vector<std::string>& params,
                                const ModelReference& reference, bool every_element, std::uint64_t seed = 7);

@@ -15,6 +15,7 @@
 #include "lib/core/tile_kernels.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
+#include "tests/gradient_check.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -42,7 +43,7 @@ TEST_SUITE("exact") {
         }
   }
 
-  TEST_CASE("exact-tiled with small uneven blocks, block ± 1 and non-multiples") {
+  TEST_CASE("exact-tiled forward and gradients with small uneven blocks, block ± 1 and non-multiples") {
     struct Case {
       std::int64_t head_dim;
       const char* block_q;
@@ -51,7 +52,7 @@ TEST_SUITE("exact") {
     // D = 8 runs oneDNN sgemm tiles with block_k 24 exactly; D = 16 runs the tile kernels, where
     // block_k 24 becomes 32 (two 16-key panels).
     for (const Case& c : {Case{8, "block_q=16", {15, 16, 17, 23, 24, 25, 100}},
-                          Case{16, "block_q=7", {15, 16, 17, 31, 32, 33, 100}}})
+                          Case{16, "block_q=7", {6, 7, 8, 15, 16, 17, 31, 32, 33, 100}}})
       for (std::int64_t n : c.lengths)
         for (bool causal : {false, true}) {
           const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = c.head_dim, .causal = causal};
@@ -60,6 +61,8 @@ TEST_SUITE("exact") {
           check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
                                   std::string("exact-tiled ") + c.block_q + " D=" + std::to_string(c.head_dim) +
                                       " N=" + std::to_string(n));
+          check_model_gradients("exact-tiled", p, same_for_every_head(causal ? MaskFn(causal_mask) : MaskFn(full_mask)),
+                                {c.block_q, "block_k=24"});
         }
   }
 

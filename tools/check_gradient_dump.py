@@ -48,6 +48,9 @@ def head_gradients(q, k, v, dout, n, d, causal):
 
 def main(folder):
     manifest = json.load(open(folder + "/manifest.json"))
+    if manifest.get("scope", "attention") != "attention":
+        print("check_gradient_dump: attention-scope dumps only (a layer dump's dout is the layer's)", file=sys.stderr)
+        return 2
     if manifest["model"] not in ("vanilla", "exact-tiled"):
         print("check_gradient_dump: only the exact models' gradients are recomputed here", file=sys.stderr)
         return 2

@@ -89,7 +89,9 @@ void EncoderLayer::prepare(Mechanism& mechanism, const Tensor& x) {
 void EncoderLayer::forward(Mechanism& mechanism, const Tensor& x, Tensor& y) {
   const std::int64_t tokens = p_.batch * p_.seq_len;
   project_qkv(x);
-  stage_clock::restart();  // the mechanism's stages exclude the projections before it
+  // A forward pass's stages are the mechanism's own and exclude the projections before it; a
+  // training step's `forward` stage is the whole layer forward.
+  if (!training()) stage_clock::restart();
   mechanism.forward(q_, k_, v_, o_);
   const float* const heads[1] = {o_.data()};
   merge_heads(p_, heads, 1, merged_.data());

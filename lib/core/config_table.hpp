@@ -141,6 +141,8 @@ Implementation implement(const ModelSpec<Config>& spec) {
     impl.unsupported = [spec](const Problem& p, const ParamValues& v) {
       return spec.unsupported(p, read_config(spec.fields, v));
     };
+  if (static_cast<bool>(spec.backward_flops) != static_cast<bool>(spec.backward_workspace))
+    throw std::logic_error("ModelSpec: backward_flops and backward_workspace go together");
   if (spec.backward_flops) {
     impl.backward_flops = [spec, running](const Problem& p, const ParamValues& v) {
       return spec.backward_flops(p, running(p, v));

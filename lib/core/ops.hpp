@@ -36,8 +36,8 @@ void softmax_rows_masked(float* data, std::int64_t batch, std::int64_t rows, std
                          std::int64_t causal_offset = 0);
 
 // Softmax backward over the same strided rows: grad holds dP on entry and dS on return, where
-// dS[r, j] = P[r, j]·(dP[r, j] − Σ_valid P[r, ·]·dP[r, ·]) for the valid(r) entries (as above) and 0
-// beyond them. p: the softmax output (row stride ld), unchanged. Counts
+// dS[r, j] = P[r, j]·(dP[r, j] − Σ_valid P[r, ·]·dP[r, ·]) for the valid(r) entries (as above, with
+// causal_offset 0) and 0 beyond them. p: the softmax output (row stride ld), unchanged. Counts
 // kSoftmaxBackwardFlopsPerElement per valid entry. Project kernel (OpenMP over rows).
 void softmax_backward_rows_masked(const float* p, float* grad, std::int64_t batch, std::int64_t rows,
                                   std::int64_t cols, std::int64_t ld, bool causal);

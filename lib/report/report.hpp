@@ -49,7 +49,8 @@ struct ResultRow {
   std::int64_t peak_owned_bytes = -1;  // same, the project's own tensors only (no oneDNN scratchpad):
                                        // machine-independent; -1 in reports that predate it
   std::int64_t workspace_bytes = 0;    // peak_tensor_bytes minus inputs and output (and, for the
-                                       // backward and train passes, dout and the gradients of q, k, v)
+                                       // backward and train passes, dO and the input gradients:
+                                       // dq, dk, dv in attention scope, dx in layer scope)
   std::int64_t saved_bytes = 0;        // tracked bytes the forward keeps for the backward (0: forward pass)
   std::int64_t estimated_workspace_bytes = 0;  // the registry's analytic estimate
   std::int64_t peak_rss_bytes = 0;     // of the process that ran the point

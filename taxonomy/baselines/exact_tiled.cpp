@@ -34,6 +34,13 @@ std::int64_t score_columns(std::int64_t cols, std::int64_t d) {
   return uses_tile_kernels(d) ? tiles::panels_for(cols) * tiles::kPanel : cols;
 }
 
+// Key columns of the tile at (q0, k0) with `rows` query rows, as the forward computes it: the key
+// block, cut at the block's last query row when causal.
+std::int64_t tile_columns(const Problem& p, std::int64_t k0, std::int64_t q0, std::int64_t rows, std::int64_t bk) {
+  const std::int64_t key_end = p.causal ? q0 + rows : p.seq_len;
+  return std::min(bk, key_end - k0);
+}
+
 // Entries of a [rows, cols] tile at (q0, k0) that a causal mask keeps: row i keeps j <= i.
 std::int64_t valid_in_row(bool causal, std::int64_t i, std::int64_t k0, std::int64_t cols) {
   return causal ? std::clamp<std::int64_t>(i - k0 + 1, 0, cols) : cols;
@@ -126,10 +133,11 @@ class ExactTiled final : public Mechanism {
     std::fill(g.dv, g.dv + n * d, 0.0f);
     std::int64_t flops = 2 * n * d;
     for (std::int64_t k0 = 0; k0 < n; k0 += bk) {
-      const std::int64_t cols = std::min(bk, n - k0);
       const std::int64_t first_block = p_.causal ? k0 / bq * bq : 0;
-      for (std::int64_t q0 = first_block; q0 < n; q0 += bq)
-        flops += tile_backward(head, g, q0, std::min(bq, n - q0), k0, cols, thread);
+      for (std::int64_t q0 = first_block; q0 < n; q0 += bq) {
+        const std::int64_t rows = std::min(bq, n - q0);
+        flops += tile_backward(head, g, q0, rows, k0, tile_columns(p_, k0, q0, rows, bk), thread);
+      }
     }
     return flops;
   }
@@ -292,9 +300,9 @@ std::int64_t backward_flops(const Problem& p, const ExactTiledConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim;
   std::int64_t per_head = 2 * n * d;  // δ
   for (std::int64_t k0 = 0; k0 < n; k0 += c.block_k) {
-    const std::int64_t cols = std::min(c.block_k, n - k0);
     for (std::int64_t q0 = p.causal ? k0 / c.block_q * c.block_q : 0; q0 < n; q0 += c.block_q) {
       const std::int64_t rows = std::min(c.block_q, n - q0);
+      const std::int64_t cols = tile_columns(p, k0, q0, rows, c.block_k);
       per_head += 5 * matmul_flops(rows, cols, d);
       for (std::int64_t r = 0; r < rows; ++r)
         per_head += kRecomputedSoftmaxBackwardFlopsPerElement * valid_in_row(p.causal, q0 + r, k0, cols);

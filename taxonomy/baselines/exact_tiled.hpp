@@ -18,8 +18,8 @@
 // and for each the query blocks of bq rows that see them, recomputing the tile:
 //   S = Q_blk·K_blkᵀ/√D;  P = exp(S − L);  dV_blk += Pᵀ·dO_blk;  dP = dO_blk·V_blkᵀ;
 //   dS = P ⊙ (dP − δ);  dK_blk += dSᵀ·Q_blk/√D;  dQ_blk += dS·K_blk/√D.
-// Causal: the tiles the forward executed (key blocks that start at or before the query block's
-// last row); entries j > i have P = 0. Workspace: L and δ (B·H·N each) and per thread P and dP
+// Causal: the tiles the forward executed, as it cut them (key blocks that start at or before the
+// query block's last row, ending at that row); entries j > i have P = 0. Workspace: L and δ (B·H·N each) and per thread P and dP
 // tiles [bq, bk]. FLOPs: per executed tile 10·rows·cols·D + 4·valid; plus 2·N·D per head (δ).
 #include "lib/core/mechanism.hpp"
 

@@ -301,7 +301,8 @@ std::int64_t attend_backward(const HeadGrads& g, const Tile& tile, const std::in
   std::int64_t valid_entries = 0;
   for (std::int64_t r = 0; r < tile.rows; ++r) {
     const std::int64_t token = tile.q_first + r * tile.q_step;
-    const std::int64_t begin = std::max<std::int64_t>(lo[r] - hull.begin, 0), end = std::max(hi[r] - hull.begin, begin);
+    // Columns [begin, end) of the hull; an empty row (hi ≤ lo, any lo) has none.
+    const std::int64_t begin = hi[r] > lo[r] ? lo[r] - hull.begin : 0, end = hi[r] > lo[r] ? hi[r] - hull.begin : 0;
     float* p_row = probs + r * ld;
     float* g_row = grads + r * ld;
     const float shift = g.lse[token], dot = g.delta[token];

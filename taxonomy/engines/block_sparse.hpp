@@ -271,7 +271,7 @@ std::int64_t attend_backward(const HeadGrads& g, const Tile& tile, const std::in
                              BackwardScratch& scratch, int thread);
 std::int64_t attend_backward_flops(std::int64_t rows, const std::int64_t* lo, const std::int64_t* hi, std::int64_t d);
 
-// Runs head_task(head, thread) for every head h < heads on scratch.threads() OpenMP threads, one
+// Runs head_task(head, thread) for every head h < heads on `threads` OpenMP threads, one
 // head per task (dynamically scheduled), and adds the returned FLOPs to the counter.
 template <class HeadTask>
 void run_heads(std::int64_t heads, int threads, const HeadTask& head_task) {
@@ -327,7 +327,7 @@ class TileTraining {
   BackwardScratch scratch_;
 };
 
-// The exact FLOPs of run_tiles_backward for one head.
+// The exact FLOPs of TileTraining::run for one head.
 template <class Plan>
 std::int64_t plan_backward_flops(std::int64_t tokens, std::int64_t tasks, std::int64_t d, const Plan& plan) {
   std::vector<std::int64_t> lo(kTaskRows), hi(kTaskRows);

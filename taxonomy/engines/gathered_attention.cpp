@@ -155,9 +155,12 @@ std::int64_t tile_backward_flops(const TilePattern& tile, std::int64_t d, bool g
 
 std::int64_t TileAttention::backward(const TilePattern& tile, const TileGrads& g, const float* k, const float* v,
                                      bool gather) {
+  if (grads_.empty()) throw std::logic_error("TileAttention::backward before enable_backward");
   const std::int64_t width = computed_layout(tile), rows = tile.rows(), d = d_;
   if (width == 0) return 0;
   const std::int64_t ld = ops::padded_ld(width);
+  if (rows * ld > grads_.size() || (gather && width * d > key_grads_.size()))
+    throw std::logic_error("TileAttention: tile larger than the buffers sized in prepare");
   if (gather) gather_union(tile, k, v);
   scores(tile, g.q, g.ld, k, width, ld, gather);  // S, turned into P below
   // dP = dO·Vᵀ into grads_, turned into dS below.
