@@ -286,6 +286,25 @@ TEST_SUITE("backward") {
     CHECK(pass_row("vanilla", small, Pass::Forward).saved_bytes == 0);
   }
 
+  TEST_CASE("saved bytes and the training step's tracked peak grow linearly in N for every model but vanilla") {
+    for (const auto& model : registry()) {
+      if (!model.implemented() || !model.impl.has_backward() || model.name == "vanilla") continue;
+      std::vector<ResultRow> rows;
+      for (std::int64_t n : {512, 1024, 2048})
+        rows.push_back(pass_row(model.name, {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32}, Pass::Train));
+      for (std::size_t i = 1; i < rows.size(); ++i) {
+        CAPTURE(model.name);
+        CAPTURE(rows[i].seq_len);
+        CHECK(static_cast<double>(rows[i].saved_bytes) <= 2.0 * static_cast<double>(rows[i - 1].saved_bytes));
+        CHECK(static_cast<double>(rows[i].peak_owned_bytes) <= 2.0 * static_cast<double>(rows[i - 1].peak_owned_bytes));
+      }
+    }
+    // vanilla saves its probabilities: N² per head.
+    const ResultRow small = pass_row("vanilla", {.batch = 1, .heads = 2, .seq_len = 512, .head_dim = 32}, Pass::Train);
+    const ResultRow large = pass_row("vanilla", {.batch = 1, .heads = 2, .seq_len = 2048, .head_dim = 32}, Pass::Train);
+    CHECK(static_cast<double>(large.saved_bytes) >= 15.0 * static_cast<double>(small.saved_bytes));
+  }
+
   TEST_CASE("models without a backward pass give an unsupported row for backward and train") {
     for (const auto& model : registry()) {
       if (!model.implemented() || model.impl.has_backward()) continue;

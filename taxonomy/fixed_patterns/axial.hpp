@@ -19,6 +19,9 @@
 // token. FLOPs: Σ over tiles of block_sparse::accumulate_flops (+ finish_flops where a pass
 // normalises): row pass fresh + finish; column pass fresh (+ finish when non-causal); causal row
 // pass not fresh (D per row rescale) + finish. O(N·(C + R)·D) = O(N√N·D).
+// Backward: the forward saves U, the row stage's and (non-causal) the column stage's log-sum-exp,
+// or (causal) the union's running max and sum; the backward recomputes the second stage's tiles
+// (dU as their value gradient), then the row stage's with dU as its output gradient.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

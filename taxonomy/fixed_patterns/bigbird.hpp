@@ -20,6 +20,8 @@
 // into contiguous buffers and run one pair of sgemms (engines/gathered_attention.hpp). Partial blocks are
 // never random, so the FLOPs do not depend on the draw.
 // FLOPs per tile: 4·rows·keys·D + 5·rows·keys (every gathered key is visible to every row).
+// Backward: the forward saves each query token's log-sum-exp; the backward recomputes every tile
+// with the same random blocks (held fixed, as the paper trains; one head per task).
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

@@ -13,6 +13,8 @@
 // Computation: engines/window_global.hpp with before = after = r and no dilation, on the
 // gathered-attention kernel. FLOPs: Σ tiles tile_flops (engines/gathered_attention.hpp).
 // Work and memory: O(N_g·N + N·r) — the survey's O(N_g² + N·N_g) plus the local band.
+// Backward: the forward saves each query token's log-sum-exp; the backward recomputes every tile
+// (one head per task).
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

@@ -11,6 +11,8 @@
 // causal. Workspace: per thread one 64 × (l_m + l_q) score tile — independent of N.
 // FLOPs per head: Σ over tiles of block_sparse::accumulate_flops (fresh) + finish_flops, i.e.
 // 4·D per computed score (two gemms) + 4 per allowed entry + D per row: O(N·(l_q + l_m)·D).
+// Backward (block_sparse TileTraining): the forward saves each query token's log-sum-exp; the backward
+// recomputes every tile's scores from it (one head per task).
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

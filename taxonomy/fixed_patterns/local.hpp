@@ -9,6 +9,8 @@
 // FLOPs per head: Σ over tiles of block_sparse::accumulate_flops (fresh) + finish_flops; for a
 // block of L ≤ 64 tokens that is 4·L²·D + 4·L² + L·D (non-causal) or 4·L²·D + 2·L(L+1) + L·D
 // (causal). Total O(N·b·D).
+// Backward (block_sparse TileTraining): the forward saves each query token's log-sum-exp; the backward
+// recomputes every tile's scores from it (one head per task).
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

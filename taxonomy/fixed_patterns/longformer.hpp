@@ -18,6 +18,9 @@
 // Parameters (from the seed): global_wq, global_wk, global_wv, each [H, D, D], N(0, 1/D) entries.
 // Computation: tiles of `tile` query rows (engines/window_global.hpp) on the gathered-attention kernel.
 // FLOPs: Σ tiles tile_flops (engines/gathered_attention.hpp) + per global tile 3·2·rows·D·D (projections).
+// Backward: the forward saves the log-sum-exp and, for global rows, q·Wq, q̃ and the attention's
+// output; the backward recomputes every tile and forms dWq, dWk, dWv (one task per head index,
+// summed over the batch).
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

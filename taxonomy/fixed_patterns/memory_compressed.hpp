@@ -20,6 +20,9 @@
 // gathered-attention kernel. Compressed memory is kept as [B, H_c, N_c, D].
 // FLOPs: 2·B·H_c·2·N_c·c·D·D (two convolutions) + Σ tiles tile_flops (engines/gathered_attention.hpp).
 // Work: O(N·block) local, O(N·N/c) compressed (the survey's O(N_c²) class); memory O(N).
+// Backward: the forward saves the log-sum-exp and keeps K̂, V̂; the backward recomputes the tiles,
+// then runs the convolution backward (input rows and the weights' gradients, summed over the
+// batch: one task per head index).
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

@@ -21,6 +21,9 @@
 // FLOPs: Σ over tiles of block_sparse::accumulate_flops (fresh) + finish_flops — 4·D per computed
 // score + 4 per allowed entry + D per query row; O(N·l·D) = O(N√N·D) for strided and fixed A1,
 // O(N·(N·c/l)·D) for fixed A2. The gather is a copy (0 FLOPs).
+// Backward: the forward saves each query token's log-sum-exp (and, fixed, keeps the gathered summary
+// rows); the backward recomputes every tile, and the A2 heads of the fixed pattern add their
+// gathered dK, dV back to the summary positions.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
