@@ -141,8 +141,10 @@ nlohmann::json problem_settings(const PointConfig& c) {
 std::int64_t point_io_bytes(const PointConfig& config) {
   const Problem& p = config.problem;
   const std::int64_t tensor = p.batch * p.heads * p.seq_len * p.head_dim * static_cast<std::int64_t>(sizeof(float));
-  const std::int64_t gradients = config.pass == Pass::Forward ? 0 : 1;  // 1: dO and dx (layer), ×4 attention
-  return (config.scope == Scope::Layer ? 2 + 2 * gradients : 4 + 4 * gradients) * tensor;
+  const bool training = config.pass != Pass::Forward;
+  // Attention: q, k, v, out (+ dout, dq, dk, dv); layer: x, y (+ dy, dx).
+  const std::int64_t tensors = config.scope == Scope::Layer ? (training ? 4 : 2) : (training ? 8 : 4);
+  return tensors * tensor;
 }
 
 std::int64_t estimated_point_bytes(const Point& point) {
