@@ -11,6 +11,7 @@
 
 #include "taxonomy/kernels/performer.hpp"
 #include "tests/mechanism_run.hpp"
+#include "tests/gradient_check.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -338,6 +339,43 @@ TEST_SUITE("kernels") {
     CHECK(largest_cross_block_cosine > 0.3);  // blocks are independent, not one orthogonal family
     // E‖ω‖² = D for chi(D) norms; the mean of 1000 has standard deviation √(2D/1000) ≈ 0.18.
     CHECK(std::fabs(squared_norms / m - d) < 1.0);
+  }
+
+  TEST_CASE("linear-transformer gradients against central differences of the double kernel formula") {
+    // out_i = Σ_j (φ(q_i)·φ(k_j)) v_j / Σ_j φ(q_i)·φ(k_j), φ = elu + 1, j ≤ i when causal.
+    auto reference = [](const Problem& p) {
+      return [p](const NamedValues& x) {
+        const std::int64_t n = p.seq_len, d = p.head_dim;
+        auto phi = [](double value) { return value < 0 ? std::exp(value) : value + 1; };
+        std::vector<double> out(static_cast<std::size_t>(p.batch * p.heads * n * d), 0.0);
+        for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
+          const double *q = x.at("q").data() + head * n * d, *k = x.at("k").data() + head * n * d,
+                       *v = x.at("v").data() + head * n * d;
+          for (std::int64_t i = 0; i < n; ++i) {
+            double z = 0;
+            std::vector<double> numerator(static_cast<std::size_t>(d), 0.0);
+            for (std::int64_t j = 0; j < (p.causal ? i + 1 : n); ++j) {
+              double w = 0;
+              for (std::int64_t c = 0; c < d; ++c) w += phi(q[i * d + c]) * phi(k[j * d + c]);
+              z += w;
+              for (std::int64_t c = 0; c < d; ++c) numerator[c] += w * v[j * d + c];
+            }
+            for (std::int64_t c = 0; c < d; ++c) out[(head * n + i) * d + c] = numerator[c] / z;
+          }
+        }
+        return out;
+      };
+    };
+    for (bool causal : {false, true}) {
+      for (std::int64_t n : {1, 3, 4, 5, 9}) {  // chunk 4: one below, at, above, two chunks and a part
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 3, .causal = causal};
+        check_composite_gradients("linear-transformer", p, {"chunk=4"}, reference(p), true);
+      }
+      for (std::int64_t n : {31, 32, 33, 100}) {  // default chunk 32
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
+        check_composite_gradients("linear-transformer", p, {}, reference(p), false);
+      }
+    }
   }
 
   TEST_CASE("performer and linear-transformer: FLOPs and tracked peak memory grow linearly in N") {

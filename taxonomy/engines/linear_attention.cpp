@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -20,6 +21,13 @@ struct ChunkedLinearAttention::Buffers {
   float* state;       // [M, ld_v]
 };
 
+struct ChunkedLinearAttention::GradBuffers {
+  float* output_grads;   // G' [C, ld_v]
+  float* feature_grads;  // dφ [C, ld_m]
+  float* adjoint;        // dS' (non-causal) or R (causal) [M, ld_v]
+  float* masked;         // B = tril(G'·V'ᵀ) [C, ld_c] (causal)
+};
+
 namespace {
 
 std::int64_t clamp_chunk(const Problem& p, std::int64_t chunk) { return std::max<std::int64_t>(1, std::min(chunk, p.seq_len)); }
@@ -32,10 +40,13 @@ void load_values(const float* v, std::int64_t rows, std::int64_t d, float* value
   }
 }
 
-// out[r] = numerators[r][0:D] / numerators[r][D]. Returns its FLOPs (D per row).
-std::int64_t normalise(const float* numerators, std::int64_t rows, std::int64_t d, std::int64_t ld, float* out) {
+// out[r] = numerators[r][0:D] / numerators[r][D]; z[r] = numerators[r][D] when z is given.
+// Returns its FLOPs (D per row).
+std::int64_t normalise(const float* numerators, std::int64_t rows, std::int64_t d, std::int64_t ld, float* out,
+                       float* z) {
   for (std::int64_t r = 0; r < rows; ++r) {
     const float* src = numerators + r * ld;
+    if (z != nullptr) z[r] = src[d];
     const float inverse = 1.0f / src[d];
     float* dst = out + r * d;
 #pragma omp simd
@@ -98,10 +109,11 @@ void ChunkedLinearAttention::forward(const FeatureMap& map, const Tensor& q, con
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < tasks; ++task) {
       const std::int64_t offset = task * head_size;
+      float* z = normalisers_.empty() ? nullptr : normalisers_.data() + task * p_.seq_len;
       flops += p_.causal ? head_causal(map, q.data() + offset, k.data() + offset, v.data() + offset,
-                                       out.data() + offset, b)
+                                       out.data() + offset, z, b)
                          : head_full(map, q.data() + offset, k.data() + offset, v.data() + offset,
-                                     out.data() + offset, b);
+                                     out.data() + offset, z, b);
     }
   }
   FlopCounter::add(flops);
@@ -119,7 +131,7 @@ std::int64_t ChunkedLinearAttention::load_key_chunk(const FeatureMap& map, const
 }
 
 std::int64_t ChunkedLinearAttention::head_full(const FeatureMap& map, const float* q, const float* k, const float* v,
-                                               float* out, const Buffers& b) const {
+                                               float* out, float* z, const Buffers& b) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
   float shift = -std::numeric_limits<float>::infinity();
   std::int64_t flops = 0;
@@ -133,13 +145,13 @@ std::int64_t ChunkedLinearAttention::head_full(const FeatureMap& map, const floa
     const std::int64_t rows = std::min(chunk_, n - c0);
     flops += map.queries(q + c0 * d, rows, b.phi_q, ld_m_);
     ops::gemm(false, false, rows, d + 1, m_, 1.0f, b.phi_q, ld_m_, b.state, ld_v_, 0.0f, b.numerators, ld_v_);
-    flops += normalise(b.numerators, rows, d, ld_v_, out + c0 * d);
+    flops += normalise(b.numerators, rows, d, ld_v_, out + c0 * d, z == nullptr ? nullptr : z + c0);
   }
   return flops;
 }
 
 std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const float* q, const float* k,
-                                                 const float* v, float* out, const Buffers& b) const {
+                                                 const float* v, float* out, float* z, const Buffers& b) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
   float shift = -std::numeric_limits<float>::infinity();
   std::int64_t flops = 0;
@@ -157,7 +169,142 @@ std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const fl
     if (c0 + rows < n)
       ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_k, ld_m_, b.values, ld_v_, c0 > 0 ? 1.0f : 0.0f, b.state,
                 ld_v_);
-    flops += normalise(b.numerators, rows, d, ld_v_, out + c0 * d);
+    flops += normalise(b.numerators, rows, d, ld_v_, out + c0 * d, z == nullptr ? nullptr : z + c0);
+  }
+  return flops;
+}
+
+void ChunkedLinearAttention::enable_backward() {
+  const std::int64_t threads = p_.threads;
+  normalisers_ = Tensor(Shape{p_.batch * p_.heads, p_.seq_len});
+  output_grads_ = Tensor(Shape{threads, chunk_, ld_v_});
+  feature_grads_ = Tensor(Shape{threads, chunk_, ld_m_});
+  adjoint_ = Tensor(Shape{threads, m_, ld_v_});
+  if (p_.causal) masked_grads_ = Tensor(Shape{threads, chunk_, ld_c_});
+}
+
+ChunkedLinearAttention::GradBuffers ChunkedLinearAttention::grad_buffers(int thread) {
+  return {output_grads_.data() + thread * chunk_ * ld_v_, feature_grads_.data() + thread * chunk_ * ld_m_,
+          adjoint_.data() + thread * m_ * ld_v_,
+          p_.causal ? masked_grads_.data() + thread * chunk_ * ld_c_ : nullptr};
+}
+
+void ChunkedLinearAttention::backward(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+  if (!map.differentiable() || map.shifts() || normalisers_.empty())
+    throw std::logic_error("ChunkedLinearAttention::backward: needs enable_backward and a non-shifting differentiable map");
+  const std::int64_t tasks = p_.batch * p_.heads, n = p_.seq_len, head_size = n * p_.head_dim;
+  std::int64_t flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+  {
+    const int thread = omp_get_thread_num();
+    const Buffers b = buffers(thread);
+    const GradBuffers g = grad_buffers(thread);
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t task = 0; task < tasks; ++task) {
+      const std::int64_t offset = task * head_size;
+      const float* const in[6] = {q.data() + offset,   k.data() + offset,    v.data() + offset,
+                                  out.data() + offset, dout.data() + offset, normalisers_.data() + task * n};
+      float* const grads[3] = {dq.data() + offset, dk.data() + offset, dv.data() + offset};
+      flops += p_.causal ? head_backward_causal(map, in, grads, b, g) : head_backward_full(map, in, grads, b, g);
+    }
+  }
+  FlopCounter::add(flops);
+}
+
+// in: q, k, v, out, dout, z of one head. G'[r] = [dO_r / z_r, −(dO_r·O_r)/z_r].
+std::int64_t ChunkedLinearAttention::output_grads(const float* const* in, std::int64_t c0, std::int64_t rows,
+                                                  const GradBuffers& g) const {
+  const std::int64_t d = p_.head_dim;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* dout = in[4] + (c0 + r) * d;
+    const float* out = in[3] + (c0 + r) * d;
+    const float inverse = 1.0f / in[5][c0 + r];
+    float* dst = g.output_grads + r * ld_v_;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (std::int64_t j = 0; j < d; ++j) {
+      dst[j] = dout[j] * inverse;
+      dot += dout[j] * out[j];
+    }
+    dst[d] = -dot * inverse;
+  }
+  return 3 * rows * d;
+}
+
+std::int64_t ChunkedLinearAttention::head_backward_full(const FeatureMap& map, const float* const* in,
+                                                        float* const* grads, const Buffers& b,
+                                                        const GradBuffers& g) const {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim;
+  const float *q = in[0], *k = in[1], *v = in[2];
+  float shift = -std::numeric_limits<float>::infinity();
+  std::int64_t flops = 0;
+  for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {  // S'
+    const std::int64_t rows = std::min(chunk_, n - c0);
+    flops += load_key_chunk(map, k, v, c0, rows, shift, b);
+    ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_k, ld_m_, b.values, ld_v_, c0 > 0 ? 1.0f : 0.0f, b.state,
+              ld_v_);
+  }
+  for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {  // dQ and dS'
+    const std::int64_t rows = std::min(chunk_, n - c0);
+    flops += map.queries(q + c0 * d, rows, b.phi_q, ld_m_) + output_grads(in, c0, rows, g);
+    ops::gemm(false, true, rows, m_, d + 1, 1.0f, g.output_grads, ld_v_, b.state, ld_v_, 0.0f, g.feature_grads, ld_m_);
+    flops += map.gradient(q + c0 * d, rows, b.phi_q, g.feature_grads, ld_m_, grads[0] + c0 * d);
+    ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_q, ld_m_, g.output_grads, ld_v_, c0 > 0 ? 1.0f : 0.0f,
+              g.adjoint, ld_v_);
+  }
+  for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {  // dK and dV
+    const std::int64_t rows = std::min(chunk_, n - c0);
+    flops += load_key_chunk(map, k, v, c0, rows, shift, b);
+    ops::gemm(false, true, rows, m_, d + 1, 1.0f, b.values, ld_v_, g.adjoint, ld_v_, 0.0f, g.feature_grads, ld_m_);
+    flops += map.gradient(k + c0 * d, rows, b.phi_k, g.feature_grads, ld_m_, grads[1] + c0 * d);
+    ops::gemm(false, false, rows, d, m_, 1.0f, b.phi_k, ld_m_, g.adjoint, ld_v_, 0.0f, grads[2] + c0 * d, d);
+  }
+  return flops;
+}
+
+std::int64_t ChunkedLinearAttention::head_backward_causal(const FeatureMap& map, const float* const* in,
+                                                          float* const* grads, const Buffers& b,
+                                                          const GradBuffers& g) const {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim;
+  const float *q = in[0], *k = in[1], *v = in[2];
+  float shift = -std::numeric_limits<float>::infinity();
+  std::int64_t flops = 0;
+  // The chunk's features, G' and B = tril(G'·V'ᵀ).
+  auto load_chunk = [&](std::int64_t c0, std::int64_t rows) {
+    flops += load_key_chunk(map, k, v, c0, rows, shift, b) + map.queries(q + c0 * d, rows, b.phi_q, ld_m_) +
+             output_grads(in, c0, rows, g);
+    ops::gemm(false, true, rows, rows, d + 1, 1.0f, g.output_grads, ld_v_, b.values, ld_v_, 0.0f, g.masked, ld_c_);
+    mask_future(g.masked, rows, ld_c_);
+  };
+  for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {  // forward walk: dQ
+    const std::int64_t rows = std::min(chunk_, n - c0);
+    load_chunk(c0, rows);
+    ops::gemm(false, false, rows, m_, rows, 1.0f, g.masked, ld_c_, b.phi_k, ld_m_, 0.0f, g.feature_grads, ld_m_);
+    if (c0 > 0)
+      ops::gemm(false, true, rows, m_, d + 1, 1.0f, g.output_grads, ld_v_, b.state, ld_v_, 1.0f, g.feature_grads,
+                ld_m_);
+    flops += map.gradient(q + c0 * d, rows, b.phi_q, g.feature_grads, ld_m_, grads[0] + c0 * d);
+    if (c0 + rows < n)
+      ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_k, ld_m_, b.values, ld_v_, c0 > 0 ? 1.0f : 0.0f, b.state,
+                ld_v_);
+  }
+  const std::int64_t last = (n - 1) / chunk_ * chunk_;
+  for (std::int64_t c0 = last; c0 >= 0; c0 -= chunk_) {  // reverse walk: dK, dV
+    const std::int64_t rows = std::min(chunk_, n - c0);
+    load_chunk(c0, rows);
+    ops::gemm(false, true, rows, rows, m_, 1.0f, b.phi_q, ld_m_, b.phi_k, ld_m_, 0.0f, b.scores, ld_c_);
+    mask_future(b.scores, rows, ld_c_);
+    ops::gemm(true, false, rows, m_, rows, 1.0f, g.masked, ld_c_, b.phi_q, ld_m_, 0.0f, g.feature_grads, ld_m_);
+    if (c0 < last)
+      ops::gemm(false, true, rows, m_, d + 1, 1.0f, b.values, ld_v_, g.adjoint, ld_v_, 1.0f, g.feature_grads, ld_m_);
+    flops += map.gradient(k + c0 * d, rows, b.phi_k, g.feature_grads, ld_m_, grads[1] + c0 * d);
+    ops::gemm(true, false, rows, d, rows, 1.0f, b.scores, ld_c_, g.output_grads, ld_v_, 0.0f, grads[2] + c0 * d, d);
+    if (c0 < last)
+      ops::gemm(false, false, rows, d, m_, 1.0f, b.phi_k, ld_m_, g.adjoint, ld_v_, 1.0f, grads[2] + c0 * d, d);
+    if (c0 > 0)
+      ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_q, ld_m_, g.output_grads, ld_v_, c0 < last ? 1.0f : 0.0f,
+                g.adjoint, ld_v_);
   }
   return flops;
 }
@@ -176,6 +323,38 @@ std::int64_t linear_attention_flops(const Problem& p, std::int64_t chunk, const 
     if (c0 + rows < n) per_head += matmul_flops(m, d + 1, rows);
   }
   return p.batch * p.heads * per_head;
+}
+
+std::int64_t linear_attention_backward_flops(const Problem& p, std::int64_t chunk, const FeatureCosts& costs) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, m = costs.dim, c = clamp_chunk(p, chunk);
+  const std::int64_t features = costs.query_row + costs.key_row, output_grads = 3 * d;
+  std::int64_t per_head = n * 2 * costs.gradient_row;  // dQ and dK through the map
+  if (!p.causal) {
+    // S'; dφ(Q), dS'; dφ(K), dV.
+    per_head += n * (costs.key_row + costs.query_row + output_grads + costs.key_row) +
+                3 * matmul_flops(n, m, d + 1) + matmul_flops(n, m, d + 1) + matmul_flops(n, d, m);
+    return p.batch * p.heads * per_head;
+  }
+  const std::int64_t last = (n - 1) / c * c;
+  for (std::int64_t c0 = 0; c0 < n; c0 += c) {
+    const std::int64_t rows = std::min(c, n - c0);
+    const std::int64_t chunk_load = rows * (features + output_grads) + matmul_flops(rows, rows, d + 1);
+    per_head += 2 * chunk_load;                                    // both walks load the chunk
+    per_head += matmul_flops(rows, m, rows);                       // B·φ(K)
+    if (c0 > 0) per_head += matmul_flops(rows, m, d + 1);          // G'·S'ᵀ
+    if (c0 + rows < n) per_head += matmul_flops(m, d + 1, rows);   // S' update
+    per_head += matmul_flops(rows, rows, m) + matmul_flops(rows, m, rows) + matmul_flops(rows, d, rows);  // A, Bᵀ·φ(Q), Aᵀ·G'
+    if (c0 < last) per_head += matmul_flops(rows, m, d + 1) + matmul_flops(rows, d, m);  // V'·Rᵀ, φ(K)·R
+    if (c0 > 0) per_head += matmul_flops(m, d + 1, rows);          // R update
+  }
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t linear_attention_backward_workspace(const Problem& p, std::int64_t chunk, std::int64_t feature_dim) {
+  const std::int64_t c = clamp_chunk(p, chunk), ld_v = ops::padded_ld(p.head_dim + 1);
+  std::int64_t per_thread = c * ld_v + c * ops::padded_ld(feature_dim) + feature_dim * ld_v;
+  if (p.causal) per_thread += c * ops::padded_ld(c);
+  return (p.batch * p.heads * p.seq_len + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t linear_attention_workspace(const Problem& p, std::int64_t chunk, std::int64_t feature_dim) {

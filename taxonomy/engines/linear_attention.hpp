@@ -29,6 +29,17 @@
 //   causal, chunk c: 2·n_c²·M + 2·n_c²·(D+1) + [c > 0] 2·n_c·M·(D+1) + [not last] 2·n_c·M·(D+1)
 // Workspace: per thread φ(Q_c), φ(K_c) [C, M], A [C, C], V'_c, out'_c [C, D+1], S' [M, D+1]:
 // independent of N.
+//
+// Backward (maps that do not shift; see backward_flops): the forward saves each row's normaliser
+// z_i = out'_i[D] (B·H·N floats, the only saved state; the features are recomputed). With
+// G'_i = [dO_i / z_i, −(dO_i·O_i)/z_i] (the gradient of out'_i):
+//   non-causal:  S' = Σ φ(K_c)ᵀ V'_c;  dφ(Q_c) = G'_c·S'ᵀ;  dS' = Σ φ(Q_c)ᵀ G'_c;
+//                dφ(K_c) = V'_c·dS'ᵀ;  dV_c = φ(K_c)·dS'[:, :D].
+//   causal, a forward walk:  B = tril(G'_c·V'_cᵀ);  dφ(Q_c) = B·φ(K_c) + G'_c·S'_{<c}ᵀ;
+//           and a reverse walk with R = Σ_{later chunks} φ(Q)ᵀ G':  A = tril(φ(Q_c)·φ(K_c)ᵀ);
+//           dφ(K_c) = Bᵀ·φ(Q_c) + V'_c·Rᵀ;  dV_c = Aᵀ·G'_c[:, :D] + φ(K_c)·R[:, :D].
+// dQ, dK from dφ through the map's own gradient. Memory stays O(N) (z) plus per-thread chunk
+// buffers: no per-token state.
 #include <cstdint>
 
 #include "lib/core/mechanism.hpp"
@@ -49,6 +60,14 @@ class FeatureMap {
   virtual std::int64_t keys(const float* x, std::int64_t rows, float* phi, std::int64_t ld, float& shift) const = 0;
   // Whether keys() ever changes shift (then the engine rescales its state).
   virtual bool shifts() const = 0;
+  // Backward (maps that have one): dx [rows, D] = (∂φ/∂x)ᵀ·dphi for rows whose φ(x) = phi (as
+  // queries()/keys() computed it; row stride ld for both phi and dphi). Returns its FLOPs.
+  virtual bool differentiable() const { return false; }
+  virtual std::int64_t gradient(const float* x, std::int64_t rows, const float* phi, const float* dphi,
+                                std::int64_t ld, float* dx) const {
+    (void)x, (void)rows, (void)phi, (void)dphi, (void)ld, (void)dx;
+    return 0;
+  }
 };
 
 // FLOPs of a feature map per row, gemm included; used by the analytic formulas.
@@ -57,6 +76,7 @@ struct FeatureCosts {
   std::int64_t query_row = 0;  // per query row
   std::int64_t key_row = 0;    // per key row
   bool shifts = false;
+  std::int64_t gradient_row = 0;  // the map's gradient, per row (backward)
 };
 
 class ChunkedLinearAttention {
@@ -65,11 +85,28 @@ class ChunkedLinearAttention {
   ChunkedLinearAttention(const Problem& problem, std::int64_t chunk, std::int64_t feature_dim);
   void forward(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
 
+  // Training: allocates the saved normalisers and the backward's buffers; the forward then saves z.
+  void enable_backward();
+  // After a forward of the same inputs; writes every element of dq, dk, dv. The map must be
+  // differentiable and must not shift.
+  void backward(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv);
+  const Tensor& normalisers() const { return normalisers_; }
+
  private:
   struct Buffers;
-  std::int64_t head_causal(const FeatureMap& map, const float* q, const float* k, const float* v, float* out,
+  struct GradBuffers;
+  std::int64_t head_backward_full(const FeatureMap& map, const float* const* in, float* const* grads,
+                                  const Buffers& b, const GradBuffers& g) const;
+  std::int64_t head_backward_causal(const FeatureMap& map, const float* const* in, float* const* grads,
+                                    const Buffers& b, const GradBuffers& g) const;
+  // G'_c of chunk rows [c0, c0 + rows) into g.output_grads. Returns its FLOPs (3·D per row).
+  std::int64_t output_grads(const float* const* in, std::int64_t c0, std::int64_t rows, const GradBuffers& g) const;
+  GradBuffers grad_buffers(int thread);
+  // z: the head's saved normalisers (training) or nullptr.
+  std::int64_t head_causal(const FeatureMap& map, const float* q, const float* k, const float* v, float* out, float* z,
                            const Buffers& b) const;
-  std::int64_t head_full(const FeatureMap& map, const float* q, const float* k, const float* v, float* out,
+  std::int64_t head_full(const FeatureMap& map, const float* q, const float* k, const float* v, float* out, float* z,
                          const Buffers& b) const;
   // The key side of chunk [c0, c0 + rows): φ(K) into b.phi_k (moving the running shift, and
   // rescaling the state to it when the map shifts), and [V | 1] into b.values. Returns its FLOPs.
@@ -80,9 +117,13 @@ class ChunkedLinearAttention {
   Problem p_;
   std::int64_t chunk_, m_, ld_m_, ld_c_, ld_v_;
   Tensor phi_q_, phi_k_, scores_, values_, numerators_, state_;
+  Tensor normalisers_, output_grads_, feature_grads_, adjoint_, masked_grads_;  // training only
 };
 
 std::int64_t linear_attention_flops(const Problem& p, std::int64_t chunk, const FeatureCosts& costs);
 std::int64_t linear_attention_workspace(const Problem& p, std::int64_t chunk, std::int64_t feature_dim);
+// The backward's FLOPs and the bytes enable_backward adds.
+std::int64_t linear_attention_backward_flops(const Problem& p, std::int64_t chunk, const FeatureCosts& costs);
+std::int64_t linear_attention_backward_workspace(const Problem& p, std::int64_t chunk, std::int64_t feature_dim);
 
 }  // namespace xfb

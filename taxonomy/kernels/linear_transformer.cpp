@@ -9,6 +9,7 @@ namespace xfb {
 namespace {
 
 inline constexpr std::int64_t kEluPlusOneFlops = 4;
+inline constexpr std::int64_t kEluPlusOneGradientFlops = 2;  // select φ(x) or 1, multiply
 
 class EluFeatures final : public FeatureMap {
  public:
@@ -21,6 +22,17 @@ class EluFeatures final : public FeatureMap {
   }
   std::int64_t keys(const float* x, std::int64_t rows, float* phi, std::int64_t ld, float&) const override {
     return apply(x, rows, phi, ld);
+  }
+  bool differentiable() const override { return true; }
+  // φ'(x) = e^x = φ(x) for x < 0, 1 otherwise.
+  std::int64_t gradient(const float* x, std::int64_t rows, const float* phi, const float* dphi, std::int64_t ld,
+                        float* dx) const override {
+    for (std::int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+      for (std::int64_t c = 0; c < d_; ++c)
+        dx[r * d_ + c] = dphi[r * ld + c] * (x[r * d_ + c] < 0.0f ? phi[r * ld + c] : 1.0f);
+    }
+    return rows * d_ * kEluPlusOneGradientFlops;
   }
 
  private:
@@ -52,6 +64,13 @@ class LinearTransformer final : public Mechanism {
     engine_->forward(EluFeatures(p_.head_dim), q, k, v, out);
   }
 
+  void prepare_backward() override { engine_->enable_backward(); }
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    engine_->backward(EluFeatures(p_.head_dim), q, k, v, out, dout, dq, dk, dv);
+  }
+  std::vector<NamedTensor> saved() const override { return {{"normalisers", &engine_->normalisers()}}; }
+
  private:
   Problem p_;
   LinearTransformerConfig c_;
@@ -62,13 +81,23 @@ std::unique_ptr<Mechanism> create(const Problem& problem, const LinearTransforme
   return std::make_unique<LinearTransformer>(problem, c);
 }
 
-std::int64_t flops(const Problem& p, const LinearTransformerConfig& c) {
+FeatureCosts costs(const Problem& p) {
   const std::int64_t per_row = kEluPlusOneFlops * p.head_dim;
-  return linear_attention_flops(p, c.chunk, {p.head_dim, per_row, per_row, false});
+  return {p.head_dim, per_row, per_row, false, kEluPlusOneGradientFlops * p.head_dim};
 }
+
+std::int64_t flops(const Problem& p, const LinearTransformerConfig& c) { return linear_attention_flops(p, c.chunk, costs(p)); }
 
 std::int64_t workspace(const Problem& p, const LinearTransformerConfig& c) {
   return linear_attention_workspace(p, c.chunk, p.head_dim);
+}
+
+std::int64_t backward_flops(const Problem& p, const LinearTransformerConfig& c) {
+  return linear_attention_backward_flops(p, c.chunk, costs(p));
+}
+
+std::int64_t backward_workspace(const Problem& p, const LinearTransformerConfig& c) {
+  return linear_attention_backward_workspace(p, c.chunk, p.head_dim);
 }
 
 }  // namespace
@@ -79,7 +108,9 @@ Implementation linear_transformer_implementation() {
                            "rows per chunk of the prefix-sum walk (tokens)")},
       .create = create,
       .flops = flops,
-      .workspace = workspace});
+      .workspace = workspace,
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb
