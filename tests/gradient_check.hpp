@@ -50,14 +50,16 @@ using ModelReference = std::function<std::vector<double>(const NamedValues& inpu
 // For models whose forward is more than masked attention (learned projections, compressions): the
 // gradients of q, k, v and of every parameter with a gradient ("d<name>") against central
 // differences of ⟨dO, reference⟩: with `every_element` (tiny problems) each element, else a seeded
-// sample of 24 per tensor; and always the directional derivative along a seeded random direction. An element may be off by
-// 64·eps·(log2 N + D)·(largest |gradient| of its tensor), plus the difference quotient's own error.
+// sample of 24 per tensor; and always the directional derivative along a seeded random direction.
+// An element may be off by 64·eps·(log2 N + D)·max(largest |gradient| of its tensor, of any
+// tensor), plus the difference quotient's own error.
 void check_composite_gradients(const std::string& model, const Problem& p, const std::vector<std::string>& params,
                                const ModelReference& reference, bool every_element, std::uint64_t seed = 7);
 
 // The core of the check above, for any model with named inputs: grads[name] is the gradient of
 // ⟨dout, reference⟩ with respect to inputs[name]; an element may be off by
-// 64·eps·size_factor·(largest |gradient| of its tensor) plus the difference quotient's own error.
+// 64·eps·size_factor·max(largest |gradient| of its tensor, of any tensor) plus the difference
+// quotient's own error.
 void check_against_differences(const std::string& label, const NamedValues& inputs,
                                const std::map<std::string, const Tensor*>& grads, const Tensor& dout,
                                const ModelReference& reference, double size_factor, bool every_element);

@@ -28,7 +28,8 @@ struct KernelCase {
 };
 
 // φ(x) of one row, in double, exactly as the headers define it (no stabilisers).
-std::vector<double> features(Kernel kernel, const Tensor* omega, const float* x, std::int64_t d) {
+template <class T>
+std::vector<double> features(Kernel kernel, const Tensor* omega, const T* x, std::int64_t d) {
   if (kernel == Kernel::Elu) {
     std::vector<double> phi(static_cast<std::size_t>(d));
     for (std::int64_t c = 0; c < d; ++c) phi[c] = x[c] > 0 ? x[c] + 1.0 : std::exp(static_cast<double>(x[c]));
@@ -48,7 +49,8 @@ std::vector<double> features(Kernel kernel, const Tensor* omega, const float* x,
   return phi;
 }
 
-std::vector<std::vector<double>> all_features(Kernel kernel, const Tensor* omega, const float* x, std::int64_t n,
+template <class T>
+std::vector<std::vector<double>> all_features(Kernel kernel, const Tensor* omega, const T* x, std::int64_t n,
                                               std::int64_t d) {
   std::vector<std::vector<double>> rows;
   for (std::int64_t i = 0; i < n; ++i) rows.push_back(features(kernel, omega, x + i * d, d));
@@ -62,8 +64,9 @@ double dot(const std::vector<double>& a, const std::vector<double>& b) {
 }
 
 // The N×N form: weights φ(q_i)·φ(k_j) over allowed j, row-normalised, times V.
-std::vector<double> naive_kernel_attention(Kernel kernel, const Tensor* omega, const float* q, const float* k,
-                                           const float* v, std::int64_t n, std::int64_t d, bool causal) {
+template <class T>
+std::vector<double> naive_kernel_attention(Kernel kernel, const Tensor* omega, const T* q, const T* k, const T* v,
+                                           std::int64_t n, std::int64_t d, bool causal) {
   const auto fq = all_features(kernel, omega, q, n, d), fk = all_features(kernel, omega, k, n, d);
   std::vector<double> out(static_cast<std::size_t>(n * d), 0.0);
   for (std::int64_t i = 0; i < n; ++i) {
@@ -341,41 +344,36 @@ TEST_SUITE("kernels") {
     CHECK(std::fabs(squared_norms / m - d) < 1.0);
   }
 
-  TEST_CASE("linear-transformer gradients against central differences of the double kernel formula") {
-    // out_i = Σ_j (φ(q_i)·φ(k_j)) v_j / Σ_j φ(q_i)·φ(k_j), φ = elu + 1, j ≤ i when causal.
-    auto reference = [](const Problem& p) {
-      return [p](const NamedValues& x) {
-        const std::int64_t n = p.seq_len, d = p.head_dim;
-        auto phi = [](double value) { return value < 0 ? std::exp(value) : value + 1; };
-        std::vector<double> out(static_cast<std::size_t>(p.batch * p.heads * n * d), 0.0);
-        for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
-          const double *q = x.at("q").data() + head * n * d, *k = x.at("k").data() + head * n * d,
-                       *v = x.at("v").data() + head * n * d;
-          for (std::int64_t i = 0; i < n; ++i) {
-            double z = 0;
-            std::vector<double> numerator(static_cast<std::size_t>(d), 0.0);
-            for (std::int64_t j = 0; j < (p.causal ? i + 1 : n); ++j) {
-              double w = 0;
-              for (std::int64_t c = 0; c < d; ++c) w += phi(q[i * d + c]) * phi(k[j * d + c]);
-              z += w;
-              for (std::int64_t c = 0; c < d; ++c) numerator[c] += w * v[j * d + c];
-            }
-            for (std::int64_t c = 0; c < d; ++c) out[(head * n + i) * d + c] = numerator[c] / z;
-          }
+  TEST_CASE("performer and linear-transformer gradients against central differences of the double kernel formula") {
+    // Random features held fixed (read from a forward with the same seed); chunk ± 1 and two chunks
+    // and a part on tiny problems (every element), the default chunks around their size (sampled).
+    for (const KernelCase& c : {KernelCase{"performer", Kernel::Favor, {}}, KernelCase{"performer", Kernel::Relu, {"kernel=relu"}},
+                                KernelCase{"linear-transformer", Kernel::Elu, {}}})
+      for (bool causal : {false, true})
+        for (auto [n, d, chunk, every] : std::vector<std::tuple<std::int64_t, std::int64_t, const char*, bool>>{
+                 {1, 3, "chunk=4", true}, {3, 3, "chunk=4", true}, {4, 3, "chunk=4", true}, {5, 3, "chunk=4", true},
+                 {9, 3, "chunk=4", true}, {63, 8, "", false}, {65, 8, "", false}}) {
+          const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = d, .causal = causal};
+          std::vector<std::string> params = c.params;
+          if (c.kernel != Kernel::Elu) params.push_back("features=16");
+          if (*chunk) params.push_back(chunk);
+          const auto ran = run_keeping(c.model, p, random_inputs(p, 7), params, 7);
+          const Tensor* omega = c.kernel == Kernel::Elu ? nullptr : &ran.parameter("random_features");
+          const Kernel kernel = c.kernel;
+          check_composite_gradients(c.model, p, params,
+                                    [&](const NamedValues& x) {
+                                      std::vector<double> out;
+                                      const std::int64_t size = n * d;
+                                      for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
+                                        const auto one = naive_kernel_attention(
+                                            kernel, omega, x.at("q").data() + head * size, x.at("k").data() + head * size,
+                                            x.at("v").data() + head * size, n, d, causal);
+                                        out.insert(out.end(), one.begin(), one.end());
+                                      }
+                                      return out;
+                                    },
+                                    every);
         }
-        return out;
-      };
-    };
-    for (bool causal : {false, true}) {
-      for (std::int64_t n : {1, 3, 4, 5, 9}) {  // chunk 4: one below, at, above, two chunks and a part
-        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 3, .causal = causal};
-        check_composite_gradients("linear-transformer", p, {"chunk=4"}, reference(p), true);
-      }
-      for (std::int64_t n : {31, 32, 33, 100}) {  // default chunk 32
-        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
-        check_composite_gradients("linear-transformer", p, {}, reference(p), false);
-      }
-    }
   }
 
   TEST_CASE("performer and linear-transformer: FLOPs and tracked peak memory grow linearly in N") {

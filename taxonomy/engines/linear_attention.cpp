@@ -110,10 +110,11 @@ void ChunkedLinearAttention::forward(const FeatureMap& map, const Tensor& q, con
     for (std::int64_t task = 0; task < tasks; ++task) {
       const std::int64_t offset = task * head_size;
       float* z = normalisers_.empty() ? nullptr : normalisers_.data() + task * p_.seq_len;
+      float* shifts = shifts_.empty() ? nullptr : shifts_.data() + task * shifts_.dim(1);
       flops += p_.causal ? head_causal(map, q.data() + offset, k.data() + offset, v.data() + offset,
-                                       out.data() + offset, z, b)
+                                       out.data() + offset, z, shifts, b)
                          : head_full(map, q.data() + offset, k.data() + offset, v.data() + offset,
-                                     out.data() + offset, z, b);
+                                     out.data() + offset, z, shifts, b);
     }
   }
   FlopCounter::add(flops);
@@ -121,23 +122,24 @@ void ChunkedLinearAttention::forward(const FeatureMap& map, const Tensor& q, con
 
 std::int64_t ChunkedLinearAttention::load_key_chunk(const FeatureMap& map, const float* k, const float* v,
                                                     std::int64_t c0, std::int64_t rows, float& shift,
-                                                    const Buffers& b) const {
+                                                    const Buffers& b, bool rescale_state) const {
   const std::int64_t d = p_.head_dim;
   const float old_shift = shift;
   std::int64_t flops = map.keys(k + c0 * d, rows, b.phi_k, ld_m_, shift);
-  if (c0 > 0 && map.shifts()) flops += rescale(b.state, m_, d + 1, ld_v_, old_shift, shift);
+  if (c0 > 0 && map.shifts() && rescale_state) flops += rescale(b.state, m_, d + 1, ld_v_, old_shift, shift);
   load_values(v + c0 * d, rows, d, b.values, ld_v_);
   return flops;
 }
 
 std::int64_t ChunkedLinearAttention::head_full(const FeatureMap& map, const float* q, const float* k, const float* v,
-                                               float* out, float* z, const Buffers& b) const {
+                                               float* out, float* z, float* shifts, const Buffers& b) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
   float shift = -std::numeric_limits<float>::infinity();
   std::int64_t flops = 0;
   for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {
     const std::int64_t rows = std::min(chunk_, n - c0);
     flops += load_key_chunk(map, k, v, c0, rows, shift, b);
+    if (shifts != nullptr) shifts[c0 / chunk_] = shift;
     ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_k, ld_m_, b.values, ld_v_, c0 > 0 ? 1.0f : 0.0f, b.state,
               ld_v_);
   }
@@ -151,13 +153,15 @@ std::int64_t ChunkedLinearAttention::head_full(const FeatureMap& map, const floa
 }
 
 std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const float* q, const float* k,
-                                                 const float* v, float* out, float* z, const Buffers& b) const {
+                                                 const float* v, float* out, float* z, float* shifts,
+                                                 const Buffers& b) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
   float shift = -std::numeric_limits<float>::infinity();
   std::int64_t flops = 0;
   for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {
     const std::int64_t rows = std::min(chunk_, n - c0);
     flops += load_key_chunk(map, k, v, c0, rows, shift, b);
+    if (shifts != nullptr) shifts[c0 / chunk_] = shift;
     flops += map.queries(q + c0 * d, rows, b.phi_q, ld_m_);
     // Inside the chunk: the masked small product.
     ops::gemm(false, true, rows, rows, m_, 1.0f, b.phi_q, ld_m_, b.phi_k, ld_m_, 0.0f, b.scores, ld_c_);
@@ -177,6 +181,7 @@ std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const fl
 void ChunkedLinearAttention::enable_backward() {
   const std::int64_t threads = p_.threads;
   normalisers_ = Tensor(Shape{p_.batch * p_.heads, p_.seq_len});
+  shifts_ = Tensor(Shape{p_.batch * p_.heads, (p_.seq_len + chunk_ - 1) / chunk_});
   output_grads_ = Tensor(Shape{threads, chunk_, ld_v_});
   feature_grads_ = Tensor(Shape{threads, chunk_, ld_m_});
   adjoint_ = Tensor(Shape{threads, m_, ld_v_});
@@ -191,8 +196,8 @@ ChunkedLinearAttention::GradBuffers ChunkedLinearAttention::grad_buffers(int thr
 
 void ChunkedLinearAttention::backward(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v,
                                       const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
-  if (!map.differentiable() || map.shifts() || normalisers_.empty())
-    throw std::logic_error("ChunkedLinearAttention::backward: needs enable_backward and a non-shifting differentiable map");
+  if (!map.differentiable() || normalisers_.empty())
+    throw std::logic_error("ChunkedLinearAttention::backward: needs enable_backward and a differentiable map");
   const std::int64_t tasks = p_.batch * p_.heads, n = p_.seq_len, head_size = n * p_.head_dim;
   std::int64_t flops = 0;
 #pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
@@ -203,8 +208,9 @@ void ChunkedLinearAttention::backward(const FeatureMap& map, const Tensor& q, co
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < tasks; ++task) {
       const std::int64_t offset = task * head_size;
-      const float* const in[6] = {q.data() + offset,   k.data() + offset,    v.data() + offset,
-                                  out.data() + offset, dout.data() + offset, normalisers_.data() + task * n};
+      const float* const in[7] = {q.data() + offset,   k.data() + offset,    v.data() + offset,
+                                  out.data() + offset, dout.data() + offset, normalisers_.data() + task * n,
+                                  shifts_.data() + task * shifts_.dim(1)};
       float* const grads[3] = {dq.data() + offset, dk.data() + offset, dv.data() + offset};
       flops += p_.causal ? head_backward_causal(map, in, grads, b, g) : head_backward_full(map, in, grads, b, g);
     }
@@ -212,14 +218,15 @@ void ChunkedLinearAttention::backward(const FeatureMap& map, const Tensor& q, co
   FlopCounter::add(flops);
 }
 
-// in: q, k, v, out, dout, z of one head. G'[r] = [dO_r / z_r, −(dO_r·O_r)/z_r].
+// in: q, k, v, out, dout, z, chunk shifts of one head. G'[r] = [dO_r / z_r, −(dO_r·O_r)/z_r] with
+// z_r the saved normaliser × z_scale.
 std::int64_t ChunkedLinearAttention::output_grads(const float* const* in, std::int64_t c0, std::int64_t rows,
-                                                  const GradBuffers& g) const {
+                                                  float z_scale, const GradBuffers& g) const {
   const std::int64_t d = p_.head_dim;
   for (std::int64_t r = 0; r < rows; ++r) {
     const float* dout = in[4] + (c0 + r) * d;
     const float* out = in[3] + (c0 + r) * d;
-    const float inverse = 1.0f / in[5][c0 + r];
+    const float inverse = 1.0f / (in[5][c0 + r] * z_scale);
     float* dst = g.output_grads + r * ld_v_;
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
@@ -237,27 +244,27 @@ std::int64_t ChunkedLinearAttention::head_backward_full(const FeatureMap& map, c
                                                         const GradBuffers& g) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
   const float *q = in[0], *k = in[1], *v = in[2];
-  float shift = -std::numeric_limits<float>::infinity();
+  float shift = saved_shift(in[6], n - 1);  // every key at the final shift, as pass 2 of the forward saw them
   std::int64_t flops = 0;
   for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {  // S'
     const std::int64_t rows = std::min(chunk_, n - c0);
-    flops += load_key_chunk(map, k, v, c0, rows, shift, b);
+    flops += load_key_chunk(map, k, v, c0, rows, shift, b, false);
     ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_k, ld_m_, b.values, ld_v_, c0 > 0 ? 1.0f : 0.0f, b.state,
               ld_v_);
   }
   for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {  // dQ and dS'
     const std::int64_t rows = std::min(chunk_, n - c0);
-    flops += map.queries(q + c0 * d, rows, b.phi_q, ld_m_) + output_grads(in, c0, rows, g);
+    flops += map.queries(q + c0 * d, rows, b.phi_q, ld_m_) + output_grads(in, c0, rows, 1.0f, g);
     ops::gemm(false, true, rows, m_, d + 1, 1.0f, g.output_grads, ld_v_, b.state, ld_v_, 0.0f, g.feature_grads, ld_m_);
-    flops += map.gradient(q + c0 * d, rows, b.phi_q, g.feature_grads, ld_m_, grads[0] + c0 * d);
+    flops += map.gradient(q + c0 * d, rows, b.phi_q, g.feature_grads, ld_m_, grads[0] + c0 * d, false);
     ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_q, ld_m_, g.output_grads, ld_v_, c0 > 0 ? 1.0f : 0.0f,
               g.adjoint, ld_v_);
   }
   for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {  // dK and dV
     const std::int64_t rows = std::min(chunk_, n - c0);
-    flops += load_key_chunk(map, k, v, c0, rows, shift, b);
+    flops += load_key_chunk(map, k, v, c0, rows, shift, b, false);
     ops::gemm(false, true, rows, m_, d + 1, 1.0f, b.values, ld_v_, g.adjoint, ld_v_, 0.0f, g.feature_grads, ld_m_);
-    flops += map.gradient(k + c0 * d, rows, b.phi_k, g.feature_grads, ld_m_, grads[1] + c0 * d);
+    flops += map.gradient(k + c0 * d, rows, b.phi_k, g.feature_grads, ld_m_, grads[1] + c0 * d, true);
     ops::gemm(false, false, rows, d, m_, 1.0f, b.phi_k, ld_m_, g.adjoint, ld_v_, 0.0f, grads[2] + c0 * d, d);
   }
   return flops;
@@ -268,12 +275,14 @@ std::int64_t ChunkedLinearAttention::head_backward_causal(const FeatureMap& map,
                                                           const GradBuffers& g) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
   const float *q = in[0], *k = in[1], *v = in[2];
-  float shift = -std::numeric_limits<float>::infinity();
+  const float final_shift = saved_shift(in[6], n - 1);
+  float shift = final_shift;  // every key at the final shift; each row's z brought there from its chunk's
   std::int64_t flops = 0;
   // The chunk's features, G' and B = tril(G'·V'ᵀ).
   auto load_chunk = [&](std::int64_t c0, std::int64_t rows) {
-    flops += load_key_chunk(map, k, v, c0, rows, shift, b) + map.queries(q + c0 * d, rows, b.phi_q, ld_m_) +
-             output_grads(in, c0, rows, g);
+    const float z_scale = map.shifts() ? std::exp(saved_shift(in[6], c0) - final_shift) : 1.0f;
+    flops += load_key_chunk(map, k, v, c0, rows, shift, b, false) + map.queries(q + c0 * d, rows, b.phi_q, ld_m_) +
+             output_grads(in, c0, rows, z_scale, g);
     ops::gemm(false, true, rows, rows, d + 1, 1.0f, g.output_grads, ld_v_, b.values, ld_v_, 0.0f, g.masked, ld_c_);
     mask_future(g.masked, rows, ld_c_);
   };
@@ -284,7 +293,7 @@ std::int64_t ChunkedLinearAttention::head_backward_causal(const FeatureMap& map,
     if (c0 > 0)
       ops::gemm(false, true, rows, m_, d + 1, 1.0f, g.output_grads, ld_v_, b.state, ld_v_, 1.0f, g.feature_grads,
                 ld_m_);
-    flops += map.gradient(q + c0 * d, rows, b.phi_q, g.feature_grads, ld_m_, grads[0] + c0 * d);
+    flops += map.gradient(q + c0 * d, rows, b.phi_q, g.feature_grads, ld_m_, grads[0] + c0 * d, false);
     if (c0 + rows < n)
       ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_k, ld_m_, b.values, ld_v_, c0 > 0 ? 1.0f : 0.0f, b.state,
                 ld_v_);
@@ -298,7 +307,7 @@ std::int64_t ChunkedLinearAttention::head_backward_causal(const FeatureMap& map,
     ops::gemm(true, false, rows, m_, rows, 1.0f, g.masked, ld_c_, b.phi_q, ld_m_, 0.0f, g.feature_grads, ld_m_);
     if (c0 < last)
       ops::gemm(false, true, rows, m_, d + 1, 1.0f, b.values, ld_v_, g.adjoint, ld_v_, 1.0f, g.feature_grads, ld_m_);
-    flops += map.gradient(k + c0 * d, rows, b.phi_k, g.feature_grads, ld_m_, grads[1] + c0 * d);
+    flops += map.gradient(k + c0 * d, rows, b.phi_k, g.feature_grads, ld_m_, grads[1] + c0 * d, true);
     ops::gemm(true, false, rows, d, rows, 1.0f, b.scores, ld_c_, g.output_grads, ld_v_, 0.0f, grads[2] + c0 * d, d);
     if (c0 < last)
       ops::gemm(false, false, rows, d, m_, 1.0f, b.phi_k, ld_m_, g.adjoint, ld_v_, 1.0f, grads[2] + c0 * d, d);
@@ -328,7 +337,7 @@ std::int64_t linear_attention_flops(const Problem& p, std::int64_t chunk, const 
 std::int64_t linear_attention_backward_flops(const Problem& p, std::int64_t chunk, const FeatureCosts& costs) {
   const std::int64_t n = p.seq_len, d = p.head_dim, m = costs.dim, c = clamp_chunk(p, chunk);
   const std::int64_t features = costs.query_row + costs.key_row, output_grads = 3 * d;
-  std::int64_t per_head = n * 2 * costs.gradient_row;  // dQ and dK through the map
+  std::int64_t per_head = n * (costs.query_gradient_row + costs.key_gradient_row);  // dQ and dK through the map
   if (!p.causal) {
     // S'; dφ(Q), dS'; dφ(K), dV.
     per_head += n * (costs.key_row + costs.query_row + output_grads + costs.key_row) +
@@ -354,7 +363,8 @@ std::int64_t linear_attention_backward_workspace(const Problem& p, std::int64_t 
   const std::int64_t c = clamp_chunk(p, chunk), ld_v = ops::padded_ld(p.head_dim + 1);
   std::int64_t per_thread = c * ld_v + c * ops::padded_ld(feature_dim) + feature_dim * ld_v;
   if (p.causal) per_thread += c * ops::padded_ld(c);
-  return (p.batch * p.heads * p.seq_len + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t saved = p.batch * p.heads * (p.seq_len + (p.seq_len + c - 1) / c);  // z, chunk shifts
+  return (saved + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t linear_attention_workspace(const Problem& p, std::int64_t chunk, std::int64_t feature_dim) {

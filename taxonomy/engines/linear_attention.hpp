@@ -30,8 +30,11 @@
 // Workspace: per thread φ(Q_c), φ(K_c) [C, M], A [C, C], V'_c, out'_c [C, D+1], S' [M, D+1]:
 // independent of N.
 //
-// Backward (maps that do not shift; see backward_flops): the forward saves each row's normaliser
-// z_i = out'_i[D] (B·H·N floats, the only saved state; the features are recomputed). With
+// Backward (differentiable maps; see linear_attention_backward_flops): the forward saves each row's
+// normaliser z_i = out'_i[D] (B·H·N floats) and, for a shifting map, the key shift in effect after
+// each chunk (B·H·⌈N/C⌉ floats); the features are recomputed. The backward computes every key
+// feature at the final shift s* (so no state rescales) and brings a causal row's z from its
+// chunk's shift s_c to s* (× exp(s_c − s*)). With
 // G'_i = [dO_i / z_i, −(dO_i·O_i)/z_i] (the gradient of out'_i):
 //   non-causal:  S' = Σ φ(K_c)ᵀ V'_c;  dφ(Q_c) = G'_c·S'ᵀ;  dS' = Σ φ(Q_c)ᵀ G'_c;
 //                dφ(K_c) = V'_c·dS'ᵀ;  dV_c = φ(K_c)·dS'[:, :D].
@@ -60,12 +63,14 @@ class FeatureMap {
   virtual std::int64_t keys(const float* x, std::int64_t rows, float* phi, std::int64_t ld, float& shift) const = 0;
   // Whether keys() ever changes shift (then the engine rescales its state).
   virtual bool shifts() const = 0;
-  // Backward (maps that have one): dx [rows, D] = (∂φ/∂x)ᵀ·dphi for rows whose φ(x) = phi (as
-  // queries()/keys() computed it; row stride ld for both phi and dphi). Returns its FLOPs.
+  // Backward (maps that have one): dx [rows, D] = (∂φ/∂x)ᵀ·dphi for query (keys = false) or key
+  // rows whose φ(x) = phi (as queries()/keys() computed it; row stride ld for phi and dphi). The
+  // per-row and shared stabilising factors are constants here: they cancel in the output, so the
+  // output's derivative through them is zero. Returns its FLOPs.
   virtual bool differentiable() const { return false; }
-  virtual std::int64_t gradient(const float* x, std::int64_t rows, const float* phi, const float* dphi,
-                                std::int64_t ld, float* dx) const {
-    (void)x, (void)rows, (void)phi, (void)dphi, (void)ld, (void)dx;
+  virtual std::int64_t gradient(const float* x, std::int64_t rows, const float* phi, float* dphi,
+                                std::int64_t ld, float* dx, bool keys) const {
+    (void)x, (void)rows, (void)phi, (void)dphi, (void)ld, (void)dx, (void)keys;
     return 0;
   }
 };
@@ -76,7 +81,8 @@ struct FeatureCosts {
   std::int64_t query_row = 0;  // per query row
   std::int64_t key_row = 0;    // per key row
   bool shifts = false;
-  std::int64_t gradient_row = 0;  // the map's gradient, per row (backward)
+  std::int64_t query_gradient_row = 0;  // the map's gradient per query row (backward)
+  std::int64_t key_gradient_row = 0;    // per key row
 };
 
 class ChunkedLinearAttention {
@@ -88,10 +94,11 @@ class ChunkedLinearAttention {
   // Training: allocates the saved normalisers and the backward's buffers; the forward then saves z.
   void enable_backward();
   // After a forward of the same inputs; writes every element of dq, dk, dv. The map must be
-  // differentiable and must not shift.
+  // differentiable.
   void backward(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                 const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv);
   const Tensor& normalisers() const { return normalisers_; }
+  const Tensor& chunk_shifts() const { return shifts_; }
 
  private:
   struct Buffers;
@@ -101,23 +108,28 @@ class ChunkedLinearAttention {
   std::int64_t head_backward_causal(const FeatureMap& map, const float* const* in, float* const* grads,
                                     const Buffers& b, const GradBuffers& g) const;
   // G'_c of chunk rows [c0, c0 + rows) into g.output_grads. Returns its FLOPs (3·D per row).
-  std::int64_t output_grads(const float* const* in, std::int64_t c0, std::int64_t rows, const GradBuffers& g) const;
+  // z_scale: multiplies the saved z (the shift correction of a causal chunk; 1 otherwise).
+  std::int64_t output_grads(const float* const* in, std::int64_t c0, std::int64_t rows, float z_scale,
+                            const GradBuffers& g) const;
+  // The saved shift after chunk c of head `task` (−∞ when nothing was saved).
+  float saved_shift(const float* shifts, std::int64_t c0) const { return shifts[c0 / chunk_]; }
   GradBuffers grad_buffers(int thread);
-  // z: the head's saved normalisers (training) or nullptr.
+  // z, shifts: the head's saved normalisers and chunk shifts (training) or nullptr.
   std::int64_t head_causal(const FeatureMap& map, const float* q, const float* k, const float* v, float* out, float* z,
-                           const Buffers& b) const;
+                           float* shifts, const Buffers& b) const;
   std::int64_t head_full(const FeatureMap& map, const float* q, const float* k, const float* v, float* out, float* z,
-                         const Buffers& b) const;
+                         float* shifts, const Buffers& b) const;
   // The key side of chunk [c0, c0 + rows): φ(K) into b.phi_k (moving the running shift, and
-  // rescaling the state to it when the map shifts), and [V | 1] into b.values. Returns its FLOPs.
+  // rescaling the state to it when the map shifts and rescale_state; the backward's keys sit at the
+  // final shift and never move it), and [V | 1] into b.values. Returns its FLOPs.
   std::int64_t load_key_chunk(const FeatureMap& map, const float* k, const float* v, std::int64_t c0,
-                              std::int64_t rows, float& shift, const Buffers& b) const;
+                              std::int64_t rows, float& shift, const Buffers& b, bool rescale_state = true) const;
   Buffers buffers(int thread);
 
   Problem p_;
   std::int64_t chunk_, m_, ld_m_, ld_c_, ld_v_;
   Tensor phi_q_, phi_k_, scores_, values_, numerators_, state_;
-  Tensor normalisers_, output_grads_, feature_grads_, adjoint_, masked_grads_;  // training only
+  Tensor normalisers_, shifts_, output_grads_, feature_grads_, adjoint_, masked_grads_;  // training only
 };
 
 std::int64_t linear_attention_flops(const Problem& p, std::int64_t chunk, const FeatureCosts& costs);

@@ -25,8 +25,8 @@ class EluFeatures final : public FeatureMap {
   }
   bool differentiable() const override { return true; }
   // φ'(x) = e^x = φ(x) for x < 0, 1 otherwise.
-  std::int64_t gradient(const float* x, std::int64_t rows, const float* phi, const float* dphi, std::int64_t ld,
-                        float* dx) const override {
+  std::int64_t gradient(const float* x, std::int64_t rows, const float* phi, float* dphi, std::int64_t ld,
+                        float* dx, bool) const override {
     for (std::int64_t r = 0; r < rows; ++r) {
 #pragma omp simd
       for (std::int64_t c = 0; c < d_; ++c)
@@ -69,7 +69,9 @@ class LinearTransformer final : public Mechanism {
                 Tensor& dk, Tensor& dv) override {
     engine_->backward(EluFeatures(p_.head_dim), q, k, v, out, dout, dq, dk, dv);
   }
-  std::vector<NamedTensor> saved() const override { return {{"normalisers", &engine_->normalisers()}}; }
+  std::vector<NamedTensor> saved() const override {
+    return {{"normalisers", &engine_->normalisers()}, {"chunk_shifts", &engine_->chunk_shifts()}};
+  }
 
  private:
   Problem p_;
@@ -83,7 +85,8 @@ std::unique_ptr<Mechanism> create(const Problem& problem, const LinearTransforme
 
 FeatureCosts costs(const Problem& p) {
   const std::int64_t per_row = kEluPlusOneFlops * p.head_dim;
-  return {p.head_dim, per_row, per_row, false, kEluPlusOneGradientFlops * p.head_dim};
+  const std::int64_t gradient = kEluPlusOneGradientFlops * p.head_dim;
+  return {p.head_dim, per_row, per_row, false, gradient, gradient};
 }
 
 std::int64_t flops(const Problem& p, const LinearTransformerConfig& c) { return linear_attention_flops(p, c.chunk, costs(p)); }

@@ -76,6 +76,37 @@ class FavorFeatures final : public FeatureMap {
     return rows * 3 * m_;
   }
 
+  bool differentiable() const override { return true; }
+
+  // softmax: ∂φ_m/∂x = φ_m·(α·ω_m − [keys]·α²·x) (the row max and the shift are constants);
+  // relu: ∂φ_m/∂x = [ω_m·x > 0]·ω_m/√M. So dx = α·u·ω (− α²·x·Σ_m u_m for keys) with u = dφ ⊙ φ,
+  // or u = dφ ⊙ [φ > 10⁻³] and α = 1/√M. u overwrites dphi.
+  std::int64_t gradient(const float* x, std::int64_t rows, const float* phi, float* dphi, std::int64_t ld, float* dx,
+                        bool keys) const override {
+    const bool softmax = kernel_ == PerformerKernel::Softmax;
+    std::int64_t flops = 0;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* u = dphi + r * ld;
+      const float* f = phi + r * ld;
+#pragma omp simd
+      for (std::int64_t j = 0; j < m_; ++j) u[j] = softmax ? u[j] * f[j] : (f[j] > kPerformerReluStabiliser ? u[j] : 0.0f);
+    }
+    flops += rows * m_;
+    ops::gemm(false, false, rows, d_, m_, alpha(), dphi, ld, omega_, d_, 0.0f, dx, d_);
+    if (!softmax || !keys) return flops;
+    const float alpha2 = alpha() * alpha();
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float* u = dphi + r * ld;
+      float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+      for (std::int64_t j = 0; j < m_; ++j) total += u[j];
+      const float factor = alpha2 * total;
+#pragma omp simd
+      for (std::int64_t c = 0; c < d_; ++c) dx[r * d_ + c] -= factor * x[r * d_ + c];
+    }
+    return flops + rows * (m_ + 2 * d_);
+  }
+
   std::int64_t keys(const float* x, std::int64_t rows, float* phi, std::int64_t ld, float& shift) const override {
     project(x, rows, phi, ld);
     if (kernel_ == PerformerKernel::Relu) return relu(phi, rows, ld);
@@ -105,11 +136,15 @@ class FavorFeatures final : public FeatureMap {
   }
 
  private:
-  // phi = α·x·ωᵀ: α = D^(−1/4) (softmax kernel) or 1/√M (relu kernel).
+  // α = D^(−1/4) (softmax kernel) or 1/√M (relu kernel).
+  float alpha() const {
+    return kernel_ == PerformerKernel::Softmax ? 1.0f / std::sqrt(std::sqrt(static_cast<float>(d_)))
+                                               : 1.0f / std::sqrt(static_cast<float>(m_));
+  }
+
+  // phi = α·x·ωᵀ.
   void project(const float* x, std::int64_t rows, float* phi, std::int64_t ld) const {
-    const float alpha = kernel_ == PerformerKernel::Softmax ? 1.0f / std::sqrt(std::sqrt(static_cast<float>(d_)))
-                                                             : 1.0f / std::sqrt(static_cast<float>(m_));
-    ops::gemm(false, true, rows, m_, d_, alpha, x, d_, omega_, d_, 0.0f, phi, ld);
+    ops::gemm(false, true, rows, m_, d_, alpha(), x, d_, omega_, d_, 0.0f, phi, ld);
   }
 
   std::int64_t relu(float* phi, std::int64_t rows, std::int64_t ld) const {
@@ -128,8 +163,10 @@ class FavorFeatures final : public FeatureMap {
 
 FeatureCosts feature_costs(const Problem& p, const PerformerConfig& c) {
   const std::int64_t m = c.features, d = p.head_dim, projection = matmul_flops(1, m, d);
-  if (c.kernel == PerformerKernel::Relu) return {m, projection + 2 * m, projection + 2 * m, false};
-  return {m, projection + 3 * m, projection + 2 * d + 4 * m, true};
+  // Gradients per row: u (M) and the product with ω (2·M·D); softmax keys also Σu (M) and x·α²Σu (2·D).
+  const std::int64_t gradient = m + projection;
+  if (c.kernel == PerformerKernel::Relu) return {m, projection + 2 * m, projection + 2 * m, false, gradient, gradient};
+  return {m, projection + 3 * m, projection + 2 * d + 4 * m, true, gradient, gradient + m + 2 * d};
 }
 
 class Performer final : public Mechanism {
@@ -144,6 +181,16 @@ class Performer final : public Mechanism {
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     engine_->forward(FavorFeatures(omega_, c_.kernel), q, k, v, out);
+  }
+
+  // The random features are redrawn, not learned: held fixed (no gradient).
+  void prepare_backward() override { engine_->enable_backward(); }
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    engine_->backward(FavorFeatures(omega_, c_.kernel), q, k, v, out, dout, dq, dk, dv);
+  }
+  std::vector<NamedTensor> saved() const override {
+    return {{"normalisers", &engine_->normalisers()}, {"chunk_shifts", &engine_->chunk_shifts()}};
   }
 
   std::vector<NamedTensor> parameters() const override { return {{"random_features", &omega_}}; }
@@ -169,6 +216,14 @@ std::int64_t workspace(const Problem& p, const PerformerConfig& c) {
          linear_attention_workspace(p, c.chunk, c.features);
 }
 
+std::int64_t backward_flops(const Problem& p, const PerformerConfig& c) {
+  return linear_attention_backward_flops(p, c.chunk, feature_costs(p, c));
+}
+
+std::int64_t backward_workspace(const Problem& p, const PerformerConfig& c) {
+  return linear_attention_backward_workspace(p, c.chunk, c.features);
+}
+
 }  // namespace
 
 Implementation performer_implementation() {
@@ -180,7 +235,9 @@ Implementation performer_implementation() {
                  int_field("chunk", &PerformerConfig::chunk, 1, 8192, "rows per chunk of the prefix-sum walk (tokens)")},
       .create = create,
       .flops = flops,
-      .workspace = workspace});
+      .workspace = workspace,
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb
