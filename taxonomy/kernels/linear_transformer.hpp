@@ -9,6 +9,8 @@
 // Default chunk C = 32: the causal in-chunk work, 2·C·(2D + 1) per row, then stays below the
 // state work 4·D·(D + 1) per row at D = 64.
 // Workspace: the engine's per-thread buffers, independent of N.
+// Backward (engines/linear_attention.hpp): φ'(x) = e^x for x < 0, 1 otherwise; the forward saves
+// each row's normaliser, the features are recomputed.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

@@ -25,6 +25,9 @@
 // Default chunk C = 64: the causal in-chunk work, 2·C·(M + D + 1) per row, is then ~30% of the
 // rest at M = 256, D = 64.
 // Workspace: ω (M·D floats) plus the engine's per-thread buffers; independent of N.
+// Backward (engines/linear_attention.hpp): ω held fixed (redrawn, not learned); dq, dk through
+// ∂φ/∂x = φ·(α·ω − α²·x for keys) (softmax; the row max and key shift are constants that cancel) or
+// [ωx > 0]·ω/√M (relu); per row M + 2·M·D (+ M + 2·D for softmax keys) FLOPs.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
