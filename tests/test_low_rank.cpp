@@ -10,6 +10,7 @@
 
 #include "tests/counter_point.hpp"
 #include "tests/mechanism_run.hpp"
+#include "tests/gradient_check.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -159,6 +160,41 @@ TEST_SUITE("low_rank") {
                        std::string("linformer ") + sharing + " N=" + std::to_string(n) + " b=" + std::to_string(b) +
                            " h=" + std::to_string(h));
           }
+      }
+  }
+
+  TEST_CASE("linformer gradients of q, k, v and the projections, every sharing mode (central differences)") {
+    // out = softmax(Q·(E·K)ᵀ/√D)·(F·V) per (batch, head) in double; E, F by sharing mode.
+    auto reference = [](const Problem& p, std::int64_t k, const std::string& sharing) {
+      return [=](const NamedValues& x) {
+        const std::int64_t n = p.seq_len, d = p.head_dim;
+        const bool kv = sharing == "key-value", per_head = sharing == "per-head";
+        const std::vector<double>& e = x.at(kv ? "projection_ef" : "projection_e");
+        const std::vector<double>& f = x.at(kv ? "projection_ef" : "projection_f");
+        std::vector<double> out;
+        for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
+          const std::int64_t offset = per_head ? head % p.heads * k * n : 0;
+          auto projected = [&](const std::vector<double>& w, const char* name) {
+            std::vector<double> y(static_cast<std::size_t>(k * d), 0.0);
+            for (std::int64_t i = 0; i < k; ++i)
+              for (std::int64_t j = 0; j < n; ++j)
+                for (std::int64_t c = 0; c < d; ++c) y[i * d + c] += w[offset + i * n + j] * x.at(name)[(head * n + j) * d + c];
+            return y;
+          };
+          const auto keys = projected(e, "k"), values = projected(f, "v");
+          const auto one = reference_attention(x.at("q").data() + head * n * d, keys.data(), values.data(), n, k, d,
+                                               1.0 / std::sqrt(static_cast<double>(d)), full_mask);
+          out.insert(out.end(), one.begin(), one.end());
+        }
+        return out;
+      };
+    };
+    for (const char* sharing : {"per-head", "headwise", "key-value"})
+      for (auto [n, every] : {std::pair<std::int64_t, bool>{3, true}, {4, true}, {5, true}, {40, false}}) {
+        // k = 4: N one below (k clamps to N), at and above it.
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 3};
+        check_composite_gradients("linformer", p, {"k=4", "sharing=" + std::string(sharing)},
+                                  reference(p, std::min<std::int64_t>(4, n), sharing), every);
       }
   }
 

@@ -49,6 +49,43 @@ class Linformer final : public Mechanism {
     return {{"projection_e", &e_}, {"projection_f", &f_}};
   }
 
+  void prepare_backward() override {
+    const std::int64_t bh = p_.batch * p_.heads;
+    score_grads_ = Tensor(scores_.shape());
+    key_grads_ = Tensor(Shape{bh, k_, p_.head_dim});
+    value_grads_ = Tensor(Shape{bh, k_, p_.head_dim});
+    de_ = Tensor(e_.shape());
+    if (c_.sharing != LinformerSharing::KeyValue) df_ = Tensor(f_.shape());
+  }
+
+  // Attention backward over the k projected rows (P saved), then through the projections:
+  // dK = Eᵀ·dK̄, dE = Σ dK̄·Kᵀ over the (batch, head) pairs that share E; V, F likewise.
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    ops::matmul({.batch = bh, .m = k_, .n = d, .k = n, .trans_a = true, .lda = ld_}, scores_.data(), dout.data(),
+                value_grads_.data());
+    ops::matmul({.batch = bh, .m = n, .n = k_, .k = d, .trans_b = true, .ldc = ld_}, dout.data(), values_.data(),
+                score_grads_.data());
+    ops::softmax_backward_rows_masked(scores_.data(), score_grads_.data(), bh, n, k_, ld_, false);
+    ops::matmul({.batch = bh, .m = n, .n = d, .k = k_, .lda = ld_, .alpha = scale}, score_grads_.data(), keys_.data(),
+                dq.data());
+    ops::matmul({.batch = bh, .m = k_, .n = d, .k = n, .trans_a = true, .lda = ld_, .alpha = scale},
+                score_grads_.data(), q.data(), key_grads_.data());
+    const bool shared_kv = c_.sharing == LinformerSharing::KeyValue;
+    project_backward(e_, key_grads_, k, dk, de_, false);
+    project_backward(shared_kv ? e_ : f_, value_grads_, v, dv, shared_kv ? de_ : df_, shared_kv);
+  }
+
+  std::vector<NamedTensor> saved() const override {
+    return {{"probabilities", &scores_}, {"projected_keys", &keys_}, {"projected_values", &values_}};
+  }
+  std::vector<NamedTensor> parameter_gradients() const override {
+    if (c_.sharing == LinformerSharing::KeyValue) return {{"dprojection_ef", &de_}};
+    return {{"dprojection_e", &de_}, {"dprojection_f", &df_}};
+  }
+
  private:
   Tensor make_projection(const char* stream) const {
     const std::int64_t count = matrices_per_tensor(p_, c_), n = p_.seq_len;
@@ -76,11 +113,28 @@ class Linformer final : public Mechanism {
     }
   }
 
+  // The backward of dst = P·src for every (batch, head): dsrc = Pᵀ·dst_grad, and dP (+)= the sum of
+  // dst_grad·srcᵀ over the pairs sharing P (accumulating onto dP's previous contents when `add`).
+  void project_backward(const Tensor& projection, const Tensor& dst_grad, const Tensor& src, Tensor& src_grad,
+                        Tensor& projection_grad, bool add) const {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    const bool per_head = matrices_per_tensor(p_, c_) > 1;
+    const std::int64_t heads = per_head ? p_.heads : 1, calls = per_head ? p_.batch : p_.batch * p_.heads;
+    for (std::int64_t i = 0; i < calls; ++i) {
+      const std::int64_t offset = i * heads;  // first (batch, head) of this call
+      ops::matmul({.batch = heads, .m = n, .n = d, .k = k_, .trans_a = true}, projection.data(),
+                  dst_grad.data() + offset * k_ * d, src_grad.data() + offset * n * d);
+      ops::matmul({.batch = heads, .m = k_, .n = n, .k = d, .trans_b = true, .accumulate = add || i > 0},
+                  dst_grad.data() + offset * k_ * d, src.data() + offset * n * d, projection_grad.data());
+    }
+  }
+
   Problem p_;
   LinformerConfig c_;
   std::uint64_t seed_;
   std::int64_t k_, ld_;
   Tensor e_, f_, keys_, values_, scores_;
+  Tensor score_grads_, key_grads_, value_grads_, de_, df_;  // training only
 };
 
 void validate(const Problem& problem, const LinformerConfig& c) {
@@ -106,6 +160,16 @@ std::int64_t workspace(const Problem& p, const LinformerConfig& c) {
          static_cast<std::int64_t>(sizeof(float));
 }
 
+// dV̄, dP, dQ, dK̄ (2·N·k·D each) + 4 per score (softmax backward) + per tensor and (batch, head)
+// d(input) and d(projection) (2·N·k·D each).
+std::int64_t backward_flops(const Problem& p, const LinformerConfig& c) {
+  const std::int64_t k = projected_length(p, c), n = p.seq_len, d = p.head_dim;
+  return p.batch * p.heads * (8 * matmul_flops(n, k, d) + kSoftmaxBackwardFlopsPerElement * n * k);
+}
+
+// The gradients mirror the forward's buffers: dE, dF as E, F; dK̄, dV̄ as K̄, V̄; dS as the scores.
+std::int64_t backward_workspace(const Problem& p, const LinformerConfig& c) { return workspace(p, c); }
+
 }  // namespace
 
 Implementation linformer_implementation() {
@@ -126,7 +190,9 @@ Implementation linformer_implementation() {
         c.k = projected_length(p, c);
         return c;
       },
-      .validate = validate});
+      .validate = validate,
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb

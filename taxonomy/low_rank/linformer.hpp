@@ -11,6 +11,10 @@
 // matmuls batched over B·H, except a shared projection: one matmul per (batch, head).
 // FLOPs: B·H·(8·N·k·D + 5·N·k)   (E·K, F·V, Q·K̃ᵀ, P·Ṽ: 2·N·k·D each; softmax 5 per score).
 // Workspace: projections (2·H, 2 or 1 × k·N floats) + E·K, F·V (2·B·H·k·D) + scores (B·H·N·ld).
+// Backward: the forward saves P [B·H, N, ld] (linear in N for a fixed k), E·K and F·V; the backward
+// runs softmax attention's backward over the k projected rows, then dK = Eᵀ·d(E·K) and
+// dE = Σ d(E·K)·Kᵀ over the (batch, head) pairs sharing E (V, F likewise; key-value sharing sums
+// both into dE). FLOPs B·H·(16·N·k·D + 4·N·k); workspace as much again as the forward's.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
