@@ -286,9 +286,11 @@ TEST_SUITE("backward") {
     CHECK(pass_row("vanilla", small, Pass::Forward).saved_bytes == 0);
   }
 
-  TEST_CASE("saved bytes and the training step's tracked peak grow linearly in N for every model but vanilla") {
+  TEST_CASE("saved bytes and the training step's tracked peak grow linearly in N for every sub-quadratic model") {
     for (const auto& model : registry()) {
-      if (!model.implemented() || !model.impl.has_backward() || model.name == "vanilla") continue;
+      // O(N²) models are skipped: vanilla and synthesizer keep N² per head by design; exact-tiled's
+      // saved bytes are checked exactly in the test above.
+      if (!model.implemented() || !model.impl.has_backward() || model.complexity.find("N²") != std::string::npos) continue;
       std::vector<ResultRow> rows;
       for (std::int64_t n : {512, 1024, 2048})
         rows.push_back(pass_row(model.name, {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32}, Pass::Train));

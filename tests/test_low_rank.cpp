@@ -198,6 +198,65 @@ TEST_SUITE("low_rank") {
       }
   }
 
+  TEST_CASE("synthesizer gradients of q, k, v and every variant's parameters, causal and not, mixed and not") {
+    // L = (1 − α)·L_syn + α·Q·Kᵀ/√D; out = softmax(L restricted to j ≤ i when causal)·V, in double.
+    auto reference = [](const Problem& p, const std::string& variant, double alpha) {
+      return [=](const NamedValues& x) {
+        const std::int64_t n = p.seq_len, d = p.head_dim;
+        std::vector<double> out;
+        for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
+          const std::int64_t h = head % p.heads;
+          const double* q = x.at("q").data() + head * n * d;
+          const double* k = x.at("k").data() + head * n * d;
+          const double* v = x.at("v").data() + head * n * d;
+          auto synthetic = [&](std::int64_t i, std::int64_t j) {
+            if (variant == "random") return x.at("r")[(h * n + i) * n + j];
+            if (variant == "factorized-random") {
+              const std::int64_t rank = static_cast<std::int64_t>(x.at("r1").size()) / (p.heads * n);
+              double s = 0;
+              for (std::int64_t c = 0; c < rank; ++c) s += x.at("r1")[(h * n + i) * rank + c] * x.at("r2")[(h * n + j) * rank + c];
+              return s;
+            }
+            double s = x.at("b2")[h * n + j];
+            for (std::int64_t o = 0; o < d; ++o) {
+              double pre = x.at("b1")[h * d + o];
+              for (std::int64_t c = 0; c < d; ++c) pre += q[i * d + c] * x.at("w1")[(h * d + c) * d + o];
+              s += std::max(pre, 0.0) * x.at("w2")[(h * d + o) * n + j];
+            }
+            return s;
+          };
+          for (std::int64_t i = 0; i < n; ++i) {
+            std::vector<double> logits;
+            for (std::int64_t j = 0; j <= (p.causal ? i : n - 1); ++j) {
+              double dot = 0;
+              for (std::int64_t c = 0; c < d; ++c) dot += q[i * d + c] * k[j * d + c];
+              logits.push_back((1 - alpha) * synthetic(i, j) + alpha * dot / std::sqrt(static_cast<double>(d)));
+            }
+            const double peak = *std::max_element(logits.begin(), logits.end());
+            double total = 0;
+            for (double& l : logits) total += (l = std::exp(l - peak));
+            for (std::int64_t c = 0; c < d; ++c) {
+              double sum = 0;
+              for (std::size_t j = 0; j < logits.size(); ++j) sum += logits[j] / total * v[j * d + c];
+              out.push_back(sum);
+            }
+          }
+        }
+        return out;
+      };
+    };
+    for (const char* variant : {"dense", "random", "factorized-random"})
+      for (double alpha : {0.0, 0.5})
+        for (bool causal : {false, true})
+          for (auto [n, every] : {std::pair<std::int64_t, bool>{1, true}, {4, true}, {33, false}}) {
+            const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 3, .causal = causal};
+            check_composite_gradients("synthesizer", p,
+                                      {"variant=" + std::string(variant), "factor_rank=2",
+                                       "vanilla_weight=" + std::to_string(alpha)},
+                                      reference(p, variant, alpha), every);
+          }
+  }
+
   TEST_CASE("linformer projections: shapes per sharing mode, entries N(0, 1/k), distinct per head") {
     const Problem p{.batch = 1, .heads = 4, .seq_len = 512, .head_dim = 8, .causal = false};
     const auto in = random_inputs(p, 1);

@@ -77,6 +77,65 @@ class Synthesizer final : public Mechanism {
     return {};
   }
 
+  void prepare_backward() override {
+    const std::int64_t h = p_.heads, n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
+    logit_grads_ = Tensor(logits_.shape());
+    switch (c_.variant) {
+      case SynthesizerVariant::Dense:
+        for (auto [grad, param] : {std::pair{&dw1_, &w1_}, std::pair{&db1_, &b1_}, std::pair{&dw2_, &w2_},
+                                   std::pair{&db2_, &b2_}})
+          *grad = Tensor(param->shape());
+        stacked_grads_ = Tensor(Shape{h, d + 1, n});
+        hidden_grads_ = Tensor(Shape{bh, n, d + 1});
+        break;
+      case SynthesizerVariant::Random: dr_ = Tensor(r_.shape()); break;
+      case SynthesizerVariant::FactorizedRandom:
+        dr1_ = Tensor(r1_.shape());
+        dr2_ = Tensor(r2_.shape());
+        break;
+    }
+  }
+
+  // Softmax attention's backward from the saved P to dL (the logits' gradient), then dL through
+  // α·Q·Kᵀ/√D and (1 − α)·L_syn to Q, K and the synthesiser's parameters (summed over the batch).
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
+    ops::matmul({.batch = bh, .m = n, .n = d, .k = n, .trans_a = true, .lda = ld_}, logits_.data(), dout.data(),
+                dv.data());
+    ops::matmul({.batch = bh, .m = n, .n = n, .k = d, .trans_b = true, .ldc = ld_}, dout.data(), v.data(),
+                logit_grads_.data());
+    ops::softmax_backward_rows_masked(logits_.data(), logit_grads_.data(), bh, n, n, ld_, p_.causal);
+    if (accumulate()) {
+      const float scale = mix_ / std::sqrt(static_cast<float>(d));
+      ops::matmul({.batch = bh, .m = n, .n = d, .k = n, .lda = ld_, .alpha = scale}, logit_grads_.data(), k.data(),
+                  dq.data());
+      ops::matmul({.batch = bh, .m = n, .n = d, .k = n, .trans_a = true, .lda = ld_, .alpha = scale},
+                  logit_grads_.data(), q.data(), dk.data());
+    } else {
+      dk.fill(0.0f);
+      if (c_.variant != SynthesizerVariant::Dense) dq.fill(0.0f);
+    }
+    switch (c_.variant) {
+      case SynthesizerVariant::Dense: dense_backward(q, dq); break;
+      case SynthesizerVariant::Random: random_backward(); break;
+      case SynthesizerVariant::FactorizedRandom: factorized_backward(); break;
+    }
+  }
+
+  std::vector<NamedTensor> saved() const override {
+    if (c_.variant == SynthesizerVariant::Dense) return {{"probabilities", &logits_}, {"hidden", &hidden_}};
+    return {{"probabilities", &logits_}};
+  }
+  std::vector<NamedTensor> parameter_gradients() const override {
+    switch (c_.variant) {
+      case SynthesizerVariant::Dense: return {{"dw1", &dw1_}, {"db1", &db1_}, {"dw2", &dw2_}, {"db2", &db2_}};
+      case SynthesizerVariant::Random: return {{"dr", &dr_}};
+      case SynthesizerVariant::FactorizedRandom: return {{"dr1", &dr1_}, {"dr2", &dr2_}};
+    }
+    return {};
+  }
+
  private:
   float synthetic_weight() const { return 1.0f - mix_; }
   bool accumulate() const { return mix_ > 0.0f; }
@@ -143,12 +202,83 @@ class Synthesizer final : public Mechanism {
                   r1_.data(), r2_.data(), logits(b, 0));
   }
 
+  // d[W₂; b₂] = (1 − α)·Σ_b hiddenᵀ·dL;  d hidden = (1 − α)·dL·[W₂; b₂]ᵀ, masked by the ReLU;
+  // db₁ = Σ rows of it, dW₁ = Σ_b Qᵀ·it, dQ += it·W₁ᵀ.
+  void dense_backward(const Tensor& q, Tensor& dq) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, h = p_.heads, ld = d + 1;
+    for (std::int64_t b = 0; b < p_.batch; ++b) {
+      const float* logit_grads = logit_grads_.data() + b * h * n * ld_;
+      ops::matmul({.batch = h, .m = ld, .n = n, .k = n, .trans_a = true, .lda = ld, .ldb = ld_,
+                   .alpha = synthetic_weight(), .accumulate = b > 0},
+                  hidden_.data() + b * h * n * ld, logit_grads, stacked_grads_.data());
+      ops::matmul({.batch = h, .m = n, .n = ld, .k = n, .trans_b = true, .lda = ld_, .alpha = synthetic_weight()},
+                  logit_grads, w2_with_bias_.data(), hidden_grads_.data() + b * h * n * ld);
+    }
+    const std::int64_t rows = p_.batch * h * n;
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* grad = hidden_grads_.data() + r * ld;
+      const float* hidden = hidden_.data() + r * ld;
+#pragma omp simd
+      for (std::int64_t c = 0; c < d; ++c) grad[c] = hidden[c] > 0.0f ? grad[c] : 0.0f;
+    }
+    db1_.fill(0.0f);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* bias = db1_.data() + (r / n) % h * d;
+      const float* grad = hidden_grads_.data() + r * ld;
+#pragma omp simd
+      for (std::int64_t c = 0; c < d; ++c) bias[c] += grad[c];
+    }
+    for (std::int64_t b = 0; b < p_.batch; ++b) {
+      ops::matmul({.batch = h, .m = d, .n = d, .k = n, .trans_a = true, .ldb = ld, .accumulate = b > 0}, q.head(b, 0),
+                  hidden_grads_.data() + b * h * n * ld, dw1_.data());
+      ops::matmul({.batch = h, .m = n, .n = d, .k = d, .trans_b = true, .lda = ld, .accumulate = accumulate()},
+                  hidden_grads_.data() + b * h * n * ld, w1_.data(), dq.head(b, 0));
+    }
+    for (std::int64_t head = 0; head < h; ++head) {
+      std::copy_n(stacked_grads_.data() + head * ld * n, d * n, dw2_.data() + head * d * n);
+      std::copy_n(stacked_grads_.data() + (head * ld + d) * n, n, db2_.data() + head * n);
+    }
+    FlopCounter::add(2 * rows * d);  // the ReLU mask and db₁
+  }
+
+  // dR = (1 − α)·Σ_b dL.
+  void random_backward() {
+    const std::int64_t n = p_.seq_len, h = p_.heads;
+    const float weight = synthetic_weight();
+    dr_.fill(0.0f);
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t row = 0; row < h * n; ++row)
+      for (std::int64_t b = 0; b < p_.batch; ++b) {
+        const float* src = logit_grads_.data() + ((b * h * n) + row) * ld_;
+        float* dst = dr_.data() + row * n;
+#pragma omp simd
+        for (std::int64_t j = 0; j < n; ++j) dst[j] += weight * src[j];
+      }
+    FlopCounter::add(2 * p_.batch * h * n * n);
+  }
+
+  // dR₁ = (1 − α)·Σ_b dL·R₂, dR₂ = (1 − α)·Σ_b dLᵀ·R₁.
+  void factorized_backward() {
+    const std::int64_t n = p_.seq_len, h = p_.heads, k = c_.factor_rank;
+    for (std::int64_t b = 0; b < p_.batch; ++b) {
+      const float* logit_grads = logit_grads_.data() + b * h * n * ld_;
+      ops::matmul({.batch = h, .m = n, .n = k, .k = n, .lda = ld_, .alpha = synthetic_weight(), .accumulate = b > 0},
+                  logit_grads, r2_.data(), dr1_.data());
+      ops::matmul({.batch = h, .m = n, .n = k, .k = n, .trans_a = true, .lda = ld_, .alpha = synthetic_weight(),
+                   .accumulate = b > 0},
+                  logit_grads, r1_.data(), dr2_.data());
+    }
+  }
+
   Problem p_;
   SynthesizerConfig c_;
   std::uint64_t seed_;
   std::int64_t ld_;
   float mix_;
   Tensor w1_, b1_, w2_, b2_, w2_with_bias_, hidden_, r_, r1_, r2_, logits_;
+  // Training only (prepare_backward).
+  Tensor logit_grads_, dw1_, db1_, dw2_, db2_, stacked_grads_, hidden_grads_, dr_, dr1_, dr2_;
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const SynthesizerConfig& c, std::uint64_t seed) {
@@ -179,6 +309,25 @@ std::int64_t workspace(const Problem& p, const SynthesizerConfig& c) {
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
 
+// Per (batch, head): dV, dP (2·N²·D each), softmax backward 4 per entry; α > 0: dQ, dK (2·N²·D
+// each); dense: d[W₂; b₂] and d hidden (2·N²·(D+1) each), ReLU mask and db₁ (2·N·D), dW₁ and dQ
+// (2·N·D² each); random: 2·N²; factorized: 2·2·N²·k.
+std::int64_t backward_flops(const Problem& p, const SynthesizerConfig& c) {
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  std::int64_t per_head = 2 * matmul_flops(n, n, d) + kSoftmaxBackwardFlopsPerElement * softmax_entries(p);
+  if (static_cast<float>(c.vanilla_weight) > 0.0f) per_head += 2 * matmul_flops(n, n, d);
+  switch (c.variant) {
+    case SynthesizerVariant::Dense: per_head += 2 * matmul_flops(n, n, d + 1) + 2 * n * d + 2 * matmul_flops(n, d, d); break;
+    case SynthesizerVariant::Random: per_head += 2 * n * n; break;
+    case SynthesizerVariant::FactorizedRandom: per_head += 2 * matmul_flops(n, c.factor_rank, n); break;
+  }
+  return p.batch * p.heads * per_head;
+}
+
+// The gradients mirror the forward's buffers: dL as the logits, each parameter's gradient as the
+// parameter, and (dense) the stacked [W₂; b₂] and hidden-layer gradients as those buffers.
+std::int64_t backward_workspace(const Problem& p, const SynthesizerConfig& c) { return workspace(p, c); }
+
 }  // namespace
 
 Implementation synthesizer_implementation() {
@@ -194,7 +343,9 @@ Implementation synthesizer_implementation() {
                             "weight α of Q·Kᵀ/√D mixed into the logits (\"+ Vanilla\"); 0 = pure synthesizer")},
       .create = create,
       .flops = flops,
-      .workspace = workspace});
+      .workspace = workspace,
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb

@@ -18,6 +18,10 @@
 //   + factorized-random: 2·N²·k.
 // Workspace: logits [B·H, N, padded_ld(N)], the parameters, and for dense the hidden layer
 // [B·H, N, D+1] and the stacked [W₂; b₂] [H, D+1, N].
+// Backward: the forward saves P (and, dense, the hidden layer); softmax's backward gives dL, which
+// flows to Q and K through α·Q·Kᵀ/√D and to the synthesiser's parameters (summed over the batch)
+// through (1 − α)·L_syn: d[W₂; b₂] = hiddenᵀ·dL, the ReLU, dW₁ = Qᵀ·d(pre-activation), db₁, and dQ;
+// dR = Σ dL; dR₁ = dL·R₂, dR₂ = dLᵀ·R₁. Workspace as much again as the forward's.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
