@@ -5,6 +5,7 @@
 
 #include "lib/core/rng.hpp"
 #include "taxonomy/registry.hpp"
+#include "tests/mechanism_run.hpp"
 
 namespace xfb::test {
 
@@ -140,13 +141,8 @@ double check_model_gradients(const std::string& model, const Problem& p, const H
 
 namespace {
 
-std::vector<double> widen(const Tensor& t) { return std::vector<double>(t.data(), t.data() + t.size()); }
-
-double largest(const Tensor& t) {
-  double most = 0;
-  for (float x : t.values()) most = std::max(most, std::fabs(static_cast<double>(x)));
-  return most;
-}
+std::vector<double> widen(const Tensor& t) { return widened(t.data(), t.size()); }
+double largest(const Tensor& t) { return max_abs(t.data(), t.size()); }
 
 }  // namespace
 

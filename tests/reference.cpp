@@ -12,8 +12,6 @@
 namespace xfb::test {
 
 namespace {
-std::vector<double> widened(const float* x, std::int64_t count) { return std::vector<double>(x, x + count); }
-
 // Row i of softmax(scale·Q·Kᵀ) restricted to the mask, into probs [nk] (0 where not allowed);
 // false when the row has no allowed key.
 bool reference_probabilities(const double* q, const double* k, std::int64_t i, std::int64_t nk, std::int64_t d,

@@ -31,6 +31,9 @@ inline HeadMask same_for_every_head(MaskFn allowed) {
   return [allowed](std::int64_t, std::int64_t i, std::int64_t j) { return allowed(i, j); };
 }
 
+// The count values at x as doubles.
+inline std::vector<double> widened(const float* x, std::int64_t count) { return std::vector<double>(x, x + count); }
+
 // O = softmax(Q·Kᵀ·scale restricted to mask)·V for one head; q: [nq, d], k, v: [nk, d].
 // Rows with no allowed key are zero. Returns [nq, d].
 std::vector<double> reference_attention(const double* q, const double* k, const double* v, std::int64_t nq,

@@ -114,9 +114,7 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
                      {"alpha", s.alpha},       {"max_slowdown", s.max_slowdown}, {"threads", threads},
                      {"a", side_json(s.a)},    {"b", side_json(s.b)},            {"params", s.params},
                      {"min_reps", s.base.timing.min_reps}, {"min_time_s", s.base.timing.min_time_s}};
-  std::string passes;
-  for (Pass pass : s.passes) passes += (passes.empty() ? "" : ",") + pass_name(pass);
-  report.settings["pass"] = passes;
+  report.settings["pass"] = pass_list_name(s.passes);
   std::size_t index = 0;
   for (const auto& [a_point, b_point] : pairs) {
     ++index;

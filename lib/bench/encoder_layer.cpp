@@ -10,6 +10,10 @@
 
 namespace xfb {
 namespace {
+// W_qkv, W_o, W₁, W₂ and the two LayerNorms' gains and shifts (E = H·D, F = d_ff); their gradients
+// are as many.
+std::int64_t weight_floats(std::int64_t e, std::int64_t d_ff) { return e * 3 * e + e * e + 2 * e * d_ff + 4 * e; }
+
 Tensor random_weight(std::int64_t rows, std::int64_t cols, std::uint64_t seed, const char* name) {
   Tensor w(Shape{rows, cols});
   CounterRng(seed, name).fill_normal(w, 0.0f, 1.0f / std::sqrt(static_cast<float>(rows)));
@@ -183,7 +187,7 @@ std::int64_t EncoderLayer::backward_flops_outside_mechanism(const Problem& p, st
 
 std::int64_t EncoderLayer::backward_workspace_bytes(const Problem& p, std::int64_t d_ff) {
   const std::int64_t tokens = p.batch * p.seq_len, e = p.heads * p.head_dim;
-  const std::int64_t weights = e * 3 * e + e * e + 2 * e * d_ff + 4 * e;
+  const std::int64_t weights = weight_floats(e, d_ff);
   const std::int64_t activations = tokens * (e + d_ff);                   // LN₁ output, z
   const std::int64_t gradients = tokens * (d_ff + 4 * e + 3 * e + 4 * e);  // dz; dLN, dh, d merge, scratch; dqkv; do, dq, dk, dv
   return (weights + activations + gradients) * static_cast<std::int64_t>(sizeof(float));
@@ -197,7 +201,7 @@ std::int64_t EncoderLayer::flops_outside_mechanism(const Problem& p, std::int64_
 
 std::int64_t EncoderLayer::workspace_bytes(const Problem& p, std::int64_t d_ff) {
   const std::int64_t tokens = p.batch * p.seq_len, e = p.heads * p.head_dim;
-  const std::int64_t weights = e * 3 * e + e * e + 2 * e * d_ff + 4 * e;
+  const std::int64_t weights = weight_floats(e, d_ff);
   const std::int64_t buffers = tokens * (e + 3 * e + 4 * e + e + e + d_ff);
   return (weights + buffers) * static_cast<std::int64_t>(sizeof(float));
 }

@@ -53,6 +53,12 @@ std::vector<Pass> parse_passes(const std::string& list) {
   return passes;
 }
 
+std::string pass_list_name(const std::vector<Pass>& passes) {
+  std::string list;
+  for (Pass pass : passes) list += (list.empty() ? "" : ",") + pass_name(pass);
+  return list;
+}
+
 namespace {
 
 const ModelInfo& model_or_throw(const std::string& name) {

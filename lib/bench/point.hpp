@@ -27,6 +27,8 @@ std::string pass_name(Pass p);
 Pass parse_pass(const std::string& name);  // InputError on an unknown name
 // `forward`, `train` or a comma list `forward,train` (InputError on an unknown or repeated name).
 std::vector<Pass> parse_passes(const std::string& list);
+// The inverse: "forward,train".
+std::string pass_list_name(const std::vector<Pass>& passes);
 
 struct PointConfig {
   std::string model;

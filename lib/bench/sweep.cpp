@@ -242,9 +242,7 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
     }
   }
   report.settings = problem_settings(s.base);
-  std::string passes;
-  for (Pass pass : s.passes) passes += (passes.empty() ? "" : ",") + pass_name(pass);
-  report.settings["pass"] = passes;
+  report.settings["pass"] = pass_list_name(s.passes);
   report.settings["models"] = s.models;
   report.settings["seq_lens"] = s.seq_lens;
   report.settings["params"] = s.params;

@@ -34,8 +34,8 @@ std::int64_t score_columns(std::int64_t cols, std::int64_t d) {
   return uses_tile_kernels(d) ? tiles::panels_for(cols) * tiles::kPanel : cols;
 }
 
-// Key columns of the tile at (q0, k0) with `rows` query rows, as the forward computes it: the key
-// block, cut at the block's last query row when causal.
+// Key columns of the tile at (q0, k0) with `rows` query rows, forward and backward alike: the key
+// block, cut at the query block's last row when causal.
 std::int64_t tile_columns(const Problem& p, std::int64_t k0, std::int64_t q0, std::int64_t rows, std::int64_t bk) {
   const std::int64_t key_end = p.causal ? q0 + rows : p.seq_len;
   return std::min(bk, key_end - k0);
@@ -204,7 +204,7 @@ class ExactTiled final : public Mechanism {
     const std::int64_t key_end = p_.causal ? q0 + rows : n;
     std::int64_t flops = 0;
     for (std::int64_t k0 = 0; k0 < key_end; k0 += bk) {
-      const std::int64_t cols = std::min(bk, key_end - k0);
+      const std::int64_t cols = tile_columns(p_, k0, q0, rows, bk);
       flops += compute_scores(head, q + q0 * d, rows, k, k0, cols, scale, scores);
       for (std::int64_t r = 0; r < rows; ++r) {
         float* row = scores + r * lds;
@@ -278,7 +278,7 @@ std::int64_t flops(const Problem& p, const ExactTiledConfig& c) {
     const std::int64_t rows = std::min(c.block_q, n - q0);
     const std::int64_t key_end = p.causal ? q0 + rows : n;
     for (std::int64_t k0 = 0; k0 < key_end; k0 += c.block_k) {
-      const std::int64_t cols = std::min(c.block_k, key_end - k0);
+      const std::int64_t cols = tile_columns(p, k0, q0, rows, c.block_k);
       per_head += matmul_flops(rows, score_columns(cols, d), d) + matmul_flops(rows, d, cols);
       for (std::int64_t r = 0; r < rows; ++r) {
         const std::int64_t valid = valid_in_row(p.causal, q0 + r, k0, cols);

@@ -193,20 +193,18 @@ std::int64_t TileAttention::backward(const TilePattern& tile, const TileGrads& g
     std::fill(p_row + next, p_row + width, 0.0f);
     std::fill(g_row + next, g_row + width, 0.0f);
   }
-  per_run_products(tile, g, k, ld, gather);
+  per_run_products(tile, g, k, width, ld, gather);
   return kRecomputedSoftmaxBackwardFlopsPerElement * visible_total;
 }
 
 // dV[cols] += Pᵀ·dO, dK[cols] += dSᵀ·Q/√D, dQ += dS·K[cols]/√D: one product each on the gathered
 // union (its dK, dV then added back row by row), else one per run in place.
-void TileAttention::per_run_products(const TilePattern& tile, const TileGrads& g, const float* k, std::int64_t ld,
-                                     bool gather) {
+void TileAttention::per_run_products(const TilePattern& tile, const TileGrads& g, const float* k, std::int64_t width,
+                                     std::int64_t ld, bool gather) {
   const std::int64_t rows = tile.rows(), d = d_;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const auto& runs = tile.runs();
   if (gather) {
-    std::int64_t width = 0;
-    for (const auto& columns : columns_) width += columns.width();
     ops::gemm(true, false, width, d, rows, 1.0f, scores_.data(), ld, g.dout, g.ld, 0.0f, value_grads_.data(), d);
     ops::gemm(true, false, width, d, rows, scale, grads_.data(), ld, g.q, g.ld, 0.0f, key_grads_.data(), d);
     ops::gemm(false, false, rows, d, width, scale, grads_.data(), ld, keys_.data(), d, 1.0f, g.dq, g.ld);

@@ -130,7 +130,9 @@ class TileAttention {
   void visible_spans(const TilePattern& tile, std::int64_t row);  // fills spans_ for one row
   void gather_union(const TilePattern& tile, const float* k, const float* v);
   // C (+)= op(A)·B over each run's computed columns (see backward in the .cpp).
-  void per_run_products(const TilePattern& tile, const TileGrads& g, const float* k, std::int64_t ld, bool gather);
+  // width: the computed columns (computed_layout's result).
+  void per_run_products(const TilePattern& tile, const TileGrads& g, const float* k, std::int64_t width, std::int64_t ld,
+                        bool gather);
   void weighted_values(const TilePattern& tile, const float* v, float* out, std::int64_t out_ld, std::int64_t width,
                        std::int64_t ld, bool gather);
 

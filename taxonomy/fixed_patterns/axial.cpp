@@ -107,10 +107,7 @@ class Axial final : public Mechanism {
       return view;
     };
     if (!p_.causal) {
-      bs::run_tiles(heads, grid_.columns.tasks(), scratch_, over_rows,
-                    [&](std::int64_t task, std::int64_t* lo, std::int64_t* hi) {
-                      return bs::class_tile(grid_.columns, task, false, lo, hi);
-                    });
+      bs::run_tiles(heads, grid_.columns.tasks(), scratch_, over_rows, StagePlan{&grid_, StagePlan::Columns});
       return;
     }
     causal_passes(q, k, v, out, over_rows);
@@ -226,12 +223,13 @@ std::unique_ptr<Mechanism> create(const Problem& problem, const AxialConfig& c, 
 std::int64_t causal_pass_flops(const Grid& grid, std::int64_t d) {
   std::vector<std::int64_t> lo(kTaskRows), hi(kTaskRows);
   std::int64_t flops = 0;
-  for (std::int64_t task = 0; task < grid.columns.tasks(); ++task) {
-    const bs::Tile tile = column_above_tile(grid.columns, task, lo.data(), hi.data());
+  const StagePlan above{&grid, StagePlan::ColumnsAbove}, masked_rows{&grid, StagePlan::MaskedRows};
+  for (std::int64_t task = 0; task < above.tasks(); ++task) {
+    const bs::Tile tile = above(task, lo.data(), hi.data());
     if (tile.rows > 0) flops += bs::accumulate_flops(tile.rows, lo.data(), hi.data(), d, true);
   }
-  for (std::int64_t task = 0; task < grid.rows.tasks(); ++task) {
-    const bs::Tile tile = bs::block_tile(grid.rows, task, true, lo.data(), hi.data());
+  for (std::int64_t task = 0; task < masked_rows.tasks(); ++task) {
+    const bs::Tile tile = masked_rows(task, lo.data(), hi.data());
     if (tile.rows > 0)
       flops += bs::accumulate_flops(tile.rows, lo.data(), hi.data(), d, false) + bs::finish_flops(tile.rows, d);
   }
