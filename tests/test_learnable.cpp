@@ -17,6 +17,7 @@
 #include "taxonomy/learnable_patterns/sinkhorn.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
+#include "tests/gradient_check.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -219,6 +220,19 @@ void check_reformer_hashing(ReformerAttention& model, const AttentionInputs& in,
       }
 }
 
+// Every token's keys over the union of the rounds' patterns in head (b, h), each key once.
+std::vector<std::vector<std::int64_t>> reformer_union(const ReformerAttention& model, const Problem& p,
+                                                      std::int64_t rounds, std::int64_t b, std::int64_t h) {
+  std::vector<std::set<std::int64_t>> seen(p.seq_len);
+  for (std::int64_t r = 0; r < rounds; ++r) {
+    const auto pattern = reformer_pattern(model.buckets(r, b, h), model.sort_order(r, b, h), model.chunk(), p.causal);
+    for (std::int64_t i = 0; i < p.seq_len; ++i) seen[i].insert(pattern[i].begin(), pattern[i].end());
+  }
+  std::vector<std::vector<std::int64_t>> keys;
+  for (const auto& set : seen) keys.emplace_back(set.begin(), set.end());
+  return keys;
+}
+
 // Naive reformer: softmax over the union of every round's visible keys (each key once), from the
 // exposed patterns.
 void check_reformer(const Problem& p, const std::vector<std::string>& params, std::int64_t n_buckets,
@@ -232,15 +246,8 @@ void check_reformer(const Problem& p, const std::vector<std::string>& params, st
     for (std::int64_t h = 0; h < p.heads; ++h) {
       const auto q = to_double(in.q.head(b, h), n * d), k = to_double(keys.head(b, h), n * d),
                  v = to_double(in.v.head(b, h), n * d);
-      std::vector<std::set<std::int64_t>> seen(n);
-      for (std::int64_t r = 0; r < rounds; ++r) {
-        const auto pattern = reformer_pattern(run.model->buckets(r, b, h), run.model->sort_order(r, b, h),
-                                              run.model->chunk(), p.causal);
-        for (std::int64_t i = 0; i < n; ++i) seen[i].insert(pattern[i].begin(), pattern[i].end());
-      }
-      const auto want = list_attention(q, k, v, n, d, [&](std::int64_t i) {
-        return std::vector<std::int64_t>(seen[i].begin(), seen[i].end());
-      });
+      const auto seen = reformer_union(*run.model, p, rounds, b, h);
+      const auto want = list_attention(q, k, v, n, d, [&](std::int64_t i) { return seen[i]; });
       check_close(run.out.head(b, h), want, d, 2 * head_tolerance(in, b, h, p, &keys),
                   label_of("reformer", n, p.causal, params));
     }
@@ -474,6 +481,38 @@ TEST_SUITE("learnable") {
           return (causal ? j < i : j != i) || (alone && j == i);
         };
         check_against_reference(out, shared, p, mask, label_of("reformer exact", n, causal, {}));
+      }
+  }
+
+  TEST_CASE("reformer gradients through the queries and the shared keys q/|q|, pattern held fixed, at chunk ± 1") {
+    for (bool causal : {false, true})
+      for (const auto& [n, rounds] : {std::pair{7, 1}, {8, 1}, {9, 2}, {17, 2}, {40, 4}}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
+        const std::vector<std::string> params{"chunk_len=8", "n_buckets=4", "n_rounds=" + std::to_string(rounds)};
+        // The pattern the checked run makes (check_composite_gradients' inputs and seed), held fixed.
+        const auto run = run_model<ReformerAttention>("reformer", p, random_inputs(p, 7), params, 7);
+        std::vector<std::vector<std::vector<std::int64_t>>> unions;
+        for (std::int64_t b = 0; b < p.batch; ++b)
+          for (std::int64_t h = 0; h < p.heads; ++h) unions.push_back(reformer_union(*run.model, p, rounds, b, h));
+        auto reference = [&](const NamedValues& x) {
+          const std::int64_t size = p.seq_len * p.head_dim;
+          std::vector<double> out;
+          for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
+            const std::vector<double> q(x.at("q").begin() + head * size, x.at("q").begin() + (head + 1) * size);
+            const std::vector<double> v(x.at("v").begin() + head * size, x.at("v").begin() + (head + 1) * size);
+            std::vector<double> keys(q);
+            for (std::int64_t i = 0; i < p.seq_len; ++i) {
+              double squares = 0;
+              for (std::int64_t c = 0; c < p.head_dim; ++c) squares += q[i * p.head_dim + c] * q[i * p.head_dim + c];
+              for (std::int64_t c = 0; c < p.head_dim; ++c) keys[i * p.head_dim + c] /= std::sqrt(squares);
+            }
+            const auto o = list_attention(q, keys, v, p.seq_len, p.head_dim,
+                                          [&](std::int64_t i) { return unions[head][i]; });
+            out.insert(out.end(), o.begin(), o.end());
+          }
+          return out;
+        };
+        check_composite_gradients("reformer", p, params, reference, n <= 17);
       }
   }
 

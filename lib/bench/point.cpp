@@ -325,7 +325,7 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
   body();
   row.flops = FlopCounter::total();
   if (training) {
-    for (const auto& named : mechanism->saved()) row.saved_bytes += named.tensor->bytes();
+    row.saved_bytes += mechanism->saved_bytes();
     if (layer)
       for (const auto& named : encoder->saved()) row.saved_bytes += named.tensor->bytes();
   }

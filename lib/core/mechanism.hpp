@@ -61,6 +61,13 @@ class Mechanism {
   }
   // What the forward keeps for the backward beyond its inputs and output (the row's saved_bytes).
   virtual std::vector<NamedTensor> saved() const { return {}; }
+  // Bytes of everything saved: saved()'s tensors, plus integer state (sort orders, assignments) that
+  // a mechanism keeps in other buffers.
+  virtual std::int64_t saved_bytes() const {
+    std::int64_t bytes = 0;
+    for (const auto& named : saved()) bytes += named.tensor->bytes();
+    return bytes;
+  }
   // The gradients of the learned parameters, named "d<parameter>" (for --dump and the tests).
   virtual std::vector<NamedTensor> parameter_gradients() const { return {}; }
 };

@@ -34,4 +34,30 @@ void IndexBuffer::release() noexcept {
   size_ = 0;
 }
 
+std::int64_t gathered_tile_backward(const GatheredTile& t, float scale, float* scores, float* grads, float* dq,
+                                    float* dk, float* dv) {
+  for (std::int64_t r = 0; r < t.rows; ++r) {
+    float* p = scores + r * t.ld;
+    const float shift = t.lse[r];
+    if (shift == -std::numeric_limits<float>::infinity()) {
+      std::fill(p, p + t.cols, 0.0f);
+      continue;
+    }
+#pragma omp simd
+    for (std::int64_t c = 0; c < t.cols; ++c) p[c] = std::exp(p[c] - shift);
+  }
+  ops::gemm(true, false, t.cols, t.d, t.rows, 1.0f, scores, t.ld, t.dout, t.d, 0.0f, dv, t.d);
+  ops::gemm(false, true, t.rows, t.cols, t.d, 1.0f, t.dout, t.d, t.v, t.d, 0.0f, grads, t.ld);
+  for (std::int64_t r = 0; r < t.rows; ++r) {
+    const float* p = scores + r * t.ld;
+    float* ds = grads + r * t.ld;
+    const float delta = t.delta[r];
+#pragma omp simd
+    for (std::int64_t c = 0; c < t.cols; ++c) ds[c] = p[c] * (ds[c] - delta);
+  }
+  ops::gemm(false, false, t.rows, t.d, t.cols, scale, grads, t.ld, t.k, t.d, 0.0f, dq, t.d);
+  ops::gemm(true, false, t.cols, t.d, t.rows, scale, grads, t.ld, t.q, t.d, 0.0f, dk, t.d);
+  return kRecomputedSoftmaxBackwardFlopsPerElement * t.rows * t.cols;
+}
+
 }  // namespace xfb

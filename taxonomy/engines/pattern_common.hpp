@@ -66,11 +66,38 @@ inline void scale_row(float* dst, const float* src, float factor, std::int64_t n
   for (std::int64_t i = 0; i < n; ++i) dst[i] = src[i] * factor;
 }
 
+// dst[i] += src[i] over n values.
+inline void add_row(float* dst, const float* src, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
 // log(exp(a) + exp(b)), exact for −inf operands.
 inline float log_add_exp(float a, float b) {
   const float hi = a > b ? a : b;
   if (hi == -std::numeric_limits<float>::infinity()) return hi;
   return hi + std::log(std::exp(a - hi) + std::exp(b - hi));
 }
+
+// The backward of one gathered softmax tile (FlashAttention-2 recomputation), shared by the models
+// that gather a tile's rows by a learned pattern. On entry `scores` [rows, cols] (row stride ld)
+// holds the tile's recomputed scores, −inf where the query does not see the key; lse[r] is row r's
+// final log-sum-exp (over everything the query sees, in this tile and any other) and delta[r] =
+// dO_r·O_r. q, dout: [rows, D]; k, v: [cols, D] (row stride D). Turns scores into
+// P = exp(S − L) (0 where −inf), writes dS into grads ([rows, ld]) and overwrites
+//   dv = Pᵀ·dO [cols, D],  dq = dS·K·scale [rows, D],  dk = dSᵀ·Q·scale [cols, D],
+// with dS = P ⊙ (dO·Vᵀ − δ). ops::gemm counts the four products (8·rows·cols·D); returns the
+// elementwise kRecomputedSoftmaxBackwardFlopsPerElement·rows·cols (every entry, whatever the mask).
+struct GatheredTile {
+  std::int64_t rows = 0, cols = 0, d = 0, ld = 0;
+  const float* q = nullptr;
+  const float* k = nullptr;
+  const float* v = nullptr;
+  const float* dout = nullptr;
+  const float* lse = nullptr;
+  const float* delta = nullptr;
+};
+std::int64_t gathered_tile_backward(const GatheredTile& tile, float scale, float* scores, float* grads, float* dq,
+                                    float* dk, float* dv);
 
 }  // namespace xfb

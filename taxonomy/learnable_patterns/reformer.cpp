@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -71,7 +72,6 @@ void ReformerAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   scores_ = Tensor(Shape{threads_, chunk_, score_ld_});
   tile_out_ = Tensor(Shape{threads_, chunk_, d});
   row_stats_ = Tensor(Shape{threads_, 2, chunk_});
-  alone_ = IndexBuffer(threads_ * chunk_);
 }
 
 std::vector<NamedTensor> ReformerAttention::parameters() const {
@@ -218,11 +218,17 @@ std::int64_t ReformerAttention::discount_repeats(std::int64_t head, const std::i
   return rows * cols;
 }
 
-// Queries of sorted chunk `chunk` against their candidate keys; merges into out and running_lse.
-std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk,
-                                             const Tensor& q, const Tensor& v, Tensor& out, int thread) {
+ReformerAttention::ChunkRange ReformerAttention::chunk_range(std::int64_t chunk) const {
+  const std::int64_t q0 = chunk * chunk_, rows = std::min(chunk_, p_.seq_len - q0), k0 = key_start(q0);
+  return {q0, rows, k0, q0 + rows - k0};
+}
+
+// Gathers the chunk's query rows and candidate key and value rows into the thread's tile, computes
+// the scores (discounted with several rounds) and sets pairs the round does not show to −inf.
+// Returns the elementwise FLOPs (the discount); ops::gemm counts the product.
+std::int64_t ReformerAttention::chunk_scores(std::int64_t round, std::int64_t head, const ChunkRange& c,
+                                             const Tensor& q, const Tensor& v, int thread) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, m = chunk_;
-  const std::int64_t q0 = chunk * m, rows = std::min(m, n - q0), k0 = key_start(q0), cols = q0 + rows - k0;
   const std::int64_t at = (round * p_.batch * p_.heads + head) * n;
   const std::int32_t* order = orders_.data() + at;
   const std::int32_t* sorted = sorted_buckets_.data() + at;
@@ -233,36 +239,55 @@ std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t he
   float* q_rows = gathered_.data() + thread * (m + 2 * key_cols_) * d;
   float* k_rows = q_rows + m * d;
   float* v_rows = k_rows + key_cols_ * d;
-  for (std::int64_t r = 0; r < rows; ++r) std::memcpy(q_rows + r * d, q_head + order[q0 + r] * d, d * sizeof(float));
-  for (std::int64_t t = 0; t < cols; ++t) {
-    std::memcpy(k_rows + t * d, k_head + order[k0 + t] * d, d * sizeof(float));
-    std::memcpy(v_rows + t * d, v_head + order[k0 + t] * d, d * sizeof(float));
+  for (std::int64_t r = 0; r < c.rows; ++r)
+    std::memcpy(q_rows + r * d, q_head + order[c.q0 + r] * d, d * sizeof(float));
+  for (std::int64_t t = 0; t < c.cols; ++t) {
+    std::memcpy(k_rows + t * d, k_head + order[c.k0 + t] * d, d * sizeof(float));
+    std::memcpy(v_rows + t * d, v_head + order[c.k0 + t] * d, d * sizeof(float));
   }
   float* scores = scores_.data() + thread * m * score_ld_;
-  ops::gemm(false, true, rows, cols, d, 1.0f / std::sqrt(static_cast<float>(d)), q_rows, d, k_rows, d, 0.0f, scores,
-            score_ld_);
+  ops::gemm(false, true, c.rows, c.cols, d, 1.0f / std::sqrt(static_cast<float>(d)), q_rows, d, k_rows, d, 0.0f,
+            scores, score_ld_);
+  const std::int64_t flops =
+      c_.n_rounds > 1 ? discount_repeats(head, order, c.q0, c.rows, c.k0, c.cols, scores) : 0;
 
   // A query sees itself only when no other key is visible.
-  std::int32_t* query_alone = alone_.data() + thread * m;
-  for (std::int64_t r = 0; r < rows; ++r) query_alone[r] = alone(sorted, rank, q0 + r);
-  const bool causal = p_.causal;
-  auto visible = [&](std::int64_t r, std::int64_t t) {
-    const std::int64_t s = q0 + r, key = k0 + t;
-    if (sorted[key] != sorted[s]) return false;
-    if (causal && (key > s || rank[key] / m + 1 < rank[s] / m)) return false;
-    return key != s || query_alone[r] != 0;
-  };
-  std::int64_t flops = c_.n_rounds > 1 ? discount_repeats(head, order, q0, rows, k0, cols, scores) : 0;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (std::int64_t r = 0; r < c.rows; ++r) {
+    const std::int64_t s = c.q0 + r;
+    const bool self_visible = alone(sorted, rank, s);
+    float* row = scores + r * score_ld_;
+    for (std::int64_t t = 0; t < c.cols; ++t) {
+      const std::int64_t key = c.k0 + t;
+      const bool visible = sorted[key] == sorted[s] &&
+                           !(p_.causal && (key > s || rank[key] / m + 1 < rank[s] / m)) &&
+                           (key != s || self_visible);
+      if (!visible) row[t] = kNegInf;
+    }
+  }
+  return flops;
+}
+
+// Queries of sorted chunk `chunk` against their candidate keys; merges into out and running_lse.
+std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk,
+                                             const Tensor& q, const Tensor& v, Tensor& out, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, m = chunk_;
+  const ChunkRange c = chunk_range(chunk);
+  std::int64_t flops = chunk_scores(round, head, c, q, v, thread);
+  const std::int32_t* order = orders_.data() + (round * p_.batch * p_.heads + head) * n;
+  float* scores = scores_.data() + thread * m * score_ld_;
   float* lse = row_stats_.data() + thread * 2 * m;
   float* inverse = lse + m;
-  flops += exp_rows_masked(scores, rows, cols, score_ld_, visible, lse, inverse);
+  flops += exp_rows_masked(scores, c.rows, c.cols, score_ld_, [](std::int64_t, std::int64_t) { return true; }, lse,
+                           inverse);
+  const float* v_rows = gathered_.data() + thread * (m + 2 * key_cols_) * d + (m + key_cols_) * d;
   float* o = tile_out_.data() + thread * m * d;
-  ops::gemm(false, false, rows, d, cols, 1.0f, scores, score_ld_, v_rows, d, 0.0f, o, d);
+  ops::gemm(false, false, c.rows, d, c.cols, 1.0f, scores, score_ld_, v_rows, d, 0.0f, o, d);
 
   float* out_head = out.data() + head * n * d;
   float* running = running_lse_.data() + head * n;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int64_t token = order[q0 + r];
+  for (std::int64_t r = 0; r < c.rows; ++r) {
+    const std::int64_t token = order[c.q0 + r];
     float* dst = out_head + token * d;
     const float* src = o + r * d;
     if (round == 0) {
@@ -276,7 +301,112 @@ std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t he
     for (std::int64_t j = 0; j < d; ++j) dst[j] = dst[j] * keep + src[j] * add;
     running[token] = merged;
   }
-  return flops + rows * d + (round > 0 ? 3 * rows * d : 0);
+  return flops + c.rows * d + (round > 0 ? 3 * c.rows * d : 0);
+}
+
+void ReformerAttention::prepare_backward() {
+  const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+  key_grads_ = Tensor(Shape{heads * n, d});
+  deltas_ = Tensor(Shape{heads, n});
+  grad_rows_ = Tensor(Shape{threads_, 2 * chunk_ + 2 * key_cols_, d});
+  score_grads_ = Tensor(Shape{threads_, chunk_, score_ld_});
+}
+
+std::int64_t ReformerAttention::saved_bytes() const {
+  return keys_.bytes() + running_lse_.bytes() + buckets_.bytes() + orders_.bytes() + sorted_buckets_.bytes() +
+         ranks_.bytes() + positions_.bytes();
+}
+
+void ReformerAttention::backward(const Tensor& q, const Tensor&, const Tensor& v, const Tensor& out,
+                                 const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+  const std::int64_t heads = p_.batch * p_.heads;
+  dk.fill(0.0f);  // shared QK: the keys are made from q, the k input is not read
+  std::int64_t flops = 0;
+#pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) reduction(+ : flops)
+  for (std::int64_t head = 0; head < heads; ++head)
+    flops += backward_head(head, q, v, out, dout, dq, dv, omp_get_thread_num());
+  FlopCounter::add(flops);
+}
+
+// One head: δ, every round's chunks (dQ, dK̂, dV scattered back to their tokens), then the
+// normalisation's backward dQ += (dK̂ − k̂·(k̂·dK̂)) / ‖q‖.
+std::int64_t ReformerAttention::backward_head(std::int64_t head, const Tensor& q, const Tensor& v, const Tensor& out,
+                                              const Tensor& dout, Tensor& dq, Tensor& dv, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, at = head * n * d;
+  float* delta = deltas_.data() + head * n;
+  for (std::int64_t i = 0; i < n; ++i) {
+    float dot = 0.0f;
+    const float* o = out.data() + at + i * d;
+    const float* g = dout.data() + at + i * d;
+#pragma omp simd reduction(+ : dot)
+    for (std::int64_t j = 0; j < d; ++j) dot += o[j] * g[j];
+    delta[i] = dot;
+  }
+  std::fill(dq.data() + at, dq.data() + at + n * d, 0.0f);
+  std::fill(dv.data() + at, dv.data() + at + n * d, 0.0f);
+  std::fill(key_grads_.data() + at, key_grads_.data() + at + n * d, 0.0f);
+  std::int64_t flops = 2 * n * d;
+  const std::int64_t chunks = (n + chunk_ - 1) / chunk_;
+  for (std::int64_t round = 0; round < c_.n_rounds; ++round)
+    for (std::int64_t chunk = 0; chunk < chunks; ++chunk)
+      flops += chunk_backward(round, head, chunk_range(chunk), q, v, dout, dq, dv, thread);
+
+  const float* x = q.data() + at;
+  const float* keys = keys_.data() + at;
+  const float* key_grads = key_grads_.data() + at;
+  float* grad = dq.data() + at;
+  for (std::int64_t i = 0; i < n; ++i) {
+    float squares = 0.0f, dot = 0.0f;
+#pragma omp simd reduction(+ : squares, dot)
+    for (std::int64_t j = 0; j < d; ++j) {
+      squares += x[i * d + j] * x[i * d + j];
+      dot += keys[i * d + j] * key_grads[i * d + j];
+    }
+    const float inverse_norm = squares > 0.0f ? 1.0f / std::sqrt(squares) : 0.0f;
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j)
+      grad[i * d + j] += (key_grads[i * d + j] - keys[i * d + j] * dot) * inverse_norm;
+  }
+  return flops + 8 * n * d;
+}
+
+// The backward of one chunk of one round: recomputed scores, P = exp(S − L) with the merged L of
+// all rounds (so each round contributes its share of the union's softmax), gathered_tile_backward,
+// and the rows' gradients added back to their tokens.
+std::int64_t ReformerAttention::chunk_backward(std::int64_t round, std::int64_t head, const ChunkRange& c,
+                                               const Tensor& q, const Tensor& v, const Tensor& dout, Tensor& dq,
+                                               Tensor& dv, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, m = chunk_;
+  std::int64_t flops = chunk_scores(round, head, c, q, v, thread);
+  const std::int32_t* order = orders_.data() + (round * p_.batch * p_.heads + head) * n;
+  const float* q_rows = gathered_.data() + thread * (m + 2 * key_cols_) * d;
+  float* dout_rows = grad_rows_.data() + thread * (2 * m + 2 * key_cols_) * d;
+  float* dq_rows = dout_rows + m * d;
+  float* dk_rows = dq_rows + m * d;
+  float* dv_rows = dk_rows + key_cols_ * d;
+  float* lse = row_stats_.data() + thread * 2 * m;
+  float* delta = lse + m;
+  const float* dout_head = dout.data() + head * n * d;
+  for (std::int64_t r = 0; r < c.rows; ++r) {
+    const std::int64_t token = order[c.q0 + r];
+    std::memcpy(dout_rows + r * d, dout_head + token * d, d * sizeof(float));
+    lse[r] = running_lse_.data()[head * n + token];
+    delta[r] = deltas_.data()[head * n + token];
+  }
+  const GatheredTile tile{.rows = c.rows, .cols = c.cols, .d = d, .ld = score_ld_, .q = q_rows,
+                          .k = q_rows + m * d, .v = q_rows + (m + key_cols_) * d, .dout = dout_rows,
+                          .lse = lse, .delta = delta};
+  flops += gathered_tile_backward(tile, 1.0f / std::sqrt(static_cast<float>(d)), scores_.data() + thread * m * score_ld_,
+                                  score_grads_.data() + thread * m * score_ld_, dq_rows, dk_rows, dv_rows);
+  float* dq_head = dq.data() + head * n * d;
+  float* dk_head = key_grads_.data() + head * n * d;
+  float* dv_head = dv.data() + head * n * d;
+  for (std::int64_t r = 0; r < c.rows; ++r) add_row(dq_head + order[c.q0 + r] * d, dq_rows + r * d, d);
+  for (std::int64_t t = 0; t < c.cols; ++t) {
+    add_row(dk_head + order[c.k0 + t] * d, dk_rows + t * d, d);
+    add_row(dv_head + order[c.k0 + t] * d, dv_rows + t * d, d);
+  }
+  return flops + (c.rows + 2 * c.cols) * d;
 }
 
 namespace {
@@ -310,8 +440,26 @@ std::int64_t workspace(const Problem& p, const ReformerConfig& c) {
   const std::int64_t floats = half * d * c.n_rounds + heads * n * (d + c.n_rounds * half + 1) +
                               threads * ((m + 2 * kc) * d + m * ops::padded_ld(kc) + m * d + 2 * m);
   // buckets, orders, sorted buckets, ranks (and token positions with several rounds) per round.
-  const std::int64_t ints = heads * n * c.n_rounds * (c.n_rounds > 1 ? 5 : 4) + threads * (c.n_buckets + m);
+  const std::int64_t ints = heads * n * c.n_rounds * (c.n_rounds > 1 ? 5 : 4) + threads * c.n_buckets;
   return 4 * (floats + ints);
+}
+
+std::int64_t backward_flops(const Problem& p, const ReformerConfig& c) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c);
+  std::int64_t per_head = 2 * n * d + 8 * n * d;
+  for (std::int64_t q0 = 0; q0 < n; q0 += m) {
+    const std::int64_t rows = std::min(m, n - q0);
+    const std::int64_t cols = q0 + rows - std::max<std::int64_t>(0, q0 - (p.causal ? 2 : 1) * m);
+    per_head += c.n_rounds * ((c.n_rounds > 1 ? rows * cols : 0) + 5 * matmul_flops(rows, cols, d) +
+                              kRecomputedSoftmaxBackwardFlopsPerElement * rows * cols + (rows + 2 * cols) * d);
+  }
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t backward_workspace(const Problem& p, const ReformerConfig& c) {
+  const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c);
+  const std::int64_t kc = max_key_cols(p, m);
+  return 4 * (heads * n * (d + 1) + p.threads * ((2 * m + 2 * kc) * d + m * ops::padded_ld(kc)));
 }
 
 }  // namespace
@@ -331,7 +479,9 @@ Implementation reformer_implementation() {
         c.chunk_len = reformer_chunk(p, c);
         return c;
       },
-      .validate = validate});
+      .validate = validate,
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb

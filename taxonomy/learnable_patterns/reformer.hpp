@@ -33,6 +33,18 @@
 // sorted buckets and ranks [n_rounds, B·H, N] (and token positions when n_rounds > 1), running
 // lse [B·H·N], and per thread one
 // tile: gathered rows [m + 2·kc, D] (kc = 2m, or 3m causal), scores [m, kc], output [m, D].
+//
+// Backward (buckets and sort order held fixed, as the paper trains): the forward saves the sort
+// (buckets, orders, sorted buckets, ranks, positions: int32, part of saved_bytes), k̂ and the merged
+// log-sum-exp L of every token; the backward recomputes every round's chunk scores (and discount)
+// and, with P = exp(S − log c − L) — each round's share of the union's softmax — and δ_i = dO_i·O_i,
+// runs gathered_tile_backward per chunk, adding dQ, dK̂, dV back to their tokens. Gradients reach q
+// twice: as queries and through the keys k̂ = q/‖q‖, dQ += (dK̂ − k̂·(k̂·dK̂))/‖q‖. dK = 0 (k unread).
+// One task per head (a head's chunks write overlapping rows). FLOPs per head (reformer_backward_flops):
+// 2·N·D (δ) + per round and chunk: [n_rounds > 1] rows·cols (discount) + 10·rows·cols·D (scores
+// and four products) + 4·rows·cols (P, dS) + (rows + 2·cols)·D (adding back) + 8·N·D (normalisation).
+// Backward workspace: dK̂ [B·H·N, D], δ [B·H·N], per thread dO and dQ rows [m, D], dK and dV rows
+// [kc, D] and dS [m, kc].
 #include <cstdint>
 #include <vector>
 
@@ -58,6 +70,12 @@ class ReformerAttention final : public Mechanism {
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
   std::vector<NamedTensor> parameters() const override;
 
+  void prepare_backward() override;
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override;
+  std::vector<NamedTensor> saved() const override { return {{"keys", &keys_}, {"running_lse", &running_lse_}}; }
+  std::int64_t saved_bytes() const override;
+
   // The pattern of the last forward, for tests: bucket of every token (original order) and the
   // sorted order (sorted position → token) of round r in head (b, h).
   std::int64_t chunk() const { return chunk_; }
@@ -69,8 +87,18 @@ class ReformerAttention final : public Mechanism {
   std::int64_t key_start(std::int64_t q0) const;
   std::int64_t normalise_keys(const Tensor& q);
   std::int64_t hash_and_sort(std::int64_t round, std::int64_t head);
+  struct ChunkRange {
+    std::int64_t q0, rows, k0, cols;  // sorted positions of the chunk's queries and candidate keys
+  };
+  ChunkRange chunk_range(std::int64_t chunk) const;
+  std::int64_t chunk_scores(std::int64_t round, std::int64_t head, const ChunkRange& c, const Tensor& q,
+                            const Tensor& v, int thread);
   std::int64_t attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk, const Tensor& q,
                             const Tensor& v, Tensor& out, int thread);
+  std::int64_t backward_head(std::int64_t head, const Tensor& q, const Tensor& v, const Tensor& out,
+                             const Tensor& dout, Tensor& dq, Tensor& dv, int thread);
+  std::int64_t chunk_backward(std::int64_t round, std::int64_t head, const ChunkRange& c, const Tensor& q,
+                              const Tensor& v, const Tensor& dout, Tensor& dq, Tensor& dv, int thread);
   bool alone(const std::int32_t* sorted, const std::int32_t* rank, std::int64_t s) const;
   bool sees(std::int64_t round, std::int64_t head, std::int64_t i, std::int64_t j) const;
   std::int64_t discount_repeats(std::int64_t head, const std::int32_t* order, std::int64_t q0, std::int64_t rows,
@@ -85,7 +113,8 @@ class ReformerAttention final : public Mechanism {
   // order), token → sorted position (several rounds only).
   IndexBuffer buckets_, orders_, sorted_buckets_, ranks_, positions_, bucket_counts_;
   Tensor gathered_, scores_, tile_out_, row_stats_;
-  IndexBuffer alone_;
+  // Backward: dK̂ [B·H·N, D], δ [B·H, N]; per thread dO, dQ rows [m, D] and dK, dV rows [kc, D], dS [m, ld].
+  Tensor key_grads_, deltas_, grad_rows_, score_grads_;
 };
 
 Implementation reformer_implementation();
