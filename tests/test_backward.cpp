@@ -286,6 +286,19 @@ TEST_SUITE("backward") {
     CHECK(pass_row("vanilla", small, Pass::Forward).saved_bytes == 0);
   }
 
+  TEST_CASE("train rows time forward and backward stages, or the stages a model splits its passes into") {
+    const Problem p{.batch = 1, .heads = 2, .seq_len = 256, .head_dim = 32};
+    auto stage_names = [](const ResultRow& row) {
+      std::vector<std::string> names;
+      for (const auto& [name, ns] : row.stage_median_ns) names.push_back(name);
+      return names;
+    };
+    CHECK(stage_names(pass_row("exact-tiled", p, Pass::Train)) == std::vector<std::string>{"backward", "forward"});
+    CHECK(stage_names(pass_row("reformer", p, Pass::Train)) ==
+          std::vector<std::string>{"attend", "backward", "route"});
+    CHECK(stage_names(pass_row("reformer", p, Pass::Forward)) == std::vector<std::string>{"attend", "route"});
+  }
+
   TEST_CASE("saved bytes and the training step's tracked peak grow linearly in N for every sub-quadratic model") {
     for (const auto& model : registry()) {
       // O(N²) models are skipped: vanilla and synthesizer keep N² per head by design; exact-tiled's

@@ -337,15 +337,19 @@ void check_routing(const Problem& p, const std::vector<std::string>& params) {
 
 // ---- Sinkhorn ----
 
-// Soft permutation of head (b, h) from the dumped sorting network, in double (sinkhorn.hpp).
-std::vector<double> sinkhorn_permutation(const SinkhornAttention& model, const AttentionInputs& in, const Problem& p,
-                                         std::int64_t b, std::int64_t h, std::int64_t iterations, double tau) {
-  const std::int64_t n = p.seq_len, d = p.head_dim, bs = model.block(), nb = model.blocks();
-  const auto params = model.parameters();
-  const Tensor &w1 = *params[0].tensor, &b1 = *params[1].tensor, &w2 = *params[2].tensor, &b2 = *params[3].tensor;
+// The sorting network's weights, in double.
+struct SortingWeights {
+  const double *w1, *b1, *w2, *b2;
+};
+
+// Soft permutation of one head ([nb, nb]) from its keys k [n, d] and the network, in double
+// (sinkhorn.hpp).
+std::vector<double> sinkhorn_permutation(const double* k, const SortingWeights& w, const Problem& p, std::int64_t bs,
+                                         std::int64_t iterations, double tau) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, nb = (n + bs - 1) / bs;
   std::vector<double> sums(nb * d, 0.0), e(nb * d, 0.0), l(nb * nb);
   for (std::int64_t t = 0; t < n; ++t)
-    for (std::int64_t c = 0; c < d; ++c) sums[(t / bs) * d + c] += in.k.head(b, h)[t * d + c];
+    for (std::int64_t c = 0; c < d; ++c) sums[(t / bs) * d + c] += k[t * d + c];
   for (std::int64_t i = 0; i < nb; ++i)
     for (std::int64_t j = 0; j < nb; ++j)
       if (p.causal ? j < i : j == i)
@@ -353,13 +357,13 @@ std::vector<double> sinkhorn_permutation(const SinkhornAttention& model, const A
   for (std::int64_t i = 0; i < nb; ++i) {
     std::vector<double> hidden(d);
     for (std::int64_t o = 0; o < d; ++o) {
-      double s = b1[o];
-      for (std::int64_t c = 0; c < d; ++c) s += e[i * d + c] * w1[c * d + o];
+      double s = w.b1[o];
+      for (std::int64_t c = 0; c < d; ++c) s += e[i * d + c] * w.w1[c * d + o];
       hidden[o] = std::max(s, 0.0);
     }
     for (std::int64_t j = 0; j < nb; ++j) {
-      double s = b2[j];
-      for (std::int64_t o = 0; o < d; ++o) s += hidden[o] * w2[o * nb + j];
+      double s = w.b2[j];
+      for (std::int64_t o = 0; o < d; ++o) s += hidden[o] * w.w2[o * nb + j];
       l[i * nb + j] = s / tau;
     }
   }
@@ -394,47 +398,62 @@ std::vector<double> sinkhorn_permutation(const SinkhornAttention& model, const A
   return perm;
 }
 
-// Output from the exposed permutation: keys are [K ; sorted blocks], each query's list per sinkhorn.hpp.
+// One head's output given its permutation perm [nb, nb], in double: keys are [K ; sorted blocks],
+// each query's list per sinkhorn.hpp (cut: SortCut blocks, 0 off).
+std::vector<double> sinkhorn_attention(const double* q_head, const double* k_head, const double* v_head,
+                                       const std::vector<double>& perm, const Problem& p, std::int64_t bs,
+                                       std::int64_t cut) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, nb = (n + bs - 1) / bs, rows = cut > 0 ? cut : nb;
+  std::vector<double> q(q_head, q_head + n * d), k(k_head, k_head + n * d), v(v_head, v_head + n * d);
+  k.resize((n + rows * bs) * d, 0.0);
+  v.resize((n + rows * bs) * d, 0.0);
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < nb; ++j)
+      for (std::int64_t t = 0; t < bs && j * bs + t < n; ++t)
+        for (std::int64_t c = 0; c < d; ++c) {
+          k[(n + i * bs + t) * d + c] += perm[i * nb + j] * k_head[(j * bs + t) * d + c];
+          v[(n + i * bs + t) * d + c] += perm[i * nb + j] * v_head[(j * bs + t) * d + c];
+        }
+  auto keys_of = [&](std::int64_t i) {
+    std::vector<std::int64_t> keys;
+    const std::int64_t block = i / bs;
+    if (cut > 0) {
+      for (std::int64_t t = 0; t < cut * bs; ++t) keys.push_back(n + t);
+      return keys;
+    }
+    for (std::int64_t j = block * bs; j < std::min(n, (block + 1) * bs); ++j)
+      if (!p.causal || j <= i) keys.push_back(j);
+    if (!p.causal || block > 0)
+      for (std::int64_t t = 0; t < bs; ++t) keys.push_back(n + block * bs + t);
+    return keys;
+  };
+  return list_attention(q, k, v, n, d, keys_of);
+}
+
+// The permutation against one recomputed from the dumped network, and the output against one
+// computed from the exposed permutation.
 void check_sinkhorn(const Problem& p, const std::vector<std::string>& params, std::int64_t iterations = 7,
                     double tau = 0.75) {
   const auto in = random_inputs(p, static_cast<std::uint64_t>(p.seq_len * 5 + 2));
   auto run = run_model<SinkhornAttention>("sinkhorn", p, in, params);
   const auto& model = *run.model;
-  const std::int64_t n = p.seq_len, d = p.head_dim, bs = model.block(), nb = model.blocks(), cut = model.sortcut_blocks();
-  const std::int64_t rows = cut > 0 ? cut : nb;
+  const std::int64_t n = p.seq_len, d = p.head_dim, bs = model.block(), nb = model.blocks();
+  const auto parameters = model.parameters();
+  std::vector<std::vector<double>> weights;
+  for (std::size_t i = 0; i < 4; ++i) weights.push_back(widened(parameters[i].tensor->data(), parameters[i].tensor->size()));
+  const SortingWeights w{weights[0].data(), weights[1].data(), weights[2].data(), weights[3].data()};
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
+      const auto q = to_double(in.q.head(b, h), n * d), k = to_double(in.k.head(b, h), n * d),
+                 v = to_double(in.v.head(b, h), n * d);
       const auto perm = model.permutation(b, h);
-      const auto want_perm = sinkhorn_permutation(model, in, p, b, h, iterations, tau);
+      const auto want_perm = sinkhorn_permutation(k.data(), w, p, bs, iterations, tau);
       for (std::int64_t e = 0; e < nb * nb; ++e)
         CHECK_MESSAGE(std::fabs(perm[e] - want_perm[e]) <= 1e-4 * (1 + want_perm[e]),
                       "permutation entry " << e << ": got " << perm[e] << ", want " << want_perm[e]);
-      auto q = to_double(in.q.head(b, h), n * d), k = to_double(in.k.head(b, h), n * d),
-           v = to_double(in.v.head(b, h), n * d);
-      k.resize((n + rows * bs) * d, 0.0);
-      v.resize((n + rows * bs) * d, 0.0);
-      for (std::int64_t i = 0; i < rows; ++i)
-        for (std::int64_t j = 0; j < nb; ++j)
-          for (std::int64_t t = 0; t < bs && j * bs + t < n; ++t)
-            for (std::int64_t c = 0; c < d; ++c) {
-              k[(n + i * bs + t) * d + c] += perm[i * nb + j] * in.k.head(b, h)[(j * bs + t) * d + c];
-              v[(n + i * bs + t) * d + c] += perm[i * nb + j] * in.v.head(b, h)[(j * bs + t) * d + c];
-            }
-      auto keys_of = [&](std::int64_t i) {
-        std::vector<std::int64_t> keys;
-        const std::int64_t block = i / bs;
-        if (cut > 0) {
-          for (std::int64_t t = 0; t < cut * bs; ++t) keys.push_back(n + t);
-          return keys;
-        }
-        for (std::int64_t j = block * bs; j < std::min(n, (block + 1) * bs); ++j)
-          if (!p.causal || j <= i) keys.push_back(j);
-        if (!p.causal || block > 0)
-          for (std::int64_t t = 0; t < bs; ++t) keys.push_back(n + block * bs + t);
-        return keys;
-      };
-      check_close(run.out.head(b, h), list_attention(q, k, v, n, d, keys_of), d, 4 * head_tolerance(in, b, h, p),
-                  label_of("sinkhorn", n, p.causal, params));
+      const auto want = sinkhorn_attention(q.data(), k.data(), v.data(), {perm.begin(), perm.end()}, p, bs,
+                                           model.sortcut_blocks());
+      check_close(run.out.head(b, h), want, d, 4 * head_tolerance(in, b, h, p), label_of("sinkhorn", n, p.causal, params));
     }
 }
 
@@ -513,6 +532,36 @@ TEST_SUITE("learnable") {
           return out;
         };
         check_composite_gradients("reformer", p, params, reference, n <= 17);
+      }
+  }
+
+  TEST_CASE("sinkhorn gradients through attention, mixing, the Sinkhorn iterations and the sorting network") {
+    // Block 4 at N = 3 (one short block), 4, 5 and beyond; SortCut; causal (row softmax only).
+    auto reference = [](const Problem& p, std::int64_t iterations, std::int64_t cut) {
+      return [=](const NamedValues& x) {
+        const std::int64_t size = p.seq_len * p.head_dim;
+        const SortingWeights w{x.at("w1").data(), x.at("b1").data(), x.at("w2").data(), x.at("b2").data()};
+        std::vector<double> out;
+        for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
+          const double* k = x.at("k").data() + head * size;
+          const std::int64_t bs = std::min<std::int64_t>(4, p.seq_len), blocks = (p.seq_len + bs - 1) / bs;
+          const auto perm = sinkhorn_permutation(k, w, p, bs, iterations, 0.75);
+          const auto o = sinkhorn_attention(x.at("q").data() + head * size, k, x.at("v").data() + head * size, perm, p,
+                                            bs, std::min(cut, blocks));
+          out.insert(out.end(), o.begin(), o.end());
+        }
+        return out;
+      };
+    };
+    for (bool causal : {false, true})
+      for (std::int64_t n : {3, 4, 5, 9, 14}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
+        const std::int64_t iterations = n == 14 ? 7 : 3;
+        check_composite_gradients("sinkhorn", p, {"block=4", "sinkhorn_iters=" + std::to_string(iterations)},
+                                  reference(p, iterations, 0), n <= 9);
+        if (!causal)
+          check_composite_gradients("sinkhorn", p, {"block=4", "sinkhorn_iters=3", "sortcut_blocks=2"},
+                                    reference(p, 3, 2), n <= 9);
       }
   }
 

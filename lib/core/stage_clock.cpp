@@ -55,6 +55,11 @@ void lap(const char* stage) {
   w.last = now;
 }
 
+std::size_t stages() {
+  const Window& w = window();
+  return w.open ? w.count : 0;
+}
+
 void restart() { window().last = Clock::now(); }
 
 std::map<std::string, double> close() {

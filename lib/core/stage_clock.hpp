@@ -5,6 +5,7 @@
 // calling thread (OpenMP thread 0, e.g. in `omp master` right after a loop's implicit barrier) when
 // a phase has finished on every thread. A lap charges the time since the previous lap (or since the
 // window opened) to its stage. Outside an open window lap() does nothing.
+#include <cstddef>
 #include <map>
 #include <string>
 
@@ -13,6 +14,8 @@ namespace xfb::stage_clock {
 void open();
 // `stage` must be a string literal (its pointer is kept until close()); at most 8 per call.
 void lap(const char* stage);
+// Stages charged so far in the open window (0 outside one).
+std::size_t stages();
 // Charges the time since the previous lap to no stage (e.g. a layer's work before its attention).
 void restart();
 // Closes the window; nanoseconds per stage of this call (empty if the mechanism has no stages).

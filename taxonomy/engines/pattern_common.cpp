@@ -44,7 +44,8 @@ std::int64_t gathered_tile_backward(const GatheredTile& t, float scale, float* s
       continue;
     }
 #pragma omp simd
-    for (std::int64_t c = 0; c < t.cols; ++c) p[c] = std::exp(p[c] - shift);
+    for (std::int64_t c = 0; c < t.cols; ++c)
+      p[c] = p[c] == -std::numeric_limits<float>::infinity() ? 0.0f : ops::fast_exp(p[c] - shift);
   }
   ops::gemm(true, false, t.cols, t.d, t.rows, 1.0f, scores, t.ld, t.dout, t.d, 0.0f, dv, t.d);
   ops::gemm(false, true, t.rows, t.cols, t.d, 1.0f, t.dout, t.d, t.v, t.d, 0.0f, grads, t.ld);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
@@ -136,6 +137,7 @@ void SinkhornAttention::forward(const Tensor& q, const Tensor& k, const Tensor& 
 #pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
   for (std::int64_t head = 0; head < heads; ++head) flops += embed_blocks(k, head, omp_get_thread_num());
   flops += sorting_network();
+  if (!sort_scores_.empty()) std::copy(permutation_.data(), permutation_.data() + permutation_.size(), sort_scores_.data());
 #pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
   for (std::int64_t head = 0; head < heads; ++head) flops += balance(head, omp_get_thread_num());
   stage_clock::lap("route");
@@ -267,7 +269,260 @@ std::int64_t SinkhornAttention::attend_block(const Tensor& q, const Tensor& k, c
               d);
   }
   for (std::int64_t r = 0; r < rows; ++r) scale_row(dst + r * d, dst + r * d, inverse[r], d);
+  if (!lse_.empty()) std::copy(lse, lse + rows, lse_.data() + head * n + q0);
   return flops + rows * d;
+}
+
+void SinkhornAttention::prepare_backward() {
+  const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim, nb = blocks_, b = block_;
+  lse_ = Tensor(Shape{heads, n});
+  sort_scores_ = Tensor(Shape{heads, nb, nb});
+  permutation_grads_ = Tensor(Shape{heads, nb, nb});
+  sorted_k_grads_ = Tensor(Shape{heads, sorted_rows_ * b, d});
+  sorted_v_grads_ = Tensor(Shape{heads, sorted_rows_ * b, d});
+  dw1_ = Tensor(Shape{d, d});
+  db1_ = Tensor(Shape{d});
+  dw2_ = Tensor(Shape{d, nb});
+  db2_ = Tensor(Shape{nb});
+  hidden_grads_ = Tensor(Shape{heads * nb, d});
+  embedding_grads_ = Tensor(Shape{heads * nb, d});
+  key_rows_ = Tensor(Shape{threads_, 4, score_cols_, d});
+  score_grads_ = Tensor(Shape{threads_, b, score_ld_});
+  if (!p_.causal) steps_ = Tensor(Shape{threads_, 2 * c_.sinkhorn_iters, nb, nb});
+}
+
+std::vector<NamedTensor> SinkhornAttention::saved() const {
+  return {{"lse", &lse_},         {"sort_scores", &sort_scores_}, {"embeddings", &embeddings_}, {"hidden", &hidden_},
+          {"permutation", &permutation_}, {"sorted_k", &sorted_k_},   {"sorted_v", &sorted_v_}};
+}
+
+void SinkhornAttention::backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                 const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+  const std::int64_t heads = p_.batch * p_.heads;
+  std::int64_t flops = 0;
+  if (sortcut_ > 0) {
+    // Every query block adds into the same SortCut rows of dK̃, dṼ: one task per head. The queries
+    // see no key of their own block, so dK, dV start from the mixing's share alone.
+    dk.fill(0.0f);
+    dv.fill(0.0f);
+    sorted_k_grads_.fill(0.0f);
+    sorted_v_grads_.fill(0.0f);
+#pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) reduction(+ : flops)
+    for (std::int64_t head = 0; head < heads; ++head)
+      for (std::int64_t block = 0; block < blocks_; ++block)
+        flops += attend_block_backward(q, k, v, out, dout, head, block, dq, dk, dv, omp_get_thread_num());
+  } else {
+    // Block i writes the rows of its own block and of K̃_i, Ṽ_i only: one task per block.
+#pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) reduction(+ : flops)
+    for (std::int64_t task = 0; task < heads * blocks_; ++task)
+      flops += attend_block_backward(q, k, v, out, dout, task / blocks_, task % blocks_, dq, dk, dv,
+                                     omp_get_thread_num());
+  }
+  mix_blocks_backward(k, v, dk, dv);
+  stage_clock::lap("backward_attend");
+#pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
+  for (std::int64_t head = 0; head < heads; ++head) flops += balance_backward(head, omp_get_thread_num());
+  flops += sorting_network_backward();
+#pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
+  for (std::int64_t head = 0; head < heads; ++head) flops += embed_blocks_backward(head, dk, omp_get_thread_num());
+  stage_clock::lap("backward_route");
+  FlopCounter::add(flops);
+}
+
+// The attention backward of one query block: its keys gathered ([own block; K̃_i], or the SortCut
+// rows in place), scores recomputed and masked as attend_block masks them, gathered_tile_backward;
+// dQ written in place, dK, dV of the own block and dK̃_i, dṼ_i copied (SortCut: dK̃, dṼ added).
+std::int64_t SinkhornAttention::attend_block_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                      const Tensor& out, const Tensor& dout, std::int64_t head,
+                                                      std::int64_t block, Tensor& dq, Tensor& dk, Tensor& dv,
+                                                      int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, b = block_;
+  const std::int64_t q0 = block * b, rows = std::min(b, n - q0), cols = sortcut_ > 0 ? sortcut_ * b : rows + b;
+  const std::int64_t at = (head * n + q0) * d, sorted_at = head * sorted_rows_ * b * d;
+  float* key_rows = key_rows_.data() + thread * 4 * score_cols_ * d;
+  float* value_rows = key_rows + score_cols_ * d;
+  float* key_grads = value_rows + score_cols_ * d;
+  float* value_grads = key_grads + score_cols_ * d;
+  const float* keys = sorted_k_.data() + sorted_at;
+  const float* values = sorted_v_.data() + sorted_at;
+  if (sortcut_ == 0) {
+    std::copy(k.data() + at, k.data() + at + rows * d, key_rows);
+    std::copy(v.data() + at, v.data() + at + rows * d, value_rows);
+    std::copy(keys + block * b * d, keys + (block + 1) * b * d, key_rows + rows * d);
+    std::copy(values + block * b * d, values + (block + 1) * b * d, value_rows + rows * d);
+    keys = key_rows;
+    values = value_rows;
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  float* scores = scores_.data() + thread * b * score_ld_;
+  ops::gemm(false, true, rows, cols, d, scale, q.data() + at, d, keys, d, 0.0f, scores, score_ld_);
+  if (sortcut_ == 0 && p_.causal) {
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    for (std::int64_t r = 0; r < rows; ++r) {
+      std::fill(scores + r * score_ld_ + r + 1, scores + r * score_ld_ + rows, kNegInf);
+      if (block == 0) std::fill(scores + r * score_ld_ + rows, scores + r * score_ld_ + cols, kNegInf);
+    }
+  }
+  float* delta = row_stats_.data() + thread * 2 * b;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float dot = 0.0f;
+    const float* o = out.data() + at + r * d;
+    const float* g = dout.data() + at + r * d;
+#pragma omp simd reduction(+ : dot)
+    for (std::int64_t j = 0; j < d; ++j) dot += o[j] * g[j];
+    delta[r] = dot;
+  }
+  const GatheredTile tile{.rows = rows, .cols = cols, .d = d, .ld = score_ld_, .q = q.data() + at, .k = keys,
+                          .v = values, .dout = dout.data() + at, .lse = lse_.data() + head * n + q0, .delta = delta};
+  std::int64_t flops = 2 * rows * d + gathered_tile_backward(tile, scale, scores, score_grads_.data() + thread * b * score_ld_,
+                                                             dq.data() + at, key_grads, value_grads);
+  float* sorted_key_grads = sorted_k_grads_.data() + sorted_at;
+  float* sorted_value_grads = sorted_v_grads_.data() + sorted_at;
+  if (sortcut_ > 0) {
+    add_row(sorted_key_grads, key_grads, cols * d);
+    add_row(sorted_value_grads, value_grads, cols * d);
+    return flops + 2 * cols * d;
+  }
+  std::copy(key_grads, key_grads + rows * d, dk.data() + at);
+  std::copy(value_grads, value_grads + rows * d, dv.data() + at);
+  std::copy(key_grads + rows * d, key_grads + cols * d, sorted_key_grads + block * b * d);
+  std::copy(value_grads + rows * d, value_grads + cols * d, sorted_value_grads + block * b * d);
+  return flops;
+}
+
+// dP[:n_r] = dK̃·K_blocksᵀ + dṼ·V_blocksᵀ (rows beyond n_r: 0), dK += Pᵀ·dK̃, dV += Pᵀ·dṼ — the
+// transposes of mix_blocks' products, a short last block again through its rem·D leading entries.
+void SinkhornAttention::mix_blocks_backward(const Tensor& k, const Tensor& v, Tensor& dk, Tensor& dv) {
+  const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim, b = block_, nb = blocks_;
+  const std::int64_t full = n / b, rem = n % b, nr = sorted_rows_;
+  permutation_grads_.fill(0.0f);
+  const std::pair<const Tensor*, const Tensor*> pairs[] = {{&k, &sorted_k_grads_}, {&v, &sorted_v_grads_}};
+  for (const auto& [x, sorted_grads] : pairs) {
+    ops::MatmulShape grad{.batch = heads, .m = nr, .n = full, .k = b * d, .trans_b = true, .lda = b * d,
+                          .ldb = b * d, .ldc = nb, .stride_a = nr * b * d, .stride_b = n * d, .stride_c = nb * nb,
+                          .accumulate = true};
+    ops::matmul(grad, sorted_grads->data(), x->data(), permutation_grads_.data());
+    if (rem == 0) continue;
+    ops::MatmulShape tail{.batch = heads, .m = nr, .n = 1, .k = rem * d, .trans_b = true, .lda = b * d,
+                          .ldb = rem * d, .ldc = nb, .stride_a = nr * b * d, .stride_b = n * d, .stride_c = nb * nb,
+                          .accumulate = true};
+    ops::matmul(tail, sorted_grads->data(), x->data() + full * b * d, permutation_grads_.data() + full);
+  }
+  const std::pair<Tensor*, const Tensor*> grads[] = {{&dk, &sorted_k_grads_}, {&dv, &sorted_v_grads_}};
+  for (const auto& [dx, sorted_grads] : grads) {
+    ops::MatmulShape spread{.batch = heads, .m = full, .n = b * d, .k = nr, .trans_a = true, .lda = nb,
+                            .ldb = b * d, .ldc = b * d, .stride_a = nb * nb, .stride_b = nr * b * d,
+                            .stride_c = n * d, .accumulate = true};
+    ops::matmul(spread, permutation_.data(), sorted_grads->data(), dx->data());
+    if (rem == 0) continue;
+    ops::MatmulShape tail{.batch = heads, .m = 1, .n = rem * d, .k = nr, .trans_a = true, .lda = nb,
+                          .ldb = b * d, .ldc = rem * d, .stride_a = nb * nb, .stride_b = nr * b * d,
+                          .stride_c = n * d, .accumulate = true};
+    ops::matmul(tail, permutation_.data() + full, sorted_grads->data(), dx->data() + full * b * d);
+  }
+}
+
+// dP of one head → dR, in place in permutation_grads_.
+std::int64_t SinkhornAttention::balance_backward(std::int64_t head, int thread) {
+  const std::int64_t nb = blocks_, iters = c_.sinkhorn_iters;
+  const float inverse_tau = static_cast<float>(1.0 / c_.temperature);
+  const float* p = permutation_.data() + head * nb * nb;
+  float* g = permutation_grads_.data() + head * nb * nb;
+  if (p_.causal) {
+    for (std::int64_t i = 0; i < nb; ++i) {
+      const float* prob = p + i * nb;
+      float* row = g + i * nb;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (std::int64_t j = 0; j < i; ++j) dot += prob[j] * row[j];
+#pragma omp simd
+      for (std::int64_t j = 0; j < i; ++j) row[j] = prob[j] * (row[j] - dot) * inverse_tau;
+      std::fill(row + i, row + nb, 0.0f);
+    }
+    return 5 * nb * (nb - 1) / 2;
+  }
+  // Replay: step s's output at steps + s·n_B² (even s: a row step, odd s: a column step).
+  float* steps = steps_.data() + thread * 2 * iters * nb * nb;
+  float* column_stats = scratch_.data() + thread * 2 * nb;
+  scale_row(steps, sort_scores_.data() + head * nb * nb, inverse_tau, nb * nb);
+  for (std::int64_t iteration = 0; iteration < iters; ++iteration) {
+    float* rows_done = steps + 2 * iteration * nb * nb;
+    if (iteration > 0) std::copy(rows_done - nb * nb, rows_done, rows_done);
+    for (std::int64_t i = 0; i < nb; ++i) normalise_row(rows_done + i * nb, nb);
+    std::copy(rows_done, rows_done + nb * nb, rows_done + nb * nb);
+    normalise_columns(rows_done + nb * nb, nb, column_stats, column_stats + nb);
+  }
+  for (std::int64_t e = 0; e < nb * nb; ++e) g[e] *= p[e];
+  float* sums = column_stats;
+  for (std::int64_t step = 2 * iters - 1; step >= 0; --step) {
+    const float* y = steps + step * nb * nb;
+    if (step % 2 == 1) {
+      std::fill(sums, sums + nb, 0.0f);
+      for (std::int64_t i = 0; i < nb; ++i) add_row(sums, g + i * nb, nb);
+      for (std::int64_t i = 0; i < nb; ++i) {
+        float* row = g + i * nb;
+        const float* out_row = y + i * nb;
+#pragma omp simd
+        for (std::int64_t j = 0; j < nb; ++j) row[j] -= ops::fast_exp(out_row[j]) * sums[j];
+      }
+      continue;
+    }
+    for (std::int64_t i = 0; i < nb; ++i) {
+      float* row = g + i * nb;
+      const float* out_row = y + i * nb;
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (std::int64_t j = 0; j < nb; ++j) sum += row[j];
+#pragma omp simd
+      for (std::int64_t j = 0; j < nb; ++j) row[j] -= ops::fast_exp(out_row[j]) * sum;
+    }
+  }
+  scale_row(g, g, inverse_tau, nb * nb);
+  return nb * nb * (3 + 18 * iters);
+}
+
+// The network's backward over every head's rows at once (the weights are shared: their gradients
+// sum over the heads); dE into embedding_grads_.
+std::int64_t SinkhornAttention::sorting_network_backward() {
+  const std::int64_t rows = p_.batch * p_.heads * blocks_, d = p_.head_dim, nb = blocks_;
+  const float* dr = permutation_grads_.data();
+  ops::matmul({.m = d, .n = nb, .k = rows, .trans_a = true}, hidden_.data(), dr, dw2_.data());
+  db2_.fill(0.0f);
+  for (std::int64_t r = 0; r < rows; ++r) add_row(db2_.data(), dr + r * nb, nb);
+  float* dz = hidden_grads_.data();
+  ops::matmul({.m = rows, .n = d, .k = nb, .trans_b = true}, dr, w2_.data(), dz);
+  db1_.fill(0.0f);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* h = hidden_.data() + r * d;
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) dz[r * d + j] = h[j] > 0.0f ? dz[r * d + j] : 0.0f;
+    add_row(db1_.data(), dz + r * d, d);
+  }
+  ops::matmul({.m = d, .n = d, .k = rows, .trans_a = true}, embeddings_.data(), dz, dw1_.data());
+  ops::matmul({.m = rows, .n = d, .k = d, .trans_b = true}, dz, w1_.data(), embedding_grads_.data());
+  return rows * nb + 2 * rows * d;
+}
+
+// dK_t += dE of t's block; causal: E_i summed the blocks before i, so block j receives Σ_{i>j} dE_i.
+std::int64_t SinkhornAttention::embed_blocks_backward(std::int64_t head, Tensor& dk, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, nb = blocks_;
+  float* g = embedding_grads_.data() + head * nb * d;
+  std::int64_t flops = n * d;
+  if (p_.causal) {
+    float* suffix = running_.data() + thread * 2 * d;
+    float* own = suffix + d;
+    std::fill(suffix, suffix + d, 0.0f);
+    for (std::int64_t i = nb - 1; i >= 0; --i) {
+      std::copy(g + i * d, g + (i + 1) * d, own);
+      std::copy(suffix, suffix + d, g + i * d);
+      if (i == 0) break;
+      add_row(suffix, own, d);
+    }
+    flops += (nb - 1) * d;
+  }
+  float* grads = dk.data() + head * n * d;
+  for (std::int64_t t = 0; t < n; ++t) add_row(grads + t * d, g + (t / block_) * d, d);
+  return flops;
 }
 
 namespace {
@@ -305,6 +560,31 @@ std::int64_t workspace(const Problem& p, const SinkhornConfig& c) {
   return 4 * floats;
 }
 
+std::int64_t backward_flops(const Problem& p, const SinkhornConfig& c) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, b = sinkhorn_block(p, c), nb = sinkhorn_blocks(p, c);
+  const std::int64_t cut = sortcut(p, c);
+  std::int64_t per_head = 4 * matmul_flops(sorted_rows(p, c), n, d);
+  for (std::int64_t q0 = 0; q0 < n; q0 += b) {
+    const std::int64_t rows = std::min(b, n - q0), cols = cut > 0 ? cut * b : rows + b;
+    per_head += 5 * matmul_flops(rows, cols, d) + kRecomputedSoftmaxBackwardFlopsPerElement * rows * cols +
+                2 * rows * d + (cut > 0 ? 2 * cols * d : 0);
+  }
+  per_head += p.causal ? 5 * nb * (nb - 1) / 2 : nb * nb * (3 + 18 * c.sinkhorn_iters);
+  per_head += matmul_flops(nb, d, nb) * 2 + matmul_flops(nb, d, d) * 2 + nb * nb + 2 * nb * d;
+  per_head += n * d + (p.causal ? (nb - 1) * d : 0);
+  return p.batch * p.heads * per_head;
+}
+
+std::int64_t backward_workspace(const Problem& p, const SinkhornConfig& c) {
+  const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, b = sinkhorn_block(p, c);
+  const std::int64_t nb = sinkhorn_blocks(p, c), cols = score_cols(p, c), threads = p.threads;
+  const std::int64_t floats = heads * n + 2 * heads * nb * nb + 2 * heads * sorted_rows(p, c) * b * d + d * d + d +
+                              d * nb + nb + 2 * heads * nb * d +
+                              threads * (4 * cols * d + b * ops::padded_ld(cols)) +
+                              (p.causal ? 0 : threads * 2 * c.sinkhorn_iters * nb * nb);
+  return 4 * floats;
+}
+
 }  // namespace
 
 Implementation sinkhorn_implementation() {
@@ -324,7 +604,9 @@ Implementation sinkhorn_implementation() {
         c.sortcut_blocks = sortcut(p, c);
         return c;
       },
-      .unsupported = unsupported});
+      .unsupported = unsupported,
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb

@@ -30,6 +30,28 @@
 //   block with `rows` queries and `cols` keys: 4·rows·cols·D + 4·rows·cols + rows·D.
 // Tracked workspace: weights, E and hidden [B·H·n_B, D], P [B·H, n_B, n_B], sorted K̃ and Ṽ
 // [B·H, n_r·b, D] each, per thread a score tile [b, cols] and row statistics.
+//
+// Backward — gradients through the whole sorting network (the soft permutation is differentiable;
+// nothing is held fixed): the forward also saves each query's log-sum-exp and the network's
+// scores R [B·H, n_B, n_B], and keeps E, the hidden layer, P, K̃ and Ṽ. The backward, in order:
+//   attention, per query block (FlashAttention-2 recomputation, gathered_tile_backward over the
+//     block's keys [own; K̃_i], or the SortCut rows): dQ, dK and dV of the own block, dK̃, dṼ;
+//   mixing: dP = dK̃·K_blocksᵀ + dṼ·V_blocksᵀ, dK += Pᵀ·dK̃, dV += Pᵀ·dṼ;
+//   balance: causal, the row softmax's backward; non-causal, the 2·iters log-normalisation steps
+//     are replayed from R (each step's output kept, per thread) and differentiated in reverse:
+//     a row step y = x − lse_row(x) gives dx = dy − exp(y)·Σ_row dy, a column step likewise over
+//     columns; dL = dP ⊙ P at the end, dR = dL/τ at the start;
+//   network (shared by the heads, gradients summed over them): dw2 = Hᵀ·dR, db2 = Σ dR,
+//     dZ = dR·w2ᵀ ⊙ [H > 0], db1 = Σ dZ, dw1 = Eᵀ·dZ, dE = dZ·w1ᵀ;
+//   embeddings: dK_t += dE of t's block (causal: Σ of dE over the later blocks).
+// Stages: backward_attend (attention and mixing), backward_route (the rest).
+// FLOPs per head (sinkhorn_backward_flops): attention per query block 10·rows·cols·D + 4·rows·cols
+// + 2·rows·D (δ) [+ 2·cols·D with SortCut: adding dK̃, dṼ]; mixing 4·2·n_r·N·D; balance non-causal
+// n_B²·(3 + 18·iters), causal 5·n_B(n_B−1)/2; network per head 2·2·n_B·D·n_B + 2·2·n_B·D·D +
+// n_B² + 2·n_B·D (db2, mask, db1); embeddings N·D [+ (n_B−1)·D causal].
+// Backward workspace: lse [B·H·N], R [B·H, n_B, n_B], dP [B·H, n_B, n_B], dK̃ and dṼ, parameter
+// gradients, dH and dE [B·H·n_B, D]; per thread gathered K, V, dK, dV rows [cols, D] and a dS tile
+// [b, cols], plus the replayed steps [2·iters, n_B, n_B] when non-causal.
 #include <cstdint>
 #include <vector>
 
@@ -55,6 +77,14 @@ class SinkhornAttention final : public Mechanism {
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
   std::vector<NamedTensor> parameters() const override;
 
+  void prepare_backward() override;
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override;
+  std::vector<NamedTensor> saved() const override;
+  std::vector<NamedTensor> parameter_gradients() const override {
+    return {{"dw1", &dw1_}, {"db1", &db1_}, {"dw2", &dw2_}, {"db2", &db2_}};
+  }
+
   // The pattern of the last forward, for tests: P of head (b, h), row-major [n_B, n_B].
   std::int64_t block() const { return block_; }
   std::int64_t blocks() const { return blocks_; }
@@ -66,6 +96,13 @@ class SinkhornAttention final : public Mechanism {
   std::int64_t sorting_network();
   std::int64_t balance(std::int64_t head, int thread);
   void mix_blocks(const Tensor& x, Tensor& sorted);
+  std::int64_t attend_block_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                     const Tensor& dout, std::int64_t head, std::int64_t block, Tensor& dq, Tensor& dk,
+                                     Tensor& dv, int thread);
+  void mix_blocks_backward(const Tensor& k, const Tensor& v, Tensor& dk, Tensor& dv);
+  std::int64_t balance_backward(std::int64_t head, int thread);
+  std::int64_t sorting_network_backward();
+  std::int64_t embed_blocks_backward(std::int64_t head, Tensor& dk, int thread);
   std::int64_t attend_block(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head, std::int64_t block,
                             Tensor& out, int thread);
 
@@ -76,6 +113,11 @@ class SinkhornAttention final : public Mechanism {
   Tensor w1_, b1_, w2_, b2_;
   Tensor embeddings_, hidden_, permutation_, sorted_k_, sorted_v_;
   Tensor running_, scratch_, scores_, row_stats_;  // per thread: prefix sums, column stats, tiles
+  // Backward (prepare_backward): saved lse and R; gradients of P, K̃, Ṽ, the weights, H and E; per
+  // thread the gathered rows, the dS tile and the replayed Sinkhorn steps.
+  Tensor lse_, sort_scores_, permutation_grads_, sorted_k_grads_, sorted_v_grads_;
+  Tensor dw1_, db1_, dw2_, db2_, hidden_grads_, embedding_grads_;
+  Tensor key_rows_, score_grads_, steps_;
 };
 
 Implementation sinkhorn_implementation();
