@@ -307,11 +307,16 @@ TEST_SUITE("backward") {
       std::vector<ResultRow> rows;
       for (std::int64_t n : {512, 1024, 2048})
         rows.push_back(pass_row(model.name, {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32}, Pass::Train));
+      // Routing's forward keeps per-thread affinities [C, N] with C = √N clusters, so its peak grows
+      // as N√N by design; its pattern holds C·⌈N/C⌉ ≥ N slots (up to C − 1 extra).
+      const bool routing = model.name == "routing";
+      const double saved_growth = routing ? 2.05 : 2.0, peak_growth = routing ? 2.0 * std::sqrt(2.0) * 1.05 : 2.0;
       for (std::size_t i = 1; i < rows.size(); ++i) {
         CAPTURE(model.name);
         CAPTURE(rows[i].seq_len);
-        CHECK(static_cast<double>(rows[i].saved_bytes) <= 2.0 * static_cast<double>(rows[i - 1].saved_bytes));
-        CHECK(static_cast<double>(rows[i].peak_owned_bytes) <= 2.0 * static_cast<double>(rows[i - 1].peak_owned_bytes));
+        CHECK(static_cast<double>(rows[i].saved_bytes) <= saved_growth * static_cast<double>(rows[i - 1].saved_bytes));
+        CHECK(static_cast<double>(rows[i].peak_owned_bytes) <=
+              peak_growth * static_cast<double>(rows[i - 1].peak_owned_bytes));
       }
     }
     // vanilla saves its probabilities: N² per head.

@@ -271,6 +271,30 @@ std::vector<double> cosine_affinities(const float* x, const Tensor& centroids, s
   return a;
 }
 
+// Every token's keys in head (b, h) by the pattern the model exposed (repeats kept: a query taken
+// by several clusters sees each cluster's keys).
+std::vector<std::vector<std::int64_t>> routing_key_lists(const RoutingAttention& model, const Problem& p,
+                                                         std::int64_t b, std::int64_t h) {
+  const std::int64_t n = p.seq_len, w = model.window();
+  std::vector<std::vector<std::int64_t>> lists(n);
+  if (model.is_local_head(h)) {
+    for (std::int64_t i = 0; i < n; ++i)
+      for (std::int64_t j = 0; j < n; ++j)
+        if ((j / w == i / w || j / w + 1 == i / w) && (!p.causal || j <= i)) lists[i].push_back(j);
+  } else if (!p.causal) {
+    for (std::int64_t c = 0; c < model.clusters(); ++c) {
+      const auto queries = model.query_members(b, h, c), keys = model.key_members(b, h, c);
+      for (auto i : queries) lists[i].insert(lists[i].end(), keys.begin(), keys.end());
+    }
+  } else {
+    const auto qc = model.query_clusters(b, h), kc = model.key_clusters(b, h);
+    for (std::int64_t i = 0; i < n; ++i)
+      for (std::int64_t j = i; j >= 0 && static_cast<std::int64_t>(lists[i].size()) < w; --j)
+        if (kc[j] == qc[i]) lists[i].push_back(j);
+  }
+  return lists;
+}
+
 void check_routing(const Problem& p, const std::vector<std::string>& params) {
   const auto in = random_inputs(p, static_cast<std::uint64_t>(p.seq_len * 3 + 1));
   auto run = run_model<RoutingAttention>("routing", p, in, params);
@@ -283,18 +307,9 @@ void check_routing(const Problem& p, const std::vector<std::string>& params) {
                  v = to_double(in.v.head(b, h), n * d);
       const auto qa = cosine_affinities(in.q.head(b, h), centroids, h, n, d, clusters);
       const auto ka = cosine_affinities(in.k.head(b, h), centroids, h, n, d, clusters);
-      KeysOf keys_of;
-      std::vector<std::vector<std::int64_t>> lists(n);
-      if (model.is_local_head(h)) {
-        keys_of = [&](std::int64_t i) {
-          std::vector<std::int64_t> keys;
-          for (std::int64_t j = 0; j < n; ++j)
-            if ((j / w == i / w || j / w + 1 == i / w) && (!p.causal || j <= i)) keys.push_back(j);
-          return keys;
-        };
-      } else if (!p.causal) {
+      if (!model.is_local_head(h) && !p.causal) {
         // Each cluster's members are its top-w tokens by cosine affinity.
-        for (std::int64_t c = 0; c < clusters; ++c) {
+        for (std::int64_t c = 0; c < clusters; ++c)
           for (const auto& [members, affinity] : {std::pair{model.query_members(b, h, c), &qa},
                                                   std::pair{model.key_members(b, h, c), &ka}}) {
             REQUIRE(static_cast<std::int64_t>(members.size()) == w);
@@ -312,11 +327,7 @@ void check_routing(const Problem& p, const std::vector<std::string>& params) {
             }
             CHECK(weakest_taken >= strongest_left - 1e-5);
           }
-          const auto queries = model.query_members(b, h, c), keys = model.key_members(b, h, c);
-          for (auto i : queries) lists[i].insert(lists[i].end(), keys.begin(), keys.end());
-        }
-        keys_of = [&](std::int64_t i) { return lists[i]; };
-      } else {
+      } else if (!model.is_local_head(h)) {
         // Nearest centroids; query i sees the w most recent keys j <= i of its cluster.
         const auto qc = model.query_clusters(b, h), kc = model.key_clusters(b, h);
         for (std::int64_t i = 0; i < n; ++i) {
@@ -325,13 +336,11 @@ void check_routing(const Problem& p, const std::vector<std::string>& params) {
           };
           CHECK(qa[i * clusters + qc[i]] >= best(qa) - 1e-5);
           CHECK(ka[i * clusters + kc[i]] >= best(ka) - 1e-5);
-          for (std::int64_t j = i; j >= 0 && static_cast<std::int64_t>(lists[i].size()) < w; --j)
-            if (kc[j] == qc[i]) lists[i].push_back(j);
         }
-        keys_of = [&](std::int64_t i) { return lists[i]; };
       }
-      check_close(run.out.head(b, h), list_attention(q, k, v, n, d, keys_of), d, head_tolerance(in, b, h, p),
-                  label_of("routing", n, p.causal, params) + " h=" + std::to_string(h));
+      const auto lists = routing_key_lists(model, p, b, h);
+      check_close(run.out.head(b, h), list_attention(q, k, v, n, d, [&](std::int64_t i) { return lists[i]; }), d,
+                  head_tolerance(in, b, h, p), label_of("routing", n, p.causal, params) + " h=" + std::to_string(h));
     }
 }
 
@@ -563,6 +572,74 @@ TEST_SUITE("learnable") {
           check_composite_gradients("sinkhorn", p, {"block=4", "sinkhorn_iters=3", "sortcut_blocks=2"},
                                     reference(p, 3, 2), n <= 9);
       }
+  }
+
+  TEST_CASE("routing gradients with the pattern held fixed, balanced and causal, with local heads, at w ± 1") {
+    for (bool causal : {false, true})
+      for (const auto& [n, params] :
+           {std::pair<std::int64_t, std::vector<std::string>>{11, {"clusters=4"}},  // w = 3, short last block
+            {12, {"clusters=4"}},
+            {13, {"clusters=4", "local_heads=true"}},
+            {40, {"clusters=5", "local_heads=true"}}}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
+        const auto run = run_model<RoutingAttention>("routing", p, random_inputs(p, 7), params, 7);
+        std::vector<std::vector<std::vector<std::int64_t>>> lists;
+        for (std::int64_t b = 0; b < p.batch; ++b)
+          for (std::int64_t h = 0; h < p.heads; ++h) lists.push_back(routing_key_lists(*run.model, p, b, h));
+        auto reference = [&](const NamedValues& x) {
+          const std::int64_t size = p.seq_len * p.head_dim;
+          std::vector<double> out;
+          for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
+            auto slice = [&](const char* name) {
+              return std::vector<double>(x.at(name).begin() + head * size, x.at(name).begin() + (head + 1) * size);
+            };
+            const auto o = list_attention(slice("q"), slice("k"), slice("v"), p.seq_len, p.head_dim,
+                                          [&](std::int64_t i) { return lists[head][i]; });
+            out.insert(out.end(), o.begin(), o.end());
+          }
+          return out;
+        };
+        check_composite_gradients("routing", p, params, reference, n <= 13);
+      }
+  }
+
+  TEST_CASE("routing's training step updates the centroids by the paper's EMA over the nearest queries and keys") {
+    for (bool causal : {false, true}) {
+      const Problem p{.batch = 2, .heads = 4, .seq_len = 50, .head_dim = 8, .causal = causal};
+      const std::vector<std::string> params{"clusters=5", "local_heads=true", "ema_decay=0.9"};
+      const auto in = random_inputs(p, 3);
+      const BackwardRun run = run_backward("routing", p, in, random_like(p, 3, "dout"), params);
+      const Tensor* before = run.mechanism->parameters()[0].tensor;
+      const Tensor* after = run.mechanism->parameter_gradients()[0].tensor;
+      REQUIRE(run.mechanism->parameter_gradients()[0].name == "updated_centroids");
+      const std::int64_t n = p.seq_len, d = p.head_dim, clusters = 5;
+      for (std::int64_t h = 0; h < p.heads; ++h) {
+        std::vector<double> sums(clusters * d, 0.0);
+        for (std::int64_t b = 0; b < p.batch; ++b)
+          for (const Tensor* x : {&in.q, &in.k}) {
+            const auto affinity = cosine_affinities(x->head(b, h), *before, h, n, d, clusters);
+            for (std::int64_t i = 0; i < n; ++i) {
+              const auto first = affinity.begin() + i * clusters;
+              const auto nearest = std::max_element(first, first + clusters) - first;
+              double squares = 0;
+              for (std::int64_t c = 0; c < d; ++c) squares += std::pow(x->head(b, h)[i * d + c], 2);
+              for (std::int64_t c = 0; c < d; ++c) sums[nearest * d + c] += x->head(b, h)[i * d + c] / std::sqrt(squares);
+            }
+          }
+        for (std::int64_t c = 0; c < clusters; ++c) {
+          std::vector<double> want(d);
+          double squares = 0;
+          for (std::int64_t j = 0; j < d; ++j) {
+            const double mu = (*before)[(h * clusters + c) * d + j];
+            want[j] = h < 2 ? mu : 0.9 * mu + 0.05 * sums[c * d + j];  // heads 0, 1 are local: unchanged
+            squares += want[j] * want[j];
+          }
+          for (std::int64_t j = 0; j < d; ++j)
+            CHECK((*after)[(h * clusters + c) * d + j] ==
+                  doctest::Approx(want[j] / std::sqrt(squares)).epsilon(1e-5).scale(1.0));
+        }
+      }
+    }
   }
 
   TEST_CASE("reformer hashing and sorting are deterministic for a seed and change with it") {

@@ -272,31 +272,32 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
   }
   Tensor out = layer ? Tensor(Shape{p.batch, p.seq_len, p.heads * p.head_dim})
                      : Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+  // Training passes: a seeded dO (of the output) and the input gradients (attention: dq, dk, dv;
+  // layer: dx, the mechanism's inside the layer), allocated with the inputs, before any prepare
+  // (so a model's setup-only buffers, like routing's fitting rows, peak over all of them).
+  const bool training = config.pass != Pass::Forward;
+  Tensor dout, dq, dk, dv, dx;
+  if (training && layer) {
+    dout = Tensor(out.shape());
+    dx = Tensor(x.shape());
+  } else if (training) {
+    dout = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    dq = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    dk = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    dv = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+  }
+  if (training) CounterRng(config.seed, "input/dout").fill_normal(dout);
   const std::int64_t io_bytes = point_io_bytes(config);
   auto mechanism = model.impl.create(p, values, config.seed);
   std::unique_ptr<EncoderLayer> encoder;
   if (layer) {
     encoder = std::make_unique<EncoderLayer>(p, config.effective_d_ff(), config.seed);
     encoder->prepare(*mechanism, x);
+    if (training) encoder->prepare_backward(*mechanism);
   } else {
     mechanism->prepare(q, k, v);
+    if (training) mechanism->prepare_backward();
   }
-  // Training passes: a seeded dO (of the output), the input gradients (attention: dq, dk, dv;
-  // layer: dx, the mechanism's inside the layer), and what the forward saves.
-  const bool training = config.pass != Pass::Forward;
-  Tensor dout, dq, dk, dv, dx;
-  if (training && layer) {
-    dout = Tensor(out.shape());
-    dx = Tensor(x.shape());
-    encoder->prepare_backward(*mechanism);
-  } else if (training) {
-    dout = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-    dq = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-    dk = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-    dv = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-    mechanism->prepare_backward();
-  }
-  if (training) CounterRng(config.seed, "input/dout").fill_normal(dout);
   auto forward = [&] {
     if (layer)
       encoder->forward(*mechanism, x, out);

@@ -16,6 +16,7 @@
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
+#include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
 
@@ -345,7 +346,7 @@ std::int64_t RoutingAttention::attend_cluster(const Tensor& q, const Tensor& k, 
 }
 
 // out(token) = Σ over the clusters that took it of exp(lse − L)·o, L = log Σ exp(lse).
-std::int64_t RoutingAttention::merge_clusters(std::int64_t r, std::int64_t token, Tensor& out) const {
+std::int64_t RoutingAttention::merge_clusters(std::int64_t r, std::int64_t token, Tensor& out) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
   const std::int32_t* start = slot_start_.data() + r * (n + 1);
   const std::int32_t* slots = slots_.data() + r * clusters_ * window_;
@@ -353,6 +354,7 @@ std::int64_t RoutingAttention::merge_clusters(std::int64_t r, std::int64_t token
   float* dst = out.data() + (routed_heads_[r] * n + token) * d;
   float total = -std::numeric_limits<float>::infinity();
   for (std::int32_t e = start[token]; e < start[token + 1]; ++e) total = log_add_exp(total, lse[slots[e]]);
+  if (!token_lse_.empty()) token_lse_.data()[routed_heads_[r] * n + token] = total;
   std::fill(dst, dst + d, 0.0f);
   for (std::int32_t e = start[token]; e < start[token + 1]; ++e) {
     const float weight = std::exp(lse[slots[e]] - total);
@@ -419,6 +421,7 @@ std::int64_t RoutingAttention::attend_recent(const Tensor& q, std::int64_t r, st
   float* lse = row_stats_.data() + thread * 2 * w;
   float* inverse = lse + w;
   const std::int64_t flops = exp_rows_masked(scores, 1, w, score_ld_, visible, lse, inverse);
+  if (!token_lse_.empty()) token_lse_.data()[bh * n + token] = lse[0];
   float* dst = out.data() + (bh * n + token) * d;
   accumulate_rows(scores, w, sorted_v_.data() + (r * n + s0) * d, d, d, dst);
   scale_row(dst, dst, inverse[0], d);
@@ -438,10 +441,247 @@ std::int64_t RoutingAttention::attend_local(const Tensor& q, const Tensor& k, co
   float* lse = row_stats_.data() + thread * 2 * w;
   float* inverse = lse + w;
   std::int64_t flops = exp_rows_masked(scores, rows, cols, score_ld_, visible, lse, inverse);
+  if (!token_lse_.empty()) std::copy(lse, lse + rows, token_lse_.data() + bh * n + q0);
   float* dst = out.data() + (bh * n + q0) * d;
   ops::gemm(false, false, rows, d, cols, 1.0f, scores, score_ld_, v.data() + (bh * n + k0) * d, d, 0.0f, dst, d);
   for (std::int64_t row = 0; row < rows; ++row) scale_row(dst + row * d, dst + row * d, inverse[row], d);
   return flops + rows * d;
+}
+
+void RoutingAttention::prepare_backward() {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, w = window_, cols = score_cols(p_, c_);
+  const auto routed = static_cast<std::int64_t>(routed_heads_.size());
+  token_lse_ = Tensor(Shape{p_.batch * p_.heads, n});
+  grad_rows_ = Tensor(Shape{threads_, 2 * w + 2 * cols, d});
+  score_grads_ = Tensor(Shape{threads_, score_rows(p_, c_), score_ld_});
+  centroid_sums_ = Tensor(Shape{threads_, clusters_, d});
+  updated_centroids_ = Tensor(Shape{p_.heads, clusters_, d});
+  if (p_.causal) {
+    sorted_dk_ = Tensor(Shape{routed, n, d});
+    sorted_dv_ = Tensor(Shape{routed, n, d});
+  }
+}
+
+std::vector<NamedTensor> RoutingAttention::saved() const {
+  if (p_.causal) return {{"token_lse", &token_lse_}, {"sorted_kt", &sorted_kt_}, {"sorted_v", &sorted_v_}};
+  return {{"token_lse", &token_lse_}};
+}
+
+std::int64_t RoutingAttention::saved_bytes() const {
+  std::int64_t bytes = Mechanism::saved_bytes();
+  for (const IndexBuffer* pattern :
+       {&members_, &slot_start_, &slots_, &token_clusters_, &key_order_, &key_end_, &query_order_, &cluster_start_})
+    bytes += pattern->bytes();
+  return bytes;
+}
+
+void RoutingAttention::backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+  const Grads g{q, k, v, out, dout, dq, dk, dv};
+  const auto routed = static_cast<std::int64_t>(routed_heads_.size());
+  const auto local = static_cast<std::int64_t>(local_heads_.size());
+  std::int64_t flops = 0;
+#pragma omp parallel num_threads(threads_) reduction(+ : flops)
+  {
+    const int thread = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t r = 0; r < routed; ++r)
+      flops += p_.causal ? recent_backward(g, r, thread) : clusters_backward(g, r, thread);
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t task = 0; task < local; ++task) flops += local_backward(g, local_heads_[task], thread);
+  }
+  stage_clock::lap("backward");
+#pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) reduction(+ : flops)
+  for (std::int64_t h = 0; h < p_.heads; ++h) flops += update_centroids(q, k, h, omp_get_thread_num());
+  stage_clock::lap("centroid_update");
+  FlopCounter::add(flops);
+}
+
+// δ = dO·O of one token of head bh.
+float RoutingAttention::token_delta(const Grads& g, std::int64_t bh, std::int64_t token) const {
+  const float* o = g.out.data() + (bh * p_.seq_len + token) * p_.head_dim;
+  const float* grad = g.dout.data() + (bh * p_.seq_len + token) * p_.head_dim;
+  float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+  for (std::int64_t j = 0; j < p_.head_dim; ++j) dot += o[j] * grad[j];
+  return dot;
+}
+
+// Non-causal routing head r: each cluster's tile (its w queries against its w keys) with the
+// queries' merged L, dQ, dK, dV added back to their tokens.
+std::int64_t RoutingAttention::clusters_backward(const Grads& g, std::int64_t r, int thread) {
+  const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_, w = window_;
+  const std::int64_t at = bh * n * d;
+  std::fill(g.dq.data() + at, g.dq.data() + at + n * d, 0.0f);
+  std::fill(g.dk.data() + at, g.dk.data() + at + n * d, 0.0f);
+  std::fill(g.dv.data() + at, g.dv.data() + at + n * d, 0.0f);
+  float* q_rows = gathered_.data() + thread * 3 * w * d;
+  float* k_rows = q_rows + w * d;
+  float* v_rows = k_rows + w * d;
+  float* dout_rows = grad_rows_.data() + thread * (2 * w + 2 * score_cols(p_, c_)) * d;
+  float* dq_rows = dout_rows + w * d;
+  float* dk_rows = dq_rows + w * d;
+  float* dv_rows = dk_rows + w * d;
+  float* lse = row_stats_.data() + thread * 2 * w;
+  float* delta = lse + w;
+  float* scores = scores_.data() + thread * score_rows(p_, c_) * score_ld_;
+  float* score_grads = score_grads_.data() + thread * score_rows(p_, c_) * score_ld_;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  std::int64_t flops = 0;
+  for (std::int64_t cluster = 0; cluster < cl; ++cluster) {
+    const std::int32_t* query_ids = members_.data() + ((r * 2) * cl + cluster) * w;
+    const std::int32_t* key_ids = members_.data() + ((r * 2 + 1) * cl + cluster) * w;
+    for (std::int64_t s = 0; s < w; ++s) {
+      std::memcpy(q_rows + s * d, g.q.data() + at + query_ids[s] * d, d * sizeof(float));
+      std::memcpy(dout_rows + s * d, g.dout.data() + at + query_ids[s] * d, d * sizeof(float));
+      std::memcpy(k_rows + s * d, g.k.data() + at + key_ids[s] * d, d * sizeof(float));
+      std::memcpy(v_rows + s * d, g.v.data() + at + key_ids[s] * d, d * sizeof(float));
+      lse[s] = token_lse_.data()[bh * n + query_ids[s]];
+      delta[s] = token_delta(g, bh, query_ids[s]);
+    }
+    ops::gemm(false, true, w, w, d, scale, q_rows, d, k_rows, d, 0.0f, scores, score_ld_);
+    const GatheredTile tile{.rows = w, .cols = w, .d = d, .ld = score_ld_, .q = q_rows, .k = k_rows, .v = v_rows,
+                            .dout = dout_rows, .lse = lse, .delta = delta};
+    flops += gathered_tile_backward(tile, scale, scores, score_grads, dq_rows, dk_rows, dv_rows) + 5 * w * d;
+    for (std::int64_t s = 0; s < w; ++s) {
+      add_row(g.dq.data() + at + query_ids[s] * d, dq_rows + s * d, d);
+      add_row(g.dk.data() + at + key_ids[s] * d, dk_rows + s * d, d);
+      add_row(g.dv.data() + at + key_ids[s] * d, dv_rows + s * d, d);
+    }
+  }
+  return flops;
+}
+
+// Causal routing head r: every query row against its w recent keys of its cluster (key-sorted
+// order, as the forward); dK, dV gathered in that order and put back to their tokens at the end.
+std::int64_t RoutingAttention::recent_backward(const Grads& g, std::int64_t r, int thread) {
+  const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, w = window_;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const float* keys_t = sorted_kt_.data() + r * d * n;
+  const float* values = sorted_v_.data() + r * n * d;
+  float* key_grads = sorted_dk_.data() + r * n * d;
+  float* value_grads = sorted_dv_.data() + r * n * d;
+  std::fill(key_grads, key_grads + n * d, 0.0f);
+  std::fill(value_grads, value_grads + n * d, 0.0f);
+  float* query = grad_rows_.data() + thread * (2 * w + 2 * score_cols(p_, c_)) * d;
+  float* p = scores_.data() + thread * score_rows(p_, c_) * score_ld_;
+  float* ds = score_grads_.data() + thread * score_rows(p_, c_) * score_ld_;
+  for (std::int64_t index = 0; index < n; ++index) {
+    const std::int64_t token = query_order_.data()[r * n + index];
+    const std::int32_t cluster = token_clusters_.data()[r * 2 * n + token];
+    const std::int64_t end = key_end_.data()[r * n + token], lo = cluster_start_.data()[r * (clusters_ + 1) + cluster];
+    const std::int64_t s0 = std::max<std::int64_t>(0, end - w);
+    const float* grad = g.dout.data() + (bh * n + token) * d;
+    scale_row(query, g.q.data() + (bh * n + token) * d, scale, d);
+    accumulate_rows(query, d, keys_t + s0, n, w, p);
+    const float total = token_lse_.data()[bh * n + token], delta = token_delta(g, bh, token);
+    for (std::int64_t t = 0; t < w; ++t) {
+      const bool visible = s0 + t >= lo && s0 + t < end;
+      const float* value = values + (s0 + t) * d;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (std::int64_t j = 0; j < d; ++j) dot += value[j] * grad[j];
+      p[t] = visible ? ops::fast_exp(p[t] - total) : 0.0f;
+      ds[t] = p[t] * (dot - delta);
+      float* value_grad = value_grads + (s0 + t) * d;
+      float* key_grad = key_grads + (s0 + t) * d;
+#pragma omp simd
+      for (std::int64_t j = 0; j < d; ++j) {
+        value_grad[j] += p[t] * grad[j];
+        key_grad[j] += ds[t] * query[j];
+      }
+    }
+    float* dq = g.dq.data() + (bh * n + token) * d;
+    for (std::int64_t j = 0; j < d; ++j) {
+      const float* key_feature = keys_t + j * n + s0;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (std::int64_t t = 0; t < w; ++t) dot += ds[t] * key_feature[t];
+      dq[j] = dot * scale;
+    }
+  }
+  const std::int32_t* order = key_order_.data() + r * n;
+  for (std::int64_t s = 0; s < n; ++s) {
+    std::copy(key_grads + s * d, key_grads + (s + 1) * d, g.dk.data() + (bh * n + order[s]) * d);
+    std::copy(value_grads + s * d, value_grads + (s + 1) * d, g.dv.data() + (bh * n + order[s]) * d);
+  }
+  return n * (10 * w * d + kRecomputedSoftmaxBackwardFlopsPerElement * w + 4 * d);
+}
+
+// Local head: blocks of w queries against their own and the previous block, as attend_local.
+std::int64_t RoutingAttention::local_backward(const Grads& g, std::int64_t bh, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, w = window_, at = bh * n * d;
+  std::fill(g.dk.data() + at, g.dk.data() + at + n * d, 0.0f);
+  std::fill(g.dv.data() + at, g.dv.data() + at + n * d, 0.0f);
+  float* dk_rows = grad_rows_.data() + thread * (2 * w + 2 * score_cols(p_, c_)) * d + 2 * w * d;
+  float* dv_rows = dk_rows + score_cols(p_, c_) * d;
+  float* delta = row_stats_.data() + thread * 2 * w + w;
+  float* scores = scores_.data() + thread * score_rows(p_, c_) * score_ld_;
+  float* score_grads = score_grads_.data() + thread * score_rows(p_, c_) * score_ld_;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  std::int64_t flops = 0;
+  for (std::int64_t q0 = 0; q0 < n; q0 += w) {
+    const std::int64_t rows = std::min(w, n - q0), k0 = std::max<std::int64_t>(0, q0 - w), cols = q0 + rows - k0;
+    ops::gemm(false, true, rows, cols, d, scale, g.q.data() + at + q0 * d, d, g.k.data() + at + k0 * d, d, 0.0f,
+              scores, score_ld_);
+    for (std::int64_t row = 0; row < rows && p_.causal; ++row)
+      std::fill(scores + row * score_ld_ + (q0 + row - k0) + 1, scores + row * score_ld_ + cols,
+                -std::numeric_limits<float>::infinity());
+    for (std::int64_t row = 0; row < rows; ++row) delta[row] = token_delta(g, bh, q0 + row);
+    const GatheredTile tile{.rows = rows, .cols = cols, .d = d, .ld = score_ld_, .q = g.q.data() + at + q0 * d,
+                            .k = g.k.data() + at + k0 * d, .v = g.v.data() + at + k0 * d,
+                            .dout = g.dout.data() + at + q0 * d, .lse = token_lse_.data() + bh * n + q0,
+                            .delta = delta};
+    flops += gathered_tile_backward(tile, scale, scores, score_grads, g.dq.data() + at + q0 * d, dk_rows, dv_rows) +
+             2 * rows * d + 2 * cols * d;
+    add_row(g.dk.data() + at + k0 * d, dk_rows, cols * d);
+    add_row(g.dv.data() + at + k0 * d, dv_rows, cols * d);
+  }
+  return flops;
+}
+
+// The EMA step of head index h's centroids over every batch element's queries and keys, into
+// updated_centroids_ (local heads' centroids are copied unchanged: they route nothing).
+std::int64_t RoutingAttention::update_centroids(const Tensor& q, const Tensor& k, std::int64_t h, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, cl = clusters_;
+  const float* mu = centroids_.data() + h * cl * d;
+  float* next = updated_centroids_.data() + h * cl * d;
+  if (is_local_head(h)) {
+    std::copy(mu, mu + cl * d, next);
+    return 0;
+  }
+  const float decay = static_cast<float>(c_.ema_decay), step = 0.5f * (1.0f - decay);
+  const std::int64_t local = local_head_count(p_, c_), routed_per_batch = p_.heads - local;
+  float* sums = centroid_sums_.data() + thread * cl * d;
+  std::fill(sums, sums + cl * d, 0.0f);
+  std::int64_t flops = 0;
+  for (std::int64_t b = 0; b < p_.batch; ++b) {
+    const std::int64_t r = b * routed_per_batch + (h - local), bh = routed_heads_[r];
+    if (!p_.causal) affinities(q, k, r, thread);
+    for (std::int64_t role = 0; role < 2; ++role) {
+      const std::int32_t* nearest = token_clusters_.data() + (r * 2 + role) * n;
+      if (!p_.causal) {
+        std::int32_t* assigned = candidates_.data() + thread * n;
+        argmax_columns(affinity_.data() + (thread * 2 + role) * cl * affinity_ld_, cl, n, affinity_ld_,
+                       selection_.data() + thread * 3 * n, assigned);
+        nearest = assigned;
+      }
+      const float* rows = (role == 0 ? q : k).data() + bh * n * d;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float factor = inverse_norm(rows + i * d, d);
+        float* sum = sums + nearest[i] * d;
+#pragma omp simd
+        for (std::int64_t j = 0; j < d; ++j) sum[j] += rows[i * d + j] * factor;
+      }
+    }
+    flops += 8 * n * d + (p_.causal ? 0 : 2 * (cl - 1) * n);
+  }
+  for (std::int64_t c = 0; c < cl; ++c) {
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) next[c * d + j] = decay * mu[c * d + j] + step * sums[c * d + j];
+    scale_row(next + c * d, next + c * d, inverse_norm(next + c * d, d), d);
+  }
+  return flops + 6 * cl * d;
 }
 
 namespace {
@@ -464,11 +704,15 @@ std::int64_t flops(const Problem& p, const RoutingConfig& c) {
   return p.batch * ((p.heads - local) * routed_head + local * local_head);
 }
 
-std::int64_t workspace(const Problem& p, const RoutingConfig& c) {
+// Elements (4 bytes each, float or int32) of the forward's workspace: held throughout, then
+// either the fitting rows or the buffers allocated after fitting.
+struct ForwardElements {
+  std::int64_t kept, fitting, after;
+};
+
+ForwardElements forward_elements(const Problem& p, const RoutingConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
   const std::int64_t threads = p.threads, routed = p.batch * (p.heads - local_head_count(p, c));
-  // Elements (4 bytes each, float or int32) held throughout, then either the fitting rows or the
-  // buffers allocated after fitting.
   const std::int64_t kept = p.heads * cl * d + threads * (2 * cl * ops::padded_ld(n) + 3 * n + n + cl + 1);
   const std::int64_t fitting = c.kmeans_updates > 0 ? threads * 2 * n * d : 0;
   std::int64_t after = threads * ((p.causal ? 1 : 3 * w) * d + score_rows(p, c) * ops::padded_ld(score_cols(p, c)) + 2 * w);
@@ -476,7 +720,39 @@ std::int64_t workspace(const Problem& p, const RoutingConfig& c) {
     after += routed * (5 * n + cl + 1) + routed * 2 * n * d;
   else
     after += routed * (3 * cl * w + n + 1) + routed * cl * w * (d + 1);
-  return 4 * (kept + std::max(fitting, after));
+  return {kept, fitting, after};
+}
+
+std::int64_t workspace(const Problem& p, const RoutingConfig& c) {
+  const ForwardElements e = forward_elements(p, c);
+  return 4 * (e.kept + std::max(e.fitting, e.after));
+}
+
+std::int64_t backward_flops(const Problem& p, const RoutingConfig& c) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
+  const std::int64_t local = local_head_count(p, c);
+  const std::int64_t softmax = kRecomputedSoftmaxBackwardFlopsPerElement;
+  const std::int64_t routed_head =
+      p.causal ? n * (10 * w * d + softmax * w + 4 * d) + 8 * n * d
+               : cl * (5 * matmul_flops(w, w, d) + softmax * w * w + 5 * w * d) + 8 * n * d +
+                     2 * matmul_flops(cl, n, d) + 2 * (cl - 1) * n;
+  std::int64_t local_head = 0;
+  for (std::int64_t q0 = 0; q0 < n; q0 += w) {
+    const std::int64_t rows = std::min(w, n - q0), cols = q0 + rows - std::max<std::int64_t>(0, q0 - w);
+    local_head += 5 * matmul_flops(rows, cols, d) + softmax * rows * cols + 2 * rows * d + 2 * cols * d;
+  }
+  return p.batch * ((p.heads - local) * routed_head + local * local_head) + (p.heads - local) * 6 * cl * d;
+}
+
+std::int64_t backward_workspace(const Problem& p, const RoutingConfig& c) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
+  const std::int64_t routed = p.batch * (p.heads - local_head_count(p, c)), cols = score_cols(p, c);
+  const std::int64_t floats = p.batch * p.heads * n + p.heads * cl * d +
+                              p.threads * (cl * d + (2 * w + 2 * cols) * d + score_rows(p, c) * ops::padded_ld(cols)) +
+                              (p.causal ? 2 * routed * n * d : 0);
+  // prepare_backward runs after the fitting rows are freed: its buffers may fit under their peak.
+  const ForwardElements e = forward_elements(p, c);
+  return 4 * (std::max(e.fitting, e.after + floats) - std::max(e.fitting, e.after));
 }
 
 }  // namespace
@@ -495,7 +771,9 @@ Implementation routing_implementation() {
       .resolve = [](const Problem& p, RoutingConfig c) {
         c.clusters = routing_clusters(p, c);
         return c;
-      }});
+      },
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb

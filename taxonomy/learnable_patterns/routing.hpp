@@ -33,6 +33,25 @@
 // the pattern buffers exist) per thread fitting rows [2, N, D]; non-causal int32
 // memberships [B·H, 2, C, w], slot lists, per-cluster outputs [B·H, C·w, D + 1]; causal int32
 // clusters/orders [B·H, 5, N] and key-sorted copies of Kᵀ [B·H, D, N] and V [B·H, N, D].
+//
+// Backward (cluster assignments and top-w memberships held fixed, as the paper trains): the
+// forward also saves each token's merged log-sum-exp L [B·H, N] and keeps its pattern (int32
+// memberships and slot lists, or the causal clusters, orders and key-sorted K, V). With
+// δ_i = dO_i·O_i and P = exp(S − L) — each cluster's share of the query's merged softmax — the
+// backward recomputes every tile: non-causal, gathered_tile_backward per cluster with dQ, dK, dV
+// added back to their tokens; causal, one query row against its w recent keys (dK, dV gathered
+// in key-sorted order, then put back); local heads, per block. One task per head. Then the
+// centroid update, the paper's EMA and not a gradient, timed as the stage `centroid_update`:
+// every normalised query and key of head h (all batch elements) goes to its nearest centroid
+// (non-causal: affinities recomputed; causal: the saved clusters), μ_c ← λ·μ_c + (1−λ)/2·Σ x̂,
+// μ_c ← μ_c/‖μ_c‖, into `updated_centroids` (dumped with the gradients): the next step's centroids;
+// the benchmark keeps routing with the current ones so that every repetition times the same step.
+// FLOPs (routing_backward_flops), per routing head: non-causal C·(10·w²·D + 4·w² + 5·w·D) (tiles,
+// δ of the gathered rows, adding back dQ, dK, dV); causal N·(10·w·D + 4·w + 4·D); per local head and block
+// 10·rows·cols·D + 4·rows·cols + 2·rows·D + 2·cols·D; the update, per routing head: 8·N·D (norms,
+// sums) [+ 2·2·C·N·D + 2·(C−1)·N non-causal: affinities, argmax], + 6·C·D per routed head index.
+// Backward workspace: L [B·H, N], the updated centroids [H, C, D], per thread centroid sums [C, D]
+// and dO, dQ [w, D], dK, dV [cols, D] rows and a dS tile; causal: key-sorted dK, dV [B·H, N, D].
 #include <cstdint>
 #include <vector>
 
@@ -59,6 +78,16 @@ class RoutingAttention final : public Mechanism {
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
   std::vector<NamedTensor> parameters() const override { return {{"centroids", &centroids_}}; }
 
+  void prepare_backward() override;
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override;
+  std::vector<NamedTensor> saved() const override;
+  std::int64_t saved_bytes() const override;
+  // No gradient: the centroids' EMA update of the step (see above).
+  std::vector<NamedTensor> parameter_gradients() const override {
+    return {{"updated_centroids", &updated_centroids_}};
+  }
+
   // The pattern of the last forward, for tests (member/cluster lists exist for routing heads only,
   // i.e. heads that are not local).
   std::int64_t clusters() const { return clusters_; }
@@ -77,11 +106,20 @@ class RoutingAttention final : public Mechanism {
   std::int64_t route_balanced(const Tensor& q, const Tensor& k, std::int64_t head, int thread);
   std::int64_t attend_cluster(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head,
                               std::int64_t cluster, int thread);
-  std::int64_t merge_clusters(std::int64_t head, std::int64_t token, Tensor& out) const;
+  std::int64_t merge_clusters(std::int64_t head, std::int64_t token, Tensor& out);
   std::int64_t route_nearest(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head, int thread);
   std::int64_t attend_recent(const Tensor& q, std::int64_t head, std::int64_t token, Tensor& out, int thread);
   std::int64_t attend_local(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head, std::int64_t block,
                             Tensor& out, int thread);
+  struct Grads {  // the backward's tensors
+    const Tensor &q, &k, &v, &out, &dout;
+    Tensor &dq, &dk, &dv;
+  };
+  float token_delta(const Grads& g, std::int64_t bh, std::int64_t token) const;
+  std::int64_t clusters_backward(const Grads& g, std::int64_t r, int thread);
+  std::int64_t recent_backward(const Grads& g, std::int64_t r, int thread);
+  std::int64_t local_backward(const Grads& g, std::int64_t head, int thread);
+  std::int64_t update_centroids(const Tensor& q, const Tensor& k, std::int64_t h, int thread);
 
   Problem p_;
   RoutingConfig c_;
@@ -99,6 +137,9 @@ class RoutingAttention final : public Mechanism {
   // cluster starts.
   IndexBuffer token_clusters_, key_order_, key_end_, query_order_, cluster_start_;
   Tensor sorted_kt_, sorted_v_;  // keys transposed [D, N] per head, values [N, D]
+  // Backward: merged log-sum-exp per token [B·H, N]; per thread gradient rows, dS tile and centroid
+  // sums; causal: key-sorted dK, dV; the updated centroids.
+  Tensor token_lse_, grad_rows_, score_grads_, centroid_sums_, sorted_dk_, sorted_dv_, updated_centroids_;
 };
 
 Implementation routing_implementation();
