@@ -17,6 +17,7 @@
 #include "taxonomy/recurrence/transformer_xl.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
+#include "tests/gradient_check.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -243,6 +244,92 @@ void check_model(const std::string& model, const Problem& p, const std::vector<s
     }
 }
 
+// The recurrence in double as the backward differentiates it: the queries, the current segment's
+// keys and values and the parameters u, v, W_R come from x; every cached slot (memory and
+// compressed memory) is built from the fixed inputs — the paper's stop-gradient on its memory.
+std::vector<double> stopped_recurrence(const NamedValues& x, const AttentionInputs& fixed, const Mechanism& m,
+                                       const SegmentAttentionConfig& c, const Problem& p) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, d_r = p.heads * d, segment = std::min(c.segment_len, n);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> out(static_cast<std::size_t>(p.batch * p.heads * n * d), 0.0);
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const std::int64_t at = (b * p.heads + h) * n * d;
+      const double* q = x.at("q").data() + at;
+      const double* u = x.at("pos_bias_u").data() + h * d;
+      const double* bias_v = x.at("pos_bias_v").data() + h * d;
+      auto relative_key = [&](std::int64_t delta) {
+        std::vector<double> r(static_cast<std::size_t>(d), 0.0);
+        for (std::int64_t k = 0; k < d_r; ++k) {
+          const double omega = std::pow(10000.0, -static_cast<double>(k - k % 2) / static_cast<double>(d_r));
+          const double sinusoid = k % 2 == 0 ? std::sin(delta * omega) : std::cos(delta * omega);
+          for (std::int64_t j = 0; j < d; ++j) r[j] += sinusoid * x.at("w_r")[(h * d_r + k) * d + j];
+        }
+        return r;
+      };
+      HeadParams hp = head_params(m, c, p.heads, h, d);
+      auto row = [d](const double* rows, std::int64_t i) { return std::vector<double>(rows + i * d, rows + (i + 1) * d); };
+      const std::vector<double> fixed_k = widened(fixed.k.head(b, h), n * d), fixed_v = widened(fixed.v.head(b, h), n * d);
+      Rows memory_k, memory_v, compressed_k, compressed_v;
+      for (std::int64_t s0 = 0; s0 < n; s0 += segment) {
+        const std::int64_t rows = std::min(segment, n - s0);
+        Rows keys = compressed_k, values = compressed_v;
+        keys.insert(keys.end(), memory_k.begin(), memory_k.end());
+        values.insert(values.end(), memory_v.begin(), memory_v.end());
+        const auto context = static_cast<std::int64_t>(keys.size());
+        for (std::int64_t i = 0; i < rows; ++i) {
+          keys.push_back(row(x.at("k").data() + at, s0 + i));
+          values.push_back(row(x.at("v").data() + at, s0 + i));
+        }
+        for (std::int64_t i = 0; i < rows; ++i) {
+          const std::int64_t visible = context + (p.causal ? i + 1 : rows);
+          std::vector<double> scores(static_cast<std::size_t>(visible));
+          for (std::int64_t j = 0; j < visible; ++j) {
+            const auto r = relative_key(context + i - j);
+            for (std::int64_t f = 0; f < d; ++f)
+              scores[j] += ((q[(s0 + i) * d + f] + u[f]) * keys[j][f] + (q[(s0 + i) * d + f] + bias_v[f]) * r[f]) * scale;
+          }
+          const double peak = *std::max_element(scores.begin(), scores.end());
+          double sum = 0;
+          for (double score : scores) sum += std::exp(score - peak);
+          for (std::int64_t j = 0; j < visible; ++j)
+            for (std::int64_t f = 0; f < d; ++f)
+              out[at + (s0 + i) * d + f] += std::exp(scores[j] - peak) / sum * values[j][f];
+        }
+        // The caches from the fixed rows.
+        Rows all_k = memory_k, all_v = memory_v;
+        for (std::int64_t i = 0; i < rows; ++i) {
+          all_k.push_back(row(fixed_k.data(), s0 + i));
+          all_v.push_back(row(fixed_v.data(), s0 + i));
+        }
+        const std::int64_t evicted = std::max<std::int64_t>(0, static_cast<std::int64_t>(all_k.size()) - c.memory_len);
+        if (c.compression != Compression::None)
+          for (std::int64_t g = 0; g < evicted; g += c.rate) {
+            const auto end = std::min(g + c.rate, evicted);
+            compressed_k.push_back(naive_compress(c.compression, Rows(all_k.begin() + g, all_k.begin() + end), hp.conv_k));
+            compressed_v.push_back(naive_compress(c.compression, Rows(all_v.begin() + g, all_v.begin() + end), hp.conv_v));
+          }
+        while (static_cast<std::int64_t>(compressed_k.size()) > c.compressed_len) {
+          compressed_k.erase(compressed_k.begin());
+          compressed_v.erase(compressed_v.begin());
+        }
+        memory_k.assign(all_k.begin() + evicted, all_k.end());
+        memory_v.assign(all_v.begin() + evicted, all_v.end());
+      }
+    }
+  return out;
+}
+
+// The gradients of q, k, v, u, v, W_R against central differences of stopped_recurrence.
+void check_recurrence_gradients(const std::string& model, const Problem& p, const std::vector<std::string>& params,
+                                const SegmentAttentionConfig& c) {
+  const auto fixed = random_inputs(p, 7);  // check_composite_gradients' inputs and seed
+  const Run run = run_model(model, p, fixed, params, 7);
+  check_composite_gradients(model, p, params,
+                            [&](const NamedValues& x) { return stopped_recurrence(x, fixed, *run.mechanism, c, p); },
+                            true);
+}
+
 std::string param(const char* name, std::int64_t value) { return std::string(name) + "=" + std::to_string(value); }
 
 PointConfig quick_point(const std::string& model, std::int64_t n, bool causal, std::vector<std::string> params = {},
@@ -262,6 +349,22 @@ TEST_SUITE("recurrence") {
           const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
           check_model("transformer-xl", p, {"segment_len=16", param("memory_len", memory), "block_q=5"});
         }
+  }
+
+  TEST_CASE("transformer-xl and compressive gradients: u, v, W_R, and K, V within their segment (memory stop-gradient)") {
+    for (bool causal : {false, true})
+      for (std::int64_t n : {3, 4, 5, 11}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = causal};
+        const std::vector<std::string> xl{"segment_len=4", "memory_len=3", "block_q=3"};
+        check_recurrence_gradients("transformer-xl", p, xl, transformer_xl_config(resolve_params(
+                                                              "transformer-xl", find_model("transformer-xl")->impl.params, xl)));
+        for (const char* f : {"conv", "max", "mean"}) {
+          const std::vector<std::string> cm{"segment_len=4", "memory_len=3", "block_q=3", "compressed_len=2",
+                                            "compression_rate=2", std::string("compression=") + f};
+          check_recurrence_gradients("compressive", p, cm, compressive_config(resolve_params(
+                                                               "compressive", find_model("compressive")->impl.params, cm)));
+        }
+      }
   }
 
   TEST_CASE("transformer-xl: query tiles at, below and above the segment length") {

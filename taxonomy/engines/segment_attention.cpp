@@ -17,6 +17,8 @@ namespace {
 // FLOPs per visible score entry beyond the products: add the relative term, then max,
 // subtract + exp, sum (the 1/sum scaling is applied to the D outputs of the row instead).
 constexpr std::int64_t kFlopsPerVisibleEntry = 1 + kOnlineSoftmaxFlopsPerElement;
+// Backward, per visible entry: add the relative term, then P and dS from the saved L.
+constexpr std::int64_t kBackwardFlopsPerVisibleEntry = 1 + kRecomputedSoftmaxBackwardFlopsPerElement;
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
 
@@ -58,12 +60,15 @@ std::int64_t tile_flops(const Problem& p, std::int64_t context, std::int64_t r0,
 }
 
 // row[x] = exp(row[x] + relative[x] − max) for x < valid; the rest of the row up to cols becomes
-// 0. Returns 1 / (sum of the exponentials).
-float add_relative_and_exponentiate(float* row, const float* relative, std::int64_t valid, std::int64_t cols) {
+// 0. Returns 1 / (sum of the exponentials); with `lse`, also writes max + log(sum) there.
+float add_relative_and_exponentiate(float* row, const float* relative, std::int64_t valid, std::int64_t cols,
+                                    float* lse) {
 #pragma omp simd
   for (std::int64_t x = 0; x < valid; ++x) row[x] += relative[x];
-  const float sum = ops::exp_and_sum(row, valid, ops::row_max(row, valid, -std::numeric_limits<float>::infinity()));
+  const float peak = ops::row_max(row, valid, -std::numeric_limits<float>::infinity());
+  const float sum = ops::exp_and_sum(row, valid, peak);
   std::fill(row + valid, row + cols, 0.0f);
+  if (lse != nullptr) *lse = peak + std::log(sum);
   return 1.0f / sum;
 }
 
@@ -179,15 +184,17 @@ std::int64_t SegmentAttention::run_heads(const Tensor& q, const Tensor& k, const
 #pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
   for (std::int64_t bh = 0; bh < p_.batch * p_.heads; ++bh) {
     const int thread = omp_get_thread_num();
+    float* const win[2] = {window(false, bh), window(true, bh)};
     SegmentCache cache;
     for (std::int64_t s0 = 0; s0 < n; s0 += segment_) {
       const std::int64_t segment_rows = std::min(segment_, n - s0);
-      copy_segment(k, v, bh, s0, segment_rows);
+      copy_segment(k, v, win, bh, s0, segment_rows);
       for (std::int64_t r0 = 0; r0 < segment_rows; r0 += block) {
         const std::int64_t offset = (bh * n + s0 + r0) * d;
-        flops += attend_tile(q.data() + offset, out.data() + offset, bh, r0, segment_rows, cache, thread);
+        flops += attend_tile(q.data() + offset, out.data() + offset, saved_lse(bh, s0 + r0), win, bh % p_.heads, r0,
+                             segment_rows, cache, thread);
       }
-      flops += update_memory(bh, segment_rows, cache, thread);
+      flops += update_memory(win, bh % p_.heads, segment_rows, cache, thread);
       advance(cache, segment_rows, c_);
     }
   }
@@ -205,17 +212,25 @@ std::int64_t SegmentAttention::run_lockstep(const Tensor& q, const Tensor& k, co
     {
       const int thread = omp_get_thread_num();
 #pragma omp for
-      for (std::int64_t bh = 0; bh < bh_count; ++bh) copy_segment(k, v, bh, s0, segment_rows);
+      for (std::int64_t bh = 0; bh < bh_count; ++bh) {
+        float* const win[2] = {window(false, bh), window(true, bh)};
+        copy_segment(k, v, win, bh, s0, segment_rows);
+      }
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t task = 0; task < bh_count * tiles; ++task) {
         const std::int64_t bh = task / tiles;
         // Causal tiles late in the segment see more keys: start them first.
         const std::int64_t tile = p_.causal ? tiles - 1 - task % tiles : task % tiles;
         const std::int64_t offset = (bh * n + s0 + tile * block) * d;
-        flops += attend_tile(q.data() + offset, out.data() + offset, bh, tile * block, segment_rows, cache, thread);
+        const float* const win[2] = {window(false, bh), window(true, bh)};
+        flops += attend_tile(q.data() + offset, out.data() + offset, saved_lse(bh, s0 + tile * block), win,
+                             bh % p_.heads, tile * block, segment_rows, cache, thread);
       }
 #pragma omp for
-      for (std::int64_t bh = 0; bh < bh_count; ++bh) flops += update_memory(bh, segment_rows, cache, thread);
+      for (std::int64_t bh = 0; bh < bh_count; ++bh) {
+        float* const win[2] = {window(false, bh), window(true, bh)};
+        flops += update_memory(win, bh % p_.heads, segment_rows, cache, thread);
+      }
     }
     advance(cache, segment_rows, c_);
   }
@@ -248,29 +263,39 @@ const float* SegmentAttention::window(bool values, std::int64_t bh) const {
   return windows_.data() + ((values ? p_.batch * p_.heads : 0) + bh) * rows_ * p_.head_dim;
 }
 
-void SegmentAttention::copy_segment(const Tensor& k, const Tensor& v, std::int64_t bh, std::int64_t s0,
-                                    std::int64_t rows) {
+void SegmentAttention::copy_segment(const Tensor& k, const Tensor& v, float* const* win, std::int64_t bh,
+                                    std::int64_t s0, std::int64_t rows) const {
   const std::int64_t d = p_.head_dim, offset = (bh * p_.seq_len + s0) * d;
-  std::copy(k.data() + offset, k.data() + offset + rows * d, window(false, bh) + context_ * d);
-  std::copy(v.data() + offset, v.data() + offset + rows * d, window(true, bh) + context_ * d);
+  std::copy(k.data() + offset, k.data() + offset + rows * d, win[0] + context_ * d);
+  std::copy(v.data() + offset, v.data() + offset + rows * d, win[1] + context_ * d);
 }
 
-// Rows r0 … r0 + rows − 1 of the current segment for one (batch, head); q and out point at row r0.
-// Score column x is window row lo + x; the relative term of (r, x) is column rows − 1 − r + x of
-// the relative product, whose column y holds distance δ_hi − y (δ_hi: row r0 + rows − 1, column 0).
-std::int64_t SegmentAttention::attend_tile(const float* q, float* out, std::int64_t bh, std::int64_t r0,
-                                           std::int64_t segment_rows, const SegmentCache& cache, int thread) {
-  const std::int64_t d = p_.head_dim, head = bh % p_.heads, block = biased_queries_.dim(2);
-  const std::int64_t rows = std::min(block, segment_rows - r0);
-  const std::int64_t lo = context_ - cache.memory - cache.compressed;
-  const std::int64_t cols = (p_.causal ? context_ + r0 + rows : context_ + segment_rows) - lo;
-  const std::int64_t relative = p_.causal ? cols : cols + rows - 1;
-  const std::int64_t first_table_row = delta_max_ - (context_ + r0 + rows - 1 - lo);
+SegmentAttention::TileGeometry SegmentAttention::tile_geometry(std::int64_t r0, std::int64_t segment_rows,
+                                                               const SegmentCache& cache) const {
+  TileGeometry t{};
+  t.r0 = r0;
+  t.rows = std::min(biased_queries_.dim(2), segment_rows - r0);
+  t.lo = context_ - cache.memory - cache.compressed;
+  t.cols = (p_.causal ? context_ + r0 + t.rows : context_ + segment_rows) - t.lo;
+  t.relative = p_.causal ? t.cols : t.cols + t.rows - 1;
+  t.first_table_row = delta_max_ - (context_ + r0 + t.rows - 1 - t.lo);
+  return t;
+}
+
+std::int64_t SegmentAttention::valid_columns(const TileGeometry& t, std::int64_t r) const {
+  return p_.causal ? context_ - t.lo + t.r0 + r + 1 : t.cols;
+}
+
+// q + u and q + v of a tile's rows into the thread's biased-query buffers; then the content and
+// relative score products (scaled by 1/√D) into the thread's score tiles.
+void SegmentAttention::tile_scores(const float* q, const float* keys, std::int64_t head, const TileGeometry& t,
+                                   int thread) {
+  const std::int64_t d = p_.head_dim, block = biased_queries_.dim(2);
   float* with_u = biased_queries_.data() + thread * 2 * block * d;
   float* with_v = with_u + block * d;
   const float* u = bias_u_.data() + head * d;
   const float* v = bias_v_.data() + head * d;
-  for (std::int64_t r = 0; r < rows; ++r)
+  for (std::int64_t r = 0; r < t.rows; ++r)
 #pragma omp simd
     for (std::int64_t j = 0; j < d; ++j) {
       with_u[r * d + j] = q[r * d + j] + u[j];
@@ -278,37 +303,51 @@ std::int64_t SegmentAttention::attend_tile(const float* q, float* out, std::int6
     }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const std::int64_t ld = scores_.dim(2), ld_relative = relative_scores_.dim(2);
+  ops::gemm(false, true, t.rows, t.cols, d, scale, with_u, d, keys + t.lo * d, d, 0.0f,
+            scores_.data() + thread * block * ld, ld);
+  ops::gemm(false, true, t.rows, t.relative, d, scale, with_v, d,
+            relative_keys_.data() + (head * relative_keys_.dim(1) + t.first_table_row) * d, d, 0.0f,
+            relative_scores_.data() + thread * block * ld_relative, ld_relative);
+}
+
+// Rows r0 … r0 + rows − 1 of the current segment for one (batch, head); q and out point at row r0
+// (and lse, when given). Score column x is window row lo + x; the relative term of (r, x) is
+// column rows − 1 − r + x of the relative product, whose column y holds distance δ_hi − y (δ_hi:
+// row r0 + rows − 1, column 0).
+std::int64_t SegmentAttention::attend_tile(const float* q, float* out, float* lse, const float* const* win,
+                                           std::int64_t head, std::int64_t r0, std::int64_t segment_rows,
+                                           const SegmentCache& cache, int thread) {
+  const std::int64_t d = p_.head_dim, block = biased_queries_.dim(2);
+  const TileGeometry t = tile_geometry(r0, segment_rows, cache);
+  tile_scores(q, win[0], head, t, thread);
+  const std::int64_t ld = scores_.dim(2), ld_relative = relative_scores_.dim(2);
   float* scores = scores_.data() + thread * block * ld;
-  float* relative_scores = relative_scores_.data() + thread * block * ld_relative;
-  ops::gemm(false, true, rows, cols, d, scale, with_u, d, window(false, bh) + lo * d, d, 0.0f, scores, ld);
-  ops::gemm(false, true, rows, relative, d, scale, with_v, d,
-            relative_keys_.data() + (head * relative_keys_.dim(1) + first_table_row) * d, d, 0.0f, relative_scores,
-            ld_relative);
+  const float* relative_scores = relative_scores_.data() + thread * block * ld_relative;
   std::int64_t visible = 0;
-  float* inverse_sums = with_u;  // the biased queries are no longer needed
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int64_t valid = p_.causal ? context_ - lo + r0 + r + 1 : cols;
-    inverse_sums[r] =
-        add_relative_and_exponentiate(scores + r * ld, relative_scores + r * ld_relative + rows - 1 - r, valid, cols);
+  float* inverse_sums = biased_queries_.data() + thread * 2 * block * d;  // q + u is no longer needed
+  for (std::int64_t r = 0; r < t.rows; ++r) {
+    const std::int64_t valid = valid_columns(t, r);
+    inverse_sums[r] = add_relative_and_exponentiate(scores + r * ld, relative_scores + r * ld_relative + t.rows - 1 - r,
+                                                    valid, t.cols, lse != nullptr ? lse + r : nullptr);
     visible += valid;
   }
-  ops::gemm(false, false, rows, d, cols, 1.0f, scores, ld, window(true, bh) + lo * d, d, 0.0f, out, d);
-  for (std::int64_t r = 0; r < rows; ++r)
+  ops::gemm(false, false, t.rows, d, t.cols, 1.0f, scores, ld, win[1] + t.lo * d, d, 0.0f, out, d);
+  for (std::int64_t r = 0; r < t.rows; ++r)
 #pragma omp simd
     for (std::int64_t j = 0; j < d; ++j) out[r * d + j] *= inverse_sums[r];
-  return 3 * rows * d + kFlopsPerVisibleEntry * visible;
+  return 3 * t.rows * d + kFlopsPerVisibleEntry * visible;
 }
 
 // FIFO update of one (batch, head) after a segment of `segment_rows` tokens; compresses the
 // evicted rows first. Returns the non-gemm FLOPs executed.
-std::int64_t SegmentAttention::update_memory(std::int64_t bh, std::int64_t segment_rows, const SegmentCache& cache,
-                                             int thread) {
-  const std::int64_t d = p_.head_dim, head = bh % p_.heads;
+std::int64_t SegmentAttention::update_memory(float* const* win, std::int64_t head, std::int64_t segment_rows,
+                                             const SegmentCache& cache, int thread) {
+  const std::int64_t d = p_.head_dim;
   const std::int64_t total = cache.memory + segment_rows;
   const std::int64_t kept = std::min(c_.memory_len, total), evicted = total - kept;
   std::int64_t flops = 0;
   for (bool values : {false, true}) {
-    float* rows = window(values, bh);
+    float* rows = win[values ? 1 : 0];
     if (c_.compression != Compression::None && evicted > 0) {
       float* slots = compressed_slots_.data() + thread * compressed_slots_.dim(1) * d;
       const float* weights = c_.compression == Compression::Conv
@@ -336,6 +375,131 @@ void SegmentAttention::push_compressed(float* window, const float* slots, std::i
   std::copy(slots + (count - fresh) * d, slots + count * d, window + (capacity - fresh) * d);
 }
 
+void SegmentAttention::prepare_backward() {
+  const Sizes s = sizes_of(p_, c_);
+  const std::int64_t h = p_.heads, d = p_.head_dim, threads = p_.threads;
+  lse_ = Tensor(Shape{p_.batch * h, p_.seq_len});
+  replay_windows_ = Tensor(Shape{threads, 2, s.rows, d});
+  bias_u_grads_ = Tensor(Shape{h, d});
+  bias_v_grads_ = Tensor(Shape{h, d});
+  relative_key_grads_ = Tensor(Shape{h, s.relative, d});
+  w_r_grads_ = Tensor(Shape{h, h * d, d});
+  score_grads_ = Tensor(Shape{threads, s.block, ops::padded_ld(s.rows)});
+  relative_grads_ = Tensor(Shape{threads, s.block, ops::padded_ld(s.rows + s.block - 1)});
+  query_grads_ = Tensor(Shape{threads, 2, s.block, d});
+}
+
+std::vector<NamedTensor> SegmentAttention::parameter_gradients() const {
+  return {{"dpos_bias_u", &bias_u_grads_}, {"dpos_bias_v", &bias_v_grads_}, {"dw_r", &w_r_grads_}};
+}
+
+void SegmentAttention::backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+  const Grads g{q, k, v, out, dout, dq, dk, dv};
+  std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
+  for (std::int64_t head = 0; head < p_.heads; ++head) flops += backward_head(g, head, omp_get_thread_num());
+  FlopCounter::add(flops);
+}
+
+// Every (batch, head) of head index `head` (its u, v, W_R gradients sum over the batch): the
+// forward's segments replayed in order on the thread's own windows (the caches rebuilt, compression
+// included), each tile's backward, then dW_R = sinusoidᵀ·d(relative keys).
+std::int64_t SegmentAttention::backward_head(const Grads& g, std::int64_t head, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, block = biased_queries_.dim(2), n_rel = relative_keys_.dim(1);
+  std::fill(bias_u_grads_.data() + head * d, bias_u_grads_.data() + (head + 1) * d, 0.0f);
+  std::fill(bias_v_grads_.data() + head * d, bias_v_grads_.data() + (head + 1) * d, 0.0f);
+  std::fill(relative_key_grads_.data() + head * n_rel * d, relative_key_grads_.data() + (head + 1) * n_rel * d, 0.0f);
+  float* const win[2] = {replay_windows_.data() + thread * 2 * rows_ * d,
+                         replay_windows_.data() + (thread * 2 + 1) * rows_ * d};
+  std::int64_t flops = 0;
+  for (std::int64_t b = 0; b < p_.batch; ++b) {
+    const std::int64_t bh = b * p_.heads + head;
+    std::fill(g.dk.data() + bh * n * d, g.dk.data() + (bh + 1) * n * d, 0.0f);
+    std::fill(g.dv.data() + bh * n * d, g.dv.data() + (bh + 1) * n * d, 0.0f);
+    SegmentCache cache;
+    for (std::int64_t s0 = 0; s0 < n; s0 += segment_) {
+      const std::int64_t segment_rows = std::min(segment_, n - s0);
+      copy_segment(g.k, g.v, win, bh, s0, segment_rows);
+      for (std::int64_t r0 = 0; r0 < segment_rows; r0 += block)
+        flops += tile_backward(g, win, bh, s0, tile_geometry(r0, segment_rows, cache), thread);
+      flops += update_memory(win, head, segment_rows, cache, thread);
+      advance(cache, segment_rows, c_);
+    }
+  }
+  const std::int64_t d_r = p_.heads * d;
+  ops::gemm(true, false, d_r, d, n_rel, 1.0f, sinusoid_.data(), d_r, relative_key_grads_.data() + head * n_rel * d, d,
+            0.0f, w_r_grads_.data() + head * d_r * d, d);
+  return flops;
+}
+
+// The backward of one query tile of segment s0 (FlashAttention-2 recomputation from the saved L):
+// P = exp(A − L), dS = P ⊙ (dO·Vᵀ − δ); dQ = (dS·K + dS_rel·R)/√D with dS_rel the relative layout
+// of dS; du, dv (biases) sum those two parts over the rows; dK, dV only for the current segment's
+// columns (the cached memory is a constant: stop-gradient); d(relative keys) += dS_relᵀ·(q + v)/√D.
+std::int64_t SegmentAttention::tile_backward(const Grads& g, const float* const* win, std::int64_t bh, std::int64_t s0,
+                                             const TileGeometry& t, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, head = bh % p_.heads, block = biased_queries_.dim(2);
+  const std::int64_t n_rel = relative_keys_.dim(1), at = (bh * n + s0 + t.r0) * d;
+  tile_scores(g.q.data() + at, win[0], head, t, thread);
+  const std::int64_t ld = scores_.dim(2), ld_relative = relative_scores_.dim(2);
+  float* p = scores_.data() + thread * block * ld;
+  const float* relative = relative_scores_.data() + thread * block * ld_relative;
+  float* ds = score_grads_.data() + thread * block * ld;
+  float* ds_relative = relative_grads_.data() + thread * block * ld_relative;
+  const float* with_u = biased_queries_.data() + thread * 2 * block * d;
+  const float* with_v = with_u + block * d;
+  const float* lse = lse_.data() + bh * n + s0 + t.r0;
+  const float* dout = g.dout.data() + at;
+  ops::gemm(false, true, t.rows, t.cols, d, 1.0f, dout, d, win[1] + t.lo * d, d, 0.0f, ds, ld);
+  std::int64_t visible = 0;
+  for (std::int64_t r = 0; r < t.rows; ++r) {
+    const std::int64_t valid = valid_columns(t, r);
+    const float* o = g.out.data() + at + r * d;
+    float delta = 0.0f;
+#pragma omp simd reduction(+ : delta)
+    for (std::int64_t j = 0; j < d; ++j) delta += o[j] * dout[r * d + j];
+    float* p_row = p + r * ld;
+    float* ds_row = ds + r * ld;
+    const float* relative_row = relative + r * ld_relative + t.rows - 1 - r;
+#pragma omp simd
+    for (std::int64_t x = 0; x < valid; ++x) {
+      p_row[x] = ops::fast_exp(p_row[x] + relative_row[x] - lse[r]);
+      ds_row[x] = p_row[x] * (ds_row[x] - delta);
+    }
+    std::fill(p_row + valid, p_row + t.cols, 0.0f);
+    std::fill(ds_row + valid, ds_row + t.cols, 0.0f);
+    float* ds_relative_row = ds_relative + r * ld_relative;
+    std::fill(ds_relative_row, ds_relative_row + t.relative, 0.0f);
+    std::copy(ds_row, ds_row + valid, ds_relative_row + t.rows - 1 - r);
+    visible += valid;
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const std::int64_t first_segment_column = context_ - t.lo, segment_columns = t.cols - first_segment_column;
+  float* dk = g.dk.data() + (bh * n + s0) * d;
+  float* dv = g.dv.data() + (bh * n + s0) * d;
+  ops::gemm(true, false, segment_columns, d, t.rows, 1.0f, p + first_segment_column, ld, dout, d, 1.0f, dv, d);
+  ops::gemm(true, false, segment_columns, d, t.rows, scale, ds + first_segment_column, ld, with_u, d, 1.0f, dk, d);
+  float* content = query_grads_.data() + thread * 2 * block * d;
+  float* positional = content + block * d;
+  const float* relative_keys = relative_keys_.data() + (head * n_rel + t.first_table_row) * d;
+  ops::gemm(false, false, t.rows, d, t.cols, scale, ds, ld, win[0] + t.lo * d, d, 0.0f, content, d);
+  ops::gemm(false, false, t.rows, d, t.relative, scale, ds_relative, ld_relative, relative_keys, d, 0.0f, positional, d);
+  ops::gemm(true, false, t.relative, d, t.rows, scale, ds_relative, ld_relative, with_v, d, 1.0f,
+            relative_key_grads_.data() + (head * n_rel + t.first_table_row) * d, d);
+  float* dq = g.dq.data() + at;
+  float* du = bias_u_grads_.data() + head * d;
+  float* dv_bias = bias_v_grads_.data() + head * d;
+  for (std::int64_t r = 0; r < t.rows; ++r)
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) {
+      dq[r * d + j] = content[r * d + j] + positional[r * d + j];
+      du[j] += content[r * d + j];
+      dv_bias[j] += positional[r * d + j];
+    }
+  return 7 * t.rows * d + kBackwardFlopsPerVisibleEntry * visible;
+}
+
 std::int64_t segment_attention_flops(const Problem& p, const SegmentAttentionConfig& c) {
   const Sizes s = sizes_of(p, c);
   SegmentCache state;
@@ -360,6 +524,38 @@ std::int64_t segment_attention_workspace(const Problem& p, const SegmentAttentio
   floats += 2 * p.batch * h * s.rows * d;
   floats += threads * (2 * s.block * d + s.block * ops::padded_ld(s.rows) +
                        s.block * ops::padded_ld(s.rows + s.block - 1));
+  return floats * static_cast<std::int64_t>(sizeof(float));
+}
+
+std::int64_t segment_attention_backward_flops(const Problem& p, const SegmentAttentionConfig& c) {
+  const Sizes s = sizes_of(p, c);
+  const std::int64_t d = p.head_dim;
+  SegmentCache state;
+  std::int64_t per_head = 0;
+  for (std::int64_t s0 = 0; s0 < p.seq_len; s0 += s.segment) {
+    const std::int64_t segment_rows = std::min(s.segment, p.seq_len - s0), context = state.memory + state.compressed;
+    for (std::int64_t r0 = 0; r0 < segment_rows; r0 += s.block) {
+      const std::int64_t rows = std::min(s.block, segment_rows - r0);
+      const std::int64_t segment_columns = p.causal ? r0 + rows : segment_rows, cols = context + segment_columns;
+      const std::int64_t relative = p.causal ? cols : cols + rows - 1;
+      const std::int64_t visible = p.causal ? rows * (context + r0) + rows * (rows + 1) / 2 : rows * cols;
+      per_head += 2 * matmul_flops(rows, cols, d) + 2 * matmul_flops(segment_columns, d, rows) +
+                  matmul_flops(rows, d, cols) + 3 * matmul_flops(rows, relative, d) + 7 * rows * d +
+                  kBackwardFlopsPerVisibleEntry * visible;
+    }
+    const std::int64_t evicted = advance(state, segment_rows, c);
+    per_head += 2 * compress_flops(c.compression, evicted, d, c.rate);
+  }
+  return p.batch * p.heads * per_head + p.heads * matmul_flops(p.heads * d, d, s.relative);
+}
+
+std::int64_t segment_attention_backward_workspace(const Problem& p, const SegmentAttentionConfig& c) {
+  const Sizes s = sizes_of(p, c);
+  const std::int64_t h = p.heads, d = p.head_dim, threads = p.threads;
+  const std::int64_t floats = p.batch * h * p.seq_len + threads * 2 * s.rows * d + 2 * h * d + h * s.relative * d +
+                              h * h * d * d +
+                              threads * (s.block * ops::padded_ld(s.rows) +
+                                         s.block * ops::padded_ld(s.rows + s.block - 1) + 2 * s.block * d);
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
 

@@ -84,6 +84,13 @@ class SegmentAttention final : public Mechanism {
   // [H, n_rel, D] (row t: δ = δ_max − t); conv_weights [2, H, c·D, D] (K, V) with Conv.
   std::vector<NamedTensor> parameters() const override;
 
+  void prepare_backward() override;
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override;
+  std::vector<NamedTensor> saved() const override { return {{"lse", &lse_}}; }
+  // dpos_bias_u, dpos_bias_v [H, D], dw_r [H, d_r, D].
+  std::vector<NamedTensor> parameter_gradients() const override;
+
   // State after the last forward, for tests: valid slots, oldest first, rows of D floats.
   std::int64_t memory_length() const { return cache_.memory; }
   std::int64_t compressed_length() const { return cache_.compressed; }
@@ -91,13 +98,34 @@ class SegmentAttention final : public Mechanism {
   const float* compressed_rows(bool values, std::int64_t b, std::int64_t h) const;
 
  private:
+  // One query tile of a segment: rows r0 … r0 + rows − 1; window rows [lo, lo + cols) are its
+  // columns; its relative product has `relative` columns from table row first_table_row.
+  struct TileGeometry {
+    std::int64_t r0, rows, lo, cols, relative, first_table_row;
+  };
+  TileGeometry tile_geometry(std::int64_t r0, std::int64_t segment_rows, const SegmentCache& cache) const;
+  std::int64_t valid_columns(const TileGeometry& t, std::int64_t r) const;  // columns row r sees
+  float* saved_lse(std::int64_t bh, std::int64_t token) {
+    return lse_.empty() ? nullptr : lse_.data() + bh * p_.seq_len + token;
+  }
   std::int64_t run_heads(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
   std::int64_t run_lockstep(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
-  void copy_segment(const Tensor& k, const Tensor& v, std::int64_t bh, std::int64_t s0, std::int64_t rows);
-  std::int64_t attend_tile(const float* q, float* out, std::int64_t bh, std::int64_t r0, std::int64_t segment_rows,
-                           const SegmentCache& cache, int thread);
-  std::int64_t update_memory(std::int64_t bh, std::int64_t segment_rows, const SegmentCache& cache, int thread);
+  // win: the key and value windows [W + L, D] of one (batch, head).
+  void copy_segment(const Tensor& k, const Tensor& v, float* const* win, std::int64_t bh, std::int64_t s0,
+                    std::int64_t rows) const;
+  void tile_scores(const float* q, const float* keys, std::int64_t head, const TileGeometry& t, int thread);
+  std::int64_t attend_tile(const float* q, float* out, float* lse, const float* const* win, std::int64_t head,
+                           std::int64_t r0, std::int64_t segment_rows, const SegmentCache& cache, int thread);
+  std::int64_t update_memory(float* const* win, std::int64_t head, std::int64_t segment_rows, const SegmentCache& cache,
+                             int thread);
   void push_compressed(float* window, const float* slots, std::int64_t count, std::int64_t valid) const;
+  struct Grads {  // the backward's tensors
+    const Tensor &q, &k, &v, &out, &dout;
+    Tensor &dq, &dk, &dv;
+  };
+  std::int64_t backward_head(const Grads& g, std::int64_t head, int thread);
+  std::int64_t tile_backward(const Grads& g, const float* const* win, std::int64_t bh, std::int64_t s0,
+                             const TileGeometry& t, int thread);
   float* window(bool values, std::int64_t bh);
   const float* window(bool values, std::int64_t bh) const;
 
@@ -108,9 +136,16 @@ class SegmentAttention final : public Mechanism {
   SegmentCache cache_;  // after the last forward
   Tensor bias_u_, bias_v_, w_r_, sinusoid_, relative_keys_, conv_weights_;
   Tensor windows_, biased_queries_, scores_, relative_scores_, compressed_slots_;
+  // Backward only: each query row's log-sum-exp [B·H, N] (saved by the forward), per thread replay
+  // windows [2, W + L, D], the parameter gradients (d relative keys [H, n_rel, D] on the way to dW_R),
+  // per thread dS tiles in the content and relative layouts and the two parts of dQ.
+  Tensor lse_, replay_windows_, bias_u_grads_, bias_v_grads_, relative_key_grads_, w_r_grads_;
+  Tensor score_grads_, relative_grads_, query_grads_;
 };
 
 std::int64_t segment_attention_flops(const Problem& p, const SegmentAttentionConfig& c);
 std::int64_t segment_attention_workspace(const Problem& p, const SegmentAttentionConfig& c);
+std::int64_t segment_attention_backward_flops(const Problem& p, const SegmentAttentionConfig& c);
+std::int64_t segment_attention_backward_workspace(const Problem& p, const SegmentAttentionConfig& c);
 
 }  // namespace xfb

@@ -29,6 +29,14 @@ const FieldTable<CompressiveConfig>& fields() {
   return table;
 }
 
+std::int64_t backward_flops(const Problem& p, const CompressiveConfig& c) {
+  return segment_attention_backward_flops(p, segment_config(c));
+}
+
+std::int64_t backward_workspace(const Problem& p, const CompressiveConfig& c) {
+  return segment_attention_backward_workspace(p, segment_config(c));
+}
+
 }  // namespace
 
 SegmentAttentionConfig segment_config(const CompressiveConfig& c) {
@@ -47,7 +55,10 @@ SegmentAttentionConfig compressive_config(const ParamValues& values) {
 
 Implementation compressive_implementation() {
   return implement(
-      ModelSpec<CompressiveConfig>{.fields = fields(), .create = create, .flops = flops, .workspace = workspace});
+      ModelSpec<CompressiveConfig>{.fields = fields(), .create = create, .flops = flops,
+                                          .workspace = workspace,
+                                          .backward_flops = backward_flops,
+                                          .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb

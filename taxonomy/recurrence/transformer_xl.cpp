@@ -26,6 +26,14 @@ const FieldTable<TransformerXlConfig>& fields() {
   return table;
 }
 
+std::int64_t backward_flops(const Problem& p, const TransformerXlConfig& c) {
+  return segment_attention_backward_flops(p, segment_config(c));
+}
+
+std::int64_t backward_workspace(const Problem& p, const TransformerXlConfig& c) {
+  return segment_attention_backward_workspace(p, segment_config(c));
+}
+
 }  // namespace
 
 SegmentAttentionConfig segment_config(const TransformerXlConfig& c) {
@@ -38,7 +46,10 @@ SegmentAttentionConfig transformer_xl_config(const ParamValues& values) {
 
 Implementation transformer_xl_implementation() {
   return implement(
-      ModelSpec<TransformerXlConfig>{.fields = fields(), .create = create, .flops = flops, .workspace = workspace});
+      ModelSpec<TransformerXlConfig>{.fields = fields(), .create = create, .flops = flops,
+                                          .workspace = workspace,
+                                          .backward_flops = backward_flops,
+                                          .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb
