@@ -286,6 +286,31 @@ TEST_SUITE("backward") {
     CHECK(pass_row("vanilla", small, Pass::Forward).saved_bytes == 0);
   }
 
+  TEST_CASE("non-default backward settings: FLOPs equal the formulas and the tracked peak the estimate") {
+    // Settings the registry-wide loops above do not reach (they run every model's defaults).
+    const std::vector<std::pair<std::string, std::vector<std::string>>> cases{
+        {"compressive", {"segment_len=64", "memory_len=32", "compressed_len=16", "aux_loss=on"}},
+        {"compressive", {"segment_len=64", "memory_len=32", "compressed_len=16", "compression=max"}},
+        {"reformer", {"n_rounds=4", "chunk_len=32"}},
+        {"sinkhorn", {"sortcut_blocks=2", "block=32"}},
+        {"routing", {"local_heads=true", "clusters=8"}}};
+    for (const auto& [model, params] : cases)
+      for (bool causal : {false, true}) {
+        if (causal && model == "sinkhorn") continue;  // SortCut is encoder only
+        const Problem p = on_test_threads({.batch = 2, .heads = 4, .seq_len = 200, .head_dim = 16, .causal = causal});
+        const ModelInfo& info = *find_model(model);
+        const ParamValues values = resolve_params(model, info.impl.params, params);
+        CAPTURE(model);
+        CAPTURE(causal);
+        PointConfig c = counter_point(model, p, params);
+        c.pass = Pass::Train;
+        const ResultRow row = run_point(c);
+        REQUIRE_MESSAGE(row.status == Status::Ok, row.reason);
+        CHECK(row.flops == info.impl.flops(p, values) + info.impl.backward_flops(p, values));
+        CHECK(row.peak_owned_bytes - point_io_bytes(c) == row.estimated_workspace_bytes);
+      }
+  }
+
   TEST_CASE("train rows time forward and backward stages, or the stages a model splits its passes into") {
     const Problem p{.batch = 1, .heads = 2, .seq_len = 256, .head_dim = 32};
     auto stage_names = [](const ResultRow& row) {

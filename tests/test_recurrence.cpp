@@ -18,6 +18,7 @@
 #include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
 #include "tests/gradient_check.hpp"
+#include "tests/mechanism_run.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -330,6 +331,67 @@ void check_recurrence_gradients(const std::string& model, const Problem& p, cons
                             true);
 }
 
+// The attention-reconstruction loss Σ over (batch, head) and evicting segments of
+// ‖attn(Q_s, K_e, V_e) − attn(Q_s, f_c(K_e), f_c(V_e))‖², in double, as a function of the conv
+// weights x["conv_weights"] [2, H, c·D, D]; the caches from the inputs.
+double reconstruction_loss(const NamedValues& x, const AttentionInputs& in, const SegmentAttentionConfig& c,
+                           const Problem& p) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, segment = std::min(c.segment_len, n);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  auto attend = [&](const std::vector<double>& q, const Rows& keys, const Rows& values) {
+    std::vector<double> scores(keys.size()), out(static_cast<std::size_t>(d), 0.0);
+    for (std::size_t j = 0; j < keys.size(); ++j)
+      for (std::int64_t f = 0; f < d; ++f) scores[j] += q[f] * keys[j][f] * scale;
+    const double peak = *std::max_element(scores.begin(), scores.end());
+    double sum = 0;
+    for (double score : scores) sum += std::exp(score - peak);
+    for (std::size_t j = 0; j < keys.size(); ++j)
+      for (std::int64_t f = 0; f < d; ++f) out[f] += std::exp(scores[j] - peak) / sum * values[j][f];
+    return out;
+  };
+  double loss = 0;
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      auto compress = [&](const Rows& rows, std::int64_t tensor) {
+        const double* weights = x.at("conv_weights").data() + (tensor * p.heads + h) * c.rate * d * d;
+        Rows slots;
+        for (std::size_t g = 0; g < rows.size(); g += static_cast<std::size_t>(c.rate)) {
+          std::vector<double> slot(static_cast<std::size_t>(d), 0.0);
+          for (std::size_t t = g; t < std::min(rows.size(), g + static_cast<std::size_t>(c.rate)); ++t)
+            for (std::int64_t i = 0; i < d; ++i)
+              for (std::int64_t j = 0; j < d; ++j) slot[j] += rows[t][i] * weights[((t - g) * d + i) * d + j];
+          slots.push_back(slot);
+        }
+        return slots;
+      };
+      auto row = [&](const Tensor& t, std::int64_t i) {
+        return std::vector<double>(t.head(b, h) + i * d, t.head(b, h) + (i + 1) * d);
+      };
+      Rows memory_k, memory_v;
+      for (std::int64_t s0 = 0; s0 < n; s0 += segment) {
+        const std::int64_t rows = std::min(segment, n - s0);
+        Rows all_k = memory_k, all_v = memory_v;
+        for (std::int64_t i = 0; i < rows; ++i) {
+          all_k.push_back(row(in.k, s0 + i));
+          all_v.push_back(row(in.v, s0 + i));
+        }
+        const std::int64_t evicted = std::max<std::int64_t>(0, static_cast<std::int64_t>(all_k.size()) - c.memory_len);
+        if (evicted > 0) {
+          const Rows old_k(all_k.begin(), all_k.begin() + evicted), old_v(all_v.begin(), all_v.begin() + evicted);
+          const Rows new_k = compress(old_k, 0), new_v = compress(old_v, 1);
+          for (std::int64_t i = 0; i < rows; ++i) {
+            const auto query = row(in.q, s0 + i);
+            const auto target = attend(query, old_k, old_v), rebuilt = attend(query, new_k, new_v);
+            for (std::int64_t f = 0; f < d; ++f) loss += (target[f] - rebuilt[f]) * (target[f] - rebuilt[f]);
+          }
+        }
+        memory_k.assign(all_k.begin() + evicted, all_k.end());
+        memory_v.assign(all_v.begin() + evicted, all_v.end());
+      }
+    }
+  return loss;
+}
+
 std::string param(const char* name, std::int64_t value) { return std::string(name) + "=" + std::to_string(value); }
 
 PointConfig quick_point(const std::string& model, std::int64_t n, bool causal, std::vector<std::string> params = {},
@@ -365,6 +427,34 @@ TEST_SUITE("recurrence") {
                                                                "compressive", find_model("compressive")->impl.params, cm)));
         }
       }
+  }
+
+  TEST_CASE("compressive aux_loss=on: the conv weights' gradient is that of the attention-reconstruction loss") {
+    for (bool causal : {false, true})
+      for (const auto& [n, rate] : {std::pair<std::int64_t, std::int64_t>{11, 2}, {13, 3}, {9, 1}}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = causal};
+        const std::vector<std::string> params{"segment_len=4", "memory_len=3",        "block_q=3",
+                                              "compressed_len=2", param("compression_rate", rate), "aux_loss=on"};
+        const SegmentAttentionConfig c =
+            compressive_config(resolve_params("compressive", find_model("compressive")->impl.params, params));
+        const auto in = random_inputs(p, 5);
+        const BackwardRun run = run_backward("compressive", p, in, random_like(p, 5, "dout"), params);
+        const Tensor* grad = nullptr;
+        for (const auto& named : run.mechanism->parameter_gradients())
+          if (named.name == "dconv_weights") grad = named.tensor;
+        REQUIRE(grad != nullptr);
+        CHECK(max_abs(grad->data(), grad->size()) > 0);
+        Tensor one(Shape{1});
+        one[0] = 1.0f;
+        const Tensor& weights = parameter(*run.mechanism, "conv_weights");
+        check_against_differences(
+            "compressive aux_loss N=" + std::to_string(n), {{"conv_weights", widened(weights.data(), weights.size())}},
+            {{"conv_weights", grad}}, one,
+            [&](const NamedValues& x) { return std::vector<double>{reconstruction_loss(x, in, c, p)}; },
+            std::log2(static_cast<double>(n)) + p.head_dim * rate, true);
+      }
+    const Problem p{.batch = 1, .heads = 1, .seq_len = 16, .head_dim = 4};
+    CHECK_THROWS_AS(validate_point(counter_point("compressive", p, {"compression=max", "aux_loss=on"})), ParamError);
   }
 
   TEST_CASE("transformer-xl: query tiles at, below and above the segment length") {

@@ -387,10 +387,20 @@ void SegmentAttention::prepare_backward() {
   score_grads_ = Tensor(Shape{threads, s.block, ops::padded_ld(s.rows)});
   relative_grads_ = Tensor(Shape{threads, s.block, ops::padded_ld(s.rows + s.block - 1)});
   query_grads_ = Tensor(Shape{threads, 2, s.block, d});
+  if (c_.compression == Compression::Conv) conv_grads_ = Tensor(Shape{2, h, c_.rate * d, d});
+  if (c_.aux_loss) {
+    const std::int64_t slots = ceil_div(s.segment, c_.rate);
+    reconstruction_slots_ = Tensor(Shape{threads, 4, slots, d});
+    reconstruction_scores_ =
+        Tensor(Shape{threads, s.segment * ops::padded_ld(s.segment) + 2 * s.segment * ops::padded_ld(slots)});
+    reconstruction_outputs_ = Tensor(Shape{threads, 2, s.segment, d});
+  }
 }
 
 std::vector<NamedTensor> SegmentAttention::parameter_gradients() const {
-  return {{"dpos_bias_u", &bias_u_grads_}, {"dpos_bias_v", &bias_v_grads_}, {"dw_r", &w_r_grads_}};
+  std::vector<NamedTensor> list{{"dpos_bias_u", &bias_u_grads_}, {"dpos_bias_v", &bias_v_grads_}, {"dw_r", &w_r_grads_}};
+  if (c_.compression == Compression::Conv) list.push_back({"dconv_weights", &conv_grads_});
+  return list;
 }
 
 void SegmentAttention::backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -410,6 +420,11 @@ std::int64_t SegmentAttention::backward_head(const Grads& g, std::int64_t head, 
   std::fill(bias_u_grads_.data() + head * d, bias_u_grads_.data() + (head + 1) * d, 0.0f);
   std::fill(bias_v_grads_.data() + head * d, bias_v_grads_.data() + (head + 1) * d, 0.0f);
   std::fill(relative_key_grads_.data() + head * n_rel * d, relative_key_grads_.data() + (head + 1) * n_rel * d, 0.0f);
+  const std::int64_t conv_size = c_.rate * d * d;
+  if (!conv_grads_.empty())
+    for (std::int64_t tensor = 0; tensor < 2; ++tensor)
+      std::fill(conv_grads_.data() + (tensor * p_.heads + head) * conv_size,
+                conv_grads_.data() + (tensor * p_.heads + head + 1) * conv_size, 0.0f);
   float* const win[2] = {replay_windows_.data() + thread * 2 * rows_ * d,
                          replay_windows_.data() + (thread * 2 + 1) * rows_ * d};
   std::int64_t flops = 0;
@@ -423,6 +438,7 @@ std::int64_t SegmentAttention::backward_head(const Grads& g, std::int64_t head, 
       copy_segment(g.k, g.v, win, bh, s0, segment_rows);
       for (std::int64_t r0 = 0; r0 < segment_rows; r0 += block)
         flops += tile_backward(g, win, bh, s0, tile_geometry(r0, segment_rows, cache), thread);
+      if (c_.aux_loss) flops += reconstruction_backward(g, win, bh, s0, segment_rows, cache, thread);
       flops += update_memory(win, head, segment_rows, cache, thread);
       advance(cache, segment_rows, c_);
     }
@@ -500,6 +516,75 @@ std::int64_t SegmentAttention::tile_backward(const Grads& g, const float* const*
   return 7 * t.rows * d + kBackwardFlopsPerVisibleEntry * visible;
 }
 
+// The attention-reconstruction loss of one segment that evicts rows (the paper's L_attn for this
+// head): a = attn(Q_s, K_e, V_e), b = attn(Q_s, f_c(K_e), f_c(V_e)), loss ‖a − b‖²; its gradient
+// −2(a − b) through b's attention to f_c(K_e), f_c(V_e) and into the conv weights (K_e, V_e, Q_s
+// are constants to this loss). Runs before update_memory, while the evicted rows are in the window.
+std::int64_t SegmentAttention::reconstruction_backward(const Grads& g, const float* const* win, std::int64_t bh,
+                                                       std::int64_t s0, std::int64_t segment_rows,
+                                                       const SegmentCache& cache, int thread) {
+  const std::int64_t d = p_.head_dim, head = bh % p_.heads, rate = c_.rate;
+  const std::int64_t total = cache.memory + segment_rows, evicted = total - std::min(c_.memory_len, total);
+  if (evicted == 0) return 0;
+  const std::int64_t slots = ceil_div(evicted, rate), capacity = reconstruction_slots_.dim(2);
+  const std::int64_t ld_evicted = ops::padded_ld(segment_), ld_slots = ops::padded_ld(capacity);
+  const float* rows[2] = {win[0] + (context_ - cache.memory) * d, win[1] + (context_ - cache.memory) * d};
+  float* compressed[2] = {reconstruction_slots_.data() + thread * 4 * capacity * d,
+                          reconstruction_slots_.data() + (thread * 4 + 1) * capacity * d};
+  float* slot_grads[2] = {compressed[1] + capacity * d, compressed[1] + 2 * capacity * d};
+  const float* weights[2] = {conv_weights_.data() + head * rate * d * d,
+                             conv_weights_.data() + (p_.heads + head) * rate * d * d};
+  for (std::int64_t t = 0; t < 2; ++t) compress_rows(Compression::Conv, rows[t], evicted, d, rate, weights[t], compressed[t]);
+  float* evicted_scores = reconstruction_scores_.data() + thread * reconstruction_scores_.dim(1);
+  float* slot_scores = evicted_scores + segment_ * ld_evicted;
+  float* slot_score_grads = slot_scores + segment_ * ld_slots;
+  float* target = reconstruction_outputs_.data() + thread * 2 * segment_ * d;
+  float* reconstructed = target + segment_ * d;
+  const float* q = g.q.data() + (bh * p_.seq_len + s0) * d;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  auto softmax_rows = [&](float* scores, std::int64_t cols, std::int64_t ld) {
+    for (std::int64_t r = 0; r < segment_rows; ++r) {
+      float* row = scores + r * ld;
+      const float inverse = 1.0f / ops::exp_and_sum(row, cols, ops::row_max(row, cols, row[0]));
+#pragma omp simd
+      for (std::int64_t x = 0; x < cols; ++x) row[x] *= inverse;
+    }
+    return kSoftmaxFlopsPerElement * segment_rows * cols;
+  };
+  ops::gemm(false, true, segment_rows, evicted, d, scale, q, d, rows[0], d, 0.0f, evicted_scores, ld_evicted);
+  std::int64_t flops = softmax_rows(evicted_scores, evicted, ld_evicted);
+  ops::gemm(false, false, segment_rows, d, evicted, 1.0f, evicted_scores, ld_evicted, rows[1], d, 0.0f, target, d);
+  ops::gemm(false, true, segment_rows, slots, d, scale, q, d, compressed[0], d, 0.0f, slot_scores, ld_slots);
+  flops += softmax_rows(slot_scores, slots, ld_slots);
+  ops::gemm(false, false, segment_rows, d, slots, 1.0f, slot_scores, ld_slots, compressed[1], d, 0.0f, reconstructed, d);
+  for (std::int64_t e = 0; e < segment_rows * d; ++e) reconstructed[e] = -2.0f * (target[e] - reconstructed[e]);
+  const float* output_grads = reconstructed;
+  ops::gemm(true, false, slots, d, segment_rows, 1.0f, slot_scores, ld_slots, output_grads, d, 0.0f, slot_grads[1], d);
+  ops::gemm(false, true, segment_rows, slots, d, 1.0f, output_grads, d, compressed[1], d, 0.0f, slot_score_grads,
+            ld_slots);
+  for (std::int64_t r = 0; r < segment_rows; ++r) {
+    const float* p = slot_scores + r * ld_slots;
+    float* ds = slot_score_grads + r * ld_slots;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (std::int64_t x = 0; x < slots; ++x) dot += p[x] * ds[x];
+#pragma omp simd
+    for (std::int64_t x = 0; x < slots; ++x) ds[x] = p[x] * (ds[x] - dot);
+  }
+  ops::gemm(true, false, slots, d, segment_rows, scale, slot_score_grads, ld_slots, q, d, 0.0f, slot_grads[0], d);
+  // f_c's backward: the weights of tap t gather row t of every group (a short last group: its taps).
+  const std::int64_t full = evicted / rate, rest = evicted % rate;
+  for (std::int64_t t = 0; t < 2; ++t) {
+    float* conv_grads = conv_grads_.data() + (t * p_.heads + head) * rate * d * d;
+    if (full > 0)
+      ops::gemm(true, false, rate * d, d, full, 1.0f, rows[t], rate * d, slot_grads[t], d, 1.0f, conv_grads, d);
+    if (rest > 0)
+      ops::gemm(true, false, rest * d, d, 1, 1.0f, rows[t] + full * rate * d, rest * d, slot_grads[t] + full * d, d,
+                1.0f, conv_grads, d);
+  }
+  return flops + 2 * segment_rows * d + kSoftmaxBackwardFlopsPerElement * segment_rows * slots;
+}
+
 std::int64_t segment_attention_flops(const Problem& p, const SegmentAttentionConfig& c) {
   const Sizes s = sizes_of(p, c);
   SegmentCache state;
@@ -545,6 +630,13 @@ std::int64_t segment_attention_backward_flops(const Problem& p, const SegmentAtt
     }
     const std::int64_t evicted = advance(state, segment_rows, c);
     per_head += 2 * compress_flops(c.compression, evicted, d, c.rate);
+    if (c.aux_loss && evicted > 0) {
+      const std::int64_t slots = ceil_div(evicted, c.rate);
+      per_head += 4 * compress_flops(c.compression, evicted, d, c.rate) + 2 * matmul_flops(segment_rows, evicted, d) +
+                  kSoftmaxFlopsPerElement * segment_rows * evicted + 5 * matmul_flops(segment_rows, slots, d) +
+                  (kSoftmaxFlopsPerElement + kSoftmaxBackwardFlopsPerElement) * segment_rows * slots +
+                  2 * segment_rows * d;
+    }
   }
   return p.batch * p.heads * per_head + p.heads * matmul_flops(p.heads * d, d, s.relative);
 }
@@ -552,10 +644,16 @@ std::int64_t segment_attention_backward_flops(const Problem& p, const SegmentAtt
 std::int64_t segment_attention_backward_workspace(const Problem& p, const SegmentAttentionConfig& c) {
   const Sizes s = sizes_of(p, c);
   const std::int64_t h = p.heads, d = p.head_dim, threads = p.threads;
-  const std::int64_t floats = p.batch * h * p.seq_len + threads * 2 * s.rows * d + 2 * h * d + h * s.relative * d +
-                              h * h * d * d +
-                              threads * (s.block * ops::padded_ld(s.rows) +
-                                         s.block * ops::padded_ld(s.rows + s.block - 1) + 2 * s.block * d);
+  std::int64_t floats = p.batch * h * p.seq_len + threads * 2 * s.rows * d + 2 * h * d + h * s.relative * d +
+                        h * h * d * d +
+                        threads * (s.block * ops::padded_ld(s.rows) + s.block * ops::padded_ld(s.rows + s.block - 1) +
+                                   2 * s.block * d);
+  if (c.compression == Compression::Conv) floats += 2 * h * c.rate * d * d;
+  if (c.aux_loss) {
+    const std::int64_t slots = ceil_div(s.segment, c.rate);
+    floats += threads * (4 * slots * d + s.segment * ops::padded_ld(s.segment) +
+                         2 * s.segment * ops::padded_ld(slots) + 2 * s.segment * d);
+  }
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
 

@@ -42,6 +42,25 @@
 // softmax's 1/sum applied to the output rows. Per segment and (batch, head),
 // for K and V each: compression FLOPs (compress_flops). Total O(N·(n_cm + M + L)·D): linear in N.
 // Workspace: windows 2·B·H·(W + L)·D, relative tables, per-thread tiles — independent of N.
+//
+// Backward (prepare_backward): the forward saves each query row's log-sum-exp L; the backward replays
+// the segments of every (batch, head) on per-thread windows (the caches rebuilt, compression
+// included; one task per head index, which sums the batch's parameter gradients), recomputes each
+// tile's scores and, with P = exp(A − L), dS = P ⊙ (dO·Vᵀ − δ): dQ = (dS·K + dS_rel·R)/√D (dS_rel:
+// dS in the relative product's layout), du = Σ_rows dS·K/√D, dv = Σ_rows dS_rel·R/√D, d(relative
+// keys) = dS_relᵀ·(q + v)/√D and dW_R,h = sinusoidᵀ·d(relative keys). dK, dV reach only the current
+// segment's rows: the memory and compressed memory are constants (stop-gradient, as both papers
+// train), so the main loss gives the compression weights no gradient. With aux_loss (Conv), each
+// segment that evicts e rows adds the Compressive Transformer's attention-reconstruction loss
+// ‖attn(Q_s, K_e, V_e) − attn(Q_s, f_c(K_e), f_c(V_e))‖² (content attention of the segment's
+// queries over the evicted rows and over their compression) whose gradient reaches the conv
+// weights alone (stop-gradient into Q, K, V, as the paper).
+// Backward FLOPs per tile: 2·rows·cols·D (scores, dP) + 2·2·seg_cols·rows·D (dK, dV, seg_cols: the
+// segment's columns) + 2·rows·D·cols + 3·2·rows·relative·D (relative product, dQ's part, d relative
+// keys) + 7·rows·D + 5 per visible entry; per segment 2·compress_flops (the replay); per head index
+// 2·d_r·D·n_rel (dW_R); reconstruction per evicting segment of Ls queries, e rows, g = ⌈e/c⌉ slots:
+// 4·compress_flops (compress K and V, the weights' gradient) + 2·2·Ls·e·D + 5·Ls·e + 5·2·Ls·g·D +
+// 9·Ls·g + 2·Ls·D.
 #include <cstdint>
 #include <string>
 
@@ -59,6 +78,7 @@ struct SegmentAttentionConfig {
   std::int64_t rate = 1;             // c, evicted slots per compressed slot
   Compression compression = Compression::None;
   std::int64_t block_q = 64;         // query rows per task, tokens
+  bool aux_loss = false;             // Conv only: the attention-reconstruction loss in the backward
 };
 
 // Compresses `count` consecutive rows [count, d] into ⌈count/rate⌉ rows of `out` as described
@@ -126,6 +146,8 @@ class SegmentAttention final : public Mechanism {
   std::int64_t backward_head(const Grads& g, std::int64_t head, int thread);
   std::int64_t tile_backward(const Grads& g, const float* const* win, std::int64_t bh, std::int64_t s0,
                              const TileGeometry& t, int thread);
+  std::int64_t reconstruction_backward(const Grads& g, const float* const* win, std::int64_t bh, std::int64_t s0,
+                                       std::int64_t segment_rows, const SegmentCache& cache, int thread);
   float* window(bool values, std::int64_t bh);
   const float* window(bool values, std::int64_t bh) const;
 
@@ -141,6 +163,10 @@ class SegmentAttention final : public Mechanism {
   // per thread dS tiles in the content and relative layouts and the two parts of dQ.
   Tensor lse_, replay_windows_, bias_u_grads_, bias_v_grads_, relative_key_grads_, w_r_grads_;
   Tensor score_grads_, relative_grads_, query_grads_;
+  // Conv: the weights' gradient [2, H, c·D, D] (only the reconstruction loss reaches it); with
+  // aux_loss, per thread the compressed K, V of the evicted rows and their gradients [4, ⌈L/c⌉, D],
+  // score tiles [L, L] (evicted) and [2, L, ⌈L/c⌉] (compressed, and dP/dS), both outputs [2, L, D].
+  Tensor conv_grads_, reconstruction_slots_, reconstruction_scores_, reconstruction_outputs_;
 };
 
 std::int64_t segment_attention_flops(const Problem& p, const SegmentAttentionConfig& c);

@@ -25,8 +25,15 @@ const FieldTable<CompressiveConfig>& fields() {
       choice_field("compression", &C::compression,
                    {{"conv", Compression::Conv}, {"max", Compression::MaxPool}, {"mean", Compression::MeanPool}},
                    "f_c: 1-D convolution (kernel = stride = c), max pool or mean pool"),
-      int_field("block_q", &C::block_q, 1, 4096, "query rows per task (tokens)")};
+      int_field("block_q", &C::block_q, 1, 4096, "query rows per task (tokens)"),
+      choice_field("aux_loss", &C::aux_loss, {{"off", false}, {"on", true}},
+                   "the attention-reconstruction loss training the conv (backward and train passes; needs conv)")};
   return table;
+}
+
+void validate(const Problem&, const CompressiveConfig& c) {
+  if (c.aux_loss && c.compression != Compression::Conv)
+    throw ParamError("compressive: aux_loss=on needs compression=conv (max and mean pooling have no weights to train)");
 }
 
 std::int64_t backward_flops(const Problem& p, const CompressiveConfig& c) {
@@ -46,7 +53,8 @@ SegmentAttentionConfig segment_config(const CompressiveConfig& c) {
           .compressed_len = c.compressed_len,
           .rate = c.compression_rate,
           .compression = c.compression,
-          .block_q = c.block_q};
+          .block_q = c.block_q,
+          .aux_loss = c.aux_loss};
 }
 
 SegmentAttentionConfig compressive_config(const ParamValues& values) {
@@ -57,6 +65,7 @@ Implementation compressive_implementation() {
   return implement(
       ModelSpec<CompressiveConfig>{.fields = fields(), .create = create, .flops = flops,
                                           .workspace = workspace,
+                                          .validate = validate,
                                           .backward_flops = backward_flops,
                                           .backward_workspace = backward_workspace});
 }

@@ -19,6 +19,7 @@ struct CompressiveConfig {
   std::int64_t compression_rate = 3;            // c, evicted memory slots per compressed slot
   Compression compression = Compression::Conv;  // f_c
   std::int64_t block_q = 64;                    // query rows per task, tokens
+  bool aux_loss = false;                        // attention-reconstruction loss in the backward (conv only)
 };
 
 // The segment engine's configuration of a compressive config, and of parsed values (tests).
