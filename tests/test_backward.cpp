@@ -350,15 +350,12 @@ TEST_SUITE("backward") {
     CHECK(static_cast<double>(large.saved_bytes) >= 15.0 * static_cast<double>(small.saved_bytes));
   }
 
-  TEST_CASE("models without a backward pass give an unsupported row for backward and train") {
+  TEST_CASE("every implemented model of the registry has a backward pass (Table 1's training steps)") {
+    // A model registered without one would give `unsupported` backward and train rows
+    // (point.cpp); none is left, and a new one should not arrive without its training step.
     for (const auto& model : registry()) {
-      if (!model.implemented() || model.impl.has_backward()) continue;
-      PointConfig c = counter_point(model.name, {.batch = 1, .heads = 2, .seq_len = 64, .head_dim = 16});
-      c.pass = Pass::Train;
-      const ResultRow row = describe_point(c);
-      CHECK(row.status == Status::Unsupported);
-      CHECK(row.reason.find("no backward pass") != std::string::npos);
-      CHECK(row.pass == "train");
+      CAPTURE(model.name);
+      CHECK((!model.implemented() || model.impl.has_backward()));
     }
   }
 }

@@ -9,6 +9,7 @@
 #include "lib/bench/point.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
+#include "tests/gradient_check.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;
@@ -17,13 +18,6 @@ using namespace xfb::test;
 namespace {
 
 using Matrix = std::vector<double>;  // row-major, d columns
-
-const Tensor& parameter(const Mechanism& mechanism, const std::string& name) {
-  for (const auto& named : mechanism.parameters())
-    if (named.name == name) return *named.tensor;
-  FAIL("no parameter " << name);
-  throw std::logic_error("unreachable");
-}
 
 // Error bookkeeping for the tolerance: the largest |score| sum of terms and the largest
 // amplification 1/σ of a layer norm (its input row's standard deviation).
@@ -58,7 +52,7 @@ Matrix naive_attention(const Matrix& queries, const Matrix& keys, const Matrix& 
 }
 
 // LN(a + b) row-wise with gain and shift (eps 1e-5).
-Matrix add_norm(const Matrix& a, const Matrix& b, std::int64_t d, const float* gain, const float* shift,
+Matrix add_norm(const Matrix& a, const Matrix& b, std::int64_t d, const double* gain, const double* shift,
                 ErrorScale& scale_info) {
   Matrix out(a.size());
   for (std::size_t r = 0; r * d < a.size(); ++r) {
@@ -73,7 +67,7 @@ Matrix add_norm(const Matrix& a, const Matrix& b, std::int64_t d, const float* g
   return out;
 }
 
-Matrix times(const Matrix& x, const float* w, std::int64_t d) {
+Matrix times(const Matrix& x, const double* w, std::int64_t d) {
   Matrix out(x.size(), 0.0);
   for (std::size_t r = 0; r * d < x.size(); ++r)
     for (std::int64_t i = 0; i < d; ++i)
@@ -82,7 +76,7 @@ Matrix times(const Matrix& x, const float* w, std::int64_t d) {
 }
 
 struct MabParams {
-  const float *ff_w, *ff_b, *gain0, *shift0, *gain1, *shift1;
+  const double *ff_w, *ff_b, *gain0, *shift0, *gain1, *shift1;
 };
 
 // The paper's MAB with query-side input `queries` (also the residual): LN(H + ReLU(H·W + b)),
@@ -96,7 +90,24 @@ Matrix naive_mab(const Matrix& queries, const Matrix& keys, const Matrix& values
   return add_norm(h, ff, d, mp.gain1, mp.shift1, scale_info);
 }
 
-Matrix to_matrix(const float* x, std::int64_t count) { return Matrix(x, x + count); }
+// The ISAB of head (b, h) in double from named values: q, k, v and the dumped parameters.
+Matrix isab_head(const NamedValues& x, const Problem& p, std::int64_t m, std::int64_t b, std::int64_t h,
+                 ErrorScale& scale_info) {
+  const std::int64_t d = p.head_dim, n = p.seq_len, heads = p.heads, at = (b * heads + h) * n * d;
+  auto ln = [&](const char* name, std::int64_t index) { return x.at(name).data() + (index * heads + h) * d; };
+  const double* ff_w = x.at("ff_weights").data();
+  const double* projections = x.at("kv_projections").data();
+  const MabParams first{ff_w + h * d * d, ln("ff_biases", 0), ln("ln_gains", 0), ln("ln_shifts", 0), ln("ln_gains", 1),
+                        ln("ln_shifts", 1)};
+  const MabParams second{ff_w + (heads + h) * d * d, ln("ff_biases", 1), ln("ln_gains", 2), ln("ln_shifts", 2),
+                         ln("ln_gains", 3), ln("ln_shifts", 3)};
+  auto slice = [&](const char* name) { return Matrix(x.at(name).begin() + at, x.at(name).begin() + at + n * d); };
+  const double* inducing = x.at("inducing_points").data() + h * m * d;
+  const Matrix summary = naive_mab(Matrix(inducing, inducing + m * d), slice("k"), slice("v"), d, first, scale_info);
+  const Matrix keys = times(summary, projections + h * d * d, d);
+  const Matrix vals = times(summary, projections + (heads + h) * d * d, d);
+  return naive_mab(slice("q"), keys, vals, d, second, scale_info);
+}
 
 void check_isab(const Problem& p, const std::vector<std::string>& params, const std::string& label) {
   const ModelInfo* info = find_model("set-transformer");
@@ -109,24 +120,15 @@ void check_isab(const Problem& p, const std::vector<std::string>& params, const 
   Tensor out = Tensor::bhnd(p.batch, heads, n, d);
   out.fill(std::nanf(""));
   mechanism->forward(in.q, in.k, in.v, out);
-  const float* inducing = parameter(*mechanism, "inducing_points").data();
-  const float* projections = parameter(*mechanism, "kv_projections").data();
-  const float* ff_w = parameter(*mechanism, "ff_weights").data();
-  const float* ff_b = parameter(*mechanism, "ff_biases").data();
-  const float* gains = parameter(*mechanism, "ln_gains").data();
-  const float* shifts = parameter(*mechanism, "ln_shifts").data();
+  NamedValues named{{"q", widened(in.q.data(), in.q.size())},
+                    {"k", widened(in.k.data(), in.k.size())},
+                    {"v", widened(in.v.data(), in.v.size())}};
+  for (const auto& parameter : mechanism->parameters())
+    named[parameter.name] = widened(parameter.tensor->data(), parameter.tensor->size());
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < heads; ++h) {
-      auto ln = [&](const float* base, std::int64_t index) { return base + (index * heads + h) * d; };
-      const MabParams first{ff_w + h * d * d, ln(ff_b, 0), ln(gains, 0), ln(shifts, 0), ln(gains, 1), ln(shifts, 1)};
-      const MabParams second{ff_w + (heads + h) * d * d, ln(ff_b, 1), ln(gains, 2), ln(shifts, 2), ln(gains, 3),
-                             ln(shifts, 3)};
       ErrorScale scale_info;
-      const Matrix summary = naive_mab(to_matrix(inducing + h * m * d, m * d), to_matrix(in.k.head(b, h), n * d),
-                                       to_matrix(in.v.head(b, h), n * d), d, first, scale_info);
-      const Matrix keys = times(summary, projections + h * d * d, d);
-      const Matrix vals = times(summary, projections + (heads + h) * d * d, d);
-      const Matrix want = naive_mab(to_matrix(in.q.head(b, h), n * d), keys, vals, d, second, scale_info);
+      const Matrix want = isab_head(named, p, m, b, h, scale_info);
       // fp32 error: attention as in attention_tolerance plus d-term sums in the products and the
       // layer norms, relative to the output size, amplified by the largest 1/σ of a normalised row.
       double largest_out = 0;
@@ -169,6 +171,28 @@ TEST_SUITE("memory") {
         check_isab(p, {"inducing_points=" + std::to_string(m), "block_q=16"},
                    "ISAB m=" + std::to_string(m) + " N=" + std::to_string(n));
       }
+  }
+
+  TEST_CASE("set-transformer gradients of q, k, v, the inducing points and every projection, LN and rFF") {
+    for (const auto& [n, params] : {std::pair<std::int64_t, std::vector<std::string>>{5, {"inducing_points=3", "block_q=2"}},
+                                    {8, {"inducing_points=4", "block_q=8"}},
+                                    {9, {"inducing_points=2", "block_q=4"}},
+                                    {40, {"inducing_points=5", "block_q=16"}}}) {
+      const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = false};
+      const std::int64_t m = std::stoll(params[0].substr(params[0].find('=') + 1));
+      check_composite_gradients("set-transformer", p, params,
+                                [&](const NamedValues& x) {
+                                  std::vector<double> out;
+                                  for (std::int64_t b = 0; b < p.batch; ++b)
+                                    for (std::int64_t h = 0; h < p.heads; ++h) {
+                                      ErrorScale unused;
+                                      const Matrix o = isab_head(x, p, m, b, h, unused);
+                                      out.insert(out.end(), o.begin(), o.end());
+                                    }
+                                  return out;
+                                },
+                                n <= 9);
+    }
   }
 
   TEST_CASE("set-transformer: not causal, every output depends on the last token") {

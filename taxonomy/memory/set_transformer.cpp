@@ -21,6 +21,19 @@ constexpr std::int64_t kMabTailFlopsPerElement = (1 + kLayerNormFlopsPerElement)
 // Rows of a query block that the tiles actually hold.
 std::int64_t block_rows(const Problem& p, const SetTransformerConfig& c) { return std::min(c.block_q, p.seq_len); }
 
+// grads holds dP on entry and dS = P ⊙ (dP − Σ P·dP) on return, per row of [rows, cols] (stride ld).
+void softmax_backward(const float* p, float* grads, std::int64_t rows, std::int64_t cols, std::int64_t ld) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* prob = p + r * ld;
+    float* g = grads + r * ld;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (std::int64_t j = 0; j < cols; ++j) dot += prob[j] * g[j];
+#pragma omp simd
+    for (std::int64_t j = 0; j < cols; ++j) g[j] = prob[j] * (g[j] - dot);
+  }
+}
+
 // In-place softmax of one row of n values (n >= 1).
 void softmax_row(float* row, std::int64_t n) {
   const float inverse = 1.0f / ops::exp_and_sum(row, n, ops::row_max(row, n, row[0]));
@@ -28,26 +41,38 @@ void softmax_row(float* row, std::int64_t n) {
   for (std::int64_t j = 0; j < n; ++j) row[j] *= inverse;
 }
 
-// dst = LN(a + b) over each of `rows` rows of d features; dst may alias a or b.
-void add_and_norm(const float* a, const float* b, float* dst, std::int64_t rows, std::int64_t d, const float* gain,
-                  const float* shift) {
+// dst = LN(x) over each of `rows` rows of d features; dst may alias x.
+void normalise_rows(const float* x, float* dst, std::int64_t rows, std::int64_t d, const float* gain,
+                    const float* shift) {
   const float inverse_d = 1.0f / static_cast<float>(d);
   for (std::int64_t r = 0; r < rows; ++r) {
+    const float* in = x + r * d;
     float* y = dst + r * d;
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (std::int64_t j = 0; j < d; ++j) {
-      y[j] = a[r * d + j] + b[r * d + j];
-      sum += y[j];
-    }
+    for (std::int64_t j = 0; j < d; ++j) sum += in[j];
     const float mean = sum * inverse_d;
     float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
-    for (std::int64_t j = 0; j < d; ++j) squares += (y[j] - mean) * (y[j] - mean);
+    for (std::int64_t j = 0; j < d; ++j) squares += (in[j] - mean) * (in[j] - mean);
     const float inverse_std = 1.0f / std::sqrt(squares * inverse_d + kLayerNormEps);
 #pragma omp simd
-    for (std::int64_t j = 0; j < d; ++j) y[j] = (y[j] - mean) * inverse_std * gain[j] + shift[j];
+    for (std::int64_t j = 0; j < d; ++j) y[j] = (in[j] - mean) * inverse_std * gain[j] + shift[j];
   }
+}
+
+// dst = LN(a + b); dst may alias a or b. With `sum`, a + b is also kept there (the backward's LN input).
+void add_and_norm(const float* a, const float* b, float* dst, std::int64_t rows, std::int64_t d, const float* gain,
+                  const float* shift, float* sum = nullptr) {
+  for (std::int64_t e = 0; e < rows * d; ++e) dst[e] = a[e] + b[e];
+  if (sum != nullptr) std::copy(dst, dst + rows * d, sum);
+  normalise_rows(dst, dst, rows, d, gain, shift);
+}
+
+// dst[e] += src[e] over n values.
+void accumulate(float* dst, const float* src, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t e = 0; e < n; ++e) dst[e] += src[e];
 }
 
 class SetTransformer final : public Mechanism {
@@ -102,6 +127,49 @@ class SetTransformer final : public Mechanism {
             {"ff_biases", &ff_biases_},      {"ln_gains", &ln_gains_},          {"ln_shifts", &ln_shifts_}};
   }
 
+  void prepare_backward() override {
+    const std::int64_t h = p_.heads, d = p_.head_dim, m = c_.inducing_points, bh = p_.batch * h;
+    const std::int64_t threads = p_.threads, rows = std::max(block_rows(p_, c_), m);
+    saved_summary_ = Tensor(Shape{2, bh, m, d});
+    saved_rows_ = Tensor(Shape{2, bh, p_.seq_len, d});
+    d_inducing_ = Tensor(inducing_.shape());
+    d_projections_ = Tensor(projections_.shape());
+    d_ff_weights_ = Tensor(ff_weights_.shape());
+    d_ff_biases_ = Tensor(ff_biases_.shape());
+    d_ln_gains_ = Tensor(ln_gains_.shape());
+    d_ln_shifts_ = Tensor(ln_shifts_.shape());
+    row_grads_ = Tensor(Shape{threads, kRowBuffers, rows, d});
+    query_score_grads_ = Tensor(Shape{threads, query_scores_.dim(1), query_scores_.dim(2)});
+    summary_score_grads_ = Tensor(Shape{threads, m, summary_scores_.dim(2)});
+    summary_grads_ = Tensor(Shape{threads, 3, m, d});
+    norm_grads_ = Tensor(Shape{threads, 2, d});
+  }
+
+  std::vector<NamedTensor> saved() const override {
+    return {{"mab_sums_and_ffs", &saved_summary_}, {"set_sums_and_ffs", &saved_rows_}, {"summaries", &summaries_}};
+  }
+
+  std::vector<NamedTensor> parameter_gradients() const override {
+    return {{"dinducing_points", &d_inducing_}, {"dkv_projections", &d_projections_}, {"dff_weights", &d_ff_weights_},
+            {"dff_biases", &d_ff_biases_},      {"dln_gains", &d_ln_gains_},          {"dln_shifts", &d_ln_shifts_}};
+  }
+
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
+    for (std::int64_t head = 0; head < p_.heads; ++head) {
+      const int thread = omp_get_thread_num();
+      zero_head_gradients(head);
+      for (std::int64_t b = 0; b < p_.batch; ++b) {
+        const std::int64_t bh = b * p_.heads + head, at = bh * p_.seq_len * p_.head_dim;
+        flops += read_out_backward(bh, q.data() + at, dout.data() + at, dq.data() + at, thread);
+        flops += summarise_backward(bh, k.data() + at, v.data() + at, dk.data() + at, dv.data() + at, thread);
+      }
+    }
+    FlopCounter::add(flops);
+  }
+
  private:
   std::int64_t head_offset(std::int64_t index, std::int64_t head) const {
     return (index * p_.heads + head) * p_.head_dim;
@@ -118,7 +186,8 @@ class SetTransformer final : public Mechanism {
     ops::gemm(false, true, m, n, d, scale, inducing, d, k, d, 0.0f, scores, ld);
     for (std::int64_t r = 0; r < m; ++r) softmax_row(scores + r * ld, n);
     ops::gemm(false, false, m, d, n, 1.0f, scores, ld, v, d, 0.0f, summary, d);
-    mab_tail(inducing, summary, m, head, 0, thread);
+    mab_tail(inducing, summary, m, head, 0, thread, saved_pointer(saved_summary_, 0, bh * m * d),
+             saved_pointer(saved_summary_, 1, bh * m * d));
     const std::int64_t stride = summaries_.dim(1) * m * d;
     const float* projections = projections_.data() + head * d * d;
     ops::gemm(false, false, m, d, d, 1.0f, summary, d, projections, d, 0.0f, summary + stride, d);
@@ -139,17 +208,26 @@ class SetTransformer final : public Mechanism {
     ops::gemm(false, true, rows, m, d, scale, q, d, keys, d, 0.0f, scores, ld);
     for (std::int64_t r = 0; r < rows; ++r) softmax_row(scores + r * ld, m);
     ops::gemm(false, false, rows, d, m, 1.0f, scores, ld, values, d, 0.0f, out, d);
-    mab_tail(q, out, rows, head, 1, thread);
+    const std::int64_t saved_at = (bh * p_.seq_len + r0) * d;
+    mab_tail(q, out, rows, head, 1, thread, saved_pointer(saved_rows_, 0, saved_at), saved_pointer(saved_rows_, 1, saved_at));
     return kSoftmaxFlopsPerElement * rows * m + kMabTailFlopsPerElement * rows * d;
   }
 
-  // x = LN(H + rFF(H)) with H = LN(residual + x), for MAB `mab` (0 or 1) of `head`.
-  void mab_tail(const float* residual, float* x, std::int64_t rows, std::int64_t head, std::int64_t mab, int thread) {
+  // Where the forward keeps the backward's inputs: part `part` of `saved` at `offset`, or nullptr
+  // before prepare_backward.
+  float* saved_pointer(Tensor& saved, std::int64_t part, std::int64_t offset) {
+    return saved.empty() ? nullptr : saved.data() + part * saved.dim(1) * saved.dim(2) * saved.dim(3) + offset;
+  }
+
+  // x = LN(H + rFF(H)) with H = LN(residual + x), for MAB `mab` (0 or 1) of `head`. With `sum` and
+  // `relu`, also keeps residual + x and rFF(H) there (what the backward needs).
+  void mab_tail(const float* residual, float* x, std::int64_t rows, std::int64_t head, std::int64_t mab, int thread,
+                float* sum = nullptr, float* relu = nullptr) {
     const std::int64_t d = p_.head_dim;
     float* ff = hidden_.data() + thread * hidden_.dim(1) * d;
     const float* gains = ln_gains_.data();
     const float* shifts = ln_shifts_.data();
-    add_and_norm(residual, x, x, rows, d, gains + head_offset(2 * mab, head), shifts + head_offset(2 * mab, head));
+    add_and_norm(residual, x, x, rows, d, gains + head_offset(2 * mab, head), shifts + head_offset(2 * mab, head), sum);
     ops::gemm(false, false, rows, d, d, 1.0f, x, d, ff_weights_.data() + (mab * p_.heads + head) * d * d, d, 0.0f, ff,
               d);
     const float* bias = ff_biases_.data() + head_offset(mab, head);
@@ -158,7 +236,140 @@ class SetTransformer final : public Mechanism {
 #pragma omp simd
       for (std::int64_t j = 0; j < d; ++j) row[j] = std::max(row[j] + bias[j], 0.0f);
     }
+    if (relu != nullptr) std::copy(ff, ff + rows * d, relu);
     add_and_norm(x, ff, x, rows, d, gains + head_offset(2 * mab + 1, head), shifts + head_offset(2 * mab + 1, head));
+  }
+
+  // Per thread row buffers of the backward: H recomputed, LN input of the second LN, its gradient,
+  // the rFF pre-activation gradient, the first LN input's gradient, LN scratch.
+  enum RowBuffer { kHidden, kSecondSum, kSecondSumGrad, kPreGrad, kFirstSumGrad, kNormalised, kRowBuffers };
+  float* row_buffer(int thread, RowBuffer which) {
+    return row_grads_.data() + (thread * kRowBuffers + which) * row_grads_.dim(2) * p_.head_dim;
+  }
+
+  void zero_head_gradients(std::int64_t head) {
+    const std::int64_t h = p_.heads, d = p_.head_dim, m = c_.inducing_points;
+    std::fill(d_inducing_.data() + head * m * d, d_inducing_.data() + (head + 1) * m * d, 0.0f);
+    for (std::int64_t i = 0; i < 2; ++i) {
+      std::fill(d_projections_.data() + (i * h + head) * d * d, d_projections_.data() + (i * h + head + 1) * d * d, 0.0f);
+      std::fill(d_ff_weights_.data() + (i * h + head) * d * d, d_ff_weights_.data() + (i * h + head + 1) * d * d, 0.0f);
+      std::fill(d_ff_biases_.data() + head_offset(i, head), d_ff_biases_.data() + head_offset(i, head) + d, 0.0f);
+    }
+    for (std::int64_t i = 0; i < 4; ++i) {
+      std::fill(d_ln_gains_.data() + head_offset(i, head), d_ln_gains_.data() + head_offset(i, head) + d, 0.0f);
+      std::fill(d_ln_shifts_.data() + head_offset(i, head), d_ln_shifts_.data() + head_offset(i, head) + d, 0.0f);
+    }
+  }
+
+  // LN index `ln` of `head`: dx += its backward at input x for output gradient dy; its gain and
+  // shift gradients added to the head's. Returns the FLOPs ops::layer_norm_backward does not count.
+  std::int64_t norm_backward(const float* x, const float* dy, float* dx, std::int64_t rows, std::int64_t ln,
+                             std::int64_t head, int thread) {
+    const std::int64_t d = p_.head_dim;
+    float* gain_grad = norm_grads_.data() + thread * 2 * d;
+    ops::layer_norm_backward(x, dy, rows, d, ln_gains_.data() + head_offset(ln, head), dx, gain_grad, gain_grad + d,
+                             row_buffer(thread, kNormalised), kLayerNormEps);
+    accumulate(d_ln_gains_.data() + head_offset(ln, head), gain_grad, d);
+    accumulate(d_ln_shifts_.data() + head_offset(ln, head), gain_grad + d, d);
+    return 2 * d;
+  }
+
+  // The backward of mab_tail: from d_out (the gradient of LN(H + rFF(H))) to d_sum (written: the
+  // gradient of residual + x), from the saved sum and rFF(H); H is recomputed. Adds the rFF's and
+  // both LNs' parameter gradients.
+  std::int64_t tail_backward(const float* sum, const float* relu, const float* d_out, float* d_sum, std::int64_t rows,
+                             std::int64_t head, std::int64_t mab, int thread) {
+    const std::int64_t d = p_.head_dim, count = rows * d;
+    float* hidden = row_buffer(thread, kHidden);
+    float* second_sum = row_buffer(thread, kSecondSum);
+    float* second_grad = row_buffer(thread, kSecondSumGrad);
+    float* pre_grad = row_buffer(thread, kPreGrad);
+    normalise_rows(sum, hidden, rows, d, ln_gains_.data() + head_offset(2 * mab, head),
+                   ln_shifts_.data() + head_offset(2 * mab, head));
+    for (std::int64_t e = 0; e < count; ++e) second_sum[e] = hidden[e] + relu[e];
+    std::fill(second_grad, second_grad + count, 0.0f);
+    std::int64_t flops = norm_backward(second_sum, d_out, second_grad, rows, 2 * mab + 1, head, thread);
+    float* bias_grad = d_ff_biases_.data() + head_offset(mab, head);
+    for (std::int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+      for (std::int64_t j = 0; j < d; ++j) pre_grad[r * d + j] = relu[r * d + j] > 0.0f ? second_grad[r * d + j] : 0.0f;
+      accumulate(bias_grad, pre_grad + r * d, d);
+    }
+    const float* weights = ff_weights_.data() + (mab * p_.heads + head) * d * d;
+    ops::gemm(true, false, d, d, rows, 1.0f, hidden, d, pre_grad, d, 1.0f,
+              d_ff_weights_.data() + (mab * p_.heads + head) * d * d, d);
+    ops::gemm(false, true, rows, d, d, 1.0f, pre_grad, d, weights, d, 1.0f, second_grad, d);  // dH
+    std::fill(d_sum, d_sum + count, 0.0f);
+    flops += norm_backward(sum, second_grad, d_sum, rows, 2 * mab, head, thread);
+    return flops + (kLayerNormFlopsPerElement + 3) * count;
+  }
+
+  // MAB 2's backward for every query block of one (batch, head); dSk, dSv accumulate in the
+  // thread's summary gradients (zeroed here).
+  std::int64_t read_out_backward(std::int64_t bh, const float* q, const float* dout, float* dq, int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, m = c_.inducing_points, head = bh % p_.heads;
+    const std::int64_t ld = query_scores_.dim(2), stride = summaries_.dim(1) * m * d;
+    const float* keys = summaries_.data() + stride + bh * m * d;
+    const float* values = keys + stride;
+    float* key_grads = summary_grads_.data() + thread * 3 * m * d;
+    float* value_grads = key_grads + m * d;
+    std::fill(key_grads, key_grads + 2 * m * d, 0.0f);
+    float* scores = query_scores_.data() + thread * query_scores_.dim(1) * ld;
+    float* score_grads = query_score_grads_.data() + thread * query_scores_.dim(1) * ld;
+    float* sum_grad = row_buffer(thread, kFirstSumGrad);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    std::int64_t flops = 0;
+    for (std::int64_t r0 = 0; r0 < n; r0 += c_.block_q) {
+      const std::int64_t rows = std::min(c_.block_q, n - r0), at = r0 * d;
+      const std::int64_t saved_at = (bh * n + r0) * d, part = saved_rows_.dim(1) * n * d;
+      flops += tail_backward(saved_rows_.data() + saved_at, saved_rows_.data() + part + saved_at, dout + at, sum_grad,
+                             rows, head, 1, thread);
+      std::copy(sum_grad, sum_grad + rows * d, dq + at);  // the residual Q
+      ops::gemm(false, true, rows, m, d, scale, q + at, d, keys, d, 0.0f, scores, ld);
+      for (std::int64_t r = 0; r < rows; ++r) softmax_row(scores + r * ld, m);
+      ops::gemm(true, false, m, d, rows, 1.0f, scores, ld, sum_grad, d, 1.0f, value_grads, d);
+      ops::gemm(false, true, rows, m, d, 1.0f, sum_grad, d, values, d, 0.0f, score_grads, ld);
+      softmax_backward(scores, score_grads, rows, m, ld);
+      ops::gemm(false, false, rows, d, m, scale, score_grads, ld, keys, d, 1.0f, dq + at, d);
+      ops::gemm(true, false, m, d, rows, scale, score_grads, ld, q + at, d, 1.0f, key_grads, d);
+      flops += (kSoftmaxFlopsPerElement + kSoftmaxBackwardFlopsPerElement) * rows * m;
+    }
+    return flops;
+  }
+
+  // MAB 1's backward for one (batch, head), from the thread's dSk, dSv: through Wk, Wv, the tail,
+  // the residual I and the inducing points' attention over K, V.
+  std::int64_t summarise_backward(std::int64_t bh, const float* k, const float* v, float* dk, float* dv, int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, m = c_.inducing_points, head = bh % p_.heads, h = p_.heads;
+    const float* summary = summaries_.data() + bh * m * d;
+    float* key_grads = summary_grads_.data() + thread * 3 * m * d;
+    float* value_grads = key_grads + m * d;
+    float* summary_grad = value_grads + m * d;
+    const float* projections = projections_.data() + head * d * d;
+    ops::gemm(false, true, m, d, d, 1.0f, key_grads, d, projections, d, 0.0f, summary_grad, d);
+    ops::gemm(false, true, m, d, d, 1.0f, value_grads, d, projections + h * d * d, d, 1.0f, summary_grad, d);
+    ops::gemm(true, false, d, d, m, 1.0f, summary, d, key_grads, d, 1.0f, d_projections_.data() + head * d * d, d);
+    ops::gemm(true, false, d, d, m, 1.0f, summary, d, value_grads, d, 1.0f, d_projections_.data() + (h + head) * d * d,
+              d);
+    float* sum_grad = row_buffer(thread, kFirstSumGrad);
+    const std::int64_t part = saved_summary_.dim(1) * m * d;
+    std::int64_t flops = tail_backward(saved_summary_.data() + bh * m * d, saved_summary_.data() + part + bh * m * d,
+                                       summary_grad, sum_grad, m, head, 0, thread);
+    float* inducing_grad = d_inducing_.data() + head * m * d;
+    accumulate(inducing_grad, sum_grad, m * d);  // the residual I
+    const std::int64_t ld = summary_scores_.dim(2);
+    float* scores = summary_scores_.data() + thread * m * ld;
+    float* score_grads = summary_score_grads_.data() + thread * m * ld;
+    const float* inducing = inducing_.data() + head * m * d;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    ops::gemm(false, true, m, n, d, scale, inducing, d, k, d, 0.0f, scores, ld);
+    for (std::int64_t r = 0; r < m; ++r) softmax_row(scores + r * ld, n);
+    ops::gemm(true, false, n, d, m, 1.0f, scores, ld, sum_grad, d, 0.0f, dv, d);
+    ops::gemm(false, true, m, n, d, 1.0f, sum_grad, d, v, d, 0.0f, score_grads, ld);
+    softmax_backward(scores, score_grads, m, n, ld);
+    ops::gemm(false, false, m, d, n, scale, score_grads, ld, k, d, 1.0f, inducing_grad, d);
+    ops::gemm(true, false, n, d, m, scale, score_grads, ld, inducing, d, 0.0f, dk, d);
+    return flops + m * d + (kSoftmaxFlopsPerElement + kSoftmaxBackwardFlopsPerElement) * m * n;
   }
 
   Problem p_;
@@ -166,6 +377,11 @@ class SetTransformer final : public Mechanism {
   std::uint64_t seed_;
   Tensor inducing_, projections_, ff_weights_, ff_biases_, ln_gains_, ln_shifts_;
   Tensor summaries_, summary_scores_, query_scores_, hidden_;
+  // Backward (prepare_backward): saved LN inputs and rFF outputs ([2, B·H, m, D] of MAB 1,
+  // [2, B·H, N, D] of MAB 2), the parameter gradients, per thread buffers.
+  Tensor saved_summary_, saved_rows_;
+  Tensor d_inducing_, d_projections_, d_ff_weights_, d_ff_biases_, d_ln_gains_, d_ln_shifts_;
+  Tensor row_grads_, query_score_grads_, summary_score_grads_, summary_grads_, norm_grads_;
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const SetTransformerConfig& c, std::uint64_t seed) {
@@ -194,6 +410,35 @@ std::int64_t workspace(const Problem& p, const SetTransformerConfig& c) {
   return (parameters + summaries + threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
+// FLOPs of tail_backward over `rows` rows: the LN recompute, the second LN's input, the ReLU mask
+// and the bias gradient per element; two LN backwards (with their gain and shift sums); dW, dH.
+std::int64_t tail_backward_flops(std::int64_t rows, std::int64_t d) {
+  return (kLayerNormFlopsPerElement + 3 + 2 * kLayerNormBackwardFlopsPerElement) * rows * d + 4 * d +
+         2 * matmul_flops(rows, d, d);
+}
+
+std::int64_t backward_flops(const Problem& p, const SetTransformerConfig& c) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, m = c.inducing_points, block = block_rows(p, c);
+  const std::int64_t softmax = kSoftmaxFlopsPerElement + kSoftmaxBackwardFlopsPerElement;
+  std::int64_t mab2 = 0;
+  for (std::int64_t r0 = 0; r0 < n; r0 += block) {
+    const std::int64_t rows = std::min(block, n - r0);
+    mab2 += tail_backward_flops(rows, d) + 5 * matmul_flops(rows, m, d) + softmax * rows * m;
+  }
+  const std::int64_t mab1 = 4 * matmul_flops(m, d, d) + tail_backward_flops(m, d) + m * d + 5 * matmul_flops(m, n, d) +
+                            softmax * m * n;
+  return p.batch * p.heads * (mab1 + mab2);
+}
+
+std::int64_t backward_workspace(const Problem& p, const SetTransformerConfig& c) {
+  const std::int64_t h = p.heads, d = p.head_dim, m = c.inducing_points, rows = block_rows(p, c), bh = p.batch * h;
+  const std::int64_t saved = 2 * bh * m * d + 2 * bh * p.seq_len * d;
+  const std::int64_t gradients = h * m * d + 4 * h * d * d + 2 * h * d + 8 * h * d;
+  const std::int64_t per_thread = 6 * std::max(rows, m) * d + rows * ops::padded_ld(m) + m * ops::padded_ld(p.seq_len) +
+                                  3 * m * d + 2 * d;
+  return (saved + gradients + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
+}
+
 }  // namespace
 
 Implementation set_transformer_implementation() {
@@ -208,7 +453,9 @@ Implementation set_transformer_implementation() {
       .resolve = [](const Problem& p, SetTransformerConfig c) {
         c.block_q = block_rows(p, c);
         return c;
-      }});
+      },
+      .backward_flops = backward_flops,
+      .backward_workspace = backward_workspace});
 }
 
 }  // namespace xfb
