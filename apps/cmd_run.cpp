@@ -46,6 +46,7 @@ void print_human(const ResultRow& row) {
     if (row.pass != "forward")
       std::printf("saved      %.2f MiB kept by the forward for the backward\n",
                   static_cast<double>(row.saved_bytes) / 1048576.0);
+    if (!row.gradient_note.empty()) std::printf("gradient   %s\n", row.gradient_note.c_str());
   }
   for (const auto& warning : row.warnings) std::printf("warning    %s\n", warning.c_str());
   std::printf("reproduce  %s\n", row.reproducer.c_str());

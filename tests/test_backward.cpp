@@ -311,6 +311,16 @@ TEST_SUITE("backward") {
       }
   }
 
+  TEST_CASE("training rows say what the backward holds constant; forward rows say nothing") {
+    const Problem p{.batch = 1, .heads = 2, .seq_len = 256, .head_dim = 32};
+    CHECK(pass_row("transformer-xl", p, Pass::Train).gradient_note.find("stop-gradient") != std::string::npos);
+    CHECK(pass_row("compressive", p, Pass::Backward, {"aux_loss=on"}).gradient_note.find("reconstruction") !=
+          std::string::npos);
+    CHECK(pass_row("routing", p, Pass::Train).gradient_note.find("EMA") != std::string::npos);
+    CHECK(pass_row("transformer-xl", p, Pass::Forward).gradient_note.empty());
+    CHECK(pass_row("exact-tiled", p, Pass::Train).gradient_note.empty());
+  }
+
   TEST_CASE("train rows time forward and backward stages, or the stages a model splits its passes into") {
     const Problem p{.batch = 1, .heads = 2, .seq_len = 256, .head_dim = 32};
     auto stage_names = [](const ResultRow& row) {

@@ -70,6 +70,9 @@ class Mechanism {
   }
   // The gradients of the learned parameters, named "d<parameter>" (for --dump and the tests).
   virtual std::vector<NamedTensor> parameter_gradients() const { return {}; }
+  // What the backward treats as a constant beyond what every model holds (its pattern), in one
+  // line for the row (e.g. a memory under stop-gradient); "" for nothing to say.
+  virtual std::string gradient_note() const { return ""; }
 };
 
 // A model's implementation as the registry holds it, on parsed parameter values (a model writes

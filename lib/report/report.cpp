@@ -93,6 +93,7 @@ void to_json(nlohmann::json& j, const ResultRow& r) {
                      {"peak_owned_bytes", r.peak_owned_bytes},
                      {"workspace_bytes", r.workspace_bytes},
                      {"saved_bytes", r.saved_bytes},
+                     {"gradient_note", r.gradient_note},
                      {"estimated_workspace_bytes", r.estimated_workspace_bytes},
                      {"peak_rss_bytes", r.peak_rss_bytes},
                      {"warnings", r.warnings},
@@ -138,6 +139,7 @@ void from_json(const nlohmann::json& j, ResultRow& r) {
     r.peak_owned_bytes = j.value("peak_owned_bytes", std::int64_t{-1});
     j.at("workspace_bytes").get_to(r.workspace_bytes);
     r.saved_bytes = j.value("saved_bytes", std::int64_t{0});
+    r.gradient_note = j.value("gradient_note", std::string{});
     r.estimated_workspace_bytes = j.value("estimated_workspace_bytes", std::int64_t{0});
     j.at("peak_rss_bytes").get_to(r.peak_rss_bytes);
     r.warnings = j.value("warnings", std::vector<std::string>{});

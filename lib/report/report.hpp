@@ -52,6 +52,7 @@ struct ResultRow {
                                        // backward and train passes, dO and the input gradients:
                                        // dq, dk, dv in attention scope, dx in layer scope)
   std::int64_t saved_bytes = 0;        // tracked bytes the forward keeps for the backward (0: forward pass)
+  std::string gradient_note;           // what the backward holds constant (Mechanism::gradient_note); "" if nothing
   std::int64_t estimated_workspace_bytes = 0;  // the registry's analytic estimate
   std::int64_t peak_rss_bytes = 0;     // of the process that ran the point
   std::vector<std::string> warnings;

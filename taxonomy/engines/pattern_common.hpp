@@ -66,6 +66,23 @@ inline void scale_row(float* dst, const float* src, float factor, std::int64_t n
   for (std::int64_t i = 0; i < n; ++i) dst[i] = src[i] * factor;
 }
 
+// The softmax's backward over `rows` rows of [rows, cols] (row stride ld): grads holds dP on entry
+// and dS = P ⊙ (dP − Σ P·dP) on return, p the probabilities. Returns its FLOPs
+// (kSoftmaxBackwardFlopsPerElement per entry).
+inline std::int64_t softmax_backward_rows(const float* p, float* grads, std::int64_t rows, std::int64_t cols,
+                                          std::int64_t ld) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* prob = p + r * ld;
+    float* g = grads + r * ld;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (std::int64_t c = 0; c < cols; ++c) dot += prob[c] * g[c];
+#pragma omp simd
+    for (std::int64_t c = 0; c < cols; ++c) g[c] = prob[c] * (g[c] - dot);
+  }
+  return kSoftmaxBackwardFlopsPerElement * rows * cols;
+}
+
 // dst[i] += src[i] over n values.
 inline void add_row(float* dst, const float* src, std::int64_t n) {
 #pragma omp simd

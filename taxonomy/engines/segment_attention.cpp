@@ -10,6 +10,7 @@
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
+#include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
 namespace {
@@ -403,6 +404,14 @@ std::vector<NamedTensor> SegmentAttention::parameter_gradients() const {
   return list;
 }
 
+std::string SegmentAttention::gradient_note() const {
+  std::string note = "memory of earlier segments under stop-gradient (no gradient into cached keys and values)";
+  if (c_.compression == Compression::Conv)
+    note += c_.aux_loss ? "; conv weights trained by the attention-reconstruction loss alone"
+                        : "; conv weights get no gradient (aux_loss=off)";
+  return note;
+}
+
 void SegmentAttention::backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                 const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
   const Grads g{q, k, v, out, dout, dq, dk, dv};
@@ -562,15 +571,7 @@ std::int64_t SegmentAttention::reconstruction_backward(const Grads& g, const flo
   ops::gemm(true, false, slots, d, segment_rows, 1.0f, slot_scores, ld_slots, output_grads, d, 0.0f, slot_grads[1], d);
   ops::gemm(false, true, segment_rows, slots, d, 1.0f, output_grads, d, compressed[1], d, 0.0f, slot_score_grads,
             ld_slots);
-  for (std::int64_t r = 0; r < segment_rows; ++r) {
-    const float* p = slot_scores + r * ld_slots;
-    float* ds = slot_score_grads + r * ld_slots;
-    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-    for (std::int64_t x = 0; x < slots; ++x) dot += p[x] * ds[x];
-#pragma omp simd
-    for (std::int64_t x = 0; x < slots; ++x) ds[x] = p[x] * (ds[x] - dot);
-  }
+  flops += softmax_backward_rows(slot_scores, slot_score_grads, segment_rows, slots, ld_slots);
   ops::gemm(true, false, slots, d, segment_rows, scale, slot_score_grads, ld_slots, q, d, 0.0f, slot_grads[0], d);
   // f_c's backward: the weights of tap t gather row t of every group (a short last group: its taps).
   const std::int64_t full = evicted / rate, rest = evicted % rate;
@@ -582,7 +583,7 @@ std::int64_t SegmentAttention::reconstruction_backward(const Grads& g, const flo
       ops::gemm(true, false, rest * d, d, 1, 1.0f, rows[t] + full * rate * d, rest * d, slot_grads[t] + full * d, d,
                 1.0f, conv_grads, d);
   }
-  return flops + 2 * segment_rows * d + kSoftmaxBackwardFlopsPerElement * segment_rows * slots;
+  return flops + 2 * segment_rows * d;
 }
 
 std::int64_t segment_attention_flops(const Problem& p, const SegmentAttentionConfig& c) {

@@ -110,6 +110,7 @@ class SegmentAttention final : public Mechanism {
   std::vector<NamedTensor> saved() const override { return {{"lse", &lse_}}; }
   // dpos_bias_u, dpos_bias_v [H, D], dw_r [H, d_r, D].
   std::vector<NamedTensor> parameter_gradients() const override;
+  std::string gradient_note() const override;
 
   // State after the last forward, for tests: valid slots, oldest first, rows of D floats.
   std::int64_t memory_length() const { return cache_.memory; }

@@ -170,6 +170,7 @@ class BigBird final : public Mechanism {
   }
 
   std::vector<NamedTensor> saved() const override { return {{"log_sum_exp", &lse_}}; }
+  std::string gradient_note() const override { return "random blocks held fixed"; }
 
   std::vector<NamedTensor> parameters() const override { return {{"random_blocks", &random_}}; }
 

@@ -192,6 +192,7 @@ class Performer final : public Mechanism {
   std::vector<NamedTensor> saved() const override {
     return {{"normalisers", &engine_->normalisers()}, {"chunk_shifts", &engine_->chunk_shifts()}};
   }
+  std::string gradient_note() const override { return "random features held fixed (redrawn, not learned)"; }
 
   std::vector<NamedTensor> parameters() const override { return {{"random_features", &omega_}}; }
 

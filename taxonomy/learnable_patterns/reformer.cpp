@@ -15,6 +15,7 @@
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
+#include "taxonomy/engines/block_sparse.hpp"
 
 namespace xfb {
 
@@ -333,19 +334,10 @@ void ReformerAttention::backward(const Tensor& q, const Tensor&, const Tensor& v
 std::int64_t ReformerAttention::backward_head(std::int64_t head, const Tensor& q, const Tensor& v, const Tensor& out,
                                               const Tensor& dout, Tensor& dq, Tensor& dv, int thread) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, at = head * n * d;
-  float* delta = deltas_.data() + head * n;
-  for (std::int64_t i = 0; i < n; ++i) {
-    float dot = 0.0f;
-    const float* o = out.data() + at + i * d;
-    const float* g = dout.data() + at + i * d;
-#pragma omp simd reduction(+ : dot)
-    for (std::int64_t j = 0; j < d; ++j) dot += o[j] * g[j];
-    delta[i] = dot;
-  }
+  std::int64_t flops = block_sparse::row_dots(out.data() + at, dout.data() + at, n, d, deltas_.data() + head * n);
   std::fill(dq.data() + at, dq.data() + at + n * d, 0.0f);
   std::fill(dv.data() + at, dv.data() + at + n * d, 0.0f);
   std::fill(key_grads_.data() + at, key_grads_.data() + at + n * d, 0.0f);
-  std::int64_t flops = 2 * n * d;
   const std::int64_t chunks = (n + chunk_ - 1) / chunk_;
   for (std::int64_t round = 0; round < c_.n_rounds; ++round)
     for (std::int64_t chunk = 0; chunk < chunks; ++chunk)

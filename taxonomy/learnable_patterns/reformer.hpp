@@ -75,6 +75,7 @@ class ReformerAttention final : public Mechanism {
                 Tensor& dk, Tensor& dv) override;
   std::vector<NamedTensor> saved() const override { return {{"keys", &keys_}, {"running_lse", &running_lse_}}; }
   std::int64_t saved_bytes() const override;
+  std::string gradient_note() const override { return "hash buckets and sort order held fixed"; }
 
   // The pattern of the last forward, for tests: bucket of every token (original order) and the
   // sorted order (sorted position → token) of round r in head (b, h).

@@ -16,6 +16,7 @@
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
+#include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
@@ -499,11 +500,9 @@ void RoutingAttention::backward(const Tensor& q, const Tensor& k, const Tensor& 
 
 // δ = dO·O of one token of head bh.
 float RoutingAttention::token_delta(const Grads& g, std::int64_t bh, std::int64_t token) const {
-  const float* o = g.out.data() + (bh * p_.seq_len + token) * p_.head_dim;
-  const float* grad = g.dout.data() + (bh * p_.seq_len + token) * p_.head_dim;
+  const std::int64_t at = (bh * p_.seq_len + token) * p_.head_dim;
   float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-  for (std::int64_t j = 0; j < p_.head_dim; ++j) dot += o[j] * grad[j];
+  block_sparse::row_dots(g.out.data() + at, g.dout.data() + at, 1, p_.head_dim, &dot);
   return dot;
 }
 

@@ -83,6 +83,9 @@ class RoutingAttention final : public Mechanism {
                 Tensor& dk, Tensor& dv) override;
   std::vector<NamedTensor> saved() const override;
   std::int64_t saved_bytes() const override;
+  std::string gradient_note() const override {
+    return "cluster assignments held fixed; centroids by EMA (stage centroid_update), not gradients";
+  }
   // No gradient: the centroids' EMA update of the step (see above).
   std::vector<NamedTensor> parameter_gradients() const override {
     return {{"updated_centroids", &updated_centroids_}};

@@ -13,6 +13,7 @@
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
+#include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
@@ -364,17 +365,10 @@ std::int64_t SinkhornAttention::attend_block_backward(const Tensor& q, const Ten
     }
   }
   float* delta = row_stats_.data() + thread * 2 * b;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    float dot = 0.0f;
-    const float* o = out.data() + at + r * d;
-    const float* g = dout.data() + at + r * d;
-#pragma omp simd reduction(+ : dot)
-    for (std::int64_t j = 0; j < d; ++j) dot += o[j] * g[j];
-    delta[r] = dot;
-  }
+  const std::int64_t delta_flops = block_sparse::row_dots(out.data() + at, dout.data() + at, rows, d, delta);
   const GatheredTile tile{.rows = rows, .cols = cols, .d = d, .ld = score_ld_, .q = q.data() + at, .k = keys,
                           .v = values, .dout = dout.data() + at, .lse = lse_.data() + head * n + q0, .delta = delta};
-  std::int64_t flops = 2 * rows * d + gathered_tile_backward(tile, scale, scores, score_grads_.data() + thread * b * score_ld_,
+  std::int64_t flops = delta_flops + gathered_tile_backward(tile, scale, scores, score_grads_.data() + thread * b * score_ld_,
                                                              dq.data() + at, key_grads, value_grads);
   float* sorted_key_grads = sorted_k_grads_.data() + sorted_at;
   float* sorted_value_grads = sorted_v_grads_.data() + sorted_at;
@@ -430,13 +424,9 @@ std::int64_t SinkhornAttention::balance_backward(std::int64_t head, int thread) 
   float* g = permutation_grads_.data() + head * nb * nb;
   if (p_.causal) {
     for (std::int64_t i = 0; i < nb; ++i) {
-      const float* prob = p + i * nb;
       float* row = g + i * nb;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (std::int64_t j = 0; j < i; ++j) dot += prob[j] * row[j];
-#pragma omp simd
-      for (std::int64_t j = 0; j < i; ++j) row[j] = prob[j] * (row[j] - dot) * inverse_tau;
+      softmax_backward_rows(p + i * nb, row, 1, i, nb);
+      scale_row(row, row, inverse_tau, i);
       std::fill(row + i, row + nb, 0.0f);
     }
     return 5 * nb * (nb - 1) / 2;

@@ -9,6 +9,7 @@
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
+#include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
 namespace {
@@ -20,19 +21,6 @@ constexpr std::int64_t kMabTailFlopsPerElement = (1 + kLayerNormFlopsPerElement)
 
 // Rows of a query block that the tiles actually hold.
 std::int64_t block_rows(const Problem& p, const SetTransformerConfig& c) { return std::min(c.block_q, p.seq_len); }
-
-// grads holds dP on entry and dS = P ⊙ (dP − Σ P·dP) on return, per row of [rows, cols] (stride ld).
-void softmax_backward(const float* p, float* grads, std::int64_t rows, std::int64_t cols, std::int64_t ld) {
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const float* prob = p + r * ld;
-    float* g = grads + r * ld;
-    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-    for (std::int64_t j = 0; j < cols; ++j) dot += prob[j] * g[j];
-#pragma omp simd
-    for (std::int64_t j = 0; j < cols; ++j) g[j] = prob[j] * (g[j] - dot);
-  }
-}
 
 // In-place softmax of one row of n values (n >= 1).
 void softmax_row(float* row, std::int64_t n) {
@@ -329,7 +317,7 @@ class SetTransformer final : public Mechanism {
       for (std::int64_t r = 0; r < rows; ++r) softmax_row(scores + r * ld, m);
       ops::gemm(true, false, m, d, rows, 1.0f, scores, ld, sum_grad, d, 1.0f, value_grads, d);
       ops::gemm(false, true, rows, m, d, 1.0f, sum_grad, d, values, d, 0.0f, score_grads, ld);
-      softmax_backward(scores, score_grads, rows, m, ld);
+      softmax_backward_rows(scores, score_grads, rows, m, ld);
       ops::gemm(false, false, rows, d, m, scale, score_grads, ld, keys, d, 1.0f, dq + at, d);
       ops::gemm(true, false, m, d, rows, scale, score_grads, ld, q + at, d, 1.0f, key_grads, d);
       flops += (kSoftmaxFlopsPerElement + kSoftmaxBackwardFlopsPerElement) * rows * m;
@@ -366,7 +354,7 @@ class SetTransformer final : public Mechanism {
     for (std::int64_t r = 0; r < m; ++r) softmax_row(scores + r * ld, n);
     ops::gemm(true, false, n, d, m, 1.0f, scores, ld, sum_grad, d, 0.0f, dv, d);
     ops::gemm(false, true, m, n, d, 1.0f, sum_grad, d, v, d, 0.0f, score_grads, ld);
-    softmax_backward(scores, score_grads, m, n, ld);
+    softmax_backward_rows(scores, score_grads, m, n, ld);
     ops::gemm(false, false, m, d, n, scale, score_grads, ld, k, d, 1.0f, inducing_grad, d);
     ops::gemm(true, false, n, d, m, scale, score_grads, ld, inducing, d, 0.0f, dk, d);
     return flops + m * d + (kSoftmaxFlopsPerElement + kSoftmaxBackwardFlopsPerElement) * m * n;
