@@ -19,11 +19,12 @@ void add_table(CLI::App& app, Action& action) {
   auto paper = std::make_shared<std::string>();
   auto complexity = std::make_shared<bool>(false);
   command->add_option("file", *file, "report JSON")->required();
-  command->add_option("--metric", *metric, "time | speedup | memory | gflops")
-      ->check(CLI::IsMember({"time", "speedup", "memory", "gflops"}));
+  command->add_option("--metric", *metric, "time | speedup | memory | memory-ratio | gflops")
+      ->check(CLI::IsMember({"time", "speedup", "memory", "memory-ratio", "gflops"}));
   command->add_option("--format", *format, "text | md | csv | github-benchmark | bmf")
       ->check(CLI::IsMember({"text", "md", "csv", "github-benchmark", "bmf"}));
-  command->add_option("--baseline", *baseline, "model the speed-up is relative to")->capture_default_str();
+  command->add_option("--baseline", *baseline, "model the speed-up and memory ratio are relative to")
+      ->capture_default_str();
   command->add_option("--paper", *paper, "lra: our speed-ups and memory ratios next to LRA Table 2's")
       ->check(CLI::IsMember({"lra"}));
   command->add_flag("--complexity", *complexity, "add the survey's complexity, the FLOP-count fit and the time exponent");
@@ -32,6 +33,7 @@ void add_table(CLI::App& app, Action& action) {
       TableOptions options;
       options.metric = *metric == "speedup" ? TableMetric::Speedup
                        : *metric == "memory" ? TableMetric::Memory
+                       : *metric == "memory-ratio" ? TableMetric::MemoryRatio
                        : *metric == "gflops" ? TableMetric::Gflops
                                              : TableMetric::Time;
       if (*format == "github-benchmark" || *format == "bmf") {

@@ -150,7 +150,7 @@ grep -q 'timed out after 8 s' "$work/timeout.json" && [ "$(grep -c '"status": "o
 "$bin" sweep --models vanilla --seq-lens 64,400000 "${quick[@]}" --no-measure --out "$work/oom.json" >/dev/null 2>&1
 grep -q 'out of memory' "$work/oom.json" && [ "$(grep -c '"status": "ok"' "$work/oom.json")" -eq 1 ] \
   && pass || fail "an out-of-memory point did not become an error row while the sweep went on"
-for metric in time speedup memory gflops; do
+for metric in time speedup memory memory-ratio gflops; do
   for format in text md csv; do
     "$bin" table "$work/s2.json" --metric "$metric" --format "$format" >"$work/t.txt" && grep -q "vanilla" "$work/t.txt" \
       && pass || fail "table --metric $metric --format $format"

@@ -122,6 +122,15 @@ TEST_SUITE("report") {
     const auto csv = render_table(report, {.metric = TableMetric::Memory, .format = TableFormat::Csv});
     CHECK(csv.find("scope,pass,causal,batch,heads,head_dim,class,model,N=1024,N=2048") == 0);
     CHECK(csv.find("exact,vanilla,1.0,1.0") != std::string::npos);
+    Report sized;
+    for (auto [model, bytes] : {std::pair{"vanilla", 4 << 20}, {"exact-tiled", 1 << 20}}) {
+      ResultRow row = sample_row(model, 1024, 1e6);
+      row.peak_tensor_bytes = bytes;
+      sized.results.push_back(row);
+    }
+    const auto ratio = render_table(sized, {.metric = TableMetric::MemoryRatio, .format = TableFormat::Markdown});
+    CHECK(ratio.find("0.250×") != std::string::npos);
+    CHECK(ratio.find("1.000×") != std::string::npos);
     const auto text = render_table(report, {});
     CHECK(text.find("4.000") != std::string::npos);
   }

@@ -30,6 +30,7 @@ std::string metric_title(const TableOptions& o) {
     case TableMetric::Time: return "median time (ms; ~ marks CV > 5%, ! a contended point)";
     case TableMetric::Speedup: return "speed-up over " + o.baseline + " (× , higher is faster; ! a contended point)";
     case TableMetric::Memory: return "peak tracked memory (MiB)";
+    case TableMetric::MemoryRatio: return "peak tracked memory relative to " + o.baseline + " (×, lower is smaller)";
     case TableMetric::Gflops: return "executed GFLOP/s (% of measured FMA peak)";
   }
   return "";
@@ -56,6 +57,10 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
              (row.contended || baseline->contended ? "!" : "");
     case TableMetric::Memory:
       return printf_string("%.1f", static_cast<double>(row.peak_tensor_bytes) / (1024.0 * 1024.0));
+    case TableMetric::MemoryRatio:
+      if (baseline == nullptr || baseline->status != Status::Ok) return "-";
+      return printf_string("%.3f×", static_cast<double>(row.peak_tensor_bytes) /
+                                        static_cast<double>(baseline->peak_tensor_bytes));
     case TableMetric::Gflops:
       return printf_string("%.1f", row.gflops_per_s) +
              (peak_gflops > 0 ? printf_string(" (%.0f%%)", 100.0 * row.gflops_per_s / peak_gflops) : "");

@@ -9,13 +9,13 @@
 
 namespace xfb {
 
-enum class TableMetric { Time, Speedup, Memory, Gflops };
+enum class TableMetric { Time, Speedup, Memory, MemoryRatio, Gflops };
 enum class TableFormat { Text, Markdown, Csv };
 
 struct TableOptions {
   TableMetric metric = TableMetric::Time;
   TableFormat format = TableFormat::Text;
-  std::string baseline = "vanilla";  // for speedup: baseline median / model median
+  std::string baseline = "vanilla";  // speedup: baseline median / model median; memory-ratio: model peak / baseline peak
   // Adds the survey's complexity, the FLOP-count fit (✓ matches it, ✗ does not, ? ambiguous
   // survey string) and the time exponent (lib/report/complexity.hpp); models with < 3 ok lengths get "-".
   bool complexity = false;
