@@ -252,18 +252,23 @@ std::int64_t ReformerAttention::chunk_scores(std::int64_t round, std::int64_t he
   const std::int64_t flops =
       c_.n_rounds > 1 ? discount_repeats(head, order, c.q0, c.rows, c.k0, c.cols, scores) : 0;
 
-  // A query sees itself only when no other key is visible.
+  // The sorted order groups a bucket's keys by position, so the keys query s sees form one run of
+  // columns [first, end): its bucket's keys in the tile (causal: up to s, and from the first rank
+  // of the previous chunk of its bucket's grid on); its own column only when nothing else is.
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (std::int64_t r = 0; r < c.rows; ++r) {
-    const std::int64_t s = c.q0 + r;
+    const std::int64_t s = c.q0 + r, own = s - c.k0, bucket_start = s - rank[s];
+    const std::int64_t first_rank = p_.causal ? std::max<std::int64_t>(0, (rank[s] / m - 1) * m) : 0;
+    const std::int64_t first = std::max<std::int64_t>(0, bucket_start + first_rank - c.k0);
+    std::int64_t end = own + 1;
+    if (!p_.causal)
+      while (end < c.cols && sorted[c.k0 + end] == sorted[s]) ++end;
     const bool self_visible = alone(sorted, rank, s);
     float* row = scores + r * score_ld_;
+#pragma omp simd
     for (std::int64_t t = 0; t < c.cols; ++t) {
-      const std::int64_t key = c.k0 + t;
-      const bool visible = sorted[key] == sorted[s] &&
-                           !(p_.causal && (key > s || rank[key] / m + 1 < rank[s] / m)) &&
-                           (key != s || self_visible);
-      if (!visible) row[t] = kNegInf;
+      const bool visible = t >= first && t < end && (t != own || self_visible);
+      row[t] = visible ? row[t] : kNegInf;
     }
   }
   return flops;
