@@ -48,7 +48,6 @@ Run<Model> run_model(const std::string& name, const Problem& p, const AttentionI
   return run;
 }
 
-std::vector<double> to_double(const float* x, std::int64_t count) { return {x, x + count}; }
 
 // The keys query i may attend to, as indices into the key rows (repeats allowed).
 using KeysOf = std::function<std::vector<std::int64_t>(std::int64_t i)>;
@@ -244,8 +243,8 @@ void check_reformer(const Problem& p, const std::vector<std::string>& params, st
   const Tensor keys = normalised(in.q, d);
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
-      const auto q = to_double(in.q.head(b, h), n * d), k = to_double(keys.head(b, h), n * d),
-                 v = to_double(in.v.head(b, h), n * d);
+      const auto q = widened(in.q.head(b, h), n * d), k = widened(keys.head(b, h), n * d),
+                 v = widened(in.v.head(b, h), n * d);
       const auto seen = reformer_union(*run.model, p, rounds, b, h);
       const auto want = list_attention(q, k, v, n, d, [&](std::int64_t i) { return seen[i]; });
       check_close(run.out.head(b, h), want, d, 2 * head_tolerance(in, b, h, p, &keys),
@@ -303,8 +302,8 @@ void check_routing(const Problem& p, const std::vector<std::string>& params) {
   const Tensor& centroids = *model.parameters()[0].tensor;
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
-      const auto q = to_double(in.q.head(b, h), n * d), k = to_double(in.k.head(b, h), n * d),
-                 v = to_double(in.v.head(b, h), n * d);
+      const auto q = widened(in.q.head(b, h), n * d), k = widened(in.k.head(b, h), n * d),
+                 v = widened(in.v.head(b, h), n * d);
       const auto qa = cosine_affinities(in.q.head(b, h), centroids, h, n, d, clusters);
       const auto ka = cosine_affinities(in.k.head(b, h), centroids, h, n, d, clusters);
       if (!model.is_local_head(h) && !p.causal) {
@@ -453,8 +452,8 @@ void check_sinkhorn(const Problem& p, const std::vector<std::string>& params, st
   const SortingWeights w{weights[0].data(), weights[1].data(), weights[2].data(), weights[3].data()};
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
-      const auto q = to_double(in.q.head(b, h), n * d), k = to_double(in.k.head(b, h), n * d),
-                 v = to_double(in.v.head(b, h), n * d);
+      const auto q = widened(in.q.head(b, h), n * d), k = widened(in.k.head(b, h), n * d),
+                 v = widened(in.v.head(b, h), n * d);
       const auto perm = model.permutation(b, h);
       const auto want_perm = sinkhorn_permutation(k.data(), w, p, bs, iterations, tau);
       for (std::int64_t e = 0; e < nb * nb; ++e)
