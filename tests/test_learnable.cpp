@@ -48,7 +48,6 @@ Run<Model> run_model(const std::string& name, const Problem& p, const AttentionI
   return run;
 }
 
-
 // The keys query i may attend to, as indices into the key rows (repeats allowed).
 using KeysOf = std::function<std::vector<std::int64_t>(std::int64_t i)>;
 
