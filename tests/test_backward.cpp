@@ -336,9 +336,11 @@ TEST_SUITE("backward") {
 
   TEST_CASE("saved bytes and the training step's tracked peak grow linearly in N for every sub-quadratic model") {
     for (const auto& model : registry()) {
-      // O(N²) models are skipped: vanilla and synthesizer keep N² per head by design; exact-tiled's
-      // saved bytes are checked exactly in the test above.
-      if (!model.implemented() || !model.impl.has_backward() || model.complexity.find("N²") != std::string::npos) continue;
+      // Skipped: vanilla and synthesizer keep N² per head by design; exact-tiled's saved bytes are
+      // checked exactly in the test above. (Transformer-XL and compressive, O(N²) in the survey for
+      // their span, save a row log-sum-exp and replay fixed-size windows: linear, checked here.)
+      const bool quadratic = model.name == "vanilla" || model.name == "synthesizer" || model.name == "exact-tiled";
+      if (!model.implemented() || !model.impl.has_backward() || quadratic) continue;
       std::vector<ResultRow> rows;
       for (std::int64_t n : {512, 1024, 2048})
         rows.push_back(pass_row(model.name, {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32}, Pass::Train));
