@@ -236,7 +236,7 @@ TEST_SUITE("backward") {
   }
 
   TEST_CASE("layer-scope train: FLOPs = forward + backward of layer and mechanism; tracked peak = estimate") {
-    for (const char* model : {"vanilla", "local", "longformer"})
+    for (const char* model : {"vanilla", "local", "longformer", "routing", "reformer"})
       for (bool causal : {false, true}) {
         const Problem p = on_test_threads({.batch = 2, .heads = 2, .seq_len = 70, .head_dim = 16, .causal = causal});
         PointConfig c = counter_point(model, p, {}, Scope::Layer);
@@ -309,6 +309,15 @@ TEST_SUITE("backward") {
         CHECK(row.flops == info.impl.flops(p, values) + info.impl.backward_flops(p, values));
         CHECK(row.peak_owned_bytes - point_io_bytes(c) == row.estimated_workspace_bytes);
       }
+    // Routing where its setup-only fitting rows are the peak and the backward's buffers fit under
+    // them, in layer scope too (the layer's training buffers exist before the fitting).
+    for (Scope scope : {Scope::Attention, Scope::Layer}) {
+      PointConfig c = counter_point("routing", {.batch = 1, .heads = 2, .seq_len = 300, .head_dim = 32}, {}, scope);
+      c.pass = Pass::Train;
+      const ResultRow row = run_point(c);
+      REQUIRE_MESSAGE(row.status == Status::Ok, row.reason);
+      CHECK(row.peak_owned_bytes - point_io_bytes(c) == row.estimated_workspace_bytes);
+    }
   }
 
   TEST_CASE("training rows say what the backward holds constant; forward rows say nothing") {
@@ -332,6 +341,10 @@ TEST_SUITE("backward") {
     CHECK(stage_names(pass_row("reformer", p, Pass::Train)) ==
           std::vector<std::string>{"attend", "backward", "route"});
     CHECK(stage_names(pass_row("reformer", p, Pass::Forward)) == std::vector<std::string>{"attend", "route"});
+    // Layer scope: the whole layer's forward and backward, whatever stages the mechanism laps inside.
+    PointConfig layer = counter_point("reformer", p, {}, Scope::Layer);
+    layer.pass = Pass::Train;
+    CHECK(stage_names(run_point(layer)) == std::vector<std::string>{"backward", "forward"});
   }
 
   TEST_CASE("saved bytes and the training step's tracked peak grow linearly in N for every sub-quadratic model") {

@@ -94,7 +94,7 @@ void EncoderLayer::forward(Mechanism& mechanism, const Tensor& x, Tensor& y) {
   const std::int64_t tokens = p_.batch * p_.seq_len;
   project_qkv(x);
   // A forward pass's stages are the mechanism's own and exclude the projections before it; a
-  // training step's `forward` stage is the whole layer forward.
+  // training step's `forward` stage is the whole layer forward (point.cpp mutes the clock inside).
   if (!training()) stage_clock::restart();
   mechanism.forward(q_, k_, v_, o_);
   const float* const heads[1] = {o_.data()};
@@ -120,6 +120,11 @@ std::vector<NamedTensor> EncoderLayer::parameters() const {
 }
 
 void EncoderLayer::prepare_backward(Mechanism& mechanism) {
+  if (!training()) prepare_training();
+  mechanism.prepare_backward();
+}
+
+void EncoderLayer::prepare_training() {
   const std::int64_t tokens = p_.batch * p_.seq_len;
   first_normed_ = Tensor(Shape{tokens, e_});
   ffn_pre_ = Tensor(Shape{tokens, f_});
@@ -132,7 +137,6 @@ void EncoderLayer::prepare_backward(Mechanism& mechanism) {
   dw_1_ = Tensor(w_1_.shape());
   dw_2_ = Tensor(w_2_.shape());
   for (Tensor* t : {&d_ln1_gain_, &d_ln1_shift_, &d_ln2_gain_, &d_ln2_shift_}) *t = Tensor(Shape{e_});
-  mechanism.prepare_backward();
 }
 
 void EncoderLayer::backward(Mechanism& mechanism, const Tensor& x, const Tensor& dy, Tensor& dx) {

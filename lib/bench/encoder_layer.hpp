@@ -31,7 +31,10 @@ class EncoderLayer {
 
   std::vector<NamedTensor> parameters() const;
 
-  // Untimed, after prepare: the backward's buffers, the saved activations, mechanism.prepare_backward().
+  // Untimed: the layer's own backward buffers and saved activations (may run before prepare, so a
+  // mechanism's setup-only buffers peak over them).
+  void prepare_training();
+  // Untimed, after prepare: prepare_training() unless done, then mechanism.prepare_backward().
   void prepare_backward(Mechanism& mechanism);
   // Timed, after a forward of x: dx = ∂⟨dy, y⟩/∂x ([B, N, E]), the layer's weight gradients and the
   // mechanism's (through its backward).

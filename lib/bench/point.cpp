@@ -292,6 +292,7 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
   std::unique_ptr<EncoderLayer> encoder;
   if (layer) {
     encoder = std::make_unique<EncoderLayer>(p, config.effective_d_ff(), config.seed);
+    if (training) encoder->prepare_training();  // the layer's own buffers, before the mechanism's setup
     encoder->prepare(*mechanism, x);
     if (training) encoder->prepare_backward(*mechanism);
   } else {
@@ -316,16 +317,20 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
     body = backward;
   } else if (config.pass == Pass::Train) {
     body = [&] {
+      // Attention scope: a mechanism that splits its forward or backward into stages of its own
+      // (route, attend) keeps them; the rest of that pass after its last lap is charged to no
+      // stage, as in a forward pass. Layer scope: `forward` and `backward` are the whole layer's.
+      stage_clock::mute(layer);
       forward();
-      // A mechanism that splits its forward or backward into stages of its own (route, attend)
-      // keeps them; the rest of that pass after its last lap is charged to no stage, as in a
-      // forward pass.
+      stage_clock::mute(false);
       if (stage_clock::stages() == 0)
         stage_clock::lap("forward");
       else
         stage_clock::restart();
       const std::size_t forward_stages = stage_clock::stages();
+      stage_clock::mute(layer);
       backward();
+      stage_clock::mute(false);
       if (stage_clock::stages() == forward_stages)
         stage_clock::lap("backward");
       else

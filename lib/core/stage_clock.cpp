@@ -16,6 +16,7 @@ constexpr std::size_t kMaxStages = 8;
 
 struct Window {
   bool open = false;
+  bool muted = false;
   Clock::time_point last;
   std::array<const char*, kMaxStages> names{};
   std::array<double, kMaxStages> ns{};
@@ -49,7 +50,7 @@ void open() {
 
 void lap(const char* stage) {
   Window& w = window();
-  if (!w.open) return;
+  if (!w.open || w.muted) return;
   const auto now = Clock::now();
   w.ns[slot_of(w, stage)] += std::chrono::duration<double, std::nano>(now - w.last).count();
   w.last = now;
@@ -60,7 +61,11 @@ std::size_t stages() {
   return w.open ? w.count : 0;
 }
 
-void restart() { window().last = Clock::now(); }
+void restart() {
+  if (!window().muted) window().last = Clock::now();
+}
+
+void mute(bool muted) { window().muted = muted; }
 
 std::map<std::string, double> close() {
   Window& w = window();

@@ -14,6 +14,9 @@ namespace xfb::stage_clock {
 void open();
 // `stage` must be a string literal (its pointer is kept until close()); at most 8 per call.
 void lap(const char* stage);
+// While muted, lap() and restart() do nothing (a layer-scope training step times the whole layer's
+// forward and backward, not the mechanism's own stages inside them).
+void mute(bool muted);
 // Stages charged so far in the open window (0 outside one).
 std::size_t stages();
 // Charges the time since the previous lap to no stage (e.g. a layer's work before its attention).

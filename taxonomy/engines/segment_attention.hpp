@@ -55,7 +55,7 @@
 // ‖attn(Q_s, K_e, V_e) − attn(Q_s, f_c(K_e), f_c(V_e))‖² (content attention of the segment's
 // queries over the evicted rows and over their compression) whose gradient reaches the conv
 // weights alone (stop-gradient into Q, K, V, as the paper).
-// Backward FLOPs per tile: 2·rows·cols·D (scores, dP) + 2·2·seg_cols·rows·D (dK, dV, seg_cols: the
+// Backward FLOPs per tile: 2·2·rows·cols·D (scores, dP) + 2·2·seg_cols·rows·D (dK, dV, seg_cols: the
 // segment's columns) + 2·rows·D·cols + 3·2·rows·relative·D (relative product, dQ's part, d relative
 // keys) + 7·rows·D + 5 per visible entry; per segment 2·compress_flops (the replay); per head index
 // 2·d_r·D·n_rel (dW_R); reconstruction per evicting segment of Ls queries, e rows, g = ⌈e/c⌉ slots:

@@ -190,8 +190,8 @@ bool ReformerAttention::alone(const std::int32_t* sorted, const std::int32_t* ra
   return !((s > k0 && sorted[s - 1] == sorted[s]) || (s + 1 < end && sorted[s + 1] == sorted[s]));
 }
 
-// The rule of reformer.hpp for one round, from token positions i (query) and j (key); attend_chunk's
-// `visible` is the same rule for the keys of one tile, in sorted positions.
+// The rule of reformer.hpp for one round, from token positions i (query) and j (key); chunk_scores'
+// mask is the same rule for the keys of one tile, in sorted positions.
 bool ReformerAttention::sees(std::int64_t round, std::int64_t head, std::int64_t i, std::int64_t j) const {
   const std::int64_t n = p_.seq_len, m = chunk_, at = (round * p_.batch * p_.heads + head) * n;
   const std::int32_t* bucket = buckets_.data() + at;

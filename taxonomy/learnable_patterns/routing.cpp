@@ -658,13 +658,12 @@ std::int64_t RoutingAttention::update_centroids(const Tensor& q, const Tensor& k
     const std::int64_t r = b * routed_per_batch + (h - local), bh = routed_heads_[r];
     if (!p_.causal) affinities(q, k, r, thread);
     for (std::int64_t role = 0; role < 2; ++role) {
-      const std::int32_t* nearest = token_clusters_.data() + (r * 2 + role) * n;
-      if (!p_.causal) {
-        std::int32_t* assigned = candidates_.data() + thread * n;
+      // Causal: the clusters the forward saved; non-causal: the argmax of fresh affinities.
+      std::int32_t* assigned = candidates_.data() + thread * n;
+      if (!p_.causal)
         argmax_columns(affinity_.data() + (thread * 2 + role) * cl * affinity_ld_, cl, n, affinity_ld_,
                        selection_.data() + thread * 3 * n, assigned);
-        nearest = assigned;
-      }
+      const std::int32_t* nearest = p_.causal ? token_clusters_.data() + (r * 2 + role) * n : assigned;
       const float* rows = (role == 0 ? q : k).data() + bh * n * d;
       for (std::int64_t i = 0; i < n; ++i) {
         const float factor = inverse_norm(rows + i * d, d);

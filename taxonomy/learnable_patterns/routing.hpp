@@ -51,7 +51,7 @@
 // 10·rows·cols·D + 4·rows·cols + 2·rows·D + 2·cols·D; the update, per routing head: 8·N·D (norms,
 // sums) [+ 2·2·C·N·D + 2·(C−1)·N non-causal: affinities, argmax], + 6·C·D per routed head index.
 // Backward workspace: L [B·H, N], the updated centroids [H, C, D], per thread centroid sums [C, D]
-// and dO, dQ [w, D], dK, dV [cols, D] rows and a dS tile; causal: key-sorted dK, dV [B·H, N, D].
+// and dO, dQ [w, D], dK, dV [cols, D] rows and a dS tile; causal: key-sorted dK, dV [routed heads, N, D].
 #include <cstdint>
 #include <vector>
 
