@@ -68,7 +68,9 @@ class Mechanism {
     for (const auto& named : saved()) bytes += named.tensor->bytes();
     return bytes;
   }
-  // The gradients of the learned parameters, named "d<parameter>" (for --dump and the tests).
+  // The gradients of the learned parameters, named "d<parameter>" (for --dump and the tests). Other
+  // results of a training step the dump should carry use names without that prefix (routing's
+  // "updated_centroids", its EMA step).
   virtual std::vector<NamedTensor> parameter_gradients() const { return {}; }
   // What the backward treats as a constant beyond what every model holds (its pattern), in one
   // line for the row (e.g. a memory under stop-gradient); "" for nothing to say.
