@@ -206,14 +206,7 @@ void layer_norm_backward(const float* x, const float* dy, std::int64_t rows, std
     const float* xr = x + r * cols;
     const float* gr = dy + r * cols;
     float* nr = normalised + r * cols;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (std::int64_t c = 0; c < cols; ++c) sum += xr[c];
-    const float mean = sum * inverse_cols;
-    float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-    for (std::int64_t c = 0; c < cols; ++c) squares += (xr[c] - mean) * (xr[c] - mean);
-    const float rstd = 1.0f / std::sqrt(squares * inverse_cols + eps);
+    const auto [mean, rstd] = row_moments(xr, cols, eps);
     float sum_grad = 0.0f, sum_grad_normalised = 0.0f;
 #pragma omp simd reduction(+ : sum_grad, sum_grad_normalised)
     for (std::int64_t c = 0; c < cols; ++c) {

@@ -95,6 +95,23 @@ inline float row_max(const float* x, std::int64_t n, float start) {
   return peak;
 }
 
+// A LayerNorm row's statistics over n values: the mean and 1/sqrt(variance + eps) (population
+// variance, two passes). Shared by the LayerNorm backward and the Set Transformer's own LayerNorms.
+struct RowMoments {
+  float mean, inverse_std;
+};
+inline RowMoments row_moments(const float* x, std::int64_t n, float eps) {
+  const float inverse_n = 1.0f / static_cast<float>(n);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (std::int64_t j = 0; j < n; ++j) sum += x[j];
+  const float mean = sum * inverse_n;
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (std::int64_t j = 0; j < n; ++j) squares += (x[j] - mean) * (x[j] - mean);
+  return {mean, 1.0f / __builtin_sqrtf(squares * inverse_n + eps)};
+}
+
 // x[j] := exp(x[j] − shift) for j < n (fast_exp); returns Σ x[j]. The exponent-and-sum step of
 // every softmax row in the project.
 inline float exp_and_sum(float* x, std::int64_t n, float shift) {

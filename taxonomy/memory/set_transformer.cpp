@@ -32,18 +32,10 @@ void softmax_row(float* row, std::int64_t n) {
 // dst = LN(x) over each of `rows` rows of d features; dst may alias x.
 void normalise_rows(const float* x, float* dst, std::int64_t rows, std::int64_t d, const float* gain,
                     const float* shift) {
-  const float inverse_d = 1.0f / static_cast<float>(d);
   for (std::int64_t r = 0; r < rows; ++r) {
     const float* in = x + r * d;
     float* y = dst + r * d;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (std::int64_t j = 0; j < d; ++j) sum += in[j];
-    const float mean = sum * inverse_d;
-    float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-    for (std::int64_t j = 0; j < d; ++j) squares += (in[j] - mean) * (in[j] - mean);
-    const float inverse_std = 1.0f / std::sqrt(squares * inverse_d + kLayerNormEps);
+    const auto [mean, inverse_std] = ops::row_moments(in, d, kLayerNormEps);
 #pragma omp simd
     for (std::int64_t j = 0; j < d; ++j) y[j] = (in[j] - mean) * inverse_std * gain[j] + shift[j];
   }
