@@ -43,7 +43,11 @@ void print_human(const ResultRow& row) {
                 static_cast<double>(row.peak_tensor_bytes) / 1048576.0, static_cast<double>(row.workspace_bytes) / 1048576.0,
                 static_cast<double>(row.estimated_workspace_bytes) / 1048576.0,
                 static_cast<double>(row.peak_rss_bytes) / 1048576.0);
-    if (row.pass != "forward")
+    if (row.pass == "decode")
+      std::printf("decode     %lld tokens after the context: median is per token; prefill %.3f ms median; state %.3f MiB\n",
+                  static_cast<long long>(row.decode_tokens), row.prefill_ns * 1e-6,
+                  static_cast<double>(row.state_bytes) / 1048576.0);
+    else if (row.pass != "forward")
       std::printf("saved      %.2f MiB kept by the forward for the backward\n",
                   static_cast<double>(row.saved_bytes) / 1048576.0);
     if (!row.gradient_note.empty()) std::printf("gradient   %s\n", row.gradient_note.c_str());

@@ -27,8 +27,11 @@ void add_problem_options(CLI::App& command, ProblemOptions& o) {
       ->check(CLI::IsMember({"attention", "layer"}))
       ->capture_default_str();
   command.add_option("--pass", o.pass,
-                     "forward, backward (after an untimed forward) or train (forward + backward as one step); "
+                     "forward, backward (after an untimed forward), train (forward + backward as one step) or decode "
+                     "(prefill the N-token context, then time --decode-tokens steps of one token; causal); "
                      "sweep: also a list, e.g. forward,train")
+      ->capture_default_str();
+  command.add_option("--decode-tokens", p.decode_tokens, "decode pass: tokens generated one at a time after the context")
       ->capture_default_str();
   command.add_option("--d-ff", p.d_ff, "layer scope FFN width (default 4·heads·head-dim)");
   p.problem.threads = DnnlContext::default_threads();

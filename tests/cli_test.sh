@@ -124,6 +124,28 @@ assert r["status"] == "ok" and r["pass"] == "train" and r["saved_bytes"] > 0, r'
   --out "$work/train.json" >"$work/train.txt" 2>/dev/null \
   && [ "$(grep -c '"pass": "train"' "$work/train.json")" -eq 5 ] && grep -q "train pass" "$work/train.txt" \
   && pass || fail "sweep --pass train: rows, settings and table"
+# Decode: per-token rows, a dump recomputed outside the project, the same draws as the causal forward.
+for model in vanilla exact-tiled local image-transformer linear-transformer; do
+  params=()
+  [ "$model" = local ] && params=(--param block=8)
+  [ "$model" = image-transformer ] && params=(--param query_block=8 --param memory_flange=5)
+  "$bin" run --model "$model" --seq-len 37 --pass decode --decode-tokens 6 "${quick[@]}" "${params[@]}" \
+    --dump "$work/dec-$model" --json >"$work/dec.json" \
+    && python3 "$src/tools/check_decode_dump.py" "$work/dec-$model" >"$work/dec.txt" \
+    && python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+assert r["status"] == "ok" and r["pass"] == "decode" and r["causal"] and r["decode_tokens"] == 6, r
+assert r["state_bytes"] > 0 and r["prefill_ns"] > 0 and len(r["samples_ns"]) >= 6, r
+assert "--pass decode --decode-tokens 6" in r["reproducer"], r' "$work/dec.json" \
+    && pass || fail "run --pass decode --dump: $model ($(cat "$work/dec.txt" 2>/dev/null))"
+done
+"$bin" run --model vanilla --seq-len 43 --causal "${quick[@]}" --dump "$work/causal-43" >/dev/null \
+  && cmp -s "$work/causal-43/k.npy" "$work/dec-vanilla/k.npy" && pass \
+  || fail "decode dump: the sequence's inputs are the causal forward's over N + T tokens"
+"$bin" run --model linformer --seq-len 64 --pass decode "${quick[@]}" --json >"$work/dec-lin.json" \
+  && grep -q '"status":"unsupported"' "$work/dec-lin.json" && grep -q 'Decode = no' "$work/dec-lin.json" \
+  && pass || fail "run --pass decode: a model that cannot decode gives an unsupported row"
+expect_error 2 run --model vanilla --seq-len 64 --pass decode --scope layer
+expect_error 2 run --model vanilla --seq-len 64 --pass decode --decode-tokens 0
 
 # --- sweep: report, table, progress, resume, memory limit, child isolation ----------------------
 # Causal: linformer cannot decode, so its rows are unsupported whatever is implemented.

@@ -3,6 +3,7 @@
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <array>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -29,14 +30,15 @@ std::string pass_name(Pass p) {
     case Pass::Forward: return "forward";
     case Pass::Backward: return "backward";
     case Pass::Train: return "train";
+    case Pass::Decode: return "decode";
   }
   return "forward";
 }
 
 Pass parse_pass(const std::string& name) {
-  for (Pass p : {Pass::Forward, Pass::Backward, Pass::Train})
+  for (Pass p : {Pass::Forward, Pass::Backward, Pass::Train, Pass::Decode})
     if (pass_name(p) == name) return p;
-  throw InputError("unknown --pass '" + name + "' (known: forward, backward, train)");
+  throw InputError("unknown --pass '" + name + "' (known: forward, backward, train, decode)");
 }
 
 std::vector<Pass> parse_passes(const std::string& list) {
@@ -93,12 +95,130 @@ void write_manifest(const std::string& dir, const Point& point, const ResultRow&
   manifest["params"] = point.running.to_json();
   manifest["requested_params"] = row.params;
   manifest["layout"] = "attention tensors are [B, H, N, D]; little-endian float32, C order";
+  if (point.config.pass == Pass::Decode)
+    manifest["decode"] = "q, k, v, out hold the " + std::to_string(point.config.problem.seq_len) +
+                         " context rows, then the " + std::to_string(point.config.decode_tokens) +
+                         " decoded tokens' rows; state_* is the state after the last step";
   manifest["reproducer"] = row.reproducer;
   nlohmann::json list = nlohmann::json::array();
   for (const auto& [name, tensor] : files)
     list.push_back({{"name", name}, {"file", name + ".npy"}, {"shape", tensor->shape()}});
   manifest["files"] = list;
   std::ofstream(dir + "/manifest.json") << manifest.dump(2) << "\n";
+}
+
+// The timing figures of a row from its timed samples: statistics over the clean ones, contention,
+// stage medians, and the warnings about the measurement.
+void record_timing(ResultRow& row, const TimingResult& timed) {
+  // With no clean sample at all, the statistics fall back to every sample (the row is contended).
+  row.samples_ns = timed.samples_ns.empty() ? timed.contended_samples_ns : timed.samples_ns;
+  row.contended_samples_ns = timed.samples_ns.empty() ? std::vector<double>{} : timed.contended_samples_ns;
+  row.contended_samples = static_cast<std::int64_t>(timed.contended_samples_ns.size());
+  row.contended = timed.contended;
+  row.cpu_ratio = timed.contention.cpu_ratio;
+  row.host_busy = timed.contention.host_busy;
+  row.load_average = timed.contention.load_average;
+  if (row.contended)
+    row.warnings.push_back(contention_reason(row.contended_samples,
+                                             row.contended_samples + static_cast<std::int64_t>(timed.samples_ns.size()),
+                                             timed.contention));
+  const SampleStats stats = summarize(row.samples_ns);
+  row.median_ns = stats.median;
+  row.min_ns = stats.min;
+  row.max_ns = stats.max;
+  row.mad_ns = stats.mad;
+  row.cv = stats.cv;
+  row.unstable = stats.cv > kUnstableCv;
+  for (const auto& [stage, samples] : timed.stage_samples_ns) row.stage_median_ns[stage] = summarize(samples).median;
+  if (timed.primitives_created_while_timed > 0)
+    row.warnings.push_back(std::to_string(timed.primitives_created_while_timed) +
+                           " oneDNN primitive(s) were created inside the timed region");
+  if (!optimised_build()) row.warnings.push_back("this build is not optimised (" XFBENCH_BUILD_TYPE "): times are not representative");
+}
+
+// The decode pass. The context's q, k, v are rows [0, N) of the seeded N + T token sequence (the
+// same draws as a causal forward over N + T tokens), step t's token is row N + t; all are drawn
+// untimed. The first run is untimed (primitives; the steps' executed FLOPs), then time_decoding.
+ResultRow run_decode_point(const Point& point, ResultRow row, const std::optional<std::string>& dump_dir) {
+  const PointConfig& config = point.config;
+  const Problem& p = config.problem;
+  const std::int64_t tokens = config.decode_tokens, total = p.seq_len + tokens;
+  DnnlContext::instance().set_threads(p.threads);
+  auto& tracker = MemoryTracker::instance();
+  const std::int64_t baseline = tracker.current_bytes();
+  const std::int64_t owned_baseline = tracker.owned_current_bytes();
+  tracker.reset_peak();
+
+  constexpr std::array<const char*, 3> kStreams = {"input/q", "input/k", "input/v"};
+  std::array<Tensor, 3> context;  // q, k, v of the N context tokens
+  for (std::size_t i = 0; i < 3; ++i) {
+    context[i] = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    CounterRng(config.seed, kStreams[i]).fill_normal_rows(context[i], total, 0);
+  }
+  Tensor out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+  std::vector<std::array<Tensor, 3>> step_inputs(static_cast<std::size_t>(tokens));
+  std::vector<Tensor> step_outputs(static_cast<std::size_t>(tokens));
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    for (std::size_t i = 0; i < 3; ++i) {
+      step_inputs[t][i] = Tensor::bhnd(p.batch, p.heads, 1, p.head_dim);
+      CounterRng(config.seed, kStreams[i]).fill_normal_rows(step_inputs[t][i], total, p.seq_len + t);
+    }
+    step_outputs[t] = Tensor::bhnd(p.batch, p.heads, 1, p.head_dim);
+  }
+  auto mechanism = point.model->impl.create(p, point.requested, config.seed);
+  mechanism->prepare(context[0], context[1], context[2]);
+  mechanism->prepare_decode(tokens);
+  auto prefill = [&] { mechanism->forward(context[0], context[1], context[2], out); };
+  auto step = [&](std::int64_t t) {
+    const auto& in = step_inputs[t];
+    mechanism->decode_step(in[0], in[1], in[2], step_outputs[t]);
+  };
+  prefill();
+  FlopCounter::reset();
+  for (std::int64_t t = 0; t < tokens; ++t) step(t);
+  row.flops = FlopCounter::total();
+
+  TimingSettings timing = config.timing;
+  timing.warmup -= 1;
+  const DecodeTimingResult timed = time_decoding(timing, tokens, prefill, step);
+
+  row.peak_tensor_bytes = tracker.peak_bytes() - baseline;
+  row.peak_owned_bytes = tracker.owned_peak_bytes() - owned_baseline;
+  row.workspace_bytes = row.peak_tensor_bytes - point_io_bytes(config);
+  row.state_bytes = mechanism->state_bytes();
+  record_timing(row, timed.steps);
+  row.prefill_ns = median_of(timed.prefill_ns);
+  const double per_token_ns = row.median_ns;
+  row.gflops_per_s = per_token_ns > 0 ? static_cast<double>(row.flops) / static_cast<double>(tokens) / per_token_ns : 0;
+  row.tokens_per_s = per_token_ns > 0 ? static_cast<double>(p.batch) / (per_token_ns * 1e-9) : 0;
+
+  if (dump_dir) {
+    // The whole sequence, context rows then decoded rows: [B, H, N + T, D].
+    auto sequence = [&](const Tensor& head_rows, auto&& token_row) {
+      Tensor whole = Tensor::bhnd(p.batch, p.heads, total, p.head_dim);
+      for (std::int64_t b = 0; b < p.batch; ++b)
+        for (std::int64_t h = 0; h < p.heads; ++h) {
+          float* dst = whole.head(b, h);
+          std::copy_n(head_rows.head(b, h), p.seq_len * p.head_dim, dst);
+          for (std::int64_t t = 0; t < tokens; ++t)
+            std::copy_n(token_row(t).head(b, h), p.head_dim, dst + (p.seq_len + t) * p.head_dim);
+        }
+      return whole;
+    };
+    std::array<Tensor, 4> whole;
+    for (std::size_t i = 0; i < 3; ++i)
+      whole[i] = sequence(context[i], [&](std::int64_t t) -> const Tensor& { return step_inputs[t][i]; });
+    whole[3] = sequence(out, [&](std::int64_t t) -> const Tensor& { return step_outputs[t]; });
+    std::vector<std::pair<std::string, const Tensor*>> files = {
+        {"q", &whole[0]}, {"k", &whole[1]}, {"v", &whole[2]}, {"out", &whole[3]}};
+    for (const auto& named : mechanism->parameters()) files.emplace_back(named.name, named.tensor);
+    for (const auto& named : mechanism->decode_state()) files.emplace_back("state_" + named.name, named.tensor);
+    std::filesystem::create_directories(*dump_dir);
+    for (const auto& [name, tensor] : files) write_npy(*dump_dir + "/" + name + ".npy", *tensor);
+    write_manifest(*dump_dir, point, row, files);
+  }
+  row.peak_rss_bytes = peak_rss_of_self();
+  return row;
 }
 
 }  // namespace
@@ -118,12 +238,16 @@ Point resolve_point(const PointConfig& config) {
   if (config.timing.warmup < 1) throw InputError("--warmup must be at least 1 (primitives are created in warm-up)");
   if (config.timing.min_reps < 1) throw InputError("--min-reps must be at least 1");
   if (config.timing.min_time_s < 0) throw InputError("--min-time must not be negative");
+  if (config.pass == Pass::Decode && config.scope != Scope::Attention)
+    throw InputError("--pass decode runs in attention scope only");
+  if (config.pass == Pass::Decode) positive(config.decode_tokens, "--decode-tokens");
   Point point;
   point.model = &model;
   point.config = config;
+  if (config.pass == Pass::Decode) point.config.problem.causal = true;  // decoding is causal by definition
   point.requested = resolve_params(config.model, model.impl.params, config.params);
-  if (model.impl.validate) model.impl.validate(p, point.requested);
-  point.running = model.impl.resolved(p, point.requested);
+  if (model.impl.validate) model.impl.validate(point.config.problem, point.requested);
+  point.running = model.impl.resolved(point.config.problem, point.requested);
   return point;
 }
 
@@ -137,6 +261,7 @@ nlohmann::json problem_settings(const PointConfig& c) {
           {"scope", scope_name(c.scope)},
           {"pass", pass_name(c.pass)},
           {"d_ff", c.scope == Scope::Layer ? c.effective_d_ff() : 0},
+          {"decode_tokens", c.pass == Pass::Decode ? c.decode_tokens : 0},
           {"threads", c.problem.threads},
           {"seed", c.seed},
           {"warmup", c.timing.warmup},
@@ -147,6 +272,8 @@ nlohmann::json problem_settings(const PointConfig& c) {
 std::int64_t point_io_bytes(const PointConfig& config) {
   const Problem& p = config.problem;
   const std::int64_t tensor = p.batch * p.heads * p.seq_len * p.head_dim * static_cast<std::int64_t>(sizeof(float));
+  if (config.pass == Pass::Decode)  // the context's q, k, v, out and every step's
+    return 4 * tensor + 4 * config.decode_tokens * p.batch * p.heads * p.head_dim * static_cast<std::int64_t>(sizeof(float));
   const bool training = config.pass != Pass::Forward;
   // Attention: q, k, v, out (+ dout, dq, dk, dv); layer: x, y (+ dy, dx).
   const std::int64_t tensors = config.scope == Scope::Layer ? (training ? 4 : 2) : (training ? 8 : 4);
@@ -156,7 +283,10 @@ std::int64_t point_io_bytes(const PointConfig& config) {
 std::int64_t estimated_point_bytes(const Point& point) {
   const PointConfig& c = point.config;
   std::int64_t bytes = point_io_bytes(c) + point.model->impl.workspace_bytes(c.problem, point.requested);
-  if (c.pass != Pass::Forward) bytes += point.model->impl.backward_workspace_bytes(c.problem, point.requested);
+  if (c.pass == Pass::Decode)
+    bytes += point.model->impl.decode_workspace_bytes(c.problem, point.requested, c.decode_tokens);
+  else if (c.pass != Pass::Forward)
+    bytes += point.model->impl.backward_workspace_bytes(c.problem, point.requested);
   if (c.scope == Scope::Layer) bytes += EncoderLayer::workspace_bytes(c.problem, c.effective_d_ff());
   if (c.scope == Scope::Layer && c.pass != Pass::Forward)
     bytes += EncoderLayer::backward_workspace_bytes(c.problem, c.effective_d_ff());
@@ -173,6 +303,7 @@ std::vector<std::string> run_arguments(const Point& point) {
                                    "--head-dim", std::to_string(c.problem.head_dim),
                                    "--scope", scope_name(c.scope)};
   if (c.pass != Pass::Forward) args.insert(args.end(), {"--pass", pass_name(c.pass)});
+  if (c.pass == Pass::Decode) args.insert(args.end(), {"--decode-tokens", std::to_string(c.decode_tokens)});
   if (c.problem.causal) args.push_back("--causal");
   if (c.scope == Scope::Layer) {
     args.push_back("--d-ff");
@@ -207,6 +338,7 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
   row.seq_len = config.problem.seq_len;
   row.head_dim = config.problem.head_dim;
   row.d_ff = config.scope == Scope::Layer ? config.effective_d_ff() : 0;
+  row.decode_tokens = config.pass == Pass::Decode ? config.decode_tokens : 0;
   row.params = point.requested.to_json();
   row.threads = config.problem.threads;
   row.kernel_isa = kernel_isa_name(kernel_isa());
@@ -215,11 +347,15 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
   const std::string why = model.impl.unsupported ? model.impl.unsupported(config.problem, point.requested) : "";
   if (config.problem.causal && !model.decodes) {
     row.status = Status::Unsupported;
-    row.reason = model.display_name + " cannot decode (survey Table 1: Decode = no), so it has no causal mode";
+    row.reason = model.display_name + " cannot decode (survey Table 1: Decode = no), so it has " +
+                 (config.pass == Pass::Decode ? "no incremental form" : "no causal mode");
   } else if (!why.empty()) {
     row.status = Status::Unsupported;
     row.reason = model.display_name + ": " + why;
-  } else if (config.pass != Pass::Forward && !model.impl.has_backward()) {
+  } else if (config.pass == Pass::Decode && !model.impl.has_decode()) {
+    row.status = Status::Unsupported;
+    row.reason = model.display_name + " has no incremental form in this build, so no decode pass";
+  } else if (config.pass != Pass::Forward && config.pass != Pass::Decode && !model.impl.has_backward()) {
     row.status = Status::Unsupported;
     row.reason = model.display_name + " has no backward pass in this build, so no " + row.pass + " pass";
   } else {
@@ -245,6 +381,7 @@ ResultRow run_point(const PointConfig& config, const std::optional<std::string>&
 ResultRow run_point(const Point& point, const std::optional<std::string>& dump_dir) {
   ResultRow row = describe_point(point);
   if (row.status != Status::Ok) return row;
+  if (point.config.pass == Pass::Decode) return run_decode_point(point, std::move(row), dump_dir);
   const ModelInfo& model = *point.model;
   const PointConfig& config = point.config;
   const ParamValues& values = point.requested;
@@ -354,32 +491,9 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
   row.peak_tensor_bytes = tracker.peak_bytes() - baseline;
   row.peak_owned_bytes = tracker.owned_peak_bytes() - owned_baseline;
   row.workspace_bytes = row.peak_tensor_bytes - io_bytes;
-  // With no clean sample at all, the statistics fall back to every sample (the row is contended).
-  row.samples_ns = timed.samples_ns.empty() ? timed.contended_samples_ns : timed.samples_ns;
-  row.contended_samples_ns = timed.samples_ns.empty() ? std::vector<double>{} : timed.contended_samples_ns;
-  row.contended_samples = static_cast<std::int64_t>(timed.contended_samples_ns.size());
-  row.contended = timed.contended;
-  row.cpu_ratio = timed.contention.cpu_ratio;
-  row.host_busy = timed.contention.host_busy;
-  row.load_average = timed.contention.load_average;
-  if (row.contended)
-    row.warnings.push_back(contention_reason(row.contended_samples,
-                                             row.contended_samples + static_cast<std::int64_t>(timed.samples_ns.size()),
-                                             timed.contention));
-  const SampleStats stats = summarize(row.samples_ns);
-  row.median_ns = stats.median;
-  row.min_ns = stats.min;
-  row.max_ns = stats.max;
-  row.mad_ns = stats.mad;
-  row.cv = stats.cv;
-  row.unstable = stats.cv > kUnstableCv;
-  for (const auto& [stage, samples] : timed.stage_samples_ns) row.stage_median_ns[stage] = summarize(samples).median;
-  row.gflops_per_s = stats.median > 0 ? static_cast<double>(row.flops) / stats.median : 0;
-  row.tokens_per_s = stats.median > 0 ? static_cast<double>(p.batch * p.seq_len) / (stats.median * 1e-9) : 0;
-  if (timed.primitives_created_while_timed > 0)
-    row.warnings.push_back(std::to_string(timed.primitives_created_while_timed) +
-                           " oneDNN primitive(s) were created inside the timed region");
-  if (!optimised_build()) row.warnings.push_back("this build is not optimised (" XFBENCH_BUILD_TYPE "): times are not representative");
+  record_timing(row, timed);
+  row.gflops_per_s = row.median_ns > 0 ? static_cast<double>(row.flops) / row.median_ns : 0;
+  row.tokens_per_s = row.median_ns > 0 ? static_cast<double>(p.batch * p.seq_len) / (row.median_ns * 1e-9) : 0;
 
   if (dump_dir) {
     std::vector<std::pair<std::string, const Tensor*>> files;

@@ -21,8 +21,10 @@ enum class Scope { Attention, Layer };
 std::string scope_name(Scope s);
 
 // What a point times: the forward alone; the backward alone (after an untimed forward that saved
-// what it needs); or one training step, forward then backward.
-enum class Pass { Forward, Backward, Train };
+// what it needs); one training step, forward then backward; or incremental decoding: a prefill of
+// the N-token context (its own stage), then decode_tokens steps of one token each, timed one by one
+// (attention scope; always causal).
+enum class Pass { Forward, Backward, Train, Decode };
 std::string pass_name(Pass p);
 Pass parse_pass(const std::string& name);  // InputError on an unknown name
 // `forward`, `train` or a comma list `forward,train` (InputError on an unknown or repeated name).
@@ -36,6 +38,7 @@ struct PointConfig {
   Scope scope = Scope::Attention;
   Pass pass = Pass::Forward;
   std::int64_t d_ff = 0;     // layer scope FFN width; 0 means 4·H·D
+  std::int64_t decode_tokens = 64;  // decode pass: tokens generated after the context
   std::uint64_t seed = 42;
   std::vector<std::string> params;  // `key=value` assignments
   TimingSettings timing;
@@ -55,7 +58,7 @@ struct Point {
 };
 
 // Validates (model, shape, threads, timing, parameter names, types and ranges, and the model's own
-// constraints) and resolves. Throws InputError (ParamError for parameters) with a one-line message.
+// constraints) and resolves; a decode point is made causal. Throws InputError (ParamError for parameters) with a one-line message.
 Point resolve_point(const PointConfig& config);
 void validate_point(const PointConfig& config);
 
@@ -70,14 +73,16 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes = 0
 ResultRow describe_point(const PointConfig& config, std::int64_t memory_limit_bytes = 0);
 
 // Tracked bytes of the point's inputs and output: q, k, v, out (attention) or x, y (layer); for the
-// backward and train passes also dout, dq, dk, dv.
+// backward and train passes also dout, dq, dk, dv; for the decode pass the context's q, k, v, out and
+// every step's q, k, v, out ([B, H, 1, D] each).
 std::int64_t point_io_bytes(const PointConfig& config);
 // Analytic estimate of the tracked bytes of the point: inputs, output, workspace.
 std::int64_t estimated_point_bytes(const Point& point);
 
 // Runs the point here. `dump_dir`, when set, receives inputs, output, parameters and a manifest
 // (the folder is created only when the point runs); for the backward and train passes also dout,
-// dq, dk, dv and the parameter gradients (d<parameter>).
+// dq, dk, dv and the parameter gradients (d<parameter>); for the decode pass q, k, v and out of the
+// whole sequence ([B, H, N + T, D]: the context's rows, then the decoded tokens') and the final state.
 ResultRow run_point(const Point& point, const std::optional<std::string>& dump_dir = std::nullopt);
 ResultRow run_point(const PointConfig& config, const std::optional<std::string>& dump_dir = std::nullopt);
 

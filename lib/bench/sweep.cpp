@@ -243,6 +243,8 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
   }
   report.settings = problem_settings(s.base);
   report.settings["pass"] = pass_list_name(s.passes);
+  if (std::find(s.passes.begin(), s.passes.end(), Pass::Decode) != s.passes.end())
+    report.settings["decode_tokens"] = s.base.decode_tokens;
   report.settings["models"] = s.models;
   report.settings["seq_lens"] = s.seq_lens;
   report.settings["params"] = s.params;

@@ -14,6 +14,8 @@
 //   beyond inputs and output, per-thread buffers for Problem::threads threads).
 //   backward_flops, backward_workspace: the same for the backward pass (what prepare_backward adds);
 //               both set exactly when the mechanism implements the backward contract.
+//   decode_workspace: tracked bytes prepare_decode(tokens) adds (state at capacity, step buffers);
+//               set exactly when the mechanism implements the decode contract.
 // implement() erases the config type into the registry's Implementation.
 #include <cstdint>
 #include <functional>
@@ -99,6 +101,7 @@ struct ModelSpec {
   std::string (*unsupported)(const Problem&, const Config&) = nullptr;
   std::int64_t (*backward_flops)(const Problem&, const Config&) = nullptr;
   std::int64_t (*backward_workspace)(const Problem&, const Config&) = nullptr;
+  std::int64_t (*decode_workspace)(const Problem&, const Config&, std::int64_t tokens) = nullptr;
 };
 
 template <class Config>
@@ -151,6 +154,10 @@ Implementation implement(const ModelSpec<Config>& spec) {
       return spec.backward_workspace(p, running(p, v));
     };
   }
+  if (spec.decode_workspace)
+    impl.decode_workspace_bytes = [spec, running](const Problem& p, const ParamValues& v, std::int64_t tokens) {
+      return spec.decode_workspace(p, running(p, v), tokens);
+    };
   return impl;
 }
 

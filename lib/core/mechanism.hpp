@@ -12,6 +12,15 @@
 // mechanism owns (`parameter_gradients`, named "d" + the parameter's name). Choices the papers do not
 // differentiate (fixed patterns, random blocks, hash buckets) are held as the forward made them.
 // `backward` reads the saved state without changing it, so it may be repeated after one forward.
+//
+// The decode contract (mechanisms that implement it; the registry's `decode_workspace_bytes` says
+// which), on a causal problem of N context tokens: after `prepare_decode(T)` (untimed), every
+// forward — the prefill — also leaves the decoding state of its N tokens (KV cache, recurrent
+// state, window, memories), and `decode_step` then generates up to T further tokens one at a time,
+// each from that token's q, k, v alone ([B, H, 1, D]; the B sequences in lock-step), appending it to
+// the state. The step's output is the row N + t of the causal forward over N + T tokens of the
+// same model (same seed and parameters), up to fp32 rounding: that is the test that the
+// incremental form is the same model. A new forward restarts the state from its context.
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -75,6 +84,26 @@ class Mechanism {
   // What the backward treats as a constant beyond what every model holds (its pattern), in one
   // line for the row (e.g. a memory under stop-gradient); "" for nothing to say.
   virtual std::string gradient_note() const { return ""; }
+
+  // Untimed, after prepare (causal problem): allocates the state for N + tokens tokens and the step's
+  // buffers; from now on every forward also builds the state of its context.
+  virtual void prepare_decode(std::int64_t tokens) {
+    (void)tokens;
+    throw std::logic_error("this mechanism has no incremental form");
+  }
+  // Timed, one token: q, k, v, out [B, H, 1, D]. Reads nothing of earlier tokens but its state.
+  virtual void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    (void)q, (void)k, (void)v, (void)out;
+    throw std::logic_error("this mechanism has no incremental form");
+  }
+  // What the model keeps between steps (for --dump and the row's state_bytes).
+  virtual std::vector<NamedTensor> decode_state() const { return {}; }
+  // Bytes of the state: decode_state()'s tensors plus integer state kept in other buffers.
+  virtual std::int64_t state_bytes() const {
+    std::int64_t bytes = 0;
+    for (const auto& named : decode_state()) bytes += named.tensor->bytes();
+    return bytes;
+  }
 };
 
 // A model's implementation as the registry holds it, on parsed parameter values (a model writes
@@ -101,6 +130,11 @@ struct Implementation {
   std::function<std::int64_t(const Problem&, const ParamValues&)> backward_flops;
   std::function<std::int64_t(const Problem&, const ParamValues&)> backward_workspace_bytes;
   bool has_backward() const { return static_cast<bool>(backward_flops); }
+  // Optional, present exactly when the mechanism implements the decode contract: the tracked bytes
+  // `prepare_decode(tokens)` adds to the forward's workspace (the state at its N + tokens capacity
+  // and the step's buffers).
+  std::function<std::int64_t(const Problem&, const ParamValues&, std::int64_t tokens)> decode_workspace_bytes;
+  bool has_decode() const { return static_cast<bool>(decode_workspace_bytes); }
 };
 
 }  // namespace xfb

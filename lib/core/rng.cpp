@@ -40,6 +40,17 @@ void CounterRng::fill_normal(Tensor& t, float mean, float stddev) const {
     out[i] = static_cast<float>(mean + stddev * normal(static_cast<std::uint64_t>(i)));
 }
 
+void CounterRng::fill_normal_rows(Tensor& t, std::int64_t total_rows, std::int64_t first_row) const {
+  const std::int64_t rows = t.dim(2), dim = t.dim(3);
+  float* out = t.data();
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < t.size(); ++i) {
+    const std::int64_t head = i / (rows * dim), row = i / dim % rows, col = i % dim;
+    const auto index = static_cast<std::uint64_t>((head * total_rows + first_row + row) * dim + col);
+    out[i] = static_cast<float>(normal(index));
+  }
+}
+
 void CounterRng::fill_uniform(Tensor& t, float lo, float hi) const {
   float* out = t.data();
   const std::int64_t n = t.size();

@@ -24,6 +24,9 @@ class CounterRng {
   double normal(std::uint64_t index) const;
 
   void fill_normal(Tensor& t, float mean = 0.0f, float stddev = 1.0f) const;
+  // t: [B, H, R, D], rows first_row … first_row + R − 1 of the [B, H, total_rows, D] tensor that
+  // fill_normal would fill (so a sequence's tokens can be drawn in pieces, bit-identically).
+  void fill_normal_rows(Tensor& t, std::int64_t total_rows, std::int64_t first_row) const;
   void fill_uniform(Tensor& t, float lo, float hi) const;
 
  private:

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <string_view>
 
 #include "lib/core/dnnl_context.hpp"
@@ -61,6 +62,57 @@ TimingResult time_repeatedly(const TimingSettings& settings, const std::function
   }
   TimingResult result = collector.finish(DnnlContext::instance().threads());
   result.primitives_created_while_timed = DnnlContext::instance().primitives_created() - created_before;
+  return result;
+}
+
+DecodeTimingResult time_decoding(const TimingSettings& settings, std::int64_t tokens, const std::function<void()>& prefill,
+                                 const std::function<void(std::int64_t step)>& step) {
+  using clock = std::chrono::steady_clock;
+  auto whole_run = [&] {
+    prefill();
+    for (std::int64_t t = 0; t < tokens; ++t) step(t);
+  };
+  for (int i = 0; i < settings.warmup; ++i) whole_run();
+  const auto created_before = DnnlContext::instance().primitives_created();
+  ContentionProbe probe;
+  // Sorting only: the stopping rule is per run, below.
+  SampleCollector collector({.warmup = 0, .min_reps = static_cast<int>(tokens), .min_time_s = 0,
+                             .max_reps = std::numeric_limits<int>::max()});
+  DecodeTimingResult result;
+  double total_ns = 0, clean_steps = 0, contended_ns = 0;
+  const double budget_ns = (2 * settings.min_time_s + 0.25) * 1e9;
+  auto done = [&] {
+    if (result.runs >= settings.max_reps) return true;
+    if (result.runs >= settings.min_reps && clean_steps >= static_cast<double>(settings.min_reps) * static_cast<double>(tokens) &&
+        total_ns >= settings.min_time_s * 1e9)
+      return true;
+    return result.runs > 0 && contended_ns > budget_ns;
+  };
+  while (!done()) {
+    const auto run_start = clock::now();
+    prefill();
+    const auto prefilled = clock::now();
+    result.prefill_ns.push_back(std::chrono::duration<double, std::nano>(prefilled - run_start).count());
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      probe.start();
+      const auto start = clock::now();
+      stage_clock::open();
+      step(t);
+      const auto stop = clock::now();
+      const double ns = std::chrono::duration<double, std::nano>(stop - start).count();
+      const auto stages = stage_clock::close();
+      const SampleContention contention = probe.stop(ns);
+      collector.add(ns, contention, stages);
+      if (contention.descheduled)
+        contended_ns += ns;
+      else
+        clean_steps += 1;
+    }
+    total_ns += std::chrono::duration<double, std::nano>(clock::now() - run_start).count();
+    ++result.runs;
+  }
+  result.steps = collector.finish(DnnlContext::instance().threads());
+  result.steps.primitives_created_while_timed = DnnlContext::instance().primitives_created() - created_before;
   return result;
 }
 

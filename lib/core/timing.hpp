@@ -51,6 +51,21 @@ class SampleCollector {
 
 TimingResult time_repeatedly(const TimingSettings& settings, const std::function<void()>& body);
 
+// Decoding (`--pass decode`): one run is a prefill (a forward over the context, building the state)
+// followed by `tokens` steps, each timed on its own with its contention probe. `settings.warmup`
+// whole runs are untimed; then runs repeat until at least min_reps of them have run, their clean
+// steps number min_reps·tokens and the runs took min_time in all — or max_reps runs, or the retry
+// budget of descheduled steps (as above) is spent. `steps` sorts the step samples as
+// time_repeatedly does (`contended`: fewer clean steps than one run's, or more descheduled than
+// clean ones).
+struct DecodeTimingResult {
+  TimingResult steps;               // per-token wall times of every timed run's steps
+  std::vector<double> prefill_ns;   // one per timed run
+  std::int64_t runs = 0;
+};
+DecodeTimingResult time_decoding(const TimingSettings& settings, std::int64_t tokens, const std::function<void()>& prefill,
+                                 const std::function<void(std::int64_t step)>& step);
+
 // True when this binary was built with optimisation (NDEBUG and not a Debug build).
 bool optimised_build();
 

@@ -31,6 +31,7 @@ std::string ResultRow::key() const {
   out << model << "|" << scope << "|" << (causal ? "causal" : "full") << "|b" << batch << "|h" << heads << "|n"
       << seq_len << "|d" << head_dim << "|f" << d_ff << "|" << params.dump();
   if (pass != "forward") out << "|" << pass;  // forward keys stay as before passes existed
+  if (pass == "decode") out << "|t" << decode_tokens;
   return out.str();
 }
 
@@ -38,6 +39,7 @@ std::string configuration_text(const ResultRow& row) {
   std::ostringstream out;
   out << row.scope << (row.pass != "forward" ? ", " + row.pass + " pass" : "") << (row.causal ? ", causal" : "")
       << ", B=" << row.batch << " H=" << row.heads << " D=" << row.head_dim;
+  if (row.pass == "decode") out << ", T=" << row.decode_tokens;
   if (row.d_ff) out << ", d_ff=" << row.d_ff;
   return out.str();
 }
@@ -94,6 +96,9 @@ void to_json(nlohmann::json& j, const ResultRow& r) {
                      {"workspace_bytes", r.workspace_bytes},
                      {"saved_bytes", r.saved_bytes},
                      {"gradient_note", r.gradient_note},
+                     {"decode_tokens", r.decode_tokens},
+                     {"prefill_ns", r.prefill_ns},
+                     {"state_bytes", r.state_bytes},
                      {"estimated_workspace_bytes", r.estimated_workspace_bytes},
                      {"peak_rss_bytes", r.peak_rss_bytes},
                      {"warnings", r.warnings},
@@ -140,6 +145,9 @@ void from_json(const nlohmann::json& j, ResultRow& r) {
     j.at("workspace_bytes").get_to(r.workspace_bytes);
     r.saved_bytes = j.value("saved_bytes", std::int64_t{0});
     r.gradient_note = j.value("gradient_note", std::string{});
+    r.decode_tokens = j.value("decode_tokens", std::int64_t{0});
+    r.prefill_ns = j.value("prefill_ns", 0.0);
+    r.state_bytes = j.value("state_bytes", std::int64_t{0});
     r.estimated_workspace_bytes = j.value("estimated_workspace_bytes", std::int64_t{0});
     j.at("peak_rss_bytes").get_to(r.peak_rss_bytes);
     r.warnings = j.value("warnings", std::vector<std::string>{});

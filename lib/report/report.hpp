@@ -20,7 +20,7 @@ struct ResultRow {
   std::string model;
   std::vector<std::string> classes;  // class names, e.g. {"fixed_patterns", "memory"}
   std::string scope = "attention";   // attention | layer
-  std::string pass = "forward";      // forward | backward | train: what was timed
+  std::string pass = "forward";      // forward | backward | train | decode: what was timed
   bool causal = false;
   std::int64_t batch = 0, heads = 0, seq_len = 0, head_dim = 0;
   std::int64_t d_ff = 0;  // layer scope only; 0 otherwise
@@ -53,6 +53,12 @@ struct ResultRow {
                                        // dq, dk, dv in attention scope, dx in layer scope)
   std::int64_t saved_bytes = 0;        // tracked bytes the forward keeps for the backward (0: forward pass)
   std::string gradient_note;           // what the backward holds constant (Mechanism::gradient_note); "" if nothing
+  // Decode pass: samples and statistics above are per generated token (one step of B sequences),
+  // flops those of the decode_tokens steps (prefill excluded), gflops_per_s = flops / tokens / median,
+  // tokens_per_s = batch / median.
+  std::int64_t decode_tokens = 0;      // tokens generated after the N-token context (0: other passes)
+  double prefill_ns = 0;               // median time of the prefill (the context's forward + state)
+  std::int64_t state_bytes = 0;        // tracked bytes kept between steps at the end of the run
   std::int64_t estimated_workspace_bytes = 0;  // the registry's analytic estimate
   std::int64_t peak_rss_bytes = 0;     // of the process that ran the point
   std::vector<std::string> warnings;
@@ -62,7 +68,7 @@ struct ResultRow {
   std::string key() const;
 };
 
-// "attention, B=1 H=8 D=64" (+ ", train pass", ", causal", ", d_ff=…"): everything of the key but
+// "attention, B=1 H=8 D=64" (+ ", train pass", ", causal", ", T=…", ", d_ff=…"): everything of the key but
 // model, N, params.
 std::string configuration_text(const ResultRow& row);
 // "block_k=256,block_q=64"; empty for no parameters.

@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/tile_kernels.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 
 namespace xfb {
 namespace {
@@ -46,6 +48,14 @@ std::int64_t valid_in_row(bool causal, std::int64_t i, std::int64_t k0, std::int
   return causal ? std::clamp<std::int64_t>(i - k0 + 1, 0, cols) : cols;
 }
 
+// Decode splits per head: enough tasks for every thread, but no split shorter than block_k keys
+// at the full N + T (so a split's work outweighs its merge).
+std::int64_t decode_splits(const Problem& p, const ExactTiledConfig& c, std::int64_t tokens) {
+  const std::int64_t heads = p.batch * p.heads, capacity = p.seq_len + tokens;
+  const std::int64_t for_threads = (p.threads + heads - 1) / heads;
+  return std::max<std::int64_t>(1, std::min(for_threads, capacity / c.block_k));
+}
+
 class ExactTiled final : public Mechanism {
  public:
   ExactTiled(const Problem& problem, const ExactTiledConfig& config) : p_(problem), c_(config) {}
@@ -77,8 +87,14 @@ class ExactTiled final : public Mechanism {
                                      v.data() + head * n * p_.head_dim, out.data() + head * n * p_.head_dim,
                                      block * c_.block_q, thread);
       }
+      if (cache_.capacity() > 0) {  // the prefill of a decode: the context's keys and values
+#pragma omp for schedule(static)
+        for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head)
+          cache_.store(head, 0, k.data() + head * n * p_.head_dim, v.data() + head * n * p_.head_dim, n);
+      }
     }
     FlopCounter::add(kernel_flops);
+    length_ = n;
   }
 
   void prepare_backward() override {
@@ -108,6 +124,50 @@ class ExactTiled final : public Mechanism {
   }
 
   std::vector<NamedTensor> saved() const override { return {{"log_sum_exp", &log_sum_exp_}}; }
+
+  void prepare_decode(std::int64_t tokens) override {
+    const std::int64_t heads = p_.batch * p_.heads, capacity = p_.seq_len + tokens;
+    splits_ = decode_splits(p_, c_, tokens);
+    cache_ = KvCache(heads, capacity, p_.head_dim);
+    split_accumulators_ = Tensor(Shape{heads * splits_, p_.head_dim});
+    split_queries_ = Tensor(Shape{heads * splits_, p_.head_dim});
+    split_stats_ = Tensor(Shape{heads * splits_, 2});
+  }
+
+  // Split-K: split s of a head attends to keys [s·n/S, (s+1)·n/S) (the last split also stores the
+  // new key first: it is the only one that reads it); then each head merges its S partial states.
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    if (length_ >= cache_.capacity()) throw std::logic_error("exact-tiled: decode step past the prepared capacity");
+    const std::int64_t d = p_.head_dim, heads = p_.batch * p_.heads, keys = length_ + 1, splits = splits_;
+    std::int64_t flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+    {
+#pragma omp for schedule(static)
+      for (std::int64_t task = 0; task < heads * splits; ++task) {
+        const std::int64_t head = task / splits, split = task % splits;
+        const std::int64_t begin = split * keys / splits, end = (split + 1) * keys / splits;
+        if (split == splits - 1) cache_.store(head, length_, k.data() + head * d, v.data() + head * d, 1);
+        float* query = split_queries_.data() + task * d;
+        flops += scale_query(q.data() + head * d, d, query);
+        RowSoftmax row = begin_row(split_accumulators_.data() + task * d, d);
+        flops += attend_rows(row, query, cache_.keys(head) + begin * d, cache_.values(head) + begin * d, end - begin);
+        split_stats_[2 * task] = row.max;
+        split_stats_[2 * task + 1] = row.sum;
+      }
+#pragma omp for schedule(static)
+      for (std::int64_t head = 0; head < heads; ++head) {
+        RowSoftmax total = split_row(head * splits + splits - 1);
+        for (std::int64_t split = 0; split + 1 < splits; ++split) flops += merge_rows(total, split_row(head * splits + split));
+        flops += finish_row(total, out.data() + head * d);
+      }
+    }
+    FlopCounter::add(flops);
+    ++length_;
+  }
+
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"key_cache", &cache_.key_tensor()}, {"value_cache", &cache_.value_tensor()}};
+  }
 
  private:
   // One head's tensors for the backward, each [N, D].
@@ -260,11 +320,26 @@ class ExactTiled final : public Mechanism {
     return matmul_flops(rows, score_columns(cols, d), d);
   }
 
+  // The partial state of split task `task` as its attend_rows left it.
+  RowSoftmax split_row(std::int64_t task) {
+    RowSoftmax row;
+    row.acc = split_accumulators_.data() + task * p_.head_dim;
+    row.head_dim = p_.head_dim;
+    row.max = split_stats_[2 * task];
+    row.sum = split_stats_[2 * task + 1];
+    return row;
+  }
+
   Problem p_;
   ExactTiledConfig c_;
   std::int64_t score_ld_ = 0;
   Tensor scores_, packed_keys_, accumulators_, row_stats_;
   Tensor log_sum_exp_, deltas_, tile_grads_;  // training only (prepare_backward)
+  // Decode (prepare_decode): every token's keys and values, and per split task its accumulator
+  // [D], scaled query [D] and (max, sum).
+  KvCache cache_;
+  Tensor split_accumulators_, split_queries_, split_stats_;
+  std::int64_t splits_ = 1, length_ = 0;
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ExactTiledConfig& c, std::uint64_t) {
@@ -311,6 +386,12 @@ std::int64_t backward_flops(const Problem& p, const ExactTiledConfig& c) {
   return p.batch * p.heads * per_head;
 }
 
+std::int64_t decode_workspace(const Problem& p, const ExactTiledConfig& c, std::int64_t tokens) {
+  const std::int64_t heads = p.batch * p.heads, tasks = heads * decode_splits(p, c, tokens);
+  return KvCache::bytes(heads, p.seq_len + tokens, p.head_dim) +
+         tasks * (2 * p.head_dim + 2) * static_cast<std::int64_t>(sizeof(float));
+}
+
 std::int64_t backward_workspace(const Problem& p, const ExactTiledConfig& c) {
   const std::int64_t floats = 2 * p.batch * p.heads * p.seq_len + p.threads * 2 * c.block_q * c.block_k;
   return floats * static_cast<std::int64_t>(sizeof(float));
@@ -328,7 +409,8 @@ Implementation exact_tiled_implementation() {
       .workspace = workspace,
       .resolve = resolve,
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

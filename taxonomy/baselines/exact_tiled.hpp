@@ -21,6 +21,12 @@
 // Causal: the tiles the forward executed, as it cut them (key blocks that start at or before the
 // query block's last row, ending at that row); entries j > i have P = 0. Workspace: L and δ (B·H·N each) and per thread P and dP
 // tiles [bq, bk]. FLOPs: per executed tile 10·rows·cols·D + 4·valid; plus 2·N·D per head (δ).
+//
+// Decode (split-K, as FlashDecoding): a KV cache of every token ([B·H, N + T, D] each, the state).
+// A step's query is split over S key ranges per head, S = clamp(⌈threads / (B·H)⌉, 1, (N+T)/bk), so
+// one query still uses every core; each split runs the online softmax over its keys
+// (engines/decode_common.hpp) and each head merges its S partial states by log-sum-exp. FLOPs per
+// head: S·D + Σ attend_rows over the n keys + (S − 1)·(3·D + 7) + D: O(N) per token.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

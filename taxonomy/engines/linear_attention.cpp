@@ -111,8 +111,10 @@ void ChunkedLinearAttention::forward(const FeatureMap& map, const Tensor& q, con
       const std::int64_t offset = task * head_size;
       float* z = normalisers_.empty() ? nullptr : normalisers_.data() + task * p_.seq_len;
       float* shifts = shifts_.empty() ? nullptr : shifts_.data() + task * shifts_.dim(1);
+      float* final_state = decode_states_.empty() ? nullptr : decode_states_.data() + task * m_ * ld_v_;
+      float* final_shift = decode_shifts_.empty() ? nullptr : decode_shifts_.data() + task;
       flops += p_.causal ? head_causal(map, q.data() + offset, k.data() + offset, v.data() + offset,
-                                       out.data() + offset, z, shifts, b)
+                                       out.data() + offset, z, shifts, b, final_state, final_shift)
                          : head_full(map, q.data() + offset, k.data() + offset, v.data() + offset,
                                      out.data() + offset, z, shifts, b);
     }
@@ -154,7 +156,7 @@ std::int64_t ChunkedLinearAttention::head_full(const FeatureMap& map, const floa
 
 std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const float* q, const float* k,
                                                  const float* v, float* out, float* z, float* shifts,
-                                                 const Buffers& b) const {
+                                                 const Buffers& b, float* final_state, float* final_shift) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
   float shift = -std::numeric_limits<float>::infinity();
   std::int64_t flops = 0;
@@ -170,11 +172,62 @@ std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const fl
     // Earlier chunks: the running state.
     if (c0 > 0)
       ops::gemm(false, false, rows, d + 1, m_, 1.0f, b.phi_q, ld_m_, b.state, ld_v_, 1.0f, b.numerators, ld_v_);
-    if (c0 + rows < n)
+    if (c0 + rows < n || final_state != nullptr)
       ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_k, ld_m_, b.values, ld_v_, c0 > 0 ? 1.0f : 0.0f, b.state,
                 ld_v_);
     flops += normalise(b.numerators, rows, d, ld_v_, out + c0 * d, z == nullptr ? nullptr : z + c0);
   }
+  if (final_state != nullptr) {
+    std::copy_n(b.state, m_ * ld_v_, final_state);
+    *final_shift = shift;
+  }
+  return flops;
+}
+
+void ChunkedLinearAttention::enable_decode() {
+  if (!p_.causal) throw std::logic_error("ChunkedLinearAttention: decoding needs a causal problem");
+  decode_states_ = Tensor(Shape{p_.batch * p_.heads, m_, ld_v_});
+  decode_shifts_ = Tensor(Shape{p_.batch * p_.heads});
+}
+
+void ChunkedLinearAttention::decode_step(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v,
+                                         Tensor& out) {
+  const std::int64_t tasks = p_.batch * p_.heads, d = p_.head_dim;
+  std::int64_t flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+  {
+    const Buffers b = buffers(omp_get_thread_num());
+#pragma omp for schedule(static)
+    for (std::int64_t task = 0; task < tasks; ++task)
+      flops += head_step(map, q.data() + task * d, k.data() + task * d, v.data() + task * d, out.data() + task * d,
+                         decode_states_.data() + task * m_ * ld_v_, decode_shifts_[task], b);
+  }
+  FlopCounter::add(flops);
+}
+
+std::int64_t ChunkedLinearAttention::head_step(const FeatureMap& map, const float* q, const float* k, const float* v,
+                                               float* out, float* state, float& shift, const Buffers& b) const {
+  const std::int64_t d = p_.head_dim;
+  const float old_shift = shift;
+  std::int64_t flops = map.keys(k, 1, b.phi_k, ld_m_, shift);
+  if (map.shifts() && shift > old_shift) flops += rescale(state, m_, d + 1, ld_v_, old_shift, shift);
+  for (std::int64_t r = 0; r < m_; ++r) {  // S' += φ(k)ᵀ·[v | 1]
+    const float feature = b.phi_k[r];
+    float* row = state + r * ld_v_;
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) row[j] += feature * v[j];
+    row[d] += feature;
+  }
+  flops += map.queries(q, 1, b.phi_q, ld_m_);
+  float* numerator = b.numerators;
+  std::fill_n(numerator, d + 1, 0.0f);
+  for (std::int64_t r = 0; r < m_; ++r) {  // out' = φ(q)ᵀ·S'
+    const float feature = b.phi_q[r];
+    const float* row = state + r * ld_v_;
+#pragma omp simd
+    for (std::int64_t j = 0; j <= d; ++j) numerator[j] += feature * row[j];
+  }
+  flops += 4 * m_ * (d + 1) + normalise(numerator, 1, d, ld_v_, out, nullptr);
   return flops;
 }
 
@@ -365,6 +418,11 @@ std::int64_t linear_attention_backward_workspace(const Problem& p, std::int64_t 
   if (p.causal) per_thread += c * ops::padded_ld(c);
   const std::int64_t saved = p.batch * p.heads * (p.seq_len + (p.seq_len + c - 1) / c);  // z, chunk shifts
   return (saved + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
+}
+
+std::int64_t linear_attention_decode_workspace(const Problem& p, std::int64_t feature_dim) {
+  const std::int64_t heads = p.batch * p.heads;
+  return heads * (feature_dim * ops::padded_ld(p.head_dim + 1) + 1) * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t linear_attention_workspace(const Problem& p, std::int64_t chunk, std::int64_t feature_dim) {

@@ -98,6 +98,17 @@ class ChunkedLinearAttention {
   void backward(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                 const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv);
   const Tensor& normalisers() const { return normalisers_; }
+
+  // Decoding (causal problems): allocates each head's state; a forward then also leaves it with
+  // all N keys folded in (the last chunk's state update, skipped otherwise, runs too).
+  void enable_decode();
+  // One token per head (q, k, v, out: [B, H, 1, D]): folds the key into the state (rescaling it
+  // when the key shift grows), then answers the query from it. FLOPs per head: the map's key and
+  // query row, 2·M·(D+1) for the update, 2·M·(D+1) for φ(q)ᵀ·S', D to normalise, and M·(D+1) when
+  // the shift grew. O(1) in the tokens so far.
+  void decode_step(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+  const Tensor& decode_states() const { return decode_states_; }  // [B·H, M, ld_v]: S' per head
+  const Tensor& decode_shifts() const { return decode_shifts_; }  // [B·H]: the key shift S' is at
   const Tensor& chunk_shifts() const { return shifts_; }
 
  private:
@@ -114,9 +125,12 @@ class ChunkedLinearAttention {
   // The saved shift after chunk c of head `task` (−∞ when nothing was saved).
   float saved_shift(const float* shifts, std::int64_t c0) const { return shifts[c0 / chunk_]; }
   GradBuffers grad_buffers(int thread);
-  // z, shifts: the head's saved normalisers and chunk shifts (training) or nullptr.
+  // z, shifts: the head's saved normalisers and chunk shifts (training) or nullptr; final_state,
+  // final_shift: where the head's decoding state goes (decoding) or nullptr.
   std::int64_t head_causal(const FeatureMap& map, const float* q, const float* k, const float* v, float* out, float* z,
-                           float* shifts, const Buffers& b) const;
+                           float* shifts, const Buffers& b, float* final_state, float* final_shift) const;
+  std::int64_t head_step(const FeatureMap& map, const float* q, const float* k, const float* v, float* out,
+                         float* state, float& shift, const Buffers& b) const;
   std::int64_t head_full(const FeatureMap& map, const float* q, const float* k, const float* v, float* out, float* z,
                          float* shifts, const Buffers& b) const;
   // The key side of chunk [c0, c0 + rows): φ(K) into b.phi_k (moving the running shift, and
@@ -130,6 +144,7 @@ class ChunkedLinearAttention {
   std::int64_t chunk_, m_, ld_m_, ld_c_, ld_v_;
   Tensor phi_q_, phi_k_, scores_, values_, numerators_, state_;
   Tensor normalisers_, shifts_, output_grads_, feature_grads_, adjoint_, masked_grads_;  // training only
+  Tensor decode_states_, decode_shifts_;  // decoding only
 };
 
 std::int64_t linear_attention_flops(const Problem& p, std::int64_t chunk, const FeatureCosts& costs);
@@ -137,5 +152,7 @@ std::int64_t linear_attention_workspace(const Problem& p, std::int64_t chunk, st
 // The backward's FLOPs and the bytes enable_backward adds.
 std::int64_t linear_attention_backward_flops(const Problem& p, std::int64_t chunk, const FeatureCosts& costs);
 std::int64_t linear_attention_backward_workspace(const Problem& p, std::int64_t chunk, std::int64_t feature_dim);
+// The bytes enable_decode adds (the state and shift of every head; independent of N).
+std::int64_t linear_attention_decode_workspace(const Problem& p, std::int64_t feature_dim);
 
 }  // namespace xfb

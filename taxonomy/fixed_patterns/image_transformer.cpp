@@ -4,6 +4,7 @@
 
 #include "lib/core/config_table.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 
 namespace xfb {
 namespace {
@@ -39,7 +40,18 @@ class ImageTransformer final : public Mechanism {
     bs::run_tiles(
         p_.batch * p_.heads, plan_.blocks.tasks(), scratch_,
         [&](std::int64_t head) { return training_.saving(bs::head_view(q, k, v, out, head), head); }, plan_);
+    if (!window_.empty()) window_.load_context(k, v, p_.threads);
   }
+
+  // Decode: the last l_m + l_q tokens; token i sees [max(0, q0 − l_m), i], q0 = ⌊i/l_q⌋·l_q.
+  void prepare_decode(std::int64_t) override {
+    window_ = WindowCache(p_.batch * p_.heads, plan_.flange + plan_.blocks.block, p_.head_dim);
+  }
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t token = window_.length(), block_start = token / plan_.blocks.block * plan_.blocks.block;
+    window_.step(q, k, v, out, std::max<std::int64_t>(0, block_start - plan_.flange), p_.threads);
+  }
+  std::vector<NamedTensor> decode_state() const override { return window_.state(); }
 
   void prepare_backward() override {
     training_.prepare(p_.batch * p_.heads, p_.seq_len, p_.threads, plan_.max_memory());
@@ -57,6 +69,7 @@ class ImageTransformer final : public Mechanism {
   Plan plan_;
   bs::ThreadScratch scratch_;
   bs::TileTraining training_;
+  WindowCache window_;  // decoding only
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ImageTransformerConfig& c, std::uint64_t) {
@@ -81,6 +94,10 @@ std::int64_t backward_workspace(const Problem& p, const ImageTransformerConfig& 
   return bs::TileTraining::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, Plan(p, c).max_memory());
 }
 
+std::int64_t decode_workspace(const Problem& p, const ImageTransformerConfig& c, std::int64_t) {
+  return WindowCache::bytes(p.batch * p.heads, c.memory_flange + c.query_block, p.head_dim);
+}
+
 }  // namespace
 
 Implementation image_transformer_implementation() {
@@ -99,7 +116,8 @@ Implementation image_transformer_implementation() {
         return c;
       },
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

@@ -13,6 +13,9 @@
 // 4·D per computed score (two gemms) + 4 per allowed entry + D per row: O(N·(l_q + l_m)·D).
 // Backward (block_sparse TileTraining): the forward saves each query token's log-sum-exp; the backward
 // recomputes every tile's scores from it (one head per task).
+// Decode: a ring of the last l_m + l_q tokens' keys and values (the state); token i attends to
+// [max(0, q0 − l_m), i] (engines/decode_common.hpp WindowCache): O(l_m + l_q) per token, state
+// constant in N.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

@@ -2,6 +2,7 @@
 
 #include "lib/core/config_table.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 
 namespace xfb {
 namespace {
@@ -30,7 +31,18 @@ class Local final : public Mechanism {
     bs::run_tiles(
         p_.batch * p_.heads, plan_.tiling.tasks(), scratch_,
         [&](std::int64_t head) { return training_.saving(bs::head_view(q, k, v, out, head), head); }, plan_);
+    if (!window_.empty()) window_.load_context(k, v, p_.threads);
   }
+
+  // Decode: the current block's tokens (a window of b); token i sees [⌊i/b⌋·b, i].
+  void prepare_decode(std::int64_t) override {
+    window_ = WindowCache(p_.batch * p_.heads, plan_.tiling.block, p_.head_dim);
+  }
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t token = window_.length(), block = plan_.tiling.block;
+    window_.step(q, k, v, out, token / block * block, p_.threads);
+  }
+  std::vector<NamedTensor> decode_state() const override { return window_.state(); }
 
   void prepare_backward() override {
     training_.prepare(p_.batch * p_.heads, p_.seq_len, p_.threads, plan_.tiling.block);
@@ -48,6 +60,7 @@ class Local final : public Mechanism {
   Plan plan_;
   bs::ThreadScratch scratch_;
   bs::TileTraining training_;
+  WindowCache window_;  // decoding only
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const LocalConfig& c, std::uint64_t) {
@@ -73,6 +86,10 @@ std::int64_t backward_workspace(const Problem& p, const LocalConfig& c) {
   return bs::TileTraining::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, Plan(p, c).tiling.block);
 }
 
+std::int64_t decode_workspace(const Problem& p, const LocalConfig& c, std::int64_t) {
+  return WindowCache::bytes(p.batch * p.heads, c.block, p.head_dim);
+}
+
 }  // namespace
 
 Implementation local_implementation() {
@@ -86,7 +103,8 @@ Implementation local_implementation() {
         return c;
       },
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

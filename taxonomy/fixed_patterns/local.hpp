@@ -11,6 +11,9 @@
 // (causal). Total O(N·b·D).
 // Backward (block_sparse TileTraining): the forward saves each query token's log-sum-exp; the backward
 // recomputes every tile's scores from it (one head per task).
+// Decode: a window of the current block's keys and values ([B·H, b, D] each, a ring: the state);
+// a step attends to its block's tokens so far (engines/decode_common.hpp WindowCache): O(b) per
+// token, state constant in N.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

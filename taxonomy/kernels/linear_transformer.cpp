@@ -73,6 +73,14 @@ class LinearTransformer final : public Mechanism {
     return {{"normalisers", &engine_->normalisers()}, {"chunk_shifts", &engine_->chunk_shifts()}};
   }
 
+  void prepare_decode(std::int64_t) override { engine_->enable_decode(); }
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    engine_->decode_step(EluFeatures(p_.head_dim), q, k, v, out);
+  }
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"state", &engine_->decode_states()}, {"key_shift", &engine_->decode_shifts()}};
+  }
+
  private:
   Problem p_;
   LinearTransformerConfig c_;
@@ -103,6 +111,11 @@ std::int64_t backward_workspace(const Problem& p, const LinearTransformerConfig&
   return linear_attention_backward_workspace(p, c.chunk, p.head_dim);
 }
 
+
+std::int64_t decode_workspace(const Problem& p, const LinearTransformerConfig&, std::int64_t) {
+  return linear_attention_decode_workspace(p, p.head_dim);
+}
+
 }  // namespace
 
 Implementation linear_transformer_implementation() {
@@ -113,7 +126,8 @@ Implementation linear_transformer_implementation() {
       .flops = flops,
       .workspace = workspace,
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

@@ -11,6 +11,8 @@
 // Workspace: the engine's per-thread buffers, independent of N.
 // Backward (engines/linear_attention.hpp): φ'(x) = e^x for x < 0, 1 otherwise; the forward saves
 // each row's normaliser, the features are recomputed.
+// Decode: the recurrent state [S | z] per head, [D, D+1] (engines/linear_attention.hpp), O(1)
+// per token and constant in N.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

@@ -192,6 +192,14 @@ class Performer final : public Mechanism {
   std::vector<NamedTensor> saved() const override {
     return {{"normalisers", &engine_->normalisers()}, {"chunk_shifts", &engine_->chunk_shifts()}};
   }
+
+  void prepare_decode(std::int64_t) override { engine_->enable_decode(); }
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    engine_->decode_step(FavorFeatures(omega_, c_.kernel), q, k, v, out);
+  }
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"state", &engine_->decode_states()}, {"key_shift", &engine_->decode_shifts()}};
+  }
   std::string gradient_note() const override { return "random features held fixed (redrawn, not learned)"; }
 
   std::vector<NamedTensor> parameters() const override { return {{"random_features", &omega_}}; }
@@ -225,6 +233,11 @@ std::int64_t backward_workspace(const Problem& p, const PerformerConfig& c) {
   return linear_attention_backward_workspace(p, c.chunk, c.features);
 }
 
+
+std::int64_t decode_workspace(const Problem& p, const PerformerConfig& c, std::int64_t) {
+  return linear_attention_decode_workspace(p, c.features);
+}
+
 }  // namespace
 
 Implementation performer_implementation() {
@@ -238,7 +251,8 @@ Implementation performer_implementation() {
       .flops = flops,
       .workspace = workspace,
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

@@ -1,0 +1,137 @@
+#include "taxonomy/engines/decode_common.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+
+namespace xfb {
+
+KvCache::KvCache(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim)
+    : keys_(Shape{heads, capacity, head_dim}), values_(Shape{heads, capacity, head_dim}) {}
+
+void KvCache::store(std::int64_t head, std::int64_t slot, const float* k, const float* v, std::int64_t rows) {
+  const std::int64_t d = keys_.dim(2), capacity = keys_.dim(1);
+  float* key_rows = keys(head);
+  float* value_rows = values(head);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t at = (slot + r) % capacity;
+    std::copy_n(k + r * d, d, key_rows + at * d);
+    std::copy_n(v + r * d, d, value_rows + at * d);
+  }
+}
+
+RowSoftmax begin_row(float* acc, std::int64_t head_dim) {
+  std::fill_n(acc, head_dim, 0.0f);
+  RowSoftmax row;
+  row.acc = acc;
+  row.head_dim = head_dim;
+  return row;
+}
+
+std::int64_t scale_query(const float* q, std::int64_t head_dim, float* q_scaled) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  for (std::int64_t c = 0; c < head_dim; ++c) q_scaled[c] = q[c] * scale;
+  return head_dim;
+}
+
+std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
+                         std::int64_t rows) {
+  const std::int64_t d = row.head_dim;
+  float scores[kDecodeChunk];
+  float* acc = row.acc;
+  for (std::int64_t c0 = 0; c0 < rows; c0 += kDecodeChunk) {
+    const std::int64_t n = std::min(kDecodeChunk, rows - c0);
+    float chunk_max = -std::numeric_limits<float>::infinity();
+    for (std::int64_t j = 0; j < n; ++j) {
+      const float* key = keys + (c0 + j) * d;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (std::int64_t c = 0; c < d; ++c) dot += q_scaled[c] * key[c];
+      scores[j] = dot;
+      chunk_max = std::max(chunk_max, dot);
+    }
+    const float new_max = std::max(row.max, chunk_max);
+    const float factor = ops::fast_exp(row.max - new_max);  // 0 (to rounding) for the first chunk
+#pragma omp simd
+    for (std::int64_t c = 0; c < d; ++c) acc[c] *= factor;
+    float sum = row.sum * factor;
+    for (std::int64_t j = 0; j < n; ++j) {
+      const float p = ops::fast_exp(scores[j] - new_max);
+      sum += p;
+      const float* value = values + (c0 + j) * d;
+#pragma omp simd
+      for (std::int64_t c = 0; c < d; ++c) acc[c] += p * value[c];
+    }
+    row.sum = sum;
+    row.max = new_max;
+  }
+  return attend_rows_flops(rows, d);
+}
+
+std::int64_t attend_rows_flops(std::int64_t rows, std::int64_t head_dim) {
+  const std::int64_t chunks = (rows + kDecodeChunk - 1) / kDecodeChunk;
+  return rows * (4 * head_dim + 4) + chunks * (head_dim + 2);
+}
+
+std::int64_t merge_rows(RowSoftmax& into, const RowSoftmax& from) {
+  if (from.sum == 0.0f) return 0;  // a partial over no keys adds nothing
+  const float new_max = std::max(into.max, from.max);
+  const float mine = ops::fast_exp(into.max - new_max), theirs = ops::fast_exp(from.max - new_max);
+#pragma omp simd
+  for (std::int64_t c = 0; c < into.head_dim; ++c) into.acc[c] = into.acc[c] * mine + from.acc[c] * theirs;
+  into.sum = into.sum * mine + from.sum * theirs;
+  into.max = new_max;
+  return 3 * into.head_dim + 7;
+}
+
+std::int64_t finish_row(const RowSoftmax& row, float* out) {
+  const float inverse = 1.0f / row.sum;
+  for (std::int64_t c = 0; c < row.head_dim; ++c) out[c] = row.acc[c] * inverse;
+  return row.head_dim;
+}
+
+}  // namespace xfb
+
+namespace xfb {
+
+WindowCache::WindowCache(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim)
+    : cache_(heads, capacity, head_dim), queries_(Shape{heads, head_dim}), accumulators_(Shape{heads, head_dim}) {}
+
+void WindowCache::load_context(const Tensor& k, const Tensor& v, int threads) {
+  const std::int64_t heads = k.dim(0) * k.dim(1), n = k.dim(2), d = k.dim(3);
+  const std::int64_t kept = std::min(n, cache_.capacity()), first = n - kept;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t head = 0; head < heads; ++head)
+    cache_.store(head, first % cache_.capacity(), k.data() + (head * n + first) * d, v.data() + (head * n + first) * d,
+                 kept);
+  length_ = n;
+}
+
+void WindowCache::step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, std::int64_t first,
+                       int threads) {
+  const std::int64_t heads = q.dim(0) * q.dim(1), d = q.dim(3), capacity = cache_.capacity();
+  const std::int64_t last = length_;  // the new token
+  if (first > last || last - first >= capacity) throw std::logic_error("WindowCache: the run does not fit the window");
+  const std::int64_t begin = first % capacity, rows = last - first + 1;
+  const std::int64_t head_run = std::min(rows, capacity - begin);  // up to the ring's end, then from slot 0
+  std::int64_t flops = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : flops)
+  for (std::int64_t head = 0; head < heads; ++head) {
+    cache_.store(head, last % capacity, k.data() + head * d, v.data() + head * d, 1);
+    float* query = queries_.data() + head * d;
+    flops += scale_query(q.data() + head * d, d, query);
+    RowSoftmax row = begin_row(accumulators_.data() + head * d, d);
+    const float* keys = cache_.keys(head);
+    const float* values = cache_.values(head);
+    flops += attend_rows(row, query, keys + begin * d, values + begin * d, head_run);
+    if (rows > head_run) flops += attend_rows(row, query, keys, values, rows - head_run);
+    flops += finish_row(row, out.data() + head * d);
+  }
+  FlopCounter::add(flops);
+  ++length_;
+}
+
+}  // namespace xfb

@@ -1,0 +1,100 @@
+#pragma once
+// Pieces of the incremental (decode) forms of the softmax models.
+//
+// KvCache: the keys and values a decoding model keeps, per head ([heads, capacity, D] each, heads =
+// B·H, tracked). A model stores a token's row at a slot of its choosing: token i at slot i (a cache
+// of the whole sequence, capacity N + T) or at i mod capacity (a window that overwrites the oldest).
+//
+// RowSoftmax: exact softmax attention of one query row over cached rows by online softmax, for
+// rows that come in pieces (a ring buffer's two runs, a split of the keys per thread). The state is
+// the running max m, the running sum l and the unnormalised accumulator acc [D]; the query is
+// scaled by 1/√D first (D FLOPs, scale_query). Keys are taken in chunks of kDecodeChunk:
+//   s_j = q·k_j;  m' = max(m, max_j s_j);  acc = acc·e^(m−m') + Σ_j e^(s_j−m')·v_j;  l likewise.
+// FLOPs (attend_rows): per key 2·D (dot) + 4 (max, subtract+exp, sum) + 2·D (accumulate); per
+// chunk D + 2 (rescale acc and l, and the factor). merge_rows (two partial states of one query):
+// 3·D + 7. finish_row: D (out = acc / l).
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "lib/core/mechanism.hpp"
+#include "lib/core/tensor.hpp"
+
+namespace xfb {
+
+inline constexpr std::int64_t kDecodeChunk = 128;  // keys per online-softmax chunk
+
+class KvCache {
+ public:
+  KvCache() = default;
+  KvCache(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim);
+  std::int64_t capacity() const { return keys_.empty() ? 0 : keys_.dim(1); }
+  float* keys(std::int64_t head) { return keys_.data() + head * keys_.dim(1) * keys_.dim(2); }
+  float* values(std::int64_t head) { return values_.data() + head * values_.dim(1) * values_.dim(2); }
+  // Copies `rows` consecutive rows of k and v ([rows, D] each) to slots slot, slot + 1, … of head,
+  // wrapping at the capacity.
+  void store(std::int64_t head, std::int64_t slot, const float* k, const float* v, std::int64_t rows);
+  const Tensor& key_tensor() const { return keys_; }
+  const Tensor& value_tensor() const { return values_; }
+  static std::int64_t bytes(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim) {
+    return 2 * heads * capacity * head_dim * static_cast<std::int64_t>(sizeof(float));
+  }
+
+ private:
+  Tensor keys_, values_;
+};
+
+struct RowSoftmax {
+  float max = -std::numeric_limits<float>::infinity();
+  float sum = 0.0f;
+  float* acc = nullptr;  // [D], zeroed by begin_row
+  std::int64_t head_dim = 0;
+};
+
+// acc: D floats the row accumulates into (zeroed here).
+RowSoftmax begin_row(float* acc, std::int64_t head_dim);
+// q_scaled = q / √D. Returns its FLOPs (D).
+std::int64_t scale_query(const float* q, std::int64_t head_dim, float* q_scaled);
+// Attends q_scaled to `rows` consecutive cached rows (keys, values: [rows, D]). Returns its FLOPs.
+std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
+                         std::int64_t rows);
+// into := the state over both sets of keys. Returns its FLOPs (3·D + 7; 0 when `from` saw no keys).
+// `into` must have seen at least one key.
+std::int64_t merge_rows(RowSoftmax& into, const RowSoftmax& from);
+// out = acc / l. Returns its FLOPs (D).
+std::int64_t finish_row(const RowSoftmax& row, float* out);
+// The FLOPs of attend_rows over `rows` keys.
+std::int64_t attend_rows_flops(std::int64_t rows, std::int64_t head_dim);
+
+// The decoding state of a pattern whose token i sees one run of keys [first(i), i] with
+// i − first(i) < capacity (a local block, a query block and its memory flange, a sliding window):
+// the last `capacity` tokens of every head in a ring (KvCache slot = token mod capacity), and the
+// per-head query and accumulator of a step. A step's FLOPs per head: D (scale) + attend_rows over
+// the run (one or two pieces, as the ring wraps) + D (finish): O(capacity), independent of N.
+class WindowCache {
+ public:
+  WindowCache() = default;
+  WindowCache(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim);
+  // The prefill: keeps the last min(N, capacity) tokens of every head's context (k, v: [B, H, N, D]).
+  void load_context(const Tensor& k, const Tensor& v, int threads);
+  // One token per head (q, k, v, out: [B, H, 1, D]): stores its key and value as token length(),
+  // then attends its query to tokens [first, length()] (first > length() − capacity). Adds its
+  // FLOPs to FlopCounter.
+  void step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, std::int64_t first, int threads);
+  std::int64_t length() const { return length_; }  // tokens seen (context and steps)
+  bool empty() const { return cache_.capacity() == 0; }
+  std::vector<NamedTensor> state() const {
+    return {{"key_window", &cache_.key_tensor()}, {"value_window", &cache_.value_tensor()}};
+  }
+  // The bytes the constructor allocates: the ring and the per-head step buffers.
+  static std::int64_t bytes(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim) {
+    return KvCache::bytes(heads, capacity, head_dim) + 2 * heads * head_dim * static_cast<std::int64_t>(sizeof(float));
+  }
+
+ private:
+  KvCache cache_;
+  Tensor queries_, accumulators_;  // [heads, D] each
+  std::int64_t length_ = 0;
+};
+
+}  // namespace xfb

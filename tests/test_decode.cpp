@@ -1,0 +1,230 @@
+// Incremental decoding: for every model with an incremental form, a prefill of N context tokens
+// followed by T single-token steps must reproduce the causal forward over N + T tokens (the same
+// model: same seed, parameters resolved for the context), at sizes around each model's blocks;
+// and the decode pass of the harness: its memory estimate, state and FLOP counters.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "lib/bench/point.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/core/memory_tracker.hpp"
+#include "taxonomy/registry.hpp"
+#include "tests/reference.hpp"
+
+namespace xfb::test {
+namespace {
+
+// rows [first, first + count) of every head of a [B, H, L, D] tensor.
+Tensor rows_of(const Tensor& whole, std::int64_t first, std::int64_t count) {
+  Tensor part = Tensor::bhnd(whole.dim(0), whole.dim(1), count, whole.dim(3));
+  const std::int64_t d = whole.dim(3);
+  for (std::int64_t b = 0; b < whole.dim(0); ++b)
+    for (std::int64_t h = 0; h < whole.dim(1); ++h)
+      std::copy_n(whole.head(b, h) + first * d, count * d, part.head(b, h));
+  return part;
+}
+
+struct Decoded {
+  Tensor context_out;        // [B, H, N, D]: the prefill's output
+  std::vector<Tensor> steps;  // [B, H, 1, D] per token
+  std::int64_t decode_bytes = 0;  // tracked bytes prepare_decode allocated
+  std::int64_t state_bytes = 0;
+};
+
+// Prefill N tokens of `whole`, then decode `tokens` more, one at a time; `runs` times over (a new
+// forward restarts the state), keeping the last run.
+Decoded decode(const ModelInfo& model, const Problem& context, const ParamValues& values, const AttentionInputs& whole,
+               std::int64_t tokens, int runs = 1) {
+  const std::int64_t n = context.seq_len;
+  auto mechanism = model.impl.create(context, values, 42);
+  const Tensor q = rows_of(whole.q, 0, n), k = rows_of(whole.k, 0, n), v = rows_of(whole.v, 0, n);
+  mechanism->prepare(q, k, v);
+  Decoded result;
+  const std::int64_t before = MemoryTracker::instance().current_bytes();
+  mechanism->prepare_decode(tokens);
+  result.decode_bytes = MemoryTracker::instance().current_bytes() - before;
+  result.context_out = Tensor::bhnd(context.batch, context.heads, n, context.head_dim);
+  for (int run = 0; run < runs; ++run) {
+    result.context_out.fill(std::nanf(""));
+    mechanism->forward(q, k, v, result.context_out);
+    result.steps.clear();
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      Tensor out = Tensor::bhnd(context.batch, context.heads, 1, context.head_dim);
+      out.fill(std::nanf(""));
+      mechanism->decode_step(rows_of(whole.q, n + t, 1), rows_of(whole.k, n + t, 1), rows_of(whole.v, n + t, 1), out);
+      result.steps.push_back(std::move(out));
+    }
+  }
+  result.state_bytes = mechanism->state_bytes();
+  return result;
+}
+
+// Largest |got − want| of rows [first, first + rows) against the reference [B, H, L, D].
+double row_error(const Tensor& got, const Tensor& want, std::int64_t first) {
+  const std::int64_t rows = got.dim(2), d = got.dim(3);
+  double worst = 0;
+  for (std::int64_t b = 0; b < got.dim(0); ++b)
+    for (std::int64_t h = 0; h < got.dim(1); ++h)
+      for (std::int64_t e = 0; e < rows * d; ++e) {
+        const double error = std::fabs(static_cast<double>(got.head(b, h)[e]) - want.head(b, h)[first * d + e]);
+        worst = std::isnan(error) ? INFINITY : std::max(worst, error);
+      }
+  return worst;
+}
+
+// The tolerance of one output element of the N + T causal problem: the exact-attention rounding
+// bound (attention_tolerance over the whole sequence), doubled for the two computations compared.
+double decode_tolerance(const AttentionInputs& whole, const Problem& p) {
+  double tolerance = 0;
+  const std::int64_t l = p.seq_len, d = p.head_dim;
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h)
+      tolerance = std::max(tolerance, attention_tolerance(whole.q.head(b, h), whole.k.head(b, h), whole.v.head(b, h), l,
+                                                          l, d, 1.0 / std::sqrt(static_cast<double>(d))));
+  return 2 * tolerance;
+}
+
+struct DecodeCase {
+  std::string model;
+  std::vector<std::string> params;
+  std::vector<std::int64_t> contexts;  // one below, at and above the model's block, and others
+  std::int64_t tokens;                 // enough to cross a block boundary from every context
+  double tolerance_factor = 1;         // approximations: see the case
+};
+
+// Every model with an incremental form must have a case here (checked below).
+const std::vector<DecodeCase>& decode_cases() {
+  static const std::vector<DecodeCase> cases = {
+      {"vanilla", {}, {1, 16, 33}, 20},
+      {"exact-tiled", {"block_q=16", "block_k=16"}, {1, 15, 16, 17, 40}, 20},
+      {"exact-tiled", {}, {3, 70}, 9},
+      {"local", {"block=8"}, {7, 8, 9, 21}, 19},
+      {"image-transformer", {"query_block=8", "memory_flange=4"}, {3, 7, 8, 9, 21}, 19},
+      {"image-transformer", {"query_block=6", "memory_flange=9"}, {5, 13}, 15},
+      // Kernel models: a ratio of sums of positive features, within the same rounding bound.
+      {"linear-transformer", {"chunk=8"}, {1, 7, 8, 9, 20}, 19},
+      {"performer", {"features=48", "chunk=8"}, {1, 7, 8, 9, 20}, 19},
+      {"performer", {"features=40", "chunk=8", "kernel=relu"}, {9}, 12},
+  };
+  return cases;
+}
+
+}  // namespace
+
+TEST_SUITE("decode") {
+  TEST_CASE("every incremental form reproduces the causal forward over N + T tokens") {
+    for (const auto& c : decode_cases()) {
+      const ModelInfo* model = find_model(c.model);
+      REQUIRE(model != nullptr);
+      REQUIRE(model->impl.has_decode());
+      for (const std::int64_t n : c.contexts) {
+        for (const Problem shape : {Problem{.batch = 2, .heads = 2, .head_dim = 16}, Problem{.batch = 1, .heads = 1, .head_dim = 24}}) {
+          Problem context = on_test_threads(shape);
+          context.seq_len = n;
+          context.causal = true;
+          Problem whole_problem = context;
+          whole_problem.seq_len = n + c.tokens;
+          const ParamValues values = model->impl.resolved(context, resolve_params(c.model, model->impl.params, c.params));
+          const AttentionInputs whole = random_inputs(whole_problem, 7);
+          auto reference = model->impl.create(whole_problem, values, 42);
+          reference->prepare(whole.q, whole.k, whole.v);
+          Tensor want = Tensor::bhnd(context.batch, context.heads, whole_problem.seq_len, context.head_dim);
+          reference->forward(whole.q, whole.k, whole.v, want);
+
+          const Decoded got = decode(*model, context, values, whole, c.tokens, 2);
+          const double tolerance = c.tolerance_factor * decode_tolerance(whole, whole_problem);
+          const std::string label = c.model + " " + params_text(values.to_json()) + " N=" + std::to_string(n) +
+                                    " T=" + std::to_string(c.tokens) + " B=" + std::to_string(context.batch) +
+                                    " H=" + std::to_string(context.heads) + " D=" + std::to_string(context.head_dim);
+          CAPTURE(label);
+          CHECK(row_error(got.context_out, want, 0) <= tolerance);
+          for (std::int64_t t = 0; t < c.tokens; ++t) {
+            CAPTURE(t);
+            CHECK(row_error(got.steps[t], want, n + t) <= tolerance);
+          }
+          CHECK(got.decode_bytes == model->impl.decode_workspace_bytes(context, values, c.tokens));
+        }
+      }
+    }
+  }
+
+  TEST_CASE("every model with an incremental form has a decode case; the others are unsupported with a reason") {
+    for (const auto& model : registry()) {
+      bool covered = false;
+      for (const auto& c : decode_cases()) covered = covered || c.model == model.name;
+      CHECK_MESSAGE(covered == model.impl.has_decode(), model.name);
+      if (model.impl.has_decode()) CHECK(model.decodes);
+      PointConfig config;
+      config.model = model.name;
+      config.pass = Pass::Decode;
+      config.problem = {.batch = 1, .heads = 1, .seq_len = 64, .head_dim = 16};
+      const ResultRow row = describe_point(config);
+      CHECK(row.causal);
+      if (!model.decodes) {
+        CHECK(row.status == Status::Unsupported);
+        CHECK(row.reason.find("Decode = no") != std::string::npos);
+      } else if (!model.impl.has_decode()) {
+        CHECK(row.status == Status::Unsupported);
+        CHECK(row.reason.find("no incremental form in this build") != std::string::npos);
+      } else {
+        CHECK(row.status == Status::Ok);
+      }
+    }
+  }
+
+  TEST_CASE("the decode pass runs in attention scope only and needs a positive token count") {
+    PointConfig config;
+    config.model = "vanilla";
+    config.pass = Pass::Decode;
+    config.scope = Scope::Layer;
+    CHECK_THROWS_AS(resolve_point(config), InputError);
+    config.scope = Scope::Attention;
+    config.decode_tokens = 0;
+    CHECK_THROWS_AS(resolve_point(config), InputError);
+  }
+
+  TEST_CASE("decode rows: exact memory estimate, per-token FLOPs and state as the design says") {
+    auto decode_row = [](const std::string& model, std::int64_t n, std::vector<std::string> params = {}) {
+      PointConfig c;
+      c.model = model;
+      c.pass = Pass::Decode;
+      c.decode_tokens = 8;
+      c.problem = {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .threads = kTestThreads};
+      c.params = std::move(params);
+      c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};
+      const ResultRow row = run_point(c);
+      REQUIRE(row.status == Status::Ok);
+      CHECK(row.pass == "decode");
+      CHECK(row.causal);
+      CHECK(row.decode_tokens == 8);
+      CHECK(row.samples_ns.size() == 8);  // one sample per token of the one timed run
+      CHECK(row.prefill_ns > 0);
+      CHECK(row.workspace_bytes == row.estimated_workspace_bytes);
+      return row;
+    };
+    // vanilla: 4·n·D + 5·n per head and step, n = the tokens in the cache; its cache grows with N.
+    for (const std::int64_t n : {64, 256}) {
+      const ResultRow row = decode_row("vanilla", n);
+      std::int64_t want = 0;
+      for (std::int64_t t = 0; t < 8; ++t) want += 4 * (4 * (n + t + 1) * 32 + 5 * (n + t + 1));
+      CHECK(row.flops == want);
+      CHECK(row.state_bytes == 2 * 4 * (n + 8) * 32 * 4);
+    }
+    // Constant-state models: the same state and per-token FLOPs at every context length.
+    for (const auto& [model, params] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+             {"linear-transformer", {}}, {"local", {"block=16"}}, {"image-transformer", {"query_block=16", "memory_flange=8"}}}) {
+      CAPTURE(model);
+      const ResultRow short_context = decode_row(model, 64, params), long_context = decode_row(model, 512, params);
+      CHECK(short_context.state_bytes > 0);
+      CHECK(short_context.state_bytes == long_context.state_bytes);
+      CHECK(short_context.flops == long_context.flops);
+    }
+    const ResultRow performer_short = decode_row("performer", 64), performer_long = decode_row("performer", 512);
+    CHECK(performer_short.state_bytes == performer_long.state_bytes);
+  }
+}
+
+}  // namespace xfb::test
