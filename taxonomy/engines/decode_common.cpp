@@ -57,15 +57,13 @@ std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* ke
     const float factor = ops::fast_exp(row.max - new_max);  // 0 (to rounding) for the first chunk
 #pragma omp simd
     for (std::int64_t c = 0; c < d; ++c) acc[c] *= factor;
-    float sum = row.sum * factor;
+    row.sum = row.sum * factor + ops::exp_and_sum(scores, n, new_max);
     for (std::int64_t j = 0; j < n; ++j) {
-      const float p = ops::fast_exp(scores[j] - new_max);
-      sum += p;
+      const float p = scores[j];
       const float* value = values + (c0 + j) * d;
 #pragma omp simd
       for (std::int64_t c = 0; c < d; ++c) acc[c] += p * value[c];
     }
-    row.sum = sum;
     row.max = new_max;
   }
   return attend_rows_flops(rows, d);

@@ -211,21 +211,23 @@ std::int64_t ChunkedLinearAttention::head_step(const FeatureMap& map, const floa
   const float old_shift = shift;
   std::int64_t flops = map.keys(k, 1, b.phi_k, ld_m_, shift);
   if (map.shifts() && shift > old_shift) flops += rescale(state, m_, d + 1, ld_v_, old_shift, shift);
-  for (std::int64_t r = 0; r < m_; ++r) {  // S' += φ(k)ᵀ·[v | 1]
-    const float feature = b.phi_k[r];
+  flops += map.queries(q, 1, b.phi_q, ld_m_);
+  // One pass over the state: S' += φ(k)ᵀ·[v | 1], then out' = φ(q)ᵀ·S' row by row. The padded
+  // columns past D + 1 see zeros added (values is zero there) and are never read.
+  float* values = b.values;
+  std::copy_n(v, d, values);
+  values[d] = 1.0f;
+  std::fill(values + d + 1, values + ld_v_, 0.0f);
+  float* numerator = b.numerators;
+  std::fill_n(numerator, ld_v_, 0.0f);
+  for (std::int64_t r = 0; r < m_; ++r) {
+    const float key_feature = b.phi_k[r], query_feature = b.phi_q[r];
     float* row = state + r * ld_v_;
 #pragma omp simd
-    for (std::int64_t j = 0; j < d; ++j) row[j] += feature * v[j];
-    row[d] += feature;
-  }
-  flops += map.queries(q, 1, b.phi_q, ld_m_);
-  float* numerator = b.numerators;
-  std::fill_n(numerator, d + 1, 0.0f);
-  for (std::int64_t r = 0; r < m_; ++r) {  // out' = φ(q)ᵀ·S'
-    const float feature = b.phi_q[r];
-    const float* row = state + r * ld_v_;
-#pragma omp simd
-    for (std::int64_t j = 0; j <= d; ++j) numerator[j] += feature * row[j];
+    for (std::int64_t j = 0; j < ld_v_; ++j) {
+      row[j] += key_feature * values[j];
+      numerator[j] += query_feature * row[j];
+    }
   }
   flops += 4 * m_ * (d + 1) + normalise(numerator, 1, d, ld_v_, out, nullptr);
   return flops;

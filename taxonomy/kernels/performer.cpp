@@ -56,8 +56,9 @@ Tensor orthogonal_random_features(std::int64_t m, std::int64_t d, std::uint64_t 
 
 class FavorFeatures final : public FeatureMap {
  public:
-  FavorFeatures(const Tensor& omega, PerformerKernel kernel)
-      : omega_(omega.data()), m_(omega.dim(0)), d_(omega.dim(1)), kernel_(kernel) {}
+  // omega_transposed: ωᵀ [D, M] for single-row projections (decoding), or nullptr.
+  FavorFeatures(const Tensor& omega, PerformerKernel kernel, const float* omega_transposed = nullptr)
+      : omega_(omega.data()), omega_t_(omega_transposed), m_(omega.dim(0)), d_(omega.dim(1)), kernel_(kernel) {}
 
   std::int64_t dim() const override { return m_; }
   bool shifts() const override { return kernel_ == PerformerKernel::Softmax; }
@@ -142,9 +143,21 @@ class FavorFeatures final : public FeatureMap {
                                                : 1.0f / std::sqrt(static_cast<float>(m_));
   }
 
-  // phi = α·x·ωᵀ.
+  // phi = α·x·ωᵀ. One row with ωᵀ at hand (a decoding step): D multiply-adds of ωᵀ rows into phi,
+  // contiguous over M, instead of a one-row sgemm call (2·M·D FLOPs either way, counted here).
   void project(const float* x, std::int64_t rows, float* phi, std::int64_t ld) const {
-    ops::gemm(false, true, rows, m_, d_, alpha(), x, d_, omega_, d_, 0.0f, phi, ld);
+    if (rows != 1 || omega_t_ == nullptr) {
+      ops::gemm(false, true, rows, m_, d_, alpha(), x, d_, omega_, d_, 0.0f, phi, ld);
+      return;
+    }
+    std::fill_n(phi, m_, 0.0f);
+    for (std::int64_t c = 0; c < d_; ++c) {
+      const float weight = alpha() * x[c];
+      const float* column = omega_t_ + c * m_;
+#pragma omp simd
+      for (std::int64_t j = 0; j < m_; ++j) phi[j] += weight * column[j];
+    }
+    FlopCounter::add(matmul_flops(1, m_, d_));
   }
 
   std::int64_t relu(float* phi, std::int64_t rows, std::int64_t ld) const {
@@ -157,6 +170,7 @@ class FavorFeatures final : public FeatureMap {
   }
 
   const float* omega_;
+  const float* omega_t_;
   std::int64_t m_, d_;
   PerformerKernel kernel_;
 };
@@ -193,9 +207,14 @@ class Performer final : public Mechanism {
     return {{"normalisers", &engine_->normalisers()}, {"chunk_shifts", &engine_->chunk_shifts()}};
   }
 
-  void prepare_decode(std::int64_t) override { engine_->enable_decode(); }
+  void prepare_decode(std::int64_t) override {
+    engine_->enable_decode();
+    omega_transposed_ = Tensor(Shape{p_.head_dim, c_.features});
+    for (std::int64_t j = 0; j < c_.features; ++j)
+      for (std::int64_t c = 0; c < p_.head_dim; ++c) omega_transposed_[c * c_.features + j] = omega_[j * p_.head_dim + c];
+  }
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    engine_->decode_step(FavorFeatures(omega_, c_.kernel), q, k, v, out);
+    engine_->decode_step(FavorFeatures(omega_, c_.kernel, omega_transposed_.data()), q, k, v, out);
   }
   std::vector<NamedTensor> decode_state() const override {
     return {{"state", &engine_->decode_states()}, {"key_shift", &engine_->decode_shifts()}};
@@ -209,6 +228,7 @@ class Performer final : public Mechanism {
   PerformerConfig c_;
   std::uint64_t seed_;
   Tensor omega_;
+  Tensor omega_transposed_;  // decoding only: ωᵀ [D, M]
   std::unique_ptr<ChunkedLinearAttention> engine_;
 };
 
@@ -235,7 +255,8 @@ std::int64_t backward_workspace(const Problem& p, const PerformerConfig& c) {
 
 
 std::int64_t decode_workspace(const Problem& p, const PerformerConfig& c, std::int64_t) {
-  return linear_attention_decode_workspace(p, c.features);
+  return linear_attention_decode_workspace(p, c.features) +
+         c.features * p.head_dim * static_cast<std::int64_t>(sizeof(float));
 }
 
 }  // namespace

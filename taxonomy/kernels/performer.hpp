@@ -29,7 +29,9 @@
 // ∂φ/∂x = φ·(α·ω − α²·x for keys) (softmax; the row max and key shift are constants that cancel) or
 // [ωx > 0]·ω/√M (relu); per row M + 2·M·D (+ M + 2·D for softmax keys) FLOPs.
 // Decode: the recurrent state [S | z] per head, [M, D+1], at the running key shift (a new key
-// that raises the shift rescales it); O(1) per token and constant in N.
+// that raises the shift rescales it); O(1) per token and constant in N. A step projects its single
+// q and k rows through a transposed copy of ω ([D, M], made by prepare_decode) rather than one-row
+// sgemm calls.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
