@@ -1,4 +1,4 @@
-// `xfbench plot FILE.json --metric time|memory|speedup --out FILE.svg`: a log-log chart.
+// `xfbench plot FILE.json --metric time|memory|speedup|state --out FILE.svg`: a log-log chart.
 #include <cstdio>
 
 #include "apps/commands.hpp"
@@ -14,14 +14,18 @@ void add_plot(CLI::App& app, Action& action) {
   auto metric = std::make_shared<std::string>("time");
   auto baseline = std::make_shared<std::string>("vanilla");
   command->add_option("file", *file, "report JSON")->required();
-  command->add_option("--metric", *metric, "time | memory | speedup")->check(CLI::IsMember({"time", "memory", "speedup"}))
+  command->add_option("--metric", *metric, "time | memory | speedup | state (decode rows)")
+      ->check(CLI::IsMember({"time", "memory", "speedup", "state"}))
       ->capture_default_str();
   command->add_option("--baseline", *baseline, "model the speed-up is relative to")->capture_default_str();
   command->add_option("--out,-o", *out, "SVG file to write")->required();
   command->callback([=, &action] {
     action = [=] {
       PlotOptions options;
-      options.metric = *metric == "memory" ? PlotMetric::Memory : *metric == "speedup" ? PlotMetric::Speedup : PlotMetric::Time;
+      options.metric = *metric == "memory"    ? PlotMetric::Memory
+                       : *metric == "speedup" ? PlotMetric::Speedup
+                       : *metric == "state"   ? PlotMetric::State
+                                              : PlotMetric::Time;
       options.baseline = *baseline;
       const std::string svg = render_plot(load_nonempty_report(*file), options);
       write_file_atomically(*out, svg);

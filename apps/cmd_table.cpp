@@ -19,8 +19,8 @@ void add_table(CLI::App& app, Action& action) {
   auto paper = std::make_shared<std::string>();
   auto complexity = std::make_shared<bool>(false);
   command->add_option("file", *file, "report JSON")->required();
-  command->add_option("--metric", *metric, "time | speedup | memory | memory-ratio | gflops")
-      ->check(CLI::IsMember({"time", "speedup", "memory", "memory-ratio", "gflops"}));
+  command->add_option("--metric", *metric, "time | speedup | memory | memory-ratio | gflops | state (decode rows)")
+      ->check(CLI::IsMember({"time", "speedup", "memory", "memory-ratio", "gflops", "state"}));
   command->add_option("--format", *format, "text | md | csv | github-benchmark | bmf")
       ->check(CLI::IsMember({"text", "md", "csv", "github-benchmark", "bmf"}));
   command->add_option("--baseline", *baseline, "model the speed-up and memory ratio are relative to")
@@ -35,6 +35,7 @@ void add_table(CLI::App& app, Action& action) {
                        : *metric == "memory" ? TableMetric::Memory
                        : *metric == "memory-ratio" ? TableMetric::MemoryRatio
                        : *metric == "gflops" ? TableMetric::Gflops
+                       : *metric == "state" ? TableMetric::State
                                              : TableMetric::Time;
       if (*format == "github-benchmark" || *format == "bmf") {
         if (!paper->empty()) throw InputError("--paper lra prints text or md");

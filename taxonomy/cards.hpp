@@ -23,6 +23,9 @@ struct ModelCard {
   std::vector<ModelClass> classes;
   std::string complexity;    // as printed in the survey's Table 1
   bool decodes = false;      // survey's Table 1 "Decode" column: supports causal attention
+  // Per-token cost of incremental decoding with hyperparameters fixed, as the design implies:
+  // "O(N)" (a KV cache), "O(1)" (a recurrent state), "O(b)" (a window), …; "" when it cannot decode.
+  std::string decode_cost;
   std::string paper;         // authors and year
   std::string arxiv;         // arXiv id
   int year = 0;

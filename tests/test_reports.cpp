@@ -493,6 +493,56 @@ TEST_SUITE("reports") {
     CHECK(table.find("N^2.00") != std::string::npos);
   }
 
+  TEST_CASE("decode rows: every decode cost maps; per-token fits, tables and plots in per-token terms") {
+    for (const auto& model : registry()) {
+      CHECK_MESSAGE(model.decode_cost.empty() == !model.decodes, model.name);
+      if (model.decodes) CHECK_MESSAGE(expected_decode_complexity(model.decode_cost).known, (model.name + ": " + model.decode_cost));
+    }
+    std::vector<ResultRow> rows;
+    for (std::int64_t n : {1024, 2048, 4096, 8192}) {
+      auto decode_row = [&](const std::string& model, double per_token_ns, std::int64_t per_token_flops, std::int64_t state) {
+        ResultRow row = make_row(model, n, {per_token_ns});
+        row.pass = "decode";
+        row.causal = true;
+        row.decode_tokens = 10;
+        row.flops = 10 * per_token_flops;
+        row.state_bytes = state;
+        return row;
+      };
+      rows.push_back(decode_row("vanilla", 2.0 * static_cast<double>(n), 4 * 64 * n, 512 * n));  // a KV cache
+      rows.push_back(decode_row("linear-transformer", 4500, 70000, 167936));                      // a recurrent state
+      rows.push_back(decode_row("performer", 10.0 * static_cast<double>(n), 3 * n, 600000));       // claims O(1), grows
+    }
+    const auto series = analyse_complexity(report_of(rows));
+    REQUIRE(series.size() == 3);
+    CHECK(series[0].per_token);
+    CHECK(series[0].survey == "O(N)");
+    CHECK(series[0].verdict == ComplexityVerdict::Match);
+    CHECK(*series[0].flops.exponent == doctest::Approx(1));  // per token, not per N tokens
+    CHECK(series[0].workspace.fit->best == BigO::NSquared);   // the state: "N" per token
+    CHECK(series[1].verdict == ComplexityVerdict::Match);
+    CHECK(*series[1].time.exponent == doctest::Approx(0).epsilon(1e-9));
+    CHECK(series[2].verdict == ComplexityVerdict::Mismatch);
+    const auto j = nlohmann::json::parse(render_complexity(series, {}, ComplexityFormat::Json));
+    CHECK(j["series"][0]["flops"]["best"] == "N");
+    CHECK(j["series"][0]["expected"] == "N");
+    CHECK(j["series"][1]["flops"]["best"] == "1");
+    CHECK(j["series"][1]["state_bytes"]["best"] == "1");
+    CHECK(j["series"][1]["per_token"] == true);
+    const auto table = render_table(report_of(rows), {.complexity = true});
+    CHECK(table.find("per generated token (µs") != std::string::npos);
+    CHECK(table.find("T=10") != std::string::npos);
+    CHECK(table.find("4.5") != std::string::npos);  // linear-transformer's 4500 ns in µs
+    CHECK(table.find("1 ✓") != std::string::npos);
+    CHECK(table.find("N ✓") != std::string::npos);
+    const auto state = render_table(report_of(rows), {.metric = TableMetric::State});
+    CHECK(state.find("0.160") != std::string::npos);  // 167936 bytes in MiB
+    const std::string svg = render_plot(report_of(rows), {.metric = PlotMetric::State});
+    CHECK(svg.find("context length N") != std::string::npos);
+    CHECK(svg.find("decode state kept between steps") != std::string::npos);
+    CHECK(render_plot(report_of(rows), {}).find("per generated token (µs") != std::string::npos);
+  }
+
   TEST_CASE("the LRA preset and LRA's published table") {
     const auto& preset = lra_preset();
     CHECK(preset.scope == "layer");

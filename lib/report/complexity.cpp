@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <map>
 #include <set>
 #include <sstream>
@@ -21,6 +22,16 @@ std::string big_o_name(BigO c) {
     case BigO::NLogN: return "N log N";
     case BigO::NSqrtN: return "N√N";
     case BigO::NSquared: return "N²";
+  }
+  return "?";
+}
+
+std::string per_token_name(BigO c) {
+  switch (c) {
+    case BigO::N: return "1";
+    case BigO::NLogN: return "log N";
+    case BigO::NSqrtN: return "√N";
+    case BigO::NSquared: return "N";
   }
   return "?";
 }
@@ -118,13 +129,36 @@ constexpr Mapping kMappings[] = {
     {"O(N_g²+N·N_g)", BigO::N, true, "linear when the global tokens N_g are fixed, quadratic when they grow with N"},
 };
 
+// Per-token decoding costs (ModelCard::decode_cost), as the class of N tokens' cost.
+constexpr Mapping kDecodeMappings[] = {
+    {"O(1)", BigO::N, false, ""},
+    {"O(b)", BigO::N, false, "block b fixed"},
+    {"O(l_q+l_m)", BigO::N, false, "query block and memory flange fixed"},
+    {"O(w+g)", BigO::N, false, "window w and global tokens g fixed"},
+    {"O(L+M)", BigO::N, false, "segment L and memory M fixed"},
+    {"O(L+M+M_c)", BigO::N, false, "segment, memory and compressed memory fixed"},
+    {"O(√N)", BigO::NSqrtN, false, ""},
+    {"O(N)", BigO::NSquared, false, ""},
+    {"O(N_c)", BigO::NSquared, false, "N_c = N/c with compression c fixed"},
+    {"O(N/N_b)", BigO::NSquared, true, "N when the bucket count n_b is fixed, constant when the bucket size is"},
+    {"O(N/k)", BigO::NSquared, true, "N when the cluster count k is fixed, √N when k grows as √N"},
+};
+
+ExpectedComplexity lookup(const std::string& printed, const Mapping* begin, const Mapping* end) {
+  const std::string key = normalised(printed);
+  for (const Mapping* m = begin; m != end; ++m)
+    if (key == m->printed) return {true, m->cls, m->ambiguous, m->note};
+  return {};
+}
+
 }  // namespace
 
 ExpectedComplexity expected_complexity(const std::string& printed) {
-  const std::string key = normalised(printed);
-  for (const auto& m : kMappings)
-    if (key == m.printed) return {true, m.cls, m.ambiguous, m.note};
-  return {};
+  return lookup(printed, std::begin(kMappings), std::end(kMappings));
+}
+
+ExpectedComplexity expected_decode_complexity(const std::string& printed) {
+  return lookup(printed, std::begin(kDecodeMappings), std::end(kDecodeMappings));
 }
 
 std::string verdict_name(ComplexityVerdict v) {
@@ -158,23 +192,34 @@ ComplexitySeries analyse_series(const std::vector<const ResultRow*>& rows) {
   series.label = first.model;
   series.configuration = configuration_text(first);
   const ModelCard* info = find_card(first.model);
-  series.survey = info ? info->complexity : "?";
-  series.expected = expected_complexity(series.survey);
+  series.per_token = first.pass == "decode";
+  series.survey = info ? (series.per_token ? info->decode_cost : info->complexity) : "?";
+  series.expected = series.per_token ? expected_decode_complexity(series.survey) : expected_complexity(series.survey);
   std::map<std::int64_t, const ResultRow*> by_length;
   for (const auto* row : rows)
     if (row->status == Status::Ok) by_length[row->seq_len] = row;
   std::vector<double> n, time, flops, workspace;
   for (const auto& [length, row] : by_length) {
     series.lengths.push_back(length);
-    n.push_back(static_cast<double>(length));
-    time.push_back(row->median_ns);
-    flops.push_back(static_cast<double>(row->flops));
-    workspace.push_back(static_cast<double>(row->workspace_bytes));
+    const double tokens = static_cast<double>(length);
+    n.push_back(tokens);
+    if (series.per_token) {  // N × the per-token figures (see per_token_name)
+      time.push_back(row->median_ns * tokens);
+      flops.push_back(static_cast<double>(row->flops) / static_cast<double>(std::max<std::int64_t>(1, row->decode_tokens)) * tokens);
+      workspace.push_back(static_cast<double>(row->state_bytes) * tokens);
+    } else {
+      time.push_back(row->median_ns);
+      flops.push_back(static_cast<double>(row->flops));
+      workspace.push_back(static_cast<double>(row->workspace_bytes));
+    }
   }
   if (n.size() < 3) return series;
   series.time = fit_metric(n, time);
   series.flops = fit_metric(n, flops);
   series.workspace = fit_metric(n, workspace);
+  if (series.per_token)  // log(N·y) has slope one more than log y
+    for (MetricFit* fit : {&series.time, &series.flops, &series.workspace})
+      if (fit->exponent) *fit->exponent -= 1.0;
   if (!series.expected.known || !series.flops.fit)
     series.verdict = ComplexityVerdict::Unmapped;
   else if (series.expected.ambiguous)
@@ -221,21 +266,23 @@ std::string fixed(double value, int digits) {
 
 std::string exponent_text(const MetricFit& f) { return f.exponent ? fixed(*f.exponent, 2) : "-"; }
 
-std::string fit_text(const MetricFit& f) {
-  return f.fit ? big_o_name(f.fit->best) + " (" + fixed(f.fit->best_nrms(), 3) + ")" : "-";
+std::string class_text(BigO c, bool per_token) { return per_token ? per_token_name(c) : big_o_name(c); }
+
+std::string fit_text(const MetricFit& f, bool per_token) {
+  return f.fit ? class_text(f.fit->best, per_token) + " (" + fixed(f.fit->best_nrms(), 3) + ")" : "-";
 }
 
-nlohmann::json metric_json(const MetricFit& f) {
+nlohmann::json metric_json(const MetricFit& f, bool per_token) {
   if (!f.fit) return nullptr;
   nlohmann::json nrms = nlohmann::json::object();
-  for (std::size_t c = 0; c < kBigOCandidates.size(); ++c) nrms[big_o_name(kBigOCandidates[c])] = f.fit->nrms[c];
-  return {{"exponent", *f.exponent}, {"best", big_o_name(f.fit->best)}, {"coefficient", f.fit->coefficient},
+  for (std::size_t c = 0; c < kBigOCandidates.size(); ++c) nrms[class_text(kBigOCandidates[c], per_token)] = f.fit->nrms[c];
+  return {{"exponent", *f.exponent}, {"best", class_text(f.fit->best, per_token)}, {"coefficient", f.fit->coefficient},
           {"nrms", nrms}};
 }
 
-std::string expected_text(const ExpectedComplexity& e) {
+std::string expected_text(const ExpectedComplexity& e, bool per_token) {
   if (!e.known) return "?";
-  return big_o_name(e.cls) + (e.ambiguous ? "?" : "");
+  return class_text(e.cls, per_token) + (e.ambiguous ? "?" : "");
 }
 
 }  // namespace
@@ -250,12 +297,13 @@ std::string render_complexity(const std::vector<ComplexitySeries>& series, const
                                {"configuration", s.configuration},
                                {"seq_lens", s.lengths},
                                {"survey", s.survey},
-                               {"expected", s.expected.known ? nlohmann::json(big_o_name(s.expected.cls)) : nlohmann::json(nullptr)},
+                               {"per_token", s.per_token},
+                               {"expected", s.expected.known ? nlohmann::json(class_text(s.expected.cls, s.per_token)) : nlohmann::json(nullptr)},
                                {"expected_ambiguous", s.expected.ambiguous},
                                {"expected_note", s.expected.note},
-                               {"time", metric_json(s.time)},
-                               {"flops", metric_json(s.flops)},
-                               {"workspace_bytes", metric_json(s.workspace)},
+                               {"time", metric_json(s.time, s.per_token)},
+                               {"flops", metric_json(s.flops, s.per_token)},
+                               {s.per_token ? "state_bytes" : "workspace_bytes", metric_json(s.workspace, s.per_token)},
                                {"verdict", verdict_name(s.verdict)}});
     return out.dump(2) + "\n";
   }
@@ -267,14 +315,16 @@ std::string render_complexity(const std::vector<ComplexitySeries>& series, const
     cells.push_back({s.label, s.configuration,
                      std::to_string(s.lengths.front()) + "–" + std::to_string(s.lengths.back()) + " (" +
                          std::to_string(s.lengths.size()) + ")",
-                     s.survey, expected_text(s.expected), exponent_text(s.time), fit_text(s.time),
-                     exponent_text(s.flops), fit_text(s.flops), exponent_text(s.workspace), fit_text(s.workspace),
+                     s.survey, expected_text(s.expected, s.per_token), exponent_text(s.time), fit_text(s.time, s.per_token),
+                     exponent_text(s.flops), fit_text(s.flops, s.per_token), exponent_text(s.workspace),
+                     fit_text(s.workspace, s.per_token),
                      verdict_name(s.verdict)});
   std::ostringstream out;
   out << render_cells(cells, md ? TableFormat::Markdown : TableFormat::Text, 2);
   if (series.empty()) out << "(no model with three or more ok sequence lengths)\n";
   out << (md ? "\n" : "") << "verdict compares the FLOP-count fit with the survey's complexity; '?' marks an ambiguous "
-      << "survey string (see docs/cli.md#complexity)\n";
+      << "survey string (see docs/cli.md#complexity); decode rows fit per-token time and FLOPs and the state "
+      << "(in the workspace columns) against 1, log N, √N, N\n";
   for (const auto& line : skipped) out << (md ? "- " : "") << "not fitted: " << line << "\n";
   return out.str();
 }

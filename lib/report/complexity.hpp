@@ -16,6 +16,9 @@ namespace xfb {
 enum class BigO { N, NLogN, NSqrtN, NSquared };
 inline constexpr std::array<BigO, 4> kBigOCandidates = {BigO::N, BigO::NLogN, BigO::NSqrtN, BigO::NSquared};
 std::string big_o_name(BigO c);  // "N", "N log N", "N√N", "N²"
+// Decode series fit the per-token cost times N (cost of N tokens at that rate) against the same
+// classes, so each names one power of N lower: "1", "log N", "√N", "N".
+std::string per_token_name(BigO c);
 double big_o_value(BigO c, double n);
 
 struct BigOFit {
@@ -38,6 +41,8 @@ struct ExpectedComplexity {
   std::string note;
 };
 ExpectedComplexity expected_complexity(const std::string& printed);
+// The same for a per-token decoding cost (ModelCard::decode_cost), as the class of N tokens' cost.
+ExpectedComplexity expected_decode_complexity(const std::string& printed);
 
 // One fitted metric: available when every value is positive.
 struct MetricFit {
@@ -52,7 +57,10 @@ std::string verdict_name(ComplexityVerdict v);
 struct ComplexitySeries {
   std::string model, label;  // label adds the parameters when a model has several settings
   std::string configuration; // "attention, B=1 H=8 D=64"
-  std::string survey;        // the registry's complexity string
+  std::string survey;        // the registry's complexity string (decode: its per-token decode cost)
+  bool per_token = false;    // a decode series: time and FLOPs per generated token, the state as
+                             // workspace; fits and expected class of N × them (see per_token_name),
+                             // exponents of the per-token values themselves
   ExpectedComplexity expected;
   std::vector<std::int64_t> lengths;
   MetricFit time, flops, workspace;

@@ -38,11 +38,16 @@ struct Panel {
   std::vector<Series> series;
 };
 
-std::string metric_title(const PlotOptions& o) {
+// A decode panel's rows time one generated token (plotted in µs) against the context length.
+bool decode_panel(const std::string& configuration) { return configuration.find(", decode pass") != std::string::npos; }
+
+std::string metric_title(const PlotOptions& o, bool decode) {
   switch (o.metric) {
-    case PlotMetric::Time: return "median time per forward (ms, log scale)";
+    case PlotMetric::Time:
+      return decode ? "median time per generated token (µs, log scale)" : "median time per timed call (ms, log scale)";
     case PlotMetric::Memory: return "peak tracked memory (MiB, log scale)";
     case PlotMetric::Speedup: return "speed-up over " + o.baseline + " (×, log scale; higher is faster)";
+    case PlotMetric::State: return "decode state kept between steps (MiB, log scale)";
   }
   return "";
 }
@@ -52,6 +57,7 @@ std::string chart_title(const PlotOptions& o) {
     case PlotMetric::Time: return "Median time";
     case PlotMetric::Memory: return "Peak tracked memory";
     case PlotMetric::Speedup: return "Speed-up over " + o.baseline;
+    case PlotMetric::State: return "Decode state";
   }
   return "";
 }
@@ -94,7 +100,8 @@ std::vector<Panel> collect(const Report& report, const PlotOptions& o) {
       series.rank = model_rank(row->model);
       Point point{row->seq_len, false, 0, status_name(row->status)};
       if (row->status == Status::Ok) {
-        if (o.metric == PlotMetric::Time) point.value = row->median_ns * 1e-6;
+        if (o.metric == PlotMetric::Time) point.value = row->median_ns * (row->pass == "decode" ? 1e-3 : 1e-6);
+        if (o.metric == PlotMetric::State) point.value = static_cast<double>(row->state_bytes) / 1048576.0;
         if (o.metric == PlotMetric::Memory) point.value = static_cast<double>(row->peak_tensor_bytes) / 1048576.0;
         if (o.metric == PlotMetric::Speedup) {
           const auto found = baseline.find(row->seq_len);
@@ -173,7 +180,7 @@ Axes axes_for(const Panel& panel, double top) {
   return a;
 }
 
-void draw_axes(std::ostringstream& out, const Axes& a, const PlotOptions& o) {
+void draw_axes(std::ostringstream& out, const Axes& a, const PlotOptions& o, bool decode) {
   const double bottom = a.top + kPlotHeight, right = kPlotLeft + kPlotWidth;
   out << "<g class=\"grid\" stroke=\"#e3e3e3\" stroke-width=\"1\">\n";
   std::vector<double> x_ticks;
@@ -208,9 +215,10 @@ void draw_axes(std::ostringstream& out, const Axes& a, const PlotOptions& o) {
         << num(a.y(v) + 4) << "\" text-anchor=\"end\">" << value_label(v) << "</text>\n";
   out << "</g>\n";
   out << "<text class=\"axis-title\" x=\"" << num(kPlotLeft + kPlotWidth / 2) << "\" y=\"" << num(bottom + 42)
-      << "\" text-anchor=\"middle\">sequence length N (tokens, log scale)</text>\n";
+      << "\" text-anchor=\"middle\">" << (decode ? "context length N" : "sequence length N")
+      << " (tokens, log scale)</text>\n";
   out << "<text class=\"axis-title\" transform=\"translate(" << num(kPlotLeft - 58) << "," << num(a.top + kPlotHeight / 2)
-      << ") rotate(-90)\" text-anchor=\"middle\">" << escape(metric_title(o)) << "</text>\n";
+      << ") rotate(-90)\" text-anchor=\"middle\">" << escape(metric_title(o, decode)) << "</text>\n";
 }
 
 // Marker shapes around the origin, cycled within a class; dash patterns likewise.
@@ -323,10 +331,10 @@ std::string render_plot(const Report& report, const PlotOptions& options) {
     std::map<std::string, int> per_class;
     for (const auto& s : panel.series) index_in_class.push_back(per_class[s.cls]++);
     body << "<g class=\"panel\" data-configuration=\"" << escape(panel.configuration) << "\" data-metric=\""
-         << escape(metric_title(options)) << "\">\n";
+         << escape(metric_title(options, decode_panel(panel.configuration))) << "\">\n";
     body << "<text class=\"title\" x=\"" << num(kPlotLeft) << "\" y=\"" << num(top + 30) << "\">"
          << escape(chart_title(options) + " — " + panel.configuration) << "</text>\n";
-    draw_axes(body, axes, options);
+    draw_axes(body, axes, options, decode_panel(panel.configuration));
     for (std::size_t i = 0; i < panel.series.size(); ++i) draw_series(body, panel.series[i], index_in_class[i], axes);
     const double legend_height = draw_legend(body, panel, index_in_class, top + kPlotTop);
     body << "</g>\n";

@@ -1,7 +1,7 @@
 #pragma once
 // Log-log SVG charts of a report: sequence length N on x (log₂), the metric on y (log₁₀), one
 // series per model (and parameter setting), coloured by the model's first survey class, one panel
-// per configuration (scope, causal, batch, heads, head-dim, d_ff). Points that are not ok, and
+// per configuration (scope, pass, causal, batch, heads, head-dim, decode tokens, d_ff). Points that are not ok, and
 // speed-ups without an ok baseline point, are absent and break the series' line; the legend
 // names them. Machine-readable structure (tests rely on it):
 //   <g class="panel" data-configuration="…">  … <g class="series" data-model="…" data-label="…"
@@ -13,7 +13,8 @@
 
 namespace xfb {
 
-enum class PlotMetric { Time, Memory, Speedup };
+// time: ms per timed call (µs per generated token in decode panels); state: decode rows' state_bytes.
+enum class PlotMetric { Time, Memory, Speedup, State };
 
 struct PlotOptions {
   PlotMetric metric = PlotMetric::Time;

@@ -15,7 +15,7 @@ namespace {
 struct GroupKey {
   std::string scope, pass;
   bool causal;
-  std::int64_t batch, heads, head_dim, d_ff;
+  std::int64_t batch, heads, head_dim, d_ff, decode_tokens;
   auto operator<=>(const GroupKey&) const = default;
 };
 
@@ -25,13 +25,16 @@ std::string printf_string(const char* format, double value) {
   return text;
 }
 
-std::string metric_title(const TableOptions& o) {
+std::string metric_title(const TableOptions& o, bool decode) {
   switch (o.metric) {
-    case TableMetric::Time: return "median time (ms; ~ marks CV > 5%, ! a contended point)";
+    case TableMetric::Time:
+      return decode ? "median time per generated token (µs; ~ marks CV > 5%, ! a contended point)"
+                    : "median time (ms; ~ marks CV > 5%, ! a contended point)";
     case TableMetric::Speedup: return "speed-up over " + o.baseline + " (× , higher is faster; ! a contended point)";
     case TableMetric::Memory: return "peak tracked memory (MiB)";
     case TableMetric::MemoryRatio: return "peak tracked memory relative to " + o.baseline + " (×, lower is smaller)";
     case TableMetric::Gflops: return "executed GFLOP/s (% of measured FMA peak)";
+    case TableMetric::State: return "decode state kept between steps (MiB; - for other passes)";
   }
   return "";
 }
@@ -50,7 +53,8 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
   if (row.status != Status::Ok) return status_cell(row);
   switch (o.metric) {
     case TableMetric::Time:
-      return printf_string("%.3f", row.median_ns * 1e-6) + (row.unstable ? "~" : "") + (row.contended ? "!" : "");
+      return (row.pass == "decode" ? printf_string("%.1f", row.median_ns * 1e-3) : printf_string("%.3f", row.median_ns * 1e-6)) +
+             (row.unstable ? "~" : "") + (row.contended ? "!" : "");
     case TableMetric::Speedup:
       if (baseline == nullptr || baseline->status != Status::Ok) return "-";
       return printf_string("%.2f×", baseline->median_ns / row.median_ns) +
@@ -64,6 +68,8 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
     case TableMetric::Gflops:
       return printf_string("%.1f", row.gflops_per_s) +
              (peak_gflops > 0 ? printf_string(" (%.0f%%)", 100.0 * row.gflops_per_s / peak_gflops) : "");
+    case TableMetric::State:
+      return row.pass == "decode" ? printf_string("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0)) : "-";
   }
   return "";
 }
@@ -99,7 +105,8 @@ std::vector<std::string> complexity_cells(const std::vector<const ResultRow*>& r
                                                                       : "";
   char exponent[32] = "-";
   if (series.time.exponent) std::snprintf(exponent, sizeof exponent, "N^%.2f", *series.time.exponent);
-  return {survey, big_o_name(series.flops.fit->best) + mark, exponent};
+  return {survey, (series.per_token ? per_token_name(series.flops.fit->best) : big_o_name(series.flops.fit->best)) + mark,
+          exponent};
 }
 
 }  // namespace
@@ -156,7 +163,7 @@ std::string render_cells(const std::vector<std::vector<std::string>>& cells, Tab
 std::string render_table(const Report& report, const TableOptions& options) {
   std::map<GroupKey, std::vector<const ResultRow*>> groups;
   for (const auto& row : report.results)
-    groups[{row.scope, row.pass, row.causal, row.batch, row.heads, row.head_dim, row.d_ff}].push_back(&row);
+    groups[{row.scope, row.pass, row.causal, row.batch, row.heads, row.head_dim, row.d_ff, row.decode_tokens}].push_back(&row);
   const double peak = report.context.value("fma_peak_gflops", 0.0);
   std::ostringstream out;
   bool first_group = true;
@@ -185,9 +192,11 @@ std::string render_table(const Report& report, const TableOptions& options) {
 
     if (options.format != TableFormat::Csv) {
       if (!first_group) out << "\n";
-      out << (options.format == TableFormat::Markdown ? "**" : "") << metric_title(options) << " — scope "
-          << key.scope << (key.pass != "forward" ? ", " + key.pass + " pass" : "") << (key.causal ? ", causal" : "") << ", B=" << key.batch << " H=" << key.heads
-          << " D=" << key.head_dim << (key.d_ff ? ", d_ff=" + std::to_string(key.d_ff) : "")
+      out << (options.format == TableFormat::Markdown ? "**" : "") << metric_title(options, key.pass == "decode")
+          << " — scope " << key.scope << (key.pass != "forward" ? ", " + key.pass + " pass" : "")
+          << (key.causal ? ", causal" : "") << ", B=" << key.batch << " H=" << key.heads << " D=" << key.head_dim
+          << (key.pass == "decode" ? ", T=" + std::to_string(key.decode_tokens) : "")
+          << (key.d_ff ? ", d_ff=" + std::to_string(key.d_ff) : "")
           << (options.format == TableFormat::Markdown ? "**\n\n" : "\n");
     }
     std::vector<std::vector<std::string>> cells;

@@ -1,6 +1,7 @@
 #pragma once
 // Comparison tables from a report: models as rows (grouped by class), sequence lengths as
-// columns, one table per configuration (scope, causal, batch, heads, head_dim). Formats: an
+// columns, one table per configuration (scope, pass, causal, batch, heads, head_dim, decode
+// tokens). Decode tables give time per generated token in µs; `state` shows their state_bytes. Formats: an
 // aligned terminal table, Markdown, CSV.
 #include <string>
 #include <vector>
@@ -9,7 +10,7 @@
 
 namespace xfb {
 
-enum class TableMetric { Time, Speedup, Memory, MemoryRatio, Gflops };
+enum class TableMetric { Time, Speedup, Memory, MemoryRatio, Gflops, State };
 enum class TableFormat { Text, Markdown, Csv };
 
 struct TableOptions {
