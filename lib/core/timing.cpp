@@ -66,7 +66,8 @@ TimingResult time_repeatedly(const TimingSettings& settings, const std::function
 }
 
 DecodeTimingResult time_decoding(const TimingSettings& settings, std::int64_t tokens, const std::function<void()>& prefill,
-                                 const std::function<void(std::int64_t step)>& step) {
+                                 const std::function<void(std::int64_t step)>& step,
+                                 const std::function<void(std::int64_t step)>& ready) {
   using clock = std::chrono::steady_clock;
   auto whole_run = [&] {
     prefill();
@@ -94,6 +95,7 @@ DecodeTimingResult time_decoding(const TimingSettings& settings, std::int64_t to
     const auto prefilled = clock::now();
     result.prefill_ns.push_back(std::chrono::duration<double, std::nano>(prefilled - run_start).count());
     for (std::int64_t t = 0; t < tokens; ++t) {
+      ready(t);
       probe.start();
       const auto start = clock::now();
       stage_clock::open();

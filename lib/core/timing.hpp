@@ -57,14 +57,16 @@ TimingResult time_repeatedly(const TimingSettings& settings, const std::function
 // steps number min_reps·tokens and the runs took min_time in all — or max_reps runs, or the retry
 // budget of descheduled steps (as above) is spent. `steps` sorts the step samples as
 // time_repeatedly does (`contended`: fewer clean steps than one run's, or more descheduled than
-// clean ones).
+// clean ones). `ready(t)` runs untimed right before step t (the harness brings the token's inputs
+// into cache there, as the projection that produces them in a real decoder would leave them).
 struct DecodeTimingResult {
   TimingResult steps;               // per-token wall times of every timed run's steps
   std::vector<double> prefill_ns;   // one per timed run
   std::int64_t runs = 0;
 };
 DecodeTimingResult time_decoding(const TimingSettings& settings, std::int64_t tokens, const std::function<void()>& prefill,
-                                 const std::function<void(std::int64_t step)>& step);
+                                 const std::function<void(std::int64_t step)>& step,
+                                 const std::function<void(std::int64_t step)>& ready);
 
 // True when this binary was built with optimisation (NDEBUG and not a Debug build).
 bool optimised_build();

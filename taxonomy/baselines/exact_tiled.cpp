@@ -56,6 +56,9 @@ std::int64_t decode_splits(const Problem& p, const ExactTiledConfig& c, std::int
   return std::max<std::int64_t>(1, std::min(for_threads, capacity / c.block_k));
 }
 
+// The most keys one split of n ≤ capacity keys holds: ⌈n / splits⌉.
+std::int64_t split_capacity(std::int64_t capacity, std::int64_t splits) { return (capacity + splits - 1) / splits; }
+
 class ExactTiled final : public Mechanism {
  public:
   ExactTiled(const Problem& problem, const ExactTiledConfig& config) : p_(problem), c_(config) {}
@@ -132,6 +135,7 @@ class ExactTiled final : public Mechanism {
     split_accumulators_ = Tensor(Shape{heads * splits_, p_.head_dim});
     split_queries_ = Tensor(Shape{heads * splits_, p_.head_dim});
     split_stats_ = Tensor(Shape{heads * splits_, 2});
+    split_scores_ = Tensor(Shape{heads * splits_, split_capacity(capacity, splits_)});
   }
 
   // Split-K: split s of a head attends to keys [s·n/S, (s+1)·n/S) (the last split also stores the
@@ -150,7 +154,8 @@ class ExactTiled final : public Mechanism {
         float* query = split_queries_.data() + task * d;
         flops += scale_query(q.data() + head * d, d, query);
         RowSoftmax row = begin_row(split_accumulators_.data() + task * d, d);
-        flops += attend_rows(row, query, cache_.keys(head) + begin * d, cache_.values(head) + begin * d, end - begin);
+        flops += attend_block(row, query, cache_.keys(head) + begin * d, cache_.values(head) + begin * d, end - begin,
+                              split_scores_.data() + task * split_scores_.dim(1));
         split_stats_[2 * task] = row.max;
         split_stats_[2 * task + 1] = row.sum;
       }
@@ -336,9 +341,9 @@ class ExactTiled final : public Mechanism {
   Tensor scores_, packed_keys_, accumulators_, row_stats_;
   Tensor log_sum_exp_, deltas_, tile_grads_;  // training only (prepare_backward)
   // Decode (prepare_decode): every token's keys and values, and per split task its accumulator
-  // [D], scaled query [D] and (max, sum).
+  // [D], scaled query [D], (max, sum) and score row (as long as the longest split).
   KvCache cache_;
-  Tensor split_accumulators_, split_queries_, split_stats_;
+  Tensor split_accumulators_, split_queries_, split_stats_, split_scores_;
   std::int64_t splits_ = 1, length_ = 0;
 };
 
@@ -388,8 +393,9 @@ std::int64_t backward_flops(const Problem& p, const ExactTiledConfig& c) {
 
 std::int64_t decode_workspace(const Problem& p, const ExactTiledConfig& c, std::int64_t tokens) {
   const std::int64_t heads = p.batch * p.heads, tasks = heads * decode_splits(p, c, tokens);
-  return KvCache::bytes(heads, p.seq_len + tokens, p.head_dim) +
-         tasks * (2 * p.head_dim + 2) * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t capacity = p.seq_len + tokens;
+  return KvCache::bytes(heads, capacity, p.head_dim) +
+         tasks * (2 * p.head_dim + 2 + split_capacity(capacity, tasks / heads)) * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t backward_workspace(const Problem& p, const ExactTiledConfig& c) {

@@ -24,9 +24,10 @@
 //
 // Decode (split-K, as FlashDecoding): a KV cache of every token ([B·H, N + T, D] each, the state).
 // A step's query is split over S key ranges per head, S = clamp(⌈threads / (B·H)⌉, 1, (N+T)/bk), so
-// one query still uses every core; each split runs the online softmax over its keys
-// (engines/decode_common.hpp) and each head merges its S partial states by log-sum-exp. FLOPs per
-// head: S·D + Σ attend_rows over the n keys + (S − 1)·(3·D + 7) + D: O(N) per token.
+// one query still uses every core; each split takes its keys as one block (its score row by sgemm,
+// max, exponentials, sgemm with V: engines/decode_common.hpp attend_block) and each head merges
+// its S partial states by log-sum-exp. FLOPs per head: S·D + Σ over non-empty splits (4·r·D + 4·r
+// + D + 2) + (S − 1)·(3·D + 7) + D: O(N) per token.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

@@ -74,6 +74,21 @@ std::int64_t attend_rows_flops(std::int64_t rows, std::int64_t head_dim) {
   return rows * (4 * head_dim + 4) + chunks * (head_dim + 2);
 }
 
+std::int64_t attend_block(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
+                          std::int64_t rows, float* scores) {
+  if (rows == 0) return 0;
+  const std::int64_t d = row.head_dim;
+  ops::gemm(false, true, 1, rows, d, 1.0f, q_scaled, d, keys, d, 0.0f, scores, rows);
+  const float new_max = std::max(row.max, ops::row_max(scores, rows, scores[0]));
+  const float factor = ops::fast_exp(row.max - new_max);
+#pragma omp simd
+  for (std::int64_t c = 0; c < d; ++c) row.acc[c] *= factor;
+  row.sum = row.sum * factor + ops::exp_and_sum(scores, rows, new_max);
+  row.max = new_max;
+  ops::gemm(false, false, 1, d, rows, 1.0f, scores, rows, values, d, 1.0f, row.acc, d);
+  return 4 * rows + d + 2;
+}
+
 std::int64_t merge_rows(RowSoftmax& into, const RowSoftmax& from) {
   if (from.sum == 0.0f) return 0;  // a partial over no keys adds nothing
   const float new_max = std::max(into.max, from.max);

@@ -65,6 +65,12 @@ std::int64_t merge_rows(RowSoftmax& into, const RowSoftmax& from);
 std::int64_t finish_row(const RowSoftmax& row, float* out);
 // The FLOPs of attend_rows over `rows` keys.
 std::int64_t attend_rows_flops(std::int64_t rows, std::int64_t head_dim);
+// The same update for a long run of rows as one block through two sgemm calls (scores = q·Kᵀ into
+// `scores` [rows], then acc += p·V), where the calls' overhead is amortised (a split of a KV
+// cache). Returns the FLOPs outside the sgemm calls, which count themselves (2·rows·D each):
+// 4·rows + D + 2.
+std::int64_t attend_block(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
+                          std::int64_t rows, float* scores);
 
 // The decoding state of a pattern whose token i sees one run of keys [first(i), i] with
 // i − first(i) < capacity (a local block, a query block and its memory flange, a sliding window):
