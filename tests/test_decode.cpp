@@ -102,6 +102,9 @@ const std::vector<DecodeCase>& decode_cases() {
       {"exact-tiled", {"block_q=16", "block_k=16"}, {1, 15, 16, 17, 40}, 20},
       {"exact-tiled", {}, {3, 70}, 9},
       {"local", {"block=8"}, {7, 8, 9, 21}, 19},
+      {"sparse-transformer", {"pattern=strided", "stride=4"}, {3, 4, 5, 13}, 11},
+      {"sparse-transformer", {"pattern=fixed", "stride=4", "summary=2"}, {1, 3, 4, 5, 13}, 11},
+      {"sparse-transformer", {"pattern=fixed", "stride=5", "summary=1"}, {9}, 12},
       {"image-transformer", {"query_block=8", "memory_flange=4"}, {3, 7, 8, 9, 21}, 19},
       {"image-transformer", {"query_block=6", "memory_flange=9"}, {5, 13}, 15},
       // Kernel models: a ratio of sums of positive features, within the same rounding bound.

@@ -38,15 +38,15 @@ std::int64_t scale_query(const float* q, std::int64_t head_dim, float* q_scaled)
 }
 
 std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
-                         std::int64_t rows) {
-  const std::int64_t d = row.head_dim;
+                         std::int64_t rows, std::int64_t stride) {
+  const std::int64_t d = row.head_dim, step = stride > 0 ? stride : d;
   float scores[kDecodeChunk];
   float* acc = row.acc;
   for (std::int64_t c0 = 0; c0 < rows; c0 += kDecodeChunk) {
     const std::int64_t n = std::min(kDecodeChunk, rows - c0);
     float chunk_max = -std::numeric_limits<float>::infinity();
     for (std::int64_t j = 0; j < n; ++j) {
-      const float* key = keys + (c0 + j) * d;
+      const float* key = keys + (c0 + j) * step;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
       for (std::int64_t c = 0; c < d; ++c) dot += q_scaled[c] * key[c];
@@ -60,13 +60,22 @@ std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* ke
     row.sum = row.sum * factor + ops::exp_and_sum(scores, n, new_max);
     for (std::int64_t j = 0; j < n; ++j) {
       const float p = scores[j];
-      const float* value = values + (c0 + j) * d;
+      const float* value = values + (c0 + j) * step;
 #pragma omp simd
       for (std::int64_t c = 0; c < d; ++c) acc[c] += p * value[c];
     }
     row.max = new_max;
   }
   return attend_rows_flops(rows, d);
+}
+
+std::int64_t attend_ring(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
+                         std::int64_t capacity, std::int64_t first, std::int64_t last) {
+  const std::int64_t d = row.head_dim, begin = first % capacity, rows = last - first + 1;
+  const std::int64_t head_run = std::min(rows, capacity - begin);  // up to the ring's end, then from row 0
+  std::int64_t flops = attend_rows(row, q_scaled, keys + begin * d, values + begin * d, head_run);
+  if (rows > head_run) flops += attend_rows(row, q_scaled, keys, values, rows - head_run);
+  return flops;
 }
 
 std::int64_t attend_rows_flops(std::int64_t rows, std::int64_t head_dim) {
@@ -101,6 +110,10 @@ std::int64_t merge_rows(RowSoftmax& into, const RowSoftmax& from) {
 }
 
 std::int64_t finish_row(const RowSoftmax& row, float* out) {
+  if (row.sum == 0.0f) {
+    std::fill_n(out, row.head_dim, 0.0f);
+    return 0;
+  }
   const float inverse = 1.0f / row.sum;
   for (std::int64_t c = 0; c < row.head_dim; ++c) out[c] = row.acc[c] * inverse;
   return row.head_dim;
@@ -128,8 +141,6 @@ void WindowCache::step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
   const std::int64_t heads = q.dim(0) * q.dim(1), d = q.dim(3), capacity = cache_.capacity();
   const std::int64_t last = length_;  // the new token
   if (first > last || last - first >= capacity) throw std::logic_error("WindowCache: the run does not fit the window");
-  const std::int64_t begin = first % capacity, rows = last - first + 1;
-  const std::int64_t head_run = std::min(rows, capacity - begin);  // up to the ring's end, then from slot 0
   std::int64_t flops = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : flops)
   for (std::int64_t head = 0; head < heads; ++head) {
@@ -137,10 +148,7 @@ void WindowCache::step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
     float* query = queries_.data() + head * d;
     flops += scale_query(q.data() + head * d, d, query);
     RowSoftmax row = begin_row(accumulators_.data() + head * d, d);
-    const float* keys = cache_.keys(head);
-    const float* values = cache_.values(head);
-    flops += attend_rows(row, query, keys + begin * d, values + begin * d, head_run);
-    if (rows > head_run) flops += attend_rows(row, query, keys, values, rows - head_run);
+    flops += attend_ring(row, query, cache_.keys(head), cache_.values(head), capacity, first, last);
     flops += finish_row(row, out.data() + head * d);
   }
   FlopCounter::add(flops);

@@ -55,13 +55,19 @@ struct RowSoftmax {
 RowSoftmax begin_row(float* acc, std::int64_t head_dim);
 // q_scaled = q / √D. Returns its FLOPs (D).
 std::int64_t scale_query(const float* q, std::int64_t head_dim, float* q_scaled);
-// Attends q_scaled to `rows` consecutive cached rows (keys, values: [rows, D]). Returns its FLOPs.
+// Attends q_scaled to `rows` cached rows, row r at keys + r·stride (and values likewise; stride 0
+// means D: consecutive rows). Returns its FLOPs.
 std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
-                         std::int64_t rows);
+                         std::int64_t rows, std::int64_t stride = 0);
+// Attends to tokens first … last of a ring of `capacity` rows (token t at row t mod capacity; one
+// or two runs of consecutive rows). Returns its FLOPs (attend_rows').
+std::int64_t attend_ring(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
+                         std::int64_t capacity, std::int64_t first, std::int64_t last);
 // into := the state over both sets of keys. Returns its FLOPs (3·D + 7; 0 when `from` saw no keys).
 // `into` must have seen at least one key.
 std::int64_t merge_rows(RowSoftmax& into, const RowSoftmax& from);
-// out = acc / l. Returns its FLOPs (D).
+// out = acc / l (zeros when the row saw no key, as softmax attention over no keys). Returns its
+// FLOPs (D; 0 for no key).
 std::int64_t finish_row(const RowSoftmax& row, float* out);
 // The FLOPs of attend_rows over `rows` keys.
 std::int64_t attend_rows_flops(std::int64_t rows, std::int64_t head_dim);

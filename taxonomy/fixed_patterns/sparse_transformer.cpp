@@ -7,7 +7,9 @@
 #include <vector>
 
 #include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 
 namespace xfb {
 namespace {
@@ -99,6 +101,12 @@ struct Layout {
       return bs::class_tile(classes, task, causal, lo, hi);
     });
   }
+  // Decode caches: A1 rings (strided: the last l + 1 tokens; fixed: l, the current block) and A2's
+  // rows of `total` tokens (strided: every token; fixed: the summary tokens, at least one row).
+  std::int64_t first_ring() const { return fixed ? l : l + 1; }
+  std::int64_t second_rows(std::int64_t total) const {
+    return fixed ? std::max<std::int64_t>(1, summaries.up_to(total - 1)) : total;
+  }
   std::int64_t max_width() const {
     const std::int64_t a1 = fixed ? blocks.block : band.max_width();
     const std::int64_t a2 = heads_a2 == 0 ? 0 : (fixed ? summaries.count() : classes.longest);
@@ -122,6 +130,11 @@ class SparseTransformer final : public Mechanism {
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    attend_context(q, k, v, out);
+    if (!first_cache_.key_tensor().empty()) load_decode_context(k, v);
+  }
+
+  void attend_context(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
     const std::int64_t a1 = layout_.heads_a1, a2 = layout_.heads_a2;
     auto first_group = [&](std::int64_t index) {
       const std::int64_t head = index / a1 * p_.heads + index % a1;
@@ -160,6 +173,39 @@ class SparseTransformer final : public Mechanism {
     training_.prepare(p_.batch * p_.heads, p_.seq_len, p_.threads, layout_.max_width());
     const std::int64_t g = layout_.summary_count();
     if (g > 0) summary_grads_ = Tensor(Shape{p_.threads, 2, g, p_.head_dim});
+  }
+
+  void prepare_decode(std::int64_t tokens) override {
+    const std::int64_t d = p_.head_dim;
+    first_cache_ = KvCache(p_.batch * layout_.heads_a1, layout_.first_ring(), d);
+    if (layout_.heads_a2 > 0)
+      second_cache_ = KvCache(p_.batch * layout_.heads_a2, layout_.second_rows(p_.seq_len + tokens), d);
+    step_buffers_ = Tensor(Shape{p_.batch * p_.heads, 2, d});
+  }
+
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t d = p_.head_dim, token = length_;
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      float* query = step_buffers_.data() + head * 2 * d;
+      RowSoftmax row = begin_row(query + d, d);
+      flops += scale_query(q.data() + head * d, d, query);
+      flops += attend_step(row, query, k.data() + head * d, v.data() + head * d, head / p_.heads, head % p_.heads, token);
+      flops += finish_row(row, out.data() + head * d);
+    }
+    FlopCounter::add(flops);
+    ++length_;
+  }
+
+  std::vector<NamedTensor> decode_state() const override {
+    std::vector<NamedTensor> state = {{"a1_key_ring", &first_cache_.key_tensor()},
+                                      {"a1_value_ring", &first_cache_.value_tensor()}};
+    if (layout_.heads_a2 > 0) {
+      state.push_back({"a2_keys", &second_cache_.key_tensor()});
+      state.push_back({"a2_values", &second_cache_.value_tensor()});
+    }
+    return state;
   }
 
   // Per head: its group's tiles; the fixed pattern's A2 heads accumulate dK, dV of the gathered
@@ -206,6 +252,52 @@ class SparseTransformer final : public Mechanism {
     }
   }
 
+  // The prefill's part of a decode: the context's rows each cache keeps (after the forward).
+  void load_decode_context(const Tensor& k, const Tensor& v) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, a1 = layout_.heads_a1, a2 = layout_.heads_a2;
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      const std::int64_t b = head / p_.heads, h = head % p_.heads;
+      const float *keys = k.data() + head * n * d, *values = v.data() + head * n * d;
+      if (h < a1) {
+        const std::int64_t ring = layout_.first_ring(), kept = std::min(n, ring), first = n - kept;
+        first_cache_.store(b * a1 + h, first % ring, keys + first * d, values + first * d, kept);
+      } else if (layout_.fixed) {
+        for (std::int64_t s = 0; s < layout_.summaries.up_to(n - 1); ++s) {
+          const std::int64_t position = layout_.summaries.position(s);
+          second_cache_.store(b * a2 + h - a1, s, keys + position * d, values + position * d, 1);
+        }
+      } else {
+        second_cache_.store(b * a2 + h - a1, 0, keys, values, n);
+      }
+    }
+    length_ = n;
+  }
+
+  // One head's step for token i: stores its key and value where its group keeps them, then attends
+  // to the token's causal set (A1: the band or the block so far; A2: its residue class or the
+  // summaries so far). Returns the FLOPs.
+  std::int64_t attend_step(RowSoftmax& row, const float* query, const float* key, const float* value, std::int64_t b,
+                           std::int64_t h, std::int64_t i) {
+    const std::int64_t d = p_.head_dim, l = layout_.l, a1 = layout_.heads_a1, a2 = layout_.heads_a2;
+    if (h < a1) {
+      const std::int64_t index = b * a1 + h, ring = layout_.first_ring();
+      first_cache_.store(index, i % ring, key, value, 1);
+      const std::int64_t first = layout_.fixed ? i / l * l : std::max<std::int64_t>(0, i - l);
+      return attend_ring(row, query, first_cache_.keys(index), first_cache_.values(index), ring, first, i);
+    }
+    const std::int64_t index = b * a2 + h - a1;
+    if (layout_.fixed) {
+      const std::int64_t summaries = layout_.summaries.up_to(i);
+      if (i % l >= l - layout_.c) second_cache_.store(index, summaries - 1, key, value, 1);
+      return attend_rows(row, query, second_cache_.keys(index), second_cache_.values(index), summaries);
+    }
+    second_cache_.store(index, i, key, value, 1);
+    const std::int64_t residue = i % l;
+    return attend_rows(row, query, second_cache_.keys(index) + residue * d, second_cache_.values(index) + residue * d,
+                       i / l + 1, l * d);
+  }
+
   void gather_summaries(const Tensor& k, const Tensor& v) {
     const std::int64_t a2 = layout_.heads_a2, g = layout_.summary_count(), d = p_.head_dim, n = p_.seq_len;
 #pragma omp parallel for num_threads(p_.threads) schedule(static)
@@ -224,6 +316,9 @@ class SparseTransformer final : public Mechanism {
   Tensor summary_keys_, summary_values_;
   bs::TileTraining training_;
   Tensor summary_grads_;  // training, fixed pattern: per thread dK, dV of one head's gathered rows
+  KvCache first_cache_, second_cache_;  // decoding: A1 rings, A2 rows (see Layout::first_ring)
+  Tensor step_buffers_;                 // decoding: per head the scaled query and the accumulator
+  std::int64_t length_ = 0;             // decoding: tokens seen
 };
 
 void validate(const Problem&, const SparseTransformerConfig& c) {
@@ -270,6 +365,15 @@ std::int64_t workspace(const Problem& p, const SparseTransformerConfig& c) {
          gathered * static_cast<std::int64_t>(sizeof(float));
 }
 
+std::int64_t decode_workspace(const Problem& p, const SparseTransformerConfig& c, std::int64_t tokens) {
+  const Layout layout(p, c);
+  const std::int64_t d = p.head_dim;
+  std::int64_t bytes = KvCache::bytes(p.batch * layout.heads_a1, layout.first_ring(), d) +
+                       p.batch * p.heads * 2 * d * static_cast<std::int64_t>(sizeof(float));
+  if (layout.heads_a2 > 0) bytes += KvCache::bytes(p.batch * layout.heads_a2, layout.second_rows(p.seq_len + tokens), d);
+  return bytes;
+}
+
 }  // namespace
 
 Implementation sparse_transformer_implementation() {
@@ -290,7 +394,8 @@ Implementation sparse_transformer_implementation() {
       },
       .validate = validate,
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

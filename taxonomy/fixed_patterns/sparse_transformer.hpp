@@ -24,6 +24,10 @@
 // Backward: the forward saves each query token's log-sum-exp (and, fixed, keeps the gathered summary
 // rows); the backward recomputes every tile, and the A2 heads of the fixed pattern add their
 // gathered dK, dV back to the summary positions.
+// Decode (the state): A1 heads a ring of their band (strided: the last l + 1 tokens) or block
+// (fixed: l); A2 heads every token (strided: each token is in a later token's residue class) or
+// the summary tokens so far (fixed: G(N + T) rows). A step attends to its causal set from them:
+// O(l) for A1, O(N/l) = O(√N) for A2; the A2 state grows as N (strided) or N·c/l (fixed).
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
