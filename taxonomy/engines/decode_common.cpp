@@ -70,11 +70,15 @@ std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* ke
 }
 
 std::int64_t attend_ring(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
-                         std::int64_t capacity, std::int64_t first, std::int64_t last) {
-  const std::int64_t d = row.head_dim, begin = first % capacity, rows = last - first + 1;
-  const std::int64_t head_run = std::min(rows, capacity - begin);  // up to the ring's end, then from row 0
-  std::int64_t flops = attend_rows(row, q_scaled, keys + begin * d, values + begin * d, head_run);
-  if (rows > head_run) flops += attend_rows(row, q_scaled, keys, values, rows - head_run);
+                         std::int64_t capacity, std::int64_t first, std::int64_t count, std::int64_t step) {
+  if (count <= 0) return 0;
+  const std::int64_t d = row.head_dim, begin = first % capacity;
+  const std::int64_t head_run = std::min(count, (capacity - 1 - begin) / step + 1);  // before the ring wraps
+  std::int64_t flops = attend_rows(row, q_scaled, keys + begin * d, values + begin * d, head_run, step * d);
+  if (count > head_run) {
+    const std::int64_t wrapped = begin + head_run * step - capacity;
+    flops += attend_rows(row, q_scaled, keys + wrapped * d, values + wrapped * d, count - head_run, step * d);
+  }
   return flops;
 }
 
@@ -148,7 +152,7 @@ void WindowCache::step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
     float* query = queries_.data() + head * d;
     flops += scale_query(q.data() + head * d, d, query);
     RowSoftmax row = begin_row(accumulators_.data() + head * d, d);
-    flops += attend_ring(row, query, cache_.keys(head), cache_.values(head), capacity, first, last);
+    flops += attend_ring(row, query, cache_.keys(head), cache_.values(head), capacity, first, last - first + 1);
     flops += finish_row(row, out.data() + head * d);
   }
   FlopCounter::add(flops);

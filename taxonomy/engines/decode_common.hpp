@@ -59,10 +59,11 @@ std::int64_t scale_query(const float* q, std::int64_t head_dim, float* q_scaled)
 // means D: consecutive rows). Returns its FLOPs.
 std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
                          std::int64_t rows, std::int64_t stride = 0);
-// Attends to tokens first … last of a ring of `capacity` rows (token t at row t mod capacity; one
-// or two runs of consecutive rows). Returns its FLOPs (attend_rows').
+// Attends to tokens first, first + step, … (count of them) of a ring of `capacity` rows (token t at
+// row t mod capacity; the tokens span less than the capacity, so they are one or two strided runs
+// of rows). Returns its FLOPs (attend_rows').
 std::int64_t attend_ring(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
-                         std::int64_t capacity, std::int64_t first, std::int64_t last);
+                         std::int64_t capacity, std::int64_t first, std::int64_t count, std::int64_t step = 1);
 // into := the state over both sets of keys. Returns its FLOPs (3·D + 7; 0 when `from` saw no keys).
 // `into` must have seen at least one key.
 std::int64_t merge_rows(RowSoftmax& into, const RowSoftmax& from);

@@ -10,6 +10,7 @@
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 #include "taxonomy/engines/gathered_attention.hpp"
 #include "taxonomy/engines/window_global.hpp"
 
@@ -34,6 +35,11 @@ std::vector<std::int64_t> head_dilations(const Problem& p, const LongformerConfi
   return dilation;
 }
 
+// Decode: the ring of the last s·d_max + 1 tokens, which holds every head's one-sided window.
+std::int64_t window_ring(const LongformerConfig& c) {
+  return c.window / 2 * (c.dilated_heads > 0 ? c.dilation : 1) + 1;
+}
+
 // Per-thread floats besides the kernel: projected queries, q̃ and the pre-projection output.
 std::int64_t projection_floats(const Problem& p, const LongformerConfig& c) { return 3 * c.tile * p.head_dim; }
 
@@ -44,7 +50,9 @@ class Longformer final : public Mechanism {
         shape_(shape_of(problem, config)),
         tasks_(fixed::window_global_tasks(shape_, head_dilations(problem, config))),
         tile_rows_(config.tile),
-        seed_(seed) {}
+        seed_(seed),
+        dilations_(head_dilations(problem, config)),
+        ring_(window_ring(config)) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
     const std::int64_t d = p_.head_dim;
@@ -69,10 +77,44 @@ class Longformer final : public Mechanism {
                             return task.global ? global_tile(task, tile, q, k, v, out, b, thread)
                                                : window_tile(task, tile, q, k, v, out, b, thread);
                           });
+    if (window_cache_.capacity() > 0) load_decode_context(k, v);
   }
 
   std::vector<NamedTensor> parameters() const override {
     return {{"global_wq", &wq_}, {"global_wk", &wk_}, {"global_wv", &wv_}};
+  }
+
+  // Decode: the global tokens' keys and values and the window ring. A decoded token is never global
+  // (g ≤ N), so it attends with its plain q to the g globals and to its window's non-global tokens.
+  void prepare_decode(std::int64_t) override {
+    globals_cache_ = KvCache(p_.batch * p_.heads, shape_.globals, p_.head_dim);
+    window_cache_ = KvCache(p_.batch * p_.heads, ring_, p_.head_dim);
+    step_buffers_ = Tensor(Shape{p_.batch * p_.heads, 2, p_.head_dim});
+  }
+
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t d = p_.head_dim, i = length_, g = shape_.globals, s = shape_.before;
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      window_cache_.store(head, i % ring_, k.data() + head * d, v.data() + head * d, 1);
+      float* query = step_buffers_.data() + head * 2 * d;
+      RowSoftmax row = begin_row(query + d, d);
+      flops += scale_query(q.data() + head * d, d, query);
+      flops += attend_rows(row, query, globals_cache_.keys(head), globals_cache_.values(head), g);
+      const std::int64_t dilation = dilations_[static_cast<std::size_t>(head % p_.heads)];
+      const std::int64_t window = std::min(s, (i - g) / dilation) + 1;  // i − dilation·t ≥ g, t ≤ s
+      flops += attend_ring(row, query, window_cache_.keys(head), window_cache_.values(head), ring_,
+                           i - dilation * (window - 1), window, dilation);
+      flops += finish_row(row, out.data() + head * d);
+    }
+    FlopCounter::add(flops);
+    ++length_;
+  }
+
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"global_keys", &globals_cache_.key_tensor()}, {"global_values", &globals_cache_.value_tensor()},
+            {"window_keys", &window_cache_.key_tensor()}, {"window_values", &window_cache_.value_tensor()}};
   }
 
   void prepare_backward() override {
@@ -123,6 +165,18 @@ class Longformer final : public Mechanism {
   }
 
  private:
+  // The prefill's part of a decode: the globals and the last tokens of the context.
+  void load_decode_context(const Tensor& k, const Tensor& v) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, kept = std::min(n, ring_), first = n - kept;
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      const float *keys = k.data() + head * n * d, *values = v.data() + head * n * d;
+      globals_cache_.store(head, 0, keys, values, shape_.globals);
+      window_cache_.store(head, first % ring_, keys + first * d, values + first * d, kept);
+    }
+    length_ = n;
+  }
+
   std::int64_t window_tile(const WindowGlobalTask& task, const TilePattern& tile, const Tensor& q, const Tensor& k,
                            const Tensor& v, Tensor& out, std::int64_t b, int thread) {
     const std::int64_t d = p_.head_dim, offset = fixed::first_row(task) * d, ld = fixed::row_step(task) * d;
@@ -196,6 +250,12 @@ class Longformer final : public Mechanism {
   // Training only (prepare_backward).
   Tensor lse_, global_saved_, deltas_, projection_grads_, dwq_, dwk_, dwv_;
   std::vector<std::size_t> ranges_;
+  // Decoding only (prepare_decode).
+  std::vector<std::int64_t> dilations_;  // d_h per head index
+  std::int64_t ring_;                    // window ring rows, window_ring()
+  KvCache globals_cache_, window_cache_;
+  Tensor step_buffers_;  // per head the scaled query and the accumulator
+  std::int64_t length_ = 0;
 };
 
 void validate(const Problem&, const LongformerConfig& c) {
@@ -249,6 +309,12 @@ std::int64_t backward_workspace(const Problem& p, const LongformerConfig& c) {
   return floats * static_cast<std::int64_t>(sizeof(float)) + threads * TileAttention::backward_bytes(scores, 0, d);
 }
 
+std::int64_t decode_workspace(const Problem& p, const LongformerConfig& c, std::int64_t) {
+  const std::int64_t heads = p.batch * p.heads, d = p.head_dim;
+  return KvCache::bytes(heads, c.globals, d) + KvCache::bytes(heads, window_ring(c), d) +
+         heads * 2 * d * static_cast<std::int64_t>(sizeof(float));
+}
+
 }  // namespace
 
 Implementation longformer_implementation() {
@@ -269,7 +335,8 @@ Implementation longformer_implementation() {
       },
       .validate = validate,
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

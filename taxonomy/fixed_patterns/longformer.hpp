@@ -21,6 +21,10 @@
 // Backward: the forward saves the log-sum-exp and, for global rows, q·Wq, q̃ and the attention's
 // output; the backward recomputes every tile and forms dWq, dWk, dWv (one task per head index,
 // summed over the batch).
+// Decode (causal; the state): the g global tokens' keys and values and a ring of the last
+// s·d_max + 1 tokens (every head's one-sided window). A decoded token is never global (g ≤ N: g is
+// clamped to the context), so it attends with its plain q to the globals and to the window tokens
+// i − d_h·t ≥ g: O(g + s) per token, state constant in N.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {

@@ -284,7 +284,7 @@ class SparseTransformer final : public Mechanism {
       const std::int64_t index = b * a1 + h, ring = layout_.first_ring();
       first_cache_.store(index, i % ring, key, value, 1);
       const std::int64_t first = layout_.fixed ? i / l * l : std::max<std::int64_t>(0, i - l);
-      return attend_ring(row, query, first_cache_.keys(index), first_cache_.values(index), ring, first, i);
+      return attend_ring(row, query, first_cache_.keys(index), first_cache_.values(index), ring, first, i - first + 1);
     }
     const std::int64_t index = b * a2 + h - a1;
     if (layout_.fixed) {
