@@ -8,6 +8,7 @@
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 #include "taxonomy/engines/gathered_attention.hpp"
 
 namespace xfb {
@@ -70,6 +71,9 @@ std::int64_t score_capacity(const Layout& l, const std::vector<Task>& tasks) {
   return fixed::most_score_floats(tasks, [&](const Task& task, TilePattern& tile) { plan(l, task, tile); });
 }
 
+// Decode: the slots of N + T tokens.
+std::int64_t decode_slots(const Layout& l, std::int64_t tokens) { return (l.tokens + tokens + l.compression - 1) / l.compression; }
+
 class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories {
  public:
   MemoryCompressed(const Problem& problem, const Layout& layout, std::uint64_t seed)
@@ -107,6 +111,7 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
                             return kernel.run(tile, q.head(b, task.head) + task.start * d, d, keys, values,
                                               out.head(b, task.head) + task.start * d, d, false, lse);
                           });
+    if (!step_buffers_.empty()) load_decode_context(k, v);
   }
 
   void prepare_backward() override {
@@ -180,6 +185,49 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
     if (l_.compressed_heads == 0) return {};
     return {{"compress_wk", &weights_k_}, {"compress_wv", &weights_v_}};
   }
+  // Decode: local heads a ring of their block; compressed heads the slots completed so far
+  // ([⌈(N+T)/c⌉, D] keys and values) and the open window's raw rows ([c, D]), compressed into the
+  // next slot when its last token arrives. A token sees the slots that end at or before it.
+  void prepare_decode(std::int64_t tokens) override {
+    const std::int64_t d = p_.head_dim, c = l_.compression;
+    local_cache_ = KvCache(p_.batch * l_.local_heads, l_.block, d);
+    slot_cache_ = KvCache(p_.batch * l_.compressed_heads, decode_slots(l_, tokens), d);
+    open_window_ = KvCache(p_.batch * l_.compressed_heads, c, d);
+    step_buffers_ = Tensor(Shape{p_.batch * p_.heads, 2, d});
+  }
+
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t d = p_.head_dim, i = length_;
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      const std::int64_t b = head / p_.heads, h = head % p_.heads;
+      float* query = step_buffers_.data() + head * 2 * d;
+      RowSoftmax row = begin_row(query + d, d);
+      flops += scale_query(q.data() + head * d, d, query);
+      const float *key = k.data() + head * d, *value = v.data() + head * d;
+      if (h < l_.local_heads) {
+        const std::int64_t index = b * l_.local_heads + h, block = l_.block;
+        local_cache_.store(index, i % block, key, value, 1);
+        const std::int64_t first = i / block * block;
+        flops += attend_ring(row, query, local_cache_.keys(index), local_cache_.values(index), block, first, i - first + 1);
+      } else {
+        const std::int64_t index = b * l_.compressed_heads + h - l_.local_heads;
+        flops += append_compressed(index, h - l_.local_heads, i, key, value);
+        flops += attend_rows(row, query, slot_cache_.keys(index), slot_cache_.values(index), (i + 1) / l_.compression);
+      }
+      flops += finish_row(row, out.data() + head * d);
+    }
+    FlopCounter::add(flops);
+    ++length_;
+  }
+
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"local_keys", &local_cache_.key_tensor()},    {"local_values", &local_cache_.value_tensor()},
+            {"slot_keys", &slot_cache_.key_tensor()},      {"slot_values", &slot_cache_.value_tensor()},
+            {"open_keys", &open_window_.key_tensor()},     {"open_values", &open_window_.value_tensor()}};
+  }
+
   const Tensor& compressed_keys() const override { return memory_k_; }
   const Tensor& compressed_values() const override { return memory_v_; }
 
@@ -233,6 +281,42 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
   }
 
   // memory[b, h] = strided convolution of the compressed heads' rows of x (see header).
+  // The prefill's part of a decode: local heads keep their context's last block rows, compressed
+  // heads the completed slots and the open window's rows.
+  void load_decode_context(const Tensor& k, const Tensor& v) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, c = l_.compression, done = n / c;
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      const std::int64_t b = head / p_.heads, h = head % p_.heads;
+      const float *keys = k.data() + head * n * d, *values = v.data() + head * n * d;
+      if (h < l_.local_heads) {
+        const std::int64_t kept = std::min(n, l_.block), first = n - kept;
+        local_cache_.store(b * l_.local_heads + h, first % l_.block, keys + first * d, values + first * d, kept);
+      } else {
+        const std::int64_t hc = h - l_.local_heads, index = b * l_.compressed_heads + hc;
+        slot_cache_.store(index, 0, memory_k_.head(b, hc), memory_v_.head(b, hc), done);
+        open_window_.store(index, 0, keys + done * c * d, values + done * c * d, n - done * c);
+      }
+    }
+    length_ = n;
+  }
+
+  // Token i's raw key and value join the open window of compressed head (index, hc); the token that
+  // completes it turns the window into slot i / c (one row of c·D times the packed weights, for K
+  // and V). Returns the FLOPs outside ops::gemm (none).
+  std::int64_t append_compressed(std::int64_t index, std::int64_t hc, std::int64_t i, const float* key,
+                                 const float* value) {
+    const std::int64_t d = p_.head_dim, c = l_.compression;
+    open_window_.store(index, i % c, key, value, 1);
+    if ((i + 1) % c != 0) return 0;
+    const std::int64_t slot = i / c;
+    ops::gemm(false, false, 1, d, c * d, 1.0f, open_window_.keys(index), c * d, packed_k_.data() + hc * c * d * d, d, 0.0f,
+              slot_cache_.keys(index) + slot * d, d);
+    ops::gemm(false, false, 1, d, c * d, 1.0f, open_window_.values(index), c * d, packed_v_.data() + hc * c * d * d, d,
+              0.0f, slot_cache_.values(index) + slot * d, d);
+    return 0;
+  }
+
   void compress(const Tensor& x, const Tensor& packed, Tensor& memory) {
     const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression, n = p_.seq_len;
     const std::int64_t full = n / c, rest = n % c;
@@ -262,6 +346,10 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
   // Training only (prepare_backward).
   Tensor lse_, deltas_, memory_grads_, tail_rows_, packed_grads_, dweights_k_, dweights_v_;
   std::vector<std::size_t> ranges_;
+  // Decoding only (prepare_decode).
+  KvCache local_cache_, slot_cache_, open_window_;
+  Tensor step_buffers_;  // per head the scaled query and the accumulator
+  std::int64_t length_ = 0;
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const MemoryCompressedConfig& c, std::uint64_t seed) {
@@ -311,6 +399,13 @@ std::int64_t backward_workspace(const Problem& p, const MemoryCompressedConfig& 
          threads * TileAttention::backward_bytes(score_capacity(l, tasks_of(l, p.heads)), 0, d);
 }
 
+std::int64_t decode_workspace(const Problem& p, const MemoryCompressedConfig& c, std::int64_t tokens) {
+  const Layout l(p, c);
+  const std::int64_t d = p.head_dim, compressed = p.batch * l.compressed_heads;
+  return KvCache::bytes(p.batch * l.local_heads, l.block, d) + KvCache::bytes(compressed, decode_slots(l, tokens), d) +
+         KvCache::bytes(compressed, l.compression, d) + p.batch * p.heads * 2 * d * static_cast<std::int64_t>(sizeof(float));
+}
+
 }  // namespace
 
 Implementation memory_compressed_implementation() {
@@ -330,7 +425,8 @@ Implementation memory_compressed_implementation() {
         return c;
       },
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

@@ -23,6 +23,10 @@
 // Backward: the forward saves the log-sum-exp and keeps K̂, V̂; the backward recomputes the tiles,
 // then runs the convolution backward (input rows and the weights' gradients, summed over the
 // batch: one task per head index).
+// Decode (the state): local heads a ring of their block; compressed heads the slots completed so far
+// ([⌈(N+T)/c⌉, D] keys and values) and the open window's raw rows ([c, D]). The token that completes
+// a window compresses it into the next slot (2·2·c·D² FLOPs); a token attends to the ⌊(i+1)/c⌋
+// completed slots: O(N/c) per token (O(block) on local heads), state O(N/c).
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
