@@ -113,6 +113,13 @@ const std::vector<DecodeCase>& decode_cases() {
       {"sparse-transformer", {"pattern=fixed", "stride=5", "summary=1"}, {9}, 12},
       {"image-transformer", {"query_block=8", "memory_flange=4"}, {3, 7, 8, 9, 21}, 19},
       {"image-transformer", {"query_block=6", "memory_flange=9"}, {5, 13}, 15},
+      {"transformer-xl", {"segment_len=5", "memory_len=4"}, {1, 4, 5, 6, 13}, 12},
+      {"transformer-xl", {"segment_len=16", "memory_len=3", "block_q=4"}, {7}, 14},
+      {"compressive", {"segment_len=4", "memory_len=3", "compressed_len=2", "compression_rate=2"}, {3, 4, 5, 11}, 13},
+      {"compressive", {"segment_len=5", "memory_len=2", "compressed_len=3", "compression_rate=3", "compression=max"},
+       {6}, 12},
+      {"compressive", {"segment_len=3", "memory_len=3", "compressed_len=4", "compression_rate=2", "compression=mean"},
+       {8}, 10},
       // Kernel models: a ratio of sums of positive features, within the same rounding bound.
       {"linear-transformer", {"chunk=8"}, {1, 7, 8, 9, 20}, 19},
       {"performer", {"features=48", "chunk=8"}, {1, 7, 8, 9, 20}, 19},

@@ -6,10 +6,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
+#include "lib/core/stage_clock.hpp"
 #include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
@@ -144,17 +146,7 @@ void SegmentAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   CounterRng(seed_, c_.model + "/pos_bias_u").fill_normal(bias_u_, 0.0f, 0.5f);
   CounterRng(seed_, c_.model + "/pos_bias_v").fill_normal(bias_v_, 0.0f, 0.5f);
   CounterRng(seed_, c_.model + "/w_r").fill_normal(w_r_, 0.0f, 1.0f / std::sqrt(static_cast<float>(d_r)));
-  sinusoid_ = Tensor(Shape{s.relative, d_r});
-  for (std::int64_t t = 0; t < s.relative; ++t)
-    for (std::int64_t k = 0; k < d_r; ++k) {
-      const double omega = std::pow(10000.0, -static_cast<double>(k - k % 2) / static_cast<double>(d_r));
-      const double angle = static_cast<double>(delta_max_ - t) * omega;
-      sinusoid_[t * d_r + k] = static_cast<float>(k % 2 == 0 ? std::sin(angle) : std::cos(angle));
-    }
-  relative_keys_ = Tensor(Shape{h, s.relative, d});
-  for (std::int64_t head = 0; head < h; ++head)
-    ops::gemm(false, false, s.relative, d, d_r, 1.0f, sinusoid_.data(), d_r, w_r_.data() + head * d_r * d, d, 0.0f,
-              relative_keys_.data() + head * s.relative * d, d);
+  build_relative_table(s.relative);
   if (c_.compression == Compression::Conv) {
     conv_weights_ = Tensor(Shape{2, h, c_.rate * d, d});
     CounterRng(seed_, c_.model + "/conv_weights")
@@ -169,6 +161,108 @@ void SegmentAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   relative_scores_ = Tensor(Shape{threads, s.block, ops::padded_ld(s.rows + s.block - 1)});
 }
 
+// Table row t holds δ = delta_max_ − t; the causal forward's δ_max is its window's last row.
+void SegmentAttention::build_relative_table(std::int64_t rows) {
+  const std::int64_t h = p_.heads, d = p_.head_dim, d_r = h * d;
+  sinusoid_ = Tensor();
+  relative_keys_ = Tensor();  // released first: the new tables never coexist with the old
+  sinusoid_ = Tensor(Shape{rows, d_r});
+  for (std::int64_t t = 0; t < rows; ++t)
+    for (std::int64_t k = 0; k < d_r; ++k) {
+      const double omega = std::pow(10000.0, -static_cast<double>(k - k % 2) / static_cast<double>(d_r));
+      const double angle = static_cast<double>(delta_max_ - t) * omega;
+      sinusoid_[t * d_r + k] = static_cast<float>(k % 2 == 0 ? std::sin(angle) : std::cos(angle));
+    }
+  relative_keys_ = Tensor(Shape{h, rows, d});
+  for (std::int64_t head = 0; head < h; ++head)
+    ops::gemm(false, false, rows, d, d_r, 1.0f, sinusoid_.data(), d_r, w_r_.data() + head * d_r * d, d, 0.0f,
+              relative_keys_.data() + head * rows * d, d);
+}
+
+void SegmentAttention::prepare_decode(std::int64_t tokens) {
+  if (!p_.causal) throw std::logic_error("SegmentAttention: decoding needs a causal problem");
+  const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim;
+  decode_segment_ = std::min(c_.segment_len, p_.seq_len + tokens);
+  const std::int64_t rows = context_ + decode_segment_;
+  if (rows > relative_keys_.dim(1)) {  // a context shorter than L: the segment grows past it
+    delta_max_ = rows - 1;
+    build_relative_table(rows);
+  }
+  if (c_.compression != Compression::None && ceil_div(decode_segment_, c_.rate) > compressed_slots_.dim(1)) {
+    compressed_slots_ = Tensor();
+    compressed_slots_ = Tensor(Shape{p_.threads, ceil_div(decode_segment_, c_.rate), d});
+  }
+  decode_windows_ = Tensor(Shape{2, heads, rows, d});
+  decode_scores_ = Tensor(Shape{heads, 2, ops::padded_ld(rows)});
+  decode_queries_ = Tensor(Shape{heads, 2, d});
+}
+
+void SegmentAttention::load_decode_context(const Tensor& k, const Tensor& v) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, segment = decode_segment_, complete = n / segment * segment;
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1)
+  for (std::int64_t bh = 0; bh < p_.batch * p_.heads; ++bh) {
+    float* const win[2] = {decode_window(false, bh), decode_window(true, bh)};
+    SegmentCache cache;
+    for (std::int64_t s0 = 0; s0 <= complete; s0 += segment) {
+      const std::int64_t rows = std::min(segment, n - s0), offset = (bh * n + s0) * d;
+      std::copy(k.data() + offset, k.data() + offset + rows * d, win[0] + context_ * d);
+      std::copy(v.data() + offset, v.data() + offset + rows * d, win[1] + context_ * d);
+      if (s0 == complete) break;  // the open segment (possibly empty) stays in the window
+      update_memory(win, bh % p_.heads, segment, cache, omp_get_thread_num());
+      advance(cache, segment, c_);
+    }
+  }
+  decode_cache_ = {};
+  for (std::int64_t s0 = 0; s0 < complete; s0 += segment) advance(decode_cache_, segment, c_);
+  decode_filled_ = n - complete;
+}
+
+void SegmentAttention::decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, segment = decode_segment_;
+  std::int64_t flops = 0;
+  if (decode_filled_ == segment) {  // the previous token closed a segment: the FIFO update
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+    for (std::int64_t bh = 0; bh < heads; ++bh) {
+      float* const win[2] = {decode_window(false, bh), decode_window(true, bh)};
+      flops += update_memory(win, bh % p_.heads, segment, decode_cache_, omp_get_thread_num());
+    }
+    advance(decode_cache_, segment, c_);
+    decode_filled_ = 0;
+    stage_clock::lap("memory_update");
+  }
+  const std::int64_t row = context_ + decode_filled_;
+  const std::int64_t lo = context_ - decode_cache_.memory - decode_cache_.compressed, cols = row - lo + 1;
+  const std::int64_t table_rows = relative_keys_.dim(1), first_table_row = delta_max_ - row + lo;
+  const std::int64_t ld = decode_scores_.dim(2);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+  for (std::int64_t bh = 0; bh < heads; ++bh) {
+    float* const win[2] = {decode_window(false, bh), decode_window(true, bh)};
+    std::copy_n(k.data() + bh * d, d, win[0] + row * d);
+    std::copy_n(v.data() + bh * d, d, win[1] + row * d);
+    const std::int64_t head = bh % p_.heads;
+    float* with_u = decode_queries_.data() + bh * 2 * d;
+    float* with_v = with_u + d;
+    for (std::int64_t j = 0; j < d; ++j) {
+      with_u[j] = q[bh * d + j] + bias_u_[head * d + j];
+      with_v[j] = q[bh * d + j] + bias_v_[head * d + j];
+    }
+    float* scores = decode_scores_.data() + bh * 2 * ld;
+    float* relative = scores + ld;
+    ops::gemm(false, true, 1, cols, d, scale, with_u, d, win[0] + lo * d, d, 0.0f, scores, ld);
+    ops::gemm(false, true, 1, cols, d, scale, with_v, d, relative_keys_.data() + (head * table_rows + first_table_row) * d,
+              d, 0.0f, relative, ld);
+    const float inverse = add_relative_and_exponentiate(scores, relative, cols, cols, nullptr);
+    float* dst = out.data() + bh * d;
+    ops::gemm(false, false, 1, d, cols, 1.0f, scores, ld, win[1] + lo * d, d, 0.0f, dst, d);
+    for (std::int64_t j = 0; j < d; ++j) dst[j] *= inverse;
+    flops += 3 * d + kFlopsPerVisibleEntry * cols;
+  }
+  FlopCounter::add(flops);
+  ++decode_filled_;
+  stage_clock::lap("attend");
+}
+
 void SegmentAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
   // Segments are sequential per (batch, head). With at least one (batch, head) per thread each
   // thread runs whole heads without synchronisation; otherwise the threads share each segment's
@@ -177,6 +271,7 @@ void SegmentAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v
   FlopCounter::add(per_head ? run_heads(q, k, v, out) : run_lockstep(q, k, v, out));
   cache_ = {};
   for (std::int64_t s0 = 0; s0 < p_.seq_len; s0 += segment_) advance(cache_, std::min(segment_, p_.seq_len - s0), c_);
+  if (!decode_windows_.empty()) load_decode_context(k, v);
 }
 
 std::int64_t SegmentAttention::run_heads(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
@@ -599,6 +694,17 @@ std::int64_t segment_attention_flops(const Problem& p, const SegmentAttentionCon
     per_head += 2 * compress_flops(c.compression, evicted, p.head_dim, c.rate);
   }
   return p.batch * p.heads * per_head;
+}
+
+std::int64_t segment_attention_decode_workspace(const Problem& p, const SegmentAttentionConfig& c, std::int64_t tokens) {
+  const Sizes s = sizes_of(p, c);
+  const std::int64_t heads = p.batch * p.heads, d = p.head_dim, segment = std::min(c.segment_len, p.seq_len + tokens);
+  const std::int64_t rows = s.context + segment;
+  std::int64_t floats = 2 * heads * rows * d + heads * 2 * ops::padded_ld(rows) + heads * 2 * d;
+  if (rows > s.relative) floats += (rows - s.relative) * (p.heads * d + p.heads * d);  // sinusoid [·, d_r], relative keys
+  if (c.compression != Compression::None)
+    floats += p.threads * std::max<std::int64_t>(0, ceil_div(segment, c.rate) - ceil_div(s.segment, c.rate)) * d;
+  return floats * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t segment_attention_workspace(const Problem& p, const SegmentAttentionConfig& c) {

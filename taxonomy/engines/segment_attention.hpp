@@ -112,6 +112,18 @@ class SegmentAttention final : public Mechanism {
   std::vector<NamedTensor> parameter_gradients() const override;
   std::string gradient_note() const override;
 
+  // Decode (causal): segments of L_dec = min(L, N + T) tokens, as the causal forward over N + T
+  // tokens cuts them. The state per (batch, head) is a key and a value window [W + L_dec, D] laid
+  // out as above; after the prefill (the forward, then a replay of the context's memory updates
+  // segment by segment, compression included) it holds the memory as of the open segment's start
+  // and that segment's rows so far. A step first closes a full segment (the FIFO update and its
+  // compression, timed as the stage `memory_update` of that step), then appends its row and
+  // attends to the valid window rows up to it with the relative scores: 3·2·cols·D (content,
+  // relative and value products) + 3·D + 5·cols FLOPs, cols ≤ n_cm + M + L — constant in N.
+  void prepare_decode(std::int64_t tokens) override;
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
+  std::vector<NamedTensor> decode_state() const override { return {{"windows", &decode_windows_}}; }
+
   // State after the last forward, for tests: valid slots, oldest first, rows of D floats.
   std::int64_t memory_length() const { return cache_.memory; }
   std::int64_t compressed_length() const { return cache_.compressed; }
@@ -151,6 +163,13 @@ class SegmentAttention final : public Mechanism {
                                        std::int64_t segment_rows, const SegmentCache& cache, int thread);
   float* window(bool values, std::int64_t bh);
   const float* window(bool values, std::int64_t bh) const;
+  // The relative table for distances up to rows − 1 (sinusoid_, relative_keys_, delta_max_).
+  void build_relative_table(std::int64_t rows);
+  // After a prefill: the decode windows replayed from the context's keys and values.
+  void load_decode_context(const Tensor& k, const Tensor& v);
+  float* decode_window(bool values, std::int64_t bh) {
+    return decode_windows_.data() + ((values ? p_.batch * p_.heads : 0) + bh) * decode_windows_.dim(2) * p_.head_dim;
+  }
 
   Problem p_;
   SegmentAttentionConfig c_;
@@ -168,11 +187,19 @@ class SegmentAttention final : public Mechanism {
   // aux_loss, per thread the compressed K, V of the evicted rows and their gradients [4, ⌈L/c⌉, D],
   // score tiles [L, L] (evicted) and [2, L, ⌈L/c⌉] (compressed, and dP/dS), both outputs [2, L, D].
   Tensor conv_grads_, reconstruction_slots_, reconstruction_scores_, reconstruction_outputs_;
+  // Decoding only: L_dec, the open segment's rows so far, the caches' valid slots; windows
+  // [2, B·H, W + L_dec, D]; per (batch, head) the content and relative score rows and q + u, q + v.
+  std::int64_t decode_segment_ = 0, decode_filled_ = 0;
+  SegmentCache decode_cache_;
+  Tensor decode_windows_, decode_scores_, decode_queries_;
 };
 
 std::int64_t segment_attention_flops(const Problem& p, const SegmentAttentionConfig& c);
 std::int64_t segment_attention_workspace(const Problem& p, const SegmentAttentionConfig& c);
 std::int64_t segment_attention_backward_flops(const Problem& p, const SegmentAttentionConfig& c);
 std::int64_t segment_attention_backward_workspace(const Problem& p, const SegmentAttentionConfig& c);
+// The bytes prepare_decode(tokens) adds: the windows, score rows and biased queries, and the growth
+// of the relative table and the compression buffer when L_dec exceeds the context's L.
+std::int64_t segment_attention_decode_workspace(const Problem& p, const SegmentAttentionConfig& c, std::int64_t tokens);
 
 }  // namespace xfb

@@ -44,6 +44,10 @@ std::int64_t backward_workspace(const Problem& p, const CompressiveConfig& c) {
   return segment_attention_backward_workspace(p, segment_config(c));
 }
 
+std::int64_t decode_workspace(const Problem& p, const CompressiveConfig& c, std::int64_t tokens) {
+  return segment_attention_decode_workspace(p, segment_config(c), tokens);
+}
+
 }  // namespace
 
 SegmentAttentionConfig segment_config(const CompressiveConfig& c) {
@@ -67,7 +71,8 @@ Implementation compressive_implementation() {
                                           .workspace = workspace,
                                           .validate = validate,
                                           .backward_flops = backward_flops,
-                                          .backward_workspace = backward_workspace});
+                                          .backward_workspace = backward_workspace,
+                                          .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

@@ -7,6 +7,8 @@
 // last group, masks and FLOP formula: taxonomy/engines/segment_attention.hpp.
 // Work O(N·(n_cm + M + L)·D + N·D²) (conv), workspace O(B·H·(n_cm + M + L)·D): linear and
 // constant in N for fixed L, M, n_cm.
+// Decode: the memory (and compressed memory) and the open segment's rows; the FIFO update runs in
+// the step after a segment closes (engines/segment_attention.hpp): O(n_cm + M + L) per token.
 #include "lib/core/mechanism.hpp"
 #include "taxonomy/engines/segment_attention.hpp"
 

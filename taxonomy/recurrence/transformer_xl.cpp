@@ -34,6 +34,10 @@ std::int64_t backward_workspace(const Problem& p, const TransformerXlConfig& c) 
   return segment_attention_backward_workspace(p, segment_config(c));
 }
 
+std::int64_t decode_workspace(const Problem& p, const TransformerXlConfig& c, std::int64_t tokens) {
+  return segment_attention_decode_workspace(p, segment_config(c), tokens);
+}
+
 }  // namespace
 
 SegmentAttentionConfig segment_config(const TransformerXlConfig& c) {
@@ -49,7 +53,8 @@ Implementation transformer_xl_implementation() {
       ModelSpec<TransformerXlConfig>{.fields = fields(), .create = create, .flops = flops,
                                           .workspace = workspace,
                                           .backward_flops = backward_flops,
-                                          .backward_workspace = backward_workspace});
+                                          .backward_workspace = backward_workspace,
+                                          .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

@@ -6,6 +6,8 @@
 // context) and FLOP formula: taxonomy/engines/segment_attention.hpp with n_cm = 0.
 // Work O(N·(M + L)·D) and workspace O(B·H·(M + L)·D): linear and constant in N for fixed L, M
 // (the survey's O(N²) is the attention span M + L).
+// Decode: the memory (and compressed memory) and the open segment's rows; the FIFO update runs in
+// the step after a segment closes (engines/segment_attention.hpp): O(n_cm + M + L) per token.
 #include "lib/core/mechanism.hpp"
 #include "taxonomy/engines/segment_attention.hpp"
 
