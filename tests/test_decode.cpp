@@ -120,6 +120,12 @@ const std::vector<DecodeCase>& decode_cases() {
        {6}, 12},
       {"compressive", {"segment_len=3", "memory_len=3", "compressed_len=4", "compression_rate=2", "compression=mean"},
        {8}, 10},
+      {"synthesizer", {"variant=dense"}, {1, 9}, 7},
+      {"synthesizer", {"variant=dense", "vanilla_weight=0.5"}, {5}, 6},
+      {"synthesizer", {"variant=random"}, {4}, 6},
+      {"synthesizer", {"variant=random", "vanilla_weight=0.25"}, {3}, 5},
+      {"synthesizer", {"variant=factorized-random", "factor_rank=3"}, {2, 8}, 7},
+      {"synthesizer", {"variant=factorized-random", "factor_rank=2", "vanilla_weight=1"}, {6}, 4},
       // Kernel models: a ratio of sums of positive features, within the same rounding bound.
       {"linear-transformer", {"chunk=8"}, {1, 7, 8, 9, 20}, 19},
       {"performer", {"features=48", "chunk=8"}, {1, 7, 8, 9, 20}, 19},

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
@@ -21,6 +22,42 @@ Tensor normal_tensor(Shape shape, std::uint64_t seed, const char* stream, double
   return t;
 }
 
+// Entry (h, a, b) of a parameter with a position axis is draw (h·2²⁴ + a)·2²⁴ + b of its stream:
+// the same value whatever the sequence length, so the parameters of N tokens are the first rows
+// (or columns) of those of N + T — what decoding past the context needs (positions < 2²⁴).
+float position_draw(const CounterRng& rng, std::int64_t h, std::int64_t a, std::int64_t b, float std_dev) {
+  constexpr std::uint64_t kShift = 24;
+  const auto index = ((static_cast<std::uint64_t>(h) << kShift) + static_cast<std::uint64_t>(a)) << kShift;
+  return std_dev * static_cast<float>(rng.normal(index + static_cast<std::uint64_t>(b)));
+}
+
+// [H, rows, cols] with entry (h, first_row + r, c) of the stream (position_draw).
+Tensor position_tensor(std::int64_t h, std::int64_t rows, std::int64_t cols, std::uint64_t seed, const char* stream,
+                       double variance, std::int64_t first_row = 0) {
+  Tensor t(Shape{h, rows, cols});
+  const CounterRng rng(seed, stream);
+  const auto std_dev = static_cast<float>(std::sqrt(variance));
+#pragma omp parallel for collapse(2) schedule(static)
+  for (std::int64_t head = 0; head < h; ++head)
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < cols; ++c)
+        t[(head * rows + r) * cols + c] = position_draw(rng, head, first_row + r, c, std_dev);
+  return t;
+}
+
+// [W₂; b₂] per head for `n` positions, [H, D+1, n]: W₂'s entry (h, r, j) and b₂'s (h, 0, j).
+Tensor stacked_output_weights(std::int64_t h, std::int64_t d, std::int64_t n, std::uint64_t seed) {
+  Tensor stacked(Shape{h, d + 1, n});
+  const CounterRng w2(seed, "synthesizer/w2"), b2(seed, "synthesizer/b2");
+  const auto std_dev = static_cast<float>(std::sqrt(1.0 / static_cast<double>(d)));
+  for (std::int64_t head = 0; head < h; ++head)
+    for (std::int64_t r = 0; r <= d; ++r)
+      for (std::int64_t j = 0; j < n; ++j)
+        stacked[(head * (d + 1) + r) * n + j] =
+            r < d ? position_draw(w2, head, r, j, std_dev) : position_draw(b2, head, 0, j, std_dev);
+  return stacked;
+}
+
 class Synthesizer final : public Mechanism {
  public:
   Synthesizer(const Problem& problem, const SynthesizerConfig& config, std::uint64_t seed)
@@ -34,19 +71,25 @@ class Synthesizer final : public Mechanism {
       case SynthesizerVariant::Dense:
         w1_ = normal_tensor({h, d, d}, seed_, "synthesizer/w1", inv_d);
         b1_ = normal_tensor({h, d}, seed_, "synthesizer/b1", inv_d);
-        w2_ = normal_tensor({h, d, n}, seed_, "synthesizer/w2", inv_d);
-        b2_ = normal_tensor({h, n}, seed_, "synthesizer/b2", inv_d);
+        w2_ = position_tensor(h, d, n, seed_, "synthesizer/w2", inv_d);
+        b2_ = Tensor(Shape{h, n});  // b₂'s entry (h, j) is draw (h, 0, j), as in stacked_output_weights
+        {
+          const CounterRng b2(seed_, "synthesizer/b2");
+          for (std::int64_t head = 0; head < h; ++head)
+            for (std::int64_t j = 0; j < n; ++j)
+              b2_[head * n + j] = position_draw(b2, head, 0, j, static_cast<float>(std::sqrt(inv_d)));
+        }
         w2_with_bias_ = stack_bias(w2_, b2_);
         hidden_ = Tensor(Shape{bh, n, d + 1});
         for (std::int64_t r = 0; r < bh * n; ++r) hidden_[r * (d + 1) + d] = 1.0f;
         break;
       case SynthesizerVariant::Random:
-        r_ = normal_tensor({h, n, n}, seed_, "synthesizer/r", 1.0);
+        r_ = position_tensor(h, n, n, seed_, "synthesizer/r", 1.0);
         break;
       case SynthesizerVariant::FactorizedRandom: {
         const double variance = 1.0 / std::sqrt(static_cast<double>(c_.factor_rank));
-        r1_ = normal_tensor({h, n, c_.factor_rank}, seed_, "synthesizer/r1", variance);
-        r2_ = normal_tensor({h, n, c_.factor_rank}, seed_, "synthesizer/r2", variance);
+        r1_ = position_tensor(h, n, c_.factor_rank, seed_, "synthesizer/r1", variance);
+        r2_ = position_tensor(h, n, c_.factor_rank, seed_, "synthesizer/r2", variance);
         break;
       }
     }
@@ -66,6 +109,64 @@ class Synthesizer final : public Mechanism {
     }
     ops::softmax_rows_masked(logits_.data(), bh, n, n, ld_, p_.causal);
     ops::matmul({.batch = bh, .m = n, .n = d, .k = n, .lda = ld_}, logits_.data(), v.data(), out.data());
+    if (!decode_values_.empty()) {  // the prefill of a decode: the context's values (and keys)
+      const std::int64_t total = decode_values_.dim(1);
+      for (std::int64_t head = 0; head < bh; ++head) {
+        std::copy_n(v.data() + head * n * d, n * d, decode_values_.data() + head * total * d);
+        if (mix_ > 0.0f) std::copy_n(k.data() + head * n * d, n * d, decode_keys_.data() + head * total * d);
+      }
+      length_ = n;
+    }
+  }
+
+  // Decode: the cached values (and keys when α > 0) of every token, and the synthesiser's
+  // parameters extended to the N + T positions (dense: [W₂; b₂] [H, D+1, N+T]; random: R's rows of
+  // the decoded tokens [H, T, N+T]; factorized: R₁'s rows of the decoded tokens [H, T, k] and R₂
+  // [H, N+T, k]) — the same draws as a model built for N + T tokens (position_draw).
+  void prepare_decode(std::int64_t tokens) override {
+    const std::int64_t h = p_.heads, d = p_.head_dim, n = p_.seq_len, total = n + tokens, bh = p_.batch * p_.heads;
+    decode_values_ = Tensor(Shape{bh, total, d});
+    if (mix_ > 0.0f) decode_keys_ = Tensor(Shape{bh, total, d});
+    switch (c_.variant) {
+      case SynthesizerVariant::Dense:
+        decode_synthetic_ = stacked_output_weights(h, d, total, seed_);
+        decode_hidden_ = Tensor(Shape{bh, d + 1});
+        break;
+      case SynthesizerVariant::Random:
+        decode_synthetic_ = position_tensor(h, tokens, total, seed_, "synthesizer/r", 1.0, n);
+        break;
+      case SynthesizerVariant::FactorizedRandom: {
+        const double variance = 1.0 / std::sqrt(static_cast<double>(c_.factor_rank));
+        decode_factor_rows_ = position_tensor(h, tokens, c_.factor_rank, seed_, "synthesizer/r1", variance, n);
+        decode_synthetic_ = position_tensor(h, total, c_.factor_rank, seed_, "synthesizer/r2", variance);
+        break;
+      }
+    }
+    decode_logits_ = Tensor(Shape{bh, ops::padded_ld(total)});
+  }
+
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t d = p_.head_dim, i = length_, total = decode_values_.dim(1), keys = i + 1;
+    if (i >= total) throw std::logic_error("synthesizer: decode step past the prepared capacity");
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+    for (std::int64_t bh = 0; bh < p_.batch * p_.heads; ++bh) {
+      std::copy_n(v.data() + bh * d, d, decode_values_.data() + (bh * total + i) * d);
+      if (mix_ > 0.0f) std::copy_n(k.data() + bh * d, d, decode_keys_.data() + (bh * total + i) * d);
+      float* logits = decode_logits_.data() + bh * decode_logits_.dim(1);
+      flops += step_logits(bh, i, q.data() + bh * d, logits);
+      const float sum = ops::exp_and_sum(logits, keys, ops::row_max(logits, keys, logits[0]));
+      ops::gemm(false, false, 1, d, keys, 1.0f / sum, logits, keys, decode_values_.data() + bh * total * d, d, 0.0f,
+                out.data() + bh * d, d);
+      flops += kSoftmaxFlopsPerElement * keys;
+    }
+    FlopCounter::add(flops);
+    ++length_;
+  }
+
+  std::vector<NamedTensor> decode_state() const override {
+    if (mix_ > 0.0f) return {{"key_cache", &decode_keys_}, {"value_cache", &decode_values_}};
+    return {{"value_cache", &decode_values_}};
   }
 
   std::vector<NamedTensor> parameters() const override {
@@ -137,6 +238,47 @@ class Synthesizer final : public Mechanism {
   }
 
  private:
+  // One head's logits of token i over keys 0 … i (logits: i + 1 floats), as the forward makes them.
+  // Returns the FLOPs outside ops::gemm.
+  std::int64_t step_logits(std::int64_t bh, std::int64_t i, const float* q, float* logits) {
+    const std::int64_t h = bh % p_.heads, d = p_.head_dim, n = p_.seq_len, keys = i + 1;
+    const std::int64_t total = decode_values_.dim(1);
+    std::int64_t flops = 0;
+    if (mix_ > 0.0f)
+      ops::gemm(false, true, 1, keys, d, mix_ / std::sqrt(static_cast<float>(d)), q, d,
+                decode_keys_.data() + bh * total * d, d, 0.0f, logits, keys);
+    const float beta = accumulate() ? 1.0f : 0.0f;
+    switch (c_.variant) {
+      case SynthesizerVariant::Dense: {
+        float* hidden = decode_hidden_.data() + bh * (d + 1);
+        ops::gemm(false, false, 1, d, d, 1.0f, q, d, w1_.data() + h * d * d, d, 0.0f, hidden, d + 1);
+        for (std::int64_t c = 0; c < d; ++c) hidden[c] = std::max(hidden[c] + b1_[h * d + c], 0.0f);
+        hidden[d] = 1.0f;
+        ops::gemm(false, false, 1, keys, d + 1, synthetic_weight(), hidden, d + 1,
+                  decode_synthetic_.data() + h * (d + 1) * total, total, beta, logits, keys);
+        flops += 2 * d;
+        break;
+      }
+      case SynthesizerVariant::Random: {
+        const float* row = decode_synthetic_.data() + (h * (total - n) + i - n) * total;
+        if (accumulate()) {
+          for (std::int64_t j = 0; j < keys; ++j) logits[j] += synthetic_weight() * row[j];
+          flops += 2 * keys;
+        } else {
+          std::copy_n(row, keys, logits);
+        }
+        break;
+      }
+      case SynthesizerVariant::FactorizedRandom: {
+        const std::int64_t k = c_.factor_rank;
+        ops::gemm(false, true, 1, keys, k, synthetic_weight(), decode_factor_rows_.data() + (h * (total - n) + i - n) * k,
+                  k, decode_synthetic_.data() + h * total * k, k, beta, logits, keys);
+        break;
+      }
+    }
+    return flops;
+  }
+
   float synthetic_weight() const { return 1.0f - mix_; }
   bool accumulate() const { return mix_ > 0.0f; }
   float* logits(std::int64_t b, std::int64_t h) { return logits_.data() + (b * p_.heads + h) * p_.seq_len * ld_; }
@@ -279,6 +421,10 @@ class Synthesizer final : public Mechanism {
   Tensor w1_, b1_, w2_, b2_, w2_with_bias_, hidden_, r_, r1_, r2_, logits_;
   // Training only (prepare_backward).
   Tensor logit_grads_, dw1_, db1_, dw2_, db2_, stacked_grads_, hidden_grads_, dr_, dr1_, dr2_;
+  // Decoding only (prepare_decode): caches [B·H, N+T, D], the extended synthesiser parameters,
+  // per head the hidden layer and the logit row.
+  Tensor decode_values_, decode_keys_, decode_synthetic_, decode_factor_rows_, decode_hidden_, decode_logits_;
+  std::int64_t length_ = 0;
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const SynthesizerConfig& c, std::uint64_t seed) {
@@ -296,6 +442,17 @@ std::int64_t flops(const Problem& p, const SynthesizerConfig& c) {
     case SynthesizerVariant::FactorizedRandom: per_head += matmul_flops(n, n, c.factor_rank); break;
   }
   return p.batch * p.heads * per_head;
+}
+
+std::int64_t decode_workspace(const Problem& p, const SynthesizerConfig& c, std::int64_t tokens) {
+  const std::int64_t h = p.heads, d = p.head_dim, n = p.seq_len, total = n + tokens, bh = p.batch * p.heads;
+  std::int64_t floats = bh * total * d * (c.vanilla_weight > 0 ? 2 : 1) + bh * ops::padded_ld(total);
+  switch (c.variant) {
+    case SynthesizerVariant::Dense: floats += h * (d + 1) * total + bh * (d + 1); break;
+    case SynthesizerVariant::Random: floats += h * tokens * total; break;
+    case SynthesizerVariant::FactorizedRandom: floats += h * (tokens + total) * c.factor_rank; break;
+  }
+  return floats * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t workspace(const Problem& p, const SynthesizerConfig& c) {
@@ -345,7 +502,8 @@ Implementation synthesizer_implementation() {
       .flops = flops,
       .workspace = workspace,
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

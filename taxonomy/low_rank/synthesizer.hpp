@@ -9,6 +9,8 @@
 //                      all entries N(0, 1/D).
 //   random:            L_syn = R, R [H, N, N] fixed, entries N(0, 1).
 //   factorized-random: L_syn = R₁·R₂ᵀ, R₁, R₂ [H, N, k] (k = factor_rank), entries N(0, k^(−1/2)).
+// Parameters with a position axis (W₂, b₂, R, R₁, R₂) draw entry (h, a, b) by its coordinates, not
+// its offset, so those of N tokens are a prefix of those of N + T (the model decodes past N).
 // Causal (decoding): entries j > i of L are excluded by the masked softmax.
 // FLOPs per (batch, head): softmax 5·(N² or N(N+1)/2 causal) + P·V 2·N²·D
 //   + α > 0: 2·N²·D (Q·Kᵀ)
@@ -22,6 +24,10 @@
 // flows to Q and K through α·Q·Kᵀ/√D and to the synthesiser's parameters (summed over the batch)
 // through (1 − α)·L_syn: d[W₂; b₂] = hiddenᵀ·dL, the ReLU, dW₁ = Qᵀ·d(pre-activation), db₁, and dQ;
 // dR = Σ dL; dR₁ = dL·R₂, dR₂ = dLᵀ·R₁. Workspace as much again as the forward's.
+// Decode: the cached values (and keys when α > 0) of every token, and the parameters extended to
+// N + T positions; a step synthesises its logit row over keys 0 … i (dense: the MLP of its query,
+// 2·D² + 2·D + 2·(D+1)·(i+1) FLOPs; random: R's row; factorized: R₁[i]·R₂ᵀ, 2·k·(i+1)), adds
+// α·q·Kᵀ/√D, softmaxes and multiplies by V: O(N) per token.
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
