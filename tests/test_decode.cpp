@@ -102,6 +102,8 @@ const std::vector<DecodeCase>& decode_cases() {
       {"exact-tiled", {"block_q=16", "block_k=16"}, {1, 15, 16, 17, 40}, 20},
       {"exact-tiled", {}, {3, 70}, 9},
       {"local", {"block=8"}, {7, 8, 9, 21}, 19},
+      {"axial", {"cols=4"}, {1, 3, 4, 5, 13}, 14},
+      {"axial", {}, {16, 23}, 12},
       {"memory-compressed", {"block=8", "compression=3", "mode=split"}, {1, 2, 3, 4, 7, 8, 9, 22}, 13},
       {"memory-compressed", {"block=5", "compression=4", "mode=compressed"}, {6}, 11},
       {"memory-compressed", {"block=6", "compression=2", "mode=local"}, {6, 11}, 7},

@@ -8,7 +8,10 @@
 
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/stage_clock.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 
 namespace xfb {
 namespace {
@@ -111,6 +114,53 @@ class Axial final : public Mechanism {
       return;
     }
     causal_passes(q, k, v, out, over_rows);
+    if (!open_row_.empty()) load_decode_context(q, k, v);
+  }
+
+  // Decode: the keys and row-stage outputs U of the completed grid rows ([B·H, N + T, D] each, in
+  // position order) and the open row's q, k, v ([3, B·H, C, D]). When a row is complete (at the
+  // next step: stage `row_complete`) its U is computed over the whole row and appended. A token at
+  // row ρ, column γ attends, in one softmax, to the column keys above it (strided rows of the
+  // cache, values U) and to its row so far (values V): O(R + C) = O(√N) per token, plus O(C·D)
+  // per token for the row completions.
+  void prepare_decode(std::int64_t tokens) override {
+    const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, c = grid_.cols, total = p_.seq_len + tokens;
+    column_keys_ = Tensor(Shape{heads, total, d});
+    column_outputs_ = Tensor(Shape{heads, total, d});
+    open_row_ = Tensor(Shape{3, heads, c, d});
+    step_buffers_ = Tensor(Shape{heads, 2, d});
+    row_scores_ = Tensor(Shape{p_.threads, c, ops::padded_ld(c) + 1});  // the last column: 1/sum
+  }
+
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, c = grid_.cols, p = length_;
+    std::int64_t flops = 0;
+    if (filled_ == c) {
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+      for (std::int64_t head = 0; head < heads; ++head) flops += complete_row(head, p - c, omp_get_thread_num());
+      filled_ = 0;
+      stage_clock::lap("row_complete");
+    }
+    const std::int64_t rows_above = p / c, column = p % c;
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+    for (std::int64_t head = 0; head < heads; ++head) {
+      for (std::int64_t t = 0; t < 3; ++t)
+        std::copy_n((t == 0 ? q : t == 1 ? k : v).data() + head * d, d, open_row(t, head) + filled_ * d);
+      float* query = step_buffers_.data() + head * 2 * d;
+      RowSoftmax row = begin_row(query + d, d);
+      flops += scale_query(q.data() + head * d, d, query);
+      const std::int64_t offset = (head * column_keys_.dim(1) + column) * d;
+      flops += attend_rows(row, query, column_keys_.data() + offset, column_outputs_.data() + offset, rows_above, c * d);
+      flops += attend_rows(row, query, open_row(1, head), open_row(2, head), filled_ + 1);
+      flops += finish_row(row, out.data() + head * d);
+    }
+    FlopCounter::add(flops);
+    ++filled_;
+    ++length_;
+  }
+
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"column_keys", &column_keys_}, {"column_outputs", &column_outputs_}, {"open_row", &open_row_}};
   }
 
   void prepare_backward() override {
@@ -206,6 +256,47 @@ class Axial final : public Mechanism {
     FlopCounter::add(flops);
   }
 
+  float* open_row(std::int64_t which, std::int64_t head) {  // which: 0 q, 1 k, 2 v
+    return open_row_.data() + (which * p_.batch * p_.heads + head) * grid_.cols * p_.head_dim;
+  }
+
+  // The prefill's part of a decode: the completed rows' keys and U (the forward's row stage), and
+  // the open row's q, k, v.
+  void load_decode_context(const Tensor& q, const Tensor& k, const Tensor& v) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, c = grid_.cols, completed = n / c * c;
+    const std::int64_t total = column_keys_.dim(1);
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      std::copy_n(k.data() + head * n * d, completed * d, column_keys_.data() + head * total * d);
+      std::copy_n(row_outputs_.data() + head * n * d, completed * d, column_outputs_.data() + head * total * d);
+      for (std::int64_t t = 0; t < 3; ++t)
+        std::copy_n((t == 0 ? q : t == 1 ? k : v).data() + (head * n + completed) * d, (n - completed) * d,
+                    open_row(t, head));
+    }
+    filled_ = n - completed;
+    length_ = n;
+  }
+
+  // The row stage of the open row (tokens first … first + C − 1) of one head: U over the whole row,
+  // appended with the row's keys to the column cache. Returns the FLOPs outside ops::gemm: per
+  // row of scores 4·C (max, subtract + exp, sum) + D (U's 1/sum).
+  std::int64_t complete_row(std::int64_t head, std::int64_t first, int thread) {
+    const std::int64_t d = p_.head_dim, c = grid_.cols, total = column_keys_.dim(1), ld = row_scores_.dim(2);
+    float* scores = row_scores_.data() + thread * c * ld;  // row r: C scores, then its 1/sum at ld − 1
+    float* outputs = column_outputs_.data() + (head * total + first) * d;
+    ops::gemm(false, true, c, c, d, 1.0f / std::sqrt(static_cast<float>(d)), open_row(0, head), d, open_row(1, head), d,
+              0.0f, scores, ld);
+    for (std::int64_t r = 0; r < c; ++r) {
+      float* row = scores + r * ld;
+      row[ld - 1] = 1.0f / ops::exp_and_sum(row, c, ops::row_max(row, c, row[0]));
+    }
+    ops::gemm(false, false, c, d, c, 1.0f, scores, ld, open_row(2, head), d, 0.0f, outputs, d);
+    for (std::int64_t r = 0; r < c; ++r)
+      for (std::int64_t j = 0; j < d; ++j) outputs[r * d + j] *= scores[r * ld + ld - 1];
+    std::copy_n(open_row(1, head), c * d, column_keys_.data() + (head * total + first) * d);
+    return 4 * c * c + c * d;
+  }
+
   Problem p_;
   Grid grid_;
   bs::ThreadScratch scratch_;
@@ -213,6 +304,10 @@ class Axial final : public Mechanism {
   // Training only (prepare_backward).
   Tensor row_lse_, column_lse_, row_grads_, row_stats_;
   bs::BackwardScratch backward_scratch_;
+  // Decoding only (prepare_decode): the column cache, the open row, per head the scaled query and
+  // accumulator, per thread a C × C score tile; tokens in the open row, tokens seen.
+  Tensor column_keys_, column_outputs_, open_row_, step_buffers_, row_scores_;
+  std::int64_t filled_ = 0, length_ = 0;
 };
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const AxialConfig& c, std::uint64_t) {
@@ -266,6 +361,12 @@ std::int64_t backward_workspace(const Problem& p, const AxialConfig& c) {
          bs::BackwardScratch::tracked_bytes(p.threads, grid.max_width(), n);
 }
 
+std::int64_t decode_workspace(const Problem& p, const AxialConfig& config, std::int64_t tokens) {
+  const std::int64_t heads = p.batch * p.heads, d = p.head_dim, c = Grid(p, config).cols, total = p.seq_len + tokens;
+  const std::int64_t floats = 2 * heads * total * d + 3 * heads * c * d + heads * 2 * d + p.threads * c * (ops::padded_ld(c) + 1);
+  return floats * static_cast<std::int64_t>(sizeof(float));
+}
+
 std::int64_t workspace(const Problem& p, const AxialConfig& c) {
   const Grid grid(p, c);
   const std::int64_t tokens = p.batch * p.heads * p.seq_len;
@@ -287,7 +388,8 @@ Implementation axial_implementation() {
         return c;
       },
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

@@ -22,6 +22,10 @@
 // Backward: the forward saves U, the row stage's and (non-causal) the column stage's log-sum-exp,
 // or (causal) the union's running max and sum; the backward recomputes the second stage's tiles
 // (dU as their value gradient), then the row stage's with dU as its output gradient.
+// Decode (the state): the completed rows' keys and U ([B·H, N + T, D] each) and the open row's q,
+// k, v; a row's U is computed when it completes (stage `row_complete` of the next step: 4·C²·D +
+// 4·C² + C·D FLOPs per head), and a token attends to its column above (values U) and its row so
+// far (values V) in one softmax: O(√N) per token, state O(N).
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
