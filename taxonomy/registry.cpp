@@ -73,7 +73,7 @@ const std::vector<ModelInfo>& registry() {
             "Dai et al. 2019", "1901.02860", 2019, 4, transformer_xl_implementation()),
       model("sparse-transformer", "Sparse Transformer", {C::FixedPatterns}, "O(N√N)", true, "O(√N)",
             "Child et al. 2019", "1904.10509", 2019, 5, sparse_transformer_implementation()),
-      model("reformer", "Reformer", {C::LearnablePatterns}, "O(N log N)", true, "O(N/n_b)",
+      model("reformer", "Reformer", {C::LearnablePatterns}, "O(N log N)", true, "O(n_r·m)",
             "Kitaev et al. 2020", "2001.04451", 2020, 6, reformer_implementation()),
       model("routing", "Routing Transformer", {C::LearnablePatterns}, "O(N log N)", true, "O(N/k)",
             "Roy et al. 2020", "2003.05997", 2020, 7, routing_implementation()),

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -16,6 +17,7 @@
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 
 namespace xfb {
 
@@ -119,6 +121,133 @@ void ReformerAttention::forward(const Tensor& q, const Tensor&, const Tensor& v,
     stage_clock::lap("attend");
   }
   FlopCounter::add(flops);
+  if (!ring_keys_.empty()) load_decode_context(v);
+}
+
+void ReformerAttention::prepare_decode(std::int64_t) {
+  if (!p_.causal) throw std::logic_error("reformer: decoding needs a causal problem");
+  const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, ring = 2 * chunk_;
+  const std::int64_t slots = heads * c_.n_rounds * c_.n_buckets * ring, gathered = c_.n_rounds * ring;
+  ring_positions_ = IndexBuffer(slots);
+  ring_keys_ = Tensor(Shape{slots, d});
+  ring_values_ = Tensor(Shape{slots, d});
+  member_counts_ = IndexBuffer(heads * c_.n_rounds * c_.n_buckets);
+  step_buckets_ = IndexBuffer(heads * c_.n_rounds);
+  union_keys_ = Tensor(Shape{heads, gathered, d});
+  union_values_ = Tensor(Shape{heads, gathered, d});
+  step_buffers_ = Tensor(Shape{heads, 3, d});
+  union_pairs_.assign(static_cast<std::size_t>(p_.threads), std::vector<std::int64_t>(static_cast<std::size_t>(gathered)));
+}
+
+// Round `round`'s bucket of a normalised key: argmax of [x ; −x], x = k̂·R_r (first maximum wins).
+std::int32_t ReformerAttention::bucket_of(const float* key, std::int64_t round) const {
+  if (half_ == 0) return 0;
+  const std::int64_t d = p_.head_dim, ld = c_.n_rounds * half_;
+  float best = 0.0f;
+  std::int32_t arg = 0;
+  for (std::int64_t side = 0; side < 2; ++side)
+    for (std::int64_t j = 0; j < half_; ++j) {
+      float x = 0.0f;
+      for (std::int64_t c = 0; c < d; ++c) x += key[c] * rotations_[c * ld + round * half_ + j];
+      if (side == 1) x = -x;
+      if ((side == 0 && j == 0) || x > best) {
+        best = x;
+        arg = static_cast<std::int32_t>(side * half_ + j);
+      }
+    }
+  return arg;
+}
+
+void ReformerAttention::append_member(std::int64_t head, std::int64_t round, std::int32_t bucket, std::int64_t position,
+                                      const float* key, const float* value) {
+  const std::int64_t d = p_.head_dim, ring = 2 * chunk_;
+  std::int32_t& count = member_counts_.data()[(head * c_.n_rounds + round) * c_.n_buckets + bucket];
+  const std::int64_t row = ring_row(head, round, bucket) + count % ring;
+  ring_positions_.data()[row] = static_cast<std::int32_t>(position);
+  std::copy_n(key, d, ring_keys_.data() + row * d);
+  std::copy_n(value, d, ring_values_.data() + row * d);
+  ++count;
+}
+
+// The keys the newest token sees, each once: per round its bucket's members of ranks
+// max(0, ⌊rank/m⌋·m − m) … rank − 1, or itself when it is the first member; gathered in position
+// order and attended with its query q (one softmax). Returns the FLOPs.
+std::int64_t ReformerAttention::decode_union(std::int64_t head, const float* q, float* out, int thread) {
+  const std::int64_t d = p_.head_dim, m = chunk_, ring = 2 * m;
+  std::vector<std::int64_t>& pairs = union_pairs_[static_cast<std::size_t>(thread)];
+  std::size_t count = 0;
+  for (std::int64_t round = 0; round < c_.n_rounds; ++round) {
+    const std::int32_t bucket = step_buckets_.data()[head * c_.n_rounds + round];
+    const std::int64_t rank = member_counts_.data()[(head * c_.n_rounds + round) * c_.n_buckets + bucket] - 1;
+    const std::int64_t first = rank == 0 ? 0 : std::max<std::int64_t>(0, (rank / m - 1) * m);
+    const std::int64_t last = rank == 0 ? 0 : rank - 1;
+    for (std::int64_t t = first; t <= last; ++t) {
+      const std::int64_t row = ring_row(head, round, bucket) + t % ring;
+      pairs[count++] = static_cast<std::int64_t>(ring_positions_.data()[row]) << 32 | row;
+    }
+  }
+  std::sort(pairs.begin(), pairs.begin() + static_cast<std::ptrdiff_t>(count));
+  float* keys = union_keys_.data() + head * union_keys_.dim(1) * d;
+  float* values = union_values_.data() + head * union_values_.dim(1) * d;
+  std::int64_t unique = 0;
+  for (std::size_t e = 0; e < count; ++e) {
+    if (e > 0 && pairs[e] >> 32 == pairs[e - 1] >> 32) continue;  // a key visible in several rounds
+    const std::int64_t row = pairs[e] & 0xffffffff;
+    std::copy_n(ring_keys_.data() + row * d, d, keys + unique * d);
+    std::copy_n(ring_values_.data() + row * d, d, values + unique * d);
+    ++unique;
+  }
+  float* query = step_buffers_.data() + head * 3 * d;
+  RowSoftmax row = begin_row(query + d, d);
+  std::int64_t flops = scale_query(q, d, query);
+  flops += attend_rows(row, query, keys, values, unique);
+  return flops + finish_row(row, out);
+}
+
+void ReformerAttention::decode_step(const Tensor& q, const Tensor&, const Tensor& v, Tensor& out) {
+  const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, i = length_;
+  std::int64_t flops = 0;
+#pragma omp parallel num_threads(threads_) reduction(+ : flops)
+  {
+#pragma omp for schedule(static)
+    for (std::int64_t head = 0; head < heads; ++head) {
+      const float* x = q.data() + head * d;
+      float* key = step_buffers_.data() + (head * 3 + 2) * d;
+      float squares = 0.0f;
+      for (std::int64_t c = 0; c < d; ++c) squares += x[c] * x[c];
+      scale_row(key, x, squares > 0.0f ? 1.0f / std::sqrt(squares) : 0.0f, d);
+      flops += 3 * d + (half_ > 0 ? c_.n_rounds * (2 * d * half_ + c_.n_buckets) : 0);
+      for (std::int64_t round = 0; round < c_.n_rounds; ++round) {
+        const std::int32_t bucket = bucket_of(key, round);
+        step_buckets_.data()[head * c_.n_rounds + round] = bucket;
+        append_member(head, round, bucket, i, key, v.data() + head * d);
+      }
+    }
+#pragma omp master
+    stage_clock::lap("route");
+#pragma omp for schedule(static)
+    for (std::int64_t head = 0; head < heads; ++head)
+      flops += decode_union(head, q.data() + head * d, out.data() + head * d, omp_get_thread_num());
+#pragma omp master
+    stage_clock::lap("attend");
+  }
+  FlopCounter::add(flops);
+  ++length_;
+}
+
+// After a prefill: every context token joins its buckets' rings in position order (the buckets
+// are the forward's).
+void ReformerAttention::load_decode_context(const Tensor& v) {
+  const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+  std::fill_n(member_counts_.data(), member_counts_.size(), 0);
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t head = 0; head < heads; ++head)
+    for (std::int64_t round = 0; round < c_.n_rounds; ++round) {
+      const std::int32_t* bucket = buckets_.data() + (round * heads + head) * n;
+      for (std::int64_t i = 0; i < n; ++i)
+        append_member(head, round, bucket[i], i, keys_.data() + (head * n + i) * d, v.data() + (head * n + i) * d);
+    }
+  length_ = n;
 }
 
 std::int64_t ReformerAttention::normalise_keys(const Tensor& q) {
@@ -441,6 +570,14 @@ std::int64_t workspace(const Problem& p, const ReformerConfig& c) {
   return 4 * (floats + ints);
 }
 
+std::int64_t decode_workspace(const Problem& p, const ReformerConfig& c, std::int64_t) {
+  const std::int64_t heads = p.batch * p.heads, d = p.head_dim, ring = 2 * reformer_chunk(p, c);
+  const std::int64_t slots = heads * c.n_rounds * c.n_buckets * ring;
+  const std::int64_t floats = 2 * slots * d + 2 * heads * c.n_rounds * ring * d + heads * 3 * d;
+  const std::int64_t ints = slots + heads * c.n_rounds * c.n_buckets + heads * c.n_rounds;
+  return 4 * (floats + ints);
+}
+
 std::int64_t backward_flops(const Problem& p, const ReformerConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c);
   std::int64_t per_head = 2 * n * d + 8 * n * d;
@@ -478,7 +615,8 @@ Implementation reformer_implementation() {
       },
       .validate = validate,
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

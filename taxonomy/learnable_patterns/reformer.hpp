@@ -77,6 +77,22 @@ class ReformerAttention final : public Mechanism {
   std::int64_t saved_bytes() const override;
   std::string gradient_note() const override { return "hash buckets and sort order held fixed"; }
 
+  // Decode (causal): per (head, round, bucket) a ring of the bucket's last 2m members (positions,
+  // k̂ and v rows) and the member counts. A step normalises its query into k̂, hashes it in every
+  // round (stage `route`), appends it to its buckets and attends to the union of its visible keys
+  // — in each round the bucket members of ranks ⌊rank/m⌋·m − m … rank − 1 (itself only when it is
+  // the bucket's first member) — each key once, one softmax (stage `attend`). FLOPs per head:
+  // 3·D (k̂) + n_rounds·(2·D·n_buckets/2 + n_buckets) (hashing) + D (scale q) + attend_rows over
+  // the union + D: O(n_rounds·m) per token, state constant in N.
+  void prepare_decode(std::int64_t tokens) override;
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"ring_keys", &ring_keys_}, {"ring_values", &ring_values_}};
+  }
+  std::int64_t state_bytes() const override {
+    return ring_keys_.bytes() + ring_values_.bytes() + ring_positions_.bytes() + member_counts_.bytes();
+  }
+
   // The pattern of the last forward, for tests: bucket of every token (original order) and the
   // sorted order (sorted position → token) of round r in head (b, h).
   std::int64_t chunk() const { return chunk_; }
@@ -104,6 +120,16 @@ class ReformerAttention final : public Mechanism {
   bool sees(std::int64_t round, std::int64_t head, std::int64_t i, std::int64_t j) const;
   std::int64_t discount_repeats(std::int64_t head, const std::int32_t* order, std::int64_t q0, std::int64_t rows,
                                 std::int64_t k0, std::int64_t cols, float* scores) const;
+  // Decoding: the ring row of (head, round, bucket) slot; one token's bucket in a round; one head's
+  // step (hash, append; then the union's rows gathered and attended).
+  std::int64_t ring_row(std::int64_t head, std::int64_t round, std::int64_t bucket) const {
+    return ((head * c_.n_rounds + round) * c_.n_buckets + bucket) * 2 * chunk_;
+  }
+  std::int32_t bucket_of(const float* key, std::int64_t round) const;
+  void append_member(std::int64_t head, std::int64_t round, std::int32_t bucket, std::int64_t position,
+                     const float* key, const float* value);
+  std::int64_t decode_union(std::int64_t head, const float* q, float* out, int thread);
+  void load_decode_context(const Tensor& v);
 
   Problem p_;
   ReformerConfig c_;
@@ -116,6 +142,14 @@ class ReformerAttention final : public Mechanism {
   Tensor gathered_, scores_, tile_out_, row_stats_;
   // Backward: dK̂ [B·H·N, D], δ [B·H, N]; per thread dO, dQ rows [m, D] and dK, dV rows [kc, D], dS [m, ld].
   Tensor key_grads_, deltas_, grad_rows_, score_grads_;
+  // Decoding (prepare_decode): rings [heads, rounds, n_buckets, 2m] of positions (int32), k̂ and v
+  // rows; member counts [heads, rounds, n_buckets]; per head the step's k̂, its buckets and the
+  // union's gathered k̂ and v rows [rounds·2m, D] each, the scaled query and accumulator; per thread
+  // the union's (position, ring row) pairs to sort (≤ rounds·2m int64, untracked scratch).
+  IndexBuffer ring_positions_, member_counts_, step_buckets_;
+  Tensor ring_keys_, ring_values_, union_keys_, union_values_, step_buffers_;
+  std::vector<std::vector<std::int64_t>> union_pairs_;
+  std::int64_t length_ = 0;
 };
 
 Implementation reformer_implementation();
