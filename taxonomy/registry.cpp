@@ -81,7 +81,7 @@ const std::vector<ModelInfo>& registry() {
             "Ho et al. 2019", "1912.12180", 2019, 8, axial_implementation()),
       model("compressive", "Compressive Transformer", {C::Recurrence}, "O(N²)", true, "O(L+M+M_c)",
             "Rae et al. 2020", "1911.05507", 2020, 9, compressive_implementation()),
-      model("sinkhorn", "Sinkhorn Transformer", {C::LearnablePatterns}, "O(B²)", true, "O(b)",
+      model("sinkhorn", "Sinkhorn Transformer", {C::LearnablePatterns}, "O(B²)", true, "O(b+N/b)",
             "Tay et al. 2020b", "2002.11296", 2020, 10, sinkhorn_implementation()),
       model("longformer", "Longformer", {C::FixedPatterns, C::Memory}, "O(n(k+m))", true, "O(w+g)",
             "Beltagy et al. 2020", "2004.05150", 2020, 11, longformer_implementation()),

@@ -129,6 +129,8 @@ const std::vector<DecodeCase>& decode_cases() {
       {"synthesizer", {"variant=factorized-random", "factor_rank=3"}, {2, 8}, 7},
       {"synthesizer", {"variant=factorized-random", "factor_rank=2", "vanilla_weight=1"}, {6}, 4},
       {"reformer", {"n_buckets=4", "chunk_len=4"}, {1, 3, 4, 5, 17}, 21},
+      {"sinkhorn", {"block=4"}, {1, 3, 4, 5, 13}, 14},
+      {"sinkhorn", {"block=5", "temperature=0.5"}, {12}, 9},
       {"reformer", {"n_buckets=2", "n_rounds=2", "chunk_len=3"}, {9}, 15},
       {"reformer", {"n_buckets=6", "n_rounds=4", "chunk_len=5"}, {12}, 11},
       {"reformer", {"n_buckets=1", "chunk_len=6"}, {7}, 9},

@@ -22,6 +22,14 @@ class CounterRng {
   double uniform(std::uint64_t index) const;
   // Standard normal by Box–Muller on the uniforms 2i and 2i+1.
   double normal(std::uint64_t index) const;
+  // The normal draw of entry (h, a, b) of a tensor drawn by its coordinates (each below 2²⁴)
+  // rather than by its offset: a parameter with a position axis then has the same values for every
+  // sequence length, those of N tokens a prefix of those of N + T.
+  double normal_at(std::int64_t h, std::int64_t a, std::int64_t b) const {
+    constexpr std::uint64_t kShift = 24;
+    return normal((((static_cast<std::uint64_t>(h) << kShift) + static_cast<std::uint64_t>(a)) << kShift) +
+                  static_cast<std::uint64_t>(b));
+  }
 
   void fill_normal(Tensor& t, float mean = 0.0f, float stddev = 1.0f) const;
   // t: [B, H, R, D], rows first_row … first_row + R − 1 of the [B, H, total_rows, D] tensor that

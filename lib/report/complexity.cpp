@@ -140,6 +140,7 @@ constexpr Mapping kDecodeMappings[] = {
     {"O(√N)", BigO::NSqrtN, false, ""},
     {"O(N)", BigO::NSquared, false, ""},
     {"O(N_c)", BigO::NSquared, false, "N_c = N/c with compression c fixed"},
+    {"O(b+N/b)", BigO::NSquared, false, "Sinkhorn: its block, plus each block opening's mixing of all past blocks, amortised"},
     {"O(N_r·m)", BigO::N, false, "hash rounds n_r and chunk length m fixed"},
     {"O(N/k)", BigO::NSquared, true, "N when the cluster count k is fixed, √N when k grows as √N"},
 };

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -14,6 +15,7 @@
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 #include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
@@ -28,6 +30,16 @@ std::int64_t sinkhorn_blocks(const Problem& p, const SinkhornConfig& c) {
 }
 
 namespace {
+
+// The network's output weights w2 [D, n], entry (r, j) drawn by its coordinates
+// (CounterRng::normal_at), N(0, 1/D): those of n blocks are the first columns of more blocks'.
+void fill_output_weights(Tensor& w2, std::uint64_t seed) {
+  const std::int64_t d = w2.dim(0), n = w2.dim(1);
+  const CounterRng rng(seed, "sinkhorn/w2");
+  const double spread = 1.0 / std::sqrt(static_cast<double>(d));
+  for (std::int64_t r = 0; r < d; ++r)
+    for (std::int64_t j = 0; j < n; ++j) w2[r * n + j] = static_cast<float>(spread * rng.normal_at(0, r, j));
+}
 
 std::int64_t sortcut(const Problem& p, const SinkhornConfig& c) {
   return std::min(c.sortcut_blocks, sinkhorn_blocks(p, c));
@@ -110,7 +122,7 @@ void SinkhornAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   b2_ = Tensor(Shape{nb});
   CounterRng(seed_, "sinkhorn/w1").fill_normal(w1_, 0.0f, spread);
   CounterRng(seed_, "sinkhorn/b1").fill_normal(b1_, 0.0f, spread);
-  CounterRng(seed_, "sinkhorn/w2").fill_normal(w2_, 0.0f, spread);
+  fill_output_weights(w2_, seed_);  // by coordinates: the weights of n_B blocks are a prefix of more's
   CounterRng(seed_, "sinkhorn/b2").fill_normal(b2_, 0.0f, spread);
   embeddings_ = Tensor(Shape{heads * nb, d});
   hidden_ = Tensor(Shape{heads * nb, d});
@@ -132,6 +144,102 @@ std::vector<float> SinkhornAttention::permutation(std::int64_t b, std::int64_t h
   return {first, first + blocks_ * blocks_};
 }
 
+void SinkhornAttention::prepare_decode(std::int64_t tokens) {
+  if (!p_.causal || sortcut_ > 0) throw std::logic_error("sinkhorn: decoding needs the causal mode");
+  const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, b = block_;
+  const std::int64_t blocks = (p_.seq_len + tokens + b - 1) / b;
+  const float spread = 1.0f / std::sqrt(static_cast<float>(d));
+  decode_w2_ = Tensor(Shape{d, blocks});
+  fill_output_weights(decode_w2_, seed_);
+  decode_b2_ = Tensor(Shape{blocks});
+  CounterRng(seed_, "sinkhorn/b2").fill_normal(decode_b2_, 0.0f, spread);  // entry j is draw j: a prefix of more blocks'
+  block_keys_ = Tensor(Shape{heads, blocks * b, d});
+  block_values_ = Tensor(Shape{heads, blocks * b, d});
+  decode_sorted_ = Tensor(Shape{heads, 2, b, d});
+  decode_embeddings_ = Tensor(Shape{heads, d});
+  decode_scratch_ = Tensor(Shape{heads, 3 * d + blocks});
+}
+
+// The open block `block` of one head: from E (the keys of the blocks before it) the network's row
+// R_block,j = ReLU(E·w1 + b1)·w2[:, j] + b2[j], j < block; P = softmax(R/τ); K̃ = P·K_blocks,
+// Ṽ = P·V_blocks. Nothing for block 0. Returns the FLOPs outside ops::gemm: 2·D (bias, ReLU) +
+// block (bias) + 6·block (÷τ, max, subtract + exp, sum, 1/Σ).
+std::int64_t SinkhornAttention::start_block(std::int64_t head, std::int64_t block) {
+  if (block == 0) return 0;
+  const std::int64_t d = p_.head_dim, b = block_, blocks = decode_b2_.size();
+  float* hidden = decode_scratch_.data() + head * decode_scratch_.dim(1) + 2 * d;
+  float* scores = hidden + d;
+  ops::gemm(false, false, 1, d, d, 1.0f, decode_embeddings_.data() + head * d, d, w1_.data(), d, 0.0f, hidden, d);
+  for (std::int64_t c = 0; c < d; ++c) hidden[c] = std::max(hidden[c] + b1_[c], 0.0f);
+  ops::gemm(false, false, 1, block, d, 1.0f, hidden, d, decode_w2_.data(), blocks, 0.0f, scores, block);
+  const float inverse_temperature = static_cast<float>(1.0 / c_.temperature);
+  for (std::int64_t j = 0; j < block; ++j) scores[j] = (scores[j] + decode_b2_[j]) * inverse_temperature;
+  const float total = ops::exp_and_sum(scores, block, ops::row_max(scores, block, scores[0]));
+  for (std::int64_t j = 0; j < block; ++j) scores[j] /= total;
+  float* sorted = decode_sorted_.data() + head * 2 * b * d;
+  ops::gemm(false, false, 1, b * d, block, 1.0f, scores, block, block_keys_.data() + head * block_keys_.dim(1) * d, b * d,
+            0.0f, sorted, b * d);
+  ops::gemm(false, false, 1, b * d, block, 1.0f, scores, block, block_values_.data() + head * block_values_.dim(1) * d,
+            b * d, 0.0f, sorted + b * d, b * d);
+  return 2 * d + 7 * block;
+}
+
+// After a prefill: the context's keys and values in the block cache, E of the open block, its
+// sorted block.
+void SinkhornAttention::load_decode_context(const Tensor& k, const Tensor& v) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, b = block_, complete = n / b;
+#pragma omp parallel for num_threads(threads_) schedule(static)
+  for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+    const std::int64_t rows = block_keys_.dim(1);
+    std::copy_n(k.data() + head * n * d, n * d, block_keys_.data() + head * rows * d);
+    std::copy_n(v.data() + head * n * d, n * d, block_values_.data() + head * rows * d);
+    float* e = decode_embeddings_.data() + head * d;
+    std::fill_n(e, d, 0.0f);
+    for (std::int64_t t = 0; t < complete * b; ++t)
+      for (std::int64_t c = 0; c < d; ++c) e[c] += k[(head * n + t) * d + c];
+    start_block(head, complete);
+  }
+  open_block_ = complete;
+  filled_ = n - complete * b;
+}
+
+void SinkhornAttention::decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, b = block_;
+  std::int64_t flops = 0;
+  if (filled_ == b) {  // the previous token completed its block: E grows by its keys, the next one opens
+#pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
+    for (std::int64_t head = 0; head < heads; ++head) {
+      const float* keys = block_keys_.data() + (head * block_keys_.dim(1) + open_block_ * b) * d;
+      float* e = decode_embeddings_.data() + head * d;
+      for (std::int64_t t = 0; t < b; ++t)
+        for (std::int64_t c = 0; c < d; ++c) e[c] += keys[t * d + c];
+      flops += b * d + start_block(head, open_block_ + 1);
+    }
+    ++open_block_;
+    filled_ = 0;
+    stage_clock::lap("route");
+  }
+  const std::int64_t first = open_block_ * b;
+#pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
+  for (std::int64_t head = 0; head < heads; ++head) {
+    const std::int64_t row0 = head * block_keys_.dim(1) + first;
+    std::copy_n(k.data() + head * d, d, block_keys_.data() + (row0 + filled_) * d);
+    std::copy_n(v.data() + head * d, d, block_values_.data() + (row0 + filled_) * d);
+    float* query = decode_scratch_.data() + head * decode_scratch_.dim(1);
+    RowSoftmax row = begin_row(query + d, d);
+    flops += scale_query(q.data() + head * d, d, query);
+    flops += attend_rows(row, query, block_keys_.data() + row0 * d, block_values_.data() + row0 * d, filled_ + 1);
+    if (open_block_ > 0) {
+      const float* sorted = decode_sorted_.data() + head * 2 * b * d;
+      flops += attend_rows(row, query, sorted, sorted + b * d, b);
+    }
+    flops += finish_row(row, out.data() + head * d);
+  }
+  FlopCounter::add(flops);
+  ++filled_;
+  stage_clock::lap("attend");
+}
+
 void SinkhornAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
   const std::int64_t heads = p_.batch * p_.heads;
   std::int64_t flops = 0;
@@ -149,6 +257,7 @@ void SinkhornAttention::forward(const Tensor& q, const Tensor& k, const Tensor& 
     flops += attend_block(q, k, v, task / blocks_, task % blocks_, out, omp_get_thread_num());
   stage_clock::lap("attend");
   FlopCounter::add(flops);
+  if (!block_keys_.empty()) load_decode_context(k, v);
 }
 
 // E_i = Σ keys of block i; causal: E_i = Σ keys of blocks before i.
@@ -575,6 +684,14 @@ std::int64_t backward_workspace(const Problem& p, const SinkhornConfig& c) {
   return 4 * floats;
 }
 
+std::int64_t decode_workspace(const Problem& p, const SinkhornConfig& c, std::int64_t tokens) {
+  const std::int64_t heads = p.batch * p.heads, d = p.head_dim, b = sinkhorn_block(p, c);
+  const std::int64_t blocks = (p.seq_len + tokens + b - 1) / b;
+  const std::int64_t floats = d * blocks + blocks + 2 * heads * blocks * b * d + heads * 2 * b * d + heads * d +
+                              heads * (3 * d + blocks);
+  return 4 * floats;
+}
+
 }  // namespace
 
 Implementation sinkhorn_implementation() {
@@ -596,7 +713,8 @@ Implementation sinkhorn_implementation() {
       },
       .unsupported = unsupported,
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

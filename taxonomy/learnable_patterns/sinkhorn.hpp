@@ -77,6 +77,20 @@ class SinkhornAttention final : public Mechanism {
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
   std::vector<NamedTensor> parameters() const override;
 
+  // Decode (causal, no SortCut): every token's keys and values in blocks ([B·H, n_B(N+T)·b, D]
+  // each), E of the open block (the keys of the blocks before it) and its sorted block K̃, Ṽ
+  // ([b, D] each). When a block opens (the step after the previous one completes: stage `route`)
+  // its network row, P row and K̃, Ṽ are computed over the blocks before it (2·D² + 2·D + 2·D·β +
+  // 7·β + 2·2·β·b·D FLOPs for block β); a token attends to its block so far and to K̃, Ṽ (stage
+  // `attend`): O(b) per token plus O(N·D/b) amortised for the block openings, state O(N). The
+  // network's w2 is drawn by coordinates, so its columns for n_B(N+T) blocks extend those of n_B.
+  void prepare_decode(std::int64_t tokens) override;
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"block_keys", &block_keys_}, {"block_values", &block_values_}, {"open_embedding", &decode_embeddings_},
+            {"sorted_block", &decode_sorted_}};
+  }
+
   void prepare_backward() override;
   void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
                 Tensor& dk, Tensor& dv) override;
@@ -118,6 +132,12 @@ class SinkhornAttention final : public Mechanism {
   Tensor lse_, sort_scores_, permutation_grads_, sorted_k_grads_, sorted_v_grads_;
   Tensor dw1_, db1_, dw2_, db2_, hidden_grads_, embedding_grads_;
   Tensor key_rows_, score_grads_, steps_;
+  // Decoding (prepare_decode): w2, b2 for n_B(N+T) blocks; the block cache; per head the sorted
+  // block, E and scratch [scaled query, accumulator, hidden, R row]; the open block and its fill.
+  Tensor decode_w2_, decode_b2_, block_keys_, block_values_, decode_sorted_, decode_embeddings_, decode_scratch_;
+  std::int64_t open_block_ = 0, filled_ = 0;
+  std::int64_t start_block(std::int64_t head, std::int64_t block);
+  void load_decode_context(const Tensor& k, const Tensor& v);
 };
 
 Implementation sinkhorn_implementation();

@@ -22,13 +22,11 @@ Tensor normal_tensor(Shape shape, std::uint64_t seed, const char* stream, double
   return t;
 }
 
-// Entry (h, a, b) of a parameter with a position axis is draw (h·2²⁴ + a)·2²⁴ + b of its stream:
-// the same value whatever the sequence length, so the parameters of N tokens are the first rows
-// (or columns) of those of N + T — what decoding past the context needs (positions < 2²⁴).
+// Entry (h, a, b) of a parameter with a position axis is drawn by its coordinates
+// (CounterRng::normal_at): the parameters of N tokens are the first rows (or columns) of those of
+// N + T — what decoding past the context needs.
 float position_draw(const CounterRng& rng, std::int64_t h, std::int64_t a, std::int64_t b, float std_dev) {
-  constexpr std::uint64_t kShift = 24;
-  const auto index = ((static_cast<std::uint64_t>(h) << kShift) + static_cast<std::uint64_t>(a)) << kShift;
-  return std_dev * static_cast<float>(rng.normal(index + static_cast<std::uint64_t>(b)));
+  return std_dev * static_cast<float>(rng.normal_at(h, a, b));
 }
 
 // [H, rows, cols] with entry (h, first_row + r, c) of the stream (position_draw).
