@@ -130,6 +130,10 @@ const std::vector<DecodeCase>& decode_cases() {
       {"synthesizer", {"variant=factorized-random", "factor_rank=2", "vanilla_weight=1"}, {6}, 4},
       {"reformer", {"n_buckets=4", "chunk_len=4"}, {1, 3, 4, 5, 17}, 21},
       {"sinkhorn", {"block=4"}, {1, 3, 4, 5, 13}, 14},
+      // Routing decodes the model of its context (centroids fitted on 2N rows, w = ⌈N/C⌉): the causal
+      // forward over N + T tokens is the same model when the centroids are not fitted and w agrees.
+      {"routing", {"clusters=4", "kmeans_updates=0"}, {13}, 3},
+      {"routing", {"clusters=3", "kmeans_updates=0", "local_heads=true"}, {10}, 2},
       {"sinkhorn", {"block=5", "temperature=0.5"}, {12}, 9},
       {"reformer", {"n_buckets=2", "n_rounds=2", "chunk_len=3"}, {9}, 15},
       {"reformer", {"n_buckets=6", "n_rounds=4", "chunk_len=5"}, {12}, 11},
@@ -201,6 +205,78 @@ TEST_SUITE("decode") {
         CHECK(row.reason.find("no incremental form in this build") != std::string::npos);
       } else {
         CHECK(row.status == Status::Ok);
+      }
+    }
+  }
+
+  TEST_CASE("routing decodes its context's model: fitted centroids, the w most recent keys of the query's cluster") {
+    const ModelInfo* model = find_model("routing");
+    REQUIRE(model != nullptr);
+    for (const bool local : {false, true}) {
+      Problem context = on_test_threads(Problem{.batch = 2, .heads = 2, .head_dim = 16});
+      context.seq_len = 40;
+      context.causal = true;
+      const std::int64_t tokens = 30, total = context.seq_len + tokens, d = context.head_dim;
+      Problem whole_problem = context;
+      whole_problem.seq_len = total;
+      std::vector<std::string> params = {"clusters=5"};
+      if (local) params.push_back("local_heads=true");
+      const ParamValues values = model->impl.resolved(context, resolve_params("routing", model->impl.params, params));
+      const AttentionInputs whole = random_inputs(whole_problem, 11);
+      auto mechanism = model->impl.create(context, values, 42);
+      const Tensor q = rows_of(whole.q, 0, context.seq_len), k = rows_of(whole.k, 0, context.seq_len),
+                   v = rows_of(whole.v, 0, context.seq_len);
+      mechanism->prepare(q, k, v);
+      mechanism->prepare_decode(tokens);
+      Tensor out = Tensor::bhnd(2, 2, context.seq_len, d);
+      mechanism->forward(q, k, v, out);
+      const Tensor* centroids = nullptr;
+      for (const auto& named : mechanism->parameters())
+        if (named.name == "centroids") centroids = named.tensor;
+      REQUIRE(centroids != nullptr);
+      const std::int64_t clusters = centroids->dim(1), w = (context.seq_len + clusters - 1) / clusters;
+      auto nearest = [&](const float* x, std::int64_t h) {
+        std::int64_t best = 0;
+        double best_dot = -INFINITY;
+        for (std::int64_t c = 0; c < clusters; ++c) {
+          double dot = 0;
+          for (std::int64_t j = 0; j < d; ++j) dot += static_cast<double>(x[j]) * (*centroids)[(h * clusters + c) * d + j];
+          if (dot > best_dot) best_dot = dot, best = c;
+        }
+        return best;
+      };
+      const double tolerance = decode_tolerance(whole, whole_problem);
+      for (std::int64_t t = 0; t < tokens; ++t) {
+        const std::int64_t i = context.seq_len + t;
+        Tensor step_out = Tensor::bhnd(2, 2, 1, d);
+        mechanism->decode_step(rows_of(whole.q, i, 1), rows_of(whole.k, i, 1), rows_of(whole.v, i, 1), step_out);
+        for (std::int64_t b = 0; b < 2; ++b)
+          for (std::int64_t h = 0; h < 2; ++h) {
+            const float *qh = whole.q.head(b, h), *kh = whole.k.head(b, h), *vh = whole.v.head(b, h);
+            std::vector<std::int64_t> visible;
+            if (local && h == 0) {
+              for (std::int64_t j = std::max<std::int64_t>(0, (i / w - 1) * w); j <= i; ++j) visible.push_back(j);
+            } else {
+              const std::int64_t cluster = nearest(qh + i * d, h);
+              for (std::int64_t j = i; j >= 0 && static_cast<std::int64_t>(visible.size()) < w; --j)
+                if (nearest(kh + j * d, h) == cluster) visible.push_back(j);
+            }
+            std::vector<double> want(static_cast<std::size_t>(d), 0.0);
+            if (!visible.empty()) {
+              std::vector<double> keys, vals;
+              for (const std::int64_t j : visible) {
+                keys.insert(keys.end(), kh + j * d, kh + (j + 1) * d);
+                vals.insert(vals.end(), vh + j * d, vh + (j + 1) * d);
+              }
+              const std::vector<double> query(qh + i * d, qh + (i + 1) * d);
+              want = reference_attention(query.data(), keys.data(), vals.data(), 1, static_cast<std::int64_t>(visible.size()),
+                                         d, 1.0 / std::sqrt(static_cast<double>(d)), full_mask);
+            }
+            CAPTURE(local);
+            CAPTURE(t);
+            for (std::int64_t c = 0; c < d; ++c)
+              CHECK(std::fabs(step_out.head(b, h)[c] - want[static_cast<std::size_t>(c)]) <= tolerance);
+          }
       }
     }
   }

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 #include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
@@ -277,6 +279,125 @@ void RoutingAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v
   }
   stage_clock::lap("attend");
   FlopCounter::add(flops);
+  if (!decode_buffers_.empty()) load_decode_context(k, v);
+}
+
+void RoutingAttention::prepare_decode(std::int64_t) {
+  if (!p_.causal) throw std::logic_error("routing: decoding needs a causal problem");
+  const std::int64_t d = p_.head_dim, cl = clusters_, w = window_;
+  const auto routed = static_cast<std::int64_t>(routed_heads_.size());
+  const auto local = static_cast<std::int64_t>(local_heads_.size());
+  cluster_keys_ = Tensor(Shape{routed, cl, w, d});
+  cluster_values_ = Tensor(Shape{routed, cl, w, d});
+  cluster_counts_ = IndexBuffer(routed * cl);
+  step_clusters_ = IndexBuffer(routed);
+  local_keys_ = Tensor(Shape{local, 2 * w, d});
+  local_values_ = Tensor(Shape{local, 2 * w, d});
+  decode_buffers_ = Tensor(Shape{p_.batch * p_.heads, 2, d});
+}
+
+// The centroid of head index h with the largest x·μ (first maximum wins, as argmax_columns).
+std::int32_t RoutingAttention::nearest_centroid(const float* x, std::int64_t h) const {
+  const std::int64_t d = p_.head_dim;
+  const float* mu = centroids_.data() + h * clusters_ * d;
+  float best = 0.0f;
+  std::int32_t arg = 0;
+  for (std::int64_t c = 0; c < clusters_; ++c) {
+    float dot = 0.0f;
+    for (std::int64_t j = 0; j < d; ++j) dot += x[j] * mu[c * d + j];
+    if (c == 0 || dot > best) {
+      best = dot;
+      arg = static_cast<std::int32_t>(c);
+    }
+  }
+  return arg;
+}
+
+// Appends a key and value to cluster `cluster`'s ring of routed head r (the oldest of w drops out).
+void RoutingAttention::append_routed(std::int64_t r, std::int32_t cluster, const float* key, const float* value) {
+  const std::int64_t d = p_.head_dim, w = window_;
+  std::int32_t& count = cluster_counts_.data()[r * clusters_ + cluster];
+  const std::int64_t row = (r * clusters_ + cluster) * w + count % w;
+  std::copy_n(key, d, cluster_keys_.data() + row * d);
+  std::copy_n(value, d, cluster_values_.data() + row * d);
+  ++count;
+}
+
+// The attention of one head's step (after routing): a routing head's query against its cluster's
+// ring, a local head's against its own and previous block. Returns the FLOPs.
+std::int64_t RoutingAttention::decode_head(std::int64_t bh, const float* q, const float* k, const float* v, float* out) {
+  const std::int64_t d = p_.head_dim, w = window_, i = length_, h = bh % p_.heads;
+  const std::int64_t local = local_head_count(p_, c_);
+  float* query = decode_buffers_.data() + bh * 2 * d;
+  RowSoftmax row = begin_row(query + d, d);
+  std::int64_t flops = scale_query(q, d, query);
+  if (h < local) {
+    const std::int64_t l = bh / p_.heads * local + h, first = std::max<std::int64_t>(0, (i / w - 1) * w);
+    std::copy_n(k, d, local_keys_.data() + (l * 2 * w + i % (2 * w)) * d);
+    std::copy_n(v, d, local_values_.data() + (l * 2 * w + i % (2 * w)) * d);
+    flops += attend_ring(row, query, local_keys_.data() + l * 2 * w * d, local_values_.data() + l * 2 * w * d, 2 * w,
+                         first, i - first + 1);
+  } else {
+    const std::int64_t r = bh / p_.heads * (p_.heads - local) + h - local;
+    const std::int32_t cluster = step_clusters_.data()[r];
+    const std::int64_t visible = std::min<std::int64_t>(cluster_counts_.data()[r * clusters_ + cluster], w);
+    const std::int64_t at = (r * clusters_ + cluster) * w * d;
+    flops += attend_rows(row, query, cluster_keys_.data() + at, cluster_values_.data() + at, visible);
+  }
+  return flops + finish_row(row, out);
+}
+
+void RoutingAttention::decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  const std::int64_t d = p_.head_dim, cl = clusters_;
+  const auto routed = static_cast<std::int64_t>(routed_heads_.size());
+  std::int64_t flops = 0;
+#pragma omp parallel num_threads(threads_) reduction(+ : flops)
+  {
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < routed; ++r) {
+      const std::int64_t bh = routed_heads_[r], h = bh % p_.heads;
+      step_clusters_.data()[r] = nearest_centroid(q.data() + bh * d, h);
+      append_routed(r, nearest_centroid(k.data() + bh * d, h), k.data() + bh * d, v.data() + bh * d);
+      flops += 2 * 2 * cl * d + 2 * (cl - 1);
+    }
+#pragma omp master
+    stage_clock::lap("route");
+#pragma omp for schedule(static)
+    for (std::int64_t bh = 0; bh < p_.batch * p_.heads; ++bh)
+      flops += decode_head(bh, q.data() + bh * d, k.data() + bh * d, v.data() + bh * d, out.data() + bh * d);
+#pragma omp master
+    stage_clock::lap("attend");
+  }
+  FlopCounter::add(flops);
+  ++length_;
+}
+
+// After a prefill: every context key joins its cluster's ring in position order (clusters as the
+// forward routed them); local heads keep their last 2w tokens.
+void RoutingAttention::load_decode_context(const Tensor& k, const Tensor& v) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, w = window_;
+  const auto routed = static_cast<std::int64_t>(routed_heads_.size());
+  const auto local = static_cast<std::int64_t>(local_heads_.size());
+  std::fill_n(cluster_counts_.data(), cluster_counts_.size(), 0);
+#pragma omp parallel num_threads(threads_)
+  {
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < routed; ++r) {
+      const std::int64_t bh = routed_heads_[r];
+      const std::int32_t* key_cluster = token_clusters_.data() + r * 2 * n + n;
+      for (std::int64_t j = 0; j < n; ++j)
+        append_routed(r, key_cluster[j], k.data() + (bh * n + j) * d, v.data() + (bh * n + j) * d);
+    }
+#pragma omp for schedule(static)
+    for (std::int64_t l = 0; l < local; ++l) {
+      const std::int64_t bh = local_heads_[l], kept = std::min(n, 2 * w), first = n - kept;
+      for (std::int64_t j = first; j < n; ++j) {
+        std::copy_n(k.data() + (bh * n + j) * d, d, local_keys_.data() + (l * 2 * w + j % (2 * w)) * d);
+        std::copy_n(v.data() + (bh * n + j) * d, d, local_values_.data() + (l * 2 * w + j % (2 * w)) * d);
+      }
+    }
+  }
+  length_ = n;
 }
 
 // Affinities μ·qᵀ and μ·kᵀ ([C, N] each) of routed head r into the thread's buffer.
@@ -726,6 +847,13 @@ std::int64_t workspace(const Problem& p, const RoutingConfig& c) {
   return 4 * (e.kept + std::max(e.fitting, e.after));
 }
 
+std::int64_t decode_workspace(const Problem& p, const RoutingConfig& c, std::int64_t) {
+  const std::int64_t d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
+  const std::int64_t local = p.batch * local_head_count(p, c), routed = p.batch * p.heads - local;
+  const std::int64_t floats = 2 * routed * cl * w * d + 2 * local * 2 * w * d + p.batch * p.heads * 2 * d;
+  return 4 * (floats + routed * cl + routed);
+}
+
 std::int64_t backward_flops(const Problem& p, const RoutingConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
   const std::int64_t local = local_head_count(p, c);
@@ -771,7 +899,8 @@ Implementation routing_implementation() {
         return c;
       },
       .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+      .backward_workspace = backward_workspace,
+      .decode_workspace = decode_workspace});
 }
 
 }  // namespace xfb

@@ -91,6 +91,23 @@ class RoutingAttention final : public Mechanism {
     return {{"updated_centroids", &updated_centroids_}};
   }
 
+  // Decode (causal): the model of the context — centroids as fitted for N (2N seeded rows) and
+  // w = ⌈N/C⌉ — continued token by token. Routing heads keep per cluster a ring of the w most recent
+  // keys routed to it (K and V rows) and the count; a step routes its key and query to their
+  // nearest centroids (stage `route`: 2·2·C·D + 2·(C−1) FLOPs), appends the key to its cluster's
+  // ring and attends the query to its cluster's ring (stage `attend`): O(C + w) per token, state
+  // C·w rows. Local heads keep a ring of the last 2w tokens (own and previous block).
+  void prepare_decode(std::int64_t tokens) override;
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"cluster_keys", &cluster_keys_}, {"cluster_values", &cluster_values_}, {"local_keys", &local_keys_},
+            {"local_values", &local_values_}};
+  }
+  std::int64_t state_bytes() const override {
+    return cluster_keys_.bytes() + cluster_values_.bytes() + local_keys_.bytes() + local_values_.bytes() +
+           cluster_counts_.bytes();
+  }
+
   // The pattern of the last forward, for tests (member/cluster lists exist for routing heads only,
   // i.e. heads that are not local).
   std::int64_t clusters() const { return clusters_; }
@@ -143,6 +160,15 @@ class RoutingAttention final : public Mechanism {
   // Backward: merged log-sum-exp per token [B·H, N]; per thread gradient rows, dS tile and centroid
   // sums; causal: key-sorted dK, dV; the updated centroids.
   Tensor token_lse_, grad_rows_, score_grads_, centroid_sums_, sorted_dk_, sorted_dv_, updated_centroids_;
+  // Decoding (prepare_decode): routing heads' cluster rings [routed, C, w, D] and counts
+  // [routed, C]; local heads' rings [local, 2w, D]; per head the scaled query and accumulator.
+  Tensor cluster_keys_, cluster_values_, local_keys_, local_values_, decode_buffers_;
+  IndexBuffer cluster_counts_, step_clusters_;
+  std::int64_t length_ = 0;
+  std::int32_t nearest_centroid(const float* x, std::int64_t h) const;
+  void append_routed(std::int64_t r, std::int32_t cluster, const float* key, const float* value);
+  std::int64_t decode_head(std::int64_t bh, const float* q, const float* k, const float* v, float* out);
+  void load_decode_context(const Tensor& k, const Tensor& v);
 };
 
 Implementation routing_implementation();
