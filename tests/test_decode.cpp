@@ -306,7 +306,9 @@ TEST_SUITE("decode") {
       CHECK(row.pass == "decode");
       CHECK(row.causal);
       CHECK(row.decode_tokens == 8);
-      CHECK(row.samples_ns.size() == 8);  // one sample per token of the one timed run
+      // One sample per token of the one timed run (a descheduled one is kept apart: ctest -j runs
+      // other tests beside this one).
+      CHECK(row.samples_ns.size() + row.contended_samples_ns.size() == 8);
       CHECK(row.prefill_ns > 0);
       CHECK(row.workspace_bytes == row.estimated_workspace_bytes);
       return row;
