@@ -3,7 +3,7 @@
 # (non-causal, and causal for the models that decode), their tables (time, speed-up, memory,
 # GFLOP/s, complexity), plots, the Long Range Arena preset against LRA's published table, and the
 # taxonomy. The CI baseline has its own script: tools/ci_regression.sh --update.
-#   tools/reference_results.sh                 run the three sweeps (~20 min on 2 cores), then render
+#   tools/reference_results.sh                 run the four sweeps (~30 min on 2 cores), then render
 #   tools/reference_results.sh --render-only   re-render tables and plots from the committed JSON
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,12 @@ if [ "${1:-}" != "--render-only" ]; then
   $x sweep "${sweep_args[@]}" --no-table --out results/reference-sweep.json
   $x sweep "${sweep_args[@]}" --causal --no-table --out results/reference-sweep-causal.json
   $x sweep --preset lra --threads 2 --no-table --out results/lra-sweep.json
+  $x sweep --models all --seq-lens 1024:16384:x2 --pass decode --decode-tokens 200 --memory-limit 12 --threads 2 \
+    --no-table --out results/decode-sweep.json
 fi
+# decode-sweep.md is written by hand around its tables (the targets and their reading).
+$x plot results/decode-sweep.json --out results/decode-time.svg
+$x plot results/decode-sweep.json --metric state --out results/decode-state.svg
 {
   echo "# Long Range Arena preset"
   echo

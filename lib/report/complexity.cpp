@@ -140,7 +140,8 @@ constexpr Mapping kDecodeMappings[] = {
     {"O(√N)", BigO::NSqrtN, false, ""},
     {"O(N)", BigO::NSquared, false, ""},
     {"O(N_c)", BigO::NSquared, false, "N_c = N/c with compression c fixed"},
-    {"O(b+N/b)", BigO::NSquared, false, "Sinkhorn: its block, plus each block opening's mixing of all past blocks, amortised"},
+    {"O(b+N/b)", BigO::NSquared, true,
+     "Sinkhorn: its block (constant) plus each block opening's mixing of all past blocks (N/b per token, amortised): N only where the mixing dominates"},
     {"O(N_r·m)", BigO::N, false, "hash rounds n_r and chunk length m fixed"},
     {"O(N/k)", BigO::NSquared, true, "N when the cluster count k is fixed, √N when k grows as √N"},
 };
