@@ -332,6 +332,15 @@ TEST_SUITE("decode") {
     }
     const ResultRow performer_short = decode_row("performer", 64), performer_long = decode_row("performer", 512);
     CHECK(performer_short.state_bytes == performer_long.state_bytes);
+    // Every incremental form: the harness's tracked workspace (state and step buffers, the
+    // prefill's peak included) is the registry's estimate, and the state is reported.
+    for (const auto& model : registry()) {
+      if (!model.impl.has_decode()) continue;
+      CAPTURE(model.name);
+      const ResultRow row = decode_row(model.name, 100);
+      CHECK(row.state_bytes > 0);
+      CHECK(row.flops > 0);
+    }
   }
 }
 
