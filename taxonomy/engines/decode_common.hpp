@@ -17,6 +17,7 @@
 #include <limits>
 #include <vector>
 
+#include "lib/core/flop_counter.hpp"
 #include "lib/core/mechanism.hpp"
 #include "lib/core/tensor.hpp"
 
@@ -70,6 +71,24 @@ std::int64_t merge_rows(RowSoftmax& into, const RowSoftmax& from);
 // out = acc / l (zeros when the row saw no key, as softmax attention over no keys). Returns its
 // FLOPs (D; 0 for no key).
 std::int64_t finish_row(const RowSoftmax& row, float* out);
+// One step's attention for every head of q, out ([B, H, 1, D]): per head, q scaled into the head's
+// row of `buffers` ([heads, 2, D]: query, accumulator), `attend(head, row, query)` — the model's
+// keys for that head, returning its FLOPs — and the output row. Adds all FLOPs to FlopCounter.
+template <class Attend>
+void attend_every_head(const Tensor& q, Tensor& out, Tensor& buffers, int threads, const Attend& attend) {
+  const std::int64_t heads = q.dim(0) * q.dim(1), d = q.dim(3);
+  std::int64_t flops = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : flops)
+  for (std::int64_t head = 0; head < heads; ++head) {
+    float* query = buffers.data() + head * 2 * d;
+    RowSoftmax row = begin_row(query + d, d);
+    flops += scale_query(q.data() + head * d, d, query);
+    flops += attend(head, row, static_cast<const float*>(query));
+    flops += finish_row(row, out.data() + head * d);
+  }
+  FlopCounter::add(flops);
+}
+
 // The FLOPs of attend_rows over `rows` keys.
 std::int64_t attend_rows_flops(std::int64_t rows, std::int64_t head_dim);
 // The same update for a long run of rows as one block through two sgemm calls (scores = q·Kᵀ into

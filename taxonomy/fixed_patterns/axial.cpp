@@ -141,20 +141,15 @@ class Axial final : public Mechanism {
       filled_ = 0;
       stage_clock::lap("row_complete");
     }
+    FlopCounter::add(flops);
     const std::int64_t rows_above = p / c, column = p % c;
-#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
-    for (std::int64_t head = 0; head < heads; ++head) {
+    attend_every_head(q, out, step_buffers_, p_.threads, [&](std::int64_t head, RowSoftmax& row, const float* query) {
       for (std::int64_t t = 0; t < 3; ++t)
         std::copy_n((t == 0 ? q : t == 1 ? k : v).data() + head * d, d, open_row(t, head) + filled_ * d);
-      float* query = step_buffers_.data() + head * 2 * d;
-      RowSoftmax row = begin_row(query + d, d);
-      flops += scale_query(q.data() + head * d, d, query);
       const std::int64_t offset = (head * column_keys_.dim(1) + column) * d;
-      flops += attend_rows(row, query, column_keys_.data() + offset, column_outputs_.data() + offset, rows_above, c * d);
-      flops += attend_rows(row, query, open_row(1, head), open_row(2, head), filled_ + 1);
-      flops += finish_row(row, out.data() + head * d);
-    }
-    FlopCounter::add(flops);
+      return attend_rows(row, query, column_keys_.data() + offset, column_outputs_.data() + offset, rows_above, c * d) +
+             attend_rows(row, query, open_row(1, head), open_row(2, head), filled_ + 1);
+    });
     ++filled_;
     ++length_;
   }

@@ -94,21 +94,14 @@ class Longformer final : public Mechanism {
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     const std::int64_t d = p_.head_dim, i = length_, g = shape_.globals, s = shape_.before;
-    std::int64_t flops = 0;
-#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
-    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+    attend_every_head(q, out, step_buffers_, p_.threads, [&](std::int64_t head, RowSoftmax& row, const float* query) {
       window_cache_.store(head, i % ring_, k.data() + head * d, v.data() + head * d, 1);
-      float* query = step_buffers_.data() + head * 2 * d;
-      RowSoftmax row = begin_row(query + d, d);
-      flops += scale_query(q.data() + head * d, d, query);
-      flops += attend_rows(row, query, globals_cache_.keys(head), globals_cache_.values(head), g);
+      std::int64_t flops = attend_rows(row, query, globals_cache_.keys(head), globals_cache_.values(head), g);
       const std::int64_t dilation = dilations_[static_cast<std::size_t>(head % p_.heads)];
       const std::int64_t window = std::min(s, (i - g) / dilation) + 1;  // i − dilation·t ≥ g, t ≤ s
-      flops += attend_ring(row, query, window_cache_.keys(head), window_cache_.values(head), ring_,
-                           i - dilation * (window - 1), window, dilation);
-      flops += finish_row(row, out.data() + head * d);
-    }
-    FlopCounter::add(flops);
+      return flops + attend_ring(row, query, window_cache_.keys(head), window_cache_.values(head), ring_,
+                                 i - dilation * (window - 1), window, dilation);
+    });
     ++length_;
   }
 

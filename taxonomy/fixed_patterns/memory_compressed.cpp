@@ -198,27 +198,18 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     const std::int64_t d = p_.head_dim, i = length_;
-    std::int64_t flops = 0;
-#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
-    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+    attend_every_head(q, out, step_buffers_, p_.threads, [&](std::int64_t head, RowSoftmax& row, const float* query) {
       const std::int64_t b = head / p_.heads, h = head % p_.heads;
-      float* query = step_buffers_.data() + head * 2 * d;
-      RowSoftmax row = begin_row(query + d, d);
-      flops += scale_query(q.data() + head * d, d, query);
       const float *key = k.data() + head * d, *value = v.data() + head * d;
       if (h < l_.local_heads) {
-        const std::int64_t index = b * l_.local_heads + h, block = l_.block;
+        const std::int64_t index = b * l_.local_heads + h, block = l_.block, first = i / block * block;
         local_cache_.store(index, i % block, key, value, 1);
-        const std::int64_t first = i / block * block;
-        flops += attend_ring(row, query, local_cache_.keys(index), local_cache_.values(index), block, first, i - first + 1);
-      } else {
-        const std::int64_t index = b * l_.compressed_heads + h - l_.local_heads;
-        flops += append_compressed(index, h - l_.local_heads, i, key, value);
-        flops += attend_rows(row, query, slot_cache_.keys(index), slot_cache_.values(index), (i + 1) / l_.compression);
+        return attend_ring(row, query, local_cache_.keys(index), local_cache_.values(index), block, first, i - first + 1);
       }
-      flops += finish_row(row, out.data() + head * d);
-    }
-    FlopCounter::add(flops);
+      const std::int64_t index = b * l_.compressed_heads + h - l_.local_heads;
+      return append_compressed(index, h - l_.local_heads, i, key, value) +
+             attend_rows(row, query, slot_cache_.keys(index), slot_cache_.values(index), (i + 1) / l_.compression);
+    });
     ++length_;
   }
 

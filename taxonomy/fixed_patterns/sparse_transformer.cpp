@@ -185,16 +185,9 @@ class SparseTransformer final : public Mechanism {
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     const std::int64_t d = p_.head_dim, token = length_;
-    std::int64_t flops = 0;
-#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
-    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
-      float* query = step_buffers_.data() + head * 2 * d;
-      RowSoftmax row = begin_row(query + d, d);
-      flops += scale_query(q.data() + head * d, d, query);
-      flops += attend_step(row, query, k.data() + head * d, v.data() + head * d, head / p_.heads, head % p_.heads, token);
-      flops += finish_row(row, out.data() + head * d);
-    }
-    FlopCounter::add(flops);
+    attend_every_head(q, out, step_buffers_, p_.threads, [&](std::int64_t head, RowSoftmax& row, const float* query) {
+      return attend_step(row, query, k.data() + head * d, v.data() + head * d, head / p_.heads, head % p_.heads, token);
+    });
     ++length_;
   }
 
