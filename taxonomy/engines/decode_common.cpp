@@ -146,7 +146,8 @@ void WindowCache::step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
   const std::int64_t last = length_;  // the new token
   if (first > last || last - first >= capacity) throw std::logic_error("WindowCache: the run does not fit the window");
   std::int64_t flops = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : flops)
+  const bool parallel = 2 * heads * (last - first + 1) * d >= kParallelStepFloats;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : flops) if (parallel)
   for (std::int64_t head = 0; head < heads; ++head) {
     cache_.store(head, last % capacity, k.data() + head * d, v.data() + head * d, 1);
     float* query = queries_.data() + head * d;

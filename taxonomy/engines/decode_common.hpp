@@ -24,6 +24,9 @@
 namespace xfb {
 
 inline constexpr std::int64_t kDecodeChunk = 128;  // keys per online-softmax chunk
+// Cached floats a step reads (keys and values of every head) below which its heads run on the
+// calling thread: an OpenMP fork and join (~1–2 µs on the 2-vCPU machines) costs more than the work.
+inline constexpr std::int64_t kParallelStepFloats = std::int64_t{1} << 17;
 
 class KvCache {
  public:
