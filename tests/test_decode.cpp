@@ -115,6 +115,8 @@ const std::vector<DecodeCase>& decode_cases() {
       {"sparse-transformer", {"pattern=fixed", "stride=5", "summary=1"}, {9}, 12},
       {"image-transformer", {"query_block=8", "memory_flange=4"}, {3, 7, 8, 9, 21}, 19},
       {"image-transformer", {"query_block=6", "memory_flange=9"}, {5, 13}, 15},
+      // Large enough that the B=2 H=2 step reads ≥ kParallelStepFloats: its heads run in parallel.
+      {"image-transformer", {"query_block=1024", "memory_flange=512"}, {1100}, 3},
       {"transformer-xl", {"segment_len=5", "memory_len=4"}, {1, 4, 5, 6, 13}, 12},
       {"transformer-xl", {"segment_len=16", "memory_len=3", "block_q=4"}, {7}, 14},
       {"compressive", {"segment_len=4", "memory_len=3", "compressed_len=2", "compression_rate=2"}, {3, 4, 5, 11}, 13},
