@@ -30,7 +30,8 @@ nlohmann::json model_json(const ModelInfo& m) {
   return {{"name", m.name},          {"display_name", m.display_name}, {"classes", classes},
           {"complexity", m.complexity}, {"decodes", m.decodes},      {"paper", m.paper},
           {"arxiv", m.arxiv},        {"year", m.year},                 {"survey_row", m.survey_row},
-          {"implemented", m.implemented()}, {"backward", m.impl.has_backward()}, {"params", params}};
+          {"implemented", m.implemented()}, {"backward", m.impl.has_backward()},
+          {"incremental", m.impl.has_decode()}, {"decode_cost", m.decode_cost}, {"params", params}};
 }
 
 // Left-aligns text in a column of `width` characters (UTF-8 aware: "²" is one column).

@@ -184,7 +184,9 @@ done
 [ "$("$bin" list --format json | grep -c '"survey_row"')" -eq 20 ] && pass || fail "list --format json"
 "$bin" list --implemented | grep -q "^exact-tiled" && pass || fail "list --implemented"
 "$bin" list --format json | python3 -c 'import json, sys; m = {r["name"]: r for r in json.load(sys.stdin)}
-assert all(r["backward"] for r in m.values() if r["implemented"]), m' && pass || fail "list --format json: backward"
+assert all(r["backward"] for r in m.values() if r["implemented"]), m
+assert all(r["incremental"] == r["decodes"] and bool(r["decode_cost"]) == r["decodes"] for r in m.values()), m' \
+  && pass || fail "list --format json: backward, incremental form and decode cost"
 "$bin" list --class kernels --format md | grep -q "Performer" && pass || fail "list --class kernels"
 "$bin" env --json | grep -q '"onednn_version"' && pass || fail "env"
 
