@@ -28,9 +28,12 @@ void print_human(const ResultRow& row) {
               static_cast<long long>(row.head_dim));
   std::printf("status     %s%s%s\n", status_name(row.status).c_str(), row.reason.empty() ? "" : ": ", row.reason.c_str());
   if (row.status == Status::Ok) {
-    std::printf("median     %.3f ms  (min %.3f, max %.3f, MAD %.3f, CV %.1f%%%s, %zu samples)\n", row.median_ns * 1e-6,
-                row.min_ns * 1e-6, row.max_ns * 1e-6, row.mad_ns * 1e-6, row.cv * 100,
-                row.unstable ? ", UNSTABLE" : "", row.samples_ns.size());
+    // Decode rows time one generated token: µs.
+    const bool decode = row.pass == "decode";
+    const double unit = decode ? 1e-3 : 1e-6;
+    std::printf("median     %.3f %s%s  (min %.3f, max %.3f, MAD %.3f, CV %.1f%%%s, %zu samples)\n", row.median_ns * unit,
+                decode ? "µs" : "ms", decode ? " per token" : "", row.min_ns * unit, row.max_ns * unit, row.mad_ns * unit,
+                row.cv * 100, row.unstable ? ", UNSTABLE" : "", row.samples_ns.size());
     std::printf("contention %lld descheduled sample(s) re-measured, on-CPU ratio %.2f, host busy %.0f%%, load %.2f%s\n",
                 static_cast<long long>(row.contended_samples), row.cpu_ratio, 100 * row.host_busy, row.load_average,
                 row.contended ? ", CONTENDED" : "");
