@@ -5,16 +5,6 @@
 namespace xfb {
 namespace {
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const CompressiveConfig& c, std::uint64_t seed) {
-  return std::make_unique<SegmentAttention>(problem, segment_config(c), seed);
-}
-
-std::int64_t flops(const Problem& p, const CompressiveConfig& c) { return segment_attention_flops(p, segment_config(c)); }
-
-std::int64_t workspace(const Problem& p, const CompressiveConfig& c) {
-  return segment_attention_workspace(p, segment_config(c));
-}
-
 const FieldTable<CompressiveConfig>& fields() {
   using C = CompressiveConfig;
   static const FieldTable<C> table = {
@@ -36,18 +26,6 @@ void validate(const Problem&, const CompressiveConfig& c) {
     throw ParamError("compressive: aux_loss=on needs compression=conv (max and mean pooling have no weights to train)");
 }
 
-std::int64_t backward_flops(const Problem& p, const CompressiveConfig& c) {
-  return segment_attention_backward_flops(p, segment_config(c));
-}
-
-std::int64_t backward_workspace(const Problem& p, const CompressiveConfig& c) {
-  return segment_attention_backward_workspace(p, segment_config(c));
-}
-
-std::int64_t decode_workspace(const Problem& p, const CompressiveConfig& c, std::int64_t tokens) {
-  return segment_attention_decode_workspace(p, segment_config(c), tokens);
-}
-
 }  // namespace
 
 SegmentAttentionConfig segment_config(const CompressiveConfig& c) {
@@ -65,14 +43,6 @@ SegmentAttentionConfig compressive_config(const ParamValues& values) {
   return segment_config(read_config(fields(), values));
 }
 
-Implementation compressive_implementation() {
-  return implement(
-      ModelSpec<CompressiveConfig>{.fields = fields(), .create = create, .flops = flops,
-                                          .workspace = workspace,
-                                          .validate = validate,
-                                          .backward_flops = backward_flops,
-                                          .backward_workspace = backward_workspace,
-                                          .decode_workspace = decode_workspace});
-}
+Implementation compressive_implementation() { return implement(segment_model_spec(fields(), validate)); }
 
 }  // namespace xfb
