@@ -128,7 +128,7 @@ std::int64_t finish_row(const RowSoftmax& row, float* out) {
 namespace xfb {
 
 WindowCache::WindowCache(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim)
-    : cache_(heads, capacity, head_dim), queries_(Shape{heads, head_dim}), accumulators_(Shape{heads, head_dim}) {}
+    : cache_(heads, capacity, head_dim), buffers_(Shape{heads, 2, head_dim}) {}
 
 void WindowCache::load_context(const Tensor& k, const Tensor& v, int threads) {
   const std::int64_t heads = k.dim(0) * k.dim(1), n = k.dim(2), d = k.dim(3);
@@ -145,18 +145,13 @@ void WindowCache::step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor
   const std::int64_t heads = q.dim(0) * q.dim(1), d = q.dim(3), capacity = cache_.capacity();
   const std::int64_t last = length_;  // the new token
   if (first > last || last - first >= capacity) throw std::logic_error("WindowCache: the run does not fit the window");
-  std::int64_t flops = 0;
-  const bool parallel = 2 * heads * (last - first + 1) * d >= kParallelStepFloats;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : flops) if (parallel)
-  for (std::int64_t head = 0; head < heads; ++head) {
-    cache_.store(head, last % capacity, k.data() + head * d, v.data() + head * d, 1);
-    float* query = queries_.data() + head * d;
-    flops += scale_query(q.data() + head * d, d, query);
-    RowSoftmax row = begin_row(accumulators_.data() + head * d, d);
-    flops += attend_ring(row, query, cache_.keys(head), cache_.values(head), capacity, first, last - first + 1);
-    flops += finish_row(row, out.data() + head * d);
-  }
-  FlopCounter::add(flops);
+  attend_every_head(
+      q, out, buffers_, threads,
+      [&](std::int64_t head, RowSoftmax& row, const float* query) {
+        cache_.store(head, last % capacity, k.data() + head * d, v.data() + head * d, 1);
+        return attend_ring(row, query, cache_.keys(head), cache_.values(head), capacity, first, last - first + 1);
+      },
+      2 * heads * (last - first + 1) * d >= kParallelStepFloats);
   ++length_;
 }
 

@@ -77,11 +77,13 @@ std::int64_t finish_row(const RowSoftmax& row, float* out);
 // One step's attention for every head of q, out ([B, H, 1, D]): per head, q scaled into the head's
 // row of `buffers` ([heads, 2, D]: query, accumulator), `attend(head, row, query)` — the model's
 // keys for that head, returning its FLOPs — and the output row. Adds all FLOPs to FlopCounter.
+// parallel = false runs the heads on the calling thread (a step too small for a fork and join).
 template <class Attend>
-void attend_every_head(const Tensor& q, Tensor& out, Tensor& buffers, int threads, const Attend& attend) {
+void attend_every_head(const Tensor& q, Tensor& out, Tensor& buffers, int threads, const Attend& attend,
+                       bool parallel = true) {
   const std::int64_t heads = q.dim(0) * q.dim(1), d = q.dim(3);
   std::int64_t flops = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : flops)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(+ : flops) if (parallel)
   for (std::int64_t head = 0; head < heads; ++head) {
     float* query = buffers.data() + head * 2 * d;
     RowSoftmax row = begin_row(query + d, d);
@@ -128,7 +130,7 @@ class WindowCache {
 
  private:
   KvCache cache_;
-  Tensor queries_, accumulators_;  // [heads, D] each
+  Tensor buffers_;  // per head the scaled query and the accumulator, [heads, 2, D]
   std::int64_t length_ = 0;
 };
 

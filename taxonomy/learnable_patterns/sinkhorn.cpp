@@ -157,7 +157,8 @@ void SinkhornAttention::prepare_decode(std::int64_t tokens) {
   block_values_ = Tensor(Shape{heads, blocks * b, d});
   decode_sorted_ = Tensor(Shape{heads, 2, b, d});
   decode_embeddings_ = Tensor(Shape{heads, d});
-  decode_scratch_ = Tensor(Shape{heads, 3 * d + blocks});
+  decode_buffers_ = Tensor(Shape{heads, 2, d});
+  decode_scratch_ = Tensor(Shape{heads, d + blocks});
 }
 
 // The open block `block` of one head: from E (the keys of the blocks before it) the network's row
@@ -167,7 +168,7 @@ void SinkhornAttention::prepare_decode(std::int64_t tokens) {
 std::int64_t SinkhornAttention::start_block(std::int64_t head, std::int64_t block) {
   if (block == 0) return 0;
   const std::int64_t d = p_.head_dim, b = block_, blocks = decode_b2_.size();
-  float* hidden = decode_scratch_.data() + head * decode_scratch_.dim(1) + 2 * d;
+  float* hidden = decode_scratch_.data() + head * decode_scratch_.dim(1);
   float* scores = hidden + d;
   ops::gemm(false, false, 1, d, d, 1.0f, decode_embeddings_.data() + head * d, d, w1_.data(), d, 0.0f, hidden, d);
   for (std::int64_t c = 0; c < d; ++c) hidden[c] = std::max(hidden[c] + b1_[c], 0.0f);
@@ -219,23 +220,20 @@ void SinkhornAttention::decode_step(const Tensor& q, const Tensor& k, const Tens
     filled_ = 0;
     stage_clock::lap("route");
   }
+  FlopCounter::add(flops);
   const std::int64_t first = open_block_ * b;
-#pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
-  for (std::int64_t head = 0; head < heads; ++head) {
+  attend_every_head(q, out, decode_buffers_, p_.threads, [&](std::int64_t head, RowSoftmax& row, const float* query) {
     const std::int64_t row0 = head * block_keys_.dim(1) + first;
     std::copy_n(k.data() + head * d, d, block_keys_.data() + (row0 + filled_) * d);
     std::copy_n(v.data() + head * d, d, block_values_.data() + (row0 + filled_) * d);
-    float* query = decode_scratch_.data() + head * decode_scratch_.dim(1);
-    RowSoftmax row = begin_row(query + d, d);
-    flops += scale_query(q.data() + head * d, d, query);
-    flops += attend_rows(row, query, block_keys_.data() + row0 * d, block_values_.data() + row0 * d, filled_ + 1);
+    std::int64_t attended =
+        attend_rows(row, query, block_keys_.data() + row0 * d, block_values_.data() + row0 * d, filled_ + 1);
     if (open_block_ > 0) {
       const float* sorted = decode_sorted_.data() + head * 2 * b * d;
-      flops += attend_rows(row, query, sorted, sorted + b * d, b);
+      attended += attend_rows(row, query, sorted, sorted + b * d, b);
     }
-    flops += finish_row(row, out.data() + head * d);
-  }
-  FlopCounter::add(flops);
+    return attended;
+  });
   ++filled_;
   stage_clock::lap("attend");
 }
@@ -688,7 +686,7 @@ std::int64_t decode_workspace(const Problem& p, const SinkhornConfig& c, std::in
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim, b = sinkhorn_block(p, c);
   const std::int64_t blocks = (p.seq_len + tokens + b - 1) / b;
   const std::int64_t floats = d * blocks + blocks + 2 * heads * blocks * b * d + heads * 2 * b * d + heads * d +
-                              heads * (3 * d + blocks);
+                              heads * 2 * d + heads * (d + blocks);  // step buffers, network scratch
   return 4 * floats;
 }
 

@@ -133,8 +133,10 @@ class SinkhornAttention final : public Mechanism {
   Tensor dw1_, db1_, dw2_, db2_, hidden_grads_, embedding_grads_;
   Tensor key_rows_, score_grads_, steps_;
   // Decoding (prepare_decode): w2, b2 for n_B(N+T) blocks; the block cache; per head the sorted
-  // block, E and scratch [scaled query, accumulator, hidden, R row]; the open block and its fill.
-  Tensor decode_w2_, decode_b2_, block_keys_, block_values_, decode_sorted_, decode_embeddings_, decode_scratch_;
+  // block, E, the step's scaled query and accumulator [2, D] and the network's scratch [hidden, R
+  // row]; the open block and its fill.
+  Tensor decode_w2_, decode_b2_, block_keys_, block_values_, decode_sorted_, decode_embeddings_, decode_buffers_,
+      decode_scratch_;
   std::int64_t open_block_ = 0, filled_ = 0;
   std::int64_t start_block(std::int64_t head, std::int64_t block);
   void load_decode_context(const Tensor& k, const Tensor& v);
