@@ -85,10 +85,13 @@ std::int64_t peak_rss_of_self() {
   return static_cast<std::int64_t>(usage.ru_maxrss) * 1024;
 }
 
+// The folder `dir` (created) with every file as <name>.npy and manifest.json. The manifest's
 // `params`: the values that ran (derived defaults computed, blocks clamped); `requested_params`:
 // the row's, as asked for.
-void write_manifest(const std::string& dir, const Point& point, const ResultRow& row,
-                    const std::vector<std::pair<std::string, const Tensor*>>& files) {
+void write_dump(const std::string& dir, const Point& point, const ResultRow& row,
+                const std::vector<std::pair<std::string, const Tensor*>>& files) {
+  std::filesystem::create_directories(dir);
+  for (const auto& [name, tensor] : files) write_npy(dir + "/" + name + ".npy", *tensor);
   nlohmann::json manifest = problem_settings(point.config);
   manifest["model"] = point.config.model;
   manifest["seq_len"] = point.config.problem.seq_len;
@@ -222,9 +225,7 @@ ResultRow run_decode_point(const Point& point, ResultRow row, const std::optiona
         {"q", &whole[0]}, {"k", &whole[1]}, {"v", &whole[2]}, {"out", &whole[3]}};
     for (const auto& named : mechanism->parameters()) files.emplace_back(named.name, named.tensor);
     for (const auto& named : mechanism->decode_state()) files.emplace_back("state_" + named.name, named.tensor);
-    std::filesystem::create_directories(*dump_dir);
-    for (const auto& [name, tensor] : files) write_npy(*dump_dir + "/" + name + ".npy", *tensor);
-    write_manifest(*dump_dir, point, row, files);
+    write_dump(*dump_dir, point, row, files);
   }
   row.peak_rss_bytes = peak_rss_of_self();
   return row;
@@ -523,9 +524,7 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
     for (const auto& named : mechanism->parameters()) files.emplace_back(named.name, named.tensor);
     if (training)
       for (const auto& named : mechanism->parameter_gradients()) files.emplace_back(named.name, named.tensor);
-    std::filesystem::create_directories(*dump_dir);
-    for (const auto& [name, tensor] : files) write_npy(*dump_dir + "/" + name + ".npy", *tensor);
-    write_manifest(*dump_dir, point, row, files);
+    write_dump(*dump_dir, point, row, files);
   }
   row.peak_rss_bytes = peak_rss_of_self();
   return row;
