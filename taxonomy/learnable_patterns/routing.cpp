@@ -287,12 +287,10 @@ void RoutingAttention::prepare_decode(std::int64_t) {
   const std::int64_t d = p_.head_dim, cl = clusters_, w = window_;
   const auto routed = static_cast<std::int64_t>(routed_heads_.size());
   const auto local = static_cast<std::int64_t>(local_heads_.size());
-  cluster_keys_ = Tensor(Shape{routed, cl, w, d});
-  cluster_values_ = Tensor(Shape{routed, cl, w, d});
+  cluster_cache_ = KvCache(routed * cl, w, d);
   cluster_counts_ = IndexBuffer(routed * cl);
   step_clusters_ = IndexBuffer(routed);
-  local_keys_ = Tensor(Shape{local, 2 * w, d});
-  local_values_ = Tensor(Shape{local, 2 * w, d});
+  local_cache_ = KvCache(local, 2 * w, d);
   decode_buffers_ = Tensor(Shape{p_.batch * p_.heads, 2, d});
 }
 
@@ -315,11 +313,8 @@ std::int32_t RoutingAttention::nearest_centroid(const float* x, std::int64_t h) 
 
 // Appends a key and value to cluster `cluster`'s ring of routed head r (the oldest of w drops out).
 void RoutingAttention::append_routed(std::int64_t r, std::int32_t cluster, const float* key, const float* value) {
-  const std::int64_t d = p_.head_dim, w = window_;
   std::int32_t& count = cluster_counts_.data()[r * clusters_ + cluster];
-  const std::int64_t row = (r * clusters_ + cluster) * w + count % w;
-  std::copy_n(key, d, cluster_keys_.data() + row * d);
-  std::copy_n(value, d, cluster_values_.data() + row * d);
+  cluster_cache_.store(r * clusters_ + cluster, count % window_, key, value, 1);
   ++count;
 }
 
@@ -333,16 +328,14 @@ std::int64_t RoutingAttention::decode_head(std::int64_t bh, const float* q, cons
   std::int64_t flops = scale_query(q, d, query);
   if (h < local) {
     const std::int64_t l = bh / p_.heads * local + h, first = std::max<std::int64_t>(0, (i / w - 1) * w);
-    std::copy_n(k, d, local_keys_.data() + (l * 2 * w + i % (2 * w)) * d);
-    std::copy_n(v, d, local_values_.data() + (l * 2 * w + i % (2 * w)) * d);
-    flops += attend_ring(row, query, local_keys_.data() + l * 2 * w * d, local_values_.data() + l * 2 * w * d, 2 * w,
-                         first, i - first + 1);
+    local_cache_.store(l, i % (2 * w), k, v, 1);
+    flops += attend_ring(row, query, local_cache_.keys(l), local_cache_.values(l), 2 * w, first, i - first + 1);
   } else {
     const std::int64_t r = bh / p_.heads * (p_.heads - local) + h - local;
     const std::int32_t cluster = step_clusters_.data()[r];
-    const std::int64_t visible = std::min<std::int64_t>(cluster_counts_.data()[r * clusters_ + cluster], w);
-    const std::int64_t at = (r * clusters_ + cluster) * w * d;
-    flops += attend_rows(row, query, cluster_keys_.data() + at, cluster_values_.data() + at, visible);
+    const std::int64_t ring = r * clusters_ + cluster;
+    const std::int64_t visible = std::min<std::int64_t>(cluster_counts_.data()[ring], w);
+    flops += attend_rows(row, query, cluster_cache_.keys(ring), cluster_cache_.values(ring), visible);
   }
   return flops + finish_row(row, out);
 }
@@ -391,10 +384,7 @@ void RoutingAttention::load_decode_context(const Tensor& k, const Tensor& v) {
 #pragma omp for schedule(static)
     for (std::int64_t l = 0; l < local; ++l) {
       const std::int64_t bh = local_heads_[l], kept = std::min(n, 2 * w), first = n - kept;
-      for (std::int64_t j = first; j < n; ++j) {
-        std::copy_n(k.data() + (bh * n + j) * d, d, local_keys_.data() + (l * 2 * w + j % (2 * w)) * d);
-        std::copy_n(v.data() + (bh * n + j) * d, d, local_values_.data() + (l * 2 * w + j % (2 * w)) * d);
-      }
+      local_cache_.store(l, first % (2 * w), k.data() + (bh * n + first) * d, v.data() + (bh * n + first) * d, kept);
     }
   }
   length_ = n;

@@ -56,6 +56,7 @@
 #include <vector>
 
 #include "lib/core/mechanism.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 #include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
@@ -100,12 +101,11 @@ class RoutingAttention final : public Mechanism {
   void prepare_decode(std::int64_t tokens) override;
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
   std::vector<NamedTensor> decode_state() const override {
-    return {{"cluster_keys", &cluster_keys_}, {"cluster_values", &cluster_values_}, {"local_keys", &local_keys_},
-            {"local_values", &local_values_}};
+    return {{"cluster_keys", &cluster_cache_.key_tensor()}, {"cluster_values", &cluster_cache_.value_tensor()},
+            {"local_keys", &local_cache_.key_tensor()}, {"local_values", &local_cache_.value_tensor()}};
   }
   std::int64_t state_bytes() const override {
-    return cluster_keys_.bytes() + cluster_values_.bytes() + local_keys_.bytes() + local_values_.bytes() +
-           cluster_counts_.bytes();
+    return Mechanism::state_bytes() + cluster_counts_.bytes();
   }
 
   // The pattern of the last forward, for tests (member/cluster lists exist for routing heads only,
@@ -160,9 +160,10 @@ class RoutingAttention final : public Mechanism {
   // Backward: merged log-sum-exp per token [B·H, N]; per thread gradient rows, dS tile and centroid
   // sums; causal: key-sorted dK, dV; the updated centroids.
   Tensor token_lse_, grad_rows_, score_grads_, centroid_sums_, sorted_dk_, sorted_dv_, updated_centroids_;
-  // Decoding (prepare_decode): routing heads' cluster rings [routed, C, w, D] and counts
-  // [routed, C]; local heads' rings [local, 2w, D]; per head the scaled query and accumulator.
-  Tensor cluster_keys_, cluster_values_, local_keys_, local_values_, decode_buffers_;
+  // Decoding (prepare_decode): routing heads' cluster rings (routed·C rings of w rows) and counts
+  // [routed, C]; local heads' rings of 2w rows; per head the scaled query and accumulator.
+  KvCache cluster_cache_, local_cache_;
+  Tensor decode_buffers_;
   IndexBuffer cluster_counts_, step_clusters_;
   std::int64_t length_ = 0;
   std::int32_t nearest_centroid(const float* x, std::int64_t h) const;
