@@ -90,12 +90,8 @@ class ExactTiled final : public Mechanism {
                                      v.data() + head * n * p_.head_dim, out.data() + head * n * p_.head_dim,
                                      block * c_.block_q, thread);
       }
-      if (cache_.capacity() > 0) {  // the prefill of a decode: the context's keys and values
-#pragma omp for schedule(static)
-        for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head)
-          cache_.store(head, 0, k.data() + head * n * p_.head_dim, v.data() + head * n * p_.head_dim, n);
-      }
     }
+    if (cache_.capacity() > 0) cache_.load_context(k, v, p_.threads);  // the prefill of a decode
     FlopCounter::add(kernel_flops);
     length_ = n;
   }

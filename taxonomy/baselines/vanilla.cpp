@@ -32,9 +32,7 @@ class Vanilla final : public Mechanism {
     ops::MatmulShape pv{.batch = p_.batch * p_.heads, .m = n, .n = d, .k = n, .lda = ld};
     ops::matmul(pv, scores_.data(), v.data(), out.data());
     if (cache_.capacity() > 0) {  // the prefill of a decode: the context's keys and values
-#pragma omp parallel for num_threads(p_.threads) schedule(static)
-      for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head)
-        cache_.store(head, 0, k.data() + head * n * d, v.data() + head * n * d, n);
+      cache_.load_context(k, v, p_.threads);
       length_ = n;
     }
   }

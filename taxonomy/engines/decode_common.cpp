@@ -23,6 +23,14 @@ void KvCache::store(std::int64_t head, std::int64_t slot, const float* k, const 
   }
 }
 
+void KvCache::load_context(const Tensor& k, const Tensor& v, int threads) {
+  const std::int64_t heads = k.dim(0) * k.dim(1), n = k.dim(2), d = k.dim(3), capacity = this->capacity();
+  const std::int64_t kept = std::min(n, capacity), first = n - kept;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t head = 0; head < heads; ++head)
+    store(head, first % capacity, k.data() + (head * n + first) * d, v.data() + (head * n + first) * d, kept);
+}
+
 RowSoftmax begin_row(float* acc, std::int64_t head_dim) {
   std::fill_n(acc, head_dim, 0.0f);
   RowSoftmax row;
@@ -131,13 +139,8 @@ WindowCache::WindowCache(std::int64_t heads, std::int64_t capacity, std::int64_t
     : cache_(heads, capacity, head_dim), buffers_(Shape{heads, 2, head_dim}) {}
 
 void WindowCache::load_context(const Tensor& k, const Tensor& v, int threads) {
-  const std::int64_t heads = k.dim(0) * k.dim(1), n = k.dim(2), d = k.dim(3);
-  const std::int64_t kept = std::min(n, cache_.capacity()), first = n - kept;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (std::int64_t head = 0; head < heads; ++head)
-    cache_.store(head, first % cache_.capacity(), k.data() + (head * n + first) * d, v.data() + (head * n + first) * d,
-                 kept);
-  length_ = n;
+  cache_.load_context(k, v, threads);
+  length_ = k.dim(2);
 }
 
 void WindowCache::step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, std::int64_t first,

@@ -38,6 +38,9 @@ class KvCache {
   // Copies `rows` consecutive rows of k and v ([rows, D] each) to slots slot, slot + 1, … of head,
   // wrapping at the capacity.
   void store(std::int64_t head, std::int64_t slot, const float* k, const float* v, std::int64_t rows);
+  // The prefill: every head keeps the last min(N, capacity) tokens of its context (k, v:
+  // [B, H, N, D]), token t at slot t mod capacity — all of them in a cache of the whole sequence.
+  void load_context(const Tensor& k, const Tensor& v, int threads);
   const Tensor& key_tensor() const { return keys_; }
   const Tensor& value_tensor() const { return values_; }
   static std::int64_t bytes(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim) {
