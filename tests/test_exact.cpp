@@ -2,6 +2,7 @@
 // against every implemented model's analytic formula.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -120,9 +121,76 @@ TEST_SUITE("exact") {
           const Tensor out = run_mechanism("exact-tiled", p, in, {"block_q=13", "block_k=40"});
           check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
                                   "exact-tiled " + kernel_isa_name(isa) + " N=" + std::to_string(n));
+          // The block-sparse engine's row softmax on this path: block-local attention, block 13.
+          const Tensor local = run_mechanism("local", p, in, {"block=13"});
+          check_against_reference(
+              local, in, p, [causal](std::int64_t i, std::int64_t j) { return i / 13 == j / 13 && (!causal || j <= i); },
+              "local " + kernel_isa_name(isa) + " N=" + std::to_string(n));
         }
     }
     force_kernel_isa(original);
+  }
+
+  TEST_CASE("row softmax pieces of every ISA equal double-precision loops at the vectors' edges") {
+    // Intervals start and end one below, at and above both vector widths (8, 16); the padding past
+    // `width` holds NaN (it must not leak into the results) and the floats past the padded row a
+    // sentinel (they must not be written).
+    constexpr float kSentinel = 12345.0f;
+    const KernelIsa original = kernel_isa();
+    std::int64_t cases = 0;
+    for (KernelIsa isa : supported_kernel_isas()) {
+      force_kernel_isa(isa);
+      for (std::int64_t width : {1, 7, 8, 9, 15, 16, 17, 31, 33, 50, 64})
+        for (std::int64_t lo : {0, 1, 7, 8, 9, 16, 17})
+          for (std::int64_t hi : {lo, lo + 1, lo + 7, lo + 8, lo + 9, width}) {
+            if (hi < lo || hi > width) continue;
+            ++cases;
+            const std::int64_t padded = (width + 15) / 16 * 16;
+            std::vector<float> x(static_cast<std::size_t>(padded + 16), kSentinel);
+            std::vector<float> g(x.size(), kSentinel);
+            Tensor values(Shape{2, width});
+            CounterRng(11, "rows/" + std::to_string(width)).fill_normal(values);
+            for (std::int64_t j = 0; j < padded; ++j) {
+              x[j] = j < width ? 4.0f * values.data()[j] : std::nanf("");
+              g[j] = j < width ? values.data()[width + j] : std::nanf("");
+            }
+            const std::string where = kernel_isa_name(isa) + " width=" + std::to_string(width) +
+                                      " lo=" + std::to_string(lo) + " hi=" + std::to_string(hi);
+            float want_peak = -1.5f;
+            for (std::int64_t j = lo; j < hi; ++j) want_peak = std::max(want_peak, x[j]);
+            const float peak = tiles::interval_max(x.data(), lo, hi, -1.5f);
+            REQUIRE_MESSAGE(peak == want_peak, where);
+            const float dot = 0.3f;
+            std::vector<float> p = x, dscores = g;
+            tiles::softmax_grad_interval(p.data(), dscores.data(), lo, hi, width, peak, dot);
+            const std::vector<float> original_x = x;
+            const float sum = tiles::exp_interval(x.data(), lo, hi, width, peak);
+            double want_sum = 0;
+            for (std::int64_t j = 0; j < padded + 16; ++j) {
+              if (j >= padded) {
+                REQUIRE_MESSAGE((x[j] == kSentinel && p[j] == kSentinel && dscores[j] == kSentinel), where << " j=" << j);
+                continue;
+              }
+              if (j >= width) continue;  // padding: scratch
+              if (j < lo || j >= hi) {
+                REQUIRE_MESSAGE((x[j] == 0.0f && p[j] == 0.0f && dscores[j] == 0.0f), where << " j=" << j);
+                continue;
+              }
+              // exp of a float difference: ε·|x − peak| from the subtraction, a few ε from the polynomial.
+              const double shifted = double(original_x[j]) - double(peak), want = std::exp(shifted);
+              const double tolerance = (4.0 + std::fabs(shifted)) * 1.2e-7 * want;
+              REQUIRE_MESSAGE(std::fabs(x[j] - want) <= tolerance, where << " j=" << j << " " << x[j] << " vs " << want);
+              REQUIRE_MESSAGE(p[j] == x[j], where << " j=" << j);
+              const double want_grad = double(x[j]) * (double(g[j]) - dot);
+              REQUIRE_MESSAGE(std::fabs(dscores[j] - want_grad) <= 2.4e-7 * x[j] * (std::fabs(g[j]) + dot),
+                              where << " j=" << j << " " << dscores[j] << " vs " << want_grad);
+              want_sum += x[j];
+            }
+            REQUIRE_MESSAGE(std::fabs(sum - want_sum) <= (hi - lo + 1) * 1.2e-7 * want_sum, where);
+          }
+    }
+    force_kernel_isa(original);
+    CHECK(cases > 100);
   }
 
   TEST_CASE("rows whose scores would overflow a naive exp stay finite and exact") {

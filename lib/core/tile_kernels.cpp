@@ -33,4 +33,22 @@ void accumulate_pv(const float* p, std::int64_t ldp, std::int64_t rows, std::int
     avx2::accumulate_pv(p, ldp, rows, cols, v, ldv, d, out, ldo);
 }
 
+float interval_max(const float* x, std::int64_t lo, std::int64_t hi, float start) {
+  return kernel_isa() == KernelIsa::Avx512 ? avx512::interval_max(x, lo, hi, start)
+                                           : avx2::interval_max(x, lo, hi, start);
+}
+
+float exp_interval(float* x, std::int64_t lo, std::int64_t hi, std::int64_t width, float shift) {
+  return kernel_isa() == KernelIsa::Avx512 ? avx512::exp_interval(x, lo, hi, width, shift)
+                                           : avx2::exp_interval(x, lo, hi, width, shift);
+}
+
+void softmax_grad_interval(float* p, float* g, std::int64_t lo, std::int64_t hi, std::int64_t width, float shift,
+                           float dot) {
+  if (kernel_isa() == KernelIsa::Avx512)
+    avx512::softmax_grad_interval(p, g, lo, hi, width, shift, dot);
+  else
+    avx2::softmax_grad_interval(p, g, lo, hi, width, shift, dot);
+}
+
 }  // namespace xfb::tiles

@@ -31,4 +31,20 @@ void scores(const float* q, std::int64_t ldq, std::int64_t rows, const float* pa
 void accumulate_pv(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* v,
                    std::int64_t ldv, std::int64_t d, float* out, std::int64_t ldo);
 
+// Softmax pieces of one score row on the same vector width. The row is padded: it holds at least
+// width rounded up to 16 floats, and the padding past `width` (like the entries outside [lo, hi))
+// is read as scratch and may be overwritten with 0. lo <= hi <= width.
+//   interval_max:          max(start, x[lo..hi)).
+//   exp_interval:          x[j] := exp(x[j] − shift) (ops::fast_exp's polynomial) for j in [lo, hi),
+//                          0 elsewhere in [0, width); returns Σ x[lo..hi).
+//   softmax_grad_interval: p[j] := exp(p[j] − shift), g[j] := p[j]·(g[j] − dot) for j in [lo, hi),
+//                          both 0 elsewhere in [0, width) (the recomputed probabilities and dS of a
+//                          softmax backward row).
+// Vectors and horizontal reductions over whole lanes (masked at the interval's ends): no scalar
+// tails, so short rows (block-local attention's 50) cost about as much per entry as long ones.
+float interval_max(const float* x, std::int64_t lo, std::int64_t hi, float start);
+float exp_interval(float* x, std::int64_t lo, std::int64_t hi, std::int64_t width, float shift);
+void softmax_grad_interval(float* p, float* g, std::int64_t lo, std::int64_t hi, std::int64_t width, float shift,
+                           float dot);
+
 }  // namespace xfb::tiles

@@ -9,6 +9,9 @@ namespace xfb::tiles {
               float* s, long lds);                                                                               \
   void accumulate_pv(const float* p, long ldp, long rows, long cols, const float* v, long ldv, long d,          \
                      float* out, long ldo);                                                                      \
+  float interval_max(const float* x, long lo, long hi, float start);                                             \
+  float exp_interval(float* x, long lo, long hi, long width, float shift);                                       \
+  void softmax_grad_interval(float* p, float* g, long lo, long hi, long width, float shift, float dot);           \
   }
 XFB_TILE_KERNELS(avx2)
 XFB_TILE_KERNELS(avx512)

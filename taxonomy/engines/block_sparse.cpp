@@ -7,6 +7,7 @@
 
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
+#include "lib/core/tile_kernels.hpp"
 
 namespace xfb::block_sparse {
 namespace {
@@ -41,10 +42,8 @@ std::int64_t softmax_row(const QueryBlock& q, std::int64_t r, float* row, std::i
     }
     return 0;
   }
-  const float peak = ops::row_max(row + lo, hi - lo, fresh ? kMinusInf : row_max);
-  const float sum = ops::exp_and_sum(row + lo, hi - lo, peak);
-  std::fill(row, row + lo, 0.0f);
-  std::fill(row + hi, row + width, 0.0f);
+  const float peak = tiles::interval_max(row, lo, hi, fresh ? kMinusInf : row_max);
+  const float sum = tiles::exp_interval(row, lo, hi, width, peak);
   const std::int64_t valid = hi - lo;
   if (fresh) {
     row_max = peak;
@@ -286,11 +285,34 @@ std::int64_t begin_head(const HeadGrads& g, std::int64_t q_rows, std::int64_t k_
   return row_dots(g.dout, g.out, q_rows, d, g.delta);
 }
 
+namespace {
+
+// Zeroes rows [*done, end) of the three [rows, d] buffers (those past *done are untouched) and
+// moves *done to end.
+void zero_through(std::int64_t* done, std::int64_t end, std::int64_t d, float* a, float* b = nullptr) {
+  if (end <= *done) return;
+  for (float* rows : {a, b})
+    if (rows != nullptr) std::fill(rows + *done * d, rows + end * d, 0.0f);
+  *done = end;
+}
+
+}  // namespace
+
+void zero_rest(const HeadGrads& g, const ZeroedRows& zeroed, std::int64_t q_rows, std::int64_t k_rows) {
+  ZeroedRows rest = zeroed;
+  zero_through(&rest.queries, q_rows, g.d, g.dq);
+  zero_through(&rest.keys, k_rows, g.d, g.dk, g.dv);
+}
+
 std::int64_t attend_backward(const HeadGrads& g, const Tile& tile, const std::int64_t* lo, const std::int64_t* hi,
-                             BackwardScratch& scratch, int thread) {
+                             BackwardScratch& scratch, int thread, ZeroedRows* zeroed) {
   const Hull hull = hull_of(tile.rows, lo, hi);
   const std::int64_t width = hull.width(), d = g.d, ld = scratch.ld();
   if (width == 0) return 0;
+  if (zeroed != nullptr) {  // through the last dq row and the last dk/dv row this tile writes
+    zero_through(&zeroed->queries, tile.q_first + (tile.rows - 1) * tile.q_step + 1, d, g.dq);
+    zero_through(&zeroed->keys, tile.k_first + (hull.end - 1) * tile.k_step + 1, d, g.dk, g.dv);
+  }
   const std::int64_t ldq = tile.q_step * d, ldk = tile.k_step * d;
   const std::int64_t q_offset = tile.q_first * d, k_offset = (tile.k_first + hull.begin * tile.k_step) * d;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -305,16 +327,7 @@ std::int64_t attend_backward(const HeadGrads& g, const Tile& tile, const std::in
     const std::int64_t begin = hi[r] > lo[r] ? lo[r] - hull.begin : 0, end = hi[r] > lo[r] ? hi[r] - hull.begin : 0;
     float* p_row = probs + r * ld;
     float* g_row = grads + r * ld;
-    const float shift = g.lse[token], dot = g.delta[token];
-#pragma omp simd
-    for (std::int64_t j = begin; j < end; ++j) {
-      p_row[j] = ops::fast_exp(p_row[j] - shift);
-      g_row[j] = p_row[j] * (g_row[j] - dot);
-    }
-    std::fill(p_row, p_row + begin, 0.0f);
-    std::fill(g_row, g_row + begin, 0.0f);
-    std::fill(p_row + end, p_row + width, 0.0f);
-    std::fill(g_row + end, g_row + width, 0.0f);
+    tiles::softmax_grad_interval(p_row, g_row, begin, end, width, g.lse[token], g.delta[token]);
     valid_entries += end - begin;
   }
   ops::gemm(true, false, width, d, tile.rows, 1.0f, probs, ld, g.dout + q_offset, ldq, 1.0f, g.dv + k_offset, ldk);

@@ -60,7 +60,8 @@ struct KeyBlock {
   const std::int64_t* hi = nullptr;
 };
 
-// Per-call scratch: the m×w score tile, row stride ld (ld ≥ the largest w of the caller's calls).
+// Per-call scratch: the m×w score tile, row stride ld (a multiple of 16, ≥ the largest w of the
+// caller's calls: the row softmax works on whole vectors, tiles::exp_interval).
 struct ScoreTile {
   float* data = nullptr;
   std::int64_t ld = 0;
@@ -200,7 +201,7 @@ void run_tiles(std::int64_t heads, std::int64_t tasks, ThreadScratch& scratch, c
 #pragma omp parallel num_threads(scratch.threads()) reduction(+ : flops)
   {
     const int thread = omp_get_thread_num();
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 8)
     for (std::int64_t index = 0; index < total; ++index) {
       const Tile tile = plan(index % tasks, scratch.lo(thread), scratch.hi(thread));
       if (tile.rows > 0) flops += attend(head_of(index / tasks), tile, scratch, thread);
@@ -265,10 +266,23 @@ std::int64_t row_dots(const float* a, const float* b, std::int64_t rows, std::in
 // Returns its FLOPs (2·q_rows·D).
 std::int64_t begin_head(const HeadGrads& g, std::int64_t q_rows, std::int64_t k_rows);
 
+// Lazily zeroed gradient rows of one head: dq rows [0, queries) and dk, dv rows [0, keys) hold
+// sums; later rows are untouched until a tile reaches them. Zeroing rows just before a tile first
+// accumulates into them keeps them in cache (a whole-head fill up front went out to memory and was
+// read back: ~6% of a block-local training step).
+struct ZeroedRows {
+  std::int64_t queries = 0, keys = 0;
+};
+
 // The backward of one tile whose rows see key rows [lo[r], hi[r]) (Tile addressing as in attend).
-// Returns the elementwise FLOPs (the gemms count themselves).
+// With `zeroed`, first zeroes the untouched rows up to the last dq and dk/dv rows the tile writes;
+// without, the rows must be zero already (begin_head). Returns the elementwise FLOPs (the gemms
+// count themselves).
 std::int64_t attend_backward(const HeadGrads& g, const Tile& tile, const std::int64_t* lo, const std::int64_t* hi,
-                             BackwardScratch& scratch, int thread);
+                             BackwardScratch& scratch, int thread, ZeroedRows* zeroed = nullptr);
+
+// Zeroes the rows no tile reached: dq rows [zeroed.queries, q_rows), dk and dv [zeroed.keys, k_rows).
+void zero_rest(const HeadGrads& g, const ZeroedRows& zeroed, std::int64_t q_rows, std::int64_t k_rows);
 std::int64_t attend_backward_flops(std::int64_t rows, const std::int64_t* lo, const std::int64_t* hi, std::int64_t d);
 
 // Runs head_task(head, thread) for every head h < heads on `threads` OpenMP threads, one
@@ -281,14 +295,15 @@ void run_heads(std::int64_t heads, int threads, const HeadTask& head_task) {
   FlopCounter::add(flops);
 }
 
-// The backward of every task's tile of one head (after begin_head). Returns the elementwise FLOPs.
+// The backward of every task's tile of one head (after begin_head, or zeroing lazily through
+// `zeroed`). Returns the elementwise FLOPs.
 template <class Plan>
 std::int64_t backward_tiles(const HeadGrads& g, std::int64_t tasks, const Plan& plan, BackwardScratch& scratch,
-                            int thread) {
+                            int thread, ZeroedRows* zeroed = nullptr) {
   std::int64_t *lo = scratch.lo(thread), *hi = scratch.hi(thread), flops = 0;
   for (std::int64_t task = 0; task < tasks; ++task) {
     const Tile tile = plan(task, lo, hi);
-    if (tile.rows > 0) flops += attend_backward(g, tile, lo, hi, scratch, thread);
+    if (tile.rows > 0) flops += attend_backward(g, tile, lo, hi, scratch, thread, zeroed);
   }
   return flops;
 }
@@ -312,12 +327,16 @@ class TileTraining {
   std::vector<NamedTensor> saved() const { return {{"log_sum_exp", &lse_}}; }
 
   // The backward of a single-plan model (run_tiles' forward over heads [0, heads) of t): per head,
-  // begin_head over its N query and key rows, then every task's tile.
+  // δ of its N query rows, then every task's tile, zeroing the gradient rows as tiles reach them.
   template <class Plan>
   void run(const BackwardTensors& t, std::int64_t heads, std::int64_t tasks, const Plan& plan) {
     run_heads(heads, scratch_.threads(), [&](std::int64_t head, int thread) {
       const HeadGrads g = grads(t, head, thread);
-      return begin_head(g, tokens_, tokens_) + backward_tiles(g, tasks, plan, scratch_, thread);
+      ZeroedRows zeroed;
+      const std::int64_t flops =
+          row_dots(g.dout, g.out, tokens_, g.d, g.delta) + backward_tiles(g, tasks, plan, scratch_, thread, &zeroed);
+      zero_rest(g, zeroed, tokens_, tokens_);
+      return flops;
     });
   }
 
