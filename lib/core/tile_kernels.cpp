@@ -26,11 +26,19 @@ void scores(const float* q, std::int64_t ldq, std::int64_t rows, const float* pa
 }
 
 void accumulate_pv(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* v,
-                   std::int64_t ldv, std::int64_t d, float* out, std::int64_t ldo) {
+                   std::int64_t ldv, std::int64_t d, float* out, std::int64_t ldo, float alpha) {
   if (kernel_isa() == KernelIsa::Avx512)
-    avx512::accumulate_pv(p, ldp, rows, cols, v, ldv, d, out, ldo);
+    avx512::accumulate_pv(p, ldp, rows, cols, v, ldv, d, out, ldo, alpha);
   else
-    avx2::accumulate_pv(p, ldp, rows, cols, v, ldv, d, out, ldo);
+    avx2::accumulate_pv(p, ldp, rows, cols, v, ldv, d, out, ldo, alpha);
+}
+
+void accumulate_transposed(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* x,
+                           std::int64_t ldx, std::int64_t d, float alpha, float* out, std::int64_t ldo) {
+  if (kernel_isa() == KernelIsa::Avx512)
+    avx512::accumulate_transposed(p, ldp, rows, cols, x, ldx, d, alpha, out, ldo);
+  else
+    avx2::accumulate_transposed(p, ldp, rows, cols, x, ldx, d, alpha, out, ldo);
 }
 
 float interval_max(const float* x, std::int64_t lo, std::int64_t hi, float start) {

@@ -26,10 +26,16 @@ void pack_key_panels(const float* keys, std::int64_t ldk, std::int64_t cols, std
 void scores(const float* q, std::int64_t ldq, std::int64_t rows, const float* packed, std::int64_t panels,
             std::int64_t d, float alpha, float* s, std::int64_t lds);
 
-// O[r, :] += Σ_{j < cols} P[r, j]·V[j, :] for r < rows. P stride ldp, V [cols, d] stride ldv,
+// O[r, :] += alpha·Σ_{j < cols} P[r, j]·V[j, :] for r < rows. P stride ldp, V [cols, d] stride ldv,
 // O stride ldo. Requires d % kPanel == 0. Executes 2·rows·cols·d FLOPs (not counted here).
 void accumulate_pv(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* v,
-                   std::int64_t ldv, std::int64_t d, float* out, std::int64_t ldo);
+                   std::int64_t ldv, std::int64_t d, float* out, std::int64_t ldo, float alpha = 1.0f);
+
+// The transposed product: O[c, :] += alpha·Σ_{r < rows} P[r, c]·X[r, :] for c < cols (Pᵀ·X, as
+// dV = Pᵀ·dO and dK = dSᵀ·Q in an attention backward). P stride ldp, X [rows, d] stride ldx,
+// O [cols, d] stride ldo. Requires d % kPanel == 0. Executes 2·rows·cols·d FLOPs (not counted here).
+void accumulate_transposed(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* x,
+                           std::int64_t ldx, std::int64_t d, float alpha, float* out, std::int64_t ldo);
 
 // Softmax pieces of one score row on the same vector width. The row is padded: it holds at least
 // width rounded up to 16 floats, and the padding past `width` (like the entries outside [lo, hi))

@@ -1,5 +1,7 @@
 // lib/core/tile_kernels_isa.inc for 512-bit vectors (compiled with -mavx512f -mavx512vl -mavx512bw
 // -mavx512dq -mfma): 32 zmm registers hold 12 rows × 2 vectors of accumulators.
+#include <immintrin.h>  // always-inline intrinsics only (vrndscaleps, vscalefps in exp_lanes)
+
 #include "lib/core/tile_kernels_isa.hpp"
 
 namespace xfb::tiles::avx512 {

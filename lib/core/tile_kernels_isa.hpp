@@ -8,7 +8,9 @@ namespace xfb::tiles {
   void scores(const float* q, long ldq, long rows, const float* packed, long panels, long d, float alpha,       \
               float* s, long lds);                                                                               \
   void accumulate_pv(const float* p, long ldp, long rows, long cols, const float* v, long ldv, long d,          \
-                     float* out, long ldo);                                                                      \
+                     float* out, long ldo, float alpha);                                                         \
+  void accumulate_transposed(const float* p, long ldp, long rows, long cols, const float* x, long ldx, long d,   \
+                             float alpha, float* out, long ldo);                                                 \
   float interval_max(const float* x, long lo, long hi, float start);                                             \
   float exp_interval(float* x, long lo, long hi, long width, float shift);                                       \
   void softmax_grad_interval(float* p, float* g, long lo, long hi, long width, float shift, float dot);           \
