@@ -6,21 +6,27 @@
 //   S = Q_blk·K_blkᵀ/√D;  m' = max(m, rowmax S);  P = exp(S − m');  l = l·e^(m−m') + rowsum P;
 //   acc = acc·e^(m−m') + P·V_blk;  finally O_blk = acc / l.
 // Causal: key blocks entirely above the diagonal are skipped; inside a diagonal block entries
-// j > i are excluded. Workspace: per thread S [bq, bk], acc [bq, D], m, l: O(bq·(bk+D)), not O(N²);
-// when D is a multiple of 16 (the register-blocked tile kernels) also one panel-packed copy of K,
-// made once per call and shared by all query blocks: B·H·⌈N/16⌉·16·D floats.
-// FLOPs (exact, see exact_tiled_flops): per executed tile 4·rows·cols·D (two products) +
-// 4·valid (max, subtract+exp, sum) + D per row with valid > 0 (rescale); plus N·D per head (1/l).
+// j > i are excluded. When D is a multiple of 16 (the register-blocked tile kernels) a block's tile
+// is done in strips of 32 rows (S, softmax, P·V per strip, the strip's scores staying in L1), and
+// K is packed into panels once per call, shared by all query blocks: B·H·⌈N/16⌉·16·D floats.
+// Workspace: per thread S [min(bq, 32) on the tile kernels, else bq; ⌈bk/16⌉·16], acc [bq, D], m,
+// l: O(bq·(bk+D)), not O(N²); plus the packed K.
+// FLOPs (exact, see exact_tiled_flops): per executed tile 4·rows·cols·D (two products; on the
+// tile kernels S counts whole 16-key panels) + 4·valid (max, subtract+exp, sum) + D per row with
+// valid > 0 (rescale); plus N·D per head (1/l).
 //
 // Backward (FlashAttention-2's): the forward saves only the row log-sum-exp L = m + log l, B·H·N
 // floats; nothing N×N is saved or materialised. The backward first forms δ_i = Σ_c dO[i,c]·O[i,c],
 // then, per head (one task; dQ rows are shared by its key blocks), walks key blocks of bk keys,
-// and for each the query blocks of bq rows that see them, recomputing the tile:
+// and for each the query strips that see them (128 rows on the tile kernels, with the block's K
+// and V packed into panels; bq rows on sgemm), recomputing the tile:
 //   S = Q_blk·K_blkᵀ/√D;  P = exp(S − L);  dV_blk += Pᵀ·dO_blk;  dP = dO_blk·V_blkᵀ;
 //   dS = P ⊙ (dP − δ);  dK_blk += dSᵀ·Q_blk/√D;  dQ_blk += dS·K_blk/√D.
-// Causal: the tiles the forward executed, as it cut them (key blocks that start at or before the
-// query block's last row, ending at that row); entries j > i have P = 0. Workspace: L and δ (B·H·N each) and per thread P and dP
-// tiles [bq, bk]. FLOPs: per executed tile 10·rows·cols·D + 4·valid; plus 2·N·D per head (δ).
+// Causal: strips from the one holding the block's first key, each tile cut at the strip's last
+// row; entries j > i have P = 0. Workspace: L and δ (B·H·N each) and per thread the P and dP tiles
+// [strip, ⌈bk/16⌉·16] and the packed K and V blocks (2·⌈bk/16⌉·16·D on the tile kernels).
+// FLOPs: per executed tile 10·rows·cols·D (S and dP over whole panels on the tile kernels) +
+// 4·valid; plus 2·N·D per head (δ).
 //
 // Decode (split-K, as FlashDecoding): a KV cache of every token ([B·H, N + T, D] each, the state).
 // A step's query is split over S key ranges per head, S = clamp(⌈threads / (B·H)⌉, 1, (N+T)/bk), so
