@@ -182,6 +182,10 @@ std::int64_t attend(const HeadView& head, const Tile& tile, ThreadScratch& scrat
 // A plan is a callable plan(task, lo, hi) -> Tile that fills lo/hi of the tile's rows; tasks are
 // independent. run_tiles runs tasks [0, tasks) of every head h < heads (views from head_of(h)) in
 // one OpenMP loop of scratch.threads() threads and adds the FLOPs to the counter; plan_flops is the exact count for one head.
+// Threads claim kTilesPerClaim consecutive tasks at a time, so each reads its q, k, v rows as runs
+// the hardware prefetcher follows (one task at a time interleaved the threads' rows: local attention
+// 6% slower, axial 9%); claims stay small enough to balance uneven (causal) tasks.
+inline constexpr int kTilesPerClaim = 8;
 template <class Plan>
 std::int64_t plan_flops(std::int64_t tasks, std::int64_t d, const Plan& plan) {
   std::vector<std::int64_t> lo(kTaskRows), hi(kTaskRows);
@@ -201,7 +205,7 @@ void run_tiles(std::int64_t heads, std::int64_t tasks, ThreadScratch& scratch, c
 #pragma omp parallel num_threads(scratch.threads()) reduction(+ : flops)
   {
     const int thread = omp_get_thread_num();
-#pragma omp for schedule(dynamic, 8)
+#pragma omp for schedule(dynamic, kTilesPerClaim)
     for (std::int64_t index = 0; index < total; ++index) {
       const Tile tile = plan(index % tasks, scratch.lo(thread), scratch.hi(thread));
       if (tile.rows > 0) flops += attend(head_of(index / tasks), tile, scratch, thread);
