@@ -3,6 +3,8 @@
 #include <cstring>
 
 #include "lib/core/cpu_isa.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
 #include "lib/core/tile_kernels_isa.hpp"
 
 namespace xfb::tiles {
@@ -39,6 +41,32 @@ void accumulate_transposed(const float* p, std::int64_t ldp, std::int64_t rows, 
     avx512::accumulate_transposed(p, ldp, rows, cols, x, ldx, d, alpha, out, ldo);
   else
     avx2::accumulate_transposed(p, ldp, rows, cols, x, ldx, d, alpha, out, ldo);
+}
+
+namespace {
+
+bool on_kernels(std::int64_t d) { return d % kPanel == 0; }
+
+}  // namespace
+
+void pv_product(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* v,
+                std::int64_t ldv, std::int64_t d, float alpha, float* out, std::int64_t ldo) {
+  if (!on_kernels(d)) {
+    ops::gemm(false, false, rows, d, cols, alpha, p, ldp, v, ldv, 1.0f, out, ldo);
+    return;
+  }
+  accumulate_pv(p, ldp, rows, cols, v, ldv, d, out, ldo, alpha);
+  FlopCounter::add(matmul_flops(rows, d, cols));
+}
+
+void transposed_product(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* x,
+                        std::int64_t ldx, std::int64_t d, float alpha, float* out, std::int64_t ldo) {
+  if (!on_kernels(d)) {
+    ops::gemm(true, false, cols, d, rows, alpha, p, ldp, x, ldx, 1.0f, out, ldo);
+    return;
+  }
+  accumulate_transposed(p, ldp, rows, cols, x, ldx, d, alpha, out, ldo);
+  FlopCounter::add(matmul_flops(cols, d, rows));
 }
 
 float interval_max(const float* x, std::int64_t lo, std::int64_t hi, float start) {

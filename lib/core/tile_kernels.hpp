@@ -37,6 +37,16 @@ void accumulate_pv(const float* p, std::int64_t ldp, std::int64_t rows, std::int
 void accumulate_transposed(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* x,
                            std::int64_t ldx, std::int64_t d, float alpha, float* out, std::int64_t ldo);
 
+// The accumulating head-dimension products of an attention backward tile, whatever D: on the
+// kernels above when D % kPanel == 0 (their output columns are D, so no panel padding is computed),
+// else on oneDNN's sgemm. Both count 2·rows·cols·d FLOPs into the FlopCounter, as ops::gemm does.
+//   pv_product:         O += alpha·P·V    (P [rows, cols] stride ldp, V [cols, d], O [rows, d])
+//   transposed_product: O += alpha·Pᵀ·X   (P [rows, cols] stride ldp, X [rows, d], O [cols, d])
+void pv_product(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* v,
+                std::int64_t ldv, std::int64_t d, float alpha, float* out, std::int64_t ldo);
+void transposed_product(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* x,
+                        std::int64_t ldx, std::int64_t d, float alpha, float* out, std::int64_t ldo);
+
 // Softmax pieces of one score row on the same vector width. The row is padded: it holds at least
 // width rounded up to 16 floats, and the padding past `width` (like the entries outside [lo, hi))
 // is read as scratch and may be overwritten with 0. lo <= hi <= width.

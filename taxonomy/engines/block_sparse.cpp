@@ -330,9 +330,9 @@ std::int64_t attend_backward(const HeadGrads& g, const Tile& tile, const std::in
     tiles::softmax_grad_interval(p_row, g_row, begin, end, width, g.lse[token], g.delta[token]);
     valid_entries += end - begin;
   }
-  ops::gemm(true, false, width, d, tile.rows, 1.0f, probs, ld, g.dout + q_offset, ldq, 1.0f, g.dv + k_offset, ldk);
-  ops::gemm(true, false, width, d, tile.rows, scale, grads, ld, g.q + q_offset, ldq, 1.0f, g.dk + k_offset, ldk);
-  ops::gemm(false, false, tile.rows, d, width, scale, grads, ld, g.k + k_offset, ldk, 1.0f, g.dq + q_offset, ldq);
+  tiles::transposed_product(probs, ld, tile.rows, width, g.dout + q_offset, ldq, d, 1.0f, g.dv + k_offset, ldk);
+  tiles::transposed_product(grads, ld, tile.rows, width, g.q + q_offset, ldq, d, scale, g.dk + k_offset, ldk);
+  tiles::pv_product(grads, ld, tile.rows, width, g.k + k_offset, ldk, d, scale, g.dq + q_offset, ldq);
   return kRecomputedSoftmaxBackwardFlopsPerElement * valid_entries;
 }
 
