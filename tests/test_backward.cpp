@@ -154,9 +154,9 @@ TEST_SUITE("backward") {
 
   TEST_CASE("vanilla and exact-tiled gradients, causal and not, batch 2, at and around block sizes") {
     double worst = 0;
-    // exact-tiled defaults: block_q 64, block_k 256; on the tile kernels (D = 32) forward strips of
+    // exact-tiled defaults: block_q 64, block_k 512; on the tile kernels (D = 32) forward strips of
     // 32 rows and backward strips of 128.
-    for (std::int64_t n : {1, 7, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257})
+    for (std::int64_t n : {1, 7, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513})
       for (bool causal : {false, true})
         for (const char* model : {"vanilla", "exact-tiled"})
           worst = std::max(worst, check_model_gradients(model, {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal},

@@ -71,7 +71,7 @@ struct ResultRow {
 // "attention, B=1 H=8 D=64" (+ ", train pass", ", causal", ", T=…", ", d_ff=…"): everything of the key but
 // model, N, params.
 std::string configuration_text(const ResultRow& row);
-// "block_k=256,block_q=64"; empty for no parameters.
+// "block_k=512,block_q=64"; empty for no parameters.
 std::string params_text(const nlohmann::json& params);
 
 // The row's contention warning (the one in `warnings` that starts "contended:"), or a summary.

