@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
@@ -59,28 +60,41 @@ float inverse_norm(const float* x, std::int64_t d) {
   return squares > 0.0f ? 1.0f / std::sqrt(squares) : 0.0f;
 }
 
-// Histogram bins over [-1, 1] used to find the cut of a top-w selection of cosine values.
-constexpr std::int64_t kSelectionBins = 1024;
+// A top-w selection first keeps the positions at or above a threshold read off a strided sample of
+// kSelectionSample values: the sample's value of rank ⌈w·s/n⌉ + kSelectionMargin from the top, so
+// about w plus a margin pass and fewer than w only rarely (then every position is ranked).
+constexpr std::int64_t kSelectionSample = 256;
+constexpr std::int64_t kSelectionMargin = 8;
 
-// Monotone in `value`: a larger value never falls in a lower bin. Out-of-range values and NaN clamp.
-std::int64_t selection_bin(float value) {
-  const float x = (value + 1.0f) * static_cast<float>(kSelectionBins / 2);
-  if (!(x > 0.0f)) return 0;
-  return x >= static_cast<float>(kSelectionBins - 1) ? kSelectionBins - 1 : static_cast<std::int64_t>(x);
+float selection_threshold(const float* values, std::int64_t n, std::int64_t w) {
+  std::array<float, kSelectionSample> sample{};
+  const std::int64_t size = std::min(n, kSelectionSample), stride = n / size;
+  for (std::int64_t i = 0; i < size; ++i) sample[static_cast<std::size_t>(i)] = values[i * stride];
+  const std::int64_t rank = std::min(size, (w * size + n - 1) / n + kSelectionMargin);
+  std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.begin() + size, std::greater<float>());
+  return sample[static_cast<std::size_t>(rank - 1)];
 }
 
-// members = the w ≤ n positions of largest value (ties: lower position first), ascending. A
-// histogram finds the bin holding the w-th largest value; only the positions in that bin or above
-// (w plus that bin's share, for spread-out values) are ranked exactly.
-void top_positions(const float* values, std::int64_t n, std::int64_t w, std::int32_t* candidates,
-                   std::int32_t* members) {
-  std::array<std::int32_t, kSelectionBins> count{};
-  for (std::int64_t i = 0; i < n; ++i) ++count[static_cast<std::size_t>(selection_bin(values[i]))];
-  std::int64_t cut = kSelectionBins - 1, above = count[kSelectionBins - 1];
-  while (above < w) above += count[static_cast<std::size_t>(--cut)];
+// The positions i < n with values[i] >= threshold, ascending, into `positions`; returns how many.
+// Branch-free: every position is written, the count advances only for kept ones.
+std::int64_t positions_at_least(const float* values, std::int64_t n, float threshold, std::int32_t* positions) {
   std::int64_t size = 0;
-  for (std::int64_t i = 0; i < n; ++i)
-    if (selection_bin(values[i]) >= cut) candidates[size++] = static_cast<std::int32_t>(i);
+  for (std::int64_t i = 0; i < n; ++i) {
+    positions[size] = static_cast<std::int32_t>(i);
+    size += values[i] >= threshold ? 1 : 0;
+  }
+  return size;
+}
+
+}  // namespace
+
+void routing_top_positions(const float* values, std::int64_t n, std::int64_t w, std::int32_t* candidates,
+                           std::int32_t* members) {
+  std::int64_t size = positions_at_least(values, n, selection_threshold(values, n, w), candidates);
+  if (size < w) {
+    std::iota(candidates, candidates + n, 0);
+    size = n;
+  }
   auto better = [values](std::int32_t a, std::int32_t b) {
     return values[a] > values[b] || (values[a] == values[b] && a < b);
   };
@@ -88,6 +102,8 @@ void top_positions(const float* values, std::int64_t n, std::int64_t w, std::int
   std::copy(candidates, candidates + w, members);
   std::sort(members, members + w);
 }
+
+namespace {
 
 // y[i] = Σ_r x[r] · a[r·lda + i] for i < m: 2·rows·m FLOPs. Blocks of 32 outputs stay in registers.
 void accumulate_rows(const float* x, std::int64_t rows, const float* a, std::int64_t lda, std::int64_t m, float* y) {
@@ -417,7 +433,7 @@ std::int64_t RoutingAttention::route_balanced(const Tensor& q, const Tensor& k, 
       const float* row = affinity + (role * cl + c) * affinity_ld_;
 #pragma omp simd
       for (std::int64_t i = 0; i < n; ++i) values[i] = row[i] * inverse[role * n + i];
-      top_positions(values, n, w, candidates, members_.data() + ((r * 2 + role) * cl + c) * w);
+      routing_top_positions(values, n, w, candidates, members_.data() + ((r * 2 + role) * cl + c) * w);
     }
   // Slot lists: for every query, the (cluster · w + slot) entries that took it, in cluster order.
   std::int32_t* start = slot_start_.data() + r * (n + 1);

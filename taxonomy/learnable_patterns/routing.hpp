@@ -71,6 +71,12 @@ struct RoutingConfig {
 std::int64_t routing_clusters(const Problem& p, const RoutingConfig& c);  // C used for a problem
 std::int64_t routing_window(const Problem& p, const RoutingConfig& c);    // w = ⌈N / C⌉
 
+// Balanced routing's selection: members = the w ≤ n positions of largest value (ties: lower
+// position first), ascending. candidates: n ints of scratch. Positions at or above a threshold read
+// off a strided sample are ranked exactly (all n when fewer than w pass it).
+void routing_top_positions(const float* values, std::int64_t n, std::int64_t w, std::int32_t* candidates,
+                           std::int32_t* members);
+
 class RoutingAttention final : public Mechanism {
  public:
   RoutingAttention(const Problem& problem, const RoutingConfig& config, std::uint64_t seed);
