@@ -11,6 +11,17 @@ bash tools/install_deps.sh
 cmake --preset release >/dev/null
 cmake --build --preset release
 x=build/release/xfbench
+# "<cpu> (cores, threads; kernel and oneDNN ISAs; FMA peak, triad; commit, date)." from a report's context.
+machine_line() {
+  python3 - "$1" <<'PY'
+import json, sys
+c = json.load(open(sys.argv[1]))["context"]
+c["commit"], c["day"] = c["git_commit"][:7], c["date"][:10]
+print("{cpu_model} ({logical_cores} shared cores, {threads} threads; kernels {kernel_isa}, oneDNN {onednn_isa}; "
+      "FMA peak {fma_peak_gflops:.0f} GFLOP/s and triad {triad_bandwidth_gbs:.0f} GB/s measured in the same run; "
+      "commit {commit}, {day}).".format(**c))
+PY
+}
 sweep_args=(--models implemented --seq-lens 1024:16384:x2 --batch 1 --heads 8 --head-dim 64 --threads 2)
 if [ "${1:-}" != "--render-only" ]; then
   $x sweep "${sweep_args[@]}" --no-table --out results/reference-sweep.json
@@ -22,21 +33,29 @@ fi
 # decode-sweep.md is written by hand around its tables (the targets and their reading).
 $x plot results/decode-sweep.json --out results/decode-time.svg
 $x plot results/decode-sweep.json --metric state --out results/decode-state.svg
+# The hand-written analysis at the end of lra-sweep.md (from its first "## " heading) is kept.
+lra_analysis=$(sed -n '/^## /,$p' results/lra-sweep.md 2>/dev/null || true)
 {
   echo "# Long Range Arena preset"
   echo
   echo "\`xfbench sweep --preset lra --threads 2\` (layer scope, B=32, 4 heads of 64, d_ff 1024) against"
-  echo "LRA's published speed and memory ratios (\`xfbench table --paper lra\`)."
+  echo "LRA's published speed and memory ratios (\`xfbench table --paper lra\`), on"
+  machine_line results/lra-sweep.json
   echo
   $x table results/lra-sweep.json --paper lra --format md
-} >results/lra-sweep.md
+  if [ -n "$lra_analysis" ]; then
+    echo
+    echo "$lra_analysis"
+  fi
+} >results/lra-sweep.md.new
+mv results/lra-sweep.md.new results/lra-sweep.md
 for variant in reference-sweep reference-sweep-causal; do
   json=results/$variant.json
   {
     echo "# Reference sweep ($([ "$variant" = reference-sweep ] && echo non-causal || echo causal))"
     echo
-    echo "\`xfbench sweep ${sweep_args[*]}$([ "$variant" = reference-sweep-causal ] && echo ' --causal')\` on 2 shared"
-    echo "cores of an AMD EPYC (Zen 3, AVX2); the FMA peak measured in the same run is in the JSON context."
+    echo "\`xfbench sweep ${sweep_args[*]}$([ "$variant" = reference-sweep-causal ] && echo ' --causal')\` on"
+    machine_line "$json"
     echo "Times are medians on a shared machine (ratios are more telling than absolute figures); tracked"
     echo "memory and FLOPs are exact. Models that cannot decode are \`unsupported\` in the causal sweep."
     echo "The exact command line is the JSON's \`context.command_line\`."
