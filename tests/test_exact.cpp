@@ -70,6 +70,7 @@ TEST_SUITE("exact") {
   TEST_CASE("tile kernels of every ISA the host runs equal double-precision loops") {
     // Register blocks: AVX2 6 rows × 16 columns, AVX-512 12 rows × 32 columns (two panels), so
     // rows and panel counts run one below, at and above both, and d covers 16-column remainders.
+    // The transposed product's register blocks run over the columns (keys) instead.
     const KernelIsa original = kernel_isa();
     for (KernelIsa isa : supported_kernel_isas()) {
       force_kernel_isa(isa);
@@ -87,6 +88,9 @@ TEST_SUITE("exact") {
             std::vector<float> s(static_cast<std::size_t>(rows * width), -1.0f), o(static_cast<std::size_t>(rows * d), 0.5f);
             tiles::scores(q.data(), d, rows, packed.data(), panels, d, 0.25f, s.data(), width);
             tiles::accumulate_pv(pr.data(), cols, rows, cols, v.data(), d, d, o.data(), d);
+            // Pᵀ·X with alpha: X [rows, d] is q here; T [cols, d] starts at 0.25.
+            std::vector<float> t(static_cast<std::size_t>(cols * d), 0.25f);
+            tiles::accumulate_transposed(pr.data(), cols, rows, cols, q.data(), d, d, 0.5f, t.data(), d);
             // fp32 dot products of length L: |error| ≤ L·ε·Σ|terms|, bounded by L·ε·(typical 3²·L).
             const std::string where = kernel_isa_name(isa) + " d=" + std::to_string(d) + " rows=" +
                                       std::to_string(rows) + " cols=" + std::to_string(cols);
@@ -112,6 +116,17 @@ TEST_SUITE("exact") {
                                 where << " O[" << r << "," << c << "] " << got << " vs " << want);
               }
             }
+            for (std::int64_t j = 0; j < cols; ++j)
+              for (std::int64_t c = 0; c < d; ++c) {
+                double want = 0.25, magnitude = 0.25;
+                for (std::int64_t r = 0; r < rows; ++r) {
+                  want += 0.5 * double(pr.data()[r * cols + j]) * q.data()[r * d + c];
+                  magnitude += std::fabs(0.5 * double(pr.data()[r * cols + j]) * q.data()[r * d + c]);
+                }
+                const double got = t[static_cast<std::size_t>(j * d + c)];
+                REQUIRE_MESSAGE(std::fabs(got - want) <= (rows + 2) * 1.2e-7 * magnitude,
+                                where << " T[" << j << "," << c << "] " << got << " vs " << want);
+              }
           }
       // The whole mechanism on this path: exact-tiled against naive attention, odd block sizes.
       for (std::int64_t n : {11, 12, 13, 47, 100})
