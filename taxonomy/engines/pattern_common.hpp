@@ -9,7 +9,8 @@
 // replaces the row by p = exp(s − max) (0 where not allowed), and writes
 //   lse[r] = max + log Σ p   and   inverse[r] = 1 / Σ p
 // (−inf and 0 for a row with nothing visible, whose p row is all zero). The caller multiplies P by
-// V and scales row r by inverse[r]. Every entry is processed whatever the mask, so the work is
+// V and scales row r by inverse[r]. ld is a multiple of 16 (ops::padded_ld): the row's max and
+// exponentials run on whole vectors (tiles::interval_max, exp_interval). Every entry is processed whatever the mask, so the work is
 // data-independent: kOnlineSoftmaxFlopsPerElement · rows · cols FLOPs (max, subtract+exp, sum),
 // which the function returns.
 #include <algorithm>
@@ -19,6 +20,7 @@
 
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
+#include "lib/core/tile_kernels.hpp"
 
 namespace xfb {
 
@@ -51,9 +53,9 @@ std::int64_t exp_rows_masked(float* scores, std::int64_t rows, std::int64_t cols
     float* row = scores + r * ld;
 #pragma omp simd
     for (std::int64_t c = 0; c < cols; ++c) row[c] = allowed(r, c) ? row[c] : kNegInf;
-    const float peak = ops::row_max(row, cols, kNegInf);
+    const float peak = tiles::interval_max(row, 0, cols, kNegInf);
     const float shift = peak == kNegInf ? 0.0f : peak;
-    const float sum = ops::exp_and_sum(row, cols, shift);
+    const float sum = tiles::exp_interval(row, 0, cols, cols, shift);
     lse[r] = sum > 0.0f ? shift + std::log(sum) : kNegInf;
     inverse[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
   }

@@ -480,12 +480,16 @@ std::int64_t RoutingAttention::merge_clusters(std::int64_t r, std::int64_t token
   const std::int32_t* slots = slots_.data() + r * clusters_ * window_;
   const float* lse = cluster_lse_.data() + r * clusters_ * window_;
   float* dst = out.data() + (routed_heads_[r] * n + token) * d;
-  float total = -std::numeric_limits<float>::infinity();
-  for (std::int32_t e = start[token]; e < start[token + 1]; ++e) total = log_add_exp(total, lse[slots[e]]);
-  if (!token_lse_.empty()) token_lse_.data()[routed_heads_[r] * n + token] = total;
+  float peak = -std::numeric_limits<float>::infinity(), sum = 0.0f;
+  for (std::int32_t e = start[token]; e < start[token + 1]; ++e) peak = std::max(peak, lse[slots[e]]);
+  const std::int32_t end = peak > -std::numeric_limits<float>::infinity() ? start[token + 1] : start[token];
+  for (std::int32_t e = start[token]; e < end; ++e) sum += ops::fast_exp(lse[slots[e]] - peak);
+  if (!token_lse_.empty())
+    token_lse_.data()[routed_heads_[r] * n + token] =
+        sum > 0.0f ? peak + std::log(sum) : -std::numeric_limits<float>::infinity();
   std::fill(dst, dst + d, 0.0f);
-  for (std::int32_t e = start[token]; e < start[token + 1]; ++e) {
-    const float weight = std::exp(lse[slots[e]] - total);
+  for (std::int32_t e = start[token]; e < end; ++e) {
+    const float weight = ops::fast_exp(lse[slots[e]] - peak) / sum;
     const float* src = cluster_out_.data() + (r * clusters_ * window_ + slots[e]) * d;
 #pragma omp simd
     for (std::int64_t j = 0; j < d; ++j) dst[j] += src[j] * weight;
