@@ -490,8 +490,7 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
   if (training) {
     row.saved_bytes += mechanism->saved_bytes();
     row.gradient_note = mechanism->gradient_note();
-    if (layer)
-      for (const auto& named : encoder->saved()) row.saved_bytes += named.tensor->bytes();
+    if (layer) row.saved_bytes += total_bytes(encoder->saved());
   }
 
   TimingSettings timing = config.timing;

@@ -48,6 +48,13 @@ struct NamedTensor {
   const Tensor* tensor = nullptr;
 };
 
+// Σ bytes of the named tensors.
+inline std::int64_t total_bytes(const std::vector<NamedTensor>& tensors) {
+  std::int64_t bytes = 0;
+  for (const auto& named : tensors) bytes += named.tensor->bytes();
+  return bytes;
+}
+
 class Mechanism {
  public:
   virtual ~Mechanism() = default;
@@ -72,11 +79,7 @@ class Mechanism {
   virtual std::vector<NamedTensor> saved() const { return {}; }
   // Bytes of everything saved: saved()'s tensors, plus integer state (sort orders, assignments) that
   // a mechanism keeps in other buffers.
-  virtual std::int64_t saved_bytes() const {
-    std::int64_t bytes = 0;
-    for (const auto& named : saved()) bytes += named.tensor->bytes();
-    return bytes;
-  }
+  virtual std::int64_t saved_bytes() const { return total_bytes(saved()); }
   // The gradients of the learned parameters, named "d<parameter>" (for --dump and the tests). Other
   // results of a training step the dump should carry use names without that prefix (routing's
   // "updated_centroids", its EMA step).
@@ -99,11 +102,7 @@ class Mechanism {
   // What the model keeps between steps (for --dump and the row's state_bytes).
   virtual std::vector<NamedTensor> decode_state() const { return {}; }
   // Bytes of the state: decode_state()'s tensors plus integer state kept in other buffers.
-  virtual std::int64_t state_bytes() const {
-    std::int64_t bytes = 0;
-    for (const auto& named : decode_state()) bytes += named.tensor->bytes();
-    return bytes;
-  }
+  virtual std::int64_t state_bytes() const { return total_bytes(decode_state()); }
 };
 
 // A model's implementation as the registry holds it, on parsed parameter values (a model writes
