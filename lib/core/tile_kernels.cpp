@@ -43,15 +43,9 @@ void accumulate_transposed(const float* p, std::int64_t ldp, std::int64_t rows, 
     avx2::accumulate_transposed(p, ldp, rows, cols, x, ldx, d, alpha, out, ldo);
 }
 
-namespace {
-
-bool on_kernels(std::int64_t d) { return d % kPanel == 0; }
-
-}  // namespace
-
 void pv_product(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* v,
                 std::int64_t ldv, std::int64_t d, float alpha, float* out, std::int64_t ldo) {
-  if (!on_kernels(d)) {
+  if (!fits_head_dim(d)) {
     ops::gemm(false, false, rows, d, cols, alpha, p, ldp, v, ldv, 1.0f, out, ldo);
     return;
   }
@@ -61,7 +55,7 @@ void pv_product(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_
 
 void transposed_product(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* x,
                         std::int64_t ldx, std::int64_t d, float alpha, float* out, std::int64_t ldo) {
-  if (!on_kernels(d)) {
+  if (!fits_head_dim(d)) {
     ops::gemm(true, false, cols, d, rows, alpha, p, ldp, x, ldx, 1.0f, out, ldo);
     return;
   }

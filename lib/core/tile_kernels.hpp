@@ -16,6 +16,9 @@ inline constexpr std::int64_t kRows = 6;    // query rows per register block
 
 inline std::int64_t panels_for(std::int64_t cols) { return (cols + kPanel - 1) / kPanel; }
 
+// Head sizes the products below run on (their vectors tile D exactly): multiples of kPanel.
+inline bool fits_head_dim(std::int64_t d) { return d % kPanel == 0; }
+
 // Packs keys [cols, d] (row stride ldk) into panels_for(cols) panels; `packed` holds
 // panels_for(cols)·d·kPanel floats.
 void pack_key_panels(const float* keys, std::int64_t ldk, std::int64_t cols, std::int64_t d, float* packed);

@@ -18,7 +18,7 @@ namespace {
 
 // Head sizes that are multiples of the kernel panel run on the register-blocked tile kernels;
 // others on oneDNN's sgemm. The kernels compute whole key panels (the last one zero-padded).
-bool uses_tile_kernels(std::int64_t d) { return d % tiles::kPanel == 0; }
+bool uses_tile_kernels(std::int64_t d) { return tiles::fits_head_dim(d); }
 
 // On the tile kernels a query block's tile is done in strips of this many rows (scores, softmax,
 // P·V per strip), so the strip's scores stay in L1 between the three steps (measured on the
@@ -310,7 +310,7 @@ class ExactTiled final : public Mechanism {
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     const std::int64_t key_end = p_.causal ? q0 + rows : n;
     std::int64_t flops = 0;
-    const std::int64_t strip = uses_tile_kernels(d) ? kStripRows : rows;
+    const std::int64_t strip = score_rows(c_, d);
     for (std::int64_t k0 = 0; k0 < key_end; k0 += bk) {
       const std::int64_t cols = tile_columns(p_, k0, q0, rows, bk);
       for (std::int64_t s0 = 0; s0 < rows; s0 += strip) {
