@@ -45,6 +45,20 @@ std::int64_t scale_query(const float* q, std::int64_t head_dim, float* q_scaled)
   return head_dim;
 }
 
+namespace {
+
+// Moves the row's state to the running max new_max (rescaling acc and l) and adds the chunk's
+// exponentials: scores[j] := exp(scores[j] − new_max), l += Σ of them.
+void absorb_scores(RowSoftmax& row, float* scores, std::int64_t count, float new_max) {
+  const float factor = ops::fast_exp(row.max - new_max);  // 0 (to rounding) for the first keys
+#pragma omp simd
+  for (std::int64_t c = 0; c < row.head_dim; ++c) row.acc[c] *= factor;
+  row.sum = row.sum * factor + ops::exp_and_sum(scores, count, new_max);
+  row.max = new_max;
+}
+
+}  // namespace
+
 std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
                          std::int64_t rows, std::int64_t stride) {
   const std::int64_t d = row.head_dim, step = stride > 0 ? stride : d;
@@ -61,18 +75,13 @@ std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* ke
       scores[j] = dot;
       chunk_max = std::max(chunk_max, dot);
     }
-    const float new_max = std::max(row.max, chunk_max);
-    const float factor = ops::fast_exp(row.max - new_max);  // 0 (to rounding) for the first chunk
-#pragma omp simd
-    for (std::int64_t c = 0; c < d; ++c) acc[c] *= factor;
-    row.sum = row.sum * factor + ops::exp_and_sum(scores, n, new_max);
+    absorb_scores(row, scores, n, std::max(row.max, chunk_max));
     for (std::int64_t j = 0; j < n; ++j) {
       const float p = scores[j];
       const float* value = values + (c0 + j) * step;
 #pragma omp simd
       for (std::int64_t c = 0; c < d; ++c) acc[c] += p * value[c];
     }
-    row.max = new_max;
   }
   return attend_rows_flops(rows, d);
 }
@@ -100,12 +109,7 @@ std::int64_t attend_block(RowSoftmax& row, const float* q_scaled, const float* k
   if (rows == 0) return 0;
   const std::int64_t d = row.head_dim;
   ops::gemm(false, true, 1, rows, d, 1.0f, q_scaled, d, keys, d, 0.0f, scores, rows);
-  const float new_max = std::max(row.max, ops::row_max(scores, rows, scores[0]));
-  const float factor = ops::fast_exp(row.max - new_max);
-#pragma omp simd
-  for (std::int64_t c = 0; c < d; ++c) row.acc[c] *= factor;
-  row.sum = row.sum * factor + ops::exp_and_sum(scores, rows, new_max);
-  row.max = new_max;
+  absorb_scores(row, scores, rows, std::max(row.max, ops::row_max(scores, rows, scores[0])));
   ops::gemm(false, false, 1, d, rows, 1.0f, scores, rows, values, d, 1.0f, row.acc, d);
   return 4 * rows + d + 2;
 }
@@ -130,10 +134,6 @@ std::int64_t finish_row(const RowSoftmax& row, float* out) {
   for (std::int64_t c = 0; c < row.head_dim; ++c) out[c] = row.acc[c] * inverse;
   return row.head_dim;
 }
-
-}  // namespace xfb
-
-namespace xfb {
 
 WindowCache::WindowCache(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim)
     : cache_(heads, capacity, head_dim), buffers_(Shape{heads, 2, head_dim}) {}
