@@ -24,6 +24,21 @@
 
 namespace xfb {
 
+// dst row r = rows[ids[r]] for r < count: rows of d floats, contiguous in both. The token rows of a
+// learned pattern lie scattered over the head, so each copy would wait for its row's cache misses;
+// the row kGatherAhead places ahead is requested first, keeping several rows' misses in flight.
+inline constexpr std::int64_t kGatherAhead = 8;
+inline void gather_token_rows(const float* rows, const std::int32_t* ids, std::int64_t count, std::int64_t d,
+                              float* dst) {
+  for (std::int64_t r = 0; r < count; ++r) {
+    if (r + kGatherAhead < count) {
+      const float* ahead = rows + ids[r + kGatherAhead] * d;
+      for (std::int64_t c = 0; c < d; c += 16) __builtin_prefetch(ahead + c);
+    }
+    std::copy_n(rows + ids[r] * d, d, dst + r * d);
+  }
+}
+
 class IndexBuffer {
  public:
   IndexBuffer() = default;

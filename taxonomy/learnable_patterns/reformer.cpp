@@ -40,6 +40,10 @@ std::int64_t tile_flops(std::int64_t rows, std::int64_t cols, std::int64_t d, bo
          (merge ? 3 * rows * d : 0) + (discount ? rows * cols : 0);
 }
 
+// Consecutive chunks a thread claims at a time in the forward: its tiles then share candidate
+// rows (keep_held_rows).
+constexpr int kChunksPerClaim = 8;
+
 // log(c) for the number of rounds c ∈ [1, 8] in which a key is visible to a query.
 constexpr std::array<float, 9> kLogCount = {0.0f,         0.0f,         0.693147181f, 1.098612289f, 1.386294361f,
                                             1.609437912f, 1.791759469f, 1.945910149f, 2.079441542f};
@@ -75,7 +79,10 @@ void ReformerAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   scores_ = Tensor(Shape{threads_, chunk_, score_ld_});
   tile_out_ = Tensor(Shape{threads_, chunk_, d});
   row_stats_ = Tensor(Shape{threads_, 2, chunk_});
+  held_rows_.assign(static_cast<std::size_t>(threads_), HeldRows{});
 }
+
+void ReformerAttention::forget_held_rows() { std::fill(held_rows_.begin(), held_rows_.end(), HeldRows{}); }
 
 std::vector<NamedTensor> ReformerAttention::parameters() const {
   if (half_ == 0) return {};
@@ -104,6 +111,7 @@ void ReformerAttention::forward(const Tensor& q, const Tensor&, const Tensor& v,
     ops::matmul(rotate, keys_.data(), rotations_.data(), rotated_.data());
   }
   const std::int64_t chunks = (n + chunk_ - 1) / chunk_;
+  forget_held_rows();
   // Every round is hashed before any attends: a round's discount reads the other rounds' patterns.
 #pragma omp parallel num_threads(threads_) reduction(+ : flops)
   {
@@ -113,7 +121,7 @@ void ReformerAttention::forward(const Tensor& q, const Tensor&, const Tensor& v,
 #pragma omp master
     stage_clock::lap("route");
     for (std::int64_t round = 0; round < c_.n_rounds; ++round) {
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, kChunksPerClaim)
       for (std::int64_t task = 0; task < heads * chunks; ++task)
         flops += attend_chunk(round, task / chunks, task % chunks, q, v, out, thread);
     }
@@ -353,6 +361,25 @@ ReformerAttention::ChunkRange ReformerAttention::chunk_range(std::int64_t chunk)
   return {q0, rows, k0, q0 + rows - k0};
 }
 
+// When the thread's tile holds key and value rows of the same round and head that this chunk's
+// candidates start with (its previous tile was the chunk before), moves them to the front of the
+// tile and returns their count; the tile then holds the chunk's candidates once the caller gathers
+// the rest. Consecutive chunks share all candidates but the new chunk's own rows.
+std::int64_t ReformerAttention::keep_held_rows(std::int64_t round, std::int64_t head, const ChunkRange& c,
+                                               float* k_rows, float* v_rows, int thread) {
+  HeldRows& held = held_rows_[static_cast<std::size_t>(thread)];
+  std::int64_t kept = 0;
+  if (held.round == round && held.head == head && held.begin <= c.k0 && c.k0 < held.end) {
+    const std::size_t from = static_cast<std::size_t>((c.k0 - held.begin) * p_.head_dim);
+    kept = std::min(held.end, c.k0 + c.cols) - c.k0;
+    const std::size_t bytes = static_cast<std::size_t>(kept * p_.head_dim) * sizeof(float);
+    std::memmove(k_rows, k_rows + from, bytes);
+    std::memmove(v_rows, v_rows + from, bytes);
+  }
+  held = {.round = round, .head = head, .begin = c.k0, .end = c.k0 + c.cols};
+  return kept;
+}
+
 // Gathers the chunk's query rows and candidate key and value rows into the thread's tile, computes
 // the scores (discounted with several rounds) and sets pairs the round does not show to −inf.
 // Returns the elementwise FLOPs (the discount); ops::gemm counts the product.
@@ -369,12 +396,10 @@ std::int64_t ReformerAttention::chunk_scores(std::int64_t round, std::int64_t he
   float* q_rows = gathered_.data() + thread * (m + 2 * key_cols_) * d;
   float* k_rows = q_rows + m * d;
   float* v_rows = k_rows + key_cols_ * d;
-  for (std::int64_t r = 0; r < c.rows; ++r)
-    std::memcpy(q_rows + r * d, q_head + order[c.q0 + r] * d, d * sizeof(float));
-  for (std::int64_t t = 0; t < c.cols; ++t) {
-    std::memcpy(k_rows + t * d, k_head + order[c.k0 + t] * d, d * sizeof(float));
-    std::memcpy(v_rows + t * d, v_head + order[c.k0 + t] * d, d * sizeof(float));
-  }
+  gather_token_rows(q_head, order + c.q0, c.rows, d, q_rows);
+  const std::int64_t kept = keep_held_rows(round, head, c, k_rows, v_rows, thread);
+  gather_token_rows(k_head, order + c.k0 + kept, c.cols - kept, d, k_rows + kept * d);
+  gather_token_rows(v_head, order + c.k0 + kept, c.cols - kept, d, v_rows + kept * d);
   float* scores = scores_.data() + thread * m * score_ld_;
   ops::gemm(false, true, c.rows, c.cols, d, 1.0f / std::sqrt(static_cast<float>(d)), q_rows, d, k_rows, d, 0.0f,
             scores, score_ld_);
@@ -456,6 +481,7 @@ void ReformerAttention::backward(const Tensor& q, const Tensor&, const Tensor& v
                                  const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
   const std::int64_t heads = p_.batch * p_.heads;
   dk.fill(0.0f);  // shared QK: the keys are made from q, the k input is not read
+  forget_held_rows();
   std::int64_t flops = 0;
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) reduction(+ : flops)
   for (std::int64_t head = 0; head < heads; ++head)

@@ -33,6 +33,8 @@
 // sorted buckets and ranks [n_rounds, B·H, N] (and token positions when n_rounds > 1), running
 // lse [B·H·N], and per thread one
 // tile: gathered rows [m + 2·kc, D] (kc = 2m, or 3m causal), scores [m, kc], output [m, D].
+// Threads claim runs of consecutive chunks; a tile keeps the candidate rows it shares with the
+// thread's previous tile, so each chunk gathers only its own query, key and value rows.
 //
 // Backward (buckets and sort order held fixed, as the paper trains): the forward saves the sort
 // (buckets, orders, sorted buckets, ranks, positions: int32, part of saved_bytes), k̂ and the merged
@@ -110,6 +112,9 @@ class ReformerAttention final : public Mechanism {
   ChunkRange chunk_range(std::int64_t chunk) const;
   std::int64_t chunk_scores(std::int64_t round, std::int64_t head, const ChunkRange& c, const Tensor& q,
                             const Tensor& v, int thread);
+  std::int64_t keep_held_rows(std::int64_t round, std::int64_t head, const ChunkRange& c, float* k_rows,
+                              float* v_rows, int thread);
+  void forget_held_rows();
   std::int64_t attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk, const Tensor& q,
                             const Tensor& v, Tensor& out, int thread);
   std::int64_t backward_head(std::int64_t head, const Tensor& q, const Tensor& v, const Tensor& out,
@@ -140,6 +145,12 @@ class ReformerAttention final : public Mechanism {
   // order), token → sorted position (several rounds only).
   IndexBuffer buckets_, orders_, sorted_buckets_, ranks_, positions_, bucket_counts_;
   Tensor gathered_, scores_, tile_out_, row_stats_;
+  // Per thread: the round, head and sorted positions [begin, end) of the key and value rows its
+  // gathered tile holds (head −1: none; reset by every forward and backward, whose inputs may differ).
+  struct HeldRows {
+    std::int64_t round = -1, head = -1, begin = 0, end = 0;
+  };
+  std::vector<HeldRows> held_rows_;
   // Backward: dK̂ [B·H·N, D], δ [B·H, N]; per thread dO, dQ rows [m, D] and dK, dV rows [kc, D], dS [m, ld].
   Tensor key_grads_, deltas_, grad_rows_, score_grads_;
   // Decoding (prepare_decode): rings [heads, rounds, n_buckets, 2m] of positions (int32), k̂ and v
