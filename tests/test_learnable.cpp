@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "lib/bench/point.hpp"
+#include "lib/core/cpu_isa.hpp"
 #include "lib/core/rng.hpp"
 #include "taxonomy/learnable_patterns/reformer.hpp"
 #include "taxonomy/learnable_patterns/routing.hpp"
@@ -705,25 +706,36 @@ TEST_SUITE("learnable") {
     };
     auto selected = [](const std::vector<float>& values, std::int64_t w) {
       std::vector<std::int32_t> candidates(values.size()), members(static_cast<std::size_t>(w));
+      std::vector<float> kept(values.size());
       routing_top_positions(values.data(), static_cast<std::int64_t>(values.size()), w, candidates.data(),
-                            members.data());
+                            kept.data(), members.data());
       return members;
     };
-    const CounterRng rng(3, "top-w");
-    std::uint64_t draw = 0;
-    for (std::int64_t n : {1, 2, 100, 255, 256, 257, 1000, 8192})
-      for (std::int64_t w : {std::int64_t{1}, (n + 90) / 91, std::max<std::int64_t>(1, n / 3), n}) {
-        std::vector<float> values(static_cast<std::size_t>(n));
-        // Coarse values (multiples of 1/8) so ties are frequent.
-        for (float& value : values) value = std::round(static_cast<float>(rng.normal(draw++)) * 8.0f) / 8.0f;
-        CHECK_MESSAGE(selected(values, w) == by_sort(values, w), "n=" << n << " w=" << w);
-      }
-    // Large values at the sampled positions only (stride n / 256), and w above their count: the
-    // sampled threshold keeps 256 positions, fewer than w, so every position is ranked.
-    const std::int64_t n = 2048, w = 300;
-    std::vector<float> values(static_cast<std::size_t>(n));
-    for (std::int64_t i = 0; i < n; ++i) values[static_cast<std::size_t>(i)] = i % (n / 256) == 0 ? 1.0f + 0.001f * i : 0.5f - 0.0001f * i;
-    CHECK(selected(values, w) == by_sort(values, w));
+    const KernelIsa original = kernel_isa();
+    for (KernelIsa isa : supported_kernel_isas()) {
+      force_kernel_isa(isa);
+      const CounterRng rng(3, "top-w");
+      std::uint64_t draw = 0;
+      for (std::int64_t n : {1, 2, 7, 8, 9, 15, 16, 17, 100, 255, 256, 257, 1000, 8192})
+        for (std::int64_t w : {std::int64_t{1}, (n + 90) / 91, std::max<std::int64_t>(1, n / 3), n}) {
+          std::vector<float> values(static_cast<std::size_t>(n));
+          // Coarse values (multiples of 1/8) so ties are frequent.
+          for (float& value : values) value = std::round(static_cast<float>(rng.normal(draw++)) * 8.0f) / 8.0f;
+          CHECK_MESSAGE(selected(values, w) == by_sort(values, w), kernel_isa_name(isa) << " n=" << n << " w=" << w);
+        }
+      // Large values at the sampled positions only (stride n / 256), and w above their count: the
+      // sampled threshold keeps 256 positions, fewer than w, so every position is ranked.
+      const std::int64_t n = 2048, w = 300;
+      std::vector<float> values(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i)
+        values[static_cast<std::size_t>(i)] = i % (n / 256) == 0 ? 1.0f + 0.001f * i : 0.5f - 0.0001f * i;
+      CHECK_MESSAGE(selected(values, w) == by_sort(values, w), kernel_isa_name(isa));
+      // −0 and +0 are equal values: ties by position.
+      std::vector<float> zeros(100);
+      for (std::size_t i = 0; i < zeros.size(); ++i) zeros[i] = i % 7 == 0 ? 1.0f : (i % 2 == 0 ? -0.0f : 0.0f);
+      CHECK_MESSAGE(selected(zeros, 40) == by_sort(zeros, 40), kernel_isa_name(isa));
+    }
+    force_kernel_isa(original);
   }
 
   TEST_CASE("routing with one cluster is exact softmax attention") {

@@ -81,4 +81,10 @@ void softmax_grad_interval(float* p, float* g, std::int64_t lo, std::int64_t hi,
     avx2::softmax_grad_interval(p, g, lo, hi, width, shift, dot);
 }
 
+std::int64_t positions_at_least(const float* values, std::int64_t n, float threshold, std::int32_t* positions,
+                                float* kept) {
+  return kernel_isa() == KernelIsa::Avx512 ? avx512::positions_at_least(values, n, threshold, positions, kept)
+                                           : avx2::positions_at_least(values, n, threshold, positions, kept);
+}
+
 }  // namespace xfb::tiles

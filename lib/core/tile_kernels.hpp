@@ -66,4 +66,11 @@ float exp_interval(float* x, std::int64_t lo, std::int64_t hi, std::int64_t widt
 void softmax_grad_interval(float* p, float* g, std::int64_t lo, std::int64_t hi, std::int64_t width, float shift,
                            float dot);
 
+// Selection filter (routing's balanced top-w): the positions i < n with values[i] >= threshold,
+// ascending, into `positions` and their values into `kept` (n entries each: the vectors of kept
+// lanes are stored whole, never past entry n); returns how many. Vector compares and lane packing
+// (vpcompressd; a table-driven vpermd on AVX2) instead of a step per position.
+std::int64_t positions_at_least(const float* values, std::int64_t n, float threshold, std::int32_t* positions,
+                                float* kept);
+
 }  // namespace xfb::tiles

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -16,6 +17,7 @@
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
+#include "lib/core/tile_kernels.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
@@ -62,45 +64,73 @@ float inverse_norm(const float* x, std::int64_t d) {
 
 // A top-w selection first keeps the positions at or above a threshold read off a strided sample of
 // kSelectionSample values: the sample's value of rank ⌈w·s/n⌉ + kSelectionMargin from the top, so
-// about w plus a margin pass and fewer than w only rarely (then every position is ranked).
+// about w plus a margin pass. When fewer than w pass, the rank moves kSelectionMargin further down
+// and the filter runs again (a vector pass, cheap); past the sample every position is a candidate.
+// The w-th largest candidate is then found by bisection over the values' order-preserving integer
+// keys, each step a branch-free count: no data-dependent branches, unlike a partition-based select.
 constexpr std::int64_t kSelectionSample = 256;
-constexpr std::int64_t kSelectionMargin = 8;
+constexpr std::int64_t kSelectionMargin = 4;
 
-float selection_threshold(const float* values, std::int64_t n, std::int64_t w) {
-  std::array<float, kSelectionSample> sample{};
-  const std::int64_t size = std::min(n, kSelectionSample), stride = n / size;
-  for (std::int64_t i = 0; i < size; ++i) sample[static_cast<std::size_t>(i)] = values[i * stride];
-  const std::int64_t rank = std::min(size, (w * size + n - 1) / n + kSelectionMargin);
-  std::nth_element(sample.begin(), sample.begin() + (rank - 1), sample.begin() + size, std::greater<float>());
-  return sample[static_cast<std::size_t>(rank - 1)];
+// Order-preserving map of floats (no NaN) to unsigned integers; −0 maps as +0 (x + 0 is +0 for
+// both), so equal values have equal keys.
+inline std::uint32_t order_key(float x) {
+  const auto bits = std::bit_cast<std::uint32_t>(x + 0.0f);
+  return bits ^ (static_cast<std::uint32_t>(static_cast<std::int32_t>(bits) >> 31) | 0x80000000u);
 }
 
-// The positions i < n with values[i] >= threshold, ascending, into `positions`; returns how many.
-// Branch-free: every position is written, the count advances only for kept ones.
-std::int64_t positions_at_least(const float* values, std::int64_t n, float threshold, std::int32_t* positions) {
-  std::int64_t size = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    positions[size] = static_cast<std::int32_t>(i);
-    size += values[i] >= threshold ? 1 : 0;
+std::int64_t count_at_least(const float* values, std::int64_t count, std::uint32_t key) {
+  std::int64_t at_least = 0;
+#pragma omp simd reduction(+ : at_least)
+  for (std::int64_t i = 0; i < count; ++i) at_least += order_key(values[i]) >= key ? 1 : 0;
+  return at_least;
+}
+
+// The key of the rank-th largest of values[0, count) (1 ≤ rank ≤ count): the largest key K with at
+// least `rank` values whose key is ≥ K.
+std::uint32_t key_of_rank(const float* values, std::int64_t count, std::int64_t rank) {
+  std::uint32_t low = 0, high = 0xffffffffu;  // the answer lies in [low, high]
+  while (low < high) {
+    const std::uint32_t middle = low + (high - low) / 2 + 1;
+    if (count_at_least(values, count, middle) >= rank)
+      low = middle;
+    else
+      high = middle - 1;
   }
-  return size;
+  return low;
+}
+
+float key_value(std::uint32_t key) {
+  return std::bit_cast<float>(key & 0x80000000u ? key ^ 0x80000000u : ~key);
 }
 
 }  // namespace
 
 void routing_top_positions(const float* values, std::int64_t n, std::int64_t w, std::int32_t* candidates,
-                           std::int32_t* members) {
-  std::int64_t size = positions_at_least(values, n, selection_threshold(values, n, w), candidates);
-  if (size < w) {
-    std::iota(candidates, candidates + n, 0);
-    size = n;
+                           float* kept, std::int32_t* members) {
+  std::array<float, kSelectionSample> sample{};
+  const std::int64_t samples = std::min(n, kSelectionSample), stride = n / samples;
+  for (std::int64_t i = 0; i < samples; ++i) sample[static_cast<std::size_t>(i)] = values[i * stride];
+  std::int64_t size = 0;
+  for (std::int64_t rank = (w * samples + n - 1) / n + kSelectionMargin; size < w; rank += kSelectionMargin) {
+    if (rank > samples) {
+      std::iota(candidates, candidates + n, 0);
+      std::copy(values, values + n, kept);
+      size = n;
+      break;
+    }
+    const float threshold = key_value(key_of_rank(sample.data(), samples, rank));
+    size = tiles::positions_at_least(values, n, threshold, candidates, kept);
   }
-  auto better = [values](std::int32_t a, std::int32_t b) {
-    return values[a] > values[b] || (values[a] == values[b] && a < b);
-  };
-  std::nth_element(candidates, candidates + (w - 1), candidates + size, better);
-  std::copy(candidates, candidates + w, members);
-  std::sort(members, members + w);
+  // Members: candidates above the w-th largest key, then the lowest positions among those equal to it.
+  const std::uint32_t cut = key_of_rank(kept, size, w);
+  std::int64_t ties = w - count_at_least(kept, size, cut + 1), taken = 0;
+  for (std::int64_t j = 0; j < size && taken < w; ++j) {
+    const std::uint32_t key = order_key(kept[j]);
+    const bool take = key > cut || (key == cut && ties > 0);
+    members[taken] = candidates[j];
+    taken += take ? 1 : 0;
+    ties -= take && key == cut ? 1 : 0;
+  }
 }
 
 namespace {
@@ -171,7 +201,7 @@ void RoutingAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
     scale_row(mu, mu, inverse_norm(mu, d), d);
   }
   affinity_ = Tensor(Shape{threads_, 2, cl, affinity_ld_});
-  selection_ = Tensor(Shape{threads_, 3, n});
+  selection_ = Tensor(Shape{threads_, 4, n});
   candidates_ = IndexBuffer(threads_ * n);
   counts_ = IndexBuffer(threads_ * (cl + 1));
   fit_centroids();  // before the pattern buffers exist: its fitting rows are freed first
@@ -206,7 +236,7 @@ void RoutingAttention::fit_centroids() {
   {
     const int thread = omp_get_thread_num();
     float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-    float* best = selection_.data() + thread * 3 * n;
+    float* best = selection_.data() + thread * 4 * n;
     std::int32_t* nearest = candidates_.data() + thread * n;
     float* fit = fit_rows.data() + thread * 2 * n * d;
     std::vector<float> sums(static_cast<std::size_t>(cl * d));
@@ -421,7 +451,7 @@ std::int64_t RoutingAttention::route_balanced(const Tensor& q, const Tensor& k, 
   const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_, w = window_;
   affinities(q, k, r, thread);
   const float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-  float* inverse = selection_.data() + thread * 3 * n;  // [2, N] inverse norms, [N] values
+  float* inverse = selection_.data() + thread * 4 * n;  // [2, N] inverse norms, [N] values, [N] kept values
   float* values = inverse + 2 * n;
   std::int32_t* candidates = candidates_.data() + thread * n;
   for (std::int64_t i = 0; i < n; ++i) {
@@ -433,7 +463,7 @@ std::int64_t RoutingAttention::route_balanced(const Tensor& q, const Tensor& k, 
       const float* row = affinity + (role * cl + c) * affinity_ld_;
 #pragma omp simd
       for (std::int64_t i = 0; i < n; ++i) values[i] = row[i] * inverse[role * n + i];
-      routing_top_positions(values, n, w, candidates, members_.data() + ((r * 2 + role) * cl + c) * w);
+      routing_top_positions(values, n, w, candidates, values + n, members_.data() + ((r * 2 + role) * cl + c) * w);
     }
   // Slot lists: for every query, the (cluster · w + slot) entries that took it, in cluster order.
   std::int32_t* start = slot_start_.data() + r * (n + 1);
@@ -455,11 +485,9 @@ std::int64_t RoutingAttention::attend_cluster(const Tensor& q, const Tensor& k, 
   float* q_rows = gathered_.data() + thread * 3 * w * d;
   float* k_rows = q_rows + w * d;
   float* v_rows = k_rows + w * d;
-  for (std::int64_t s = 0; s < w; ++s) {
-    std::memcpy(q_rows + s * d, q.data() + (bh * n + query_ids[s]) * d, d * sizeof(float));
-    std::memcpy(k_rows + s * d, k.data() + (bh * n + key_ids[s]) * d, d * sizeof(float));
-    std::memcpy(v_rows + s * d, v.data() + (bh * n + key_ids[s]) * d, d * sizeof(float));
-  }
+  gather_token_rows(q.data() + bh * n * d, query_ids, w, d, q_rows);
+  gather_token_rows(k.data() + bh * n * d, key_ids, w, d, k_rows);
+  gather_token_rows(v.data() + bh * n * d, key_ids, w, d, v_rows);
   float* scores = scores_.data() + thread * score_rows(p_, c_) * score_ld_;
   ops::gemm(false, true, w, w, d, 1.0f / std::sqrt(static_cast<float>(d)), q_rows, d, k_rows, d, 0.0f, scores,
             score_ld_);
@@ -479,7 +507,13 @@ std::int64_t RoutingAttention::merge_clusters(std::int64_t r, std::int64_t token
   const std::int32_t* start = slot_start_.data() + r * (n + 1);
   const std::int32_t* slots = slots_.data() + r * clusters_ * window_;
   const float* lse = cluster_lse_.data() + r * clusters_ * window_;
+  const float* rows = cluster_out_.data() + r * clusters_ * window_ * d;
   float* dst = out.data() + (routed_heads_[r] * n + token) * d;
+  if (token + kGatherAhead < n)  // the scattered rows of a later token, requested ahead
+    for (std::int32_t e = start[token + kGatherAhead]; e < start[token + kGatherAhead + 1]; ++e) {
+      __builtin_prefetch(lse + slots[e]);
+      for (std::int64_t j = 0; j < d; j += 16) __builtin_prefetch(rows + slots[e] * d + j);
+    }
   float peak = -std::numeric_limits<float>::infinity(), sum = 0.0f;
   for (std::int32_t e = start[token]; e < start[token + 1]; ++e) peak = std::max(peak, lse[slots[e]]);
   const std::int32_t end = peak > -std::numeric_limits<float>::infinity() ? start[token + 1] : start[token];
@@ -490,7 +524,7 @@ std::int64_t RoutingAttention::merge_clusters(std::int64_t r, std::int64_t token
   std::fill(dst, dst + d, 0.0f);
   for (std::int32_t e = start[token]; e < end; ++e) {
     const float weight = ops::fast_exp(lse[slots[e]] - peak) / sum;
-    const float* src = cluster_out_.data() + (r * clusters_ * window_ + slots[e]) * d;
+    const float* src = rows + slots[e] * d;
 #pragma omp simd
     for (std::int64_t j = 0; j < d; ++j) dst[j] += src[j] * weight;
   }
@@ -503,7 +537,7 @@ std::int64_t RoutingAttention::route_nearest(const Tensor& q, const Tensor& k, c
   const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_;
   affinities(q, k, r, thread);
   const float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-  float* best = selection_.data() + thread * 3 * n;
+  float* best = selection_.data() + thread * 4 * n;
   std::int32_t* query_cluster = token_clusters_.data() + r * 2 * n;
   std::int32_t* key_cluster = query_cluster + n;
   argmax_columns(affinity, cl, n, affinity_ld_, best, query_cluster);
@@ -661,11 +695,11 @@ std::int64_t RoutingAttention::clusters_backward(const Grads& g, std::int64_t r,
   for (std::int64_t cluster = 0; cluster < cl; ++cluster) {
     const std::int32_t* query_ids = members_.data() + ((r * 2) * cl + cluster) * w;
     const std::int32_t* key_ids = members_.data() + ((r * 2 + 1) * cl + cluster) * w;
+    gather_token_rows(g.q.data() + at, query_ids, w, d, q_rows);
+    gather_token_rows(g.dout.data() + at, query_ids, w, d, dout_rows);
+    gather_token_rows(g.k.data() + at, key_ids, w, d, k_rows);
+    gather_token_rows(g.v.data() + at, key_ids, w, d, v_rows);
     for (std::int64_t s = 0; s < w; ++s) {
-      std::memcpy(q_rows + s * d, g.q.data() + at + query_ids[s] * d, d * sizeof(float));
-      std::memcpy(dout_rows + s * d, g.dout.data() + at + query_ids[s] * d, d * sizeof(float));
-      std::memcpy(k_rows + s * d, g.k.data() + at + key_ids[s] * d, d * sizeof(float));
-      std::memcpy(v_rows + s * d, g.v.data() + at + key_ids[s] * d, d * sizeof(float));
       lse[s] = token_lse_.data()[bh * n + query_ids[s]];
       delta[s] = token_delta(g, bh, query_ids[s]);
     }
@@ -793,7 +827,7 @@ std::int64_t RoutingAttention::update_centroids(const Tensor& q, const Tensor& k
       std::int32_t* assigned = candidates_.data() + thread * n;
       if (!p_.causal)
         argmax_columns(affinity_.data() + (thread * 2 + role) * cl * affinity_ld_, cl, n, affinity_ld_,
-                       selection_.data() + thread * 3 * n, assigned);
+                       selection_.data() + thread * 4 * n, assigned);
       const std::int32_t* nearest = p_.causal ? token_clusters_.data() + (r * 2 + role) * n : assigned;
       const float* rows = (role == 0 ? q : k).data() + bh * n * d;
       for (std::int64_t i = 0; i < n; ++i) {
@@ -842,7 +876,7 @@ struct ForwardElements {
 ForwardElements forward_elements(const Problem& p, const RoutingConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
   const std::int64_t threads = p.threads, routed = p.batch * (p.heads - local_head_count(p, c));
-  const std::int64_t kept = p.heads * cl * d + threads * (2 * cl * ops::padded_ld(n) + 3 * n + n + cl + 1);
+  const std::int64_t kept = p.heads * cl * d + threads * (2 * cl * ops::padded_ld(n) + 4 * n + n + cl + 1);
   const std::int64_t fitting = c.kmeans_updates > 0 ? threads * 2 * n * d : 0;
   std::int64_t after = threads * ((p.causal ? 1 : 3 * w) * d + score_rows(p, c) * ops::padded_ld(score_cols(p, c)) + 2 * w);
   if (p.causal)

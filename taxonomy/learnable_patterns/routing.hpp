@@ -72,10 +72,11 @@ std::int64_t routing_clusters(const Problem& p, const RoutingConfig& c);  // C u
 std::int64_t routing_window(const Problem& p, const RoutingConfig& c);    // w = ⌈N / C⌉
 
 // Balanced routing's selection: members = the w ≤ n positions of largest value (ties: lower
-// position first), ascending. candidates: n ints of scratch. Positions at or above a threshold read
-// off a strided sample are ranked exactly (all n when fewer than w pass it).
+// position first), ascending; values hold no NaN. candidates (n ints) and kept (n floats) are
+// scratch. Positions at or above a threshold read off a strided sample are ranked exactly (every
+// position when the sample cannot give a threshold that w pass).
 void routing_top_positions(const float* values, std::int64_t n, std::int64_t w, std::int32_t* candidates,
-                           std::int32_t* members);
+                           float* kept, std::int32_t* members);
 
 class RoutingAttention final : public Mechanism {
  public:
