@@ -93,12 +93,19 @@ std::int64_t accumulate(const QueryBlock& q, const KeyBlock& k, std::int64_t d, 
       }
     return 0;
   }
+  const float* keys = k.keys + hull.begin * k.ld_keys;
   prefetch_rows(k.values + hull.begin * k.ld_values, k.ld_values, width, d);
-  volatile float sink = touch_rows(q.queries, q.ld_queries, q.rows, d) +
-                        touch_rows(k.keys + hull.begin * k.ld_keys, k.ld_keys, width, d);
+  volatile float sink = touch_rows(q.queries, q.ld_queries, q.rows, d) + touch_rows(keys, k.ld_keys, width, d);
   (void)sink;
-  ops::gemm(false, true, q.rows, width, d, scale, q.queries, q.ld_queries, k.keys + hull.begin * k.ld_keys, k.ld_keys,
-            0.0f, scores.data, scores.ld);
+  if (scores.panels != nullptr && packs_keys(width, d)) {
+    tiles::pack_key_panels(keys, k.ld_keys, width, d, scores.panels);
+    tiles::scores(q.queries, q.ld_queries, q.rows, scores.panels, tiles::panels_for(width), d, scale, scores.data,
+                  scores.ld);
+    FlopCounter::add(matmul_flops(q.rows, width, d));
+  } else {
+    ops::gemm(false, true, q.rows, width, d, scale, q.queries, q.ld_queries, keys, k.ld_keys, 0.0f, scores.data,
+              scores.ld);
+  }
   std::int64_t flops = 0;
   for (std::int64_t r = 0; r < q.rows; ++r)
     flops +=
@@ -186,19 +193,27 @@ HeadView head_view(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& ou
   return {q.data() + offset, k.data() + offset, v.data() + offset, out.data() + offset, d};
 }
 
-ThreadScratch::ThreadScratch(std::int64_t threads, std::int64_t max_cols)
+std::int64_t packed_key_floats(std::int64_t max_cols, std::int64_t d) {
+  const std::int64_t cols = std::min(max_cols, kPackedKeys);
+  return packs_keys(cols, d) ? tiles::panels_for(cols) * tiles::kPanel * d : 0;
+}
+
+ThreadScratch::ThreadScratch(std::int64_t threads, std::int64_t max_cols, std::int64_t d)
     : threads_(static_cast<int>(threads)),
       scores_(Shape{threads, kTaskRows, ops::padded_ld(max_cols)}),
+      panels_(Shape{threads, packed_key_floats(max_cols, d)}),
       stats_(Shape{threads, 2, kTaskRows}),
       bounds_(static_cast<std::size_t>(threads * 2 * kTaskRows)) {}
 
-std::int64_t ThreadScratch::tracked_bytes(std::int64_t threads, std::int64_t max_cols) {
-  return threads * kTaskRows * (ops::padded_ld(max_cols) + 2) * static_cast<std::int64_t>(sizeof(float));
+std::int64_t ThreadScratch::tracked_bytes(std::int64_t threads, std::int64_t max_cols, std::int64_t d) {
+  return threads * (kTaskRows * (ops::padded_ld(max_cols) + 2) + packed_key_floats(max_cols, d)) *
+         static_cast<std::int64_t>(sizeof(float));
 }
 
 ScoreTile ThreadScratch::scores(int thread) {
-  const std::int64_t ld = scores_.dim(2);
-  return {scores_.data() + thread * kTaskRows * ld, ld};
+  const std::int64_t ld = scores_.dim(2), panel_floats = panels_.dim(1);
+  return {scores_.data() + thread * kTaskRows * ld, ld,
+          panel_floats > 0 ? panels_.data() + thread * panel_floats : nullptr};
 }
 
 std::int64_t attend(const HeadView& head, const Tile& tile, ThreadScratch& scratch, int thread) {
@@ -228,28 +243,33 @@ float log_sum_exp(float row_max, float row_sum) {
   return row_sum > 0.0f ? row_max + std::log(row_sum) : -std::numeric_limits<float>::infinity();
 }
 
-BackwardScratch::BackwardScratch(std::int64_t threads, std::int64_t max_cols, std::int64_t tokens)
+BackwardScratch::BackwardScratch(std::int64_t threads, std::int64_t max_cols, std::int64_t tokens, std::int64_t d)
     : threads_(static_cast<int>(threads)),
       ld_(ops::padded_ld(max_cols)),
       tokens_(tokens),
+      panel_floats_(packed_key_floats(max_cols, d)),
       tiles_(Shape{threads, 2, kTaskRows, ld_}),
+      panels_(Shape{threads, 2, panel_floats_}),
       deltas_(Shape{threads, tokens}),
       bounds_(static_cast<std::size_t>(threads * 2 * kTaskRows)) {}
 
-std::int64_t BackwardScratch::tracked_bytes(std::int64_t threads, std::int64_t max_cols, std::int64_t tokens) {
-  return threads * (2 * kTaskRows * ops::padded_ld(max_cols) + tokens) * static_cast<std::int64_t>(sizeof(float));
+std::int64_t BackwardScratch::tracked_bytes(std::int64_t threads, std::int64_t max_cols, std::int64_t tokens,
+                                            std::int64_t d) {
+  return threads * (2 * kTaskRows * ops::padded_ld(max_cols) + 2 * packed_key_floats(max_cols, d) + tokens) *
+         static_cast<std::int64_t>(sizeof(float));
 }
 
-void TileTraining::prepare(std::int64_t heads, std::int64_t tokens, std::int64_t threads, std::int64_t max_cols) {
+void TileTraining::prepare(std::int64_t heads, std::int64_t tokens, std::int64_t threads, std::int64_t max_cols,
+                           std::int64_t d) {
   tokens_ = tokens;
   lse_ = Tensor(Shape{heads, tokens});
-  scratch_ = BackwardScratch(threads, max_cols, tokens);
+  scratch_ = BackwardScratch(threads, max_cols, tokens, d);
 }
 
 std::int64_t TileTraining::tracked_bytes(std::int64_t heads, std::int64_t tokens, std::int64_t threads,
-                                         std::int64_t max_cols) {
+                                         std::int64_t max_cols, std::int64_t d) {
   return heads * tokens * static_cast<std::int64_t>(sizeof(float)) +
-         BackwardScratch::tracked_bytes(threads, max_cols, tokens);
+         BackwardScratch::tracked_bytes(threads, max_cols, tokens, d);
 }
 
 HeadGrads TileTraining::grads(const BackwardTensors& t, std::int64_t head, int thread) {
@@ -318,8 +338,19 @@ std::int64_t attend_backward(const HeadGrads& g, const Tile& tile, const std::in
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   float* probs = scratch.probs(thread);
   float* grads = scratch.grads(thread);
-  ops::gemm(false, true, tile.rows, width, d, scale, g.q + q_offset, ldq, g.k + k_offset, ldk, 0.0f, probs, ld);
-  ops::gemm(false, true, tile.rows, width, d, 1.0f, g.dout + q_offset, ldq, g.v + k_offset, ldk, 0.0f, grads, ld);
+  if (packs_keys(width, d)) {
+    float* key_panels = scratch.key_panels(thread);
+    float* value_panels = scratch.value_panels(thread);
+    tiles::pack_key_panels(g.k + k_offset, ldk, width, d, key_panels);
+    tiles::pack_key_panels(g.v + k_offset, ldk, width, d, value_panels);
+    const std::int64_t panels = tiles::panels_for(width);
+    tiles::scores(g.q + q_offset, ldq, tile.rows, key_panels, panels, d, scale, probs, ld);
+    tiles::scores(g.dout + q_offset, ldq, tile.rows, value_panels, panels, d, 1.0f, grads, ld);
+    FlopCounter::add(2 * matmul_flops(tile.rows, width, d));
+  } else {
+    ops::gemm(false, true, tile.rows, width, d, scale, g.q + q_offset, ldq, g.k + k_offset, ldk, 0.0f, probs, ld);
+    ops::gemm(false, true, tile.rows, width, d, 1.0f, g.dout + q_offset, ldq, g.v + k_offset, ldk, 0.0f, grads, ld);
+  }
   std::int64_t valid_entries = 0;
   for (std::int64_t r = 0; r < tile.rows; ++r) {
     const std::int64_t token = tile.q_first + r * tile.q_step;

@@ -92,7 +92,7 @@ class Axial final : public Mechanism {
   Axial(const Problem& problem, const AxialConfig& config) : p_(problem), grid_(problem, config) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
-    scratch_ = bs::ThreadScratch(p_.threads, grid_.max_width());
+    scratch_ = bs::ThreadScratch(p_.threads, grid_.max_width(), p_.head_dim);
     row_outputs_ = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
     if (p_.causal) token_stats_ = Tensor(Shape{p_.batch * p_.heads, 2, p_.seq_len});
   }
@@ -162,7 +162,7 @@ class Axial final : public Mechanism {
     const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len;
     row_lse_ = Tensor(Shape{heads, n});
     if (!p_.causal) column_lse_ = Tensor(Shape{heads, n});
-    backward_scratch_ = bs::BackwardScratch(p_.threads, grid_.max_width(), n);
+    backward_scratch_ = bs::BackwardScratch(p_.threads, grid_.max_width(), n, p_.head_dim);
     row_grads_ = Tensor(Shape{p_.threads, n, p_.head_dim});
     row_stats_ = Tensor(Shape{p_.threads, 2, n});
   }
@@ -353,7 +353,7 @@ std::int64_t backward_workspace(const Problem& p, const AxialConfig& c) {
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len;
   const std::int64_t floats = (p.causal ? 1 : 2) * heads * n + p.threads * n * p.head_dim + p.threads * 2 * n;
   return floats * static_cast<std::int64_t>(sizeof(float)) +
-         bs::BackwardScratch::tracked_bytes(p.threads, grid.max_width(), n);
+         bs::BackwardScratch::tracked_bytes(p.threads, grid.max_width(), n, p.head_dim);
 }
 
 std::int64_t decode_workspace(const Problem& p, const AxialConfig& config, std::int64_t tokens) {
@@ -366,7 +366,7 @@ std::int64_t workspace(const Problem& p, const AxialConfig& c) {
   const Grid grid(p, c);
   const std::int64_t tokens = p.batch * p.heads * p.seq_len;
   const std::int64_t floats = tokens * p.head_dim + (p.causal ? 2 * tokens : 0);
-  return bs::ThreadScratch::tracked_bytes(p.threads, grid.max_width()) +
+  return bs::ThreadScratch::tracked_bytes(p.threads, grid.max_width(), p.head_dim) +
          floats * static_cast<std::int64_t>(sizeof(float));
 }
 

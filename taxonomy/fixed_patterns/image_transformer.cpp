@@ -33,7 +33,7 @@ class ImageTransformer final : public Mechanism {
       : p_(problem), plan_(problem, config) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
-    scratch_ = bs::ThreadScratch(p_.threads, plan_.max_memory());
+    scratch_ = bs::ThreadScratch(p_.threads, plan_.max_memory(), p_.head_dim);
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
@@ -54,7 +54,7 @@ class ImageTransformer final : public Mechanism {
   std::vector<NamedTensor> decode_state() const override { return window_.state(); }
 
   void prepare_backward() override {
-    training_.prepare(p_.batch * p_.heads, p_.seq_len, p_.threads, plan_.max_memory());
+    training_.prepare(p_.batch * p_.heads, p_.seq_len, p_.threads, plan_.max_memory(), p_.head_dim);
   }
 
   void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
@@ -82,7 +82,7 @@ std::int64_t flops(const Problem& p, const ImageTransformerConfig& c) {
 }
 
 std::int64_t workspace(const Problem& p, const ImageTransformerConfig& c) {
-  return bs::ThreadScratch::tracked_bytes(p.threads, Plan(p, c).max_memory());
+  return bs::ThreadScratch::tracked_bytes(p.threads, Plan(p, c).max_memory(), p.head_dim);
 }
 
 std::int64_t backward_flops(const Problem& p, const ImageTransformerConfig& c) {
@@ -91,7 +91,7 @@ std::int64_t backward_flops(const Problem& p, const ImageTransformerConfig& c) {
 }
 
 std::int64_t backward_workspace(const Problem& p, const ImageTransformerConfig& c) {
-  return bs::TileTraining::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, Plan(p, c).max_memory());
+  return bs::TileTraining::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, Plan(p, c).max_memory(), p.head_dim);
 }
 
 std::int64_t decode_workspace(const Problem& p, const ImageTransformerConfig& c, std::int64_t) {

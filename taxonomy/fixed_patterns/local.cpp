@@ -24,7 +24,7 @@ class Local final : public Mechanism {
   Local(const Problem& problem, const LocalConfig& config) : p_(problem), plan_(problem, config) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
-    scratch_ = bs::ThreadScratch(p_.threads, plan_.tiling.block);
+    scratch_ = bs::ThreadScratch(p_.threads, plan_.tiling.block, p_.head_dim);
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
@@ -45,7 +45,7 @@ class Local final : public Mechanism {
   std::vector<NamedTensor> decode_state() const override { return window_.state(); }
 
   void prepare_backward() override {
-    training_.prepare(p_.batch * p_.heads, p_.seq_len, p_.threads, plan_.tiling.block);
+    training_.prepare(p_.batch * p_.heads, p_.seq_len, p_.threads, plan_.tiling.block, p_.head_dim);
   }
 
   void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
@@ -73,8 +73,7 @@ std::int64_t flops(const Problem& p, const LocalConfig& c) {
 }
 
 std::int64_t workspace(const Problem& p, const LocalConfig& c) {
-  return bs::ThreadScratch::tracked_bytes(p.threads,
-                                          bs::BlockTiling(p.seq_len, c.block).block);
+  return bs::ThreadScratch::tracked_bytes(p.threads, bs::BlockTiling(p.seq_len, c.block).block, p.head_dim);
 }
 
 std::int64_t backward_flops(const Problem& p, const LocalConfig& c) {
@@ -83,7 +82,7 @@ std::int64_t backward_flops(const Problem& p, const LocalConfig& c) {
 }
 
 std::int64_t backward_workspace(const Problem& p, const LocalConfig& c) {
-  return bs::TileTraining::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, Plan(p, c).tiling.block);
+  return bs::TileTraining::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, Plan(p, c).tiling.block, p.head_dim);
 }
 
 std::int64_t decode_workspace(const Problem& p, const LocalConfig& c, std::int64_t) {

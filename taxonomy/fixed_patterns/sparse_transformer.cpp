@@ -120,7 +120,7 @@ class SparseTransformer final : public Mechanism {
       : p_(problem), layout_(problem, config) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
-    scratch_ = bs::ThreadScratch(p_.threads, layout_.max_width());
+    scratch_ = bs::ThreadScratch(p_.threads, layout_.max_width(), p_.head_dim);
     const std::int64_t g = layout_.summary_count();
     if (g == 0) return;
     summary_index_.resize(static_cast<std::size_t>(g));
@@ -170,7 +170,7 @@ class SparseTransformer final : public Mechanism {
   }
 
   void prepare_backward() override {
-    training_.prepare(p_.batch * p_.heads, p_.seq_len, p_.threads, layout_.max_width());
+    training_.prepare(p_.batch * p_.heads, p_.seq_len, p_.threads, layout_.max_width(), p_.head_dim);
     const std::int64_t g = layout_.summary_count();
     if (g > 0) summary_grads_ = Tensor(Shape{p_.threads, 2, g, p_.head_dim});
   }
@@ -347,14 +347,14 @@ std::int64_t backward_flops(const Problem& p, const SparseTransformerConfig& c) 
 std::int64_t backward_workspace(const Problem& p, const SparseTransformerConfig& c) {
   const Layout layout(p, c);
   const std::int64_t summary_grads = p.threads * 2 * layout.summary_count() * p.head_dim;
-  return bs::TileTraining::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, layout.max_width()) +
+  return bs::TileTraining::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, layout.max_width(), p.head_dim) +
          summary_grads * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t workspace(const Problem& p, const SparseTransformerConfig& c) {
   const Layout layout(p, c);
   const std::int64_t gathered = 2 * p.batch * layout.heads_a2 * layout.summary_count() * p.head_dim;
-  return bs::ThreadScratch::tracked_bytes(p.threads, layout.max_width()) +
+  return bs::ThreadScratch::tracked_bytes(p.threads, layout.max_width(), p.head_dim) +
          gathered * static_cast<std::int64_t>(sizeof(float));
 }
 
