@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 
+#include "lib/core/cpu_isa.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/tile_kernels.hpp"
@@ -193,9 +194,14 @@ HeadView head_view(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& ou
   return {q.data() + offset, k.data() + offset, v.data() + offset, out.data() + offset, d};
 }
 
+bool packs_keys(std::int64_t width, std::int64_t d) {
+  return width <= kPackedKeys && tiles::fits_head_dim(d) && kernel_isa() == KernelIsa::Avx512;
+}
+
+// Sized whatever the kernel ISA, which can change after the buffers exist (force_kernel_isa).
 std::int64_t packed_key_floats(std::int64_t max_cols, std::int64_t d) {
   const std::int64_t cols = std::min(max_cols, kPackedKeys);
-  return packs_keys(cols, d) ? tiles::panels_for(cols) * tiles::kPanel * d : 0;
+  return tiles::fits_head_dim(d) ? tiles::panels_for(cols) * tiles::kPanel * d : 0;
 }
 
 ThreadScratch::ThreadScratch(std::int64_t threads, std::int64_t max_cols, std::int64_t d)

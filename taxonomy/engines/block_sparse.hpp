@@ -70,13 +70,14 @@ struct ScoreTile {
   float* panels = nullptr;
 };
 
-// Hulls of at most kPackedKeys keys (block-local attention's 50) get their scores from the tile
-// kernels on keys packed into panels (tiles::scores) when D fits them; wider hulls from sgemm,
-// which blocks them better (measured: local's training step 4–7% faster, image-transformer's
-// 13% slower when its wide hulls took the kernels too).
+// Hulls of at most kPackedKeys keys (block-local attention's 50) get their scores from the 512-bit
+// tile kernels on keys packed into panels (tiles::scores) when D fits them; wider hulls, and every
+// hull on the 256-bit kernels, from sgemm (measured at N = 8192: local's training step 6% faster
+// on AVX-512; image-transformer's 13% slower when its wide hulls took the kernels too, local's
+// 17–21% slower on the AVX2 kernels).
 inline constexpr std::int64_t kPackedKeys = 64;
-inline bool packs_keys(std::int64_t width, std::int64_t d) { return width <= kPackedKeys && tiles::fits_head_dim(d); }
-// Floats of one packed panel buffer for hulls up to max_cols keys (0 when none is packed).
+bool packs_keys(std::int64_t width, std::int64_t d);
+// Floats of one packed panel buffer for hulls up to max_cols keys (0 when none can be packed).
 std::int64_t packed_key_floats(std::int64_t max_cols, std::int64_t d);
 
 // Folds `keys` into the state of `queries` (see the header comment); d = features per row,
