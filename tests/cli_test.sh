@@ -62,10 +62,12 @@ expect_error 2 run --model reformer --seq-len 64 --param n_buckets=5
 expect_error 2 run --model sparse-transformer --seq-len 64 --param pattern=fixed --param stride=4 --param summary=5
 [ ! -e "$work/r.json" ] && pass || fail "a report file was written for a model's bad combination"
 
-# --threads below the core count: per-thread buffers, the estimate and the row follow it.
+# --threads below the core count: per-thread buffers, the estimate and the row follow it (one
+# thread's 64 × 64 score tile and row statistics, 16896 B, and its key panels for hulls of ≤ 64
+# keys, 4 panels × 16 × 64 floats = 16384 B).
 "$bin" run --model local --seq-len 1024 --threads 1 --min-reps 1 --min-time 0 --json >"$work/t1.json" 2>/dev/null &&
   python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
-assert r["threads"] == 1 and r["estimated_workspace_bytes"] == r["workspace_bytes"] == 16896, r' "$work/t1.json" \
+assert r["threads"] == 1 and r["estimated_workspace_bytes"] == r["workspace_bytes"] == 16896 + 16384, r' "$work/t1.json" \
   && pass || fail "run --threads 1: estimate, tracked workspace and threads of the row"
 expect_error 2 table "$work/nosuch.json"
 echo "{ broken" >"$work/broken.json"

@@ -200,8 +200,7 @@ bool packs_keys(std::int64_t width, std::int64_t d) {
 
 // Sized whatever the kernel ISA, which can change after the buffers exist (force_kernel_isa).
 std::int64_t packed_key_floats(std::int64_t max_cols, std::int64_t d) {
-  const std::int64_t cols = std::min(max_cols, kPackedKeys);
-  return tiles::fits_head_dim(d) ? tiles::panels_for(cols) * tiles::kPanel * d : 0;
+  return max_cols <= kPackedKeys && tiles::fits_head_dim(d) ? tiles::panels_for(max_cols) * tiles::kPanel * d : 0;
 }
 
 ThreadScratch::ThreadScratch(std::int64_t threads, std::int64_t max_cols, std::int64_t d)
@@ -344,7 +343,7 @@ std::int64_t attend_backward(const HeadGrads& g, const Tile& tile, const std::in
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   float* probs = scratch.probs(thread);
   float* grads = scratch.grads(thread);
-  if (packs_keys(width, d)) {
+  if (scratch.has_panels() && packs_keys(width, d)) {
     float* key_panels = scratch.key_panels(thread);
     float* value_panels = scratch.value_panels(thread);
     tiles::pack_key_panels(g.k + k_offset, ldk, width, d, key_panels);

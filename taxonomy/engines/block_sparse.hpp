@@ -74,10 +74,12 @@ struct ScoreTile {
 // tile kernels on keys packed into panels (tiles::scores) when D fits them; wider hulls, and every
 // hull on the 256-bit kernels, from sgemm (measured at N = 8192: local's training step 6% faster
 // on AVX-512; image-transformer's 13% slower when its wide hulls took the kernels too, local's
-// 17–21% slower on the AVX2 kernels).
+// 17–21% slower on the AVX2 kernels). Only scratch for hulls of at most kPackedKeys keys holds
+// panels, so models whose hulls can be wider (image-transformer, axial, …) keep sgemm throughout
+// and their workspace does not grow.
 inline constexpr std::int64_t kPackedKeys = 64;
 bool packs_keys(std::int64_t width, std::int64_t d);
-// Floats of one packed panel buffer for hulls up to max_cols keys (0 when none can be packed).
+// Floats of one packed panel buffer for hulls up to max_cols ≤ kPackedKeys keys (else 0).
 std::int64_t packed_key_floats(std::int64_t max_cols, std::int64_t d);
 
 // Folds `keys` into the state of `queries` (see the header comment); d = features per row,
@@ -271,6 +273,7 @@ class BackwardScratch {
   float* delta(int thread) { return deltas_.data() + thread * tokens_; }
   std::int64_t* lo(int thread) { return bounds_.data() + thread * 2 * kTaskRows; }
   std::int64_t* hi(int thread) { return lo(thread) + kTaskRows; }
+  bool has_panels() const { return panel_floats_ > 0; }
   float* key_panels(int thread) { return panels_.data() + thread * 2 * panel_floats_; }
   float* value_panels(int thread) { return key_panels(thread) + panel_floats_; }
 
