@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -65,6 +66,34 @@ TEST_SUITE("exact") {
           check_model_gradients("exact-tiled", p, same_for_every_head(causal ? MaskFn(causal_mask) : MaskFn(full_mask)),
                                 {c.block_q, "block_k=24"});
         }
+  }
+
+  TEST_CASE("key panels of every ISA the host runs hold K transposed per 16 keys, zeros past the keys") {
+    // d = 8 and 24 take the scalar packing, the others the register transposes (16 × 16 blocks on
+    // AVX-512, 8 × 8 on AVX2); keys one below, at and above panel edges; row stride ldk > d.
+    const KernelIsa original = kernel_isa();
+    for (KernelIsa isa : supported_kernel_isas()) {
+      force_kernel_isa(isa);
+      for (std::int64_t d : {8, 16, 24, 32, 64})
+        for (std::int64_t cols : {1, 7, 8, 9, 15, 16, 17, 33, 50}) {
+          const std::int64_t ldk = d + 3, panels = tiles::panels_for(cols);
+          Tensor k(Shape{cols, ldk});
+          CounterRng(9, "pack/k").fill_normal(k);
+          std::vector<float> packed(static_cast<std::size_t>(panels * d * tiles::kPanel),
+                                    std::numeric_limits<float>::quiet_NaN());
+          tiles::pack_key_panels(k.data(), ldk, cols, d, packed.data());
+          std::int64_t wrong = 0;
+          for (std::int64_t p = 0; p < panels; ++p)
+            for (std::int64_t c = 0; c < d; ++c)
+              for (std::int64_t t = 0; t < tiles::kPanel; ++t) {
+                const std::int64_t key = p * tiles::kPanel + t;
+                const float want = key < cols ? k.data()[key * ldk + c] : 0.0f;
+                wrong += packed[static_cast<std::size_t>((p * d + c) * tiles::kPanel + t)] == want ? 0 : 1;
+              }
+          CHECK_MESSAGE(wrong == 0, kernel_isa_name(isa) << " d=" << d << " cols=" << cols);
+        }
+    }
+    force_kernel_isa(original);
   }
 
   TEST_CASE("tile kernels of every ISA the host runs equal double-precision loops") {

@@ -10,6 +10,13 @@
 namespace xfb::tiles {
 
 void pack_key_panels(const float* keys, std::int64_t ldk, std::int64_t cols, std::int64_t d, float* packed) {
+  if (fits_head_dim(d)) {  // register transposes of whole 16-feature (8 on AVX2) blocks
+    if (kernel_isa() == KernelIsa::Avx512)
+      avx512::pack_key_panels(keys, ldk, cols, d, packed);
+    else
+      avx2::pack_key_panels(keys, ldk, cols, d, packed);
+    return;
+  }
   const std::int64_t panels = panels_for(cols);
   std::memset(packed, 0, static_cast<std::size_t>(panels * d * kPanel) * sizeof(float));
   for (std::int64_t j = 0; j < cols; ++j) {

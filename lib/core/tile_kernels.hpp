@@ -20,7 +20,8 @@ inline std::int64_t panels_for(std::int64_t cols) { return (cols + kPanel - 1) /
 inline bool fits_head_dim(std::int64_t d) { return d % kPanel == 0; }
 
 // Packs keys [cols, d] (row stride ldk) into panels_for(cols) panels; `packed` holds
-// panels_for(cols)·d·kPanel floats.
+// panels_for(cols)·d·kPanel floats. When D fits the kernels, by register transposes of 16 × 16
+// blocks (8 × 8 on AVX2) — a panel in whole-vector loads and stores; else element by element.
 void pack_key_panels(const float* keys, std::int64_t ldk, std::int64_t cols, std::int64_t d, float* packed);
 
 // S[r, j] = alpha · Σ_c Q[r, c]·K[j, c] for r < rows, j < panels·kPanel (columns past the packed

@@ -14,6 +14,7 @@ namespace xfb::tiles {
   float interval_max(const float* x, long lo, long hi, float start);                                             \
   float exp_interval(float* x, long lo, long hi, long width, float shift);                                       \
   void softmax_grad_interval(float* p, float* g, long lo, long hi, long width, float shift, float dot);           \
+  void pack_key_panels(const float* keys, long ldk, long cols, long d, float* packed);                           \
   long positions_at_least(const float* values, long n, float threshold, int* positions, float* kept);           \
   }
 XFB_TILE_KERNELS(avx2)

@@ -73,8 +73,8 @@ struct ScoreTile {
 // Hulls of at most kPackedKeys keys (block-local attention's 50) get their scores from the 512-bit
 // tile kernels on keys packed into panels (tiles::scores) when D fits them; wider hulls, and every
 // hull on the 256-bit kernels, from sgemm (measured at N = 8192: local's training step 6% faster
-// on AVX-512; image-transformer's 13% slower when its wide hulls took the kernels too, local's
-// 17–21% slower on the AVX2 kernels). Only scratch for hulls of at most kPackedKeys keys holds
+// on AVX-512, 12% more with the register-transposed packing; image-transformer's 13% slower when
+// its wide hulls took the kernels too, local's 12–17% slower on the AVX2 kernels). Only scratch for hulls of at most kPackedKeys keys holds
 // panels, so models whose hulls can be wider (image-transformer, axial, …) keep sgemm throughout
 // and their workspace does not grow.
 inline constexpr std::int64_t kPackedKeys = 64;
