@@ -66,8 +66,10 @@ float inverse_norm(const float* x, std::int64_t d) {
 // kSelectionSample values: the sample's value of rank ⌈w·s/n⌉ + kSelectionMargin from the top, so
 // about w plus a margin pass. When fewer than w pass, the rank moves kSelectionMargin further down
 // and the filter runs again (a vector pass, cheap); past the sample every position is a candidate.
-// The w-th largest candidate is then found by bisection over the values' order-preserving integer
-// keys, each step a branch-free count: no data-dependent branches, unlike a partition-based select.
+// The sample's value of that rank comes from a short descending list of its largest values; the
+// w-th largest candidate by bisection over the values' order-preserving integer keys (from the
+// threshold's up to the largest), each step a branch-free count: no data-dependent branches,
+// unlike a partition-based select.
 constexpr std::int64_t kSelectionSample = 256;
 constexpr std::int64_t kSelectionMargin = 4;
 
@@ -86,9 +88,11 @@ std::int64_t count_at_least(const float* values, std::int64_t count, std::uint32
 }
 
 // The key of the rank-th largest of values[0, count) (1 ≤ rank ≤ count): the largest key K with at
-// least `rank` values whose key is ≥ K.
-std::uint32_t key_of_rank(const float* values, std::int64_t count, std::int64_t rank) {
-  std::uint32_t low = 0, high = 0xffffffffu;  // the answer lies in [low, high]
+// least `rank` values whose key is ≥ K. Bisection between `low` (≤ that key) and the largest key.
+std::uint32_t key_of_rank(const float* values, std::int64_t count, std::int64_t rank, std::uint32_t low) {
+  std::uint32_t high = low;  // the answer lies in [low, high]
+#pragma omp simd reduction(max : high)
+  for (std::int64_t i = 0; i < count; ++i) high = std::max(high, order_key(values[i]));
   while (low < high) {
     const std::uint32_t middle = low + (high - low) / 2 + 1;
     if (count_at_least(values, count, middle) >= rank)
@@ -99,8 +103,21 @@ std::uint32_t key_of_rank(const float* values, std::int64_t count, std::int64_t 
   return low;
 }
 
-float key_value(std::uint32_t key) {
-  return std::bit_cast<float>(key & 0x80000000u ? key ^ 0x80000000u : ~key);
+// The rank-th largest of the sample (1 ≤ rank ≤ sample.size()): the largest values kept in
+// descending order, a value entering only when it beats the smallest of them (rarely, after the
+// first few).
+float sample_rank_value(const float* sample, std::int64_t size, std::int64_t rank) {
+  std::array<float, kSelectionSample> top{};
+  std::int64_t held = 0;
+  for (std::int64_t i = 0; i < size; ++i) {
+    const float x = sample[i];
+    if (held == rank && !(x > top[static_cast<std::size_t>(rank - 1)])) continue;
+    std::int64_t at = held < rank ? held++ : rank - 1;
+    for (; at > 0 && top[static_cast<std::size_t>(at - 1)] < x; --at)
+      top[static_cast<std::size_t>(at)] = top[static_cast<std::size_t>(at - 1)];
+    top[static_cast<std::size_t>(at)] = x;
+  }
+  return top[static_cast<std::size_t>(rank - 1)];
 }
 
 }  // namespace
@@ -111,18 +128,20 @@ void routing_top_positions(const float* values, std::int64_t n, std::int64_t w, 
   const std::int64_t samples = std::min(n, kSelectionSample), stride = n / samples;
   for (std::int64_t i = 0; i < samples; ++i) sample[static_cast<std::size_t>(i)] = values[i * stride];
   std::int64_t size = 0;
+  float threshold = -std::numeric_limits<float>::infinity();
   for (std::int64_t rank = (w * samples + n - 1) / n + kSelectionMargin; size < w; rank += kSelectionMargin) {
     if (rank > samples) {
+      threshold = -std::numeric_limits<float>::infinity();
       std::iota(candidates, candidates + n, 0);
       std::copy(values, values + n, kept);
       size = n;
       break;
     }
-    const float threshold = key_value(key_of_rank(sample.data(), samples, rank));
+    threshold = sample_rank_value(sample.data(), samples, rank);
     size = tiles::positions_at_least(values, n, threshold, candidates, kept);
   }
   // Members: candidates above the w-th largest key, then the lowest positions among those equal to it.
-  const std::uint32_t cut = key_of_rank(kept, size, w);
+  const std::uint32_t cut = key_of_rank(kept, size, w, order_key(threshold));
   std::int64_t ties = w - count_at_least(kept, size, cut + 1), taken = 0;
   for (std::int64_t j = 0; j < size && taken < w; ++j) {
     const std::uint32_t key = order_key(kept[j]);
