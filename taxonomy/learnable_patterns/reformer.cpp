@@ -68,6 +68,7 @@ void ReformerAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
     rotated_ = Tensor(Shape{heads * n, c_.n_rounds * half_});
   }
   keys_ = Tensor::bhnd(p_.batch, p_.heads, n, d);
+  inverse_norms_ = Tensor(Shape{heads, n});
   running_lse_ = Tensor(Shape{heads, n});
   buckets_ = IndexBuffer(c_.n_rounds * heads * n);
   orders_ = IndexBuffer(c_.n_rounds * heads * n);
@@ -266,7 +267,9 @@ std::int64_t ReformerAttention::normalise_keys(const Tensor& q) {
     float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
     for (std::int64_t j = 0; j < d; ++j) squares += x[j] * x[j];
-    scale_row(keys_.data() + row * d, x, squares > 0.0f ? 1.0f / std::sqrt(squares) : 0.0f, d);
+    const float inverse = squares > 0.0f ? 1.0f / std::sqrt(squares) : 0.0f;
+    inverse_norms_.data()[row] = inverse;
+    scale_row(keys_.data() + row * d, x, inverse, d);
   }
   return 3 * rows * d;
 }
@@ -398,13 +401,19 @@ std::int64_t ReformerAttention::chunk_scores(std::int64_t round, std::int64_t he
   float* v_rows = k_rows + key_cols_ * d;
   gather_token_rows(q_head, order + c.q0, c.rows, d, q_rows);
   const std::int64_t kept = keep_held_rows(round, head, c, k_rows, v_rows, thread);
-  gather_token_rows(k_head, order + c.k0 + kept, c.cols - kept, d, k_rows + kept * d);
+  // The last c.rows candidates are the chunk's own tokens, whose keys k̂ = q·(1/‖q‖) come from the
+  // gathered query rows (the same products normalise_keys wrote); only earlier ones are gathered.
+  const std::int64_t own_rows = c.q0 - c.k0;  // candidates before the chunk's own
+  if (kept < own_rows) gather_token_rows(k_head, order + c.k0 + kept, own_rows - kept, d, k_rows + kept * d);
   gather_token_rows(v_head, order + c.k0 + kept, c.cols - kept, d, v_rows + kept * d);
+  const float* inverse_norms = inverse_norms_.data() + head * n;
+  for (std::int64_t r = 0; r < c.rows; ++r)
+    scale_row(k_rows + (own_rows + r) * d, q_rows + r * d, inverse_norms[order[c.q0 + r]], d);
   float* scores = scores_.data() + thread * m * score_ld_;
   ops::gemm(false, true, c.rows, c.cols, d, 1.0f / std::sqrt(static_cast<float>(d)), q_rows, d, k_rows, d, 0.0f,
             scores, score_ld_);
-  const std::int64_t flops =
-      c_.n_rounds > 1 ? discount_repeats(head, order, c.q0, c.rows, c.k0, c.cols, scores) : 0;
+  const std::int64_t flops = c.rows * d + (c_.n_rounds > 1 ? discount_repeats(head, order, c.q0, c.rows, c.k0,
+                                                                                   c.cols, scores) : 0);
 
   // The sorted order groups a bucket's keys by position, so the keys query s sees form one run of
   // columns [first, end): its bucket's keys in the tile (causal: up to s, and from the first rank
@@ -473,7 +482,7 @@ void ReformerAttention::prepare_backward() {
 }
 
 std::int64_t ReformerAttention::saved_bytes() const {
-  return keys_.bytes() + running_lse_.bytes() + buckets_.bytes() + orders_.bytes() + sorted_buckets_.bytes() +
+  return keys_.bytes() + inverse_norms_.bytes() + running_lse_.bytes() + buckets_.bytes() + orders_.bytes() + sorted_buckets_.bytes() +
          ranks_.bytes() + positions_.bytes();
 }
 
@@ -581,7 +590,7 @@ std::int64_t flops(const Problem& p, const ReformerConfig& c) {
     for (std::int64_t q0 = 0; q0 < n; q0 += m) {
       const std::int64_t rows = std::min(m, n - q0);
       const std::int64_t k0 = std::max<std::int64_t>(0, q0 - (p.causal ? 2 : 1) * m);
-      per_head += tile_flops(rows, q0 + rows - k0, d, round > 0, c.n_rounds > 1);
+      per_head += tile_flops(rows, q0 + rows - k0, d, round > 0, c.n_rounds > 1) + rows * d;
     }
   return p.batch * p.heads * per_head;
 }
@@ -589,7 +598,7 @@ std::int64_t flops(const Problem& p, const ReformerConfig& c) {
 std::int64_t workspace(const Problem& p, const ReformerConfig& c) {
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c);
   const std::int64_t half = c.n_buckets / 2, threads = p.threads, kc = max_key_cols(p, m);
-  const std::int64_t floats = half * d * c.n_rounds + heads * n * (d + c.n_rounds * half + 1) +
+  const std::int64_t floats = half * d * c.n_rounds + heads * n * (d + c.n_rounds * half + 2) +
                               threads * ((m + 2 * kc) * d + m * ops::padded_ld(kc) + m * d + 2 * m);
   // buckets, orders, sorted buckets, ranks (and token positions with several rounds) per round.
   const std::int64_t ints = heads * n * c.n_rounds * (c.n_rounds > 1 ? 5 : 4) + threads * c.n_buckets;
@@ -611,7 +620,7 @@ std::int64_t backward_flops(const Problem& p, const ReformerConfig& c) {
     const std::int64_t rows = std::min(m, n - q0);
     const std::int64_t cols = q0 + rows - std::max<std::int64_t>(0, q0 - (p.causal ? 2 : 1) * m);
     per_head += c.n_rounds * ((c.n_rounds > 1 ? rows * cols : 0) + 5 * matmul_flops(rows, cols, d) +
-                              kRecomputedSoftmaxBackwardFlopsPerElement * rows * cols + (rows + 2 * cols) * d);
+                              kRecomputedSoftmaxBackwardFlopsPerElement * rows * cols + (2 * rows + 2 * cols) * d);
   }
   return p.batch * p.heads * per_head;
 }

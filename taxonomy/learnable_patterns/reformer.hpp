@@ -27,9 +27,10 @@
 // FLOPs per head (exact, see reformer_flops): 3·N·D (normalise) + [n_buckets > 1]
 // (2·N·D·n_rounds·n_buckets/2 (rotations) + n_rounds·N·n_buckets (argmax)) + per round and chunk
 // with `rows` queries and `cols` candidate keys: 4·rows·cols·D (two products) + 4·rows·cols (masked
-// softmax) + rows·D (1/Σ) + 3·rows·D for rounds after the first (log-sum-exp merge) + rows·cols
+// softmax) + rows·D (1/Σ) + rows·D (the chunk's own keys k̂ = q·(1/‖q‖) from its gathered query
+// rows) + 3·rows·D for rounds after the first (log-sum-exp merge) + rows·cols
 // when n_rounds > 1 (the log c discount; counting rounds is integer work, not counted).
-// Tracked workspace: k̂ [B·H·N, D], rotated [B·H·N, n_rounds·n_buckets/2], int32 buckets, orders,
+// Tracked workspace: k̂ [B·H·N, D], 1/‖q‖ [B·H·N], rotated [B·H·N, n_rounds·n_buckets/2], int32 buckets, orders,
 // sorted buckets and ranks [n_rounds, B·H, N] (and token positions when n_rounds > 1), running
 // lse [B·H·N], and per thread one
 // tile: gathered rows [m + 2·kc, D] (kc = 2m, or 3m causal), scores [m, kc], output [m, D].
@@ -37,14 +38,15 @@
 // thread's previous tile, so each chunk gathers only its own query, key and value rows.
 //
 // Backward (buckets and sort order held fixed, as the paper trains): the forward saves the sort
-// (buckets, orders, sorted buckets, ranks, positions: int32, part of saved_bytes), k̂ and the merged
+// (buckets, orders, sorted buckets, ranks, positions: int32, part of saved_bytes), k̂, 1/‖q‖ and the merged
 // log-sum-exp L of every token; the backward recomputes every round's chunk scores (and discount)
 // and, with P = exp(S − log c − L) — each round's share of the union's softmax — and δ_i = dO_i·O_i,
 // runs gathered_tile_backward per chunk, adding dQ, dK̂, dV back to their tokens. Gradients reach q
 // twice: as queries and through the keys k̂ = q/‖q‖, dQ += (dK̂ − k̂·(k̂·dK̂))/‖q‖. dK = 0 (k unread).
 // One task per head (a head's chunks write overlapping rows). FLOPs per head (reformer_backward_flops):
 // 2·N·D (δ) + per round and chunk: [n_rounds > 1] rows·cols (discount) + 10·rows·cols·D (scores
-// and four products) + 4·rows·cols (P, dS) + (rows + 2·cols)·D (adding back) + 8·N·D (normalisation).
+// and four products) + 4·rows·cols (P, dS) + rows·D (own keys, as in the forward) + (rows + 2·cols)·D
+// (adding back) + 8·N·D (normalisation).
 // Backward workspace: dK̂ [B·H·N, D], δ [B·H·N], per thread dO and dQ rows [m, D], dK and dV rows
 // [kc, D] and dS [m, kc].
 #include <cstdint>
@@ -75,7 +77,9 @@ class ReformerAttention final : public Mechanism {
   void prepare_backward() override;
   void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
                 Tensor& dk, Tensor& dv) override;
-  std::vector<NamedTensor> saved() const override { return {{"keys", &keys_}, {"running_lse", &running_lse_}}; }
+  std::vector<NamedTensor> saved() const override {
+    return {{"keys", &keys_}, {"inverse_norms", &inverse_norms_}, {"running_lse", &running_lse_}};
+  }
   std::int64_t saved_bytes() const override;
   std::string gradient_note() const override { return "hash buckets and sort order held fixed"; }
 
@@ -140,7 +144,7 @@ class ReformerAttention final : public Mechanism {
   ReformerConfig c_;
   std::uint64_t seed_;
   std::int64_t chunk_, half_, key_cols_, score_ld_, threads_ = 1;
-  Tensor rotations_, keys_, rotated_, running_lse_;
+  Tensor rotations_, keys_, inverse_norms_, rotated_, running_lse_;
   // Per round and head: buckets (token order), sort order, buckets and in-bucket ranks (sorted
   // order), token → sorted position (several rounds only).
   IndexBuffer buckets_, orders_, sorted_buckets_, ranks_, positions_, bucket_counts_;
