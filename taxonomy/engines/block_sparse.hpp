@@ -63,7 +63,7 @@ struct KeyBlock {
 
 // Per-call scratch: the m×w score tile, row stride ld (a multiple of 16, ≥ the largest w of the
 // caller's calls: the row softmax works on whole vectors, tiles::exp_interval), and room for
-// packed_key_floats(d) floats of key panels (nullptr: the scores always come from sgemm).
+// packed_key_floats(that width, D) floats of key panels (nullptr: the scores come from sgemm).
 struct ScoreTile {
   float* data = nullptr;
   std::int64_t ld = 0;
@@ -74,9 +74,10 @@ struct ScoreTile {
 // tile kernels on keys packed into panels (tiles::scores) when D fits them; wider hulls, and every
 // hull on the 256-bit kernels, from sgemm (measured at N = 8192: local's training step 6% faster
 // on AVX-512, 12% more with the register-transposed packing; image-transformer's 13% slower when
-// its wide hulls took the kernels too, local's 12–17% slower on the AVX2 kernels). Only scratch for hulls of at most kPackedKeys keys holds
-// panels, so models whose hulls can be wider (image-transformer, axial, …) keep sgemm throughout
-// and their workspace does not grow.
+// its wide hulls took the kernels too, local's 12–17% slower on the AVX2 kernels). Only scratch
+// for hulls of at most kPackedKeys keys holds panels, so models whose hulls can be wider
+// (image-transformer, axial, …) keep sgemm throughout and their workspace does not grow. The
+// kernels also compute the panel's padding columns (50 → 64), which the FLOP count leaves out.
 inline constexpr std::int64_t kPackedKeys = 64;
 bool packs_keys(std::int64_t width, std::int64_t d);
 // Floats of one packed panel buffer for hulls up to max_cols ≤ kPackedKeys keys (else 0).

@@ -385,7 +385,7 @@ std::int64_t ReformerAttention::keep_held_rows(std::int64_t round, std::int64_t 
 
 // Gathers the chunk's query rows and candidate key and value rows into the thread's tile, computes
 // the scores (discounted with several rounds) and sets pairs the round does not show to −inf.
-// Returns the elementwise FLOPs (the discount); ops::gemm counts the product.
+// Returns the elementwise FLOPs (the own keys' scaling, the discount); ops::gemm counts the product.
 std::int64_t ReformerAttention::chunk_scores(std::int64_t round, std::int64_t head, const ChunkRange& c,
                                              const Tensor& q, const Tensor& v, int thread) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, m = chunk_;
@@ -482,8 +482,8 @@ void ReformerAttention::prepare_backward() {
 }
 
 std::int64_t ReformerAttention::saved_bytes() const {
-  return keys_.bytes() + inverse_norms_.bytes() + running_lse_.bytes() + buckets_.bytes() + orders_.bytes() + sorted_buckets_.bytes() +
-         ranks_.bytes() + positions_.bytes();
+  return keys_.bytes() + inverse_norms_.bytes() + running_lse_.bytes() + buckets_.bytes() + orders_.bytes() +
+         sorted_buckets_.bytes() + ranks_.bytes() + positions_.bytes();
 }
 
 void ReformerAttention::backward(const Tensor& q, const Tensor&, const Tensor& v, const Tensor& out,

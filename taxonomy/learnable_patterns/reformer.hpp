@@ -30,16 +30,17 @@
 // softmax) + rows·D (1/Σ) + rows·D (the chunk's own keys k̂ = q·(1/‖q‖) from its gathered query
 // rows) + 3·rows·D for rounds after the first (log-sum-exp merge) + rows·cols
 // when n_rounds > 1 (the log c discount; counting rounds is integer work, not counted).
-// Tracked workspace: k̂ [B·H·N, D], 1/‖q‖ [B·H·N], rotated [B·H·N, n_rounds·n_buckets/2], int32 buckets, orders,
-// sorted buckets and ranks [n_rounds, B·H, N] (and token positions when n_rounds > 1), running
-// lse [B·H·N], and per thread one
-// tile: gathered rows [m + 2·kc, D] (kc = 2m, or 3m causal), scores [m, kc], output [m, D].
+// Tracked workspace: k̂ [B·H·N, D], 1/‖q‖ [B·H·N], rotated [B·H·N, n_rounds·n_buckets/2], int32
+// buckets, orders, sorted buckets and ranks [n_rounds, B·H, N] (and token positions when
+// n_rounds > 1), running lse [B·H·N], and per thread one tile: gathered rows [m + 2·kc, D]
+// (kc = 2m, or 3m causal), scores [m, kc], output [m, D].
 // Threads claim runs of consecutive chunks; a tile keeps the candidate rows it shares with the
-// thread's previous tile, so each chunk gathers only its own query, key and value rows.
+// thread's previous tile, so each chunk gathers only its own query and value rows (its keys are
+// those queries scaled by 1/‖q‖).
 //
 // Backward (buckets and sort order held fixed, as the paper trains): the forward saves the sort
-// (buckets, orders, sorted buckets, ranks, positions: int32, part of saved_bytes), k̂, 1/‖q‖ and the merged
-// log-sum-exp L of every token; the backward recomputes every round's chunk scores (and discount)
+// (buckets, orders, sorted buckets, ranks, positions: int32, part of saved_bytes), k̂, 1/‖q‖ and the
+// merged log-sum-exp L of every token; the backward recomputes every round's chunk scores (and discount)
 // and, with P = exp(S − log c − L) — each round's share of the union's softmax — and δ_i = dO_i·O_i,
 // runs gathered_tile_backward per chunk, adding dQ, dK̂, dV back to their tokens. Gradients reach q
 // twice: as queries and through the keys k̂ = q/‖q‖, dQ += (dK̂ − k̂·(k̂·dK̂))/‖q‖. dK = 0 (k unread).
