@@ -10,9 +10,9 @@
 //   lse[r] = max + log Σ p   and   inverse[r] = 1 / Σ p
 // (−inf and 0 for a row with nothing visible, whose p row is all zero). The caller multiplies P by
 // V and scales row r by inverse[r]. ld is a multiple of 16 (ops::padded_ld): the row's max and
-// exponentials run on whole vectors (tiles::interval_max, exp_interval). Every entry is processed whatever the mask, so the work is
-// data-independent: kOnlineSoftmaxFlopsPerElement · rows · cols FLOPs (max, subtract+exp, sum),
-// which the function returns.
+// exponentials run on whole vectors (tiles::interval_max, exp_interval). Every entry is processed
+// whatever the mask, so the work is data-independent: kOnlineSoftmaxFlopsPerElement · rows · cols
+// FLOPs (max, subtract+exp, sum), which the function returns.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -24,6 +24,11 @@
 
 namespace xfb {
 
+// Requests the cache lines of one row of d floats (16 floats a line), without waiting for them.
+inline void request_row(const float* row, std::int64_t d) {
+  for (std::int64_t c = 0; c < d; c += 16) __builtin_prefetch(row + c);
+}
+
 // dst row r = rows[ids[r]] for r < count: rows of d floats, contiguous in both. The token rows of a
 // learned pattern lie scattered over the head, so each copy would wait for its row's cache misses;
 // the row kGatherAhead places ahead is requested first, keeping several rows' misses in flight.
@@ -31,10 +36,7 @@ inline constexpr std::int64_t kGatherAhead = 8;
 inline void gather_token_rows(const float* rows, const std::int32_t* ids, std::int64_t count, std::int64_t d,
                               float* dst) {
   for (std::int64_t r = 0; r < count; ++r) {
-    if (r + kGatherAhead < count) {
-      const float* ahead = rows + ids[r + kGatherAhead] * d;
-      for (std::int64_t c = 0; c < d; c += 16) __builtin_prefetch(ahead + c);
-    }
+    if (r + kGatherAhead < count) request_row(rows + ids[r + kGatherAhead] * d, d);
     std::copy_n(rows + ids[r] * d, d, dst + r * d);
   }
 }

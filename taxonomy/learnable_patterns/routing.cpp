@@ -7,7 +7,6 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
@@ -531,7 +530,7 @@ std::int64_t RoutingAttention::merge_clusters(std::int64_t r, std::int64_t token
   if (token + kGatherAhead < n)  // the scattered rows of a later token, requested ahead
     for (std::int32_t e = start[token + kGatherAhead]; e < start[token + kGatherAhead + 1]; ++e) {
       __builtin_prefetch(lse + slots[e]);
-      for (std::int64_t j = 0; j < d; j += 16) __builtin_prefetch(rows + slots[e] * d + j);
+      request_row(rows + slots[e] * d, d);
     }
   float peak = -std::numeric_limits<float>::infinity(), sum = 0.0f;
   for (std::int32_t e = start[token]; e < start[token + 1]; ++e) peak = std::max(peak, lse[slots[e]]);
