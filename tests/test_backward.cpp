@@ -154,8 +154,8 @@ TEST_SUITE("backward") {
 
   TEST_CASE("vanilla and exact-tiled gradients, causal and not, batch 2, at and around block sizes") {
     double worst = 0;
-    // exact-tiled defaults: block_q 64, block_k 512; on the tile kernels (D = 32) forward strips of
-    // 32 rows and backward strips of 128.
+    // exact-tiled defaults: block_q 64, backward_block_k 512; on the tile kernels (D = 32) forward
+    // strips of 32 rows and backward strips of 128.
     for (std::int64_t n : {1, 7, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513})
       for (bool causal : {false, true})
         for (const char* model : {"vanilla", "exact-tiled"})

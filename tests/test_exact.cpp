@@ -33,8 +33,8 @@ PointConfig quick_point(const std::string& model, std::int64_t n, bool causal, S
 
 TEST_SUITE("exact") {
   TEST_CASE("vanilla and exact-tiled equal naive attention, causal and not, at and around block sizes") {
-    // exact-tiled defaults: block_q 64, block_k 512 (forward strips of 32 rows on the tile kernels).
-    for (std::int64_t n : {1, 7, 31, 33, 63, 64, 65, 129, 255, 256, 257, 511, 512, 513, 1000})
+    // exact-tiled defaults: block_q 64, block_k 1024 (forward strips of 32 rows on the tile kernels).
+    for (std::int64_t n : {1, 7, 31, 33, 63, 64, 65, 129, 255, 256, 257, 511, 512, 513, 1000, 1023, 1024, 1025})
       for (bool causal : {false, true})
         for (const char* model : {"vanilla", "exact-tiled"}) {
           const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
@@ -49,22 +49,23 @@ TEST_SUITE("exact") {
     struct Case {
       std::int64_t head_dim;
       const char* block_q;
+      const char* backward_block_k;
       std::vector<std::int64_t> lengths;
     };
-    // D = 8 runs oneDNN sgemm tiles with block_k 24 exactly; D = 16 runs the tile kernels, where
-    // block_k 24 becomes 32 (two 16-key panels).
-    for (const Case& c : {Case{8, "block_q=16", {15, 16, 17, 23, 24, 25, 100}},
-                          Case{16, "block_q=7", {6, 7, 8, 15, 16, 17, 31, 32, 33, 100}}})
+    // D = 8 runs oneDNN sgemm tiles with block_k 24 and backward_block_k 17 exactly; D = 16 runs the
+    // tile kernels, where block_k 24 becomes 32 (two 16-key panels) and backward_block_k 16 stays.
+    for (const Case& c : {Case{8, "block_q=16", "backward_block_k=17", {15, 16, 17, 18, 23, 24, 25, 100}},
+                          Case{16, "block_q=7", "backward_block_k=16", {6, 7, 8, 15, 16, 17, 31, 32, 33, 100}}})
       for (std::int64_t n : c.lengths)
         for (bool causal : {false, true}) {
           const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = c.head_dim, .causal = causal};
           const auto in = random_inputs(p, 3);
-          const Tensor out = run_mechanism("exact-tiled", p, in, {c.block_q, "block_k=24"});
+          const Tensor out = run_mechanism("exact-tiled", p, in, {c.block_q, "block_k=24", c.backward_block_k});
           check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
                                   std::string("exact-tiled ") + c.block_q + " D=" + std::to_string(c.head_dim) +
                                       " N=" + std::to_string(n));
           check_model_gradients("exact-tiled", p, same_for_every_head(causal ? MaskFn(causal_mask) : MaskFn(full_mask)),
-                                {c.block_q, "block_k=24"});
+                                {c.block_q, "block_k=24", c.backward_block_k});
         }
   }
 

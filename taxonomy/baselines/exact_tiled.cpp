@@ -40,14 +40,19 @@ std::int64_t backward_rows(const ExactTiledConfig& c, std::int64_t d) {
   return uses_tile_kernels(d) ? kBackwardStripRows : c.block_q;
 }
 
-// Floats of one packed key (or value) block of the backward: block_k keys in panels; 0 on sgemm.
+// Floats of one packed key (or value) block of the backward: backward_block_k keys in panels; 0
+// on sgemm.
 std::int64_t block_panel_floats(const ExactTiledConfig& c, std::int64_t d) {
-  return uses_tile_kernels(d) ? tiles::panels_for(c.block_k) * d * tiles::kPanel : 0;
+  return uses_tile_kernels(d) ? tiles::panels_for(c.backward_block_k) * d * tiles::kPanel : 0;
 }
 
-// On the tile kernels a key tile starts on a panel boundary: block_k is rounded up to whole panels.
+// On the tile kernels a key tile starts on a panel boundary: block_k and backward_block_k are
+// rounded up to whole panels.
 ExactTiledConfig resolve(const Problem& p, ExactTiledConfig c) {
-  if (uses_tile_kernels(p.head_dim)) c.block_k = tiles::panels_for(c.block_k) * tiles::kPanel;
+  if (uses_tile_kernels(p.head_dim)) {
+    c.block_k = tiles::panels_for(c.block_k) * tiles::kPanel;
+    c.backward_block_k = tiles::panels_for(c.backward_block_k) * tiles::kPanel;
+  }
   return c;
 }
 
@@ -128,7 +133,7 @@ class ExactTiled final : public Mechanism {
     const std::int64_t rows = p_.batch * p_.heads * p_.seq_len;
     log_sum_exp_ = Tensor(Shape{rows});
     deltas_ = Tensor(Shape{rows});
-    tile_grads_ = Tensor(Shape{p_.threads, 2, backward_rows(c_, p_.head_dim), score_stride(c_.block_k)});
+    tile_grads_ = Tensor(Shape{p_.threads, 2, backward_rows(c_, p_.head_dim), score_stride(c_.backward_block_k)});
     if (uses_tile_kernels(p_.head_dim))
       block_panels_ = Tensor(Shape{p_.threads, 2, block_panel_floats(c_, p_.head_dim)});
   }
@@ -212,7 +217,7 @@ class ExactTiled final : public Mechanism {
   // The whole backward of one head: per key block (packed into panels on the tile kernels), every
   // strip of backward_rows query rows that sees it. Returns the FLOPs it executed outside oneDNN.
   std::int64_t head_backward(std::int64_t head, const HeadGrads& g, int thread) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, bk = c_.block_k, strip = backward_rows(c_, d);
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, bk = c_.backward_block_k, strip = backward_rows(c_, d);
     float* delta = deltas_.data() + head * n;
     for (std::int64_t i = 0; i < n; ++i) {
       float dot = 0.0f;
@@ -246,7 +251,7 @@ class ExactTiled final : public Mechanism {
   // executed outside oneDNN.
   std::int64_t tile_backward(std::int64_t head, const HeadGrads& g, std::int64_t q0, std::int64_t rows,
                              std::int64_t k0, std::int64_t cols, int thread) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = score_stride(c_.block_k);
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = score_stride(c_.backward_block_k);
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     float* probs = tile_grads_.data() + thread * 2 * backward_rows(c_, d) * ld;
     float* grads = probs + backward_rows(c_, d) * ld;
@@ -428,10 +433,10 @@ std::int64_t workspace(const Problem& p, const ExactTiledConfig& c) {
 std::int64_t backward_flops(const Problem& p, const ExactTiledConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, strip = backward_rows(c, d);
   std::int64_t per_head = 2 * n * d;  // δ
-  for (std::int64_t k0 = 0; k0 < n; k0 += c.block_k) {
+  for (std::int64_t k0 = 0; k0 < n; k0 += c.backward_block_k) {
     for (std::int64_t q0 = p.causal ? k0 / strip * strip : 0; q0 < n; q0 += strip) {
       const std::int64_t rows = std::min(strip, n - q0);
-      const std::int64_t cols = tile_columns(p, k0, q0, rows, c.block_k);
+      const std::int64_t cols = tile_columns(p, k0, q0, rows, c.backward_block_k);
       per_head += 2 * matmul_flops(rows, score_columns(cols, d), d) + 3 * matmul_flops(rows, cols, d);
       for (std::int64_t r = 0; r < rows; ++r)
         per_head += kRecomputedSoftmaxBackwardFlopsPerElement * valid_in_row(p.causal, q0 + r, k0, cols);
@@ -448,7 +453,7 @@ std::int64_t decode_workspace(const Problem& p, const ExactTiledConfig& c, std::
 }
 
 std::int64_t backward_workspace(const Problem& p, const ExactTiledConfig& c) {
-  const std::int64_t per_thread = 2 * backward_rows(c, p.head_dim) * score_stride(c.block_k) +
+  const std::int64_t per_thread = 2 * backward_rows(c, p.head_dim) * score_stride(c.backward_block_k) +
                                   2 * block_panel_floats(c, p.head_dim);
   const std::int64_t floats = 2 * p.batch * p.heads * p.seq_len + p.threads * per_thread;
   return floats * static_cast<std::int64_t>(sizeof(float));
@@ -460,7 +465,9 @@ Implementation exact_tiled_implementation() {
   return implement(ModelSpec<ExactTiledConfig>{
       .fields = {int_field("block_q", &ExactTiledConfig::block_q, 1, 4096, "query rows per task (tokens)"),
                  int_field("block_k", &ExactTiledConfig::block_k, 1, 8192,
-                           "key columns per tile (tokens; rounded up to a multiple of 16 when head_dim is)")},
+                           "key columns per forward tile (tokens; rounded up to a multiple of 16 when head_dim is)"),
+                 int_field("backward_block_k", &ExactTiledConfig::backward_block_k, 1, 8192,
+                           "key columns per backward block (tokens; rounded up like block_k)")},
       .create = create,
       .flops = flops,
       .workspace = workspace,

@@ -17,14 +17,15 @@
 //
 // Backward (FlashAttention-2's): the forward saves only the row log-sum-exp L = m + log l, B·H·N
 // floats; nothing N×N is saved or materialised. The backward first forms δ_i = Σ_c dO[i,c]·O[i,c],
-// then, per head (one task; dQ rows are shared by its key blocks), walks key blocks of bk keys,
+// then, per head (one task; dQ rows are shared by its key blocks), walks key blocks of bk' keys
+// (backward_block_k, its own: the backward's packed blocks must stay in L2),
 // and for each the query strips that see them (128 rows on the tile kernels, with the block's K
 // and V packed into panels; bq rows on sgemm), recomputing the tile:
 //   S = Q_blk·K_blkᵀ/√D;  P = exp(S − L);  dV_blk += Pᵀ·dO_blk;  dP = dO_blk·V_blkᵀ;
 //   dS = P ⊙ (dP − δ);  dK_blk += dSᵀ·Q_blk/√D;  dQ_blk += dS·K_blk/√D.
 // Causal: strips from the one holding the block's first key, each tile cut at the strip's last
 // row; entries j > i have P = 0. Workspace: L and δ (B·H·N each) and per thread the P and dP tiles
-// [strip, ⌈bk/16⌉·16] and the packed K and V blocks (2·⌈bk/16⌉·16·D on the tile kernels).
+// [strip, ⌈bk'/16⌉·16] and the packed K and V blocks (2·⌈bk'/16⌉·16·D on the tile kernels).
 // FLOPs: per executed tile 10·rows·cols·D (S and dP over whole panels on the tile kernels) +
 // 4·valid; plus 2·N·D per head (δ).
 //
@@ -40,7 +41,10 @@ namespace xfb {
 
 struct ExactTiledConfig {
   std::int64_t block_q = 64;   // query rows per task, tokens
-  std::int64_t block_k = 512;  // key columns per tile, tokens (AVX-512 and AVX2 classes: 3% faster than 256)
+  std::int64_t block_k = 1024;  // key columns per forward tile, tokens (AVX-512 class: 3% faster than 512,
+                               // AVX2: 1.5%)
+  std::int64_t backward_block_k = 512;  // key columns per backward block, tokens (AVX2 class: 1024 is
+                                        // 10% slower, the packed K and V blocks out of L2)
 };
 
 Implementation exact_tiled_implementation();
