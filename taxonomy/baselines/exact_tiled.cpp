@@ -21,8 +21,9 @@ namespace {
 bool uses_tile_kernels(std::int64_t d) { return tiles::fits_head_dim(d); }
 
 // On the tile kernels a query block's tile is done in strips of this many rows (scores, softmax,
-// P·V per strip), so the strip's scores stay in L1 between the three steps (measured on the
-// AVX-512 class at N = 4096: 32 rows 3–4% faster than 24, 36, 48 or the whole block of 64).
+// P·V per strip), so the strip's scores stay in cache between the three steps (AVX-512 class,
+// N = 4096: 32 rows 3–4% faster than 24, 36, 48 or the whole block of 64 with key tiles of 512;
+// with 1024, 24 rows 2% and 48 rows 4–5% slower than 32, at 4K and 16K).
 constexpr std::int64_t kStripRows = 32;
 
 // Rows of the forward's score tile: one strip on the tile kernels, the whole block on sgemm.

@@ -7,7 +7,7 @@
 //   acc = acc·e^(m−m') + P·V_blk;  finally O_blk = acc / l.
 // Causal: key blocks entirely above the diagonal are skipped; inside a diagonal block entries
 // j > i are excluded. When D is a multiple of 16 (the register-blocked tile kernels) a block's tile
-// is done in strips of 32 rows (S, softmax, P·V per strip, the strip's scores staying in L1), and
+// is done in strips of 32 rows (S, softmax, P·V per strip, the strip's scores staying in L2), and
 // K is packed into panels once per call, shared by all query blocks: B·H·⌈N/16⌉·16·D floats.
 // Workspace: per thread S [min(bq, 32) on the tile kernels, else bq; ⌈bk/16⌉·16], acc [bq, D], m,
 // l: O(bq·(bk+D)), not O(N²); plus the packed K.
