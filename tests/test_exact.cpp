@@ -100,12 +100,14 @@ TEST_SUITE("exact") {
   TEST_CASE("tile kernels of every ISA the host runs equal double-precision loops") {
     // Register blocks: AVX2 6 rows × 16 columns, AVX-512 12 rows × 32 columns (two panels), so
     // rows and panel counts run one below, at and above both, and d covers 16-column remainders.
-    // The transposed product's register blocks run over the columns (keys) instead.
+    // Remainders of at most a third of a block (AVX2 1–2 rows, AVX-512 1–4) take blocks twice as
+    // wide (2 panels on AVX2, 4 on AVX-512; 32 or 64 columns of d) where whole ones fit: rows 8, 14
+    // and 16 reach them. The transposed product's register blocks run over the columns (keys).
     const KernelIsa original = kernel_isa();
     for (KernelIsa isa : supported_kernel_isas()) {
       force_kernel_isa(isa);
       for (std::int64_t d : {16, 32, 48, 64})
-        for (std::int64_t rows : {1, 5, 6, 7, 11, 12, 13, 25})
+        for (std::int64_t rows : {1, 5, 6, 7, 8, 11, 12, 13, 14, 16, 25})
           for (std::int64_t cols : {1, 15, 16, 17, 31, 33, 48, 50}) {
             const std::int64_t panels = tiles::panels_for(cols), width = panels * tiles::kPanel;
             Tensor q(Shape{rows, d}), k(Shape{cols, d}), pr(Shape{rows, cols}), v(Shape{cols, d});
