@@ -471,6 +471,10 @@ ONEDNN_MAX_CPU_ISA=AVX2 bash "$gate" "$bin" "$work/doctored-total.json" >"$work/
 bump_first flops 100 <"$baseline" >"$work/doctored-flops.json"
 bash "$gate" "$bin" "$work/doctored-flops.json" >"$work/gate.md" 2>&1
 [ $? -eq 1 ] && grep -q "REGRESSION: flops" "$work/gate.md" && pass || fail "CI gate misses a FLOP change"
+# A baseline point with other parameters (a changed default) is missing from the new sweep: fail.
+bump_first block_q 1 <"$baseline" >"$work/doctored-params.json"
+bash "$gate" "$bin" "$work/doctored-params.json" >"$work/gate.md" 2>&1
+[ $? -eq 1 ] && grep -q "REGRESSION: missing" "$work/gate.md" && pass || fail "CI gate lets a baseline point go missing"
 
 # --- layers: the build's include check passes on the tree and fails on a wrong-way include ---
 bash "$src/tools/check_layers.sh" "$src" && pass || fail "tools/check_layers.sh rejects the tree"

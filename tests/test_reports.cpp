@@ -320,6 +320,19 @@ TEST_SUITE("reports") {
     const auto m = compare_reports(now, report_of({now.results[0]}), {});
     CHECK(m.points[1].verdict == Verdict::Missing);
     CHECK(m.regressions == 0);
+    // ... unless fail_on_missing (CI baselines): the two points ok in BASE fail, absent or skipped
+    // in NEW; the one that was an error in BASE does not.
+    CompareOptions strict;
+    strict.fail_on_missing = true;
+    Report skipped = report_of({now.results[0], now.results[3]});
+    skipped.results[1].status = Status::Skipped;
+    const auto f = compare_reports(now, skipped, strict);
+    CHECK(f.points[1].missing_regression);
+    CHECK_FALSE(f.points[2].missing_regression);
+    CHECK(f.points[3].verdict == Verdict::Missing);
+    CHECK(f.points[3].missing_regression);
+    CHECK(f.regressions == 2);
+    CHECK(f.missing_regressions == 2);
     // Error in both: still reported as error, not a regression.
     const auto e = compare_reports(report_of({now.results[2]}), report_of({now.results[2]}), {});
     CHECK(only_point(e).verdict == Verdict::Error);

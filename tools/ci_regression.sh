@@ -16,7 +16,8 @@
 #                                                   rewrite the baseline after an intended change
 #
 # The baseline records the points of the models implemented when it was written; points of newer
-# models show up as `new` (not a failure) until the baseline is regenerated.
+# models show up as `new` (not a failure) until the baseline is regenerated. Baseline points the
+# new sweep lacks (`missing`: a default parameter changed, or a model no longer runs) fail.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 update=0
@@ -47,4 +48,6 @@ if [ "$update" -eq 1 ]; then
 fi
 # With --metrics memory,flops, compare requires the same thread count only (CPU model and build
 # type do not change tracked bytes or FLOPs) and notes when the scratchpad is not compared.
-"$bin" compare "$baseline" "$work/new.json" --metrics memory,flops --format md
+# --fail-on-missing: a baseline point the new sweep lacks (a model's resolved parameters changed,
+# or it stopped running) fails the gate instead of dropping out of the comparison unseen.
+"$bin" compare "$baseline" "$work/new.json" --metrics memory,flops --fail-on-missing --format md

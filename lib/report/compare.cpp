@@ -108,6 +108,7 @@ void judge(PointComparison& point, const CompareOptions& o, bool scratchpad_comp
   }
   if (!point.now) {
     point.verdict = Verdict::Missing;
+    point.missing_regression = o.fail_on_missing && base_ok;
     return;
   }
   if (!base_ok) {
@@ -116,6 +117,7 @@ void judge(PointComparison& point, const CompareOptions& o, bool scratchpad_comp
   }
   if (!now_ok) {
     point.verdict = Verdict::Missing;
+    point.missing_regression = o.fail_on_missing;
     return;
   }
   const ResultRow &base = *point.base, &now = *point.now;
@@ -199,6 +201,7 @@ Comparison compare_reports(const Report& base, const Report& now, const CompareO
     result.memory_regressions += point.memory_regression;
     result.flops_regressions += point.flops_regression;
     result.error_regressions += point.error_regression;
+    result.missing_regressions += point.missing_regression;
     result.regressions += point.regression();
   }
   if (!time_ratios.empty()) result.time_geomean = geometric_mean(time_ratios);
@@ -251,6 +254,7 @@ std::string regression_cell(const PointComparison& p) {
   add(p.memory_regression, "memory");
   add(p.flops_regression, "flops");
   add(p.error_regression, "error");
+  add(p.missing_regression, "missing");
   return text.empty() ? "" : "REGRESSION: " + text;
 }
 
@@ -282,6 +286,7 @@ nlohmann::json point_json(const PointComparison& p) {
   if (p.memory_regression) regressions.push_back("memory");
   if (p.flops_regression) regressions.push_back("flops");
   if (p.error_regression) regressions.push_back("error");
+  if (p.missing_regression) regressions.push_back("missing");
   nlohmann::json j = {{"model", row.model},     {"scope", row.scope},       {"pass", row.pass},  {"causal", row.causal},
                       {"batch", row.batch},     {"heads", row.heads},       {"seq_len", row.seq_len},
                       {"head_dim", row.head_dim}, {"d_ff", row.d_ff},       {"params", row.params},
@@ -326,7 +331,7 @@ std::string comparison_summary(const Comparison& c) {
   out << c.regressions << " regression(s)";
   if (c.regressions > 0)
     out << " (time " << c.time_regressions << ", memory " << c.memory_regressions << ", flops "
-        << c.flops_regressions << ", ok→error " << c.error_regressions << ")";
+        << c.flops_regressions << ", ok→error " << c.error_regressions << ", missing " << c.missing_regressions << ")";
   if (c.flops_changes > 0) out << "; executed FLOPs changed at " << c.flops_changes << " point(s)";
   return out.str();
 }
@@ -352,6 +357,7 @@ std::string render_comparison(const Comparison& c, const CompareOptions& o, Comp
                               {"memory_regressions", c.memory_regressions},
                               {"flops_regressions", c.flops_regressions},
                               {"error_regressions", c.error_regressions},
+                              {"missing_regressions", c.missing_regressions},
                               {"flops_changes", c.flops_changes},
                               {"verdicts", verdicts},
                               {"scratchpad_compared", c.scratchpad_compared},

@@ -17,6 +17,9 @@
 //           version and ISA, for peak_tensor_bytes (which includes oneDNN's scratchpad)
 //   flops   any change of the executed FLOP count (deterministic: a change means different work)
 //   error   ok in BASE, error in NEW (always gated)
+//   missing a `missing` point, only when fail_on_missing (CI gates against a stored baseline: a
+//           model whose resolved parameters changed, or that no longer runs, must not drop out of
+//           the comparison silently)
 #include <optional>
 #include <string>
 #include <vector>
@@ -32,6 +35,7 @@ struct CompareOptions {
   double max_memory_growth = 0.0;   // fraction of BASE's peak_tensor_bytes
   bool gate_time = true, gate_memory = true, gate_flops = true;
   bool allow_different_context = false;
+  bool fail_on_missing = false;     // a point measured in BASE and not in NEW is a regression
 };
 
 // Parses "time,memory,flops" (any non-empty subset) into the gate flags; throws InputError.
@@ -53,8 +57,11 @@ struct PointComparison {
   std::int64_t owned_delta = 0;       // new − base peak_owned_bytes, both ok and both known
   bool owned_known = false;           // both rows carry peak_owned_bytes
   std::int64_t flops_delta = 0;       // new − base flops, both ok only
-  bool time_regression = false, memory_regression = false, flops_regression = false, error_regression = false;
-  bool regression() const { return time_regression || memory_regression || flops_regression || error_regression; }
+  bool time_regression = false, memory_regression = false, flops_regression = false, error_regression = false,
+       missing_regression = false;
+  bool regression() const {
+    return time_regression || memory_regression || flops_regression || error_regression || missing_regression;
+  }
 };
 
 struct Comparison {
@@ -63,7 +70,7 @@ struct Comparison {
   double time_geomean = 0;              // geometric mean of new/base medians (0: no such point)
   double memory_geomean = 0;            // same for peak_tensor_bytes
   std::size_t regressions = 0, time_regressions = 0, memory_regressions = 0, flops_regressions = 0,
-              error_regressions = 0;
+              error_regressions = 0, missing_regressions = 0;
   std::size_t flops_changes = 0;        // reported whether or not gated
   bool scratchpad_compared = true;      // same oneDNN version and ISA: peak_tensor_bytes gated too
   std::vector<std::string> notes;       // what was not compared and why
