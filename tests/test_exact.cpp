@@ -240,6 +240,42 @@ TEST_SUITE("exact") {
     CHECK(cases > 100);
   }
 
+  TEST_CASE("unpadded row pieces of every ISA equal double-precision loops and write nothing past the row") {
+    // Lengths one below, at and above both vector widths (8, 16), aligned and unaligned starts; a
+    // sentinel before and after the row must survive (the last part-vector is masked).
+    constexpr float kSentinel = 12345.0f;
+    const KernelIsa original = kernel_isa();
+    for (KernelIsa isa : supported_kernel_isas()) {
+      force_kernel_isa(isa);
+      for (std::int64_t n : {0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 50})
+        for (std::int64_t offset : {0, 3}) {
+          Tensor values(Shape{n + 1});
+          CounterRng(13, "unpadded/" + std::to_string(n)).fill_normal(values);
+          std::vector<float> buffer(static_cast<std::size_t>(offset + n + 32), kSentinel);
+          float* x = buffer.data() + offset;
+          for (std::int64_t j = 0; j < n; ++j) x[j] = 4.0f * values.data()[j];
+          const std::string where = kernel_isa_name(isa) + " n=" + std::to_string(n) + " offset=" + std::to_string(offset);
+          float want_peak = -2.0f;
+          for (std::int64_t j = 0; j < n; ++j) want_peak = std::max(want_peak, x[j]);
+          REQUIRE_MESSAGE(tiles::row_max(x, n, -2.0f) == want_peak, where);
+          const std::vector<float> original_x(x, x + n);
+          const float sum = tiles::exp_and_sum(x, n, want_peak);
+          double want_sum = 0;
+          for (std::int64_t j = 0; j < n; ++j) {
+            // As for the padded pieces: ε·|x − peak| from the subtraction, a few ε from the polynomial.
+            const double shifted = double(original_x[j]) - double(want_peak), want = std::exp(shifted);
+            REQUIRE_MESSAGE(std::fabs(x[j] - want) <= (4.0 + std::fabs(shifted)) * 1.2e-7 * want, where << " j=" << j);
+            want_sum += x[j];
+          }
+          for (std::size_t j = 0; j < buffer.size(); ++j)
+            if (j < static_cast<std::size_t>(offset) || j >= static_cast<std::size_t>(offset + n))
+              REQUIRE_MESSAGE(buffer[j] == kSentinel, where << " index " << j);
+          REQUIRE_MESSAGE(std::fabs(sum - want_sum) <= (n + 1) * 1.2e-7 * want_sum, where);
+        }
+    }
+    force_kernel_isa(original);
+  }
+
   TEST_CASE("rows whose scores would overflow a naive exp stay finite and exact") {
     const Problem p{.batch = 1, .heads = 2, .seq_len = 300, .head_dim = 16, .causal = false};
     for (bool causal : {false, true})

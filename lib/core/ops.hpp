@@ -4,6 +4,8 @@
 // first call with a given shape; later calls reuse it.
 #include <cstdint>
 
+#include "lib/core/tile_kernels.hpp"
+
 namespace xfb::ops {
 
 // C[b] = alpha · op(A[b]) · op(B[b]) (+ C[b] when accumulate), b < batch.
@@ -88,14 +90,8 @@ inline float fast_exp(float x) {
 }  // namespace xfb::ops
 
 namespace xfb::ops {
-// max(start, x[0..n)). Written as a select so GCC 12 vectorises it (std::max inside an
-// `omp simd reduction(max)` stays scalar).
-inline float row_max(const float* x, std::int64_t n, float start) {
-  float peak = start;
-#pragma omp simd reduction(max : peak)
-  for (std::int64_t j = 0; j < n; ++j) peak = x[j] > peak ? x[j] : peak;
-  return peak;
-}
+// max(start, x[0..n)), on the row kernels of the run-time kernel ISA (tiles::row_max).
+inline float row_max(const float* x, std::int64_t n, float start) { return tiles::row_max(x, n, start); }
 
 // A LayerNorm row's statistics over n values: the mean and 1/sqrt(variance + eps) (population
 // variance, two passes). Shared by the LayerNorm backward and the Set Transformer's own LayerNorms.
@@ -114,17 +110,10 @@ inline RowMoments row_moments(const float* x, std::int64_t n, float eps) {
   return {mean, 1.0f / __builtin_sqrtf(squares * inverse_n + eps)};
 }
 
-// x[j] := exp(x[j] − shift) for j < n (fast_exp); returns Σ x[j]. The exponent-and-sum step of
-// every softmax row in the project.
-inline float exp_and_sum(float* x, std::int64_t n, float shift) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (std::int64_t j = 0; j < n; ++j) {
-    x[j] = fast_exp(x[j] - shift);
-    sum += x[j];
-  }
-  return sum;
-}
+// x[j] := exp(x[j] − shift) for j < n (fast_exp's polynomial); returns Σ x[j]. The exponent-and-sum
+// step of every softmax row in the project, on the row kernels of the run-time kernel ISA
+// (tiles::exp_and_sum: 512-bit on AVX-512 even in a portable build).
+inline float exp_and_sum(float* x, std::int64_t n, float shift) { return tiles::exp_and_sum(x, n, shift); }
 
 // A row stride of at least n floats that is a multiple of 16 and avoids multiples of 256 floats
 // (power-of-two strides make oneDNN's gemm ~45% slower on this machine class through cache

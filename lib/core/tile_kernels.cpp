@@ -88,6 +88,14 @@ void softmax_grad_interval(float* p, float* g, std::int64_t lo, std::int64_t hi,
     avx2::softmax_grad_interval(p, g, lo, hi, width, shift, dot);
 }
 
+float row_max(const float* x, std::int64_t n, float start) {
+  return kernel_isa() == KernelIsa::Avx512 ? avx512::row_max(x, n, start) : avx2::row_max(x, n, start);
+}
+
+float exp_and_sum(float* x, std::int64_t n, float shift) {
+  return kernel_isa() == KernelIsa::Avx512 ? avx512::exp_and_sum(x, n, shift) : avx2::exp_and_sum(x, n, shift);
+}
+
 std::int64_t positions_at_least(const float* values, std::int64_t n, float threshold, std::int32_t* positions,
                                 float* kept) {
   return kernel_isa() == KernelIsa::Avx512 ? avx512::positions_at_least(values, n, threshold, positions, kept)

@@ -67,6 +67,14 @@ float exp_interval(float* x, std::int64_t lo, std::int64_t hi, std::int64_t widt
 void softmax_grad_interval(float* p, float* g, std::int64_t lo, std::int64_t hi, std::int64_t width, float shift,
                            float dot);
 
+// The same pieces on rows without padding (any n, any alignment; nothing past x[n − 1] is read or
+// written: masked loads and stores for the last part-vector). ops::row_max and ops::exp_and_sum,
+// the softmax rows of every engine, run on these.
+//   row_max:      max(start, x[0..n)).
+//   exp_and_sum:  x[j] := exp(x[j] − shift) for j < n; returns Σ x[0..n).
+float row_max(const float* x, std::int64_t n, float start);
+float exp_and_sum(float* x, std::int64_t n, float shift);
+
 // Selection filter (routing's balanced top-w): the positions i < n with values[i] >= threshold,
 // ascending, into `positions` and their values into `kept` (n entries each: the vectors of kept
 // lanes are stored whole, never past entry n); returns how many. Vector compares and lane packing

@@ -14,6 +14,8 @@ namespace xfb::tiles {
   float interval_max(const float* x, long lo, long hi, float start);                                             \
   float exp_interval(float* x, long lo, long hi, long width, float shift);                                       \
   void softmax_grad_interval(float* p, float* g, long lo, long hi, long width, float shift, float dot);           \
+  float row_max(const float* x, long n, float start);                                                            \
+  float exp_and_sum(float* x, long n, float shift);                                                              \
   void pack_key_panels(const float* keys, long ldk, long cols, long d, float* packed);                           \
   long positions_at_least(const float* values, long n, float threshold, int* positions, float* kept);           \
   }

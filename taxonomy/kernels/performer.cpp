@@ -68,11 +68,7 @@ class FavorFeatures final : public FeatureMap {
     if (kernel_ == PerformerKernel::Relu) return relu(phi, rows, ld);
     for (std::int64_t r = 0; r < rows; ++r) {
       float* row = phi + r * ld;
-      float peak = row[0];
-#pragma omp simd reduction(max : peak)
-      for (std::int64_t j = 1; j < m_; ++j) peak = row[j] > peak ? row[j] : peak;  // a select vectorises
-#pragma omp simd
-      for (std::int64_t j = 0; j < m_; ++j) row[j] = ops::fast_exp(row[j] - peak);
+      ops::exp_and_sum(row, m_, ops::row_max(row, m_, row[0]));  // φ's exponentials; the sum is not needed
     }
     return rows * 3 * m_;
   }
@@ -128,11 +124,7 @@ class FavorFeatures final : public FeatureMap {
       }
     }
     shift = peak;
-    for (std::int64_t r = 0; r < rows; ++r) {
-      float* row = phi + r * ld;
-#pragma omp simd
-      for (std::int64_t j = 0; j < m_; ++j) row[j] = ops::fast_exp(row[j] - peak);
-    }
+    for (std::int64_t r = 0; r < rows; ++r) ops::exp_and_sum(phi + r * ld, m_, peak);  // the sum is not needed
     return rows * (2 * d_ + 4 * m_);
   }
 
