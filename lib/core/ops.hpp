@@ -4,6 +4,7 @@
 // first call with a given shape; later calls reuse it.
 #include <cstdint>
 
+#include "lib/core/exp_polynomial.hpp"
 #include "lib/core/tile_kernels.hpp"
 
 namespace xfb::ops {
@@ -66,25 +67,20 @@ void layer_norm_backward(const float* x, const float* dy, std::int64_t rows, std
 // c = a + b over n values (oneDNN binary); c may alias a or b.
 void add(const float* a, const float* b, float* c, std::int64_t n);
 
-// exp(x) to a few ulp for x in [-87, 88]; 0 below. Branch-free so loops vectorise. Cody–Waite
-// reduction x = n·ln 2 + f, |f| <= ln 2 / 2; e^f by a degree-6 polynomial interpolating it at the
-// interval's Chebyshev nodes (2e-8 relative error with float coefficients); the tile kernels'
-// exp_lanes uses the same one.
+// exp(x) to a few ulp for x in [-87, 88]; 0 below. Branch-free so loops vectorise. The reduction
+// and polynomial of lib/core/exp_polynomial.hpp, which the tile kernels' exp_lanes shares.
 inline float fast_exp(float x) {
-  const float clamped = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float t = clamped * 1.44269504088896341f;
+  using namespace exp_polynomial;
+  const float clamped = x < kLowest ? kLowest : (x > kHighest ? kHighest : x);
+  const float t = clamped * kLog2e;
   const float rounded = __builtin_floorf(t + 0.5f);
-  const float f = clamped - rounded * 0.693359375f + rounded * 2.12194440e-4f;  // |f| <= ln2/2
-  float p = 1.394110848e-3f;
-  p = p * f + 8.375125937e-3f;
-  p = p * f + 4.166635126e-2f;
-  p = p * f + 1.666641533e-1f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
+  const float f = clamped - rounded * kLn2High + rounded * kLn2Low;  // |f| <= ln2/2
+  float p = kCoefficients[0];
+#pragma GCC unroll 6
+  for (int i = 1; i <= kDegree; ++i) p = p * f + kCoefficients[i];
   const int exponent = static_cast<int>(rounded) + 127;
   const float scale = __builtin_bit_cast(float, exponent << 23);
-  return x < -87.0f ? 0.0f : p * scale;
+  return x < kLowest ? 0.0f : p * scale;
 }
 
 }  // namespace xfb::ops

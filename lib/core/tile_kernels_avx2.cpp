@@ -1,6 +1,7 @@
 // lib/core/tile_kernels_isa.inc for 256-bit vectors (compiled with -mavx2 -mfma).
 #include <immintrin.h>  // always-inline intrinsics only (vroundps, vminps, vmaxps in exp_lanes)
 
+#include "lib/core/exp_polynomial.hpp"
 #include "lib/core/tile_kernels_isa.hpp"
 
 namespace xfb::tiles::avx2 {

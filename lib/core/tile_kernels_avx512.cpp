@@ -2,6 +2,7 @@
 // -mavx512dq -mfma): 32 zmm registers hold 12 rows × 2 vectors of accumulators.
 #include <immintrin.h>  // always-inline intrinsics only (vrndscaleps, vscalefps in exp_lanes)
 
+#include "lib/core/exp_polynomial.hpp"
 #include "lib/core/tile_kernels_isa.hpp"
 
 namespace xfb::tiles::avx512 {
