@@ -666,16 +666,25 @@ TEST_SUITE("learnable") {
   }
 
   TEST_CASE("routing equals its naive cluster attention, balanced and causal, with and without local heads") {
-    for (bool causal : {false, true}) {
-      for (std::int64_t n : {1, 2, 15, 16, 17, 100})
-        check_routing({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal}, {"clusters=4"});
-      for (std::int64_t n : {63, 64, 65, 257})
-        check_routing({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal}, {});
-      check_routing({.batch = 1, .heads = 4, .seq_len = 90, .head_dim = 16, .causal = causal},
-                    {"local_heads=true", "clusters=9"});
-      check_routing({.batch = 1, .heads = 2, .seq_len = 60, .head_dim = 16, .causal = causal},
-                    {"kmeans_updates=0", "clusters=60"});
+    // Every kernel path (cluster tiles on the 512-bit kernels or on sgemm); N around the affinity
+    // block of 256 tokens; D = 16, 32 (the kernels) and 12 (sgemm whatever the ISA).
+    const KernelIsa original = kernel_isa();
+    for (KernelIsa isa : supported_kernel_isas()) {
+      force_kernel_isa(isa);
+      CAPTURE(kernel_isa_name(isa));
+      for (bool causal : {false, true}) {
+        for (std::int64_t n : {1, 2, 15, 16, 17, 100})
+          check_routing({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal}, {"clusters=4"});
+        for (std::int64_t n : {63, 64, 65, 255, 256, 257, 513})
+          check_routing({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal}, {});
+        check_routing({.batch = 1, .heads = 2, .seq_len = 300, .head_dim = 12, .causal = causal}, {"clusters=3"});
+        check_routing({.batch = 1, .heads = 4, .seq_len = 90, .head_dim = 16, .causal = causal},
+                      {"local_heads=true", "clusters=9"});
+        check_routing({.batch = 1, .heads = 2, .seq_len = 60, .head_dim = 16, .causal = causal},
+                      {"kmeans_updates=0", "clusters=60"});
+      }
     }
+    force_kernel_isa(original);
   }
 
   TEST_CASE("routing's top-w selection breaks ties by lower position") {
@@ -694,7 +703,7 @@ TEST_SUITE("learnable") {
       }
   }
 
-  TEST_CASE("routing's top-w selection equals a full sort, also when the sampled threshold keeps too few") {
+  TEST_CASE("routing's streamed top-w selection equals a full sort, whatever the blocks and ties") {
     // The w largest by (value descending, position ascending), ascending: the rule by a full sort.
     auto by_sort = [](const std::vector<float>& values, std::int64_t w) {
       std::vector<std::int32_t> order(values.size());
@@ -704,11 +713,17 @@ TEST_SUITE("learnable") {
       std::sort(order.begin(), order.end());
       return order;
     };
-    auto selected = [](const std::vector<float>& values, std::int64_t w) {
-      std::vector<std::int32_t> candidates(values.size()), members(static_cast<std::size_t>(w));
-      std::vector<float> kept(values.size());
-      routing_top_positions(values.data(), static_cast<std::int64_t>(values.size()), w, candidates.data(),
-                            kept.data(), members.data());
+    // The values fed in blocks of `block` positions (the last one partial).
+    auto selected = [](const std::vector<float>& values, std::int64_t w, std::int64_t block) {
+      const auto n = static_cast<std::int64_t>(values.size());
+      std::vector<std::int32_t> positions(static_cast<std::size_t>(TopPositions::capacity(w, block, n)));
+      std::vector<std::int32_t> scratch_indices(positions.size()), members(static_cast<std::size_t>(w));
+      std::vector<float> values_kept(positions.size()), scratch_values(positions.size());
+      TopPositions top;
+      top.reset(w, positions.data(), values_kept.data(), scratch_indices.data(), scratch_values.data());
+      for (std::int64_t first = 0; first < n; first += block)
+        top.add(values.data() + first, std::min(block, n - first), first);
+      top.finish(members.data());
       return members;
     };
     const KernelIsa original = kernel_isa();
@@ -717,23 +732,36 @@ TEST_SUITE("learnable") {
       const CounterRng rng(3, "top-w");
       std::uint64_t draw = 0;
       for (std::int64_t n : {1, 2, 7, 8, 9, 15, 16, 17, 100, 255, 256, 257, 1000, 8192})
-        for (std::int64_t w : {std::int64_t{1}, (n + 90) / 91, std::max<std::int64_t>(1, n / 3), n}) {
-          std::vector<float> values(static_cast<std::size_t>(n));
-          // Coarse values (multiples of 1/8) so ties are frequent.
-          for (float& value : values) value = std::round(static_cast<float>(rng.normal(draw++)) * 8.0f) / 8.0f;
-          CHECK_MESSAGE(selected(values, w) == by_sort(values, w), kernel_isa_name(isa) << " n=" << n << " w=" << w);
-        }
-      // Large values at the sampled positions only (stride n / 256), and w above their count: the
-      // sampled threshold keeps 256 positions, fewer than w, so every position is ranked.
-      const std::int64_t n = 2048, w = 300;
-      std::vector<float> values(static_cast<std::size_t>(n));
-      for (std::int64_t i = 0; i < n; ++i)
-        values[static_cast<std::size_t>(i)] = i % (n / 256) == 0 ? 1.0f + 0.001f * i : 0.5f - 0.0001f * i;
-      CHECK_MESSAGE(selected(values, w) == by_sort(values, w), kernel_isa_name(isa));
-      // −0 and +0 are equal values: ties by position.
+        for (std::int64_t w : {std::int64_t{1}, (n + 90) / 91, std::max<std::int64_t>(1, n / 3), n})
+          for (std::int64_t block : {std::int64_t{1}, std::int64_t{15}, std::int64_t{16}, std::int64_t{17},
+                                     std::int64_t{256}, n}) {
+            std::vector<float> values(static_cast<std::size_t>(n));
+            // Coarse values (multiples of 1/8) so ties are frequent.
+            for (float& value : values) value = std::round(static_cast<float>(rng.normal(draw++)) * 8.0f) / 8.0f;
+            CHECK_MESSAGE(selected(values, w, block) == by_sort(values, w),
+                          kernel_isa_name(isa) << " n=" << n << " w=" << w << " block=" << block);
+          }
+      // Ascending values: every block beats the bar, so the list is cut again and again; descending:
+      // the first w stay; all equal: the first w by position.
+      const std::int64_t n = 2000, w = 300;
+      std::vector<float> rising(static_cast<std::size_t>(n)), falling(rising.size()), equal(rising.size(), 0.25f);
+      for (std::int64_t i = 0; i < n; ++i) {
+        rising[static_cast<std::size_t>(i)] = 0.001f * static_cast<float>(i) - 1.0f;
+        falling[static_cast<std::size_t>(i)] = -rising[static_cast<std::size_t>(i)];
+      }
+      for (const auto* values : {&rising, &falling, &equal})
+        for (std::int64_t block : {std::int64_t{7}, std::int64_t{256}})
+          CHECK_MESSAGE(selected(*values, w, block) == by_sort(*values, w), kernel_isa_name(isa));
+      // −0 and +0 are equal values: ties by position, also across a cut whose bar is just above 0;
+      // infinities are values like any other.
       std::vector<float> zeros(100);
       for (std::size_t i = 0; i < zeros.size(); ++i) zeros[i] = i % 7 == 0 ? 1.0f : (i % 2 == 0 ? -0.0f : 0.0f);
-      CHECK_MESSAGE(selected(zeros, 40) == by_sort(zeros, 40), kernel_isa_name(isa));
+      zeros[50] = std::numeric_limits<float>::infinity();
+      zeros[51] = -std::numeric_limits<float>::infinity();
+      for (std::int64_t w_zeros : {1, 15, 40, 99, 100})
+        for (std::int64_t block : {std::int64_t{1}, std::int64_t{8}, std::int64_t{100}})
+          CHECK_MESSAGE(selected(zeros, w_zeros, block) == by_sort(zeros, w_zeros),
+                        kernel_isa_name(isa) << " w=" << w_zeros << " block=" << block);
     }
     force_kernel_isa(original);
   }

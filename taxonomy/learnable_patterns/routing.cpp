@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "lib/core/config_table.hpp"
+#include "lib/core/cpu_isa.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
@@ -40,6 +41,20 @@ namespace {
 
 std::int64_t local_head_count(const Problem& p, const RoutingConfig& c) { return c.local_heads ? p.heads / 2 : 0; }
 
+// Tokens per block of the affinity matrix: a block's [C, block] affinities stay in L2 between
+// their product and the selection (or argmax) that reads them.
+constexpr std::int64_t kAffinityBlock = 256;
+std::int64_t affinity_block(std::int64_t n) { return std::clamp<std::int64_t>(n, 1, kAffinityBlock); }
+
+// A non-causal cluster tile's products run on the tile kernels (keys packed into panels) on the
+// 512-bit kernels when D fits them, else on sgemm (measured at N = 8192, w = 91: the cluster
+// attention 4–5% faster on the 512-bit kernels, 13% slower on the 256-bit ones). The panel
+// buffer is sized whatever the kernel ISA, which can change after it exists (force_kernel_isa).
+bool cluster_tiles_on_kernels(std::int64_t d) { return tiles::fits_head_dim(d) && kernel_isa() == KernelIsa::Avx512; }
+std::int64_t cluster_panel_floats(std::int64_t w, std::int64_t d) {
+  return tiles::fits_head_dim(d) ? tiles::panels_for(w) * tiles::kPanel * d : 0;
+}
+
 // Columns of a local-attention tile (own + previous block) or of a cluster tile.
 std::int64_t score_cols(const Problem& p, const RoutingConfig& c) {
   const std::int64_t w = routing_window(p, c);
@@ -61,94 +76,93 @@ float inverse_norm(const float* x, std::int64_t d) {
   return squares > 0.0f ? 1.0f / std::sqrt(squares) : 0.0f;
 }
 
-// A top-w selection first keeps the positions at or above a threshold read off a strided sample of
-// kSelectionSample values: the sample's value of rank ⌈w·s/n⌉ + kSelectionMargin from the top, so
-// about w plus a margin pass. When fewer than w pass, the rank moves kSelectionMargin further down
-// and the filter runs again (a vector pass, cheap); past the sample every position is a candidate.
-// The sample's value of that rank comes from a short descending list of its largest values; the
-// w-th largest candidate by bisection over the values' order-preserving integer keys (from the
-// threshold's up to the largest), each step a branch-free count: no data-dependent branches,
-// unlike a partition-based select.
-constexpr std::int64_t kSelectionSample = 256;
-constexpr std::int64_t kSelectionMargin = 4;
-
-// Order-preserving map of floats (no NaN) to unsigned integers; −0 maps as +0 (x + 0 is +0 for
-// both), so equal values have equal keys.
-inline std::uint32_t order_key(float x) {
-  const auto bits = std::bit_cast<std::uint32_t>(x + 0.0f);
-  return bits ^ (static_cast<std::uint32_t>(static_cast<std::int32_t>(bits) >> 31) | 0x80000000u);
+// Order-preserving map of floats (no NaN) to int32 keys, its own inverse on the bits; −0 maps as
+// +0 (x + 0 is +0 for both), so equal values have equal keys.
+inline std::int32_t order_key(float x) {
+  const auto bits = std::bit_cast<std::int32_t>(x + 0.0f);
+  return bits ^ ((bits >> 31) & 0x7FFFFFFF);
 }
 
-std::int64_t count_at_least(const float* values, std::int64_t count, std::uint32_t key) {
+// The float of a key (a key past +inf's gives a NaN, which no compare passes).
+inline float key_value(std::int32_t key) { return std::bit_cast<float>(key ^ ((key >> 31) & 0x7FFFFFFF)); }
+
+std::int64_t count_at_least(const std::int32_t* keys, std::int64_t count, std::int32_t key) {
   std::int64_t at_least = 0;
 #pragma omp simd reduction(+ : at_least)
-  for (std::int64_t i = 0; i < count; ++i) at_least += order_key(values[i]) >= key ? 1 : 0;
+  for (std::int64_t i = 0; i < count; ++i) at_least += keys[i] >= key ? 1 : 0;
   return at_least;
-}
-
-// The key of the rank-th largest of values[0, count) (1 ≤ rank ≤ count): the largest key K with at
-// least `rank` values whose key is ≥ K. Bisection between `low` (≤ that key) and the largest key.
-std::uint32_t key_of_rank(const float* values, std::int64_t count, std::int64_t rank, std::uint32_t low) {
-  std::uint32_t high = low;  // the answer lies in [low, high]
-#pragma omp simd reduction(max : high)
-  for (std::int64_t i = 0; i < count; ++i) high = std::max(high, order_key(values[i]));
-  while (low < high) {
-    const std::uint32_t middle = low + (high - low) / 2 + 1;
-    if (count_at_least(values, count, middle) >= rank)
-      low = middle;
-    else
-      high = middle - 1;
-  }
-  return low;
-}
-
-// The rank-th largest of the sample (1 ≤ rank ≤ sample.size()): the largest values kept in
-// descending order, a value entering only when it beats the smallest of them (rarely, after the
-// first few).
-float sample_rank_value(const float* sample, std::int64_t size, std::int64_t rank) {
-  std::array<float, kSelectionSample> top{};
-  std::int64_t held = 0;
-  for (std::int64_t i = 0; i < size; ++i) {
-    const float x = sample[i];
-    if (held == rank && !(x > top[static_cast<std::size_t>(rank - 1)])) continue;
-    std::int64_t at = held < rank ? held++ : rank - 1;
-    for (; at > 0 && top[static_cast<std::size_t>(at - 1)] < x; --at)
-      top[static_cast<std::size_t>(at)] = top[static_cast<std::size_t>(at - 1)];
-    top[static_cast<std::size_t>(at)] = x;
-  }
-  return top[static_cast<std::size_t>(rank - 1)];
 }
 
 }  // namespace
 
-void routing_top_positions(const float* values, std::int64_t n, std::int64_t w, std::int32_t* candidates,
-                           float* kept, std::int32_t* members) {
-  std::array<float, kSelectionSample> sample{};
-  const std::int64_t samples = std::min(n, kSelectionSample), stride = n / samples;
-  for (std::int64_t i = 0; i < samples; ++i) sample[static_cast<std::size_t>(i)] = values[i * stride];
-  std::int64_t size = 0;
-  float threshold = -std::numeric_limits<float>::infinity();
-  for (std::int64_t rank = (w * samples + n - 1) / n + kSelectionMargin; size < w; rank += kSelectionMargin) {
-    if (rank > samples) {
-      threshold = -std::numeric_limits<float>::infinity();
-      std::iota(candidates, candidates + n, 0);
-      std::copy(values, values + n, kept);
-      size = n;
-      break;
+void TopPositions::reset(std::int64_t w, std::int32_t* positions, float* values, std::int32_t* scratch_indices,
+                         float* scratch_values) {
+  w_ = w;
+  positions_ = positions;
+  values_ = values;
+  scratch_indices_ = scratch_indices;
+  scratch_values_ = scratch_values;
+  count_ = 0;
+  least_ = std::numeric_limits<std::int32_t>::min();
+  bar_ = -std::numeric_limits<float>::infinity();
+}
+
+void TopPositions::add(const float* values, std::int64_t count, std::int64_t first) {
+  const std::int64_t added = tiles::positions_at_least(values, count, bar_, positions_ + count_, values_ + count_);
+#pragma omp simd
+  for (std::int64_t j = count_; j < count_ + added; ++j) positions_[j] += static_cast<std::int32_t>(first);
+  count_ += added;
+  if (count_ > w_ + kSlack) cut(w_ + kSlack / 2);
+}
+
+// Keeps between w and `keep` (≥ w) of the best of the list, in order, exactly w when keep = w:
+// bisection over the order keys for a key K with w ≤ #{keys ≥ K} ≤ keep (each step a branch-free
+// count), then every value at or above K by the vector filter; or, when more than `keep` values
+// equal the w-th largest K, those above it and the lowest positions equal to it. The bar rises past
+// K: a later value equal to K loses to the at least w kept at or above it.
+void TopPositions::cut(std::int64_t keep) {
+  std::int32_t* keys = scratch_indices_;
+  std::int64_t low = least_, high = least_, at_least = count_;  // count_ keys are ≥ least_
+#pragma omp simd reduction(max : high)
+  for (std::int64_t i = 0; i < count_; ++i) {
+    keys[i] = order_key(values_[i]);
+    high = std::max<std::int64_t>(high, keys[i]);
+  }
+  while (low < high && at_least > keep) {
+    const std::int64_t middle = low + (high - low) / 2 + 1;
+    const std::int64_t above = count_at_least(keys, count_, static_cast<std::int32_t>(middle));
+    if (above >= w_) {
+      low = middle;
+      at_least = above;
+    } else {
+      high = middle - 1;
     }
-    threshold = sample_rank_value(sample.data(), samples, rank);
-    size = tiles::positions_at_least(values, n, threshold, candidates, kept);
   }
-  // Members: candidates above the w-th largest key, then the lowest positions among those equal to it.
-  const std::uint32_t cut = key_of_rank(kept, size, w, order_key(threshold));
-  std::int64_t ties = w - count_at_least(kept, size, cut + 1), taken = 0;
-  for (std::int64_t j = 0; j < size && taken < w; ++j) {
-    const std::uint32_t key = order_key(kept[j]);
-    const bool take = key > cut || (key == cut && ties > 0);
-    members[taken] = candidates[j];
-    taken += take ? 1 : 0;
-    ties -= take && key == cut ? 1 : 0;
+  const auto cut = static_cast<std::int32_t>(low);
+  std::int64_t taken = 0;
+  if (at_least <= keep) {
+    taken = tiles::positions_at_least(values_, count_, key_value(cut), scratch_indices_, scratch_values_);
+    for (std::int64_t t = 0; t < taken; ++t) {
+      positions_[t] = positions_[scratch_indices_[t]];
+      values_[t] = scratch_values_[t];
+    }
+  } else {
+    for (std::int64_t ties = w_ - count_at_least(keys, count_, cut + 1), j = 0; j < count_; ++j) {
+      const bool take = keys[j] > cut || (keys[j] == cut && ties > 0);
+      positions_[taken] = positions_[j];
+      values_[taken] = values_[j];
+      taken += take ? 1 : 0;
+      ties -= take && keys[j] == cut ? 1 : 0;
+    }
   }
+  count_ = taken;
+  least_ = cut;
+  bar_ = key_value(cut + 1);
+}
+
+void TopPositions::finish(std::int32_t* members) {
+  if (count_ > w_) cut(w_);
+  std::copy(positions_, positions_ + count_, members);
 }
 
 namespace {
@@ -200,7 +214,7 @@ RoutingAttention::RoutingAttention(const Problem& problem, const RoutingConfig& 
       seed_(seed),
       clusters_(routing_clusters(problem, config)),
       window_(routing_window(problem, config)),
-      affinity_ld_(ops::padded_ld(problem.seq_len)),
+      affinity_ld_(ops::padded_ld(affinity_block(problem.seq_len))),
       score_ld_(ops::padded_ld(score_cols(problem, config))) {
   const std::int64_t local = local_head_count(problem, config);
   for (std::int64_t b = 0; b < problem.batch; ++b)
@@ -218,8 +232,8 @@ void RoutingAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
     float* mu = centroids_.data() + row * d;
     scale_row(mu, mu, inverse_norm(mu, d), d);
   }
-  affinity_ = Tensor(Shape{threads_, 2, cl, affinity_ld_});
-  selection_ = Tensor(Shape{threads_, 4, n});
+  affinity_ = Tensor(Shape{threads_, cl, affinity_ld_});
+  selection_ = Tensor(Shape{threads_, affinity_block(n)});
   candidates_ = IndexBuffer(threads_ * n);
   counts_ = IndexBuffer(threads_ * (cl + 1));
   fit_centroids();  // before the pattern buffers exist: its fitting rows are freed first
@@ -227,7 +241,12 @@ void RoutingAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   scores_ = Tensor(Shape{threads_, score_rows(p_, c_), score_ld_});
   row_stats_ = Tensor(Shape{threads_, 2, w});
   if (!p_.causal) {
+    const std::int64_t capacity = TopPositions::capacity(w, affinity_block(n), n);
+    top_values_ = Tensor(Shape{threads_, cl + 1, capacity});
+    top_positions_ = IndexBuffer(threads_ * (cl + 1) * capacity);
+    tops_.assign(static_cast<std::size_t>(threads_ * cl), TopPositions{});
     members_ = IndexBuffer(routed * 2 * cl * w);
+    panels_ = Tensor(Shape{threads_, cluster_panel_floats(w, d)});
     slot_start_ = IndexBuffer(routed * (n + 1));
     slots_ = IndexBuffer(routed * cl * w);
     cluster_out_ = Tensor(Shape{routed, cl * w, d});
@@ -253,8 +272,6 @@ void RoutingAttention::fit_centroids() {
 #pragma omp parallel num_threads(threads_)
   {
     const int thread = omp_get_thread_num();
-    float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-    float* best = selection_.data() + thread * 4 * n;
     std::int32_t* nearest = candidates_.data() + thread * n;
     float* fit = fit_rows.data() + thread * 2 * n * d;
     std::vector<float> sums(static_cast<std::size_t>(cl * d));
@@ -266,8 +283,7 @@ void RoutingAttention::fit_centroids() {
       for (std::int64_t pass = 0; pass < c_.kmeans_updates; ++pass) {
         std::fill(sums.begin(), sums.end(), 0.0f);
         for (const float* rows : {fit, fit + n * d}) {
-          ops::gemm(false, true, cl, n, d, 1.0f, mu, d, rows, d, 0.0f, affinity, affinity_ld_);
-          argmax_columns(affinity, cl, n, affinity_ld_, best, nearest);
+          assign_nearest(mu, rows, nearest, thread);
           for (std::int64_t i = 0; i < n; ++i) {
             const float scale = inverse_norm(rows + i * d, d);
             float* sum = sums.data() + nearest[i] * d;
@@ -454,35 +470,59 @@ void RoutingAttention::load_decode_context(const Tensor& k, const Tensor& v) {
   length_ = n;
 }
 
-// Affinities μ·qᵀ and μ·kᵀ ([C, N] each) of routed head r into the thread's buffer.
-void RoutingAttention::affinities(const Tensor& q, const Tensor& k, std::int64_t r, int thread) {
-  const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_;
-  const float* mu = centroids_.data() + (bh % p_.heads) * cl * d;
-  float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-  ops::gemm(false, true, cl, n, d, 1.0f, mu, d, q.data() + bh * n * d, d, 0.0f, affinity, affinity_ld_);
-  ops::gemm(false, true, cl, n, d, 1.0f, mu, d, k.data() + bh * n * d, d, 0.0f, affinity + cl * affinity_ld_,
-            affinity_ld_);
+// The affinities μ·xᵀ [C, cols] of rows x [cols, D] (cols ≤ the affinity block) into the thread's
+// block; 2·C·cols·D FLOPs (counted by the gemm).
+float* RoutingAttention::affinity_block_of(const float* mu, const float* rows, std::int64_t cols, int thread) {
+  const std::int64_t d = p_.head_dim, cl = clusters_;
+  float* affinity = affinity_.data() + thread * cl * affinity_ld_;
+  ops::gemm(false, true, cl, cols, d, 1.0f, mu, d, rows, d, 0.0f, affinity, affinity_ld_);
+  return affinity;
+}
+
+// nearest[i] = argmax_c μ_c·x_i of a head's N rows x, a block of tokens at a time.
+void RoutingAttention::assign_nearest(const float* mu, const float* rows, std::int32_t* nearest, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, block = affinity_block(n);
+  float* best = selection_.data() + thread * block;
+  for (std::int64_t first = 0; first < n; first += block) {
+    const std::int64_t cols = std::min(block, n - first);
+    const float* affinity = affinity_block_of(mu, rows + first * d, cols, thread);
+    argmax_columns(affinity, clusters_, cols, affinity_ld_, best, nearest + first);
+  }
 }
 
 // Balanced routing: each cluster takes its top-w queries and top-w keys by cosine affinity.
 std::int64_t RoutingAttention::route_balanced(const Tensor& q, const Tensor& k, std::int64_t r, int thread) {
   const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_, w = window_;
-  affinities(q, k, r, thread);
-  const float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-  float* inverse = selection_.data() + thread * 4 * n;  // [2, N] inverse norms, [N] values, [N] kept values
-  float* values = inverse + 2 * n;
-  std::int32_t* candidates = candidates_.data() + thread * n;
-  for (std::int64_t i = 0; i < n; ++i) {
-    inverse[i] = inverse_norm(q.data() + (bh * n + i) * d, d);
-    inverse[n + i] = inverse_norm(k.data() + (bh * n + i) * d, d);
-  }
-  for (std::int64_t role = 0; role < 2; ++role)
-    for (std::int64_t c = 0; c < cl; ++c) {
-      const float* row = affinity + (role * cl + c) * affinity_ld_;
+  const std::int64_t block = affinity_block(n), capacity = TopPositions::capacity(w, block, n);
+  const float* mu = centroids_.data() + (bh % p_.heads) * cl * d;
+  float* inverse = selection_.data() + thread * block;
+  std::int32_t* positions = top_positions_.data() + thread * (cl + 1) * capacity;  // cluster c's, then scratch
+  float* values = top_values_.data() + thread * (cl + 1) * capacity;
+  TopPositions* tops = tops_.data() + thread * cl;
+  for (std::int64_t role = 0; role < 2; ++role) {
+    const float* rows = (role == 0 ? q : k).data() + bh * n * d;
+    for (std::int64_t c = 0; c < cl; ++c)
+      tops[c].reset(w, positions + c * capacity, values + c * capacity, positions + cl * capacity,
+                    values + cl * capacity);
+    for (std::int64_t first = 0; first < n; first += block) {
+      const std::int64_t cols = std::min(block, n - first);
+      for (std::int64_t i = 0; i < cols; ++i) inverse[i] = inverse_norm(rows + (first + i) * d, d);
+      float* affinity = affinity_block_of(mu, rows + first * d, cols, thread);
+      // The next block's rows are requested while this block's selections run (they would
+      // otherwise stream from memory at the next block's start, both threads at once).
+      const float* ahead = rows + (first + cols) * d;
+      const std::int64_t ahead_lines = std::min(block, n - first - cols) * d / 16;
+      for (std::int64_t c = 0; c < cl; ++c) {
+        for (std::int64_t line = c * ahead_lines / cl; line < (c + 1) * ahead_lines / cl; ++line)
+          __builtin_prefetch(ahead + line * 16);
+        float* row = affinity + c * affinity_ld_;
 #pragma omp simd
-      for (std::int64_t i = 0; i < n; ++i) values[i] = row[i] * inverse[role * n + i];
-      routing_top_positions(values, n, w, candidates, values + n, members_.data() + ((r * 2 + role) * cl + c) * w);
+        for (std::int64_t i = 0; i < cols; ++i) row[i] *= inverse[i];
+        tops[c].add(row, cols, first);
+      }
     }
+    for (std::int64_t c = 0; c < cl; ++c) tops[c].finish(members_.data() + ((r * 2 + role) * cl + c) * w);
+  }
   // Slot lists: for every query, the (cluster · w + slot) entries that took it, in cluster order.
   std::int32_t* start = slot_start_.data() + r * (n + 1);
   std::int32_t* slots = slots_.data() + r * cl * w;
@@ -490,6 +530,7 @@ std::int64_t RoutingAttention::route_balanced(const Tensor& q, const Tensor& k, 
   std::fill(start, start + n + 1, 0);
   for (std::int64_t e = 0; e < cl * w; ++e) ++start[taken[e] + 1];
   std::partial_sum(start, start + n + 1, start);
+  std::int32_t* candidates = candidates_.data() + thread * n;
   std::copy(start, start + n, candidates);
   for (std::int64_t e = 0; e < cl * w; ++e) slots[candidates[taken[e]]++] = static_cast<std::int32_t>(e);
   return 4 * n * d + 2 * cl * n;
@@ -507,14 +548,27 @@ std::int64_t RoutingAttention::attend_cluster(const Tensor& q, const Tensor& k, 
   gather_token_rows(k.data() + bh * n * d, key_ids, w, d, k_rows);
   gather_token_rows(v.data() + bh * n * d, key_ids, w, d, v_rows);
   float* scores = scores_.data() + thread * score_rows(p_, c_) * score_ld_;
-  ops::gemm(false, true, w, w, d, 1.0f / std::sqrt(static_cast<float>(d)), q_rows, d, k_rows, d, 0.0f, scores,
-            score_ld_);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const bool kernels = cluster_tiles_on_kernels(d);
+  if (kernels) {
+    float* panels = panels_.data() + thread * cluster_panel_floats(w, d);
+    tiles::pack_key_panels(k_rows, d, w, d, panels);
+    tiles::scores(q_rows, d, w, panels, tiles::panels_for(w), d, scale, scores, score_ld_);
+    FlopCounter::add(matmul_flops(w, w, d));
+  } else {
+    ops::gemm(false, true, w, w, d, scale, q_rows, d, k_rows, d, 0.0f, scores, score_ld_);
+  }
   float* lse = cluster_lse_.data() + (r * cl + cluster) * w;
   float* inverse = row_stats_.data() + thread * 2 * w;
   std::int64_t flops =
       exp_rows_masked(scores, w, w, score_ld_, [](std::int64_t, std::int64_t) { return true; }, lse, inverse);
   float* o = cluster_out_.data() + (r * cl + cluster) * w * d;
-  ops::gemm(false, false, w, d, w, 1.0f, scores, score_ld_, v_rows, d, 0.0f, o, d);
+  if (kernels) {
+    std::fill(o, o + w * d, 0.0f);
+    tiles::pv_product(scores, score_ld_, w, w, v_rows, d, d, 1.0f, o, d);
+  } else {
+    ops::gemm(false, false, w, d, w, 1.0f, scores, score_ld_, v_rows, d, 0.0f, o, d);
+  }
   for (std::int64_t s = 0; s < w; ++s) scale_row(o + s * d, o + s * d, inverse[s], d);
   return flops + w * d;
 }
@@ -553,13 +607,11 @@ std::int64_t RoutingAttention::merge_clusters(std::int64_t r, std::int64_t token
 std::int64_t RoutingAttention::route_nearest(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t r,
                                              int thread) {
   const std::int64_t bh = routed_heads_[r], n = p_.seq_len, d = p_.head_dim, cl = clusters_;
-  affinities(q, k, r, thread);
-  const float* affinity = affinity_.data() + thread * 2 * cl * affinity_ld_;
-  float* best = selection_.data() + thread * 4 * n;
+  const float* mu = centroids_.data() + (bh % p_.heads) * cl * d;
   std::int32_t* query_cluster = token_clusters_.data() + r * 2 * n;
   std::int32_t* key_cluster = query_cluster + n;
-  argmax_columns(affinity, cl, n, affinity_ld_, best, query_cluster);
-  argmax_columns(affinity + cl * affinity_ld_, cl, n, affinity_ld_, best, key_cluster);
+  assign_nearest(mu, q.data() + bh * n * d, query_cluster, thread);
+  assign_nearest(mu, k.data() + bh * n * d, key_cluster, thread);
   std::int32_t* start = cluster_start_.data() + r * (cl + 1);
   std::int32_t* next = counts_.data() + thread * (cl + 1);
   std::int32_t* order = key_order_.data() + r * n;
@@ -839,15 +891,12 @@ std::int64_t RoutingAttention::update_centroids(const Tensor& q, const Tensor& k
   std::int64_t flops = 0;
   for (std::int64_t b = 0; b < p_.batch; ++b) {
     const std::int64_t r = b * routed_per_batch + (h - local), bh = routed_heads_[r];
-    if (!p_.causal) affinities(q, k, r, thread);
     for (std::int64_t role = 0; role < 2; ++role) {
       // Causal: the clusters the forward saved; non-causal: the argmax of fresh affinities.
-      std::int32_t* assigned = candidates_.data() + thread * n;
-      if (!p_.causal)
-        argmax_columns(affinity_.data() + (thread * 2 + role) * cl * affinity_ld_, cl, n, affinity_ld_,
-                       selection_.data() + thread * 4 * n, assigned);
-      const std::int32_t* nearest = p_.causal ? token_clusters_.data() + (r * 2 + role) * n : assigned;
       const float* rows = (role == 0 ? q : k).data() + bh * n * d;
+      std::int32_t* assigned = candidates_.data() + thread * n;
+      if (!p_.causal) assign_nearest(mu, rows, assigned, thread);
+      const std::int32_t* nearest = p_.causal ? token_clusters_.data() + (r * 2 + role) * n : assigned;
       for (std::int64_t i = 0; i < n; ++i) {
         const float factor = inverse_norm(rows + i * d, d);
         float* sum = sums + nearest[i] * d;
@@ -894,13 +943,16 @@ struct ForwardElements {
 ForwardElements forward_elements(const Problem& p, const RoutingConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
   const std::int64_t threads = p.threads, routed = p.batch * (p.heads - local_head_count(p, c));
-  const std::int64_t kept = p.heads * cl * d + threads * (2 * cl * ops::padded_ld(n) + 4 * n + n + cl + 1);
+  const std::int64_t block = affinity_block(n);
+  const std::int64_t kept = p.heads * cl * d + threads * (cl * ops::padded_ld(block) + block + n + cl + 1);
   const std::int64_t fitting = c.kmeans_updates > 0 ? threads * 2 * n * d : 0;
   std::int64_t after = threads * ((p.causal ? 1 : 3 * w) * d + score_rows(p, c) * ops::padded_ld(score_cols(p, c)) + 2 * w);
   if (p.causal)
     after += routed * (5 * n + cl + 1) + routed * 2 * n * d;
   else
-    after += routed * (3 * cl * w + n + 1) + routed * cl * w * (d + 1);
+    after += threads * (2 * (cl + 1) * TopPositions::capacity(w, block, n) + cluster_panel_floats(w, d)) +
+             routed * (3 * cl * w + n + 1) +
+             routed * cl * w * (d + 1);
   return {kept, fitting, after};
 }
 

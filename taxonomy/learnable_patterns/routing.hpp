@@ -29,8 +29,12 @@
 //               scale q, w scores, masked softmax, w-row weighted sum, 1/Σ).
 // Top-k selection and sorting are comparisons, not counted. Local heads: per block of `rows`
 // queries and `cols` keys 4·rows·cols·D + 4·rows·cols + rows·D.
-// Tracked workspace: per thread affinities [2, C, N] and selection scratch; while fitting (before
-// the pattern buffers exist) per thread fitting rows [2, N, D]; non-causal int32
+// The affinities are computed a block of 256 tokens at a time ([C, 256], in L2) and consumed at once
+// by the selection (TopPositions) or the argmax: the [C, N] matrix is never held.
+// Tracked workspace: per thread an affinity block, token lists [N] and selection scratch; while
+// fitting (before the pattern buffers exist) per thread fitting rows [2, N, D]; non-causal
+// per thread candidate lists [C + 1, min(N, w + 128 + 256)] (int32 positions and values) and, when D is a
+// multiple of 16, a cluster tile's key panels [⌈w/16⌉·16, D] (the 512-bit kernels' path), int32
 // memberships [B·H, 2, C, w], slot lists, per-cluster outputs [B·H, C·w, D + 1]; causal int32
 // clusters/orders [B·H, 5, N] and key-sorted copies of Kᵀ [B·H, D, N] and V [B·H, N, D].
 //
@@ -71,12 +75,37 @@ struct RoutingConfig {
 std::int64_t routing_clusters(const Problem& p, const RoutingConfig& c);  // C used for a problem
 std::int64_t routing_window(const Problem& p, const RoutingConfig& c);    // w = ⌈N / C⌉
 
-// Balanced routing's selection: members = the w ≤ n positions of largest value (ties: lower
-// position first), ascending; values hold no NaN. candidates (n ints) and kept (n floats) are
-// scratch. Positions at or above a threshold read off a strided sample are ranked exactly (every
-// position when the sample cannot give a threshold that w pass).
-void routing_top_positions(const float* values, std::int64_t n, std::int64_t w, std::int32_t* candidates,
-                           float* kept, std::int32_t* members);
+// Balanced routing's selection of one cluster, streamed: the w positions of largest value (ties:
+// lower position first), ascending, over values that arrive in blocks of ascending positions (the
+// affinity matrix is computed a block of tokens at a time and never held whole). A block's values
+// at or above the bar join the candidate list (tiles::positions_at_least); when the list holds
+// more than w + kSlack it is cut to between w and w + kSlack/2 of its best and the bar rises past
+// the cut (a later value equal to it loses to the at least w kept); the last cut is exact. Values
+// hold no NaN. Each of the caller's buffers holds capacity(w, largest block, positions in all)
+// entries (the list never holds more than w + kSlack before a block, nor more positions than there
+// are); the scratch pair may be shared by lists used one at a time.
+class TopPositions {
+ public:
+  static constexpr std::int64_t kSlack = 128;
+  static std::int64_t capacity(std::int64_t w, std::int64_t block, std::int64_t n) {
+    return n < w + kSlack + block ? n : w + kSlack + block;
+  }
+
+  void reset(std::int64_t w, std::int32_t* positions, float* values, std::int32_t* scratch_indices,
+             float* scratch_values);
+  // values[j] is the value of position first + j (j < count); first is past every earlier block.
+  void add(const float* values, std::int64_t count, std::int64_t first);
+  // The min(w, positions seen) members, ascending.
+  void finish(std::int32_t* members);
+
+ private:
+  void cut(std::int64_t keep);
+  std::int64_t w_ = 0, count_ = 0;
+  std::int32_t *positions_ = nullptr, *scratch_indices_ = nullptr;
+  float *values_ = nullptr, *scratch_values_ = nullptr;
+  std::int32_t least_ = 0;  // every listed key is at least this
+  float bar_ = 0.0f;        // values below it cannot be members
+};
 
 class RoutingAttention final : public Mechanism {
  public:
@@ -129,7 +158,8 @@ class RoutingAttention final : public Mechanism {
 
  private:
   void fit_centroids();
-  void affinities(const Tensor& q, const Tensor& k, std::int64_t head, int thread);
+  float* affinity_block_of(const float* mu, const float* rows, std::int64_t cols, int thread);
+  void assign_nearest(const float* mu, const float* rows, std::int32_t* nearest, int thread);
   std::int64_t route_balanced(const Tensor& q, const Tensor& k, std::int64_t head, int thread);
   std::int64_t attend_cluster(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head,
                               std::int64_t cluster, int thread);
@@ -154,9 +184,12 @@ class RoutingAttention final : public Mechanism {
   std::int64_t clusters_, window_, affinity_ld_, score_ld_, threads_ = 1;
   std::vector<std::int64_t> routed_heads_, local_heads_;
   Tensor centroids_;
-  // Per thread: affinities [2, C, ld], norms and selection values [3, N], gathered rows, scores, row stats.
-  Tensor affinity_, selection_, gathered_, scores_, row_stats_;
-  IndexBuffer candidates_, counts_;
+  // Per thread: a block of affinities [C, ld], its inverse norms or argmax values [block], gathered
+  // rows, scores, row stats; token lists [N] and cluster counts [C + 1]; non-causal: each cluster's
+  // selection (TopPositions, candidate positions and values [C + 1, capacity], the last its scratch).
+  Tensor affinity_, selection_, gathered_, scores_, row_stats_, top_values_, panels_;
+  IndexBuffer candidates_, counts_, top_positions_;
+  std::vector<TopPositions> tops_;
   // Non-causal pattern and per-cluster results.
   IndexBuffer members_, slot_start_, slots_;
   Tensor cluster_out_, cluster_lse_;
