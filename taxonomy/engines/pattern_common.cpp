@@ -1,9 +1,14 @@
 #include "taxonomy/engines/pattern_common.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
+#include "lib/core/cpu_isa.hpp"
+#include "lib/core/flop_counter.hpp"
 #include "lib/core/memory_tracker.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/tile_kernels.hpp"
 
 namespace xfb {
 
@@ -59,6 +64,35 @@ std::int64_t gathered_tile_backward(const GatheredTile& t, float scale, float* s
   ops::gemm(false, false, t.rows, t.d, t.cols, scale, grads, t.ld, t.k, t.d, 0.0f, dq, t.d);
   ops::gemm(true, false, t.cols, t.d, t.rows, scale, grads, t.ld, t.q, t.d, 0.0f, dk, t.d);
   return kRecomputedSoftmaxBackwardFlopsPerElement * t.rows * t.cols;
+}
+
+bool tile_products_on_kernels(std::int64_t d) {
+  return tiles::fits_head_dim(d) && kernel_isa() == KernelIsa::Avx512;
+}
+
+std::int64_t tile_panel_floats(std::int64_t cols, std::int64_t d) {
+  return tiles::fits_head_dim(d) ? tiles::panels_for(cols) * tiles::kPanel * d : 0;
+}
+
+void tile_scores(const float* q, std::int64_t rows, const float* k, std::int64_t cols, std::int64_t d, float alpha,
+                 float* panels, float* s, std::int64_t lds) {
+  if (!tile_products_on_kernels(d)) {
+    ops::gemm(false, true, rows, cols, d, alpha, q, d, k, d, 0.0f, s, lds);
+    return;
+  }
+  tiles::pack_key_panels(k, d, cols, d, panels);
+  tiles::scores(q, d, rows, panels, tiles::panels_for(cols), d, alpha, s, lds);
+  FlopCounter::add(matmul_flops(rows, cols, d));
+}
+
+void tile_values(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* v, std::int64_t d,
+                 float* out) {
+  if (!tile_products_on_kernels(d)) {
+    ops::gemm(false, false, rows, d, cols, 1.0f, p, ldp, v, d, 0.0f, out, d);
+    return;
+  }
+  std::fill(out, out + rows * d, 0.0f);
+  tiles::pv_product(p, ldp, rows, cols, v, d, d, 1.0f, out, d);
 }
 
 }  // namespace xfb

@@ -79,6 +79,7 @@ void ReformerAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   gathered_ = Tensor(Shape{threads_, chunk_ + 2 * key_cols_, d});
   scores_ = Tensor(Shape{threads_, chunk_, score_ld_});
   tile_out_ = Tensor(Shape{threads_, chunk_, d});
+  panels_ = Tensor(Shape{threads_, tile_panel_floats(key_cols_, d)});
   row_stats_ = Tensor(Shape{threads_, 2, chunk_});
   held_rows_.assign(static_cast<std::size_t>(threads_), HeldRows{});
 }
@@ -385,7 +386,7 @@ std::int64_t ReformerAttention::keep_held_rows(std::int64_t round, std::int64_t 
 
 // Gathers the chunk's query rows and candidate key and value rows into the thread's tile, computes
 // the scores (discounted with several rounds) and sets pairs the round does not show to −inf.
-// Returns the elementwise FLOPs (the own keys' scaling, the discount); ops::gemm counts the product.
+// Returns the elementwise FLOPs (the own keys' scaling, the discount); tile_scores counts the product.
 std::int64_t ReformerAttention::chunk_scores(std::int64_t round, std::int64_t head, const ChunkRange& c,
                                              const Tensor& q, const Tensor& v, int thread) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, m = chunk_;
@@ -410,8 +411,8 @@ std::int64_t ReformerAttention::chunk_scores(std::int64_t round, std::int64_t he
   for (std::int64_t r = 0; r < c.rows; ++r)
     scale_row(k_rows + (own_rows + r) * d, q_rows + r * d, inverse_norms[order[c.q0 + r]], d);
   float* scores = scores_.data() + thread * m * score_ld_;
-  ops::gemm(false, true, c.rows, c.cols, d, 1.0f / std::sqrt(static_cast<float>(d)), q_rows, d, k_rows, d, 0.0f,
-            scores, score_ld_);
+  tile_scores(q_rows, c.rows, k_rows, c.cols, d, 1.0f / std::sqrt(static_cast<float>(d)),
+              panels_.data() + thread * tile_panel_floats(key_cols_, d), scores, score_ld_);
   const std::int64_t flops = c.rows * d + (c_.n_rounds > 1 ? discount_repeats(head, order, c.q0, c.rows, c.k0,
                                                                                    c.cols, scores) : 0);
 
@@ -451,7 +452,7 @@ std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t he
                            inverse);
   const float* v_rows = gathered_.data() + thread * (m + 2 * key_cols_) * d + (m + key_cols_) * d;
   float* o = tile_out_.data() + thread * m * d;
-  ops::gemm(false, false, c.rows, d, c.cols, 1.0f, scores, score_ld_, v_rows, d, 0.0f, o, d);
+  tile_values(scores, score_ld_, c.rows, c.cols, v_rows, d, o);
 
   float* out_head = out.data() + head * n * d;
   float* running = running_lse_.data() + head * n;
@@ -599,7 +600,8 @@ std::int64_t workspace(const Problem& p, const ReformerConfig& c) {
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c);
   const std::int64_t half = c.n_buckets / 2, threads = p.threads, kc = max_key_cols(p, m);
   const std::int64_t floats = half * d * c.n_rounds + heads * n * (d + c.n_rounds * half + 2) +
-                              threads * ((m + 2 * kc) * d + m * ops::padded_ld(kc) + m * d + 2 * m);
+                              threads * ((m + 2 * kc) * d + m * ops::padded_ld(kc) + m * d + 2 * m +
+                                         tile_panel_floats(kc, d));
   // buckets, orders, sorted buckets, ranks (and token positions with several rounds) per round.
   const std::int64_t ints = heads * n * c.n_rounds * (c.n_rounds > 1 ? 5 : 4) + threads * c.n_buckets;
   return 4 * (floats + ints);

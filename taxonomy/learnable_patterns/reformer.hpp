@@ -33,7 +33,8 @@
 // Tracked workspace: k̂ [B·H·N, D], 1/‖q‖ [B·H·N], rotated [B·H·N, n_rounds·n_buckets/2], int32
 // buckets, orders, sorted buckets and ranks [n_rounds, B·H, N] (and token positions when
 // n_rounds > 1), running lse [B·H·N], and per thread one tile: gathered rows [m + 2·kc, D]
-// (kc = 2m, or 3m causal), scores [m, kc], output [m, D].
+// (kc = 2m, or 3m causal), scores [m, kc], output [m, D] and, when D is a multiple of 16, the
+// tile's key panels [⌈kc/16⌉·16, D] (its products on the 512-bit kernels, engines/pattern_common.hpp).
 // Threads claim runs of consecutive chunks; a tile keeps the candidate rows it shares with the
 // thread's previous tile, so each chunk gathers only its own query and value rows (its keys are
 // those queries scaled by 1/‖q‖).
@@ -149,7 +150,7 @@ class ReformerAttention final : public Mechanism {
   // Per round and head: buckets (token order), sort order, buckets and in-bucket ranks (sorted
   // order), token → sorted position (several rounds only).
   IndexBuffer buckets_, orders_, sorted_buckets_, ranks_, positions_, bucket_counts_;
-  Tensor gathered_, scores_, tile_out_, row_stats_;
+  Tensor gathered_, scores_, tile_out_, row_stats_, panels_;
   // Per thread: the round, head and sorted positions [begin, end) of the key and value rows its
   // gathered tile holds (head −1: none; reset by every forward and backward, whose inputs may differ).
   struct HeldRows {

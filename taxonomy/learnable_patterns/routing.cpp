@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "lib/core/config_table.hpp"
-#include "lib/core/cpu_isa.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
@@ -45,15 +44,6 @@ std::int64_t local_head_count(const Problem& p, const RoutingConfig& c) { return
 // their product and the selection (or argmax) that reads them.
 constexpr std::int64_t kAffinityBlock = 256;
 std::int64_t affinity_block(std::int64_t n) { return std::clamp<std::int64_t>(n, 1, kAffinityBlock); }
-
-// A non-causal cluster tile's products run on the tile kernels (keys packed into panels) on the
-// 512-bit kernels when D fits them, else on sgemm (measured at N = 8192, w = 91: the cluster
-// attention 4–5% faster on the 512-bit kernels, 13% slower on the 256-bit ones). The panel
-// buffer is sized whatever the kernel ISA, which can change after it exists (force_kernel_isa).
-bool cluster_tiles_on_kernels(std::int64_t d) { return tiles::fits_head_dim(d) && kernel_isa() == KernelIsa::Avx512; }
-std::int64_t cluster_panel_floats(std::int64_t w, std::int64_t d) {
-  return tiles::fits_head_dim(d) ? tiles::panels_for(w) * tiles::kPanel * d : 0;
-}
 
 // Columns of a local-attention tile (own + previous block) or of a cluster tile.
 std::int64_t score_cols(const Problem& p, const RoutingConfig& c) {
@@ -246,7 +236,7 @@ void RoutingAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
     top_positions_ = IndexBuffer(threads_ * (cl + 1) * capacity);
     tops_.assign(static_cast<std::size_t>(threads_ * cl), TopPositions{});
     members_ = IndexBuffer(routed * 2 * cl * w);
-    panels_ = Tensor(Shape{threads_, cluster_panel_floats(w, d)});
+    panels_ = Tensor(Shape{threads_, tile_panel_floats(w, d)});
     slot_start_ = IndexBuffer(routed * (n + 1));
     slots_ = IndexBuffer(routed * cl * w);
     cluster_out_ = Tensor(Shape{routed, cl * w, d});
@@ -548,27 +538,14 @@ std::int64_t RoutingAttention::attend_cluster(const Tensor& q, const Tensor& k, 
   gather_token_rows(k.data() + bh * n * d, key_ids, w, d, k_rows);
   gather_token_rows(v.data() + bh * n * d, key_ids, w, d, v_rows);
   float* scores = scores_.data() + thread * score_rows(p_, c_) * score_ld_;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const bool kernels = cluster_tiles_on_kernels(d);
-  if (kernels) {
-    float* panels = panels_.data() + thread * cluster_panel_floats(w, d);
-    tiles::pack_key_panels(k_rows, d, w, d, panels);
-    tiles::scores(q_rows, d, w, panels, tiles::panels_for(w), d, scale, scores, score_ld_);
-    FlopCounter::add(matmul_flops(w, w, d));
-  } else {
-    ops::gemm(false, true, w, w, d, scale, q_rows, d, k_rows, d, 0.0f, scores, score_ld_);
-  }
+  tile_scores(q_rows, w, k_rows, w, d, 1.0f / std::sqrt(static_cast<float>(d)),
+              panels_.data() + thread * tile_panel_floats(w, d), scores, score_ld_);
   float* lse = cluster_lse_.data() + (r * cl + cluster) * w;
   float* inverse = row_stats_.data() + thread * 2 * w;
   std::int64_t flops =
       exp_rows_masked(scores, w, w, score_ld_, [](std::int64_t, std::int64_t) { return true; }, lse, inverse);
   float* o = cluster_out_.data() + (r * cl + cluster) * w * d;
-  if (kernels) {
-    std::fill(o, o + w * d, 0.0f);
-    tiles::pv_product(scores, score_ld_, w, w, v_rows, d, d, 1.0f, o, d);
-  } else {
-    ops::gemm(false, false, w, d, w, 1.0f, scores, score_ld_, v_rows, d, 0.0f, o, d);
-  }
+  tile_values(scores, score_ld_, w, w, v_rows, d, o);
   for (std::int64_t s = 0; s < w; ++s) scale_row(o + s * d, o + s * d, inverse[s], d);
   return flops + w * d;
 }
@@ -950,7 +927,7 @@ ForwardElements forward_elements(const Problem& p, const RoutingConfig& c) {
   if (p.causal)
     after += routed * (5 * n + cl + 1) + routed * 2 * n * d;
   else
-    after += threads * (2 * (cl + 1) * TopPositions::capacity(w, block, n) + cluster_panel_floats(w, d)) +
+    after += threads * (2 * (cl + 1) * TopPositions::capacity(w, block, n) + tile_panel_floats(w, d)) +
              routed * (3 * cl * w + n + 1) +
              routed * cl * w * (d + 1);
   return {kept, fitting, after};

@@ -186,7 +186,8 @@ class RoutingAttention final : public Mechanism {
   Tensor centroids_;
   // Per thread: a block of affinities [C, ld], its inverse norms or argmax values [block], gathered
   // rows, scores, row stats; token lists [N] and cluster counts [C + 1]; non-causal: each cluster's
-  // selection (TopPositions, candidate positions and values [C + 1, capacity], the last its scratch).
+  // selection (TopPositions, candidate positions and values [C + 1, capacity], the last its scratch)
+  // and a cluster tile's key panels (tile_scores).
   Tensor affinity_, selection_, gathered_, scores_, row_stats_, top_values_, panels_;
   IndexBuffer candidates_, counts_, top_positions_;
   std::vector<TopPositions> tops_;
