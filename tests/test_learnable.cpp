@@ -474,16 +474,25 @@ PointConfig counter_point(const std::string& model, std::int64_t n, bool causal 
 
 TEST_SUITE("learnable") {
   TEST_CASE("reformer equals its naive LSH attention at, below and above the chunk length") {
-    for (bool causal : {false, true}) {
-      for (std::int64_t n : {1, 7, 8, 9, 16, 17, 23, 24, 25, 100}) {
-        const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
-        check_reformer(p, {"chunk_len=8", "n_buckets=4"}, 4, 1);
-      }
-      for (std::int64_t n : {63, 64, 65, 129, 300}) {
-        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
-        check_reformer(p, {}, 10, 1);
+    // Every kernel path (chunk tiles on the 512-bit kernels or on sgemm); D = 12 is sgemm throughout.
+    const KernelIsa original = kernel_isa();
+    for (KernelIsa isa : supported_kernel_isas()) {
+      force_kernel_isa(isa);
+      CAPTURE(kernel_isa_name(isa));
+      for (bool causal : {false, true}) {
+        for (std::int64_t n : {1, 7, 8, 9, 16, 17, 23, 24, 25, 100}) {
+          const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
+          check_reformer(p, {"chunk_len=8", "n_buckets=4"}, 4, 1);
+        }
+        for (std::int64_t n : {63, 64, 65, 129, 300}) {
+          const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
+          check_reformer(p, {}, 10, 1);
+        }
+        const Problem odd{.batch = 1, .heads = 2, .seq_len = 50, .head_dim = 12, .causal = causal};
+        check_reformer(odd, {"chunk_len=8", "n_buckets=4"}, 4, 1);
       }
     }
+    force_kernel_isa(original);
   }
 
   TEST_CASE("multi-round reformer equals softmax over the union of its rounds' keys, computed naively") {
