@@ -64,7 +64,7 @@ class IndexBuffer {
 
 // The two products of a gathered tile, whose query, key and value rows were copied contiguous
 // ([count, D], row stride D):
-//   tile_scores: S = alpha·Q·Kᵀ, [rows, cols] with row stride lds ≥ tile_score_columns(cols, D);
+//   tile_scores: S = alpha·Q·Kᵀ, [rows, cols] with row stride lds ≥ ⌈cols/16⌉·16;
 //   tile_values: O = P·V, [rows, D] overwritten (P [rows, cols] with row stride ldp).
 // On the 512-bit tile kernels when D is a multiple of 16 (K packed into `panels`, which holds
 // tile_panel_floats(cols, D) floats; the scores of the last panel's padding columns are computed
