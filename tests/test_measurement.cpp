@@ -80,6 +80,27 @@ TEST_SUITE("measurement") {
     CHECK(is_descheduled(1e6, s, false));  // fallback without schedstat
   }
 
+  TEST_CASE("child runs settle after a child that used gigabytes, in proportion, up to a limit") {
+    CHECK(settle_seconds(0) == 0);
+    CHECK(settle_seconds(kSettleAfterBytes - 1) == 0);
+    CHECK(settle_seconds(kSettleAfterBytes) == doctest::Approx(kSettleSecondsPerGiB));
+    CHECK(settle_seconds(std::int64_t{8} << 30) == doctest::Approx(8 * kSettleSecondsPerGiB));
+    CHECK(settle_seconds(std::int64_t{1} << 40) == kSettleMaxS);
+    CHECK(settle_after(kSettleAfterBytes - 1) == 0);  // returns at once
+  }
+
+  TEST_CASE("a sample is descheduled when the hypervisor stole CPU time past the same limits") {
+    SampleContention s;  // no run-queue wait, no switch: only steal
+    s.steal_ns = 10e6;   // one 10 ms tick
+    CHECK(is_descheduled(20e6, s, true));
+    CHECK(is_descheduled(20e6, s, false));               // whatever the run-queue source
+    CHECK_FALSE(is_descheduled(10e6 / kWaitFraction * 1.01, s, true));  // < fraction of a long sample
+    s.steal_ns = 0.9 * kWaitFloorNs;
+    CHECK_FALSE(is_descheduled(1e3, s, true));  // under the floor
+    s.steal_ns = 0;
+    CHECK_FALSE(is_descheduled(20e6, s, true));
+  }
+
   TEST_CASE("the collector keeps descheduled samples apart and re-measures them") {
     const TimingSettings settings{.warmup = 1, .min_reps = 3, .min_time_s = 0, .max_reps = 100};
     SampleCollector collector(settings);

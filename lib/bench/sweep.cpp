@@ -12,6 +12,7 @@
 
 #include "lib/bench/child_process.hpp"
 #include "lib/bench/system_info.hpp"
+#include "lib/core/contention.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
 #include "taxonomy/registry.hpp"
@@ -170,6 +171,10 @@ std::vector<Point> points_of_shard(const std::vector<Point>& points, int index, 
 }  // namespace
 
 ResultRow run_point_in_child(const Point& point, double timeout_s, const std::string& program) {
+  // After a child that used gigabytes, the host's reclaim of that memory steals CPU time for
+  // seconds (contention.hpp): the next child starts after it.
+  static std::int64_t previous_peak_rss = 0;
+  settle_after(previous_peak_rss);
   ResultRow row = describe_point(point);
   auto args = run_arguments(point);
   args.push_back("--json");
@@ -191,6 +196,7 @@ ResultRow run_point_in_child(const Point& point, double timeout_s, const std::st
     }
   }
   row.peak_rss_bytes = std::max(row.peak_rss_bytes, child.peak_rss_bytes);
+  previous_peak_rss = row.peak_rss_bytes;
   return row;
 }
 

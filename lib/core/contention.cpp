@@ -6,6 +6,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -60,8 +62,10 @@ std::vector<int> open_task_schedstats() {
 }  // namespace
 
 bool is_descheduled(double wall_ns, const SampleContention& sample, bool schedstat_available) {
+  const double tolerated = std::max(kWaitFloorNs, kWaitFraction * wall_ns);
+  if (sample.steal_ns > tolerated) return true;
   if (!schedstat_available) return sample.involuntary_switches > 0;
-  return sample.wait_ns > std::max(kWaitFloorNs, kWaitFraction * wall_ns);
+  return sample.wait_ns > tolerated;
 }
 
 ContentionProbe::ContentionProbe()
@@ -91,6 +95,7 @@ ContentionProbe::Snapshot ContentionProbe::snapshot() const {
                     &field[4], &field[5], &field[6], &field[7]) == 8) {
       const unsigned long long busy = field[0] + field[1] + field[2] + field[5] + field[6] + field[7];
       s.other_busy_ns = ticks_to_ns(busy);
+      s.steal_ns = ticks_to_ns(field[7]);
     }
   }
   if (self_stat_fd_ >= 0 && read_proc(self_stat_fd_, buffer, sizeof buffer) > 0) {
@@ -118,8 +123,20 @@ SampleContention ContentionProbe::stop(double wall_ns) {
   sample.wait_ns = end.wait_ns - begin_.wait_ns;
   sample.involuntary_switches = end.involuntary_switches - begin_.involuntary_switches;
   sample.other_busy_ns = end.other_busy_ns - begin_.other_busy_ns;
+  sample.steal_ns = end.steal_ns - begin_.steal_ns;
   sample.descheduled = is_descheduled(wall_ns, sample, schedstat_available());
   return sample;
+}
+
+double settle_seconds(std::int64_t peak_rss_bytes) {
+  if (peak_rss_bytes < kSettleAfterBytes) return 0;
+  return std::min(kSettleMaxS, kSettleSecondsPerGiB * static_cast<double>(peak_rss_bytes) / (1 << 30));
+}
+
+double settle_after(std::int64_t peak_rss_bytes) {
+  const double seconds = settle_seconds(peak_rss_bytes);
+  if (seconds > 0) std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  return seconds;
 }
 
 ContentionSummary summarize_contention(const std::vector<double>& wall_ns, const std::vector<SampleContention>& samples,

@@ -9,8 +9,13 @@
 //   host      busy time of all CPUs from /proc/stat (user, nice, system, irq, softirq, steal)
 //             less this process's own from /proc/self/stat (utime, stime): clock ticks (10 ms),
 //             so only meaningful summed over many samples.
-// A sample is descheduled when wait > max(kWaitFloorNs, kWaitFraction · wall): one OpenMP thread
-// that waits that long stalls every barrier behind it. Where schedstat is unavailable the probe
+//   steal     the hypervisor's steal of all CPUs from /proc/stat (ticks): time a vCPU was ready
+//             but the host ran something else — invisible to the guest's run queues.
+// A sample is descheduled when wait > max(kWaitFloorNs, kWaitFraction · wall), or steal is: one
+// OpenMP thread that waits that long stalls every barrier behind it. (Steal comes in bursts on a
+// shared VM, e.g. for seconds after a process that used gigabytes exits while the host takes the
+// memory back: measured on the AVX-512 class, exact-tiled at N = 16384 right after vanilla's
+// 8 GB run took 10–15% longer, 7% of the CPUs stolen, and was not flagged by run-queue waits.) Where schedstat is unavailable the probe
 // falls back to involuntary context switches (getrusage): any during the sample marks it.
 //   cpu_ratio  = cpu / (wall · threads)   (below 1 also for serial sections: reported, not used;
 //                on VMs the kernel's CPU-time accounting can push it a little above 1)
@@ -31,6 +36,7 @@ struct SampleContention {
   double wait_ns = 0;
   std::int64_t involuntary_switches = 0;
   double other_busy_ns = 0;  // all CPUs' busy time less this process's, from clock ticks
+  double steal_ns = 0;       // all CPUs' steal, from clock ticks
   bool descheduled = false;
 };
 
@@ -51,7 +57,7 @@ class ContentionProbe {
 
  private:
   struct Snapshot {
-    double cpu_ns = 0, wait_ns = 0, other_busy_ns = 0;
+    double cpu_ns = 0, wait_ns = 0, other_busy_ns = 0, steal_ns = 0;
     std::int64_t involuntary_switches = 0;
   };
   Snapshot snapshot() const;
@@ -69,6 +75,20 @@ struct ContentionSummary {
 };
 ContentionSummary summarize_contention(const std::vector<double>& wall_ns, const std::vector<SampleContention>& samples,
                                        int threads);
+
+// After a process that used gigabytes exits, a VM with free page reporting (virtio-balloon) hands
+// the memory back to the host over several seconds, and the host's work shows up as steal in
+// whatever runs next — only while it runs: an idle guest sees none, so the wait cannot be probed
+// for. Measured on the AVX-512 class: after vanilla's 8.4 GB run at N = 16384, a busy guest saw
+// steal bursts of up to a third of both CPUs for ~12 s, exact-tiled timed 10–15% slower; after 8 s
+// idle still stolen from, after 12 s not. So the child runs of `sweep` and `ab` start only
+// kSettleSecondsPerGiB per GiB of the previous child's peak RSS (from kSettleAfterBytes, at most
+// kSettleMaxS) after it. settle_after(peak_rss_bytes) sleeps that long and returns the seconds.
+inline constexpr std::int64_t kSettleAfterBytes = std::int64_t{1} << 30;
+inline constexpr double kSettleSecondsPerGiB = 1.5;
+inline constexpr double kSettleMaxS = 30;
+double settle_seconds(std::int64_t peak_rss_bytes);
+double settle_after(std::int64_t peak_rss_bytes);
 
 // "7 of 12 timed samples waited for a CPU (…); host busy 48%, load 1.9"
 std::string contention_reason(std::int64_t contended, std::int64_t total, const ContentionSummary& summary);
