@@ -12,11 +12,9 @@
 //   steal     the hypervisor's steal of all CPUs from /proc/stat (ticks): time a vCPU was ready
 //             but the host ran something else — invisible to the guest's run queues.
 // A sample is descheduled when wait > max(kWaitFloorNs, kWaitFraction · wall), or steal is: one
-// OpenMP thread that waits that long stalls every barrier behind it. (Steal comes in bursts on a
-// shared VM, e.g. for seconds after a process that used gigabytes exits while the host takes the
-// memory back: measured on the AVX-512 class, exact-tiled at N = 16384 right after vanilla's
-// 8 GB run took 10–15% longer, 7% of the CPUs stolen, and was not flagged by run-queue waits.) Where schedstat is unavailable the probe
-// falls back to involuntary context switches (getrusage): any during the sample marks it.
+// OpenMP thread that waits that long stalls every barrier behind it (steal: see settle_after).
+// Where schedstat is unavailable the probe falls back to involuntary context switches
+// (getrusage): any during the sample marks it.
 //   cpu_ratio  = cpu / (wall · threads)   (below 1 also for serial sections: reported, not used;
 //                on VMs the kernel's CPU-time accounting can push it a little above 1)
 //   host_busy  = Σ other busy / Σ (wall · CPUs) over all samples, clamped to [0, 1]
