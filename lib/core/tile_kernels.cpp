@@ -70,6 +70,13 @@ void transposed_product(const float* p, std::int64_t ldp, std::int64_t rows, std
   FlopCounter::add(matmul_flops(cols, d, rows));
 }
 
+void packed_score_product(const float* x, std::int64_t ldx, std::int64_t rows, const float* y, std::int64_t ldy,
+                          std::int64_t cols, std::int64_t d, float alpha, float* panels, float* s, std::int64_t lds) {
+  pack_key_panels(y, ldy, cols, d, panels);
+  scores(x, ldx, rows, panels, panels_for(cols), d, alpha, s, lds);
+  FlopCounter::add(matmul_flops(rows, cols, d));
+}
+
 float interval_max(const float* x, std::int64_t lo, std::int64_t hi, float start) {
   return kernel_isa() == KernelIsa::Avx512 ? avx512::interval_max(x, lo, hi, start)
                                            : avx2::interval_max(x, lo, hi, start);

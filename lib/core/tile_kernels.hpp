@@ -51,6 +51,13 @@ void pv_product(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_
 void transposed_product(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* x,
                         std::int64_t ldx, std::int64_t d, float alpha, float* out, std::int64_t ldo);
 
+// S = alpha·X·Yᵀ, [rows, cols] with row stride lds ≥ panels_for(cols)·kPanel, on `scores`: Y's cols
+// rows (stride ldy) packed into `panels` (panels_for(cols)·kPanel·d floats) first; X [rows, d]
+// stride ldx. Requires d % kPanel == 0. Counts 2·rows·cols·d FLOPs into the FlopCounter (the last
+// panel's padding columns are computed too, not counted).
+void packed_score_product(const float* x, std::int64_t ldx, std::int64_t rows, const float* y, std::int64_t ldy,
+                          std::int64_t cols, std::int64_t d, float alpha, float* panels, float* s, std::int64_t lds);
+
 // Softmax pieces of one score row on the same vector width. The row is padded: it holds at least
 // width rounded up to 16 floats, and the padding past `width` (like the entries outside [lo, hi))
 // is read as scratch and may be overwritten with 0. lo <= hi <= width.

@@ -70,16 +70,6 @@ float touch_rows(const float* data, std::int64_t ld, std::int64_t count, std::in
   return sink;
 }
 
-// S = alpha·X·Yᵀ ([rows, width], stride lds) on the tile kernels: Y's `width` rows (stride ldy)
-// packed into `panels` (packed_key_floats), then tiles::scores; counts 2·rows·width·d FLOPs (the
-// panel's padding columns are computed but not counted).
-void packed_scores(const float* x, std::int64_t ldx, std::int64_t rows, const float* y, std::int64_t ldy,
-                   std::int64_t width, std::int64_t d, float alpha, float* panels, float* s, std::int64_t lds) {
-  tiles::pack_key_panels(y, ldy, width, d, panels);
-  tiles::scores(x, ldx, rows, panels, tiles::panels_for(width), d, alpha, s, lds);
-  FlopCounter::add(matmul_flops(rows, width, d));
-}
-
 void prefetch_rows(const float* data, std::int64_t ld, std::int64_t count, std::int64_t d) {
   for (std::int64_t r = 0; r < count; ++r)
     for (std::int64_t j = 0; j < d; j += 16) __builtin_prefetch(data + r * ld + j);
@@ -109,8 +99,8 @@ std::int64_t accumulate(const QueryBlock& q, const KeyBlock& k, std::int64_t d, 
   volatile float sink = touch_rows(q.queries, q.ld_queries, q.rows, d) + touch_rows(keys, k.ld_keys, width, d);
   (void)sink;
   if (scores.panels != nullptr && packs_keys(width, d)) {
-    packed_scores(q.queries, q.ld_queries, q.rows, keys, k.ld_keys, width, d, scale, scores.panels, scores.data,
-                  scores.ld);
+    tiles::packed_score_product(q.queries, q.ld_queries, q.rows, keys, k.ld_keys, width, d, scale, scores.panels,
+                                scores.data, scores.ld);
   } else {
     ops::gemm(false, true, q.rows, width, d, scale, q.queries, q.ld_queries, keys, k.ld_keys, 0.0f, scores.data,
               scores.ld);
@@ -352,10 +342,10 @@ std::int64_t attend_backward(const HeadGrads& g, const Tile& tile, const std::in
   float* probs = scratch.probs(thread);
   float* grads = scratch.grads(thread);
   if (scratch.has_panels() && packs_keys(width, d)) {
-    packed_scores(g.q + q_offset, ldq, tile.rows, g.k + k_offset, ldk, width, d, scale, scratch.key_panels(thread),
-                  probs, ld);
-    packed_scores(g.dout + q_offset, ldq, tile.rows, g.v + k_offset, ldk, width, d, 1.0f,
-                  scratch.value_panels(thread), grads, ld);
+    tiles::packed_score_product(g.q + q_offset, ldq, tile.rows, g.k + k_offset, ldk, width, d, scale,
+                                scratch.key_panels(thread), probs, ld);
+    tiles::packed_score_product(g.dout + q_offset, ldq, tile.rows, g.v + k_offset, ldk, width, d, 1.0f,
+                                scratch.value_panels(thread), grads, ld);
   } else {
     ops::gemm(false, true, tile.rows, width, d, scale, g.q + q_offset, ldq, g.k + k_offset, ldk, 0.0f, probs, ld);
     ops::gemm(false, true, tile.rows, width, d, 1.0f, g.dout + q_offset, ldq, g.v + k_offset, ldk, 0.0f, grads, ld);

@@ -5,7 +5,6 @@
 #include <utility>
 
 #include "lib/core/cpu_isa.hpp"
-#include "lib/core/flop_counter.hpp"
 #include "lib/core/memory_tracker.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/tile_kernels.hpp"
@@ -80,9 +79,7 @@ void tile_scores(const float* q, std::int64_t rows, const float* k, std::int64_t
     ops::gemm(false, true, rows, cols, d, alpha, q, d, k, d, 0.0f, s, lds);
     return;
   }
-  tiles::pack_key_panels(k, d, cols, d, panels);
-  tiles::scores(q, d, rows, panels, tiles::panels_for(cols), d, alpha, s, lds);
-  FlopCounter::add(matmul_flops(rows, cols, d));
+  tiles::packed_score_product(q, d, rows, k, d, cols, d, alpha, panels, s, lds);
 }
 
 void tile_values(const float* p, std::int64_t ldp, std::int64_t rows, std::int64_t cols, const float* v, std::int64_t d,
