@@ -10,15 +10,17 @@ namespace xfb::cli {
 void add_env(CLI::App& app, Action& action) {
   auto* command = app.add_subcommand("env", "print this machine's context (CPU, ISA, oneDNN, compiler, build)");
   auto measure = std::make_shared<bool>(false);
-  auto threads = std::make_shared<int>(0);
+  auto point = std::make_shared<PointOptions>();
+  point->defaults.problem.threads = DnnlContext::default_threads();
   auto json = std::make_shared<bool>(false);
   command->add_flag("--measure", *measure, "also measure fp32 FMA peak and memory bandwidth (a few seconds)");
-  command->add_option("--threads,-t", *threads, "threads (default: all cores)");
+  add_point_options(*command, point, FieldUse::Point, {"threads"});
   command->add_flag("--json", *json, "print JSON");
   command->callback([=, &action] {
+    point_of(*point);  // validated when parsed
     action = [=] {
       auto& context = DnnlContext::instance();
-      context.set_threads(*threads);
+      context.set_threads(point_of(*point).problem.threads);
       auto info = capture_context(context.threads());
       if (*measure) {
         const auto m = measure_machine(context.threads());

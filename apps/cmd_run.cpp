@@ -8,16 +8,53 @@
 
 #include "apps/commands.hpp"
 #include "lib/bench/point.hpp"
+#include "lib/bench/system_info.hpp"
+#include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
 
 namespace xfb::cli {
 namespace {
 
 struct RunOptions {
-  ProblemOptions problem;
+  std::shared_ptr<PointOptions> point = std::make_shared<PointOptions>();
+  std::string point_json;           // --point: the whole point as JSON (the sweep's child protocol)
+  double memory_limit_gib = -1;     // < 0: the memory available
   bool json = false;
   std::string dump_dir;
+  Point resolved;                   // resolved once, when the command line is parsed
 };
+
+// The point of the command line: --point's JSON, or --model, --seq-len and the other point options.
+PointConfig point_config(const RunOptions& o) {
+  if (o.point_json.empty()) {
+    if (!o.point->given("model")) throw InputError("run needs --model (or --point)");
+    if (!o.point->given("seq_len")) throw InputError("run needs --seq-len (or --point)");
+    return point_of(*o.point);
+  }
+  if (!o.point->texts.empty())
+    throw InputError("--point holds the whole point: give no other point option (" + o.point->texts.begin()->first + ")");
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(o.point_json);
+  } catch (const nlohmann::json::exception&) {
+    throw InputError("--point is not valid JSON");
+  }
+  return point_from_json(json);
+}
+
+// The point's estimated tracked bytes against --memory-limit (default: the memory available), before
+// anything is allocated.
+void check_memory(const Point& point, double limit_gib) {
+  const double limit = limit_gib < 0 ? static_cast<double>(available_memory_bytes()) : limit_gib * 1073741824.0;
+  if (limit <= 0 || describe_point(point).status != Status::Ok) return;
+  const std::int64_t estimate = estimated_point_bytes(point);
+  if (static_cast<double>(estimate) <= limit) return;
+  char text[256];
+  std::snprintf(text, sizeof text, "the point's estimated %.3f GiB exceed --memory-limit %.3f GiB%s",
+                static_cast<double>(estimate) / 1073741824.0, limit / 1073741824.0,
+                limit_gib < 0 ? " (the memory available; --memory-limit 0 runs it anyway)" : "");
+  throw InputError(text);
+}
 
 void print_human(const ResultRow& row) {
   std::printf("model      %s (%s, %s pass, %s%s)\n", row.model.c_str(), row.scope.c_str(), row.pass.c_str(),
@@ -60,8 +97,8 @@ void print_human(const ResultRow& row) {
 }
 
 int run(RunOptions& o) {
-  finish_problem_options(o.problem);
-  const Point point = resolve_point(o.problem.point);
+  const Point& point = o.resolved;
+  check_memory(point, o.memory_limit_gib);
   std::optional<std::string> dump;
   if (!o.dump_dir.empty()) {
     const auto parent = std::filesystem::absolute(o.dump_dir).parent_path();
@@ -97,12 +134,19 @@ int run(RunOptions& o) {
 void add_run(CLI::App& app, Action& action) {
   auto* command = app.add_subcommand("run", "run one point and print its measurements");
   auto options = std::make_shared<RunOptions>();
-  command->add_option("--model,-m", options->problem.point.model, "model name (see `xfbench list`)")->required();
-  command->add_option("--seq-len,-n", options->problem.point.problem.seq_len, "tokens N")->required();
-  add_problem_options(*command, options->problem);
+  options->point->defaults.problem.threads = DnnlContext::default_threads();
+  add_point_options(*command, options->point, FieldUse::RunOnly);
+  command->add_option("--point", options->point_json, "the whole point as JSON, the sweep's child protocol "
+                                                      "(docs/cli.md#run)");
+  add_real_option(*command, "--memory-limit", options->memory_limit_gib, 0, 1 << 30,
+                  "GiB; refuse the point when its estimated tracked memory exceeds it (0: no check; "
+                  "default: the memory available)");
   command->add_flag("--json", options->json, "print the report row as JSON");
   command->add_option("--dump", options->dump_dir, "write q/k/v/out/parameters .npy files and manifest.json here");
-  command->callback([options, &action] { action = [options] { return run(*options); }; });
+  command->callback([options, &action] {
+    options->resolved = resolve_point(point_config(*options));
+    action = [options] { return run(*options); };
+  });
 }
 
 }  // namespace xfb::cli

@@ -1,6 +1,7 @@
 // `xfbench sweep`: models × sequence lengths, each point in a child process, JSON report
 // rewritten atomically after every point, table printed at the end. `--shard i/n` runs one part
 // of the points; `--preset NAME` fills in a published configuration (options given explicitly win).
+#include <algorithm>
 #include <cstdio>
 #include <tuple>
 
@@ -9,6 +10,7 @@
 #include "apps/commands.hpp"
 #include "lib/bench/presets.hpp"
 #include "lib/bench/sweep.hpp"
+#include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
 #include "lib/report/table.hpp"
 
@@ -16,7 +18,8 @@ namespace xfb::cli {
 namespace {
 
 struct SweepOptions {
-  ProblemOptions problem;
+  std::shared_ptr<PointOptions> point = std::make_shared<PointOptions>();
+  bool fail_on_error = false;
   std::string models = "all";
   std::string seq_lens = "512:4096:x2";
   double memory_limit_gib = 0;
@@ -27,45 +30,71 @@ struct SweepOptions {
   std::string preset;
 };
 
-// Fills every preset value the user did not give on the command line.
-void apply_preset(const CLI::App& command, SweepOptions& o) {
+// A preset's values become the defaults (options given explicitly win); its parameters come before
+// the user's.
+void apply_preset(const CLI::App& command, SweepOptions& o, std::vector<std::string>& from_preset) {
   const SweepPreset* preset = find_preset(o.preset);
   if (preset == nullptr) throw InputError("unknown --preset '" + o.preset + "' (known: lra)");
-  auto given = [&](const char* name) { return command.count(name) > 0; };
-  auto& point = o.problem.point;
-  if (!given("--models")) {
+  if (command.count("--models") == 0) {
     o.models.clear();
     for (const auto& m : preset->models) o.models += (o.models.empty() ? "" : ",") + m;
   }
-  if (!given("--seq-lens")) {
+  if (command.count("--seq-lens") == 0) {
     o.seq_lens.clear();
     for (auto n : preset->seq_lens) o.seq_lens += (o.seq_lens.empty() ? "" : ",") + std::to_string(n);
   }
-  if (!given("--scope")) o.problem.scope = preset->scope;
-  if (!given("--batch")) point.problem.batch = preset->batch;
-  if (!given("--heads")) point.problem.heads = preset->heads;
-  if (!given("--head-dim")) point.problem.head_dim = preset->head_dim;
-  if (!given("--d-ff")) point.d_ff = preset->d_ff;
-  auto params = preset_params(*preset, parse_model_selection(o.models));
-  params.insert(params.end(), o.problem.params.begin(), o.problem.params.end());
-  o.problem.params = params;
+  auto& defaults = o.point->defaults;
+  defaults.scope = parse_scope(preset->scope);
+  defaults.problem.batch = preset->batch;
+  defaults.problem.heads = preset->heads;
+  defaults.problem.head_dim = preset->head_dim;
+  defaults.d_ff = preset->d_ff;
+  // A parameter the user sets (model.key= or key=) replaces the preset's.
+  const auto given = o.point->texts.count("params") ? o.point->texts.at("params") : std::vector<std::string>{};
+  for (const auto& param : preset_params(*preset, parse_model_selection(o.models))) {
+    const std::string qualified = param.substr(0, param.find('=') + 1);
+    const std::string bare = qualified.substr(qualified.find('.') + 1);
+    const bool overridden = std::any_of(given.begin(), given.end(), [&](const std::string& g) {
+      return g.rfind(qualified, 0) == 0 || g.rfind(bare, 0) == 0;
+    });
+    if (!overridden) from_preset.push_back(param);
+  }
   o.settings.preset = preset->name;
 }
 
+// Exit status of a finished sweep: 3 when no point ran to `ok` although some were to run, 1 with
+// --fail-on-error when any point failed.
+int sweep_status(const Report& report, bool fail_on_error) {
+  std::size_t ok = 0, errors = 0;
+  for (const auto& row : report.results) {
+    ok += row.status == Status::Ok;
+    errors += row.status == Status::Error;
+  }
+  if (ok == 0 && errors > 0) {
+    std::fprintf(stderr, "xfbench: error: no point of the sweep succeeded (%zu failed)\n", errors);
+    return kExitRuntime;
+  }
+  if (fail_on_error && errors > 0) {
+    std::fprintf(stderr, "xfbench: error: %zu point(s) failed (--fail-on-error)\n", errors);
+    return kExitCheckFailed;
+  }
+  return kExitOk;
+}
+
 int run(const CLI::App& command, SweepOptions& o) {
-  if (!o.preset.empty()) apply_preset(command, o);
+  std::vector<std::string> from_preset;
+  if (!o.preset.empty()) apply_preset(command, o, from_preset);
   auto& s = o.settings;
-  fill_point_grid(o.problem, o.models, o.seq_lens, s);
+  fill_point_grid(*o.point, o.models, o.seq_lens, s);
+  s.params.insert(s.params.begin(), from_preset.begin(), from_preset.end());
   if (!o.shard.empty()) std::tie(s.shard_index, s.shard_count) = parse_shard(o.shard);
-  if (o.memory_limit_gib < 0) throw InputError("--memory-limit must not be negative");
-  if (s.timeout_s <= 0) throw InputError("--timeout must be positive");
-  s.memory_limit_bytes = static_cast<std::int64_t>(o.memory_limit_gib * 1024.0 * 1024.0 * 1024.0);
+  s.memory_limit_bytes = static_cast<std::int64_t>(o.memory_limit_gib * 1073741824.0);
   s.measure_machine = !o.no_measure;
   if (!optimised_build()) spdlog::warn("this build is not optimised: times are not representative");
   const Report report = run_sweep(s, command_line());
   if (!o.no_table) std::printf("%s", render_table(report, {}).c_str());
   std::fprintf(stderr, "report written to %s\n", s.out_path.c_str());
-  return kExitOk;
+  return sweep_status(report, o.fail_on_error);
 }
 
 }  // namespace
@@ -75,10 +104,12 @@ void add_sweep(CLI::App& app, Action& action) {
   auto o = std::make_shared<SweepOptions>();
   command->add_option("--models", o->models, "all | class:<class> | a,b,c")->capture_default_str();
   command->add_option("--seq-lens", o->seq_lens, "a,b,c | lo:hi:xK | lo:hi:+K")->capture_default_str();
-  add_problem_options(*command, o->problem);
-  command->add_option("--timeout", o->settings.timeout_s, "seconds per point before it is killed")->capture_default_str();
-  command->add_option("--memory-limit", o->memory_limit_gib,
-                      "GiB; points whose estimated tracked memory exceeds it are skipped (0: none)");
+  o->point->defaults.problem.threads = DnnlContext::default_threads();
+  add_point_options(*command, o->point, FieldUse::Point);
+  add_real_option(*command, "--timeout", o->settings.timeout_s, 0.001, 1e7, "seconds per point before it is killed");
+  add_real_option(*command, "--memory-limit", o->memory_limit_gib, 0, 1 << 30,
+                  "GiB; points whose estimated tracked memory exceeds it are skipped (0: none)");
+  command->add_flag("--fail-on-error", o->fail_on_error, "exit 1 when any point failed (error rows), for CI");
   command->add_option("--out,-o", o->settings.out_path, "report file (JSON)")->required();
   command->add_flag("--resume", o->settings.resume, "keep the finished points of an existing --out report");
   command->add_flag("--no-measure", o->no_measure, "do not measure FMA peak and bandwidth for the context");

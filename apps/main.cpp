@@ -4,83 +4,59 @@
 #include <spdlog/spdlog.h>
 
 #include <cstdio>
-#include <iostream>
+#include <string>
 
 #include "apps/commands.hpp"
-#include "lib/bench/point.hpp"
-#include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
 
 namespace xfb::cli {
 namespace {
 std::string g_command_line;
+
+// The name of an unknown subcommand (the first word that is not a flag, when it names no command), or "".
+std::string unknown_command(const CLI::App& app, int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i][0] == '-') continue;  // the global flags take no values
+    for (const auto* command : app.get_subcommands([](const CLI::App*) { return true; }))
+      if (command->get_name() == argv[i]) return "";
+    return argv[i];
+  }
+  return "";
 }
+
+std::string known_commands(const CLI::App& app) {
+  std::string names;
+  for (const auto* command : app.get_subcommands([](const CLI::App*) { return true; }))
+    names += (names.empty() ? "" : ", ") + command->get_name();
+  return names;
+}
+}  // namespace
 const std::string& command_line() { return g_command_line; }
-
-void add_problem_options(CLI::App& command, ProblemOptions& o) {
-  auto& p = o.point;
-  command.add_option("--batch,-b", p.problem.batch, "sequences per call")->capture_default_str();
-  command.add_option("--heads", p.problem.heads, "attention heads")->capture_default_str();
-  command.add_option("--head-dim,-d", p.problem.head_dim, "features per head")->capture_default_str();
-  command.add_flag("--causal", o.causal, "causal (decoder) attention: token i sees j <= i");
-  command.add_option("--scope", o.scope, "attention (the mechanism alone) or layer (pre-LN encoder layer)")
-      ->check(CLI::IsMember({"attention", "layer"}))
-      ->capture_default_str();
-  command.add_option("--pass", o.pass,
-                     "forward, backward (after an untimed forward), train (forward + backward as one step) or decode "
-                     "(prefill the N-token context, then time --decode-tokens steps of one token; causal); "
-                     "sweep: also a list, e.g. forward,train")
-      ->capture_default_str();
-  command.add_option("--decode-tokens", p.decode_tokens, "decode pass: tokens generated one at a time after the context")
-      ->capture_default_str();
-  command.add_option("--d-ff", p.d_ff, "layer scope FFN width (default 4·heads·head-dim)");
-  p.problem.threads = DnnlContext::default_threads();
-  command.add_option("--threads,-t", p.problem.threads, "threads for oneDNN and OpenMP loops (default: all cores)")
-      ->capture_default_str();
-  command.add_option("--seed", p.seed, "seed of inputs and parameters")->capture_default_str();
-  command.add_option("--param,-p", o.params, "mechanism parameter key=value (repeatable)");
-  command.add_option("--warmup", p.timing.warmup, "untimed runs before timing (>= 1)")->capture_default_str();
-  command.add_option("--min-reps", p.timing.min_reps, "timed repetitions, at least")->capture_default_str();
-  command.add_option("--min-time", p.timing.min_time_s, "seconds of timed repetitions, at least")->capture_default_str();
-  command.add_option("--max-reps", p.timing.max_reps, "timed repetitions, at most")->capture_default_str();
-}
-
-void finish_problem_options(ProblemOptions& o) {
-  o.point.problem.causal = o.causal;
-  o.point.scope = o.scope == "layer" ? Scope::Layer : Scope::Attention;
-  o.point.pass = parse_pass(o.pass);
-  o.point.params = o.params;
-}
-
 }  // namespace xfb::cli
 
 int main(int argc, char** argv) {
   using namespace xfb;
   for (int i = 0; i < argc; ++i) cli::g_command_line += (i ? " " : "") + std::string(argv[i]);
   CLI::App app{"xfbench — benchmarks of the efficient-attention models of 'Efficient Transformers: A Survey'"};
-  app.require_subcommand(1);
   bool verbose = false, quiet = false;
   app.add_flag("-v,--verbose", verbose, "debug logging");
   app.add_flag("-q,--quiet", quiet, "warnings and errors only");
   cli::Action action;
-  cli::add_list(app, action);
-  cli::add_env(app, action);
-  cli::add_run(app, action);
-  cli::add_sweep(app, action);
-  cli::add_table(app, action);
-  cli::add_compare(app, action);
-  cli::add_ab(app, action);
-  cli::add_merge(app, action);
-  cli::add_plot(app, action);
-  cli::add_complexity(app, action);
-  cli::add_taxonomy(app, action);
+  cli::build_app(app, action);
+  const std::string unknown = cli::unknown_command(app, argc, argv);
+  if (!unknown.empty()) {
+    std::fprintf(stderr, "xfbench: error: unknown command '%s' (known: %s)\n", unknown.c_str(),
+                 cli::known_commands(app).c_str());
+    return kExitUsage;
+  }
   try {
     app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::CallForAllHelp& e) {
+  } catch (const CLI::Success& e) {  // --help, --help-all, --version
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "xfbench: error: %s\n", e.what());
+    return kExitUsage;
+  } catch (const InputError& e) {
     std::fprintf(stderr, "xfbench: error: %s\n", e.what());
     return kExitUsage;
   }

@@ -11,6 +11,7 @@
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
 #include "lib/core/stats.hpp"
+#include "lib/report/point_fields.hpp"
 #include "lib/report/table.hpp"
 
 namespace xfb {
@@ -110,14 +111,15 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
     return nlohmann::json{{"label", side.label}, {"program", side.program.empty() ? "self" : side.program},
                           {"model", side.model}, {"params", side.params}};
   };
-  report.settings = {{"models", s.models},     {"seq_lens", s.seq_lens},         {"rounds", s.rounds},
-                     {"alpha", s.alpha},       {"max_slowdown", s.max_slowdown}, {"threads", threads},
-                     {"a", side_json(s.a)},    {"b", side_json(s.b)},            {"params", s.params},
-                     {"min_reps", s.base.timing.min_reps}, {"min_time_s", s.base.timing.min_time_s}};
+  report.settings = point_settings(s.base);  // every point field, as a sweep records them
+  report.settings.update({{"models", s.models},   {"seq_lens", s.seq_lens},         {"rounds", s.rounds},
+                          {"alpha", s.alpha},     {"max_slowdown", s.max_slowdown}, {"a", side_json(s.a)},
+                          {"b", side_json(s.b)},  {"params", s.params}});
   report.settings["pass"] = pass_list_name(s.passes);
   std::size_t index = 0;
   for (const auto& [a_point, b_point] : pairs) {
     ++index;
+    const ResultRow a_row = describe_point(a_point), b_row = describe_point(b_point);
     if (s.progress)
       std::fprintf(stderr, "[%zu/%zu] %s N=%lld: %d rounds\n", index, pairs.size(), a_point.config.model.c_str(),
                    static_cast<long long>(a_point.config.problem.seq_len), s.rounds);
@@ -128,8 +130,12 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
     for (int r = 0; r < 2 * s.rounds && clean_rounds < static_cast<std::size_t>(s.rounds); ++r) {
       AbRound round;
       round.b_first = r % 2 == 1;
-      ResultRow first = run_point_in_child(round.b_first ? b_point : a_point, s.timeout_s, (round.b_first ? s.b : s.a).program);
-      ResultRow second = run_point_in_child(round.b_first ? a_point : b_point, s.timeout_s, (round.b_first ? s.a : s.b).program);
+      const auto run_side = [&](bool b) {
+        return b ? run_point_in_child(b_point, b_row, s.timeout_s, s.b.program)
+                 : run_point_in_child(a_point, a_row, s.timeout_s, s.a.program);
+      };
+      ResultRow first = run_side(round.b_first);
+      ResultRow second = run_side(!round.b_first);
       point.a = round.b_first ? second : first;
       point.b = round.b_first ? first : second;
       for (const auto* row : {&point.a, &point.b})

@@ -19,47 +19,10 @@
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
 #include "lib/core/stats.hpp"
+#include "lib/report/point_fields.hpp"
 #include "taxonomy/registry.hpp"
 
 namespace xfb {
-
-std::string scope_name(Scope s) { return s == Scope::Attention ? "attention" : "layer"; }
-
-std::string pass_name(Pass p) {
-  switch (p) {
-    case Pass::Forward: return "forward";
-    case Pass::Backward: return "backward";
-    case Pass::Train: return "train";
-    case Pass::Decode: return "decode";
-  }
-  return "forward";
-}
-
-Pass parse_pass(const std::string& name) {
-  for (Pass p : {Pass::Forward, Pass::Backward, Pass::Train, Pass::Decode})
-    if (pass_name(p) == name) return p;
-  throw InputError("unknown --pass '" + name + "' (known: forward, backward, train, decode)");
-}
-
-std::vector<Pass> parse_passes(const std::string& list) {
-  std::vector<Pass> passes;
-  std::size_t start = 0;
-  while (start <= list.size()) {
-    const std::size_t comma = std::min(list.find(',', start), list.size());
-    const Pass pass = parse_pass(list.substr(start, comma - start));
-    if (std::find(passes.begin(), passes.end(), pass) != passes.end())
-      throw InputError("--pass lists " + pass_name(pass) + " twice");
-    passes.push_back(pass);
-    start = comma + 1;
-  }
-  return passes;
-}
-
-std::string pass_list_name(const std::vector<Pass>& passes) {
-  std::string list;
-  for (Pass pass : passes) list += (list.empty() ? "" : ",") + pass_name(pass);
-  return list;
-}
 
 namespace {
 
@@ -71,12 +34,6 @@ const ModelInfo& model_or_throw(const std::string& name) {
     throw InputError("unknown model '" + name + "' (known: " + known + ")");
   }
   return *model;
-}
-
-std::string format_number(double value) {
-  std::ostringstream out;
-  out << value;
-  return out.str();
 }
 
 std::int64_t peak_rss_of_self() {
@@ -92,7 +49,7 @@ void write_dump(const std::string& dir, const Point& point, const ResultRow& row
                 const std::vector<std::pair<std::string, const Tensor*>>& files) {
   std::filesystem::create_directories(dir);
   for (const auto& [name, tensor] : files) write_npy(dir + "/" + name + ".npy", *tensor);
-  nlohmann::json manifest = problem_settings(point.config);
+  nlohmann::json manifest = point_settings(point.config);
   manifest["model"] = point.config.model;
   manifest["seq_len"] = point.config.problem.seq_len;
   manifest["params"] = point.running.to_json();
@@ -234,23 +191,9 @@ ResultRow run_decode_point(const Point& point, ResultRow row, const std::optiona
 }  // namespace
 
 Point resolve_point(const PointConfig& config) {
+  for (const auto& field : point_fields()) check_field_value(field, field.get(config), field.long_flag());
+  check_point_config(config);
   const ModelInfo& model = model_or_throw(config.model);
-  const Problem& p = config.problem;
-  auto positive = [](std::int64_t value, const char* what) {
-    if (value <= 0) throw InputError(std::string(what) + " must be positive, got " + std::to_string(value));
-  };
-  positive(p.batch, "--batch");
-  positive(p.heads, "--heads");
-  positive(p.seq_len, "--seq-len");
-  positive(p.head_dim, "--head-dim");
-  if (config.d_ff < 0) throw InputError("--d-ff must be positive");
-  if (p.threads < 1) throw InputError("--threads must be positive, got " + std::to_string(p.threads));
-  if (config.timing.warmup < 1) throw InputError("--warmup must be at least 1 (primitives are created in warm-up)");
-  if (config.timing.min_reps < 1) throw InputError("--min-reps must be at least 1");
-  if (config.timing.min_time_s < 0) throw InputError("--min-time must not be negative");
-  if (config.pass == Pass::Decode && config.scope != Scope::Attention)
-    throw InputError("--pass decode runs in attention scope only");
-  if (config.pass == Pass::Decode) positive(config.decode_tokens, "--decode-tokens");
   Point point;
   point.model = &model;
   point.config = config;
@@ -262,22 +205,6 @@ Point resolve_point(const PointConfig& config) {
 }
 
 void validate_point(const PointConfig& config) { resolve_point(config); }
-
-nlohmann::json problem_settings(const PointConfig& c) {
-  return {{"batch", c.problem.batch},
-          {"heads", c.problem.heads},
-          {"head_dim", c.problem.head_dim},
-          {"causal", c.problem.causal},
-          {"scope", scope_name(c.scope)},
-          {"pass", pass_name(c.pass)},
-          {"d_ff", c.scope == Scope::Layer ? c.effective_d_ff() : 0},
-          {"decode_tokens", c.pass == Pass::Decode ? c.decode_tokens : 0},
-          {"threads", c.problem.threads},
-          {"seed", c.seed},
-          {"warmup", c.timing.warmup},
-          {"min_reps", c.timing.min_reps},
-          {"min_time_s", c.timing.min_time_s}};
-}
 
 std::int64_t point_io_bytes(const PointConfig& config) {
   const Problem& p = config.problem;
@@ -303,34 +230,11 @@ std::int64_t estimated_point_bytes(const Point& point) {
   return bytes;
 }
 
-std::vector<std::string> run_arguments(const Point& point) {
-  const PointConfig& c = point.config;
-  std::vector<std::string> args = {"run",
-                                   "--model", c.model,
-                                   "--seq-len", std::to_string(c.problem.seq_len),
-                                   "--batch", std::to_string(c.problem.batch),
-                                   "--heads", std::to_string(c.problem.heads),
-                                   "--head-dim", std::to_string(c.problem.head_dim),
-                                   "--scope", scope_name(c.scope)};
-  if (c.pass != Pass::Forward) args.insert(args.end(), {"--pass", pass_name(c.pass)});
-  if (c.pass == Pass::Decode) args.insert(args.end(), {"--decode-tokens", std::to_string(c.decode_tokens)});
-  if (c.problem.causal) args.push_back("--causal");
-  if (c.scope == Scope::Layer) {
-    args.push_back("--d-ff");
-    args.push_back(std::to_string(c.effective_d_ff()));
-  }
-  args.insert(args.end(), {"--threads", std::to_string(c.problem.threads), "--seed", std::to_string(c.seed)});
-  for (const auto& param : c.params) args.insert(args.end(), {"--param", param});
-  args.insert(args.end(), {"--warmup", std::to_string(c.timing.warmup), "--min-reps", std::to_string(c.timing.min_reps),
-                           "--min-time", format_number(c.timing.min_time_s)});
-  return args;
-}
-
 std::string reproducer_command(const Point& point) {
   // A capped kernel ISA is part of what ran.
   std::string command = "xfbench";
   if (kernel_isa() != detected_kernel_isa()) command = "XFBENCH_MAX_ISA=" + kernel_isa_name(kernel_isa()) + " xfbench";
-  for (const auto& arg : run_arguments(point)) command += " " + arg;
+  for (const auto& arg : point_arguments(point.config)) command += " " + arg;
   return command;
 }
 
@@ -338,21 +242,10 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
   const ModelInfo& model = *point.model;
   const PointConfig& config = point.config;
   ResultRow row;
-  row.model = model.name;
+  set_row_identity(row, config);
   for (auto c : model.classes) row.classes.push_back(class_name(c));
-  row.scope = scope_name(config.scope);
-  row.pass = pass_name(config.pass);
-  row.causal = config.problem.causal;
-  row.batch = config.problem.batch;
-  row.heads = config.problem.heads;
-  row.seq_len = config.problem.seq_len;
-  row.head_dim = config.problem.head_dim;
-  row.d_ff = config.scope == Scope::Layer ? config.effective_d_ff() : 0;
-  row.decode_tokens = config.pass == Pass::Decode ? config.decode_tokens : 0;
   row.params = point.requested.to_json();
-  row.threads = config.problem.threads;
   row.kernel_isa = kernel_isa_name(kernel_isa());
-  row.seed = config.seed;
   row.reproducer = reproducer_command(point);
   const std::string why = model.impl.unsupported ? model.impl.unsupported(config.problem, point.requested) : "";
   if (config.problem.causal && !model.decodes) {

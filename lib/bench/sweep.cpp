@@ -15,6 +15,9 @@
 #include "lib/core/contention.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
+#include "lib/report/compare.hpp"
+#include "lib/report/merge.hpp"
+#include "lib/report/point_fields.hpp"
 #include "taxonomy/registry.hpp"
 
 namespace xfb {
@@ -151,34 +154,137 @@ std::vector<int> assign_shards(const std::vector<std::int64_t>& costs, int shard
 
 namespace {
 
-// Estimated FLOPs of a point's mechanism; 0 for points that will not run.
-std::int64_t estimated_cost(const Point& point) {
-  if (describe_point(point).status != Status::Ok) return 0;
-  return point.model->impl.flops(point.config.problem, point.requested);
+// A point of the sweep, resolved and described once: `row` has its identity, and its status and
+// reason when it will not run here (unsupported, over --memory-limit).
+struct PlannedPoint {
+  Point point;
+  ResultRow row;
+};
+
+// Every point of the grid, resolved (InputError on any invalid one, before anything is written).
+std::vector<PlannedPoint> plan_points(const SweepSettings& s) {
+  std::vector<PlannedPoint> planned;
+  for (const auto& model : s.models) {
+    const auto own = params_for_model(model, s.params);
+    for (Pass pass : s.passes)
+      for (auto n : s.seq_lens) {
+        PointConfig config = s.base;
+        config.model = model;
+        config.problem.seq_len = n;
+        config.params = own;
+        config.pass = pass;
+        Point point = resolve_point(config);
+        ResultRow row = describe_point(point, s.memory_limit_bytes);
+        planned.push_back({std::move(point), std::move(row)});
+      }
+  }
+  for (const auto& param : s.params) {
+    bool used = false;
+    for (const auto& model : s.models) used = used || !params_for_model(model, {param}).empty();
+    if (!used) throw InputError("--param " + param + " matches no parameter of the selected models");
+  }
+  return planned;
 }
 
-std::vector<Point> points_of_shard(const std::vector<Point>& points, int index, int count) {
+// The shard's part of the points, dealt by estimated FLOPs (0 for points that will not run).
+std::vector<PlannedPoint> points_of_shard(std::vector<PlannedPoint> points, int index, int count) {
   if (count <= 1) return points;
   std::vector<std::int64_t> costs;
-  for (const auto& point : points) costs.push_back(estimated_cost(point));
+  for (const auto& [point, row] : points)
+    costs.push_back(row.status == Status::Ok ? point.model->impl.flops(point.config.problem, point.requested) : 0);
   const auto shard_of = assign_shards(costs, count);
-  std::vector<Point> mine;
+  std::vector<PlannedPoint> mine;
   for (std::size_t i = 0; i < points.size(); ++i)
-    if (shard_of[i] == index - 1) mine.push_back(points[i]);
+    if (shard_of[i] == index - 1) mine.push_back(std::move(points[i]));
   return mine;
+}
+
+void print_progress(std::size_t index, std::size_t total, std::size_t ran, double elapsed, const PointConfig& c) {
+  const double remaining = static_cast<double>(total - index + 1);
+  const std::string eta = ran > 0 ? format_duration(elapsed / static_cast<double>(ran) * remaining) : "?";
+  std::fprintf(stderr, "[%zu/%zu] %s N=%lld%s%s  elapsed %s  eta %s\n", index, total, c.model.c_str(),
+               static_cast<long long>(c.problem.seq_len), c.problem.causal ? " causal" : "",
+               c.pass == Pass::Forward ? "" : (" " + pass_name(c.pass)).c_str(), format_duration(elapsed).c_str(),
+               eta.c_str());
+}
+
+// The report settings of a sweep: the base point's, then the sweep's own.
+nlohmann::json sweep_settings(const SweepSettings& s) {
+  nlohmann::json settings = point_settings(s.base);
+  settings["pass"] = pass_list_name(s.passes);
+  if (std::find(s.passes.begin(), s.passes.end(), Pass::Decode) != s.passes.end())
+    settings["decode_tokens"] = s.base.decode_tokens;
+  settings["models"] = s.models;
+  settings["seq_lens"] = s.seq_lens;
+  settings["params"] = s.params;
+  settings["timeout_s"] = s.timeout_s;
+  settings["memory_limit_bytes"] = s.memory_limit_bytes;
+  if (s.shard_count > 1) settings["shard"] = std::to_string(s.shard_index) + "/" + std::to_string(s.shard_count);
+  if (!s.preset.empty()) settings["preset"] = s.preset;
+  return settings;
+}
+
+nlohmann::json sweep_context(const SweepSettings& s, const std::string& command_line) {
+  const int threads = s.base.problem.threads;
+  nlohmann::json context = capture_context(threads);
+  context["command_line"] = command_line;
+  context["seed"] = s.base.seed;
+  if (s.measure_machine) {
+    const auto m = measure_machine(threads);
+    context["fma_peak_gflops"] = m.fma_peak_gflops;
+    context["fma_peak_256_gflops"] = m.fma_peak_256_gflops;
+    context["fma_peak_512_gflops"] = m.fma_peak_512_gflops;
+    context["triad_bandwidth_gbs"] = m.triad_bandwidth_gbs;
+  }
+  return context;
+}
+
+// Whether every entry of `old_list` is in `new_list` (both JSON arrays).
+bool extends(const nlohmann::json& new_list, const nlohmann::json& old_list) {
+  if (!new_list.is_array() || !old_list.is_array()) return false;
+  for (const auto& entry : old_list)
+    if (std::find(new_list.begin(), new_list.end(), entry) == new_list.end()) return false;
+  return true;
+}
+
+// --resume continues the same sweep only: on the same machine and build (kMergeContextFields), with
+// the same settings, except that the grid's axes (models, seq_lens) may add entries. InputError
+// naming the first field that differs.
+void check_resumable(const Report& previous, const nlohmann::json& settings, const nlohmann::json& context,
+                     const std::string& path) {
+  const auto differences = context_differences(previous.context, context, kMergeContextFields);
+  if (!differences.empty())
+    throw InputError("--resume: " + path + " was made with another " + differences.front() +
+                     " (context); write a new report");
+  const auto& old = previous.settings;
+  for (const auto& [key, value] : settings.items()) {
+    const bool axis = key == "models" || key == "seq_lens";
+    if (old.contains(key) && (old[key] == value || (axis && extends(value, old[key])))) continue;
+    throw InputError("--resume: " + path + " has settings." + key + " = " +
+                     (old.contains(key) ? old[key].dump() : "(none)") + ", this sweep " + value.dump() +
+                     (axis ? " (a resumed sweep may only add models and lengths)" : "") + "; write a new report");
+  }
+  for (const auto& [key, value] : old.items())
+    if (!settings.contains(key)) throw InputError("--resume: " + path + " has settings." + key + ", this sweep has none");
 }
 
 }  // namespace
 
-ResultRow run_point_in_child(const Point& point, double timeout_s, const std::string& program) {
+ResultRow run_point_in_child(const Point& point, const ResultRow& described, double timeout_s,
+                             const std::string& program) {
   // After a child that used gigabytes, the host's reclaim of that memory steals CPU time for
   // seconds (contention.hpp): the next child starts after it.
   static std::int64_t previous_peak_rss = 0;
   settle_after(previous_peak_rss);
-  ResultRow row = describe_point(point);
-  auto args = run_arguments(point);
+  ResultRow row = described;
+  // This build reads the point as data; another build (ab's --a-bin, --b-bin, perhaps older) its
+  // reproducer's words, which every build understands. The parent checked memory already.
+  std::vector<std::string> args = {"-q", "run", "--point", point_to_json(point.config).dump(), "--memory-limit", "0"};
+  if (!program.empty()) {
+    args = point_arguments(point.config);
+    args.insert(args.begin(), "-q");
+  }
   args.push_back("--json");
-  args.insert(args.begin(), "-q");
   const ChildResult child = program.empty() ? run_self(args, timeout_s) : run_program(program, args, timeout_s);
   if (child.timed_out) {
     row.status = Status::Error;
@@ -206,78 +312,32 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
   const auto parent = std::filesystem::path(s.out_path).parent_path();
   if (!parent.empty() && !std::filesystem::is_directory(parent))
     throw InputError("output folder " + parent.string() + " does not exist");
-  std::vector<Point> points;
-  for (const auto& model : s.models) {
-    const auto own = params_for_model(model, s.params);
-    for (Pass pass : s.passes)
-      for (auto n : s.seq_lens) {
-        PointConfig point = s.base;
-        point.model = model;
-        point.problem.seq_len = n;
-        point.params = own;
-        point.pass = pass;
-        points.push_back(resolve_point(point));
-      }
-  }
-  for (const auto& param : s.params) {
-    bool used = false;
-    for (const auto& model : s.models)
-      if (!params_for_model(model, {param}).empty()) used = true;
-    if (!used) throw InputError("--param " + param + " matches no parameter of the selected models");
-  }
   if (s.shard_index < 1 || s.shard_index > s.shard_count) throw InputError("--shard index out of range");
-  points = points_of_shard(points, s.shard_index, s.shard_count);
+  const std::vector<PlannedPoint> points = points_of_shard(plan_points(s), s.shard_index, s.shard_count);
 
   Report report;
+  report.settings = sweep_settings(s);
   std::set<std::string> done;
   if (s.resume && std::filesystem::exists(s.out_path)) {
-    report = load_report(s.out_path);
+    Report previous = load_report(s.out_path);
+    check_resumable(previous, report.settings, capture_context(s.base.problem.threads), s.out_path);
+    report.context = previous.context;
+    report.results = std::move(previous.results);
     for (const auto& row : report.results) done.insert(row.key());
   }
-  const int threads = s.base.problem.threads;
-  if (report.context.empty()) {
-    report.context = capture_context(threads);
-    report.context["command_line"] = command_line;
-    report.context["seed"] = s.base.seed;
-    if (s.measure_machine) {
-      const auto m = measure_machine(threads);
-      report.context["fma_peak_gflops"] = m.fma_peak_gflops;
-      report.context["fma_peak_256_gflops"] = m.fma_peak_256_gflops;
-      report.context["fma_peak_512_gflops"] = m.fma_peak_512_gflops;
-      report.context["triad_bandwidth_gbs"] = m.triad_bandwidth_gbs;
-    }
-  }
-  report.settings = problem_settings(s.base);
-  report.settings["pass"] = pass_list_name(s.passes);
-  if (std::find(s.passes.begin(), s.passes.end(), Pass::Decode) != s.passes.end())
-    report.settings["decode_tokens"] = s.base.decode_tokens;
-  report.settings["models"] = s.models;
-  report.settings["seq_lens"] = s.seq_lens;
-  report.settings["params"] = s.params;
-  report.settings["timeout_s"] = s.timeout_s;
-  report.settings["memory_limit_bytes"] = s.memory_limit_bytes;
-  if (s.shard_count > 1) report.settings["shard"] = std::to_string(s.shard_index) + "/" + std::to_string(s.shard_count);
-  if (!s.preset.empty()) report.settings["preset"] = s.preset;
+  if (report.context.empty()) report.context = sweep_context(s, command_line);
   save_report_atomically(report, s.out_path);
 
   const auto start = std::chrono::steady_clock::now();
   std::size_t index = 0, ran = 0;
-  for (const auto& point : points) {
+  for (const auto& [point, described] : points) {
     ++index;
-    ResultRow row = describe_point(point, s.memory_limit_bytes);
-    if (done.count(row.key())) continue;
-    if (s.progress) {
-      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      const std::size_t remaining_points = points.size() - index + 1;
-      const std::string eta = ran > 0 ? format_duration(elapsed / static_cast<double>(ran) * static_cast<double>(remaining_points)) : "?";
-      const PointConfig& c = point.config;
-      std::fprintf(stderr, "[%zu/%zu] %s N=%lld%s%s  elapsed %s  eta %s\n", index, points.size(), c.model.c_str(),
-                   static_cast<long long>(c.problem.seq_len), c.problem.causal ? " causal" : "",
-                   c.pass == Pass::Forward ? "" : (" " + pass_name(c.pass)).c_str(),
-                   format_duration(elapsed).c_str(), eta.c_str());
-    }
+    if (done.count(described.key())) continue;
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s.progress) print_progress(index, points.size(), ran, elapsed, point.config);
+    ResultRow row = described;
     if (row.status == Status::Ok) {
-      row = run_point_in_child(point, s.timeout_s);
+      row = run_point_in_child(point, described, s.timeout_s);
       ++ran;
     }
     if (s.progress && row.status != Status::Ok)

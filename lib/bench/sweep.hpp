@@ -46,8 +46,11 @@ std::vector<std::string> params_for_model(const std::string& model, const std::v
 // Validates everything (throws InputError before any output is written), then runs.
 Report run_sweep(const SweepSettings& settings, const std::string& command_line);
 
-// Runs one point in a child process and returns its row (error rows on crash or timeout). The
-// child is this executable, or `program` (another xfbench build) when given.
-ResultRow run_point_in_child(const Point& point, double timeout_s, const std::string& program = "");
+// Runs one point in a child process and returns its row (`described`, the point's describe_point
+// row, with the error's reason on a crash or timeout). The child is this executable, which reads
+// the point as JSON (`run --point`), or `program` (another xfbench build, perhaps older), which
+// gets the reproducer's words.
+ResultRow run_point_in_child(const Point& point, const ResultRow& described, double timeout_s,
+                             const std::string& program = "");
 
 }  // namespace xfb

@@ -170,4 +170,18 @@ MachineMeasurement measure_machine(int threads) {
   return m;
 }
 
+std::string version_text() {
+  return std::string("xfbench ") + XFBENCH_VERSION + " (commit " + XFBENCH_GIT_COMMIT + ", " + XFBENCH_BUILD_TYPE +
+         " build)";
+}
+
+std::int64_t available_memory_bytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string name, unit;
+  long long kib = 0;
+  while (meminfo >> name >> kib >> unit)
+    if (name == "MemAvailable:") return static_cast<std::int64_t>(kib) * 1024;
+  return 0;
+}
+
 }  // namespace xfb

@@ -1,6 +1,7 @@
 #pragma once
 // The context every report carries: machine, ISA, threads, oneDNN, compiler, build, commit, time.
 // `measure_machine` adds this machine's fp32 FMA peak and memory bandwidth (a few seconds).
+#include <cstdint>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -8,6 +9,10 @@
 namespace xfb {
 
 nlohmann::json capture_context(int threads);
+// "xfbench 0.1.0 (commit abc1234, Release build)": what `xfbench --version` prints.
+std::string version_text();
+// MemAvailable of /proc/meminfo: what a new allocation can take without swapping; 0 if unknown.
+std::int64_t available_memory_bytes();
 
 struct MachineMeasurement {
   double fma_peak_gflops = 0;       // the highest of the two below: this machine's fp32 FMA peak

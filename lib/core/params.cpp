@@ -1,5 +1,6 @@
 #include "lib/core/params.hpp"
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <sstream>
@@ -120,6 +121,7 @@ ParamValues resolve_params(const std::string& model, const std::vector<ParamSpec
                            const std::vector<std::string>& assignments) {
   ParamValues values;
   for (const auto& spec : specs) values.set(spec.name, parse_value(model, spec, spec.default_value));
+  std::vector<std::string> assigned;
   for (const auto& assignment : assignments) {
     const auto eq = assignment.find('=');
     if (eq == std::string::npos || eq == 0)
@@ -134,6 +136,9 @@ ParamValues resolve_params(const std::string& model, const std::vector<ParamSpec
       throw ParamError("unknown parameter '" + key + "' for " + model +
                        (known.empty() ? " (it takes none)" : " (known: " + known + ")"));
     }
+    if (std::find(assigned.begin(), assigned.end(), key) != assigned.end())
+      throw ParamError("parameter '" + key + "' of " + model + " is given more than once");
+    assigned.push_back(key);
     values.set(key, parse_value(model, *spec, assignment.substr(eq + 1)));
   }
   return values;

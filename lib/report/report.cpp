@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "lib/core/errors.hpp"
+#include "lib/report/point_fields.hpp"
 
 namespace xfb {
 
@@ -26,14 +27,7 @@ Status parse_status(const std::string& s) {
   throw InputError("unknown status '" + s + "'");
 }
 
-std::string ResultRow::key() const {
-  std::ostringstream out;
-  out << model << "|" << scope << "|" << (causal ? "causal" : "full") << "|b" << batch << "|h" << heads << "|n"
-      << seq_len << "|d" << head_dim << "|f" << d_ff << "|" << params.dump();
-  if (pass != "forward") out << "|" << pass;  // forward keys stay as before passes existed
-  if (pass == "decode") out << "|t" << decode_tokens;
-  return out.str();
-}
+std::string ResultRow::key() const { return point_key(*this); }
 
 std::string configuration_text(const ResultRow& row) {
   std::ostringstream out;

@@ -1,0 +1,23 @@
+// The command-line application: global flags and every subcommand (apps/cmd_<name>.cpp).
+#include "apps/commands.hpp"
+#include "lib/bench/system_info.hpp"
+
+namespace xfb::cli {
+
+void build_app(CLI::App& app, Action& action) {
+  app.require_subcommand(1);
+  app.set_version_flag("--version", version_text());
+  add_list(app, action);
+  add_env(app, action);
+  add_run(app, action);
+  add_sweep(app, action);
+  add_table(app, action);
+  add_compare(app, action);
+  add_ab(app, action);
+  add_merge(app, action);
+  add_plot(app, action);
+  add_complexity(app, action);
+  add_taxonomy(app, action);
+}
+
+}  // namespace xfb::cli
