@@ -3,6 +3,15 @@
 #include "lib/bench/system_info.hpp"
 
 namespace xfb::cli {
+namespace {
+std::string g_command_line;
+}
+
+void set_command_line(int argc, const char* const* argv) {
+  g_command_line.clear();
+  for (int i = 0; i < argc; ++i) g_command_line += (i ? " " : "") + std::string(argv[i]);
+}
+const std::string& command_line() { return g_command_line; }
 
 void build_app(CLI::App& app, Action& action) {
   app.require_subcommand(1);

@@ -68,6 +68,7 @@ CLI::Option* add_integer_option(CLI::App& command, const std::string& flags, int
 void build_app(CLI::App& app, Action& action);
 
 // The command line as typed, for report provenance.
+void set_command_line(int argc, const char* const* argv);
 const std::string& command_line();
 
 }  // namespace xfb::cli

@@ -11,8 +11,6 @@
 
 namespace xfb::cli {
 namespace {
-std::string g_command_line;
-
 // The name of an unknown subcommand (the first word that is not a flag, when it names no command), or "".
 std::string unknown_command(const CLI::App& app, int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
@@ -31,12 +29,11 @@ std::string known_commands(const CLI::App& app) {
   return names;
 }
 }  // namespace
-const std::string& command_line() { return g_command_line; }
 }  // namespace xfb::cli
 
 int main(int argc, char** argv) {
   using namespace xfb;
-  for (int i = 0; i < argc; ++i) cli::g_command_line += (i ? " " : "") + std::string(argv[i]);
+  cli::set_command_line(argc, argv);
   CLI::App app{"xfbench — benchmarks of the efficient-attention models of 'Efficient Transformers: A Survey'"};
   bool verbose = false, quiet = false;
   app.add_flag("-v,--verbose", verbose, "debug logging");
