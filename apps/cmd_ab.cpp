@@ -1,7 +1,6 @@
 // `xfbench ab`: interleaved A/B timing of two builds, two parameter sets or two models, point by
 // point in alternating A B | B A rounds, decided on the paired per-round ratios (lib/bench/ab.hpp).
 #include <cstdio>
-#include <filesystem>
 
 #include "apps/commands.hpp"
 #include "lib/bench/ab.hpp"
@@ -9,6 +8,7 @@
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
 #include "lib/report/compare.hpp"
+#include "lib/report/files.hpp"
 #include "lib/report/report.hpp"
 
 namespace xfb::cli {
@@ -29,11 +29,8 @@ int run(AbOptions& o) {
   fill_point_grid(*o.point, o.models, o.seq_lens, s);
   s.max_slowdown = parse_fraction(o.max_slowdown, "--max-slowdown");
   if (!s.b.model.empty() && s.models.size() != 1) throw InputError("--b-model needs exactly one model in --models");
-  if (!o.out.empty()) {
-    const auto parent = std::filesystem::path(o.out).parent_path();
-    if (!parent.empty() && !std::filesystem::is_directory(parent))
-      throw InputError("output folder " + parent.string() + " does not exist");
-  }
+  if (o.out == "-") throw InputError("--out -: ab prints its table on standard output (--format json prints JSON)");
+  if (!o.out.empty()) check_output_path(o.out);
   const AbReport report = run_ab(s, command_line());
   const AbFormat format = o.format == "md"                 ? AbFormat::Markdown
                           : o.format == "json"             ? AbFormat::Json

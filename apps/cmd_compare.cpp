@@ -30,6 +30,11 @@ int run(CompareCommand& c) {
                                : c.format == "json" ? CompareFormat::Json
                                                     : CompareFormat::Text;
   std::printf("%s", render_comparison(comparison, c.options, format).c_str());
+  if (comparison.compared_nothing) {
+    std::fprintf(stderr, "xfbench: compare: nothing compared: no point is ok in both %s and %s\n", c.base.c_str(),
+                 c.now.c_str());
+    return kExitCheckFailed;
+  }
   return comparison.regressions > 0 ? kExitCheckFailed : kExitOk;
 }
 
@@ -42,7 +47,7 @@ void add_compare(CLI::App& app, Action& action) {
   command->add_option("new", c->now, "new report (JSON)")->required();
   command->add_option("--metrics", c->metrics, "gates that apply: any of time,memory,flops")->capture_default_str();
   command->add_option("--alpha", c->options.alpha, "significance level of the Mann–Whitney U test")->capture_default_str();
-  command->add_option("--max-slowdown", c->max_slowdown, "slow-down a significant point may have (5% or 0.05)")
+  command->add_option("--max-slowdown", c->max_slowdown, "slow-down a significant point may have (5% or 0.05; a bare number above 1 is refused)")
       ->capture_default_str();
   command->add_option("--max-memory-growth", c->max_memory_growth, "peak tracked memory growth allowed (0, 1%, 0.01)")
       ->capture_default_str();

@@ -15,7 +15,9 @@ void add_complexity(CLI::App& app, Action& action) {
   command->callback([=, &action] {
     action = [=] {
       std::vector<std::string> skipped;
-      const auto series = analyse_complexity(load_nonempty_report(*file), &skipped);
+      const Report report = load_nonempty_report(*file);
+      require_known_models(report, *file);
+      const auto series = analyse_complexity(report, &skipped);
       const ComplexityFormat f = *format == "md"     ? ComplexityFormat::Markdown
                                  : *format == "json" ? ComplexityFormat::Json
                                                      : ComplexityFormat::Text;

@@ -1,6 +1,5 @@
 // `xfbench merge A.json B.json … -o ALL.json`: joins the shards of a sweep into one report.
 #include <cstdio>
-#include <filesystem>
 
 #include "apps/commands.hpp"
 #include "lib/core/errors.hpp"
@@ -13,18 +12,16 @@ void add_merge(CLI::App& app, Action& action) {
   auto inputs = std::make_shared<std::vector<std::string>>();
   auto out = std::make_shared<std::string>();
   command->add_option("reports", *inputs, "reports (JSON) to join")->required();
-  command->add_option("--out,-o", *out, "merged report (JSON)")->required();
+  command->add_option("--out,-o", *out, "merged report (JSON; - for standard output)")->required();
   command->callback([=, &action] {
     action = [=] {
-      const auto parent = std::filesystem::path(*out).parent_path();
-      if (!parent.empty() && !std::filesystem::is_directory(parent))
-        throw InputError("output folder " + parent.string() + " does not exist");
+      check_output_path(*out, *inputs);
       std::vector<NamedReport> reports;
       for (const auto& path : *inputs) reports.push_back({path, load_report(path)});
       const Report merged = merge_reports(reports);
-      save_report_atomically(merged, *out);
+      write_output(*out, report_to_json(merged).dump(2) + "\n", *inputs);
       std::fprintf(stderr, "merged %zu report(s), %zu point(s) into %s\n", reports.size(), merged.results.size(),
-                   out->c_str());
+                   *out == "-" ? "standard output" : out->c_str());
       return kExitOk;
     };
   });

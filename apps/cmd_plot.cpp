@@ -18,17 +18,23 @@ void add_plot(CLI::App& app, Action& action) {
       ->check(CLI::IsMember({"time", "memory", "speedup", "state"}))
       ->capture_default_str();
   command->add_option("--baseline", *baseline, "model the speed-up is relative to")->capture_default_str();
-  command->add_option("--out,-o", *out, "SVG file to write")->required();
+  command->add_option("--out,-o", *out, "SVG file to write (.svg; - for standard output)")->required();
   command->callback([=, &action] {
+    const bool baseline_given = command->count("--baseline") > 0;
     action = [=] {
+      check_output_path(*out, {*file});
+      const bool svg_name = out->size() > 4 && out->compare(out->size() - 4, 4, ".svg") == 0;
+      if (*out != "-" && !svg_name)
+        throw InputError("--out " + *out + ": plot writes SVG; give the file the .svg extension (or - for standard output)");
       PlotOptions options;
       options.metric = *metric == "memory"    ? PlotMetric::Memory
                        : *metric == "speedup" ? PlotMetric::Speedup
                        : *metric == "state"   ? PlotMetric::State
                                               : PlotMetric::Time;
       options.baseline = *baseline;
-      const std::string svg = render_plot(load_nonempty_report(*file), options);
-      write_file_atomically(*out, svg);
+      const Report report = load_nonempty_report(*file);
+      if (baseline_given || options.metric == PlotMetric::Speedup) require_model(report, *baseline, *file, "--baseline");
+      write_output(*out, render_plot(report, options), {*file});
       return kExitOk;
     };
   });

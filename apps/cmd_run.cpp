@@ -96,14 +96,25 @@ void print_human(const ResultRow& row) {
   std::printf("reproduce  %s\n", row.reproducer.c_str());
 }
 
+// --dump names a new folder, or an empty one, in a folder that exists.
+void check_dump_folder(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  const auto parent = fs::absolute(dir, error).lexically_normal().parent_path();
+  if (error || !fs::is_directory(parent, error))
+    throw InputError("--dump " + dir + ": the folder " + parent.string() + " does not exist");
+  const auto status = fs::symlink_status(dir, error);
+  if (!fs::exists(status)) return;
+  if (!fs::is_directory(status) || !fs::is_empty(dir, error) || error)
+    throw InputError("--dump " + dir + " exists and is not an empty folder; name a new one");
+}
+
 int run(RunOptions& o) {
   const Point& point = o.resolved;
   check_memory(point, o.memory_limit_gib);
   std::optional<std::string> dump;
   if (!o.dump_dir.empty()) {
-    const auto parent = std::filesystem::absolute(o.dump_dir).parent_path();
-    if (!std::filesystem::is_directory(parent))
-      throw InputError("--dump folder's parent " + parent.string() + " does not exist");
+    check_dump_folder(o.dump_dir);
     dump = o.dump_dir;  // created by run_point when the point runs: an unsupported one writes nothing
   }
   ResultRow row;

@@ -29,6 +29,7 @@ void add_table(CLI::App& app, Action& action) {
       ->check(CLI::IsMember({"lra"}));
   command->add_flag("--complexity", *complexity, "add the survey's complexity, the FLOP-count fit and the time exponent");
   command->callback([=, &action] {
+    const bool baseline_given = command->count("--baseline") > 0;
     action = [=] {
       TableOptions options;
       options.metric = *metric == "speedup" ? TableMetric::Speedup
@@ -39,8 +40,10 @@ void add_table(CLI::App& app, Action& action) {
                                              : TableMetric::Time;
       if (*format == "github-benchmark" || *format == "bmf") {
         if (!paper->empty()) throw InputError("--paper lra prints text or md");
-        const auto entries = dashboard_entries(load_report(*file));
+        DashboardOmissions omitted;
+        const auto entries = dashboard_entries(load_report(*file), &omitted);
         std::printf("%s", (*format == "bmf" ? bencher_bmf_json(entries) : github_benchmark_json(entries)).c_str());
+        if (omitted.contended + omitted.unstable > 0) std::fprintf(stderr, "xfbench: note: %s\n", omission_note(omitted, *file).c_str());
         return 0;
       }
       options.format = *format == "md" ? TableFormat::Markdown : *format == "csv" ? TableFormat::Csv : TableFormat::Text;
@@ -48,10 +51,16 @@ void add_table(CLI::App& app, Action& action) {
       options.complexity = *complexity;
       if (!paper->empty()) {
         if (options.format == TableFormat::Csv) throw InputError("--paper lra prints text or md, not csv");
-        std::printf("%s", render_lra_comparison(load_nonempty_report(*file), options.format).c_str());
+        const Report report = load_nonempty_report(*file);
+        require_known_models(report, *file);
+        std::printf("%s", render_lra_comparison(report, options.format).c_str());
         return 0;
       }
-      std::printf("%s", render_table(load_report(*file), options).c_str());
+      const Report report = load_report(*file);
+      const bool uses_baseline = options.metric == TableMetric::Speedup || options.metric == TableMetric::MemoryRatio;
+      if (baseline_given || uses_baseline) require_model(report, options.baseline, *file, "--baseline");
+      if (options.complexity) require_known_models(report, *file);
+      std::printf("%s", render_table(report, options).c_str());
       return 0;
     };
   });

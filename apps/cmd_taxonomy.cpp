@@ -12,9 +12,10 @@ void add_taxonomy(CLI::App& app, Action& action) {
   auto format = std::make_shared<std::string>("md");
   auto out = std::make_shared<std::string>();
   command->add_option("--format", *format, "md | json | svg")->check(CLI::IsMember({"md", "json", "svg"}))->capture_default_str();
-  command->add_option("--out,-o", *out, "write to this file instead of stdout");
+  command->add_option("--out,-o", *out, "write to this file instead of stdout (- is stdout)");
   command->callback([=, &action] {
     action = [=] {
+      if (!out->empty()) check_output_path(*out);
       const TaxonomyFormat f = *format == "json" ? TaxonomyFormat::Json
                                : *format == "svg" ? TaxonomyFormat::Svg
                                                   : TaxonomyFormat::Markdown;
@@ -22,7 +23,7 @@ void add_taxonomy(CLI::App& app, Action& action) {
       if (out->empty())
         std::printf("%s", text.c_str());
       else
-        write_file_atomically(*out, text);
+        write_output(*out, text);
       return 0;
     };
   });

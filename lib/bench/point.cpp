@@ -1,9 +1,11 @@
 #include "lib/bench/point.hpp"
 
+#include <stdlib.h>
 #include <sys/resource.h>
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -19,6 +21,7 @@
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
 #include "lib/core/stats.hpp"
+#include "lib/report/files.hpp"
 #include "lib/report/point_fields.hpp"
 #include "taxonomy/registry.hpp"
 
@@ -42,13 +45,10 @@ std::int64_t peak_rss_of_self() {
   return static_cast<std::int64_t>(usage.ru_maxrss) * 1024;
 }
 
-// The folder `dir` (created) with every file as <name>.npy and manifest.json. The manifest's
-// `params`: the values that ran (derived defaults computed, blocks clamped); `requested_params`:
-// the row's, as asked for.
-void write_dump(const std::string& dir, const Point& point, const ResultRow& row,
-                const std::vector<std::pair<std::string, const Tensor*>>& files) {
-  std::filesystem::create_directories(dir);
-  for (const auto& [name, tensor] : files) write_npy(dir + "/" + name + ".npy", *tensor);
+// The dump's manifest: the settings, the values that ran (`params`: derived defaults computed, blocks
+// clamped), the row's as asked for (`requested_params`), the layout and every file with its shape.
+nlohmann::json dump_manifest(const Point& point, const ResultRow& row,
+                             const std::vector<std::pair<std::string, const Tensor*>>& files) {
   nlohmann::json manifest = point_settings(point.config);
   manifest["model"] = point.config.model;
   manifest["seq_len"] = point.config.problem.seq_len;
@@ -64,7 +64,27 @@ void write_dump(const std::string& dir, const Point& point, const ResultRow& row
   for (const auto& [name, tensor] : files)
     list.push_back({{"name", name}, {"file", name + ".npy"}, {"shape", tensor->shape()}});
   manifest["files"] = list;
-  std::ofstream(dir + "/manifest.json") << manifest.dump(2) << "\n";
+  return manifest;
+}
+
+// The folder `dir` (new, or an empty one) with every file as <name>.npy and manifest.json, whole or
+// not at all: written into a temporary sibling folder that is renamed onto `dir` at the end and
+// removed on any failure.
+void write_dump(const std::string& dir, const Point& point, const ResultRow& row,
+                const std::vector<std::pair<std::string, const Tensor*>>& files) {
+  std::string pattern = std::filesystem::absolute(dir).lexically_normal().string();
+  while (pattern.size() > 1 && pattern.back() == '/') pattern.pop_back();
+  pattern += ".partial-XXXXXX";
+  if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("cannot create a folder beside " + dir);
+  try {
+    for (const auto& [name, tensor] : files) write_npy(pattern + "/" + name + ".npy", *tensor);
+    write_file_atomically(pattern + "/manifest.json", dump_manifest(point, row, files).dump(2) + "\n");
+    if (std::rename(pattern.c_str(), dir.c_str()) != 0) throw std::runtime_error("cannot move the dump onto " + dir);
+  } catch (...) {
+    std::error_code ignored;
+    std::filesystem::remove_all(pattern, ignored);
+    throw;
+  }
 }
 
 // The timing figures of a row from its timed samples: statistics over the clean ones, contention,

@@ -16,6 +16,7 @@
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
 #include "lib/report/compare.hpp"
+#include "lib/report/files.hpp"
 #include "lib/report/merge.hpp"
 #include "lib/report/point_fields.hpp"
 #include "taxonomy/registry.hpp"
@@ -308,10 +309,8 @@ ResultRow run_point_in_child(const Point& point, const ResultRow& described, dou
 
 Report run_sweep(const SweepSettings& s, const std::string& command_line) {
   // Validate everything before writing anything.
-  if (s.out_path.empty()) throw InputError("--out is required");
-  const auto parent = std::filesystem::path(s.out_path).parent_path();
-  if (!parent.empty() && !std::filesystem::is_directory(parent))
-    throw InputError("output folder " + parent.string() + " does not exist");
+  if (s.out_path == "-") throw InputError("--out -: a sweep rewrites its report after every point; name a file");
+  check_output_path(s.out_path);
   if (s.shard_index < 1 || s.shard_index > s.shard_count) throw InputError("--shard index out of range");
   const std::vector<PlannedPoint> points = points_of_shard(plan_points(s), s.shard_index, s.shard_count);
 

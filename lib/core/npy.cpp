@@ -25,6 +25,7 @@ void write_npy(const std::string& path, const Tensor& tensor) {
   out.write(length_bytes, 2);
   out.write(header.data(), static_cast<std::streamsize>(header.size()));
   out.write(reinterpret_cast<const char*>(tensor.data()), tensor.bytes());
+  out.close();  // a full disk may show only here
   if (!out) throw std::runtime_error("failed writing " + path);
 }
 

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "lib/core/errors.hpp"
+#include "lib/report/json_fields.hpp"
 #include "lib/report/table.hpp"
 
 namespace xfb {
@@ -44,6 +45,10 @@ double parse_fraction(const std::string& text, const std::string& option) {
   if (used == 0 || used != number.size() || !std::isfinite(value))
     throw InputError(option + ": '" + text + "' is not a number or percentage (e.g. 5% or 0.05)");
   if (value < 0) throw InputError(option + ": " + text + " must not be negative");
+  // A bare 5 could mean 5% or 500%: only a percentage or a fraction up to 1 is unambiguous.
+  if (!percent && value > 1)
+    throw InputError(option + ": '" + text + "' is ambiguous; write " + text + "% for a percentage or a fraction such as " +
+                     "0.05 (at most 1; above 100% write a percentage, e.g. 150%)");
   return percent ? value / 100 : value;
 }
 
@@ -66,11 +71,9 @@ std::vector<std::string> context_differences(const nlohmann::json& a, const nloh
   auto text = [](const nlohmann::json& context, const std::string& field) {
     if (!context.contains(field)) return std::string("missing");
     const auto& value = context[field];
-    if (!value.is_string()) return value.dump();
-    std::string quoted = "'";
-    quoted += value.get<std::string>();
-    quoted += '\'';
-    return quoted;
+    if (!value.is_string()) return describe_json(value);  // one line: dump() escapes newlines
+    const std::string literal = quoted(value.get<std::string>());
+    return "'" + literal.substr(1, literal.size() - 2) + "'";
   };
   for (const auto& field : fields) {
     const bool in_a = a.contains(field), in_b = b.contains(field);
@@ -121,7 +124,7 @@ void judge(PointComparison& point, const CompareOptions& o, bool scratchpad_comp
     return;
   }
   const ResultRow &base = *point.base, &now = *point.now;
-  point.time_ratio = base.median_ns > 0 ? now.median_ns / base.median_ns : 0;
+  point.time_ratio = finite_ratio(now.median_ns, base.median_ns).value_or(0);
   point.test = mann_whitney_u(now.samples_ns, base.samples_ns);
   const bool significant = point.test.p_value < o.alpha;
   point.verdict = base.contended || now.contended                   ? Verdict::Noisy
@@ -132,7 +135,9 @@ void judge(PointComparison& point, const CompareOptions& o, bool scratchpad_comp
   point.owned_known = base.peak_owned_bytes >= 0 && now.peak_owned_bytes >= 0;
   if (point.owned_known) point.owned_delta = now.peak_owned_bytes - base.peak_owned_bytes;
   point.flops_delta = now.flops - base.flops;
-  point.time_regression = o.gate_time && point.verdict == Verdict::Slower && point.time_ratio - 1 > o.max_slowdown;
+  // Multiplied, not divided: a ratio too large for a double still counts as slower.
+  point.time_regression =
+      o.gate_time && point.verdict == Verdict::Slower && now.median_ns > base.median_ns * (1 + o.max_slowdown);
   // Reports without owned bytes (older schema) fall back to the total, as before.
   const bool owned_grew = point.owned_known && growth(point.owned_delta, base.peak_owned_bytes) > o.max_memory_growth;
   const bool total_grew = (scratchpad_compared || !point.owned_known) &&
@@ -192,9 +197,10 @@ Comparison compare_reports(const Report& base, const Report& now, const CompareO
     if (point.base && point.now && point.base->status == Status::Ok && point.now->status == Status::Ok) {
       ++result.both_ok;
       if (point.time_ratio > 0) time_ratios.push_back(point.time_ratio);
-      if (point.base->peak_tensor_bytes > 0 && point.now->peak_tensor_bytes > 0)
-        memory_ratios.push_back(static_cast<double>(point.now->peak_tensor_bytes) /
-                                static_cast<double>(point.base->peak_tensor_bytes));
+      if (point.now->peak_tensor_bytes > 0)
+        if (const auto ratio = finite_ratio(static_cast<double>(point.now->peak_tensor_bytes),
+                                            static_cast<double>(point.base->peak_tensor_bytes)))
+          memory_ratios.push_back(*ratio);
       if (point.flops_delta != 0) ++result.flops_changes;
     }
     result.time_regressions += point.time_regression;
@@ -204,6 +210,7 @@ Comparison compare_reports(const Report& base, const Report& now, const CompareO
     result.missing_regressions += point.missing_regression;
     result.regressions += point.regression();
   }
+  result.compared_nothing = result.both_ok == 0;
   if (!time_ratios.empty()) result.time_geomean = geometric_mean(time_ratios);
   if (!memory_ratios.empty()) result.memory_geomean = geometric_mean(memory_ratios);
   return result;
@@ -327,7 +334,7 @@ std::string comparison_summary(const Comparison& c) {
         << " (new/base, " << format("%+.1f%%", 100 * (c.time_geomean - 1)) << "), peak memory "
         << format("%.3f×", c.memory_geomean) << "; ";
   else
-    out << "no point was measured in both reports; ";
+    out << "no point was measured (ok) in both reports: nothing compared; ";
   out << c.regressions << " regression(s)";
   if (c.regressions > 0)
     out << " (time " << c.time_regressions << ", memory " << c.memory_regressions << ", flops "
@@ -359,6 +366,7 @@ std::string render_comparison(const Comparison& c, const CompareOptions& o, Comp
                               {"error_regressions", c.error_regressions},
                               {"missing_regressions", c.missing_regressions},
                               {"flops_changes", c.flops_changes},
+                              {"compared_nothing", c.compared_nothing},
                               {"verdicts", verdicts},
                               {"scratchpad_compared", c.scratchpad_compared},
                               {"notes", c.notes},
@@ -376,15 +384,17 @@ std::string render_comparison(const Comparison& c, const CompareOptions& o, Comp
   const auto labels = point_labels(c);
   for (std::size_t i = 0; i < c.points.size(); ++i) {
     const auto& p = c.points[i];
-    const bool measured = p.time_ratio > 0;
-    cells.push_back({labels[i], median_cell(p.base), median_cell(p.now), measured ? format("%.3f×", p.time_ratio) : "-",
+    const bool measured = p.base && p.now && p.base->status == Status::Ok && p.now->status == Status::Ok;
+    cells.push_back({labels[i], median_cell(p.base), median_cell(p.now), p.time_ratio > 0 ? format("%.3f×", p.time_ratio) : "-",
                      measured ? format("%.2g", p.test.p_value) : "-", verdict_name(p.verdict),
                      measured ? memory_cell(p, c.scratchpad_compared) : "-",
                      measured ? signed_count(p.flops_delta, static_cast<double>(p.base->flops), "FLOP") : "-",
                      regression_cell(p)});
   }
   std::ostringstream out;
-  if (md) out << "**xfbench compare**: " << (c.regressions ? "❌ " : "✅ ") << c.regressions << " regression(s)\n\n";
+  if (md)
+    out << "**xfbench compare**: " << (c.regressions || c.compared_nothing ? "❌ " : "✅ ") << c.regressions
+        << " regression(s)" << (c.compared_nothing ? ", nothing compared" : "") << "\n\n";
   out << render_cells(cells, md ? TableFormat::Markdown : TableFormat::Text, 1);
   out << (md ? "\n" : "") << comparison_summary(c) << "\n";
   for (const auto& note : c.notes) out << (md ? "\n" : "") << "note: " << note << "\n";

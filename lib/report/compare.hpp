@@ -17,6 +17,8 @@
 //           version and ISA, for peak_tensor_bytes (which includes oneDNN's scratchpad)
 //   flops   any change of the executed FLOP count (deterministic: a change means different work)
 //   error   ok in BASE, error in NEW (always gated)
+//   nothing no point is ok in both reports (`compared_nothing`): the comparison checked nothing,
+//           which `compare` treats as a failure (exit 1) rather than a pass
 //   missing a `missing` point, only when fail_on_missing (CI gates against a stored baseline: a
 //           model whose resolved parameters changed, or that no longer runs, must not drop out of
 //           the comparison silently)
@@ -40,7 +42,8 @@ struct CompareOptions {
 
 // Parses "time,memory,flops" (any non-empty subset) into the gate flags; throws InputError.
 void parse_metrics(const std::string& text, CompareOptions& options);
-// Parses "5%" or "0.05" into 0.05; throws InputError naming `option` on anything else or < 0.
+// Parses "5%" or "0.05" into 0.05; throws InputError naming `option` on anything else, on a
+// negative or non-finite value, and on a bare number above 1 ("5": 5% or 500%? write "5%").
 double parse_fraction(const std::string& text, const std::string& option);
 
 enum class Verdict { Faster, Slower, Same, Noisy, New, Missing, Error };
@@ -73,6 +76,7 @@ struct Comparison {
               error_regressions = 0, missing_regressions = 0;
   std::size_t flops_changes = 0;        // reported whether or not gated
   bool scratchpad_compared = true;      // same oneDNN version and ISA: peak_tensor_bytes gated too
+  bool compared_nothing = false;        // no point ok in both reports: the gate checked nothing (exit 1)
   std::vector<std::string> notes;       // what was not compared and why
 };
 

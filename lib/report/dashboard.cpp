@@ -13,13 +13,25 @@ std::string dashboard_name(const ResultRow& row) {
   return name;
 }
 
-std::vector<DashboardEntry> dashboard_entries(const Report& report) {
+std::vector<DashboardEntry> dashboard_entries(const Report& report, DashboardOmissions* omitted) {
   std::vector<DashboardEntry> entries;
+  DashboardOmissions counts;
   for (const auto& row : report.results) {
     if (row.status != Status::Ok) continue;
+    if (row.contended || row.unstable) {
+      ++(row.contended ? counts.contended : counts.unstable);
+      continue;
+    }
     entries.push_back({dashboard_name(row), row.median_ns, row.mad_ns, row.min_ns, row.max_ns, std::nullopt});
   }
+  if (omitted) *omitted = counts;
   return entries;
+}
+
+std::string omission_note(const DashboardOmissions& omitted, const std::string& file) {
+  return "left out " + std::to_string(omitted.contended + omitted.unstable) + " ok row(s) of " + file + ": " +
+         std::to_string(omitted.contended) + " contended, " + std::to_string(omitted.unstable) +
+         " unstable (CV > 5%); their times are not trustworthy";
 }
 
 std::string github_benchmark_json(const std::vector<DashboardEntry>& entries) {

@@ -5,7 +5,9 @@
 //   Bencher Metric Format (BMF): a JSON object keyed by benchmark name,
 //     {name: {"latency": {"value": median, "lower_value": min, "upper_value": max}}}  (nanoseconds)
 //     plus, for A/B entries, {"ratio": {"value": B/A, "lower_value": CI low, "upper_value": CI high}}.
-// Only measured points are exported (a dashboard must not plot a failed point as a value).
+// Only trustworthy measurements are exported: ok rows that are neither contended (their threads
+// waited for a CPU) nor unstable (CV > 5%). A dashboard charts every value it gets and has no field
+// for "do not trust this one", so such rows are left out and counted instead.
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,8 +28,13 @@ struct DashboardEntry {
 
 // "vanilla N=1024 [attention, B=1 H=8 D=64]" (+ " (params)" when the row has parameters).
 std::string dashboard_name(const ResultRow& row);
-// Every ok row of the report.
-std::vector<DashboardEntry> dashboard_entries(const Report& report);
+struct DashboardOmissions {
+  std::size_t contended = 0, unstable = 0;  // ok rows left out; a contended row counts as contended only
+};
+// Every ok row of the report that is neither contended nor unstable; `omitted` counts the others.
+std::vector<DashboardEntry> dashboard_entries(const Report& report, DashboardOmissions* omitted = nullptr);
+// "left out 2 ok row(s) of FILE: 1 contended, 1 unstable (CV > 5%): their times are not trustworthy"
+std::string omission_note(const DashboardOmissions& omitted, const std::string& file);
 
 std::string github_benchmark_json(const std::vector<DashboardEntry>& entries);
 std::string bencher_bmf_json(const std::vector<DashboardEntry>& entries);

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -48,6 +49,13 @@ std::string rho_text(const std::vector<double>& ours, const std::vector<double>&
   return number("%.2f", spearman_rho(ours, theirs));
 }
 
+// Speed-up (vanilla's median over the row's) or memory ratio (the row's peak over vanilla's);
+// none when it is not a finite number.
+std::optional<double> our_ratio(const ResultRow& row, const ResultRow& vanilla, bool speed) {
+  if (speed) return finite_ratio(vanilla.median_ns, row.median_ns);
+  return finite_ratio(static_cast<double>(row.peak_tensor_bytes), static_cast<double>(vanilla.peak_tensor_bytes));
+}
+
 struct Column {
   std::int64_t n = 0;
   const ResultRow* vanilla = nullptr;
@@ -76,10 +84,9 @@ std::string render_metric(const std::vector<Column>& columns, bool speed, TableF
       const ResultRow* row = found == columns[i].rows.end() ? nullptr : found->second;
       std::string mine = "-";
       if (row && row->status != Status::Ok) mine = row->status == Status::Unsupported ? "n/a" : status_name(row->status);
-      if (row && row->status == Status::Ok) {
-        const double value = speed ? columns[i].vanilla->median_ns / row->median_ns
-                                   : static_cast<double>(row->peak_tensor_bytes) /
-                                         static_cast<double>(columns[i].vanilla->peak_tensor_bytes);
+      const auto ratio = row && row->status == Status::Ok ? our_ratio(*row, *columns[i].vanilla, speed) : std::nullopt;
+      if (ratio) {
+        const double value = *ratio;
         mine = number("%.2f×", value);
         if (!(speed && published.doubtful[k])) {
           ours[i].push_back(value);

@@ -19,6 +19,11 @@ using svg::num;
 
 constexpr double kWidth = 980, kPlotLeft = 80, kPlotWidth = 560, kPlotTop = 50, kPlotHeight = 400;
 constexpr double kLegendLeft = kPlotLeft + kPlotWidth + 30, kLegendLine = 17;
+// Values the log axes draw; outside, a point is absent ("out of range"), so the axes span at
+// most 60 decades and every coordinate is finite.
+constexpr double kMinValue = 1e-30, kMaxValue = 1e30;
+// Ticks per axis at most: every tick loop is bounded whatever the data.
+constexpr int kMaxTickSteps = 200;
 
 struct Point {
   std::int64_t n;
@@ -105,10 +110,11 @@ std::vector<Panel> collect(const Report& report, const PlotOptions& o) {
         if (o.metric == PlotMetric::Memory) point.value = static_cast<double>(row->peak_tensor_bytes) / 1048576.0;
         if (o.metric == PlotMetric::Speedup) {
           const auto found = baseline.find(row->seq_len);
-          point.value = found == baseline.end() ? 0 : found->second->median_ns / row->median_ns;
+          point.value = found == baseline.end() ? 0 : finite_ratio(found->second->median_ns, row->median_ns).value_or(0);
           point.why = "no " + o.baseline + " point";
         }
-        point.drawn = point.value > 0 && std::isfinite(point.value);
+        point.drawn = point.value >= kMinValue && point.value <= kMaxValue;
+        if (!point.drawn && point.value > 0) point.why = "out of range";
       }
       series.points.push_back(point);
     }
@@ -184,7 +190,8 @@ void draw_axes(std::ostringstream& out, const Axes& a, const PlotOptions& o, boo
   const double bottom = a.top + kPlotHeight, right = kPlotLeft + kPlotWidth;
   out << "<g class=\"grid\" stroke=\"#e3e3e3\" stroke-width=\"1\">\n";
   std::vector<double> x_ticks;
-  for (double n = a.x_lo; n <= a.x_hi * (1 + 1e-9); n *= 2) x_ticks.push_back(n);
+  double n = a.x_lo;
+  for (int i = 0; i < kMaxTickSteps && n <= a.x_hi * (1 + 1e-9); ++i, n *= 2) x_ticks.push_back(n);
   const std::size_t x_step = x_ticks.size() > 10 ? 2 : 1;
   std::vector<double> y_ticks;
   // Decades only above three decades, 1-2-5 down to one, finer below.
@@ -192,7 +199,8 @@ void draw_axes(std::ostringstream& out, const Axes& a, const PlotOptions& o, boo
   const std::vector<double> steps = decades > 3.01 ? std::vector<double>{1}
                                     : decades > 1.01 ? std::vector<double>{1, 2, 5}
                                                      : std::vector<double>{1, 1.5, 2, 3, 5, 7};
-  for (double decade = std::pow(10.0, std::floor(std::log10(a.y_lo))); decade <= a.y_hi; decade *= 10)
+  double decade = std::pow(10.0, std::floor(std::log10(a.y_lo)));
+  for (int i = 0; i < kMaxTickSteps && decade <= a.y_hi; ++i, decade *= 10)
     for (double step : steps) {
       const double v = step * decade;
       if (v >= a.y_lo * (1 - 1e-9) && v <= a.y_hi * (1 + 1e-9)) y_ticks.push_back(v);

@@ -3,10 +3,13 @@
 // docs/report-schema.md documents every field; bump kSchemaVersion on any incompatible change.
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "lib/report/files.hpp"
 
 namespace xfb {
 
@@ -74,11 +77,18 @@ std::string configuration_text(const ResultRow& row);
 // "block_k=512,block_q=64"; empty for no parameters.
 std::string params_text(const nlohmann::json& params);
 
+// numerator / denominator when the denominator is positive and the quotient finite: the one way
+// report code divides figures it prints, so no table or chart shows nan or inf.
+std::optional<double> finite_ratio(double numerator, double denominator);
+
 // The row's contention warning (the one in `warnings` that starts "contended:"), or a summary.
 std::string contended_warning(const ResultRow& row);
 
 void to_json(nlohmann::json& j, const ResultRow& row);
-void from_json(const nlohmann::json& j, ResultRow& row);
+// The reader of rows: every field checked for type and range (docs/report-schema.md#validation);
+// throws InputError "<where>.<field>: must be …, got …" on the first violation.
+ResultRow read_result_row(const nlohmann::json& j, const std::string& where);
+void from_json(const nlohmann::json& j, ResultRow& row);  // read_result_row(j, "result row")
 
 struct Report {
   nlohmann::json context = nlohmann::json::object();
@@ -87,13 +97,21 @@ struct Report {
 };
 
 nlohmann::json report_to_json(const Report& report);
-// Throws InputError with a one-line message on malformed input or a future schema.
+// The one reader of reports: tool "xfbench", schema_version 1…kSchemaVersion, context and
+// settings objects (the fields commands use type-checked), every row through read_result_row.
+// Throws InputError with a one-line message naming the field.
 Report report_from_json(const nlohmann::json& j);
+// report_from_json of a file read with read_input_file (regular, non-empty, bounded size; never
+// blocks); every message starts with the path.
 Report load_report(const std::string& path);
 // load_report, and an InputError when the report has no results (for commands that analyse one).
 Report load_nonempty_report(const std::string& path);
-// Writes to path.tmp then renames: readers never see a half-written file.
+// For commands that need registry facts: InputError "PATH: results[i].model: unknown model …"
+// for the first row whose model this build does not know.
+void require_known_models(const Report& report, const std::string& path);
+// InputError "OPTION 'model': PATH has no row of that model" unless a row has it.
+void require_model(const Report& report, const std::string& model, const std::string& path, const std::string& option);
+// write_file_atomically of the report's JSON.
 void save_report_atomically(const Report& report, const std::string& path);
-void write_file_atomically(const std::string& path, const std::string& content);
 
 }  // namespace xfb

@@ -6,11 +6,16 @@
 #include <set>
 #include <sstream>
 
+#include "lib/core/errors.hpp"
 #include "lib/report/complexity.hpp"
 #include "taxonomy/cards.hpp"
 
 namespace xfb {
 namespace {
+
+// Rows × lengths of one table: a report of distinct models at distinct lengths must not make
+// the table grow as the square of its size.
+constexpr std::size_t kMaxTableCells = 1'000'000;
 
 struct GroupKey {
   std::string scope, pass;
@@ -57,17 +62,21 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
              (row.unstable ? "~" : "") + (row.contended ? "!" : "");
     case TableMetric::Speedup:
       if (baseline == nullptr || baseline->status != Status::Ok) return "-";
-      return printf_string("%.2f×", baseline->median_ns / row.median_ns) +
-             (row.contended || baseline->contended ? "!" : "");
+      if (const auto ratio = finite_ratio(baseline->median_ns, row.median_ns))
+        return printf_string("%.2f×", *ratio) + (row.contended || baseline->contended ? "!" : "");
+      return "-";
     case TableMetric::Memory:
       return printf_string("%.1f", static_cast<double>(row.peak_tensor_bytes) / (1024.0 * 1024.0));
     case TableMetric::MemoryRatio:
       if (baseline == nullptr || baseline->status != Status::Ok) return "-";
-      return printf_string("%.3f×", static_cast<double>(row.peak_tensor_bytes) /
-                                        static_cast<double>(baseline->peak_tensor_bytes));
-    case TableMetric::Gflops:
-      return printf_string("%.1f", row.gflops_per_s) +
-             (peak_gflops > 0 ? printf_string(" (%.0f%%)", 100.0 * row.gflops_per_s / peak_gflops) : "");
+      if (const auto ratio = finite_ratio(static_cast<double>(row.peak_tensor_bytes),
+                                          static_cast<double>(baseline->peak_tensor_bytes)))
+        return printf_string("%.3f×", *ratio);
+      return "-";
+    case TableMetric::Gflops: {
+      const auto share = finite_ratio(100.0 * row.gflops_per_s, peak_gflops);
+      return printf_string("%.1f", row.gflops_per_s) + (share ? printf_string(" (%.0f%%)", *share) : "");
+    }
     case TableMetric::State:
       return row.pass == "decode" ? printf_string("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0)) : "-";
   }
@@ -199,6 +208,10 @@ std::string render_table(const Report& report, const TableOptions& options) {
           << (key.d_ff ? ", d_ff=" + std::to_string(key.d_ff) : "")
           << (options.format == TableFormat::Markdown ? "**\n\n" : "\n");
     }
+    if (labels.size() * lengths.size() > kMaxTableCells)
+      throw InputError("a table of this report would have " + std::to_string(labels.size()) + " rows × " +
+                       std::to_string(lengths.size()) + " sequence lengths, more than " +
+                       std::to_string(kMaxTableCells) + " cells");
     std::vector<std::vector<std::string>> cells;
     std::vector<std::string> header = {"class", "model"};
     if (options.format == TableFormat::Csv) header = {"scope", "pass", "causal", "batch", "heads", "head_dim", "class", "model"};
