@@ -57,7 +57,7 @@ void check_memory(const Point& point, double limit_gib) {
 }
 
 void print_human(const ResultRow& row) {
-  std::printf("model      %s (%s, %s pass, %s%s)\n", row.model.c_str(), row.scope.c_str(), row.pass.c_str(),
+  std::printf("model      %s (%s, %s pass, %s%s)\n", row.model.c_str(), scope_name(row.scope).c_str(), pass_name(row.pass).c_str(),
               row.causal ? "causal" : "non-causal",
               row.params.empty() ? "" : (", " + row.params.dump()).c_str());
   std::printf("shape      B=%lld H=%lld N=%lld D=%lld\n", static_cast<long long>(row.batch),
@@ -66,7 +66,7 @@ void print_human(const ResultRow& row) {
   std::printf("status     %s%s%s\n", status_name(row.status).c_str(), row.reason.empty() ? "" : ": ", row.reason.c_str());
   if (row.status == Status::Ok) {
     // Decode rows time one generated token: µs.
-    const bool decode = row.pass == "decode";
+    const bool decode = row.pass == Pass::Decode;
     const double unit = decode ? 1e-3 : 1e-6;
     std::printf("median     %.3f %s%s  (min %.3f, max %.3f, MAD %.3f, CV %.1f%%%s, %zu samples)\n", row.median_ns * unit,
                 decode ? "µs" : "ms", decode ? " per token" : "", row.min_ns * unit, row.max_ns * unit, row.mad_ns * unit,
@@ -83,11 +83,11 @@ void print_human(const ResultRow& row) {
                 static_cast<double>(row.peak_tensor_bytes) / 1048576.0, static_cast<double>(row.workspace_bytes) / 1048576.0,
                 static_cast<double>(row.estimated_workspace_bytes) / 1048576.0,
                 static_cast<double>(row.peak_rss_bytes) / 1048576.0);
-    if (row.pass == "decode")
+    if (row.pass == Pass::Decode)
       std::printf("decode     %lld tokens after the context: median is per token; prefill %.3f ms median; state %.3f MiB\n",
                   static_cast<long long>(row.decode_tokens), row.prefill_ns * 1e-6,
                   static_cast<double>(row.state_bytes) / 1048576.0);
-    else if (row.pass != "forward")
+    else if (row.pass != Pass::Forward)
       std::printf("saved      %.2f MiB kept by the forward for the backward\n",
                   static_cast<double>(row.saved_bytes) / 1048576.0);
     if (!row.gradient_note.empty()) std::printf("gradient   %s\n", row.gradient_note.c_str());

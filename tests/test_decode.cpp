@@ -305,7 +305,7 @@ TEST_SUITE("decode") {
       c.timing = {.warmup = 1, .min_reps = 1, .min_time_s = 0, .max_reps = 1};
       const ResultRow row = run_point(c);
       REQUIRE(row.status == Status::Ok);
-      CHECK(row.pass == "decode");
+      CHECK(row.pass == Pass::Decode);
       CHECK(row.causal);
       CHECK(row.decode_tokens == 8);
       // One sample per token of the one timed run (a descheduled one is kept apart: ctest -j runs

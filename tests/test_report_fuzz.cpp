@@ -35,7 +35,7 @@ ResultRow seed_row(const std::string& model, std::int64_t n, double median, cons
   ResultRow row;
   row.model = model;
   row.classes = {model == "local" ? "fixed_patterns" : "exact"};
-  row.pass = pass;
+  row.pass = parse_pass(pass);
   row.causal = pass == "decode";
   row.batch = 1;
   row.heads = 2;

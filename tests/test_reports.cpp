@@ -515,7 +515,7 @@ TEST_SUITE("reports") {
     for (std::int64_t n : {1024, 2048, 4096, 8192}) {
       auto decode_row = [&](const std::string& model, double per_token_ns, std::int64_t per_token_flops, std::int64_t state) {
         ResultRow row = make_row(model, n, {per_token_ns});
-        row.pass = "decode";
+        row.pass = Pass::Decode;
         row.causal = true;
         row.decode_tokens = 10;
         row.flops = 10 * per_token_flops;
@@ -584,7 +584,7 @@ TEST_SUITE("reports") {
       auto row = make_row(published.model, 1024, {1.0 / published.steps_per_s[0] * 1e9});
       row.median_ns = 1e9 * published.steps_per_s[0];  // faster in LRA → slower here
       row.peak_tensor_bytes = static_cast<std::int64_t>(published.memory_gb[0] * 1e9);
-      row.scope = "layer";
+      row.scope = Scope::Layer;
       rows.push_back(row);
     }
     const auto text = render_lra_comparison(report_of(rows), TableFormat::Text);

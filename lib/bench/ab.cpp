@@ -50,7 +50,7 @@ PointConfig side_point(const AbSettings& s, const AbSide& side, const std::strin
 
 std::string point_label(const AbPoint& p) {
   return p.a.model + (p.b.model != p.a.model ? " vs " + p.b.model : "") + " N=" + std::to_string(p.a.seq_len) +
-         (p.a.pass != "forward" ? " " + p.a.pass : "");
+         (p.a.pass != Pass::Forward ? " " + pass_name(p.a.pass) : "");
 }
 
 std::string format(const char* pattern, double value) {

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "lib/bench/encoder_layer.hpp"
+#include "lib/bench/workload.hpp"
 #include "lib/core/cpu_isa.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
@@ -116,42 +117,82 @@ void record_timing(ResultRow& row, const TimingResult& timed) {
   if (!optimised_build()) row.warnings.push_back("this build is not optimised (" XFBENCH_BUILD_TYPE "): times are not representative");
 }
 
-// The decode pass. The context's q, k, v are rows [0, N) of the seeded N + T token sequence (the
-// same draws as a causal forward over N + T tokens), step t's token is row N + t; all are drawn
-// untimed. The first run is untimed (primitives; the steps' executed FLOPs), then time_decoding.
+// The decode pass's inputs, drawn untimed: the context's q, k, v are rows [0, N) of the seeded
+// N + T token sequence (the same draws as a causal forward over N + T tokens), step t's token is
+// row N + t ([B, H, 1, D] each), with an output per step.
+struct DecodeInputs {
+  std::array<Tensor, 3> context;  // q, k, v of the N context tokens
+  Tensor out;                     // the prefill's output
+  std::vector<std::array<Tensor, 3>> steps;
+  std::vector<Tensor> step_out;
+
+  DecodeInputs(const Problem& p, std::int64_t tokens, std::uint64_t seed) {
+    constexpr std::array<const char*, 3> kStreams = {"input/q", "input/k", "input/v"};
+    const std::int64_t total = p.seq_len + tokens;
+    for (std::size_t i = 0; i < 3; ++i) {
+      context[i] = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+      CounterRng(seed, kStreams[i]).fill_normal_rows(context[i], total, 0);
+    }
+    out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    steps.resize(static_cast<std::size_t>(tokens));
+    step_out.resize(static_cast<std::size_t>(tokens));
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      for (std::size_t i = 0; i < 3; ++i) {
+        steps[t][i] = Tensor::bhnd(p.batch, p.heads, 1, p.head_dim);
+        CounterRng(seed, kStreams[i]).fill_normal_rows(steps[t][i], total, p.seq_len + t);
+      }
+      step_out[t] = Tensor::bhnd(p.batch, p.heads, 1, p.head_dim);
+    }
+  }
+
+  // Reads step t's q, k, v and output row untimed: a step's token arrives in cache, as a decoder's
+  // projection would leave it (after a long prefill they would otherwise come from memory).
+  void bring_to_cache(std::int64_t t) const {
+    static volatile float sink = 0;
+    float sum = 0;
+    for (const Tensor* tensor : {&steps[t][0], &steps[t][1], &steps[t][2], &step_out[t]})
+      for (std::int64_t i = 0; i < tensor->size(); ++i) sum += (*tensor)[i];
+    sink = sink + sum;
+  }
+
+  // Input i (0 q, 1 k, 2 v, 3 out) over the whole sequence, context rows then decoded rows:
+  // [B, H, N + T, D].
+  Tensor whole_sequence(std::size_t i) const {
+    const Tensor& head_rows = i < 3 ? context[i] : out;
+    const std::int64_t b_count = head_rows.dim(0), h_count = head_rows.dim(1), n = head_rows.dim(2),
+                       d = head_rows.dim(3), tokens = static_cast<std::int64_t>(steps.size());
+    Tensor whole = Tensor::bhnd(b_count, h_count, n + tokens, d);
+    for (std::int64_t b = 0; b < b_count; ++b)
+      for (std::int64_t h = 0; h < h_count; ++h) {
+        float* dst = whole.head(b, h);
+        std::copy_n(head_rows.head(b, h), n * d, dst);
+        for (std::int64_t t = 0; t < tokens; ++t)
+          std::copy_n((i < 3 ? steps[t][i] : step_out[t]).head(b, h), d, dst + (n + t) * d);
+      }
+    return whole;
+  }
+};
+
+// The decode pass: a prefill of the N-token context, then decode_tokens steps of one token each.
+// The first run is untimed (primitives; the steps' executed FLOPs), then time_decoding.
 ResultRow run_decode_point(const Point& point, ResultRow row, const std::optional<std::string>& dump_dir) {
   const PointConfig& config = point.config;
   const Problem& p = config.problem;
-  const std::int64_t tokens = config.decode_tokens, total = p.seq_len + tokens;
+  const std::int64_t tokens = config.decode_tokens;
   DnnlContext::instance().set_threads(p.threads);
   auto& tracker = MemoryTracker::instance();
   const std::int64_t baseline = tracker.current_bytes();
   const std::int64_t owned_baseline = tracker.owned_current_bytes();
   tracker.reset_peak();
 
-  constexpr std::array<const char*, 3> kStreams = {"input/q", "input/k", "input/v"};
-  std::array<Tensor, 3> context;  // q, k, v of the N context tokens
-  for (std::size_t i = 0; i < 3; ++i) {
-    context[i] = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-    CounterRng(config.seed, kStreams[i]).fill_normal_rows(context[i], total, 0);
-  }
-  Tensor out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-  std::vector<std::array<Tensor, 3>> step_inputs(static_cast<std::size_t>(tokens));
-  std::vector<Tensor> step_outputs(static_cast<std::size_t>(tokens));
-  for (std::int64_t t = 0; t < tokens; ++t) {
-    for (std::size_t i = 0; i < 3; ++i) {
-      step_inputs[t][i] = Tensor::bhnd(p.batch, p.heads, 1, p.head_dim);
-      CounterRng(config.seed, kStreams[i]).fill_normal_rows(step_inputs[t][i], total, p.seq_len + t);
-    }
-    step_outputs[t] = Tensor::bhnd(p.batch, p.heads, 1, p.head_dim);
-  }
+  DecodeInputs in(p, tokens, config.seed);
   auto mechanism = point.model->impl.create(p, point.requested, config.seed);
-  mechanism->prepare(context[0], context[1], context[2]);
+  mechanism->prepare(in.context[0], in.context[1], in.context[2]);
   mechanism->prepare_decode(tokens);
-  auto prefill = [&] { mechanism->forward(context[0], context[1], context[2], out); };
+  auto prefill = [&] { mechanism->forward(in.context[0], in.context[1], in.context[2], in.out); };
   auto step = [&](std::int64_t t) {
-    const auto& in = step_inputs[t];
-    mechanism->decode_step(in[0], in[1], in[2], step_outputs[t]);
+    const auto& token = in.steps[t];
+    mechanism->decode_step(token[0], token[1], token[2], in.step_out[t]);
   };
   prefill();
   FlopCounter::reset();
@@ -160,16 +201,8 @@ ResultRow run_decode_point(const Point& point, ResultRow row, const std::optiona
 
   TimingSettings timing = config.timing;
   timing.warmup -= 1;
-  // A step's token arrives in cache, as a decoder's projection would leave it: read its q, k, v and
-  // the output row untimed (after a long prefill they would otherwise come from memory).
-  volatile float sink = 0;
-  auto ready = [&](std::int64_t t) {
-    float sum = 0;
-    for (const Tensor* tensor : {&step_inputs[t][0], &step_inputs[t][1], &step_inputs[t][2], &step_outputs[t]})
-      for (std::int64_t i = 0; i < tensor->size(); ++i) sum += (*tensor)[i];
-    sink = sink + sum;
-  };
-  const DecodeTimingResult timed = time_decoding(timing, tokens, prefill, step, ready);
+  const DecodeTimingResult timed =
+      time_decoding(timing, tokens, prefill, step, [&](std::int64_t t) { in.bring_to_cache(t); });
 
   row.peak_tensor_bytes = tracker.peak_bytes() - baseline;
   row.peak_owned_bytes = tracker.owned_peak_bytes() - owned_baseline;
@@ -182,22 +215,8 @@ ResultRow run_decode_point(const Point& point, ResultRow row, const std::optiona
   row.tokens_per_s = per_token_ns > 0 ? static_cast<double>(p.batch) / (per_token_ns * 1e-9) : 0;
 
   if (dump_dir) {
-    // The whole sequence, context rows then decoded rows: [B, H, N + T, D].
-    auto sequence = [&](const Tensor& head_rows, auto&& token_row) {
-      Tensor whole = Tensor::bhnd(p.batch, p.heads, total, p.head_dim);
-      for (std::int64_t b = 0; b < p.batch; ++b)
-        for (std::int64_t h = 0; h < p.heads; ++h) {
-          float* dst = whole.head(b, h);
-          std::copy_n(head_rows.head(b, h), p.seq_len * p.head_dim, dst);
-          for (std::int64_t t = 0; t < tokens; ++t)
-            std::copy_n(token_row(t).head(b, h), p.head_dim, dst + (p.seq_len + t) * p.head_dim);
-        }
-      return whole;
-    };
-    std::array<Tensor, 4> whole;
-    for (std::size_t i = 0; i < 3; ++i)
-      whole[i] = sequence(context[i], [&](std::int64_t t) -> const Tensor& { return step_inputs[t][i]; });
-    whole[3] = sequence(out, [&](std::int64_t t) -> const Tensor& { return step_outputs[t]; });
+    const std::array<Tensor, 4> whole = {in.whole_sequence(0), in.whole_sequence(1), in.whole_sequence(2),
+                                         in.whole_sequence(3)};
     std::vector<std::pair<std::string, const Tensor*>> files = {
         {"q", &whole[0]}, {"k", &whole[1]}, {"v", &whole[2]}, {"out", &whole[3]}};
     for (const auto& named : mechanism->parameters()) files.emplace_back(named.name, named.tensor);
@@ -280,7 +299,7 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
     row.reason = model.display_name + " has no incremental form in this build, so no decode pass";
   } else if (config.pass != Pass::Forward && config.pass != Pass::Decode && !model.impl.has_backward()) {
     row.status = Status::Unsupported;
-    row.reason = model.display_name + " has no backward pass in this build, so no " + row.pass + " pass";
+    row.reason = model.display_name + " has no backward pass in this build, so no " + pass_name(row.pass) + " pass";
   } else {
     const std::int64_t estimate = estimated_point_bytes(point);
     row.estimated_workspace_bytes = estimate - point_io_bytes(config);
@@ -305,106 +324,22 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
   ResultRow row = describe_point(point);
   if (row.status != Status::Ok) return row;
   if (point.config.pass == Pass::Decode) return run_decode_point(point, std::move(row), dump_dir);
-  const ModelInfo& model = *point.model;
   const PointConfig& config = point.config;
-  const ParamValues& values = point.requested;
-  const Problem& p = config.problem;
-  DnnlContext::instance().set_threads(p.threads);  // the team oneDNN and every OpenMP loop use
-
+  DnnlContext::instance().set_threads(config.problem.threads);  // the team oneDNN and every OpenMP loop use
   auto& tracker = MemoryTracker::instance();
   const std::int64_t baseline = tracker.current_bytes();
   const std::int64_t owned_baseline = tracker.owned_current_bytes();
   tracker.reset_peak();
 
-  // Untimed setup: inputs, output, parameters, buffers, primitives (first warm-up run).
-  const bool layer = config.scope == Scope::Layer;
-  Tensor q, k, v, x;
-  if (layer) {
-    x = Tensor(Shape{p.batch, p.seq_len, p.heads * p.head_dim});
-    CounterRng(config.seed, "input/x").fill_normal(x);
-  } else {
-    q = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-    k = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-    v = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-    CounterRng(config.seed, "input/q").fill_normal(q);
-    CounterRng(config.seed, "input/k").fill_normal(k);
-    CounterRng(config.seed, "input/v").fill_normal(v);
-  }
-  Tensor out = layer ? Tensor(Shape{p.batch, p.seq_len, p.heads * p.head_dim})
-                     : Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-  // Training passes: a seeded dO (of the output) and the input gradients (attention: dq, dk, dv;
-  // layer: dx, the mechanism's inside the layer), allocated with the inputs, before any prepare
-  // (so a model's setup-only buffers, like routing's fitting rows, peak over all of them).
-  const bool training = config.pass != Pass::Forward;
-  Tensor dout, dq, dk, dv, dx;
-  if (training && layer) {
-    dout = Tensor(out.shape());
-    dx = Tensor(x.shape());
-  } else if (training) {
-    dout = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-    dq = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-    dk = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-    dv = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
-  }
-  if (training) CounterRng(config.seed, "input/dout").fill_normal(dout);
-  const std::int64_t io_bytes = point_io_bytes(config);
-  auto mechanism = model.impl.create(p, values, config.seed);
-  std::unique_ptr<EncoderLayer> encoder;
-  if (layer) {
-    encoder = std::make_unique<EncoderLayer>(p, config.effective_d_ff(), config.seed);
-    if (training) encoder->prepare_training();  // the layer's own buffers, before the mechanism's setup
-    encoder->prepare(*mechanism, x);
-    if (training) encoder->prepare_backward(*mechanism);
-  } else {
-    mechanism->prepare(q, k, v);
-    if (training) mechanism->prepare_backward();
-  }
-  auto forward = [&] {
-    if (layer)
-      encoder->forward(*mechanism, x, out);
-    else
-      mechanism->forward(q, k, v, out);
-  };
-  auto backward = [&] {
-    if (layer)
-      encoder->backward(*mechanism, x, dout, dx);
-    else
-      mechanism->backward(q, k, v, out, dout, dq, dk, dv);
-  };
-  std::function<void()> body = forward;
-  if (config.pass == Pass::Backward) {
-    forward();  // untimed: saves what the timed backward reads (the backward leaves it unchanged)
-    body = backward;
-  } else if (config.pass == Pass::Train) {
-    body = [&] {
-      // Attention scope: a mechanism that splits its forward or backward into stages of its own
-      // (route, attend) keeps them; the rest of that pass after its last lap is charged to no
-      // stage, as in a forward pass. Layer scope: `forward` and `backward` are the whole layer's.
-      stage_clock::mute(layer);
-      forward();
-      stage_clock::mute(false);
-      if (stage_clock::stages() == 0)
-        stage_clock::lap("forward");
-      else
-        stage_clock::restart();
-      const std::size_t forward_stages = stage_clock::stages();
-      stage_clock::mute(layer);
-      backward();
-      stage_clock::mute(false);
-      if (stage_clock::stages() == forward_stages)
-        stage_clock::lap("backward");
-      else
-        stage_clock::restart();
-    };
-  }
+  // Untimed: inputs, parameters, buffers; then the first warm-up run creates the primitives and
+  // gives the executed FLOPs.
+  const auto workload = make_workload(point);
+  const auto body = pass_body(config.pass, *workload);
   FlopCounter::reset();
   body();
   row.flops = FlopCounter::total();
-  if (training) {
-    row.saved_bytes += mechanism->saved_bytes();
-    row.gradient_note = mechanism->gradient_note();
-    if (layer) row.saved_bytes += total_bytes(encoder->saved());
-  }
+  row.saved_bytes = workload->saved_bytes();
+  if (config.pass != Pass::Forward) row.gradient_note = workload->mechanism().gradient_note();
 
   TimingSettings timing = config.timing;
   timing.warmup -= 1;
@@ -412,32 +347,12 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
 
   row.peak_tensor_bytes = tracker.peak_bytes() - baseline;
   row.peak_owned_bytes = tracker.owned_peak_bytes() - owned_baseline;
-  row.workspace_bytes = row.peak_tensor_bytes - io_bytes;
+  row.workspace_bytes = row.peak_tensor_bytes - point_io_bytes(config);
   record_timing(row, timed);
   row.gflops_per_s = row.median_ns > 0 ? static_cast<double>(row.flops) / row.median_ns : 0;
-  row.tokens_per_s = row.median_ns > 0 ? static_cast<double>(p.batch * p.seq_len) / (row.median_ns * 1e-9) : 0;
-
-  if (dump_dir) {
-    std::vector<std::pair<std::string, const Tensor*>> files;
-    if (layer) {
-      files = {{"x", &x}, {"q", &encoder->q()}, {"k", &encoder->k()}, {"v", &encoder->v()},
-               {"attention_out", &encoder->attention_output()}, {"out", &out}};
-      for (const auto& named : encoder->parameters()) files.emplace_back(named.name, named.tensor);
-    } else {
-      files = {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
-    }
-    if (training && layer) {
-      files.insert(files.end(), {{"dout", &dout}, {"dx", &dx}});
-      for (const auto& named : encoder->attention_gradients()) files.emplace_back(named.name, named.tensor);
-      for (const auto& named : encoder->parameter_gradients()) files.emplace_back(named.name, named.tensor);
-    } else if (training) {
-      files.insert(files.end(), {{"dout", &dout}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}});
-    }
-    for (const auto& named : mechanism->parameters()) files.emplace_back(named.name, named.tensor);
-    if (training)
-      for (const auto& named : mechanism->parameter_gradients()) files.emplace_back(named.name, named.tensor);
-    write_dump(*dump_dir, point, row, files);
-  }
+  const double tokens = static_cast<double>(config.problem.batch * config.problem.seq_len);
+  row.tokens_per_s = row.median_ns > 0 ? tokens / (row.median_ns * 1e-9) : 0;
+  if (dump_dir) write_dump(*dump_dir, point, row, workload->dump_files());
   row.peak_rss_bytes = peak_rss_of_self();
   return row;
 }

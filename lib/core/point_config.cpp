@@ -14,6 +14,22 @@ Scope parse_scope(const std::string& name) {
   throw InputError("unknown --scope '" + name + "' (known: attention, layer)");
 }
 
+std::string status_name(Status s) {
+  switch (s) {
+    case Status::Ok: return "ok";
+    case Status::Skipped: return "skipped";
+    case Status::Unsupported: return "unsupported";
+    case Status::Error: return "error";
+  }
+  return "error";
+}
+
+Status parse_status(const std::string& name) {
+  for (Status s : {Status::Ok, Status::Skipped, Status::Unsupported, Status::Error})
+    if (status_name(s) == name) return s;
+  throw InputError("unknown status '" + name + "'");
+}
+
 std::string pass_name(Pass p) {
   switch (p) {
     case Pass::Forward: return "forward";

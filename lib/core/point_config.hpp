@@ -29,6 +29,12 @@ std::vector<Pass> parse_passes(const std::string& list);
 // The inverse: "forward,train".
 std::string pass_list_name(const std::vector<Pass>& passes);
 
+// How a point ended: measured; skipped by --memory-limit; not possible for this model (a reason
+// says why); or failed while running (a crash, a timeout, an exception: the reason).
+enum class Status { Ok, Skipped, Unsupported, Error };
+std::string status_name(Status s);
+Status parse_status(const std::string& name);  // InputError on an unknown name
+
 struct PointConfig {
   std::string model;
   Problem problem;

@@ -294,7 +294,7 @@ nlohmann::json point_json(const PointComparison& p) {
   if (p.flops_regression) regressions.push_back("flops");
   if (p.error_regression) regressions.push_back("error");
   if (p.missing_regression) regressions.push_back("missing");
-  nlohmann::json j = {{"model", row.model},     {"scope", row.scope},       {"pass", row.pass},  {"causal", row.causal},
+  nlohmann::json j = {{"model", row.model},     {"scope", scope_name(row.scope)}, {"pass", pass_name(row.pass)},  {"causal", row.causal},
                       {"batch", row.batch},     {"heads", row.heads},       {"seq_len", row.seq_len},
                       {"head_dim", row.head_dim}, {"d_ff", row.d_ff},       {"params", row.params},
                       {"verdict", verdict_name(p.verdict)}, {"regressions", regressions},

@@ -194,7 +194,7 @@ ComplexitySeries analyse_series(const std::vector<const ResultRow*>& rows) {
   series.label = first.model;
   series.configuration = configuration_text(first);
   const ModelCard* info = find_card(first.model);
-  series.per_token = first.pass == "decode";
+  series.per_token = first.pass == Pass::Decode;
   series.survey = info ? (series.per_token ? info->decode_cost : info->complexity) : "?";
   series.expected = series.per_token ? expected_decode_complexity(series.survey) : expected_complexity(series.survey);
   std::map<std::int64_t, const ResultRow*> by_length;

@@ -116,7 +116,7 @@ struct PassRho {
 // The configuration without its pass ("attention, B=1 H=8 D=64").
 std::string configuration_without_pass(const ResultRow& row) {
   ResultRow forward = row;
-  forward.pass = "forward";
+  forward.pass = Pass::Forward;
   return configuration_text(forward);
 }
 
@@ -151,7 +151,7 @@ std::string render_lra_comparison(const Report& report, TableFormat format) {
   std::map<std::string, std::pair<std::string, std::string>> base_and_pass;  // configuration → (without pass, pass)
   for (const auto& row : report.results) {
     if (lra_column(row.seq_len) < 0) continue;
-    base_and_pass[configuration_text(row)] = {configuration_without_pass(row), row.pass};
+    base_and_pass[configuration_text(row)] = {configuration_without_pass(row), pass_name(row.pass)};
     Column& column = groups[configuration_text(row)][row.seq_len];
     column.n = row.seq_len;
     column.rows.emplace(row.model, &row);

@@ -105,7 +105,7 @@ std::vector<Panel> collect(const Report& report, const PlotOptions& o) {
       series.rank = model_rank(row->model);
       Point point{row->seq_len, false, 0, status_name(row->status)};
       if (row->status == Status::Ok) {
-        if (o.metric == PlotMetric::Time) point.value = row->median_ns * (row->pass == "decode" ? 1e-3 : 1e-6);
+        if (o.metric == PlotMetric::Time) point.value = row->median_ns * (row->pass == Pass::Decode ? 1e-3 : 1e-6);
         if (o.metric == PlotMetric::State) point.value = static_cast<double>(row->state_bytes) / 1048576.0;
         if (o.metric == PlotMetric::Memory) point.value = static_cast<double>(row->peak_tensor_bytes) / 1048576.0;
         if (o.metric == PlotMetric::Speedup) {

@@ -111,8 +111,8 @@ std::vector<PointField> make_fields() {
   scope.help = "attention (the mechanism alone) or layer (pre-LN encoder layer)";
   scope.get = [](const PointConfig& c) { return json(scope_name(c.scope)); };
   scope.set = [](PointConfig& c, const json& v) { c.scope = parse_scope(v.get<std::string>()); };
-  scope.to_row = [](ResultRow& r, const json& v) { r.scope = v.get<std::string>(); };
-  scope.from_row = [](const ResultRow& r) { return json(r.scope); };
+  scope.to_row = [](ResultRow& r, const json& v) { r.scope = parse_scope(v.get<std::string>()); };
+  scope.from_row = [](const ResultRow& r) { return json(scope_name(r.scope)); };
   add(scope);
 
   PointField pass;
@@ -127,8 +127,8 @@ std::vector<PointField> make_fields() {
   pass.get = [](const PointConfig& c) { return json(pass_name(c.pass)); };
   pass.set = [](PointConfig& c, const json& v) { c.pass = parse_pass(v.get<std::string>()); };
   pass.words = [](const PointConfig& c) { return c.pass == Pass::Forward ? Words{} : Words{"--pass", pass_name(c.pass)}; };
-  pass.to_row = [](ResultRow& r, const json& v) { r.pass = v.get<std::string>(); };
-  pass.from_row = [](const ResultRow& r) { return json(r.pass); };
+  pass.to_row = [](ResultRow& r, const json& v) { r.pass = parse_pass(v.get<std::string>()); };
+  pass.from_row = [](const ResultRow& r) { return json(pass_name(r.pass)); };
   add(pass);
 
   PointField decode_tokens = integer("decode_tokens", "--decode-tokens", 1, 1 << 20,

@@ -11,31 +11,14 @@
 
 namespace xfb {
 
-std::string status_name(Status s) {
-  switch (s) {
-    case Status::Ok: return "ok";
-    case Status::Skipped: return "skipped";
-    case Status::Unsupported: return "unsupported";
-    case Status::Error: return "error";
-  }
-  return "error";
-}
-
-Status parse_status(const std::string& s) {
-  if (s == "ok") return Status::Ok;
-  if (s == "skipped") return Status::Skipped;
-  if (s == "unsupported") return Status::Unsupported;
-  if (s == "error") return Status::Error;
-  throw InputError("unknown status '" + s + "'");
-}
-
 std::string ResultRow::key() const { return point_key(*this); }
 
 std::string configuration_text(const ResultRow& row) {
   std::ostringstream out;
-  out << row.scope << (row.pass != "forward" ? ", " + row.pass + " pass" : "") << (row.causal ? ", causal" : "")
+  out << scope_name(row.scope) << (row.pass != Pass::Forward ? ", " + pass_name(row.pass) + " pass" : "")
+      << (row.causal ? ", causal" : "")
       << ", B=" << row.batch << " H=" << row.heads << " D=" << row.head_dim;
-  if (row.pass == "decode") out << ", T=" << row.decode_tokens;
+  if (row.pass == Pass::Decode) out << ", T=" << row.decode_tokens;
   if (row.d_ff) out << ", d_ff=" << row.d_ff;
   return out.str();
 }
@@ -63,8 +46,8 @@ std::string contended_warning(const ResultRow& row) {
 void to_json(nlohmann::json& j, const ResultRow& r) {
   j = nlohmann::json{{"model", r.model},
                      {"classes", r.classes},
-                     {"scope", r.scope},
-                     {"pass", r.pass},
+                     {"scope", scope_name(r.scope)},
+                     {"pass", pass_name(r.pass)},
                      {"causal", r.causal},
                      {"batch", r.batch},
                      {"heads", r.heads},
@@ -137,8 +120,8 @@ void check_measurement(const ResultRow& r, const FieldReader& f) {
 void read_identity(ResultRow& r, const FieldReader& f) {
   r.model = f.name("model");
   r.classes = f.texts("classes");
-  r.scope = f.choice("scope", {"attention", "layer"});
-  r.pass = f.choice("pass", {"forward", "backward", "train", "decode"}, "forward");
+  r.scope = parse_scope(f.choice("scope", {"attention", "layer"}));
+  r.pass = parse_pass(f.choice("pass", {"forward", "backward", "train", "decode"}, "forward"));
   r.causal = f.flag("causal");
   r.batch = f.integer("batch", 1, kMaxSize);
   r.heads = f.integer("heads", 1, kMaxSize);

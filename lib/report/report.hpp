@@ -9,21 +9,20 @@
 
 #include <nlohmann/json.hpp>
 
+#include "lib/core/point_config.hpp"
+
 #include "lib/report/files.hpp"
 
 namespace xfb {
 
 inline constexpr int kSchemaVersion = 1;
 
-enum class Status { Ok, Skipped, Unsupported, Error };
-std::string status_name(Status s);
-Status parse_status(const std::string& s);
 
 struct ResultRow {
   std::string model;
   std::vector<std::string> classes;  // class names, e.g. {"fixed_patterns", "memory"}
-  std::string scope = "attention";   // attention | layer
-  std::string pass = "forward";      // forward | backward | train | decode: what was timed
+  Scope scope = Scope::Attention;
+  Pass pass = Pass::Forward;         // what was timed
   bool causal = false;
   std::int64_t batch = 0, heads = 0, seq_len = 0, head_dim = 0;
   std::int64_t d_ff = 0;  // layer scope only; 0 otherwise

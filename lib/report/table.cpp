@@ -58,7 +58,7 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
   if (row.status != Status::Ok) return status_cell(row);
   switch (o.metric) {
     case TableMetric::Time:
-      return (row.pass == "decode" ? printf_string("%.1f", row.median_ns * 1e-3) : printf_string("%.3f", row.median_ns * 1e-6)) +
+      return (row.pass == Pass::Decode ? printf_string("%.1f", row.median_ns * 1e-3) : printf_string("%.3f", row.median_ns * 1e-6)) +
              (row.unstable ? "~" : "") + (row.contended ? "!" : "");
     case TableMetric::Speedup:
       if (baseline == nullptr || baseline->status != Status::Ok) return "-";
@@ -78,7 +78,7 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
       return printf_string("%.1f", row.gflops_per_s) + (share ? printf_string(" (%.0f%%)", *share) : "");
     }
     case TableMetric::State:
-      return row.pass == "decode" ? printf_string("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0)) : "-";
+      return row.pass == Pass::Decode ? printf_string("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0)) : "-";
   }
   return "";
 }
@@ -172,7 +172,7 @@ std::string render_cells(const std::vector<std::vector<std::string>>& cells, Tab
 std::string render_table(const Report& report, const TableOptions& options) {
   std::map<GroupKey, std::vector<const ResultRow*>> groups;
   for (const auto& row : report.results)
-    groups[{row.scope, row.pass, row.causal, row.batch, row.heads, row.head_dim, row.d_ff, row.decode_tokens}].push_back(&row);
+    groups[{scope_name(row.scope), pass_name(row.pass), row.causal, row.batch, row.heads, row.head_dim, row.d_ff, row.decode_tokens}].push_back(&row);
   const double peak = report.context.value("fma_peak_gflops", 0.0);
   std::ostringstream out;
   bool first_group = true;
