@@ -481,13 +481,13 @@ bash "$gate" "$bin" "$work/doctored-params.json" >"$work/gate.md" 2>&1
 [ $? -eq 1 ] && grep -q "REGRESSION: missing" "$work/gate.md" && pass || fail "CI gate lets a baseline point go missing"
 
 # --- layers: the build's include check passes on the tree and fails on a wrong-way include ---
-bash "$src/tools/check_layers.sh" "$src" && pass || fail "tools/check_layers.sh rejects the tree"
-mkdir -p "$work/layers/lib/core" "$work/layers/lib/report" "$work/layers/taxonomy"
-printf '#include "lib/bench/point.hpp"\n' >"$work/layers/lib/core/wrong.hpp"
-printf '#include "taxonomy/registry.hpp"\n' >"$work/layers/lib/report/kernels.cpp"
-bash "$src/tools/check_layers.sh" "$work/layers" 2>"$work/layers.err"
+bash "$src/cmake/check_layers.sh" "$src" && pass || fail "cmake/check_layers.sh rejects the tree"
+mkdir -p "$work/layers/lib/core" "$work/layers/apps/report" "$work/layers/taxonomy"
+printf '#include "apps/bench/point.hpp"\n' >"$work/layers/lib/core/wrong.hpp"
+printf '#include "taxonomy/registry.hpp"\n' >"$work/layers/apps/report/kernels.cpp"
+bash "$src/cmake/check_layers.sh" "$work/layers" 2>"$work/layers.err"
 [ $? -eq 1 ] && [ "$(wc -l <"$work/layers.err")" -eq 2 ] && pass \
-  || fail "tools/check_layers.sh misses a wrong-way include: $(cat "$work/layers.err")"
+  || fail "cmake/check_layers.sh misses a wrong-way include: $(cat "$work/layers.err")"
 
 echo "$passes passed, $failures failed"
 [ "$failures" -eq 0 ]

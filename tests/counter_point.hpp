@@ -5,7 +5,7 @@
 #include <utility>
 #include <vector>
 
-#include "lib/bench/point.hpp"
+#include "apps/bench/point.hpp"
 #include "tests/reference.hpp"
 
 namespace xfb::test {

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "lib/bench/point.hpp"
+#include "apps/bench/point.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/reference.hpp"
 

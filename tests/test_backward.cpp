@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "lib/bench/encoder_layer.hpp"
-#include "lib/bench/point.hpp"
+#include "taxonomy/layer/encoder_layer.hpp"
+#include "apps/bench/point.hpp"
 #include "lib/core/rng.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
@@ -39,7 +39,7 @@ std::vector<std::string> decoders_with_backward() {
   return names;
 }
 
-// The pre-LN encoder layer (lib/bench/encoder_layer.hpp) in double, with exact softmax attention.
+// The pre-LN encoder layer (taxonomy/layer/encoder_layer.hpp) in double, with exact softmax attention.
 std::vector<double> layer_reference(const Problem& p, std::int64_t f, const NamedValues& x) {
   const std::int64_t b = p.batch, n = p.seq_len, h = p.heads, d = p.head_dim, e = h * d, tokens = b * n;
   auto layer_norm = [&](const std::vector<double>& in, const std::string& gain, const std::string& shift) {

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <set>
 
-#include "lib/bench/sweep.hpp"
+#include "apps/bench/sweep.hpp"
 #include "lib/core/errors.hpp"
 #include "lib/core/memory_tracker.hpp"
 #include "lib/core/params.hpp"

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "lib/bench/point.hpp"
+#include "apps/bench/point.hpp"
 #include "lib/core/errors.hpp"
 #include "lib/core/memory_tracker.hpp"
 #include "taxonomy/registry.hpp"

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "lib/bench/encoder_layer.hpp"
-#include "lib/bench/point.hpp"
+#include "taxonomy/layer/encoder_layer.hpp"
+#include "apps/bench/point.hpp"
 #include "lib/core/cpu_isa.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/rng.hpp"

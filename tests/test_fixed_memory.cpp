@@ -10,7 +10,7 @@
 #include <set>
 #include <sstream>
 
-#include "lib/bench/point.hpp"
+#include "apps/bench/point.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "taxonomy/fixed_patterns/memory_compressed.hpp"
 #include "taxonomy/registry.hpp"

@@ -11,7 +11,7 @@
 #include <set>
 #include <sstream>
 
-#include "lib/bench/point.hpp"
+#include "apps/bench/point.hpp"
 #include "lib/core/cpu_isa.hpp"
 #include "lib/core/rng.hpp"
 #include "taxonomy/learnable_patterns/reformer.hpp"

@@ -9,7 +9,7 @@
 #include <sstream>
 #include <tuple>
 
-#include "lib/bench/point.hpp"
+#include "apps/bench/point.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
 #include "taxonomy/registry.hpp"

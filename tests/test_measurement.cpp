@@ -6,13 +6,13 @@
 #include <cmath>
 #include <random>
 
-#include "lib/bench/ab.hpp"
+#include "apps/bench/ab.hpp"
 #include "lib/core/contention.hpp"
 #include "lib/core/memory_tracker.hpp"
 #include "lib/core/paired.hpp"
 #include "lib/core/timing.hpp"
-#include "lib/report/compare.hpp"
-#include "lib/report/dashboard.hpp"
+#include "apps/report/compare.hpp"
+#include "apps/report/dashboard.hpp"
 
 using namespace xfb;
 

@@ -6,7 +6,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "lib/bench/point.hpp"
+#include "apps/bench/point.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/counter_point.hpp"
 #include "tests/gradient_check.hpp"

@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "apps/commands.hpp"
+#include "apps/cli/commands.hpp"
 #include "lib/core/errors.hpp"
-#include "lib/report/point_fields.hpp"
+#include "apps/report/point_fields.hpp"
 
 using namespace xfb;
 using nlohmann::json;

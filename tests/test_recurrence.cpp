@@ -10,7 +10,7 @@
 #include <map>
 #include <sstream>
 
-#include "lib/bench/point.hpp"
+#include "apps/bench/point.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "taxonomy/engines/segment_attention.hpp"
 #include "taxonomy/recurrence/compressive.hpp"

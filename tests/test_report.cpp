@@ -7,11 +7,11 @@
 #include <fstream>
 #include <iterator>
 
-#include "lib/bench/point.hpp"
+#include "apps/bench/point.hpp"
 #include "lib/core/errors.hpp"
 #include "lib/core/npy.hpp"
-#include "lib/report/report.hpp"
-#include "lib/report/table.hpp"
+#include "apps/report/report.hpp"
+#include "apps/report/table.hpp"
 #include "tests/reference.hpp"
 
 using namespace xfb;

@@ -13,15 +13,15 @@
 #include <random>
 
 #include "lib/core/errors.hpp"
-#include "lib/report/compare.hpp"
-#include "lib/report/complexity.hpp"
-#include "lib/report/dashboard.hpp"
-#include "lib/report/json_fields.hpp"
-#include "lib/report/lra.hpp"
-#include "lib/report/merge.hpp"
-#include "lib/report/plot.hpp"
-#include "lib/report/report.hpp"
-#include "lib/report/table.hpp"
+#include "apps/report/compare.hpp"
+#include "apps/report/complexity.hpp"
+#include "apps/report/dashboard.hpp"
+#include "apps/report/json_fields.hpp"
+#include "apps/report/lra.hpp"
+#include "apps/report/merge.hpp"
+#include "apps/report/plot.hpp"
+#include "apps/report/report.hpp"
+#include "apps/report/table.hpp"
 
 using namespace xfb;
 using nlohmann::json;

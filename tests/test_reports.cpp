@@ -11,17 +11,17 @@
 #include <set>
 #include <stdexcept>
 
-#include "lib/bench/presets.hpp"
-#include "lib/bench/sweep.hpp"
+#include "apps/bench/presets.hpp"
+#include "apps/bench/sweep.hpp"
 #include "lib/core/errors.hpp"
 #include "lib/core/stats.hpp"
-#include "lib/report/compare.hpp"
-#include "lib/report/complexity.hpp"
-#include "lib/report/lra.hpp"
-#include "lib/report/merge.hpp"
-#include "lib/report/plot.hpp"
-#include "lib/report/table.hpp"
-#include "lib/report/taxonomy_view.hpp"
+#include "apps/report/compare.hpp"
+#include "apps/report/complexity.hpp"
+#include "apps/report/lra.hpp"
+#include "apps/report/merge.hpp"
+#include "apps/report/plot.hpp"
+#include "apps/report/table.hpp"
+#include "apps/report/taxonomy_view.hpp"
 #include "taxonomy/registry.hpp"
 
 using namespace xfb;

@@ -1,5 +1,5 @@
 #pragma once
-// Error tiers mapped to exit codes in apps/main.cpp (documented in docs/cli.md#exit-codes):
+// Error tiers mapped to exit codes in apps/cli/main.cpp (documented in docs/cli.md#exit-codes):
 //   0 success · 1 a check or regression failed · 2 usage or input error · 3 runtime error.
 #include <stdexcept>
 

@@ -2,7 +2,7 @@
 // What a benchmark point is, as plain typed values: the model, the problem, what is timed (scope,
 // pass) and how (timing settings, seed, threads), the mechanism's `key=value` parameters. The one
 // table that spells these fields on the command line, in reports, in the child's protocol and in
-// the reproducer is lib/report/point_fields.hpp.
+// the reproducer is apps/report/point_fields.hpp.
 #include <cstdint>
 #include <string>
 #include <vector>

@@ -1,0 +1,360 @@
+#include "apps/bench/point.hpp"
+
+#include <stdlib.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include "taxonomy/layer/encoder_layer.hpp"
+#include "apps/bench/workload.hpp"
+#include "lib/core/cpu_isa.hpp"
+#include "lib/core/dnnl_context.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/memory_tracker.hpp"
+#include "lib/core/npy.hpp"
+#include "lib/core/rng.hpp"
+#include "lib/core/stage_clock.hpp"
+#include "lib/core/stats.hpp"
+#include "apps/report/files.hpp"
+#include "apps/report/point_fields.hpp"
+#include "taxonomy/registry.hpp"
+
+namespace xfb {
+
+namespace {
+
+const ModelInfo& model_or_throw(const std::string& name) {
+  const ModelInfo* model = find_model(name);
+  if (model == nullptr) {
+    std::string known;
+    for (const auto& m : registry()) known += (known.empty() ? "" : ", ") + m.name;
+    throw InputError("unknown model '" + name + "' (known: " + known + ")");
+  }
+  return *model;
+}
+
+std::int64_t peak_rss_of_self() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<std::int64_t>(usage.ru_maxrss) * 1024;
+}
+
+// The dump's manifest: the settings, the values that ran (`params`: derived defaults computed, blocks
+// clamped), the row's as asked for (`requested_params`), the layout and every file with its shape.
+nlohmann::json dump_manifest(const Point& point, const ResultRow& row,
+                             const std::vector<std::pair<std::string, const Tensor*>>& files) {
+  nlohmann::json manifest = point_settings(point.config);
+  manifest["model"] = point.config.model;
+  manifest["seq_len"] = point.config.problem.seq_len;
+  manifest["params"] = point.running.to_json();
+  manifest["requested_params"] = row.params;
+  manifest["layout"] = "attention tensors are [B, H, N, D]; little-endian float32, C order";
+  if (point.config.pass == Pass::Decode)
+    manifest["decode"] = "q, k, v, out hold the " + std::to_string(point.config.problem.seq_len) +
+                         " context rows, then the " + std::to_string(point.config.decode_tokens) +
+                         " decoded tokens' rows; state_* is the state after the last step";
+  manifest["reproducer"] = row.reproducer;
+  nlohmann::json list = nlohmann::json::array();
+  for (const auto& [name, tensor] : files)
+    list.push_back({{"name", name}, {"file", name + ".npy"}, {"shape", tensor->shape()}});
+  manifest["files"] = list;
+  return manifest;
+}
+
+// The folder `dir` (new, or an empty one) with every file as <name>.npy and manifest.json, whole or
+// not at all: written into a temporary sibling folder that is renamed onto `dir` at the end and
+// removed on any failure.
+void write_dump(const std::string& dir, const Point& point, const ResultRow& row,
+                const std::vector<std::pair<std::string, const Tensor*>>& files) {
+  std::string pattern = std::filesystem::absolute(dir).lexically_normal().string();
+  while (pattern.size() > 1 && pattern.back() == '/') pattern.pop_back();
+  pattern += ".partial-XXXXXX";
+  if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("cannot create a folder beside " + dir);
+  try {
+    for (const auto& [name, tensor] : files) write_npy(pattern + "/" + name + ".npy", *tensor);
+    write_file_atomically(pattern + "/manifest.json", dump_manifest(point, row, files).dump(2) + "\n");
+    if (std::rename(pattern.c_str(), dir.c_str()) != 0) throw std::runtime_error("cannot move the dump onto " + dir);
+  } catch (...) {
+    std::error_code ignored;
+    std::filesystem::remove_all(pattern, ignored);
+    throw;
+  }
+}
+
+// The timing figures of a row from its timed samples: statistics over the clean ones, contention,
+// stage medians, and the warnings about the measurement.
+void record_timing(ResultRow& row, const TimingResult& timed) {
+  // With no clean sample at all, the statistics fall back to every sample (the row is contended).
+  row.samples_ns = timed.samples_ns.empty() ? timed.contended_samples_ns : timed.samples_ns;
+  row.contended_samples_ns = timed.samples_ns.empty() ? std::vector<double>{} : timed.contended_samples_ns;
+  row.contended_samples = static_cast<std::int64_t>(timed.contended_samples_ns.size());
+  row.contended = timed.contended;
+  row.cpu_ratio = timed.contention.cpu_ratio;
+  row.host_busy = timed.contention.host_busy;
+  row.load_average = timed.contention.load_average;
+  if (row.contended)
+    row.warnings.push_back(contention_reason(row.contended_samples,
+                                             row.contended_samples + static_cast<std::int64_t>(timed.samples_ns.size()),
+                                             timed.contention));
+  const SampleStats stats = summarize(row.samples_ns);
+  row.median_ns = stats.median;
+  row.min_ns = stats.min;
+  row.max_ns = stats.max;
+  row.mad_ns = stats.mad;
+  row.cv = stats.cv;
+  row.unstable = stats.cv > kUnstableCv;
+  for (const auto& [stage, samples] : timed.stage_samples_ns) row.stage_median_ns[stage] = summarize(samples).median;
+  if (timed.primitives_created_while_timed > 0)
+    row.warnings.push_back(std::to_string(timed.primitives_created_while_timed) +
+                           " oneDNN primitive(s) were created inside the timed region");
+  if (!optimised_build()) row.warnings.push_back("this build is not optimised (" XFBENCH_BUILD_TYPE "): times are not representative");
+}
+
+// The decode pass's inputs, drawn untimed: the context's q, k, v are rows [0, N) of the seeded
+// N + T token sequence (the same draws as a causal forward over N + T tokens), step t's token is
+// row N + t ([B, H, 1, D] each), with an output per step.
+struct DecodeInputs {
+  std::array<Tensor, 3> context;  // q, k, v of the N context tokens
+  Tensor out;                     // the prefill's output
+  std::vector<std::array<Tensor, 3>> steps;
+  std::vector<Tensor> step_out;
+
+  DecodeInputs(const Problem& p, std::int64_t tokens, std::uint64_t seed) {
+    constexpr std::array<const char*, 3> kStreams = {"input/q", "input/k", "input/v"};
+    const std::int64_t total = p.seq_len + tokens;
+    for (std::size_t i = 0; i < 3; ++i) {
+      context[i] = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+      CounterRng(seed, kStreams[i]).fill_normal_rows(context[i], total, 0);
+    }
+    out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    steps.resize(static_cast<std::size_t>(tokens));
+    step_out.resize(static_cast<std::size_t>(tokens));
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      for (std::size_t i = 0; i < 3; ++i) {
+        steps[t][i] = Tensor::bhnd(p.batch, p.heads, 1, p.head_dim);
+        CounterRng(seed, kStreams[i]).fill_normal_rows(steps[t][i], total, p.seq_len + t);
+      }
+      step_out[t] = Tensor::bhnd(p.batch, p.heads, 1, p.head_dim);
+    }
+  }
+
+  // Reads step t's q, k, v and output row untimed: a step's token arrives in cache, as a decoder's
+  // projection would leave it (after a long prefill they would otherwise come from memory).
+  void bring_to_cache(std::int64_t t) const {
+    static volatile float sink = 0;
+    float sum = 0;
+    for (const Tensor* tensor : {&steps[t][0], &steps[t][1], &steps[t][2], &step_out[t]})
+      for (std::int64_t i = 0; i < tensor->size(); ++i) sum += (*tensor)[i];
+    sink = sink + sum;
+  }
+
+  // Input i (0 q, 1 k, 2 v, 3 out) over the whole sequence, context rows then decoded rows:
+  // [B, H, N + T, D].
+  Tensor whole_sequence(std::size_t i) const {
+    const Tensor& head_rows = i < 3 ? context[i] : out;
+    const std::int64_t b_count = head_rows.dim(0), h_count = head_rows.dim(1), n = head_rows.dim(2),
+                       d = head_rows.dim(3), tokens = static_cast<std::int64_t>(steps.size());
+    Tensor whole = Tensor::bhnd(b_count, h_count, n + tokens, d);
+    for (std::int64_t b = 0; b < b_count; ++b)
+      for (std::int64_t h = 0; h < h_count; ++h) {
+        float* dst = whole.head(b, h);
+        std::copy_n(head_rows.head(b, h), n * d, dst);
+        for (std::int64_t t = 0; t < tokens; ++t)
+          std::copy_n((i < 3 ? steps[t][i] : step_out[t]).head(b, h), d, dst + (n + t) * d);
+      }
+    return whole;
+  }
+};
+
+// The decode pass: a prefill of the N-token context, then decode_tokens steps of one token each.
+// The first run is untimed (primitives; the steps' executed FLOPs), then time_decoding.
+ResultRow run_decode_point(const Point& point, ResultRow row, const std::optional<std::string>& dump_dir) {
+  const PointConfig& config = point.config;
+  const Problem& p = config.problem;
+  const std::int64_t tokens = config.decode_tokens;
+  DnnlContext::instance().set_threads(p.threads);
+  auto& tracker = MemoryTracker::instance();
+  const std::int64_t baseline = tracker.current_bytes();
+  const std::int64_t owned_baseline = tracker.owned_current_bytes();
+  tracker.reset_peak();
+
+  DecodeInputs in(p, tokens, config.seed);
+  auto mechanism = point.model->impl.create(p, point.requested, config.seed);
+  mechanism->prepare(in.context[0], in.context[1], in.context[2]);
+  mechanism->prepare_decode(tokens);
+  auto prefill = [&] { mechanism->forward(in.context[0], in.context[1], in.context[2], in.out); };
+  auto step = [&](std::int64_t t) {
+    const auto& token = in.steps[t];
+    mechanism->decode_step(token[0], token[1], token[2], in.step_out[t]);
+  };
+  prefill();
+  FlopCounter::reset();
+  for (std::int64_t t = 0; t < tokens; ++t) step(t);
+  row.flops = FlopCounter::total();
+
+  TimingSettings timing = config.timing;
+  timing.warmup -= 1;
+  const DecodeTimingResult timed =
+      time_decoding(timing, tokens, prefill, step, [&](std::int64_t t) { in.bring_to_cache(t); });
+
+  row.peak_tensor_bytes = tracker.peak_bytes() - baseline;
+  row.peak_owned_bytes = tracker.owned_peak_bytes() - owned_baseline;
+  row.workspace_bytes = row.peak_tensor_bytes - point_io_bytes(config);
+  row.state_bytes = mechanism->state_bytes();
+  record_timing(row, timed.steps);
+  row.prefill_ns = median_of(timed.prefill_ns);
+  const double per_token_ns = row.median_ns;
+  row.gflops_per_s = per_token_ns > 0 ? static_cast<double>(row.flops) / static_cast<double>(tokens) / per_token_ns : 0;
+  row.tokens_per_s = per_token_ns > 0 ? static_cast<double>(p.batch) / (per_token_ns * 1e-9) : 0;
+
+  if (dump_dir) {
+    const std::array<Tensor, 4> whole = {in.whole_sequence(0), in.whole_sequence(1), in.whole_sequence(2),
+                                         in.whole_sequence(3)};
+    std::vector<std::pair<std::string, const Tensor*>> files = {
+        {"q", &whole[0]}, {"k", &whole[1]}, {"v", &whole[2]}, {"out", &whole[3]}};
+    for (const auto& named : mechanism->parameters()) files.emplace_back(named.name, named.tensor);
+    for (const auto& named : mechanism->decode_state()) files.emplace_back("state_" + named.name, named.tensor);
+    write_dump(*dump_dir, point, row, files);
+  }
+  row.peak_rss_bytes = peak_rss_of_self();
+  return row;
+}
+
+}  // namespace
+
+Point resolve_point(const PointConfig& config) {
+  for (const auto& field : point_fields()) check_field_value(field, field.get(config), field.long_flag());
+  check_point_config(config);
+  const ModelInfo& model = model_or_throw(config.model);
+  Point point;
+  point.model = &model;
+  point.config = config;
+  if (config.pass == Pass::Decode) point.config.problem.causal = true;  // decoding is causal by definition
+  point.requested = resolve_params(config.model, model.impl.params, config.params);
+  if (model.impl.validate) model.impl.validate(point.config.problem, point.requested);
+  point.running = model.impl.resolved(point.config.problem, point.requested);
+  return point;
+}
+
+void validate_point(const PointConfig& config) { resolve_point(config); }
+
+std::int64_t point_io_bytes(const PointConfig& config) {
+  const Problem& p = config.problem;
+  const std::int64_t tensor = p.batch * p.heads * p.seq_len * p.head_dim * static_cast<std::int64_t>(sizeof(float));
+  if (config.pass == Pass::Decode)  // the context's q, k, v, out and every step's
+    return 4 * tensor + 4 * config.decode_tokens * p.batch * p.heads * p.head_dim * static_cast<std::int64_t>(sizeof(float));
+  const bool training = config.pass != Pass::Forward;
+  // Attention: q, k, v, out (+ dout, dq, dk, dv); layer: x, y (+ dy, dx).
+  const std::int64_t tensors = config.scope == Scope::Layer ? (training ? 4 : 2) : (training ? 8 : 4);
+  return tensors * tensor;
+}
+
+std::int64_t estimated_point_bytes(const Point& point) {
+  const PointConfig& c = point.config;
+  std::int64_t bytes = point_io_bytes(c) + point.model->impl.workspace_bytes(c.problem, point.requested);
+  if (c.pass == Pass::Decode)
+    bytes += point.model->impl.decode_workspace_bytes(c.problem, point.requested, c.decode_tokens);
+  else if (c.pass != Pass::Forward)
+    bytes += point.model->impl.backward_workspace_bytes(c.problem, point.requested);
+  if (c.scope == Scope::Layer) bytes += EncoderLayer::workspace_bytes(c.problem, c.effective_d_ff());
+  if (c.scope == Scope::Layer && c.pass != Pass::Forward)
+    bytes += EncoderLayer::backward_workspace_bytes(c.problem, c.effective_d_ff());
+  return bytes;
+}
+
+std::string reproducer_command(const Point& point) {
+  // A capped kernel ISA is part of what ran.
+  std::string command = "xfbench";
+  if (kernel_isa() != detected_kernel_isa()) command = "XFBENCH_MAX_ISA=" + kernel_isa_name(kernel_isa()) + " xfbench";
+  for (const auto& arg : point_arguments(point.config)) command += " " + arg;
+  return command;
+}
+
+ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
+  const ModelInfo& model = *point.model;
+  const PointConfig& config = point.config;
+  ResultRow row;
+  set_row_identity(row, config);
+  for (auto c : model.classes) row.classes.push_back(class_name(c));
+  row.params = point.requested.to_json();
+  row.kernel_isa = kernel_isa_name(kernel_isa());
+  row.reproducer = reproducer_command(point);
+  const std::string why = model.impl.unsupported ? model.impl.unsupported(config.problem, point.requested) : "";
+  if (config.problem.causal && !model.decodes) {
+    row.status = Status::Unsupported;
+    row.reason = model.display_name + " cannot decode (survey Table 1: Decode = no), so it has " +
+                 (config.pass == Pass::Decode ? "no incremental form" : "no causal mode");
+  } else if (!why.empty()) {
+    row.status = Status::Unsupported;
+    row.reason = model.display_name + ": " + why;
+  } else if (config.pass == Pass::Decode && !model.impl.has_decode()) {
+    row.status = Status::Unsupported;
+    row.reason = model.display_name + " has no incremental form in this build, so no decode pass";
+  } else if (config.pass != Pass::Forward && config.pass != Pass::Decode && !model.impl.has_backward()) {
+    row.status = Status::Unsupported;
+    row.reason = model.display_name + " has no backward pass in this build, so no " + pass_name(row.pass) + " pass";
+  } else {
+    const std::int64_t estimate = estimated_point_bytes(point);
+    row.estimated_workspace_bytes = estimate - point_io_bytes(config);
+    if (memory_limit_bytes > 0 && estimate > memory_limit_bytes) {
+      row.status = Status::Skipped;
+      row.reason = "estimated " + std::to_string(estimate) + " bytes exceed --memory-limit " +
+                   std::to_string(memory_limit_bytes);
+    }
+  }
+  return row;
+}
+
+ResultRow describe_point(const PointConfig& config, std::int64_t memory_limit_bytes) {
+  return describe_point(resolve_point(config), memory_limit_bytes);
+}
+
+ResultRow run_point(const PointConfig& config, const std::optional<std::string>& dump_dir) {
+  return run_point(resolve_point(config), dump_dir);
+}
+
+ResultRow run_point(const Point& point, const std::optional<std::string>& dump_dir) {
+  ResultRow row = describe_point(point);
+  if (row.status != Status::Ok) return row;
+  if (point.config.pass == Pass::Decode) return run_decode_point(point, std::move(row), dump_dir);
+  const PointConfig& config = point.config;
+  DnnlContext::instance().set_threads(config.problem.threads);  // the team oneDNN and every OpenMP loop use
+  auto& tracker = MemoryTracker::instance();
+  const std::int64_t baseline = tracker.current_bytes();
+  const std::int64_t owned_baseline = tracker.owned_current_bytes();
+  tracker.reset_peak();
+
+  // Untimed: inputs, parameters, buffers; then the first warm-up run creates the primitives and
+  // gives the executed FLOPs.
+  const auto workload = make_workload(point);
+  const auto body = pass_body(config.pass, *workload);
+  FlopCounter::reset();
+  body();
+  row.flops = FlopCounter::total();
+  row.saved_bytes = workload->saved_bytes();
+  if (config.pass != Pass::Forward) row.gradient_note = workload->mechanism().gradient_note();
+
+  TimingSettings timing = config.timing;
+  timing.warmup -= 1;
+  const TimingResult timed = time_repeatedly(timing, body);
+
+  row.peak_tensor_bytes = tracker.peak_bytes() - baseline;
+  row.peak_owned_bytes = tracker.owned_peak_bytes() - owned_baseline;
+  row.workspace_bytes = row.peak_tensor_bytes - point_io_bytes(config);
+  record_timing(row, timed);
+  row.gflops_per_s = row.median_ns > 0 ? static_cast<double>(row.flops) / row.median_ns : 0;
+  const double tokens = static_cast<double>(config.problem.batch * config.problem.seq_len);
+  row.tokens_per_s = row.median_ns > 0 ? tokens / (row.median_ns * 1e-9) : 0;
+  if (dump_dir) write_dump(*dump_dir, point, row, workload->dump_files());
+  row.peak_rss_bytes = peak_rss_of_self();
+  return row;
+}
+
+}  // namespace xfb

@@ -1,0 +1,59 @@
+#pragma once
+// One benchmark point: a model, a problem, a scope and the timing settings. `run_point` does the
+// whole measurement in this process: untimed setup (inputs, parameters, primitives), warm-up,
+// timed repetitions, counters. The sweep runs each point in a child process (apps/bench/sweep.hpp).
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "lib/core/mechanism.hpp"
+#include "lib/core/params.hpp"
+#include "lib/core/point_config.hpp"
+#include "lib/core/timing.hpp"
+#include "apps/report/report.hpp"
+#include "taxonomy/registry.hpp"
+
+namespace xfb {
+
+// A point expanded once: its model, the configuration as given (problem with its threads, scope,
+// seed, timing), the parameter values as asked for (defaults filled in) and as they run (derived
+// defaults computed, blocks clamped). Everything below that describes, estimates, runs or spells a
+// point works from one of these.
+struct Point {
+  const ModelInfo* model = nullptr;
+  PointConfig config;
+  ParamValues requested;  // defaults filled in: the row's `params`, the reproducer's --param
+  ParamValues running;    // as the mechanism runs them: the dump manifest's `params`
+};
+
+// Validates (model, shape, threads, timing, parameter names, types and ranges, and the model's own
+// constraints) and resolves; a decode point is made causal. Throws InputError (ParamError for parameters) with a one-line message.
+Point resolve_point(const PointConfig& config);
+void validate_point(const PointConfig& config);
+
+// A row filled with the point's identity (model, classes, shape, resolved params, reproducer)
+// and, when the point cannot run here, status and reason (unsupported, skipped by memory limit).
+ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes = 0);
+ResultRow describe_point(const PointConfig& config, std::int64_t memory_limit_bytes = 0);
+
+// Tracked bytes of the point's inputs and output: q, k, v, out (attention) or x, y (layer); for the
+// backward and train passes also dout, dq, dk, dv; for the decode pass the context's q, k, v, out and
+// every step's q, k, v, out ([B, H, 1, D] each).
+std::int64_t point_io_bytes(const PointConfig& config);
+// Analytic estimate of the tracked bytes of the point: inputs, output, workspace.
+std::int64_t estimated_point_bytes(const Point& point);
+
+// Runs the point here. `dump_dir`, when set, receives inputs, output, parameters and a manifest
+// (the folder is created only when the point runs); for the backward and train passes also dout,
+// dq, dk, dv and the parameter gradients (d<parameter>); for the decode pass q, k, v and out of the
+// whole sequence ([B, H, N + T, D]: the context's rows, then the decoded tokens') and the final state.
+ResultRow run_point(const Point& point, const std::optional<std::string>& dump_dir = std::nullopt);
+ResultRow run_point(const PointConfig& config, const std::optional<std::string>& dump_dir = std::nullopt);
+
+// The point as one shell command: `xfbench run …` (apps/report/point_fields.hpp spells it).
+std::string reproducer_command(const Point& point);
+
+}  // namespace xfb

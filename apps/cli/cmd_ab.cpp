@@ -1,0 +1,74 @@
+// `xfbench ab`: interleaved A/B timing of two builds, two parameter sets or two models, point by
+// point in alternating A B | B A rounds, decided on the paired per-round ratios (apps/bench/ab.hpp).
+#include <cstdio>
+
+#include "apps/cli/commands.hpp"
+#include "apps/bench/ab.hpp"
+#include "apps/bench/sweep.hpp"
+#include "lib/core/dnnl_context.hpp"
+#include "lib/core/errors.hpp"
+#include "apps/report/compare.hpp"
+#include "apps/report/files.hpp"
+#include "apps/report/report.hpp"
+
+namespace xfb::cli {
+namespace {
+
+struct AbOptions {
+  std::shared_ptr<PointOptions> point = std::make_shared<PointOptions>();
+  std::string models;
+  std::string seq_lens = "512,1024,2048";
+  std::string max_slowdown = "5%";
+  std::string format = "text";
+  std::string out;
+  AbSettings settings;
+};
+
+int run(AbOptions& o) {
+  auto& s = o.settings;
+  fill_point_grid(*o.point, o.models, o.seq_lens, s);
+  s.max_slowdown = parse_fraction(o.max_slowdown, "--max-slowdown");
+  if (!s.b.model.empty() && s.models.size() != 1) throw InputError("--b-model needs exactly one model in --models");
+  if (o.out == "-") throw InputError("--out -: ab prints its table on standard output (--format json prints JSON)");
+  if (!o.out.empty()) check_output_path(o.out);
+  const AbReport report = run_ab(s, command_line());
+  const AbFormat format = o.format == "md"                 ? AbFormat::Markdown
+                          : o.format == "json"             ? AbFormat::Json
+                          : o.format == "github-benchmark" ? AbFormat::GithubBenchmark
+                          : o.format == "bmf"              ? AbFormat::Bencher
+                                                           : AbFormat::Text;
+  if (!o.out.empty()) write_file_atomically(o.out, ab_to_json(report).dump(2) + "\n");
+  std::printf("%s", render_ab(report, format).c_str());
+  return ab_regressions(report) > 0 ? kExitCheckFailed : kExitOk;
+}
+
+}  // namespace
+
+void add_ab(CLI::App& app, Action& action) {
+  auto* command = app.add_subcommand("ab", "interleaved A/B timing of two builds, parameter sets or models");
+  auto o = std::make_shared<AbOptions>();
+  o->point->defaults.timing.min_time_s = 0.1;
+  o->point->defaults.problem.threads = DnnlContext::default_threads();
+  o->settings.a.label = "A";
+  o->settings.b.label = "B";
+  command->add_option("--models", o->models, "all | implemented | class:<class> | a,b,c")->required();
+  command->add_option("--seq-lens", o->seq_lens, "a,b,c | lo:hi:xK | lo:hi:+K")->capture_default_str();
+  add_point_options(*command, o->point, FieldUse::Point);
+  command->add_option("--a-bin", o->settings.a.program, "xfbench binary of side A (default: this one)");
+  command->add_option("--b-bin", o->settings.b.program, "xfbench binary of side B (default: this one)");
+  command->add_option("--a-param", o->settings.a.params, "key=value for side A only (repeatable)");
+  command->add_option("--b-param", o->settings.b.params, "key=value for side B only (repeatable)");
+  command->add_option("--b-model", o->settings.b.model, "model of side B (with one model in --models)");
+  add_integer_option(*command, "--rounds", o->settings.rounds, 2, static_cast<std::int64_t>(kExactSignedRankMax),
+                     "A B | B A rounds per point");
+  add_real_option(*command, "--alpha", o->settings.alpha, 1e-9, 0.999, "1 − confidence of the ratio's interval");
+  command->add_option("--max-slowdown", o->max_slowdown, "smallest ratio change that is a verdict (5% or 0.05)")
+      ->capture_default_str();
+  add_real_option(*command, "--timeout", o->settings.timeout_s, 0.001, 1e7, "seconds per child run");
+  command->add_option("--format", o->format, "text | md | json | github-benchmark | bmf")
+      ->check(CLI::IsMember({"text", "md", "json", "github-benchmark", "bmf"}));
+  command->add_option("--out,-o", o->out, "also write the JSON result here");
+  command->callback([o, &action] { action = [o] { return run(*o); }; });
+}
+
+}  // namespace xfb::cli

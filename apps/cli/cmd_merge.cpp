@@ -1,0 +1,30 @@
+// `xfbench merge A.json B.json … -o ALL.json`: joins the shards of a sweep into one report.
+#include <cstdio>
+
+#include "apps/cli/commands.hpp"
+#include "lib/core/errors.hpp"
+#include "apps/report/merge.hpp"
+
+namespace xfb::cli {
+
+void add_merge(CLI::App& app, Action& action) {
+  auto* command = app.add_subcommand("merge", "join reports of one sweep (e.g. its --shard parts) into one report");
+  auto inputs = std::make_shared<std::vector<std::string>>();
+  auto out = std::make_shared<std::string>();
+  command->add_option("reports", *inputs, "reports (JSON) to join")->required();
+  command->add_option("--out,-o", *out, "merged report (JSON; - for standard output)")->required();
+  command->callback([=, &action] {
+    action = [=] {
+      check_output_path(*out, *inputs);
+      std::vector<NamedReport> reports;
+      for (const auto& path : *inputs) reports.push_back({path, load_report(path)});
+      const Report merged = merge_reports(reports);
+      write_output(*out, report_to_json(merged).dump(2) + "\n", *inputs);
+      std::fprintf(stderr, "merged %zu report(s), %zu point(s) into %s\n", reports.size(), merged.results.size(),
+                   *out == "-" ? "standard output" : out->c_str());
+      return kExitOk;
+    };
+  });
+}
+
+}  // namespace xfb::cli

@@ -1,0 +1,87 @@
+// The point options of run, sweep, ab and env, registered from the point field table.
+#include <algorithm>
+
+#include "apps/cli/commands.hpp"
+#include "lib/core/errors.hpp"
+
+namespace xfb::cli {
+namespace {
+
+std::string default_text(const PointField& field, const PointConfig& defaults) {
+  if (field.type == FieldType::Flag || field.type == FieldType::TextList || field.use == FieldUse::RunOnly) return "";
+  const nlohmann::json value = field.get(defaults);
+  return " (default: " + (value.is_string() ? value.get<std::string>() : value.dump()) + ")";
+}
+
+}  // namespace
+
+void add_point_options(CLI::App& command, const std::shared_ptr<PointOptions>& options, FieldUse use,
+                       const std::vector<std::string>& only) {
+  for (const auto& field : point_fields()) {
+    if (use == FieldUse::Point && field.use == FieldUse::RunOnly) continue;
+    if (!only.empty() && std::find(only.begin(), only.end(), field.key) == only.end()) continue;
+    const std::string key = field.key, help = field.help + default_text(field, options->defaults);
+    if (field.type == FieldType::Flag) {
+      command.add_flag_callback(field.flags, [options, key] { options->texts[key].push_back("true"); }, help);
+    } else {
+      // Every occurrence is kept (one word each): a list field takes them all, another refuses a repeat.
+      command
+          .add_option_function<std::vector<std::string>>(
+              field.flags, [options, key](const std::vector<std::string>& words) { options->texts[key] = words; }, help)
+          ->allow_extra_args(false);
+    }
+  }
+}
+
+PointConfig point_of(const PointOptions& options, std::vector<Pass>* passes) {
+  FieldTexts texts = options.texts;
+  if (passes != nullptr) {
+    // Sweep and ab: --pass may list passes; the point carries the first, the grid all of them.
+    const auto pass = texts.find("pass");
+    *passes = pass == texts.end() ? std::vector<Pass>{options.defaults.pass} : std::vector<Pass>{};
+    if (pass != texts.end()) {
+      if (pass->second.size() > 1) throw InputError("--pass is given " + std::to_string(pass->second.size()) + " times");
+      *passes = parse_passes(pass->second.front());
+      pass->second = {pass_name(passes->front())};
+    }
+  }
+  return apply_field_texts(options.defaults, texts);
+}
+
+namespace {
+PointField number_field(const std::string& flags, FieldType type, double min, double max) {
+  PointField field;
+  field.key = flags;
+  field.flags = flags;
+  field.type = type;
+  field.min = static_cast<std::int64_t>(min);
+  field.max = static_cast<std::int64_t>(max);
+  field.real_min = min;
+  field.real_max = max;
+  return field;
+}
+
+std::string number_text(double value) {
+  const nlohmann::json json = value;
+  return json.dump();
+}
+}  // namespace
+
+CLI::Option* add_real_option(CLI::App& command, const std::string& flags, double& target, double min, double max,
+                             const std::string& help) {
+  const PointField field = number_field(flags, FieldType::Real, min, max);
+  return command.add_option_function<std::string>(
+      flags, [field, &target](const std::string& word) { target = parse_field_text(field, word).get<double>(); },
+      target >= min && target <= max ? help + " (default: " + number_text(target) + ")" : help);
+}
+
+CLI::Option* add_integer_option(CLI::App& command, const std::string& flags, int& target, std::int64_t min,
+                                std::int64_t max, const std::string& help) {
+  const PointField field = number_field(flags, FieldType::Integer, static_cast<double>(min), static_cast<double>(max));
+  return command.add_option_function<std::string>(
+      flags,
+      [field, &target](const std::string& word) { target = static_cast<int>(parse_field_text(field, word).get<std::int64_t>()); },
+      help + " (default: " + std::to_string(target) + ")");
+}
+
+}  // namespace xfb::cli

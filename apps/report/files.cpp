@@ -1,0 +1,181 @@
+#include "apps/report/files.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+
+#include <nlohmann/json.hpp>
+
+#include "lib/core/errors.hpp"
+
+namespace xfb {
+namespace fs = std::filesystem;
+namespace {
+
+std::string system_error_text(int error) { return std::strerror(error); }
+
+// The file an output path names after checking its type: the path itself, or a symbolic link's
+// regular target. Throws InputError for directories and anything that is not a regular file.
+fs::path output_target(const std::string& path) {
+  if (path.empty()) throw InputError("the output path is empty");
+  std::error_code error;
+  const fs::file_status link = fs::symlink_status(path, error);
+  if (!fs::exists(link)) return path;
+  const fs::file_status target = fs::status(path, error);
+  const bool via_link = fs::is_symlink(link);
+  if (via_link && !fs::exists(target)) throw InputError("output " + path + " is a dangling symbolic link");
+  if (fs::is_directory(target)) throw InputError("output " + path + " is a directory");
+  if (!fs::is_regular_file(target))
+    throw InputError("output " + path + (via_link ? " is a symbolic link to something that is" : " is") +
+                     " not a regular file (a FIFO, device or socket)");
+  return via_link ? fs::canonical(path, error) : fs::path(path);
+}
+
+fs::path folder_of(const fs::path& file) { return file.has_parent_path() ? file.parent_path() : fs::path("."); }
+
+mode_t new_file_mode(const fs::path& target) {
+  struct stat existing {};
+  if (::stat(target.c_str(), &existing) == 0) return existing.st_mode & 07777;
+  const mode_t mask = ::umask(0);
+  ::umask(mask);
+  return 0666 & ~mask;
+}
+
+bool write_all(int fd, const std::string& content) {
+  std::size_t done = 0;
+  while (done < content.size()) {
+    const ssize_t n = ::write(fd, content.data() + done, content.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0) errno = EIO;
+      return false;
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  return true;
+}
+
+// Creates the temporary next to `target`; throws InputError when the folder is missing or not
+// writable (the user's to fix), std::runtime_error otherwise.
+int create_temporary(const fs::path& target, std::string& name) {
+  const fs::path folder = folder_of(target);
+  name = (folder / ("." + target.filename().string() + ".XXXXXX")).string();
+  const int fd = ::mkstemp(name.data());
+  if (fd >= 0) return fd;
+  const int error = errno;
+  if (error == ENOENT || error == ENOTDIR) throw InputError("output folder " + folder.string() + " does not exist");
+  if (error == EACCES || error == EROFS || error == EPERM)
+    throw InputError("cannot write in folder " + folder.string() + ": " + system_error_text(error));
+  throw std::runtime_error("cannot create a temporary file in " + folder.string() + ": " + system_error_text(error));
+}
+
+// Writes, flushes and closes `fd`; returns 0 or the errno of the first failure.
+int fill_and_close(int fd, const std::string& content, mode_t mode) {
+  int error = 0;
+  if (::fchmod(fd, mode) != 0 || !write_all(fd, content) || ::fsync(fd) != 0) error = errno;
+  if (::close(fd) != 0 && error == 0) error = errno;
+  return error;
+}
+
+void sync_folder(const fs::path& folder) {
+  const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return;
+  ::fsync(fd);  // best effort: the rename is already visible
+  ::close(fd);
+}
+
+}  // namespace
+
+std::string read_input_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // a FIFO opens without a writer
+  if (fd < 0) {
+    const int error = errno;
+    if (error == ENOENT) throw InputError(path + ": no such file");
+    throw InputError(path + ": cannot open: " + system_error_text(error));
+  }
+  struct stat info {};
+  std::string problem;
+  if (::fstat(fd, &info) != 0) problem = "cannot examine: " + system_error_text(errno);
+  else if (S_ISDIR(info.st_mode)) problem = "is a directory, not a file";
+  else if (!S_ISREG(info.st_mode)) problem = "is not a regular file (a FIFO, device or socket)";
+  else if (info.st_size == 0) problem = "is empty";
+  else if (static_cast<std::uintmax_t>(info.st_size) > kMaxInputBytes)
+    problem = "is " + std::to_string(info.st_size) + " bytes, more than the " + std::to_string(kMaxInputBytes >> 20) +
+              " MiB an input may have";
+  std::string content;
+  if (problem.empty()) {
+    content.resize(static_cast<std::size_t>(info.st_size));
+    std::size_t done = 0;
+    while (done < content.size()) {
+      const ssize_t n = ::read(fd, content.data() + done, content.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) problem = "cannot read: " + system_error_text(errno);
+      if (n <= 0) break;
+      done += static_cast<std::size_t>(n);
+    }
+    content.resize(done);
+  }
+  ::close(fd);
+  if (!problem.empty()) throw InputError(path + ": " + problem);
+  return content;
+}
+
+void check_output_path(const std::string& path, const std::vector<std::string>& inputs) {
+  if (path == "-") return;
+  const fs::path target = output_target(path);
+  std::error_code error;
+  for (const auto& input : inputs)
+    if (fs::equivalent(path, input, error))
+      throw InputError("output " + path + " is the input " + input + "; write to another file");
+  const fs::path folder = folder_of(target);
+  if (!fs::is_directory(folder, error)) throw InputError("output folder " + folder.string() + " does not exist");
+  if (::access(folder.c_str(), W_OK) != 0)
+    throw InputError("cannot write in folder " + folder.string() + ": " + system_error_text(errno));
+}
+
+void write_file_atomically(const std::string& path, const std::string& content) {
+  const fs::path target = output_target(path);
+  const mode_t mode = new_file_mode(target);
+  // Past a file size limit (ulimit -f) write() must fail with EFBIG instead of killing the
+  // process with the temporary left behind.
+  const auto previous = std::signal(SIGXFSZ, SIG_IGN);
+  std::string temporary;
+  int error = 0;
+  try {
+    error = fill_and_close(create_temporary(target, temporary), content, mode);
+  } catch (...) {
+    std::signal(SIGXFSZ, previous);
+    throw;
+  }
+  std::signal(SIGXFSZ, previous);
+  if (error == 0 && std::rename(temporary.c_str(), target.c_str()) != 0) error = errno;
+  if (error != 0) {
+    ::unlink(temporary.c_str());
+    throw std::runtime_error("cannot write " + path + ": " + system_error_text(error) + " (the file is unchanged)");
+  }
+  sync_folder(folder_of(target));
+}
+
+void write_output(const std::string& path, const std::string& content, const std::vector<std::string>& inputs) {
+  check_output_path(path, inputs);
+  if (path != "-") return write_file_atomically(path, content);
+  if (std::fwrite(content.data(), 1, content.size(), stdout) != content.size() || std::fflush(stdout) != 0)
+    throw std::runtime_error("cannot write to standard output: " + system_error_text(errno));
+}
+
+std::string quoted(const std::string& text, std::size_t limit) {
+  std::size_t end = std::min(text.size(), limit);
+  while (end > 0 && end < text.size() && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
+  std::string literal = nlohmann::json(text.substr(0, end)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (end < text.size()) literal.insert(literal.size() - 1, "…");
+  return literal;
+}
+
+}  // namespace xfb

@@ -1,0 +1,248 @@
+#include "apps/report/table.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <set>
+#include <sstream>
+
+#include "lib/core/errors.hpp"
+#include "apps/report/complexity.hpp"
+#include "taxonomy/cards.hpp"
+
+namespace xfb {
+namespace {
+
+// Rows × lengths of one table: a report of distinct models at distinct lengths must not make
+// the table grow as the square of its size.
+constexpr std::size_t kMaxTableCells = 1'000'000;
+
+struct GroupKey {
+  std::string scope, pass;
+  bool causal;
+  std::int64_t batch, heads, head_dim, d_ff, decode_tokens;
+  auto operator<=>(const GroupKey&) const = default;
+};
+
+std::string printf_string(const char* format, double value) {
+  char text[64];
+  std::snprintf(text, sizeof text, format, value);
+  return text;
+}
+
+std::string metric_title(const TableOptions& o, bool decode) {
+  switch (o.metric) {
+    case TableMetric::Time:
+      return decode ? "median time per generated token (µs; ~ marks CV > 5%, ! a contended point)"
+                    : "median time (ms; ~ marks CV > 5%, ! a contended point)";
+    case TableMetric::Speedup: return "speed-up over " + o.baseline + " (× , higher is faster; ! a contended point)";
+    case TableMetric::Memory: return "peak tracked memory (MiB)";
+    case TableMetric::MemoryRatio: return "peak tracked memory relative to " + o.baseline + " (×, lower is smaller)";
+    case TableMetric::Gflops: return "executed GFLOP/s (% of measured FMA peak)";
+    case TableMetric::State: return "decode state kept between steps (MiB; - for other passes)";
+  }
+  return "";
+}
+
+std::string status_cell(const ResultRow& row) {
+  switch (row.status) {
+    case Status::Skipped: return "skipped";
+    case Status::Unsupported: return "n/a";
+    case Status::Error: return "error";
+    case Status::Ok: return "";
+  }
+  return "";
+}
+
+std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOptions& o, double peak_gflops) {
+  if (row.status != Status::Ok) return status_cell(row);
+  switch (o.metric) {
+    case TableMetric::Time:
+      return (row.pass == Pass::Decode ? printf_string("%.1f", row.median_ns * 1e-3) : printf_string("%.3f", row.median_ns * 1e-6)) +
+             (row.unstable ? "~" : "") + (row.contended ? "!" : "");
+    case TableMetric::Speedup:
+      if (baseline == nullptr || baseline->status != Status::Ok) return "-";
+      if (const auto ratio = finite_ratio(baseline->median_ns, row.median_ns))
+        return printf_string("%.2f×", *ratio) + (row.contended || baseline->contended ? "!" : "");
+      return "-";
+    case TableMetric::Memory:
+      return printf_string("%.1f", static_cast<double>(row.peak_tensor_bytes) / (1024.0 * 1024.0));
+    case TableMetric::MemoryRatio:
+      if (baseline == nullptr || baseline->status != Status::Ok) return "-";
+      if (const auto ratio = finite_ratio(static_cast<double>(row.peak_tensor_bytes),
+                                          static_cast<double>(baseline->peak_tensor_bytes)))
+        return printf_string("%.3f×", *ratio);
+      return "-";
+    case TableMetric::Gflops: {
+      const auto share = finite_ratio(100.0 * row.gflops_per_s, peak_gflops);
+      return printf_string("%.1f", row.gflops_per_s) + (share ? printf_string(" (%.0f%%)", *share) : "");
+    }
+    case TableMetric::State:
+      return row.pass == Pass::Decode ? printf_string("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0)) : "-";
+  }
+  return "";
+}
+
+// Row order: registry order grouped by each model's first class.
+int model_rank(const std::string& name) {
+  const auto& models = model_cards();
+  const ModelCard* model = find_card(name);
+  if (model == nullptr) return 1 << 20;
+  const int class_rank = static_cast<int>(model->classes.front());
+  const auto position = std::find_if(models.begin(), models.end(), [&](const ModelCard& m) { return m.name == name; });
+  return class_rank * 1000 + static_cast<int>(position - models.begin());
+}
+
+std::string row_label(const ResultRow& row, bool with_params) {
+  std::string label = row.model;
+  if (with_params && !row.params.empty()) label += " (" + params_text(row.params) + ")";
+  return label;
+}
+
+std::string first_class(const std::string& model) {
+  const ModelCard* info = find_card(model);
+  return info ? class_name(info->classes.front()) : "unknown";
+}
+
+std::vector<std::string> complexity_cells(const std::vector<const ResultRow*>& rows) {
+  const ComplexitySeries series = analyse_series(rows);
+  const std::string survey = series.survey;
+  if (series.lengths.size() < 3 || !series.flops.fit) return {survey, "-", "-"};
+  const char* mark = series.verdict == ComplexityVerdict::Match      ? " ✓"
+                     : series.verdict == ComplexityVerdict::Mismatch ? " ✗"
+                     : series.verdict == ComplexityVerdict::Ambiguous ? " ?"
+                                                                      : "";
+  char exponent[32] = "-";
+  if (series.time.exponent) std::snprintf(exponent, sizeof exponent, "N^%.2f", *series.time.exponent);
+  return {survey, (series.per_token ? per_token_name(series.flops.fit->best) : big_o_name(series.flops.fit->best)) + mark,
+          exponent};
+}
+
+}  // namespace
+
+std::string render_cells(const std::vector<std::vector<std::string>>& cells, TableFormat format,
+                         std::size_t left_columns) {
+  std::ostringstream out;
+  if (cells.empty()) return "";
+  if (format == TableFormat::Csv) {
+    for (const auto& line : cells) {
+      for (std::size_t i = 0; i < line.size(); ++i) {
+        std::string value = line[i];
+        if (value.find_first_of(",\"") != std::string::npos) {
+          std::string quoted = "\"";
+          for (char c : value) quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
+          value = quoted + "\"";
+        }
+        out << (i ? "," : "") << value;
+      }
+      out << "\n";
+    }
+    return out.str();
+  }
+  std::vector<std::size_t> widths(cells.front().size(), 0);
+  auto display_width = [](const std::string& s) {
+    std::size_t w = 0;
+    for (unsigned char c : s) w += (c & 0xC0) != 0x80;
+    return w;
+  };
+  for (const auto& line : cells)
+    for (std::size_t i = 0; i < line.size(); ++i) widths[i] = std::max(widths[i], display_width(line[i]));
+  for (std::size_t r = 0; r < cells.size(); ++r) {
+    const auto& line = cells[r];
+    for (std::size_t i = 0; i < line.size(); ++i) {
+      const std::string pad(widths[i] - display_width(line[i]), ' ');
+      const bool left = i < left_columns;
+      if (format == TableFormat::Markdown) out << "| ";
+      out << (left ? line[i] + pad : pad + line[i]) << (format == TableFormat::Markdown ? " " : "  ");
+    }
+    out << (format == TableFormat::Markdown ? "|" : "") << "\n";
+    if (r == 0) {
+      for (std::size_t i = 0; i < line.size(); ++i) {
+        if (format == TableFormat::Markdown)
+          out << "|" << (i < left_columns ? ":" : "-") << std::string(widths[i], '-') << (i < left_columns ? "-" : ":");
+        else
+          out << std::string(widths[i], '-') << "  ";
+      }
+      out << (format == TableFormat::Markdown ? "|" : "") << "\n";
+    }
+  }
+  return out.str();
+}
+
+std::string render_table(const Report& report, const TableOptions& options) {
+  std::map<GroupKey, std::vector<const ResultRow*>> groups;
+  for (const auto& row : report.results)
+    groups[{scope_name(row.scope), pass_name(row.pass), row.causal, row.batch, row.heads, row.head_dim, row.d_ff, row.decode_tokens}].push_back(&row);
+  const double peak = report.context.value("fma_peak_gflops", 0.0);
+  std::ostringstream out;
+  bool first_group = true;
+  for (const auto& [key, rows] : groups) {
+    std::set<std::int64_t> lengths;
+    std::map<std::string, std::set<std::string>> variants;
+    for (const auto* row : rows) {
+      lengths.insert(row->seq_len);
+      variants[row->model].insert(row->params.dump());
+    }
+    std::vector<std::string> labels;
+    std::map<std::string, std::map<std::int64_t, const ResultRow*>> grid;
+    std::map<std::string, std::string> label_model;
+    for (const auto* row : rows) {
+      const std::string label = row_label(*row, variants[row->model].size() > 1);
+      if (!grid.count(label)) labels.push_back(label);
+      grid[label][row->seq_len] = row;
+      label_model[label] = row->model;
+    }
+    std::stable_sort(labels.begin(), labels.end(), [&](const std::string& a, const std::string& b) {
+      return model_rank(label_model[a]) < model_rank(label_model[b]);
+    });
+    std::map<std::int64_t, const ResultRow*> baseline;
+    for (const auto* row : rows)
+      if (row->model == options.baseline && !baseline.count(row->seq_len)) baseline[row->seq_len] = row;
+
+    if (options.format != TableFormat::Csv) {
+      if (!first_group) out << "\n";
+      out << (options.format == TableFormat::Markdown ? "**" : "") << metric_title(options, key.pass == "decode")
+          << " — scope " << key.scope << (key.pass != "forward" ? ", " + key.pass + " pass" : "")
+          << (key.causal ? ", causal" : "") << ", B=" << key.batch << " H=" << key.heads << " D=" << key.head_dim
+          << (key.pass == "decode" ? ", T=" + std::to_string(key.decode_tokens) : "")
+          << (key.d_ff ? ", d_ff=" + std::to_string(key.d_ff) : "")
+          << (options.format == TableFormat::Markdown ? "**\n\n" : "\n");
+    }
+    if (labels.size() * lengths.size() > kMaxTableCells)
+      throw InputError("a table of this report would have " + std::to_string(labels.size()) + " rows × " +
+                       std::to_string(lengths.size()) + " sequence lengths, more than " +
+                       std::to_string(kMaxTableCells) + " cells");
+    std::vector<std::vector<std::string>> cells;
+    std::vector<std::string> header = {"class", "model"};
+    if (options.format == TableFormat::Csv) header = {"scope", "pass", "causal", "batch", "heads", "head_dim", "class", "model"};
+    for (auto n : lengths) header.push_back("N=" + std::to_string(n));
+    if (options.complexity) header.insert(header.end(), {"survey", "flops fit", "time"});
+    cells.push_back(header);
+    for (const auto& label : labels) {
+      std::vector<std::string> line;
+      if (options.format == TableFormat::Csv)
+        line = {key.scope, key.pass, key.causal ? "true" : "false", std::to_string(key.batch), std::to_string(key.heads),
+                std::to_string(key.head_dim)};
+      line.push_back(first_class(label_model[label]));
+      line.push_back(label);
+      for (auto n : lengths) {
+        auto found = grid[label].find(n);
+        line.push_back(found == grid[label].end() ? "" : cell(*found->second, baseline.count(n) ? baseline[n] : nullptr, options, peak));
+      }
+      if (options.complexity) {
+        std::vector<const ResultRow*> series;
+        for (const auto& [n, row] : grid[label]) series.push_back(row);
+        const auto extra = complexity_cells(series);
+        line.insert(line.end(), extra.begin(), extra.end());
+      }
+      cells.push_back(line);
+    }
+    if (options.format == TableFormat::Csv && !first_group) cells.erase(cells.begin());
+    out << render_cells(cells, options.format);
+    first_group = false;
+  }
+  if (groups.empty()) out << "(no results)\n";
+  return out.str();
+}
+
+}  // namespace xfb

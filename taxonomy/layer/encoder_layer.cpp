@@ -1,0 +1,213 @@
+#include "taxonomy/layer/encoder_layer.hpp"
+
+#include <cmath>
+#include <cstring>
+
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
+#include "lib/core/stage_clock.hpp"
+
+namespace xfb {
+namespace {
+// W_qkv, W_o, W₁, W₂ and the two LayerNorms' gains and shifts (E = H·D, F = d_ff); their gradients
+// are as many.
+std::int64_t weight_floats(std::int64_t e, std::int64_t d_ff) { return e * 3 * e + e * e + 2 * e * d_ff + 4 * e; }
+
+Tensor random_weight(std::int64_t rows, std::int64_t cols, std::uint64_t seed, const char* name) {
+  Tensor w(Shape{rows, cols});
+  CounterRng(seed, name).fill_normal(w, 0.0f, 1.0f / std::sqrt(static_cast<float>(rows)));
+  return w;
+}
+Tensor constant(std::int64_t n, float value) {
+  Tensor t(Shape{n});
+  t.fill(value);
+  return t;
+}
+}  // namespace
+
+EncoderLayer::EncoderLayer(const Problem& problem, std::int64_t d_ff, std::uint64_t seed)
+    : p_(problem), e_(problem.heads * problem.head_dim), f_(d_ff) {
+  w_qkv_ = random_weight(e_, 3 * e_, seed, "layer/w_qkv");
+  w_o_ = random_weight(e_, e_, seed, "layer/w_o");
+  w_1_ = random_weight(e_, f_, seed, "layer/w_1");
+  w_2_ = random_weight(f_, e_, seed, "layer/w_2");
+  ln1_gain_ = constant(e_, 1.0f);
+  ln1_shift_ = constant(e_, 0.0f);
+  ln2_gain_ = constant(e_, 1.0f);
+  ln2_shift_ = constant(e_, 0.0f);
+  const std::int64_t tokens = p_.batch * p_.seq_len;
+  normed_ = Tensor(Shape{tokens, e_});
+  qkv_ = Tensor(Shape{tokens, 3 * e_});
+  q_ = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
+  k_ = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
+  v_ = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
+  o_ = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
+  merged_ = Tensor(Shape{tokens, e_});
+  hidden_ = Tensor(Shape{tokens, e_});
+  ffn_ = Tensor(Shape{tokens, f_});
+}
+
+namespace {
+// Rows of token-major [B·N, parts·E] (row t = [part 0 heads | part 1 heads | …]) to or from head-major
+// [B, H, N, D] tensors, one per part.
+void split_heads(const Problem& p, const float* rows, std::int64_t parts, float* const* heads) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, h = p.heads, e = h * d;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t t = 0; t < n; ++t) {
+      const float* row = rows + (b * n + t) * parts * e;
+      for (std::int64_t part = 0; part < parts; ++part)
+        for (std::int64_t head = 0; head < h; ++head)
+          std::memcpy(heads[part] + ((b * h + head) * n + t) * d, row + part * e + head * d, d * sizeof(float));
+    }
+}
+
+void merge_heads(const Problem& p, const float* const* heads, std::int64_t parts, float* rows) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, h = p.heads, e = h * d;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t t = 0; t < n; ++t) {
+      float* row = rows + (b * n + t) * parts * e;
+      for (std::int64_t part = 0; part < parts; ++part)
+        for (std::int64_t head = 0; head < h; ++head)
+          std::memcpy(row + part * e + head * d, heads[part] + ((b * h + head) * n + t) * d, d * sizeof(float));
+    }
+}
+}  // namespace
+
+void EncoderLayer::project_qkv(const Tensor& x) {
+  const std::int64_t tokens = p_.batch * p_.seq_len;
+  float* normed = training() ? first_normed_.data() : normed_.data();
+  ops::layer_norm(x.data(), normed, tokens, e_, ln1_gain_.data(), ln1_shift_.data());
+  ops::matmul({.m = tokens, .n = 3 * e_, .k = e_}, normed, w_qkv_.data(), qkv_.data());
+  float* const parts[3] = {q_.data(), k_.data(), v_.data()};
+  split_heads(p_, qkv_.data(), 3, parts);
+}
+
+void EncoderLayer::prepare(Mechanism& mechanism, const Tensor& x) {
+  project_qkv(x);
+  mechanism.prepare(q_, k_, v_);
+}
+
+void EncoderLayer::forward(Mechanism& mechanism, const Tensor& x, Tensor& y) {
+  const std::int64_t tokens = p_.batch * p_.seq_len;
+  project_qkv(x);
+  // A forward pass's stages are the mechanism's own and exclude the projections before it; a
+  // training step's `forward` stage is the whole layer forward (point.cpp mutes the clock inside).
+  if (!training()) stage_clock::restart();
+  mechanism.forward(q_, k_, v_, o_);
+  const float* const heads[1] = {o_.data()};
+  merge_heads(p_, heads, 1, merged_.data());
+  std::memcpy(hidden_.data(), x.data(), static_cast<std::size_t>(x.bytes()));
+  ops::matmul({.m = tokens, .n = e_, .k = e_, .accumulate = true}, merged_.data(), w_o_.data(), hidden_.data());
+  ops::layer_norm(hidden_.data(), normed_.data(), tokens, e_, ln2_gain_.data(), ln2_shift_.data());
+  if (training()) {
+    ops::matmul({.m = tokens, .n = f_, .k = e_}, normed_.data(), w_1_.data(), ffn_pre_.data());
+    std::memcpy(ffn_.data(), ffn_pre_.data(), static_cast<std::size_t>(ffn_pre_.bytes()));
+  } else {
+    ops::matmul({.m = tokens, .n = f_, .k = e_}, normed_.data(), w_1_.data(), ffn_.data());
+  }
+  ops::gelu(ffn_.data(), tokens * f_);
+  std::memcpy(y.data(), hidden_.data(), static_cast<std::size_t>(hidden_.bytes()));
+  ops::matmul({.m = tokens, .n = e_, .k = f_, .accumulate = true}, ffn_.data(), w_2_.data(), y.data());
+}
+
+std::vector<NamedTensor> EncoderLayer::parameters() const {
+  return {{"layer_w_qkv", &w_qkv_},         {"layer_w_o", &w_o_},           {"layer_w_1", &w_1_},
+          {"layer_w_2", &w_2_},             {"layer_ln1_gain", &ln1_gain_}, {"layer_ln1_shift", &ln1_shift_},
+          {"layer_ln2_gain", &ln2_gain_}, {"layer_ln2_shift", &ln2_shift_}};
+}
+
+void EncoderLayer::prepare_backward(Mechanism& mechanism) {
+  if (!training()) prepare_training();
+  mechanism.prepare_backward();
+}
+
+void EncoderLayer::prepare_training() {
+  const std::int64_t tokens = p_.batch * p_.seq_len;
+  first_normed_ = Tensor(Shape{tokens, e_});
+  ffn_pre_ = Tensor(Shape{tokens, f_});
+  d_ffn_ = Tensor(Shape{tokens, f_});
+  for (Tensor* t : {&d_normed_, &d_hidden_, &d_merged_, &ln_scratch_}) *t = Tensor(Shape{tokens, e_});
+  d_qkv_ = Tensor(Shape{tokens, 3 * e_});
+  for (Tensor* t : {&do_, &dq_, &dk_, &dv_}) *t = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
+  dw_qkv_ = Tensor(w_qkv_.shape());
+  dw_o_ = Tensor(w_o_.shape());
+  dw_1_ = Tensor(w_1_.shape());
+  dw_2_ = Tensor(w_2_.shape());
+  for (Tensor* t : {&d_ln1_gain_, &d_ln1_shift_, &d_ln2_gain_, &d_ln2_shift_}) *t = Tensor(Shape{e_});
+}
+
+void EncoderLayer::backward(Mechanism& mechanism, const Tensor& x, const Tensor& dy, Tensor& dx) {
+  const std::int64_t tokens = p_.batch * p_.seq_len, e = e_, f = f_;
+  // FFN: y = h + GELU(z)·W₂, z = LN₂(h)·W₁.
+  ops::matmul({.m = f, .n = e, .k = tokens, .trans_a = true}, ffn_.data(), dy.data(), dw_2_.data());
+  ops::matmul({.m = tokens, .n = f, .k = e, .trans_b = true}, dy.data(), w_2_.data(), d_ffn_.data());
+  ops::gelu_backward(ffn_pre_.data(), d_ffn_.data(), tokens * f);
+  ops::matmul({.m = e, .n = f, .k = tokens, .trans_a = true}, normed_.data(), d_ffn_.data(), dw_1_.data());
+  ops::matmul({.m = tokens, .n = e, .k = f, .trans_b = true}, d_ffn_.data(), w_1_.data(), d_normed_.data());
+  std::memcpy(d_hidden_.data(), dy.data(), static_cast<std::size_t>(dy.bytes()));
+  ops::layer_norm_backward(hidden_.data(), d_normed_.data(), tokens, e, ln2_gain_.data(), d_hidden_.data(),
+                           d_ln2_gain_.data(), d_ln2_shift_.data(), ln_scratch_.data());
+  // Attention block: h = x + merge(o)·W_o.
+  ops::matmul({.m = e, .n = e, .k = tokens, .trans_a = true}, merged_.data(), d_hidden_.data(), dw_o_.data());
+  ops::matmul({.m = tokens, .n = e, .k = e, .trans_b = true}, d_hidden_.data(), w_o_.data(), d_merged_.data());
+  float* const out_grad[1] = {do_.data()};
+  split_heads(p_, d_merged_.data(), 1, out_grad);
+  mechanism.backward(q_, k_, v_, o_, do_, dq_, dk_, dv_);
+  const float* const qkv_grads[3] = {dq_.data(), dk_.data(), dv_.data()};
+  merge_heads(p_, qkv_grads, 3, d_qkv_.data());
+  ops::matmul({.m = e, .n = 3 * e, .k = tokens, .trans_a = true}, first_normed_.data(), d_qkv_.data(), dw_qkv_.data());
+  ops::matmul({.m = tokens, .n = e, .k = 3 * e, .trans_b = true}, d_qkv_.data(), w_qkv_.data(), d_normed_.data());
+  std::memcpy(dx.data(), d_hidden_.data(), static_cast<std::size_t>(d_hidden_.bytes()));
+  ops::layer_norm_backward(x.data(), d_normed_.data(), tokens, e, ln1_gain_.data(), dx.data(), d_ln1_gain_.data(),
+                           d_ln1_shift_.data(), ln_scratch_.data());
+}
+
+std::vector<NamedTensor> EncoderLayer::saved() const {
+  return {{"layer_ln1_out", &first_normed_}, {"layer_q", &q_},         {"layer_k", &k_},
+          {"layer_v", &v_},                  {"layer_attention_out", &o_}, {"layer_merged", &merged_},
+          {"layer_hidden", &hidden_},        {"layer_ln2_out", &normed_},  {"layer_ffn_pre", &ffn_pre_},
+          {"layer_ffn", &ffn_}};
+}
+
+std::vector<NamedTensor> EncoderLayer::parameter_gradients() const {
+  return {{"dlayer_w_qkv", &dw_qkv_},         {"dlayer_w_o", &dw_o_},           {"dlayer_w_1", &dw_1_},
+          {"dlayer_w_2", &dw_2_},             {"dlayer_ln1_gain", &d_ln1_gain_}, {"dlayer_ln1_shift", &d_ln1_shift_},
+          {"dlayer_ln2_gain", &d_ln2_gain_}, {"dlayer_ln2_shift", &d_ln2_shift_}};
+}
+
+std::vector<NamedTensor> EncoderLayer::attention_gradients() const {
+  return {{"attention_dout", &do_}, {"dq", &dq_}, {"dk", &dk_}, {"dv", &dv_}};
+}
+
+std::int64_t EncoderLayer::backward_flops_outside_mechanism(const Problem& p, std::int64_t d_ff) {
+  const std::int64_t tokens = p.batch * p.seq_len, e = p.heads * p.head_dim;
+  const std::int64_t products = matmul_flops(tokens, 3 * e, e) + matmul_flops(tokens, e, e) +
+                                matmul_flops(tokens, d_ff, e) + matmul_flops(tokens, e, d_ff);
+  return 2 * products + 2 * kLayerNormBackwardFlopsPerElement * tokens * e + kGeluBackwardFlopsPerElement * tokens * d_ff;
+}
+
+std::int64_t EncoderLayer::backward_workspace_bytes(const Problem& p, std::int64_t d_ff) {
+  const std::int64_t tokens = p.batch * p.seq_len, e = p.heads * p.head_dim;
+  const std::int64_t weights = weight_floats(e, d_ff);
+  const std::int64_t activations = tokens * (e + d_ff);                   // LN₁ output, z
+  const std::int64_t gradients = tokens * (d_ff + 4 * e + 3 * e + 4 * e);  // dz; dLN, dh, d merge, scratch; dqkv; do, dq, dk, dv
+  return (weights + activations + gradients) * static_cast<std::int64_t>(sizeof(float));
+}
+
+std::int64_t EncoderLayer::flops_outside_mechanism(const Problem& p, std::int64_t d_ff) {
+  const std::int64_t tokens = p.batch * p.seq_len, e = p.heads * p.head_dim;
+  return 2 * kLayerNormFlopsPerElement * tokens * e + matmul_flops(tokens, 3 * e, e) + matmul_flops(tokens, e, e) +
+         matmul_flops(tokens, d_ff, e) + matmul_flops(tokens, e, d_ff) + kGeluFlopsPerElement * tokens * d_ff;
+}
+
+std::int64_t EncoderLayer::workspace_bytes(const Problem& p, std::int64_t d_ff) {
+  const std::int64_t tokens = p.batch * p.seq_len, e = p.heads * p.head_dim;
+  const std::int64_t weights = weight_floats(e, d_ff);
+  const std::int64_t buffers = tokens * (e + 3 * e + 4 * e + e + e + d_ff);
+  return (weights + buffers) * static_cast<std::int64_t>(sizeof(float));
+}
+
+}  // namespace xfb
