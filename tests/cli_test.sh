@@ -127,18 +127,22 @@ assert r["status"] == "ok" and r["pass"] == "train" and r["saved_bytes"] > 0, r'
   && [ "$(grep -c '"pass": "train"' "$work/train.json")" -eq 5 ] && grep -q "train pass" "$work/train.txt" \
   && pass || fail "sweep --pass train: rows, settings and table"
 # Decode: per-token rows, a dump recomputed outside the project, the same draws as the causal forward.
-for model in vanilla exact-tiled local image-transformer linear-transformer; do
+# Synthesizer and Sinkhorn are recomputed from the parameters the dump holds at N + T positions.
+for spec in vanilla exact-tiled "local block=8" "image-transformer query_block=8 memory_flange=5" linear-transformer \
+    "synthesizer variant=dense" "synthesizer variant=random vanilla_weight=0.25" \
+    "synthesizer variant=factorized-random factor_rank=3" "sinkhorn block=3 temperature=0.5"; do
+  read -r model settings <<<"$spec"
   params=()
-  [ "$model" = local ] && params=(--param block=8)
-  [ "$model" = image-transformer ] && params=(--param query_block=8 --param memory_flange=5)
+  for setting in $settings; do params+=(--param "$setting"); done
+  dir="$work/dec-${spec// /-}"
   "$bin" run --model "$model" --seq-len 37 --pass decode --decode-tokens 6 "${quick[@]}" "${params[@]}" \
-    --dump "$work/dec-$model" --json >"$work/dec.json" \
-    && python3 "$src/tools/check_decode_dump.py" "$work/dec-$model" >"$work/dec.txt" \
+    --dump "$dir" --json >"$work/dec.json" \
+    && python3 "$src/tools/check_decode_dump.py" "$dir" >"$work/dec.txt" \
     && python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
 assert r["status"] == "ok" and r["pass"] == "decode" and r["causal"] and r["decode_tokens"] == 6, r
 assert r["state_bytes"] > 0 and r["prefill_ns"] > 0 and len(r["samples_ns"]) >= 6, r
 assert "--pass decode --decode-tokens 6" in r["reproducer"], r' "$work/dec.json" \
-    && pass || fail "run --pass decode --dump: $model ($(cat "$work/dec.txt" 2>/dev/null))"
+    && pass || fail "run --pass decode --dump: $spec ($(cat "$work/dec.txt" 2>/dev/null))"
 done
 "$bin" run --model vanilla --seq-len 43 --causal "${quick[@]}" --dump "$work/causal-43" >/dev/null \
   && cmp -s "$work/causal-43/k.npy" "$work/dec-vanilla/k.npy" && pass \
