@@ -295,8 +295,22 @@ chmod +x "$work/broken-bin"
 "$bin" ab --models local "${tiny[@]}" --b-bin "$work/broken-bin" >"$work/ab.out" 2>/dev/null
 [ $? -eq 1 ] && grep -q "error" "$work/ab.out" && grep -q "exited with code 4" "$work/ab.out" \
   && pass || fail "ab with a failing B binary must exit 1: $(cat "$work/ab.out")"
-"$bin" ab --models local "${tiny[@]}" --max-slowdown 1000% --format bmf >"$work/ab.bmf" 2>/dev/null \
-  && grep -q '"latency"' "$work/ab.bmf" && grep -q '"ratio"' "$work/ab.bmf" && pass || fail "ab --format bmf"
+# Four rounds at --alpha 0.01 are too few for an interval: the point is noisy, so the dashboard
+# export leaves it out and says so. At --alpha 0.5 a verdict is possible: a point is exported
+# exactly when it has one.
+"$bin" ab --models local "${tiny[@]}" --max-slowdown 1000% --format bmf >"$work/ab.bmf" 2>"$work/ab.err" \
+  && [ "$(tr -d ' \n' <"$work/ab.bmf")" = "{}" ] \
+  && grep -q "left out 1 A/B point(s): 1 noisy, 0 error" "$work/ab.err" && pass || fail "ab --format bmf: a noisy point"
+"$bin" ab --models local "${tiny[@]}" --alpha 0.5 --max-slowdown 1000% --format bmf --out "$work/ab-bmf.json" \
+  >"$work/ab.bmf" 2>"$work/ab.err" && python3 -c 'import json, sys
+verdict = json.load(open(sys.argv[1]))["points"][0]["verdict"]
+bmf, note = json.load(open(sys.argv[2])), open(sys.argv[3]).read()
+if verdict == "noisy":
+    assert bmf == {} and "1 noisy" in note, (bmf, note)
+else:
+    [entry] = bmf.values()
+    assert "latency" in entry and "ratio" in entry and "left out" not in note, (bmf, note)' \
+  "$work/ab-bmf.json" "$work/ab.bmf" "$work/ab.err" && pass || fail "ab --format bmf: $(cat "$work/ab.bmf")"
 expect_error 2 ab --models local --rounds 1
 expect_error 2 ab --models nosuch
 expect_error 2 ab --models local --b-bin "$work/nosuch-bin"
