@@ -82,7 +82,6 @@ AbReport run_ab(const AbSettings& settings, const std::string& command_line);
 nlohmann::json ab_to_json(const AbReport& report);
 enum class AbFormat { Text, Markdown, Json, GithubBenchmark, Bencher };
 std::string render_ab(const AbReport& report, AbFormat format);
-// The candidate (B) per point: median and spread over rounds, the ratio with its interval.
 // The dashboard exports' points left out: verdict noisy (or no clean round) and error.
 struct AbDashboardOmissions {
   std::size_t noisy = 0, error = 0;
