@@ -127,18 +127,22 @@ assert r["status"] == "ok" and r["pass"] == "train" and r["saved_bytes"] > 0, r'
   && [ "$(grep -c '"pass": "train"' "$work/train.json")" -eq 5 ] && grep -q "train pass" "$work/train.txt" \
   && pass || fail "sweep --pass train: rows, settings and table"
 # Decode: per-token rows, a dump recomputed outside the project, the same draws as the causal forward.
-for model in vanilla exact-tiled local image-transformer linear-transformer; do
+# Synthesizer and Sinkhorn are recomputed from the parameters the dump holds at N + T positions.
+for spec in vanilla exact-tiled "local block=8" "image-transformer query_block=8 memory_flange=5" linear-transformer \
+    "synthesizer variant=dense" "synthesizer variant=random vanilla_weight=0.25" \
+    "synthesizer variant=factorized-random factor_rank=3" "sinkhorn block=3 temperature=0.5"; do
+  read -r model settings <<<"$spec"
   params=()
-  [ "$model" = local ] && params=(--param block=8)
-  [ "$model" = image-transformer ] && params=(--param query_block=8 --param memory_flange=5)
+  for setting in $settings; do params+=(--param "$setting"); done
+  dir="$work/dec-${spec// /-}"
   "$bin" run --model "$model" --seq-len 37 --pass decode --decode-tokens 6 "${quick[@]}" "${params[@]}" \
-    --dump "$work/dec-$model" --json >"$work/dec.json" \
-    && python3 "$src/tools/check_decode_dump.py" "$work/dec-$model" >"$work/dec.txt" \
+    --dump "$dir" --json >"$work/dec.json" \
+    && python3 "$src/tools/check_decode_dump.py" "$dir" >"$work/dec.txt" \
     && python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
 assert r["status"] == "ok" and r["pass"] == "decode" and r["causal"] and r["decode_tokens"] == 6, r
 assert r["state_bytes"] > 0 and r["prefill_ns"] > 0 and len(r["samples_ns"]) >= 6, r
 assert "--pass decode --decode-tokens 6" in r["reproducer"], r' "$work/dec.json" \
-    && pass || fail "run --pass decode --dump: $model ($(cat "$work/dec.txt" 2>/dev/null))"
+    && pass || fail "run --pass decode --dump: $spec ($(cat "$work/dec.txt" 2>/dev/null))"
 done
 "$bin" run --model vanilla --seq-len 43 --causal "${quick[@]}" --dump "$work/causal-43" >/dev/null \
   && cmp -s "$work/causal-43/k.npy" "$work/dec-vanilla/k.npy" && pass \
@@ -291,8 +295,22 @@ chmod +x "$work/broken-bin"
 "$bin" ab --models local "${tiny[@]}" --b-bin "$work/broken-bin" >"$work/ab.out" 2>/dev/null
 [ $? -eq 1 ] && grep -q "error" "$work/ab.out" && grep -q "exited with code 4" "$work/ab.out" \
   && pass || fail "ab with a failing B binary must exit 1: $(cat "$work/ab.out")"
-"$bin" ab --models local "${tiny[@]}" --max-slowdown 1000% --format bmf >"$work/ab.bmf" 2>/dev/null \
-  && grep -q '"latency"' "$work/ab.bmf" && grep -q '"ratio"' "$work/ab.bmf" && pass || fail "ab --format bmf"
+# Four rounds at --alpha 0.01 are too few for an interval: the point is noisy, so the dashboard
+# export leaves it out and says so. At --alpha 0.5 a verdict is possible: a point is exported
+# exactly when it has one.
+"$bin" ab --models local "${tiny[@]}" --max-slowdown 1000% --format bmf >"$work/ab.bmf" 2>"$work/ab.err" \
+  && [ "$(tr -d ' \n' <"$work/ab.bmf")" = "{}" ] \
+  && grep -q "left out 1 A/B point(s): 1 noisy, 0 error" "$work/ab.err" && pass || fail "ab --format bmf: a noisy point"
+"$bin" ab --models local "${tiny[@]}" --alpha 0.5 --max-slowdown 1000% --format bmf --out "$work/ab-bmf.json" \
+  >"$work/ab.bmf" 2>"$work/ab.err" && python3 -c 'import json, sys
+verdict = json.load(open(sys.argv[1]))["points"][0]["verdict"]
+bmf, note = json.load(open(sys.argv[2])), open(sys.argv[3]).read()
+if verdict == "noisy":
+    assert bmf == {} and "1 noisy" in note, (bmf, note)
+else:
+    [entry] = bmf.values()
+    assert "latency" in entry and "ratio" in entry and "left out" not in note, (bmf, note)' \
+  "$work/ab-bmf.json" "$work/ab.bmf" "$work/ab.err" && pass || fail "ab --format bmf: $(cat "$work/ab.bmf")"
 expect_error 2 ab --models local --rounds 1
 expect_error 2 ab --models nosuch
 expect_error 2 ab --models local --b-bin "$work/nosuch-bin"

@@ -5,6 +5,9 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <map>
+#include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -32,6 +35,7 @@ struct Decoded {
   std::vector<Tensor> steps;  // [B, H, 1, D] per token
   std::int64_t decode_bytes = 0;  // tracked bytes prepare_decode allocated
   std::int64_t state_bytes = 0;
+  std::unique_ptr<Mechanism> mechanism;  // as the last step left it
 };
 
 // Prefill N tokens of `whole`, then decode `tokens` more, one at a time; `runs` times over (a new
@@ -59,6 +63,7 @@ Decoded decode(const ModelInfo& model, const Problem& context, const ParamValues
     }
   }
   result.state_bytes = mechanism->state_bytes();
+  result.mechanism = std::move(mechanism);
   return result;
 }
 
@@ -146,6 +151,32 @@ const std::vector<DecodeCase>& decode_cases() {
       {"performer", {"features=40", "chunk=8", "kernel=relu"}, {9}, 12},
   };
   return cases;
+}
+
+// The parameter names a decode parameter's name mentions: its '_'-separated words ("w2_b2": w2, b2).
+std::vector<std::string> named_parameters(const std::string& name) {
+  std::vector<std::string> words;
+  std::istringstream in(name);
+  for (std::string word; std::getline(in, word, '_');) words.push_back(word);
+  return words;
+}
+
+std::map<std::string, const Tensor*> by_name(const std::vector<NamedTensor>& tensors) {
+  std::map<std::string, const Tensor*> map;
+  for (const auto& named : tensors) map[named.name] = named.tensor;
+  return map;
+}
+
+bool same_values(const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape()) return false;
+  for (std::int64_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
+// Tensors in parameters() that decoding does not read, with the reason.
+bool not_read_by_decoding(const std::string& model, const std::string& name) {
+  return model == "sinkhorn" && name == "permutation";  // the last forward's soft permutation, not a draw
 }
 
 }  // namespace
@@ -279,6 +310,68 @@ TEST_SUITE("decode") {
             for (std::int64_t c = 0; c < d; ++c)
               CHECK(std::fabs(step_out.head(b, h)[c] - want[static_cast<std::size_t>(c)]) <= tolerance);
           }
+      }
+    }
+  }
+
+  TEST_CASE("after decoding, parameters() and decode_parameters() hold every parameter at the size N + T reads") {
+    // The model built for N + T tokens is what decoding must equal: each of its parameters is held
+    // by the decoder's parameters() at its shape and values, or else (a position axis) by a decode
+    // parameter of its name (whole, same values) or one naming it whose axes reach its extent
+    // e = N + T (or the blocks of N + T), directly or past the context's c positions (e − c rows).
+    constexpr std::int64_t kContext = 50, kTokens = 23;
+    for (const auto& c : decode_cases()) {
+      const ModelInfo* model = find_model(c.model);
+      REQUIRE(model != nullptr);
+      Problem context = on_test_threads(Problem{.batch = 1, .heads = 3, .seq_len = kContext, .head_dim = 16});
+      context.causal = true;
+      Problem whole_problem = context;
+      whole_problem.seq_len = kContext + kTokens;
+      const ParamValues values = model->impl.resolved(context, resolve_params(c.model, model->impl.params, c.params));
+      const std::string label = c.model + " " + params_text(values.to_json());
+      CAPTURE(label);
+      const AttentionInputs whole = random_inputs(whole_problem, 7);
+      const Decoded got = decode(*model, context, values, whole, kTokens);
+      auto extended = model->impl.create(whole_problem, values, 42);
+      extended->prepare(whole.q, whole.k, whole.v);
+      const auto held = by_name(got.mechanism->parameters());
+      const auto decoding = by_name(got.mechanism->decode_parameters());
+      const auto wanted = extended->parameters();
+      for (const auto& named : got.mechanism->decode_parameters()) {
+        CAPTURE(named.name);
+        bool names_a_parameter = false;
+        for (const auto& word : named_parameters(named.name))
+          for (const auto& parameter : wanted) names_a_parameter = names_a_parameter || parameter.name == word;
+        CHECK(names_a_parameter);
+      }
+      for (const auto& want : wanted) {
+        CAPTURE(want.name);
+        if (not_read_by_decoding(c.model, want.name)) continue;
+        REQUIRE(held.count(want.name) == 1);
+        const Tensor& mine = *held.at(want.name);
+        REQUIRE(mine.rank() == want.tensor->rank());
+        if (mine.shape() == want.tensor->shape()) {
+          CHECK(same_values(mine, *want.tensor));
+          continue;
+        }
+        if (decoding.count(want.name) == 1) {
+          CHECK(same_values(*decoding.at(want.name), *want.tensor));
+          continue;
+        }
+        std::vector<const Tensor*> holders;
+        for (const auto& named : got.mechanism->decode_parameters())
+          for (const auto& word : named_parameters(named.name))
+            if (word == want.name) holders.push_back(named.tensor);
+        REQUIRE_MESSAGE(!holders.empty(), "no decode parameter holds " << want.name << " at N + T");
+        for (std::size_t axis = 0; axis < mine.shape().size(); ++axis) {
+          const std::int64_t extent = want.tensor->dim(axis), past = extent - mine.dim(axis);
+          if (past == 0) continue;
+          bool reached = false;
+          for (const Tensor* holder : holders)
+            for (const std::int64_t size : holder->shape()) reached = reached || size == extent || size == past;
+          CAPTURE(axis);
+          CHECK(reached);
+        }
       }
     }
   }

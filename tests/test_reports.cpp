@@ -11,6 +11,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "apps/bench/ab.hpp"
 #include "apps/bench/presets.hpp"
 #include "apps/bench/sweep.hpp"
 #include "lib/core/errors.hpp"
@@ -181,6 +182,41 @@ std::vector<pugi::xml_node> find_all(pugi::xml_node node, const std::string& nam
 }  // namespace
 
 TEST_SUITE("reports") {
+  TEST_CASE("ab's dashboard exports leave out noisy and error points and contended rounds, and count them") {
+    // Three clean rounds (B: 2, 3, 4 ms) and one where A was contended (B: 9 ms).
+    auto point = [](const std::string& model, AbVerdict verdict) {
+      AbPoint p;
+      p.a.model = p.b.model = model;
+      p.a.seq_len = p.b.seq_len = 64;
+      p.rounds = {{false, 1e6, 2e6, false, false}, {true, 1e6, 3e6, false, false}, {false, 1e6, 4e6, false, false},
+                  {true, 1e6, 9e6, true, false}};
+      p.stats.ratio = 3;
+      p.verdict = verdict;
+      return p;
+    };
+    AbReport report;
+    report.points = {point("vanilla", AbVerdict::Slower), point("local", AbVerdict::Noisy),
+                     point("axial", AbVerdict::Error), point("performer", AbVerdict::Same)};
+    AbDashboardOmissions omitted;
+    const auto entries = ab_dashboard_entries(report, &omitted);
+    REQUIRE(entries.size() == 2);
+    CHECK(entries[0].name == dashboard_name(report.points[0].b));
+    CHECK(entries[1].name == dashboard_name(report.points[3].b));
+    for (const auto& entry : entries) {
+      CHECK(entry.median_ns == 3e6);
+      CHECK(entry.max_ns == 4e6);
+    }
+    CHECK(omitted.noisy == 1);
+    CHECK(omitted.error == 1);
+    CHECK(ab_omission_note(omitted) == "left out 2 A/B point(s): 1 noisy, 1 error; they have no trustworthy time");
+    for (const AbFormat format : {AbFormat::GithubBenchmark, AbFormat::Bencher}) {
+      const std::string exported = render_ab(report, format);
+      CHECK(exported.find("vanilla N=64") != std::string::npos);
+      CHECK(exported.find("local N=64") == std::string::npos);
+      CHECK(exported.find("axial N=64") == std::string::npos);
+    }
+  }
+
   TEST_CASE("average ranks share tied positions") {
     CHECK(average_ranks({10, 20, 20, 5, 20}) == std::vector<double>{2, 4, 4, 1, 4});
     CHECK(average_ranks({}).empty());

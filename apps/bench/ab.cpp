@@ -191,18 +191,34 @@ std::size_t ab_regressions(const AbReport& report) {
   return count;
 }
 
-std::vector<DashboardEntry> ab_dashboard_entries(const AbReport& report) {
+std::vector<DashboardEntry> ab_dashboard_entries(const AbReport& report, AbDashboardOmissions* omitted) {
+  AbDashboardOmissions counts;
   std::vector<DashboardEntry> entries;
   for (const auto& p : report.points) {
-    if (p.verdict == AbVerdict::Error) continue;
     std::vector<double> b;
-    for (const auto& r : p.rounds) b.push_back(r.b_ns);
+    for (const auto& r : p.rounds)
+      if (!r.a_contended && !r.b_contended) b.push_back(r.b_ns);
+    if (p.verdict == AbVerdict::Error) {
+      ++counts.error;
+      continue;
+    }
+    if (p.verdict == AbVerdict::Noisy || b.empty()) {
+      ++counts.noisy;
+      continue;
+    }
     const SampleStats stats = summarize(b);
     DashboardEntry entry{dashboard_name(p.b), stats.median, stats.mad, stats.min, stats.max, std::nullopt};
     entry.ratio = DashboardEntry::Ratio{p.stats.ratio, p.stats.ci_low, p.stats.ci_high};
     entries.push_back(entry);
   }
+  if (omitted) *omitted = counts;
   return entries;
+}
+
+std::string ab_omission_note(const AbDashboardOmissions& omitted) {
+  return "left out " + std::to_string(omitted.noisy + omitted.error) + " A/B point(s): " +
+         std::to_string(omitted.noisy) + " noisy, " + std::to_string(omitted.error) +
+         " error; they have no trustworthy time";
 }
 
 std::string render_ab(const AbReport& report, AbFormat format_kind) {

@@ -82,8 +82,15 @@ AbReport run_ab(const AbSettings& settings, const std::string& command_line);
 nlohmann::json ab_to_json(const AbReport& report);
 enum class AbFormat { Text, Markdown, Json, GithubBenchmark, Bencher };
 std::string render_ab(const AbReport& report, AbFormat format);
-// The candidate (B) per point: median and spread over rounds, the ratio with its interval.
-std::vector<DashboardEntry> ab_dashboard_entries(const AbReport& report);
+// The dashboard exports' points left out: verdict noisy (or no clean round) and error.
+struct AbDashboardOmissions {
+  std::size_t noisy = 0, error = 0;
+};
+// One entry per point with a verdict of faster, slower or same: side B's median over the clean
+// rounds (neither side contended) and the ratio with its interval; `omitted` counts the others.
+std::vector<DashboardEntry> ab_dashboard_entries(const AbReport& report, AbDashboardOmissions* omitted = nullptr);
+// "left out 2 A/B point(s): 1 noisy, 1 error; they have no trustworthy time"
+std::string ab_omission_note(const AbDashboardOmissions& omitted);
 // Number of points whose verdict is slower or error (the exit status of `xfbench ab`).
 std::size_t ab_regressions(const AbReport& report);
 

@@ -220,6 +220,7 @@ ResultRow run_decode_point(const Point& point, ResultRow row, const std::optiona
     std::vector<std::pair<std::string, const Tensor*>> files = {
         {"q", &whole[0]}, {"k", &whole[1]}, {"v", &whole[2]}, {"out", &whole[3]}};
     for (const auto& named : mechanism->parameters()) files.emplace_back(named.name, named.tensor);
+    for (const auto& named : mechanism->decode_parameters()) files.emplace_back("decode_" + named.name, named.tensor);
     for (const auto& named : mechanism->decode_state()) files.emplace_back("state_" + named.name, named.tensor);
     write_dump(*dump_dir, point, row, files);
   }

@@ -39,6 +39,11 @@ int run(AbOptions& o) {
                                                            : AbFormat::Text;
   if (!o.out.empty()) write_file_atomically(o.out, ab_to_json(report).dump(2) + "\n");
   std::printf("%s", render_ab(report, format).c_str());
+  if (format == AbFormat::GithubBenchmark || format == AbFormat::Bencher) {
+    AbDashboardOmissions omitted;
+    ab_dashboard_entries(report, &omitted);
+    if (omitted.noisy + omitted.error > 0) std::fprintf(stderr, "xfbench: note: %s\n", ab_omission_note(omitted).c_str());
+  }
   return ab_regressions(report) > 0 ? kExitCheckFailed : kExitOk;
 }
 

@@ -101,6 +101,14 @@ class Mechanism {
   }
   // What the model keeps between steps (for --dump and the row's state_bytes).
   virtual std::vector<NamedTensor> decode_state() const { return {}; }
+  // The learned or drawn tensors the steps read that parameters() does not hold at the size they
+  // read (a position axis extended to N + tokens, the rows of the decoded positions); for --dump,
+  // as "decode_<name>". Contract: after prepare_decode, parameters() ∪ decode_parameters() hold
+  // every learned or drawn tensor a decode step reads, at the size it reads. A name is that of the
+  // parameter it extends (then it is that parameter of the model built for N + tokens, whole), or
+  // joins the names of the parameters it holds with a note of the part (e.g. "w2_b2", "r_decoded_rows");
+  // the model's header gives the shape and layout.
+  virtual std::vector<NamedTensor> decode_parameters() const { return {}; }
   // Bytes of the state: decode_state()'s tensors plus integer state kept in other buffers.
   virtual std::int64_t state_bytes() const { return total_bytes(decode_state()); }
 };

@@ -84,8 +84,11 @@ class SinkhornAttention final : public Mechanism {
   // 7·β + 2·2·β·b·D FLOPs for block β); a token attends to its block so far and to K̃, Ṽ (stage
   // `attend`): O(b) per token plus O(N·D/b) amortised for the block openings, state O(N). The
   // network's w2 is drawn by coordinates, so its columns for n_B(N+T) blocks extend those of n_B.
+  // The steps read w1, b1 of parameters() and, in decode_parameters(), "w2" [D, n_B(N+T)] and "b2"
+  // [n_B(N+T)]: those of the model built for N + T tokens (dumped as decode_w2, decode_b2).
   void prepare_decode(std::int64_t tokens) override;
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
+  std::vector<NamedTensor> decode_parameters() const override { return {{"w2", &decode_w2_}, {"b2", &decode_b2_}}; }
   std::vector<NamedTensor> decode_state() const override {
     return {{"block_keys", &block_keys_}, {"block_values", &block_values_}, {"open_embedding", &decode_embeddings_},
             {"sorted_block", &decode_sorted_}};

@@ -167,6 +167,16 @@ class Synthesizer final : public Mechanism {
     return {{"value_cache", &decode_values_}};
   }
 
+  std::vector<NamedTensor> decode_parameters() const override {
+    switch (c_.variant) {
+      case SynthesizerVariant::Dense: return {{"w2_b2", &decode_synthetic_}};
+      case SynthesizerVariant::Random: return {{"r_decoded_rows", &decode_synthetic_}};
+      case SynthesizerVariant::FactorizedRandom:
+        return {{"r1_decoded_rows", &decode_factor_rows_}, {"r2", &decode_synthetic_}};
+    }
+    return {};
+  }
+
   std::vector<NamedTensor> parameters() const override {
     switch (c_.variant) {
       case SynthesizerVariant::Dense: return {{"w1", &w1_}, {"b1", &b1_}, {"w2", &w2_}, {"b2", &b2_}};

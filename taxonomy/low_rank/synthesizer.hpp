@@ -28,6 +28,10 @@
 // N + T positions; a step synthesises its logit row over keys 0 … i (dense: the MLP of its query,
 // 2·D² + 2·D + 2·(D+1)·(i+1) FLOPs; random: R's row; factorized: R₁[i]·R₂ᵀ, 2·k·(i+1)), adds
 // α·q·Kᵀ/√D, softmaxes and multiplies by V: O(N) per token.
+// What a step reads beyond parameters() (decode_parameters(), dumped as decode_<name>.npy), all the
+// draws of a model built for N + T tokens: dense "w2_b2" [H, D+1, N+T] (rows 0 … D−1 W₂, row D b₂;
+// with w1 and b1 of parameters()); random "r_decoded_rows" [H, T, N+T] (R's rows N … N+T−1);
+// factorized "r1_decoded_rows" [H, T, k] (R₁'s rows N … N+T−1) and "r2" [H, N+T, k] (R₂ whole).
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
