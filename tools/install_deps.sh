@@ -2,7 +2,7 @@
 # Installs the Debian packages xfbench needs, only those missing (idempotent). Needs root or sudo.
 set -euo pipefail
 packages=(g++ cmake ninja-build git libdnnl-dev ocl-icd-opencl-dev libcli11-dev nlohmann-json3-dev
-          libspdlog-dev doctest-dev libpugixml-dev python3)
+          libspdlog-dev doctest-dev libpugixml-dev python3 clang-format)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

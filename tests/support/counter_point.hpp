@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "apps/bench/point.hpp"
-#include "tests/reference.hpp"
+#include "tests/support/reference.hpp"
 
 namespace xfb::test {
 

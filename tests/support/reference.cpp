@@ -1,4 +1,4 @@
-#include "tests/reference.hpp"
+#include "tests/support/reference.hpp"
 
 #include <doctest/doctest.h>
 

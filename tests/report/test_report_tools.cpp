@@ -181,7 +181,7 @@ std::vector<pugi::xml_node> find_all(pugi::xml_node node, const std::string& nam
 
 }  // namespace
 
-TEST_SUITE("reports") {
+TEST_SUITE("report_tools") {
   TEST_CASE("ab's dashboard exports leave out noisy and error points and contended rounds, and count them") {
     // Three clean rounds (B: 2, 3, 4 ms) and one where A was contended (B: 9 ms).
     auto point = [](const std::string& model, AbVerdict verdict) {

@@ -2,7 +2,7 @@
 #include <doctest/doctest.h>
 
 #include "lib/core/dnnl_context.hpp"
-#include "tests/reference.hpp"
+#include "tests/support/reference.hpp"
 
 int main(int argc, char** argv) {
   xfb::DnnlContext::instance().set_threads(xfb::test::kTestThreads);

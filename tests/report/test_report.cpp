@@ -12,7 +12,7 @@
 #include "lib/core/npy.hpp"
 #include "apps/report/report.hpp"
 #include "apps/report/table.hpp"
-#include "tests/reference.hpp"
+#include "tests/support/reference.hpp"
 
 using namespace xfb;
 namespace fs = std::filesystem;

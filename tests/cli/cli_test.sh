@@ -9,7 +9,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 failures=0
 passes=0
-src="$(cd "$(dirname "$0")/.." && pwd)"
+src="$(cd "$(dirname "$0")/../.." && pwd)"
 
 pass() { passes=$((passes + 1)); }
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
@@ -412,7 +412,7 @@ expect_error 2 sweep --preset nosuch --out "$work/r.json"
 # One measured sweep (the context's peak fields) with a preset and a shard (the optional settings),
 # then merged (context.merged_from): together they carry every field the writer emits. Objects whose
 # keys are data (a row's params, stage_median_ns) are single fields; arrays of objects are `name[]`.
-schema_doc="$(dirname "$0")/../docs/report-schema.md"
+schema_doc="$src/docs/report-schema.md"
 "$bin" sweep --preset lra --models vanilla --seq-lens 32,64 --batch 1 --heads 1 --head-dim 16 --d-ff 32 --threads 2 \
   --min-reps 1 --min-time 0 --shard 1/2 --no-table --out "$work/schema-shard.json" >/dev/null 2>&1 \
   && "$bin" merge "$work/schema-shard.json" -o "$work/schema-merged.json" 2>/dev/null \
@@ -479,8 +479,8 @@ PY
 fi
 
 # --- the CI regression gate ----------------------------------------------------------------------
-gate="$(dirname "$0")/../tools/ci_regression.sh"
-baseline="$(dirname "$0")/../results/ci-baseline.json"
+gate="$src/tools/ci_regression.sh"
+baseline="$src/results/ci-baseline.json"
 bash "$gate" "$bin" "$baseline" >"$work/gate.md" 2>&1 && pass || fail "CI gate fails on the committed baseline: $(cat "$work/gate.md")"
 # A baseline one byte smaller (so the new run grew by one byte) and one with other FLOPs must fail:
 # owned bytes on any host, the total (scratchpad included) where oneDNN runs the baseline's ISA.

@@ -18,9 +18,9 @@
 #include "taxonomy/learnable_patterns/routing.hpp"
 #include "taxonomy/learnable_patterns/sinkhorn.hpp"
 #include "taxonomy/registry.hpp"
-#include "tests/counter_point.hpp"
-#include "tests/gradient_check.hpp"
-#include "tests/reference.hpp"
+#include "tests/support/counter_point.hpp"
+#include "tests/support/gradient_check.hpp"
+#include "tests/support/reference.hpp"
 
 using namespace xfb;
 using namespace xfb::test;

@@ -2,56 +2,14 @@
 # Careless and hostile inputs against every command that reads a report, outputs that must not
 # clobber anything, and gates that must not pass by accident. Every refused input: exit 2, one
 # stderr line naming the file and the field (or the option), nothing on stdout, no file created,
-# inputs unchanged.   tests/cli_reports_test.sh XFBENCH
+# inputs unchanged.   tests/cli/cli_reports_test.sh XFBENCH
 set -u
 bin="$1"
-src="$(cd "$(dirname "$0")/.." && pwd)"
+src="$(cd "$(dirname "$0")/../.." && pwd)"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-passes=0
-failures=0
-pass() { passes=$((passes + 1)); }
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-
-out="$work/out"  # every output a command might create goes here; it must stay empty on refusal
-mkdir -p "$out" "$work/hostile"
-valid="$work/valid.json"
-cp "$src/results/ci-baseline.json" "$valid"
-
-# digest FILE: its SHA-256 when it is a regular file (reading a FIFO would block), else its type.
-digest() { if [ -f "$1" ]; then sha256sum "$1"; else stat -c %F "$1" 2>/dev/null || echo absent; fi; }
-
-# error_lines FILE: stderr lines that are not the sanitizer build's "not optimised" warning.
-error_lines() { grep -vc "this build is not optimised" "$1" || true; }
-
-# expect_refusal CODE NEEDLE ARGS…: exit CODE, one stderr line containing NEEDLE, empty stdout,
-# nothing created in $out, the valid input unchanged.
-expect_refusal() {
-  local code=$1 needle=$2
-  shift 2
-  local before
-  before=$(sha256sum "$valid")
-  timeout 20 "$bin" "$@" >"$work/stdout" 2>"$work/stderr"
-  local got=$?
-  if [ "$got" -ne "$code" ]; then
-    fail "xfbench $* exited $got, want $code: $(head -c 300 "$work/stderr")"
-  elif [ "$(error_lines "$work/stderr")" -ne 1 ]; then
-    fail "xfbench $* printed $(error_lines "$work/stderr") stderr lines, want 1: $(head -c 600 "$work/stderr")"
-  elif ! grep -qF -- "$needle" "$work/stderr"; then
-    fail "xfbench $*: stderr does not name '$needle': $(cat "$work/stderr")"
-  elif grep -qE "json\.exception|basic_filebuf|filesystem error|what\(\)" "$work/stderr"; then
-    fail "xfbench $*: a library's internal text reached the user: $(cat "$work/stderr")"
-  elif [ -s "$work/stdout" ]; then
-    fail "xfbench $* printed to stdout on refusal"
-  elif [ -n "$(ls -A "$out")" ]; then
-    fail "xfbench $* created $(ls -A "$out")"
-    rm -rf "${out:?}"/* "$out"/.[!.]*
-  elif [ "$(sha256sum "$valid")" != "$before" ]; then
-    fail "xfbench $* changed its input"
-  else
-    pass
-  fi
-}
+source "$src/tests/cli/common.sh"
+mkdir -p "$work/hostile"
 
 # Every command that reads a report, with REPORT standing for the hostile file.
 reading_commands=(

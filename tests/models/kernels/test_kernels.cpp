@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "taxonomy/kernels/performer.hpp"
-#include "tests/mechanism_run.hpp"
-#include "tests/gradient_check.hpp"
-#include "tests/reference.hpp"
+#include "tests/support/mechanism_run.hpp"
+#include "tests/support/gradient_check.hpp"
+#include "tests/support/reference.hpp"
 
 using namespace xfb;
 using namespace xfb::test;

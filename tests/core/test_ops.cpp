@@ -7,7 +7,7 @@
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
-#include "tests/reference.hpp"
+#include "tests/support/reference.hpp"
 
 using namespace xfb;
 using xfb::test::kFloatEps;

@@ -16,10 +16,10 @@
 #include "taxonomy/recurrence/compressive.hpp"
 #include "taxonomy/recurrence/transformer_xl.hpp"
 #include "taxonomy/registry.hpp"
-#include "tests/counter_point.hpp"
-#include "tests/gradient_check.hpp"
-#include "tests/mechanism_run.hpp"
-#include "tests/reference.hpp"
+#include "tests/support/counter_point.hpp"
+#include "tests/support/gradient_check.hpp"
+#include "tests/support/mechanism_run.hpp"
+#include "tests/support/reference.hpp"
 
 using namespace xfb;
 using namespace xfb::test;

@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "tests/counter_point.hpp"
-#include "tests/mechanism_run.hpp"
-#include "tests/gradient_check.hpp"
-#include "tests/reference.hpp"
+#include "tests/support/counter_point.hpp"
+#include "tests/support/mechanism_run.hpp"
+#include "tests/support/gradient_check.hpp"
+#include "tests/support/reference.hpp"
 
 using namespace xfb;
 using namespace xfb::test;

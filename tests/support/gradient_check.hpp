@@ -12,7 +12,7 @@
 
 #include "lib/core/mechanism.hpp"
 #include "lib/core/tensor.hpp"
-#include "tests/reference.hpp"
+#include "tests/support/reference.hpp"
 
 namespace xfb::test {
 

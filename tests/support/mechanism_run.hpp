@@ -10,7 +10,7 @@
 
 #include "apps/bench/point.hpp"
 #include "taxonomy/registry.hpp"
-#include "tests/reference.hpp"
+#include "tests/support/reference.hpp"
 
 namespace xfb::test {
 

@@ -14,9 +14,9 @@
 #include "lib/core/dnnl_context.hpp"
 #include "taxonomy/fixed_patterns/memory_compressed.hpp"
 #include "taxonomy/registry.hpp"
-#include "tests/counter_point.hpp"
-#include "tests/gradient_check.hpp"
-#include "tests/reference.hpp"
+#include "tests/support/counter_point.hpp"
+#include "tests/support/gradient_check.hpp"
+#include "tests/support/reference.hpp"
 
 using namespace xfb;
 using namespace xfb::test;

@@ -1,11 +1,11 @@
-#include "tests/gradient_check.hpp"
+#include "tests/support/gradient_check.hpp"
 
 #include <cmath>
 #include <sstream>
 
 #include "lib/core/rng.hpp"
 #include "taxonomy/registry.hpp"
-#include "tests/mechanism_run.hpp"
+#include "tests/support/mechanism_run.hpp"
 
 namespace xfb::test {
 
