@@ -9,6 +9,13 @@ namespace {
 
 bool trains(Pass pass) { return pass == Pass::Backward || pass == Pass::Train; }
 
+// The mechanism's parameters, and with training their gradients, appended to a dump's files.
+void add_mechanism_files(DumpFiles& files, const Mechanism& mechanism, bool training) {
+  for (const auto& named : mechanism.parameters()) files.emplace_back(named.name, named.tensor);
+  if (training)
+    for (const auto& named : mechanism.parameter_gradients()) files.emplace_back(named.name, named.tensor);
+}
+
 Tensor seeded(Tensor tensor, std::uint64_t seed, const char* stream) {
   CounterRng(seed, stream).fill_normal(tensor);
   return tensor;
@@ -41,9 +48,7 @@ class AttentionWorkload final : public Workload {
   DumpFiles dump_files() const override {
     DumpFiles files = {{"q", &q_}, {"k", &k_}, {"v", &v_}, {"out", &out_}};
     if (training_) files.insert(files.end(), {{"dout", &dout_}, {"dq", &dq_}, {"dk", &dk_}, {"dv", &dv_}});
-    for (const auto& named : mechanism_->parameters()) files.emplace_back(named.name, named.tensor);
-    if (training_)
-      for (const auto& named : mechanism_->parameter_gradients()) files.emplace_back(named.name, named.tensor);
+    add_mechanism_files(files, *mechanism_, training_);
     return files;
   }
 
@@ -85,9 +90,7 @@ class LayerWorkload final : public Workload {
       for (const auto& named : layer_->attention_gradients()) files.emplace_back(named.name, named.tensor);
       for (const auto& named : layer_->parameter_gradients()) files.emplace_back(named.name, named.tensor);
     }
-    for (const auto& named : mechanism_->parameters()) files.emplace_back(named.name, named.tensor);
-    if (training_)
-      for (const auto& named : mechanism_->parameter_gradients()) files.emplace_back(named.name, named.tensor);
+    add_mechanism_files(files, *mechanism_, training_);
     return files;
   }
 

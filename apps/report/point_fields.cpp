@@ -29,8 +29,9 @@ std::string value_text(const json& value) { return value.is_string() ? value.get
 // The word(s) of a field that is always spelled out: `--flag value`.
 Words always_words(const std::string& flag, const json& value) { return {flag, value_text(value)}; }
 
+// An int64 field of the point, recorded in the row's `row_member` (nullptr: not in rows).
 PointField integer(std::string key, std::string flags, std::int64_t min, std::int64_t max, std::string help,
-                   std::function<std::int64_t&(PointConfig&)> member) {
+                   std::function<std::int64_t&(PointConfig&)> member, std::int64_t ResultRow::*row_member = nullptr) {
   PointField f;
   f.key = std::move(key);
   f.flags = std::move(flags);
@@ -40,6 +41,10 @@ PointField integer(std::string key, std::string flags, std::int64_t min, std::in
   f.help = std::move(help);
   f.get = [member](PointConfig c) { return json(member(c)); };
   f.set = [member](PointConfig& c, const json& v) { member(c) = v.get<std::int64_t>(); };
+  if (row_member != nullptr) {
+    f.to_row = [row_member](ResultRow& r, const json& v) { r.*row_member = v.get<std::int64_t>(); };
+    f.from_row = [row_member](const ResultRow& r) { return json(r.*row_member); };
+  }
   return f;
 }
 
@@ -78,29 +83,21 @@ std::vector<PointField> make_fields() {
   add(model);
 
   PointField seq_len = integer("seq_len", "--seq-len,-n", 1, kMaxInt32, "tokens N",
-                               [](PointConfig& c) -> std::int64_t& { return c.problem.seq_len; });
+                               [](PointConfig& c) -> std::int64_t& { return c.problem.seq_len; }, &ResultRow::seq_len);
   seq_len.use = FieldUse::RunOnly;
   seq_len.in_settings = false;
-  seq_len.to_row = [](ResultRow& r, const json& v) { r.seq_len = v.get<std::int64_t>(); };
-  seq_len.from_row = [](const ResultRow& r) { return json(r.seq_len); };
   add(seq_len);
 
   PointField batch = integer("batch", "--batch,-b", 1, 1 << 20, "sequences per call",
-                             [](PointConfig& c) -> std::int64_t& { return c.problem.batch; });
-  batch.to_row = [](ResultRow& r, const json& v) { r.batch = v.get<std::int64_t>(); };
-  batch.from_row = [](const ResultRow& r) { return json(r.batch); };
+                             [](PointConfig& c) -> std::int64_t& { return c.problem.batch; }, &ResultRow::batch);
   add(batch);
 
   PointField heads = integer("heads", "--heads", 1, 1 << 20, "attention heads",
-                             [](PointConfig& c) -> std::int64_t& { return c.problem.heads; });
-  heads.to_row = [](ResultRow& r, const json& v) { r.heads = v.get<std::int64_t>(); };
-  heads.from_row = [](const ResultRow& r) { return json(r.heads); };
+                             [](PointConfig& c) -> std::int64_t& { return c.problem.heads; }, &ResultRow::heads);
   add(heads);
 
   PointField head_dim = integer("head_dim", "--head-dim,-d", 1, 1 << 20, "features per head",
-                                [](PointConfig& c) -> std::int64_t& { return c.problem.head_dim; });
-  head_dim.to_row = [](ResultRow& r, const json& v) { r.head_dim = v.get<std::int64_t>(); };
-  head_dim.from_row = [](const ResultRow& r) { return json(r.head_dim); };
+                                [](PointConfig& c) -> std::int64_t& { return c.problem.head_dim; }, &ResultRow::head_dim);
   add(head_dim);
 
   PointField scope;
@@ -133,13 +130,11 @@ std::vector<PointField> make_fields() {
 
   PointField decode_tokens = integer("decode_tokens", "--decode-tokens", 1, 1 << 20,
                                      "decode pass: tokens generated one at a time after the context",
-                                     [](PointConfig& c) -> std::int64_t& { return c.decode_tokens; });
+                                     [](PointConfig& c) -> std::int64_t& { return c.decode_tokens; }, &ResultRow::decode_tokens);
   decode_tokens.recorded = [](const PointConfig& c) { return json(c.pass == Pass::Decode ? c.decode_tokens : 0); };
   decode_tokens.words = [](const PointConfig& c) {
     return c.pass == Pass::Decode ? Words{"--decode-tokens", std::to_string(c.decode_tokens)} : Words{};
   };
-  decode_tokens.to_row = [](ResultRow& r, const json& v) { r.decode_tokens = v.get<std::int64_t>(); };
-  decode_tokens.from_row = [](const ResultRow& r) { return json(r.decode_tokens); };
   add(decode_tokens);
 
   PointField causal;
@@ -155,13 +150,11 @@ std::vector<PointField> make_fields() {
   add(causal);
 
   PointField d_ff = integer("d_ff", "--d-ff", 0, kMaxInt32, "layer scope FFN width (0: 4·heads·head-dim)",
-                            [](PointConfig& c) -> std::int64_t& { return c.d_ff; });
+                            [](PointConfig& c) -> std::int64_t& { return c.d_ff; }, &ResultRow::d_ff);
   d_ff.recorded = [](const PointConfig& c) { return json(c.scope == Scope::Layer ? c.effective_d_ff() : 0); };
   d_ff.words = [](const PointConfig& c) {
     return c.scope == Scope::Layer ? Words{"--d-ff", std::to_string(c.effective_d_ff())} : Words{};
   };
-  d_ff.to_row = [](ResultRow& r, const json& v) { r.d_ff = v.get<std::int64_t>(); };
-  d_ff.from_row = [](const ResultRow& r) { return json(r.d_ff); };
   add(d_ff);
 
   PointField threads = small_integer("threads", "--threads,-t", 1, 4096,

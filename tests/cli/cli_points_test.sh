@@ -8,8 +8,6 @@
 set -u
 bin="$1"
 src="$(cd "$(dirname "$0")/../.." && pwd)"
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 source "$src/tests/cli/common.sh"
 
 quick=(--heads 2 --head-dim 16 --min-reps 2 --threads 1)

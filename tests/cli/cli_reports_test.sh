@@ -6,8 +6,6 @@
 set -u
 bin="$1"
 src="$(cd "$(dirname "$0")/../.." && pwd)"
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 source "$src/tests/cli/common.sh"
 mkdir -p "$work/hostile"
 

@@ -24,14 +24,6 @@
 using namespace xfb;
 using namespace xfb::test;
 
-namespace {
-PointConfig quick_point(const std::string& model, std::int64_t n, bool causal, Scope scope = Scope::Attention,
-                        std::vector<std::string> params = {}) {
-  return counter_point(model, {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal},
-                       std::move(params), scope);
-}
-}  // namespace
-
 TEST_SUITE("every_model") {
   TEST_CASE("the executed FLOP count equals the registry's analytic formula for every implemented model") {
     for (const auto& model : registry()) {

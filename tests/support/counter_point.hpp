@@ -21,4 +21,11 @@ inline PointConfig counter_point(const std::string& model, const Problem& proble
   return c;
 }
 
+// A small counter point: B=1 H=2 D=32, N tokens.
+inline PointConfig quick_point(const std::string& model, std::int64_t n, bool causal, Scope scope = Scope::Attention,
+                               std::vector<std::string> params = {}) {
+  return counter_point(model, {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal},
+                       std::move(params), scope);
+}
+
 }  // namespace xfb::test

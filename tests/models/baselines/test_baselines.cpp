@@ -23,14 +23,6 @@
 using namespace xfb;
 using namespace xfb::test;
 
-namespace {
-PointConfig quick_point(const std::string& model, std::int64_t n, bool causal, Scope scope = Scope::Attention,
-                        std::vector<std::string> params = {}) {
-  return counter_point(model, {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal},
-                       std::move(params), scope);
-}
-}  // namespace
-
 TEST_SUITE("baselines") {
   TEST_CASE("vanilla and exact-tiled equal naive attention, causal and not, at and around block sizes") {
     // exact-tiled defaults: block_q 64, block_k 1024 (forward strips of 32 rows on the tile kernels).
