@@ -57,18 +57,8 @@ PointField small_integer(std::string key, std::string flags, std::int64_t min, s
   return f;
 }
 
-std::vector<PointField> make_fields() {
-  std::vector<PointField> fields;
-  auto add = [&](PointField f) -> PointField& {
-    if (!f.recorded) f.recorded = f.get;
-    if (!f.words) {
-      const std::string flag = f.long_flag();
-      f.words = [flag, recorded = f.recorded](const PointConfig& c) { return always_words(flag, recorded(c)); };
-    }
-    fields.push_back(std::move(f));
-    return fields.back();
-  };
-
+// What is measured: the model and the problem's shape.
+void identity_fields(std::vector<PointField>& fields) {
   PointField model;
   model.key = "model";
   model.flags = "--model,-m";
@@ -80,26 +70,29 @@ std::vector<PointField> make_fields() {
   model.set = [](PointConfig& c, const json& v) { c.model = v.get<std::string>(); };
   model.to_row = [](ResultRow& r, const json& v) { r.model = v.get<std::string>(); };
   model.from_row = [](const ResultRow& r) { return json(r.model); };
-  add(model);
+  fields.push_back(model);
 
   PointField seq_len = integer("seq_len", "--seq-len,-n", 1, kMaxInt32, "tokens N",
                                [](PointConfig& c) -> std::int64_t& { return c.problem.seq_len; }, &ResultRow::seq_len);
   seq_len.use = FieldUse::RunOnly;
   seq_len.in_settings = false;
-  add(seq_len);
+  fields.push_back(seq_len);
 
   PointField batch = integer("batch", "--batch,-b", 1, 1 << 20, "sequences per call",
                              [](PointConfig& c) -> std::int64_t& { return c.problem.batch; }, &ResultRow::batch);
-  add(batch);
+  fields.push_back(batch);
 
   PointField heads = integer("heads", "--heads", 1, 1 << 20, "attention heads",
                              [](PointConfig& c) -> std::int64_t& { return c.problem.heads; }, &ResultRow::heads);
-  add(heads);
+  fields.push_back(heads);
 
   PointField head_dim = integer("head_dim", "--head-dim,-d", 1, 1 << 20, "features per head",
                                 [](PointConfig& c) -> std::int64_t& { return c.problem.head_dim; }, &ResultRow::head_dim);
-  add(head_dim);
+  fields.push_back(head_dim);
+}
 
+// What is timed: scope, pass, decode tokens, causality, the layer's FFN width.
+void pass_fields(std::vector<PointField>& fields) {
   PointField scope;
   scope.key = "scope";
   scope.flags = "--scope";
@@ -110,7 +103,7 @@ std::vector<PointField> make_fields() {
   scope.set = [](PointConfig& c, const json& v) { c.scope = parse_scope(v.get<std::string>()); };
   scope.to_row = [](ResultRow& r, const json& v) { r.scope = parse_scope(v.get<std::string>()); };
   scope.from_row = [](const ResultRow& r) { return json(scope_name(r.scope)); };
-  add(scope);
+  fields.push_back(scope);
 
   PointField pass;
   pass.key = "pass";
@@ -126,7 +119,7 @@ std::vector<PointField> make_fields() {
   pass.words = [](const PointConfig& c) { return c.pass == Pass::Forward ? Words{} : Words{"--pass", pass_name(c.pass)}; };
   pass.to_row = [](ResultRow& r, const json& v) { r.pass = parse_pass(v.get<std::string>()); };
   pass.from_row = [](const ResultRow& r) { return json(pass_name(r.pass)); };
-  add(pass);
+  fields.push_back(pass);
 
   PointField decode_tokens = integer("decode_tokens", "--decode-tokens", 1, 1 << 20,
                                      "decode pass: tokens generated one at a time after the context",
@@ -135,7 +128,7 @@ std::vector<PointField> make_fields() {
   decode_tokens.words = [](const PointConfig& c) {
     return c.pass == Pass::Decode ? Words{"--decode-tokens", std::to_string(c.decode_tokens)} : Words{};
   };
-  add(decode_tokens);
+  fields.push_back(decode_tokens);
 
   PointField causal;
   causal.key = "causal";
@@ -147,7 +140,7 @@ std::vector<PointField> make_fields() {
   causal.words = [](const PointConfig& c) { return c.problem.causal ? Words{"--causal"} : Words{}; };
   causal.to_row = [](ResultRow& r, const json& v) { r.causal = v.get<bool>(); };
   causal.from_row = [](const ResultRow& r) { return json(r.causal); };
-  add(causal);
+  fields.push_back(causal);
 
   PointField d_ff = integer("d_ff", "--d-ff", 0, kMaxInt32, "layer scope FFN width (0: 4·heads·head-dim)",
                             [](PointConfig& c) -> std::int64_t& { return c.d_ff; }, &ResultRow::d_ff);
@@ -155,15 +148,18 @@ std::vector<PointField> make_fields() {
   d_ff.words = [](const PointConfig& c) {
     return c.scope == Scope::Layer ? Words{"--d-ff", std::to_string(c.effective_d_ff())} : Words{};
   };
-  add(d_ff);
+  fields.push_back(d_ff);
+}
 
+// How it runs: threads, seed, the mechanism's parameters.
+void run_fields(std::vector<PointField>& fields) {
   PointField threads = small_integer("threads", "--threads,-t", 1, 4096,
                                      "threads for oneDNN and OpenMP loops (default: all cores)",
                                      [](PointConfig& c) -> int& { return c.problem.threads; });
   threads.in_key = false;
   threads.to_row = [](ResultRow& r, const json& v) { r.threads = static_cast<int>(v.get<std::int64_t>()); };
   threads.from_row = [](const ResultRow& r) { return json(r.threads); };
-  add(threads);
+  fields.push_back(threads);
 
   PointField seed;
   seed.key = "seed";
@@ -175,7 +171,7 @@ std::vector<PointField> make_fields() {
   seed.set = [](PointConfig& c, const json& v) { c.seed = v.get<std::uint64_t>(); };
   seed.to_row = [](ResultRow& r, const json& v) { r.seed = v.get<std::uint64_t>(); };
   seed.from_row = [](const ResultRow& r) { return json(r.seed); };
-  add(seed);
+  fields.push_back(seed);
 
   PointField params;
   params.key = "params";
@@ -191,18 +187,21 @@ std::vector<PointField> make_fields() {
     for (const auto& param : c.params) words.insert(words.end(), {"--param", param});
     return words;
   };
-  add(params);
+  fields.push_back(params);
+}
 
+// How it is timed: warm-up and repetitions.
+void timing_fields(std::vector<PointField>& fields) {
   PointField warmup = small_integer("warmup", "--warmup", 1, 1000000,
                                     "untimed runs before timing (>= 1: primitives are created in warm-up)",
                                     [](PointConfig& c) -> int& { return c.timing.warmup; });
   warmup.in_key = false;
-  add(warmup);
+  fields.push_back(warmup);
 
   PointField min_reps = small_integer("min_reps", "--min-reps", 1, 10000000, "timed repetitions, at least",
                                       [](PointConfig& c) -> int& { return c.timing.min_reps; });
   min_reps.in_key = false;
-  add(min_reps);
+  fields.push_back(min_reps);
 
   PointField min_time;
   min_time.key = "min_time_s";
@@ -215,7 +214,7 @@ std::vector<PointField> make_fields() {
   min_time.get = [](const PointConfig& c) { return json(c.timing.min_time_s); };
   min_time.set = [](PointConfig& c, const json& v) { c.timing.min_time_s = v.get<double>(); };
   min_time.words = [](const PointConfig& c) { return Words{"--min-time", real_text(c.timing.min_time_s)}; };
-  add(min_time);
+  fields.push_back(min_time);
 
   PointField max_reps = small_integer("max_reps", "--max-reps", 1, 10000000, "timed repetitions, at most",
                                       [](PointConfig& c) -> int& { return c.timing.max_reps; });
@@ -225,7 +224,26 @@ std::vector<PointField> make_fields() {
     return c.timing.max_reps == TimingSettings{}.max_reps ? Words{}
                                                           : Words{"--max-reps", std::to_string(c.timing.max_reps)};
   };
-  add(max_reps);
+  fields.push_back(max_reps);
+}
+
+// Fills what a field may leave unset: `recorded` (the value as given), `words` (`--flag value`).
+PointField completed(PointField f) {
+  if (!f.recorded) f.recorded = f.get;
+  if (!f.words) {
+    const std::string flag = f.long_flag();
+    f.words = [flag, recorded = f.recorded](const PointConfig& c) { return always_words(flag, recorded(c)); };
+  }
+  return f;
+}
+
+std::vector<PointField> make_fields() {
+  std::vector<PointField> fields;
+  identity_fields(fields);
+  pass_fields(fields);
+  run_fields(fields);
+  timing_fields(fields);
+  for (auto& field : fields) field = completed(std::move(field));
   return fields;
 }
 
