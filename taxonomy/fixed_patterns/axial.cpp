@@ -305,6 +305,8 @@ class Axial final : public Mechanism {
   std::int64_t filled_ = 0, length_ = 0;
 };
 
+}  // namespace
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const AxialConfig& c, std::uint64_t) {
   return std::make_unique<Axial>(problem, c);
 }
@@ -370,21 +372,16 @@ std::int64_t workspace(const Problem& p, const AxialConfig& c) {
          floats * static_cast<std::int64_t>(sizeof(float));
 }
 
-}  // namespace
-
-Implementation axial_implementation() {
-  return implement(ModelSpec<AxialConfig>{
-      .fields = {int_field("cols", &AxialConfig::cols, 0, 1000000, "grid width C in tokens; 0 means ceil(sqrt(N))")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, AxialConfig c) {
-        c.cols = Grid(p, c).cols;
-        return c;
-      },
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<AxialConfig> config_fields(const AxialConfig*) {
+  return {int_field("cols", &AxialConfig::cols, 0, 1000000, "grid width C in tokens; 0 means ceil(sqrt(N))")};
 }
+
+AxialConfig resolve(const Problem& p, AxialConfig c) {
+  c.cols = Grid(p, c).cols;
+  return c;
+}
+
+template <>
+Implementation implementation<AxialConfig>() { return implement<AxialConfig>(); }
 
 }  // namespace xfb

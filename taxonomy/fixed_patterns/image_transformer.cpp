@@ -72,6 +72,8 @@ class ImageTransformer final : public Mechanism {
   WindowCache window_;  // decoding only
 };
 
+}  // namespace
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const ImageTransformerConfig& c, std::uint64_t) {
   return std::make_unique<ImageTransformer>(problem, c);
 }
@@ -98,26 +100,21 @@ std::int64_t decode_workspace(const Problem& p, const ImageTransformerConfig& c,
   return WindowCache::bytes(p.batch * p.heads, c.memory_flange + c.query_block, p.head_dim);
 }
 
-}  // namespace
-
-Implementation image_transformer_implementation() {
-  return implement(ModelSpec<ImageTransformerConfig>{
-      .fields = {int_field("query_block", &ImageTransformerConfig::query_block, 1, 1000000,
-                           "l_q: tokens per query block (clamped to N)"),
-                 int_field("memory_flange", &ImageTransformerConfig::memory_flange, 0, 1000000,
-                           "l_m: preceding tokens each query block also attends to")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, ImageTransformerConfig c) {
-        const Plan plan(p, c);
-        c.query_block = plan.blocks.block;
-        c.memory_flange = plan.flange;
-        return c;
-      },
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<ImageTransformerConfig> config_fields(const ImageTransformerConfig*) {
+  return {int_field("query_block", &ImageTransformerConfig::query_block, 1, 1000000,
+                    "l_q: tokens per query block (clamped to N)"),
+          int_field("memory_flange", &ImageTransformerConfig::memory_flange, 0, 1000000,
+                    "l_m: preceding tokens each query block also attends to")};
 }
+
+ImageTransformerConfig resolve(const Problem& p, ImageTransformerConfig c) {
+  const Plan plan(p, c);
+  c.query_block = plan.blocks.block;
+  c.memory_flange = plan.flange;
+  return c;
+}
+
+template <>
+Implementation implementation<ImageTransformerConfig>() { return implement<ImageTransformerConfig>(); }
 
 }  // namespace xfb

@@ -63,6 +63,8 @@ class Local final : public Mechanism {
   WindowCache window_;  // decoding only
 };
 
+}  // namespace
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const LocalConfig& c, std::uint64_t) {
   return std::make_unique<Local>(problem, c);
 }
@@ -89,21 +91,16 @@ std::int64_t decode_workspace(const Problem& p, const LocalConfig& c, std::int64
   return WindowCache::bytes(p.batch * p.heads, c.block, p.head_dim);
 }
 
-}  // namespace
-
-Implementation local_implementation() {
-  return implement(ModelSpec<LocalConfig>{
-      .fields = {int_field("block", &LocalConfig::block, 1, 1000000, "tokens per local block (clamped to N)")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, LocalConfig c) {
-        c.block = bs::BlockTiling(p.seq_len, c.block).block;
-        return c;
-      },
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<LocalConfig> config_fields(const LocalConfig*) {
+  return {int_field("block", &LocalConfig::block, 1, 1000000, "tokens per local block (clamped to N)")};
 }
+
+LocalConfig resolve(const Problem& p, LocalConfig c) {
+  c.block = bs::BlockTiling(p.seq_len, c.block).block;
+  return c;
+}
+
+template <>
+Implementation implementation<LocalConfig>() { return implement<LocalConfig>(); }
 
 }  // namespace xfb

@@ -314,6 +314,8 @@ class SparseTransformer final : public Mechanism {
   std::int64_t length_ = 0;             // decoding: tokens seen
 };
 
+}  // namespace
+
 void validate(const Problem&, const SparseTransformerConfig& c) {
   if (c.pattern == "fixed" && c.stride > 0 && c.summary > c.stride)
     throw ParamError("sparse-transformer: summary=" + std::to_string(c.summary) +
@@ -367,28 +369,22 @@ std::int64_t decode_workspace(const Problem& p, const SparseTransformerConfig& c
   return bytes;
 }
 
-}  // namespace
-
-Implementation sparse_transformer_implementation() {
-  return implement(ModelSpec<SparseTransformerConfig>{
-      .fields = {choice_field("pattern", &SparseTransformerConfig::pattern,
-                              {{"strided", "strided"}, {"fixed", "fixed"}}, "factorised pattern"),
-                 int_field("stride", &SparseTransformerConfig::stride, 0, 1000000, "l in tokens; 0 means ceil(sqrt(N))"),
-                 int_field("summary", &SparseTransformerConfig::summary, 1, 1000000,
-                           "c: summary tokens per block of l (fixed pattern)")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, SparseTransformerConfig c) {
-        const Layout layout(p, c);
-        c.stride = layout.l;
-        c.summary = layout.c;
-        return c;
-      },
-      .validate = validate,
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<SparseTransformerConfig> config_fields(const SparseTransformerConfig*) {
+  return {choice_field("pattern", &SparseTransformerConfig::pattern,
+                       {{"strided", "strided"}, {"fixed", "fixed"}}, "factorised pattern"),
+          int_field("stride", &SparseTransformerConfig::stride, 0, 1000000, "l in tokens; 0 means ceil(sqrt(N))"),
+          int_field("summary", &SparseTransformerConfig::summary, 1, 1000000,
+                    "c: summary tokens per block of l (fixed pattern)")};
 }
+
+SparseTransformerConfig resolve(const Problem& p, SparseTransformerConfig c) {
+  const Layout layout(p, c);
+  c.stride = layout.l;
+  c.summary = layout.c;
+  return c;
+}
+
+template <>
+Implementation implementation<SparseTransformerConfig>() { return implement<SparseTransformerConfig>(); }
 
 }  // namespace xfb

@@ -13,6 +13,7 @@
 // each row's normaliser, the features are recomputed.
 // Decode: the recurrent state [S | z] per head, [D, D+1] (engines/linear_attention.hpp), O(1)
 // per token and constant in N.
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -21,6 +22,7 @@ struct LinearTransformerConfig {
   std::int64_t chunk = 32;  // rows per chunk of the engine, tokens (causal: the masked block size)
 };
 
-Implementation linear_transformer_implementation();
+template <>
+Implementation implementation<LinearTransformerConfig>();
 
 }  // namespace xfb

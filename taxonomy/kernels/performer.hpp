@@ -32,6 +32,7 @@
 // that raises the shift rescales it); O(1) per token and constant in N. A step projects its single
 // q and k rows through a transposed copy of ω ([D, M], made by prepare_decode) rather than one-row
 // sgemm calls.
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -46,6 +47,7 @@ struct PerformerConfig {
 
 inline constexpr float kPerformerReluStabiliser = 1e-3f;
 
-Implementation performer_implementation();
+template <>
+Implementation implementation<PerformerConfig>();
 
 }  // namespace xfb

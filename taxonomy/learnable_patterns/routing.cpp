@@ -891,8 +891,6 @@ std::int64_t RoutingAttention::update_centroids(const Tensor& q, const Tensor& k
   return flops + 6 * cl * d;
 }
 
-namespace {
-
 std::unique_ptr<Mechanism> create(const Problem& problem, const RoutingConfig& c, std::uint64_t seed) {
   return std::make_unique<RoutingAttention>(problem, c, seed);
 }
@@ -910,6 +908,8 @@ std::int64_t flops(const Problem& p, const RoutingConfig& c) {
   }
   return p.batch * ((p.heads - local) * routed_head + local * local_head);
 }
+
+namespace {
 
 // Elements (4 bytes each, float or int32) of the forward's workspace: held throughout, then
 // either the fitting rows or the buffers allocated after fitting.
@@ -932,6 +932,8 @@ ForwardElements forward_elements(const Problem& p, const RoutingConfig& c) {
              routed * cl * w * (d + 1);
   return {kept, fitting, after};
 }
+
+}  // namespace
 
 std::int64_t workspace(const Problem& p, const RoutingConfig& c) {
   const ForwardElements e = forward_elements(p, c);
@@ -972,26 +974,21 @@ std::int64_t backward_workspace(const Problem& p, const RoutingConfig& c) {
   return 4 * (std::max(e.fitting, e.after + floats) - std::max(e.fitting, e.after));
 }
 
-}  // namespace
-
-Implementation routing_implementation() {
-  return implement(ModelSpec<RoutingConfig>{
-      .fields = {int_field("clusters", &RoutingConfig::clusters, 0, 65536, "k-means clusters C; 0 = round(sqrt(N))"),
-                 int_field("kmeans_updates", &RoutingConfig::kmeans_updates, 0, 1000,
-                           "online k-means (EMA) passes over seeded fitting rows (not the input) in the untimed setup"),
-                 real_field("ema_decay", &RoutingConfig::ema_decay, 0, 1, "centroid moving-average decay lambda"),
-                 flag_field("local_heads", &RoutingConfig::local_heads,
-                            "first floor(H/2) heads use local attention (blocks of N/C tokens: own + previous)")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, RoutingConfig c) {
-        c.clusters = routing_clusters(p, c);
-        return c;
-      },
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<RoutingConfig> config_fields(const RoutingConfig*) {
+  return {int_field("clusters", &RoutingConfig::clusters, 0, 65536, "k-means clusters C; 0 = round(sqrt(N))"),
+          int_field("kmeans_updates", &RoutingConfig::kmeans_updates, 0, 1000,
+                    "online k-means (EMA) passes over seeded fitting rows (not the input) in the untimed setup"),
+          real_field("ema_decay", &RoutingConfig::ema_decay, 0, 1, "centroid moving-average decay lambda"),
+          flag_field("local_heads", &RoutingConfig::local_heads,
+                     "first floor(H/2) heads use local attention (blocks of N/C tokens: own + previous)")};
 }
+
+RoutingConfig resolve(const Problem& p, RoutingConfig c) {
+  c.clusters = routing_clusters(p, c);
+  return c;
+}
+
+template <>
+Implementation implementation<RoutingConfig>() { return implement<RoutingConfig>(); }
 
 }  // namespace xfb

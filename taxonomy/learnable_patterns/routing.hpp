@@ -59,6 +59,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 #include "taxonomy/engines/decode_common.hpp"
 #include "taxonomy/engines/pattern_common.hpp"
@@ -213,6 +214,7 @@ class RoutingAttention final : public Mechanism {
   void load_decode_context(const Tensor& k, const Tensor& v);
 };
 
-Implementation routing_implementation();
+template <>
+Implementation implementation<RoutingConfig>();
 
 }  // namespace xfb

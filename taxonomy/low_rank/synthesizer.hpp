@@ -28,6 +28,7 @@
 // N + T positions; a step synthesises its logit row over keys 0 … i (dense: the MLP of its query,
 // 2·D² + 2·D + 2·(D+1)·(i+1) FLOPs; random: R's row; factorized: R₁[i]·R₂ᵀ, 2·k·(i+1)), adds
 // α·q·Kᵀ/√D, softmaxes and multiplies by V: O(N) per token.
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -40,6 +41,7 @@ struct SynthesizerConfig {
   double vanilla_weight = 0.0;   // α: weight of Q·Kᵀ/√D in the mixed logits, in [0, 1]
 };
 
-Implementation synthesizer_implementation();
+template <>
+Implementation implementation<SynthesizerConfig>();
 
 }  // namespace xfb

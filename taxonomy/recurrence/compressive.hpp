@@ -27,6 +27,7 @@ struct CompressiveConfig {
 // The segment engine's configuration of a compressive config, and of parsed values (tests).
 SegmentAttentionConfig segment_config(const CompressiveConfig& c);
 SegmentAttentionConfig compressive_config(const ParamValues& values);
-Implementation compressive_implementation();
+template <>
+Implementation implementation<CompressiveConfig>();
 
 }  // namespace xfb

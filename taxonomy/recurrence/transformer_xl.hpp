@@ -22,6 +22,7 @@ struct TransformerXlConfig {
 // The segment engine's configuration of a Transformer-XL config, and of parsed values (tests).
 SegmentAttentionConfig segment_config(const TransformerXlConfig& c);
 SegmentAttentionConfig transformer_xl_config(const ParamValues& values);
-Implementation transformer_xl_implementation();
+template <>
+Implementation implementation<TransformerXlConfig>();
 
 }  // namespace xfb
