@@ -19,19 +19,12 @@ namespace {
 namespace bs = block_sparse;
 using bs::kTaskRows;
 
-std::int64_t ceil_sqrt(std::int64_t n) {
-  auto root = static_cast<std::int64_t>(std::sqrt(static_cast<double>(n)));
-  while (root * root < n) ++root;
-  while (root > 1 && (root - 1) * (root - 1) >= n) --root;
-  return std::max<std::int64_t>(root, 1);
-}
-
 struct Grid {
   std::int64_t cols;
   bs::BlockTiling rows;       // grid rows: blocks of C tokens
   bs::StridedTiling columns;  // grid columns: residue classes of stride C
   Grid(const Problem& p, const AxialConfig& c)
-      : cols(std::min(c.cols > 0 ? c.cols : ceil_sqrt(p.seq_len), p.seq_len)),
+      : cols(std::min(c.cols > 0 ? c.cols : bs::ceil_sqrt(p.seq_len), p.seq_len)),
         rows(p.seq_len, cols),
         columns(p.seq_len, cols) {}
   std::int64_t max_width() const { return std::max(rows.block, columns.longest); }

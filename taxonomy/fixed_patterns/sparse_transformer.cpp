@@ -17,14 +17,6 @@ namespace {
 namespace bs = block_sparse;
 using bs::kTaskRows;
 
-// ⌈√n⌉, at least 1.
-std::int64_t ceil_sqrt(std::int64_t n) {
-  auto root = static_cast<std::int64_t>(std::sqrt(static_cast<double>(n)));
-  while (root * root < n) ++root;
-  while (root > 1 && (root - 1) * (root - 1) >= n) --root;
-  return std::max<std::int64_t>(root, 1);
-}
-
 // Strided A1: consecutive query tiles of min(64, l) rows over the band i − l ≤ j ≤ i (non-causal:
 // |i − j| ≤ l); a tile's hull is its rows plus l (2l) columns, so the waste stays a fixed factor.
 struct BandPlan {
@@ -76,7 +68,7 @@ struct Layout {
 
   Layout(const Problem& p, const SparseTransformerConfig& config)
       : fixed(config.pattern == "fixed"),
-        l(config.stride > 0 ? config.stride : ceil_sqrt(p.seq_len)),
+        l(config.stride > 0 ? config.stride : bs::ceil_sqrt(p.seq_len)),
         c(std::min(config.summary, l)),
         heads_a1((p.heads + 1) / 2),
         heads_a2(p.heads - heads_a1),

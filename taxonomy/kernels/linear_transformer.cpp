@@ -2,7 +2,7 @@
 
 #include "lib/core/config_table.hpp"
 #include "lib/core/ops.hpp"
-#include "taxonomy/engines/linear_attention.hpp"
+#include "taxonomy/kernels/linear_attention.hpp"
 
 namespace xfb {
 namespace {

@@ -8,7 +8,7 @@
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
-#include "taxonomy/engines/linear_attention.hpp"
+#include "taxonomy/kernels/linear_attention.hpp"
 
 namespace xfb {
 namespace {
