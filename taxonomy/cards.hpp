@@ -1,12 +1,11 @@
 #pragma once
 // Model cards: what the survey says about each model (class, complexity, decode support, paper)
-// and its parameters — everything report code may know about a model. Report code includes this
+// and whether it is implemented — everything report code may know about a model. Report code includes this
 // header, never the registry or a mechanism. The cards are the registry's rows
-// (taxonomy/registry.cpp) without their implementations.
+// (taxonomy/registry_rows.hpp) without their implementations; they live in their own library
+// (xfbench_cards, taxonomy/cards.cpp), which links no mechanism.
 #include <string>
 #include <vector>
-
-#include "lib/core/params.hpp"
 
 namespace xfb {
 
@@ -22,18 +21,20 @@ struct ModelCard {
   std::string display_name;  // e.g. "Sparse Transformer"
   std::vector<ModelClass> classes;
   std::string complexity;    // as printed in the survey's Table 1
-  bool decodes = false;      // survey's Table 1 "Decode" column: supports causal attention
   // Per-token cost of incremental decoding with hyperparameters fixed, as the design implies:
-  // "O(N)" (a KV cache), "O(1)" (a recurrent state), "O(b)" (a window), …; "" when it cannot decode.
+  // "O(N)" (a KV cache), "O(1)" (a recurrent state), "O(b)" (a window), …; "" when it cannot
+  // decode. The one statement of decoding: decodes() and (checked by the tests) the
+  // implementation's decode contract follow it.
   std::string decode_cost;
   std::string paper;         // authors and year
   std::string arxiv;         // arXiv id
   int year = 0;
   int survey_row = 0;        // row in the survey's Table 1 (v1); 0 when not in it
-  std::vector<ParamSpec> params = {};  // the implementation's parameters (set by the registry)
-  bool has_implementation = false;     // set by the registry
+  bool has_implementation = false;  // derived from the row (it names a config type); not written in it
 
   bool has_class(ModelClass c) const;
+  // The survey's Table 1 "Decode" column: supports causal attention.
+  bool decodes() const { return !decode_cost.empty(); }
 };
 
 // Every model's card, in registry order.

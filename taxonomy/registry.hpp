@@ -1,6 +1,6 @@
 #pragma once
 // The model registry: every model of the survey's Table 1 plus the exact baselines, one row per
-// model joining its survey card and its implementation (taxonomy/registry.cpp). No
+// model joining its survey card and its implementation (taxonomy/registry_rows.hpp). No
 // static-initialisation self-registration. Report code uses taxonomy/cards.hpp instead.
 #include <string>
 #include <vector>

@@ -288,7 +288,7 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
   row.kernel_isa = kernel_isa_name(kernel_isa());
   row.reproducer = reproducer_command(point);
   const std::string why = model.impl.unsupported ? model.impl.unsupported(config.problem, point.requested) : "";
-  if (config.problem.causal && !model.decodes) {
+  if (config.problem.causal && !model.decodes()) {
     row.status = Status::Unsupported;
     row.reason = model.display_name + " cannot decode (survey Table 1: Decode = no), so it has " +
                  (config.pass == Pass::Decode ? "no incremental form" : "no causal mode");

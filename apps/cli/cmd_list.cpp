@@ -28,7 +28,7 @@ nlohmann::json model_json(const ModelInfo& m) {
   std::vector<std::string> classes;
   for (auto c : m.classes) classes.push_back(class_name(c));
   return {{"name", m.name},          {"display_name", m.display_name}, {"classes", classes},
-          {"complexity", m.complexity}, {"decodes", m.decodes},      {"paper", m.paper},
+          {"complexity", m.complexity}, {"decodes", m.decodes()},      {"paper", m.paper},
           {"arxiv", m.arxiv},        {"year", m.year},                 {"survey_row", m.survey_row},
           {"implemented", m.implemented()}, {"backward", m.impl.has_backward()},
           {"incremental", m.impl.has_decode()}, {"decode_cost", m.decode_cost}, {"params", params}};
@@ -63,11 +63,11 @@ int run_list(const std::string& class_filter, bool implemented_only, const std::
   for (const auto* m : models) {
     if (md)
       std::printf("| %s | `%s` | %s | %s | %s | %s (arXiv %s) | %s |\n", m->display_name.c_str(), m->name.c_str(),
-                  classes_text(*m).c_str(), m->complexity.c_str(), m->decodes ? "yes" : "no", m->paper.c_str(),
+                  classes_text(*m).c_str(), m->complexity.c_str(), m->decodes() ? "yes" : "no", m->paper.c_str(),
                   m->arxiv.c_str(), m->implemented() ? "yes" : "no");
     else
       std::printf("%s%s%s%s%s%s\n", pad(m->name, 21).c_str(), pad(classes_text(*m), 9).c_str(),
-                  pad(m->complexity, 18).c_str(), pad(m->decodes ? "yes" : "no", 8).c_str(),
+                  pad(m->complexity, 18).c_str(), pad(m->decodes() ? "yes" : "no", 8).c_str(),
                   pad(m->implemented() ? "yes" : "no", 13).c_str(), m->paper.c_str());
   }
   return 0;

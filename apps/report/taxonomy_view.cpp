@@ -44,7 +44,7 @@ std::string markdown() {
   for (const auto* m : table_order())
     out << "| " << (m->survey_row ? std::to_string(m->survey_row) : "") << " | " << m->display_name << " | `" << m->name
         << "` | " << m->paper << " (arXiv " << m->arxiv << ") | " << m->year << " | " << m->complexity << " | "
-        << (m->decodes ? "✓" : "✗") << " | " << letters(*m) << " | " << (m->has_implementation ? "yes" : "no") << " |\n";
+        << (m->decodes() ? "✓" : "✗") << " | " << letters(*m) << " | " << (m->has_implementation ? "yes" : "no") << " |\n";
   out << "\nClasses: FP fixed patterns, LP learnable patterns, M memory, LR low rank, KR kernels, RC recurrence; X the "
          "exact baselines. Decode: the model supports causal (autoregressive) attention.\n";
   return out.str();
@@ -57,7 +57,7 @@ std::string json() {
     for (auto c : m->classes) classes.push_back(class_name(c));
     rows.push_back({{"survey_row", m->survey_row}, {"name", m->name}, {"model", m->display_name},
                     {"paper", m->paper},           {"arxiv", m->arxiv}, {"year", m->year},
-                    {"complexity", m->complexity}, {"decode", m->decodes}, {"classes", classes},
+                    {"complexity", m->complexity}, {"decode", m->decodes()}, {"classes", classes},
                     {"class_letters", letters(*m)}, {"implemented", m->has_implementation}});
   }
   return nlohmann::json{{"source", "Tay et al., Efficient Transformers: A Survey, arXiv 2009.06732 (v1), Table 1"},

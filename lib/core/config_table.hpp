@@ -4,19 +4,24 @@
 // name, member, range or choices, meaning. The table gives the command-line specs (defaults read
 // from the struct itself), reads parsed values into the struct and writes a struct back as values.
 //
-// A ModelSpec joins the table with the model's functions, all on the typed config:
+// A model's functions are free functions in namespace xfb overloaded on its config type, found by
+// implement<Config>() through argument-dependent lookup where it is instantiated (the model's
+// .cpp); the optional ones are detected, never registered by hand:
+//   config_fields(const Config*)  the field table. Optional (no parameters).
 //   resolve     the config as it runs on a problem: derived defaults computed (0 = "from N"),
 //               blocks clamped to N. Optional (identity). Every other function gets its result.
 //   validate    throws ParamError (one line) for a combination the ranges cannot express; called
 //               before anything runs or is written. Optional.
 //   unsupported why a valid combination cannot run ("" when it can): an `unsupported` row. Optional.
 //   create, flops (executed FLOPs of one forward, equal to the counter), workspace (tracked bytes
-//   beyond inputs and output, per-thread buffers for Problem::threads threads).
+//   beyond inputs and output, per-thread buffers for Problem::threads threads). Required.
 //   backward_flops, backward_workspace: the same for the backward pass (what prepare_backward adds);
-//               both set exactly when the mechanism implements the backward contract.
+//               defined exactly when the mechanism implements the backward contract (both or neither).
 //   decode_workspace: tracked bytes prepare_decode(tokens) adds (state at capacity, step buffers);
-//               set exactly when the mechanism implements the decode contract.
-// implement() erases the config type into the registry's Implementation.
+//               defined exactly when the mechanism implements the decode contract.
+// implement<Config>() erases the config type into the registry's Implementation; the model's .cpp
+// defines implementation<Config>() with it, and its header declares that specialisation.
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -91,20 +96,6 @@ Field<Config> choice_field(std::string name, T Config::*member, std::vector<std:
 }
 
 template <class Config>
-struct ModelSpec {
-  FieldTable<Config> fields;
-  std::unique_ptr<Mechanism> (*create)(const Problem&, const Config&, std::uint64_t seed) = nullptr;
-  std::int64_t (*flops)(const Problem&, const Config&) = nullptr;
-  std::int64_t (*workspace)(const Problem&, const Config&) = nullptr;
-  Config (*resolve)(const Problem&, Config) = nullptr;
-  void (*validate)(const Problem&, const Config&) = nullptr;
-  std::string (*unsupported)(const Problem&, const Config&) = nullptr;
-  std::int64_t (*backward_flops)(const Problem&, const Config&) = nullptr;
-  std::int64_t (*backward_workspace)(const Problem&, const Config&) = nullptr;
-  std::int64_t (*decode_workspace)(const Problem&, const Config&, std::int64_t tokens) = nullptr;
-};
-
-template <class Config>
 Config read_config(const FieldTable<Config>& fields, const ParamValues& values) {
   Config config{};
   for (const auto& field : fields) field.read(config, values);
@@ -118,47 +109,91 @@ ParamValues write_config(const FieldTable<Config>& fields, const Config& config)
   return values;
 }
 
+// The optional functions of a model, detected on its config type.
 template <class Config>
-Implementation implement(const ModelSpec<Config>& spec) {
+concept HasFields = requires(const Config* tag) {
+  { config_fields(tag) } -> std::convertible_to<FieldTable<Config>>;
+};
+template <class Config>
+concept HasResolve = requires(const Problem& p, const Config& c) {
+  { resolve(p, c) } -> std::same_as<Config>;
+};
+template <class Config>
+concept HasValidate = requires(const Problem& p, const Config& c) { validate(p, c); };
+template <class Config>
+concept HasUnsupported = requires(const Problem& p, const Config& c) {
+  { unsupported(p, c) } -> std::convertible_to<std::string>;
+};
+template <class Config>
+concept HasBackwardFlops = requires(const Problem& p, const Config& c) {
+  { backward_flops(p, c) } -> std::same_as<std::int64_t>;
+};
+template <class Config>
+concept HasBackwardWorkspace = requires(const Problem& p, const Config& c) {
+  { backward_workspace(p, c) } -> std::same_as<std::int64_t>;
+};
+template <class Config>
+concept HasDecode = requires(const Problem& p, const Config& c, std::int64_t tokens) {
+  { decode_workspace(p, c, tokens) } -> std::same_as<std::int64_t>;
+};
+
+template <class Config>
+FieldTable<Config> fields_of() {
+  if constexpr (HasFields<Config>)
+    return config_fields(static_cast<const Config*>(nullptr));
+  else
+    return {};
+}
+
+template <class Config>
+Implementation implement() {
+  static_assert(HasBackwardFlops<Config> == HasBackwardWorkspace<Config>,
+                "backward_flops and backward_workspace go together");
+  const FieldTable<Config> fields = fields_of<Config>();
   // The config a problem runs with: read, then resolved for the problem.
-  auto running = [spec](const Problem& p, const ParamValues& values) {
-    const Config config = read_config(spec.fields, values);
-    return spec.resolve ? spec.resolve(p, config) : config;
+  auto running = [fields](const Problem& p, const ParamValues& values) {
+    const Config config = read_config(fields, values);
+    if constexpr (HasResolve<Config>)
+      return resolve(p, config);
+    else
+      return config;
   };
   Implementation impl;
-  for (const auto& field : spec.fields) impl.params.push_back(field.spec);
-  impl.create = [spec, running](const Problem& p, const ParamValues& v, std::uint64_t seed) {
-    return spec.create(p, running(p, v), seed);
+  for (const auto& field : fields) impl.params.push_back(field.spec);
+  impl.create = [running](const Problem& p, const ParamValues& v, std::uint64_t seed) {
+    return create(p, running(p, v), seed);
   };
-  impl.flops = [spec, running](const Problem& p, const ParamValues& v) { return spec.flops(p, running(p, v)); };
-  impl.workspace_bytes = [spec, running](const Problem& p, const ParamValues& v) {
-    return spec.workspace(p, running(p, v));
-  };
-  impl.resolved = [spec, running](const Problem& p, const ParamValues& v) {
-    return write_config(spec.fields, running(p, v));
+  impl.flops = [running](const Problem& p, const ParamValues& v) { return flops(p, running(p, v)); };
+  impl.workspace_bytes = [running](const Problem& p, const ParamValues& v) { return workspace(p, running(p, v)); };
+  impl.resolved = [fields, running](const Problem& p, const ParamValues& v) {
+    return write_config(fields, running(p, v));
   };
   // Validation sees the values as given (a 0 meaning "from N" is still 0).
-  if (spec.validate)
-    impl.validate = [spec](const Problem& p, const ParamValues& v) { spec.validate(p, read_config(spec.fields, v)); };
-  if (spec.unsupported)
-    impl.unsupported = [spec](const Problem& p, const ParamValues& v) {
-      return spec.unsupported(p, read_config(spec.fields, v));
+  if constexpr (HasValidate<Config>)
+    impl.validate = [fields](const Problem& p, const ParamValues& v) { validate(p, read_config(fields, v)); };
+  if constexpr (HasUnsupported<Config>)
+    impl.unsupported = [fields](const Problem& p, const ParamValues& v) {
+      return unsupported(p, read_config(fields, v));
     };
-  if (static_cast<bool>(spec.backward_flops) != static_cast<bool>(spec.backward_workspace))
-    throw std::logic_error("ModelSpec: backward_flops and backward_workspace go together");
-  if (spec.backward_flops) {
-    impl.backward_flops = [spec, running](const Problem& p, const ParamValues& v) {
-      return spec.backward_flops(p, running(p, v));
+  if constexpr (HasBackwardFlops<Config>) {
+    impl.backward_flops = [running](const Problem& p, const ParamValues& v) {
+      return backward_flops(p, running(p, v));
     };
-    impl.backward_workspace_bytes = [spec, running](const Problem& p, const ParamValues& v) {
-      return spec.backward_workspace(p, running(p, v));
+    impl.backward_workspace_bytes = [running](const Problem& p, const ParamValues& v) {
+      return backward_workspace(p, running(p, v));
     };
   }
-  if (spec.decode_workspace)
-    impl.decode_workspace_bytes = [spec, running](const Problem& p, const ParamValues& v, std::int64_t tokens) {
-      return spec.decode_workspace(p, running(p, v), tokens);
+  if constexpr (HasDecode<Config>)
+    impl.decode_workspace_bytes = [running](const Problem& p, const ParamValues& v, std::int64_t tokens) {
+      return decode_workspace(p, running(p, v), tokens);
     };
   return impl;
 }
+
+// The registry's entry to the model configured by Config: specialised in the model's .cpp as
+// `template <> Implementation implementation<XConfig>() { return implement<XConfig>(); }` after
+// its functions, declared in its header.
+template <class Config>
+Implementation implementation();
 
 }  // namespace xfb

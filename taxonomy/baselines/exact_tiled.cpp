@@ -47,6 +47,8 @@ std::int64_t block_panel_floats(const ExactTiledConfig& c, std::int64_t d) {
   return uses_tile_kernels(d) ? tiles::panels_for(c.backward_block_k) * d * tiles::kPanel : 0;
 }
 
+}  // namespace
+
 // On the tile kernels a key tile starts on a panel boundary: block_k and backward_block_k are
 // rounded up to whole panels.
 ExactTiledConfig resolve(const Problem& p, ExactTiledConfig c) {
@@ -56,6 +58,8 @@ ExactTiledConfig resolve(const Problem& p, ExactTiledConfig c) {
   }
   return c;
 }
+
+namespace {
 
 // Floats of the packed copy of K (all heads) that the tile kernels read; 0 on the sgemm path.
 std::int64_t packed_key_floats(const Problem& p) {
@@ -400,6 +404,8 @@ class ExactTiled final : public Mechanism {
   std::int64_t splits_ = 1, length_ = 0;
 };
 
+}  // namespace
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const ExactTiledConfig& c, std::uint64_t) {
   return std::make_unique<ExactTiled>(problem, c);
 }
@@ -460,22 +466,15 @@ std::int64_t backward_workspace(const Problem& p, const ExactTiledConfig& c) {
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
 
-}  // namespace
-
-Implementation exact_tiled_implementation() {
-  return implement(ModelSpec<ExactTiledConfig>{
-      .fields = {int_field("block_q", &ExactTiledConfig::block_q, 1, 4096, "query rows per task (tokens)"),
-                 int_field("block_k", &ExactTiledConfig::block_k, 1, 8192,
-                           "key columns per forward tile (tokens; rounded up to a multiple of 16 when head_dim is)"),
-                 int_field("backward_block_k", &ExactTiledConfig::backward_block_k, 1, 8192,
-                           "key columns per backward block (tokens; rounded up like block_k)")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = resolve,
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<ExactTiledConfig> config_fields(const ExactTiledConfig*) {
+  return {int_field("block_q", &ExactTiledConfig::block_q, 1, 4096, "query rows per task (tokens)"),
+          int_field("block_k", &ExactTiledConfig::block_k, 1, 8192,
+                    "key columns per forward tile (tokens; rounded up to a multiple of 16 when head_dim is)"),
+          int_field("backward_block_k", &ExactTiledConfig::backward_block_k, 1, 8192,
+                    "key columns per backward block (tokens; rounded up like block_k)")};
 }
+
+template <>
+Implementation implementation<ExactTiledConfig>() { return implement<ExactTiledConfig>(); }
 
 }  // namespace xfb

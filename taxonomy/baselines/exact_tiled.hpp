@@ -35,6 +35,7 @@
 // max, exponentials, sgemm with V: engines/decode_common.hpp attend_block) and each head merges
 // its S partial states by log-sum-exp. FLOPs per head: S·D + Σ over non-empty splits (4·r·D + 4·r
 // + D + 2) + (S − 1)·(3·D + 7) + D: O(N) per token.
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -47,6 +48,7 @@ struct ExactTiledConfig {
                                         // 10% slower; AVX-512: the same)
 };
 
-Implementation exact_tiled_implementation();
+template <>
+Implementation implementation<ExactTiledConfig>();
 
 }  // namespace xfb

@@ -93,6 +93,8 @@ class Vanilla final : public Mechanism {
   std::int64_t length_ = 0;  // decode: tokens in the cache
 };
 
+}  // namespace
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const VanillaConfig&, std::uint64_t) {
   return std::make_unique<Vanilla>(problem);
 }
@@ -119,15 +121,7 @@ std::int64_t decode_workspace(const Problem& p, const VanillaConfig&, std::int64
   return KvCache::bytes(bh, capacity, p.head_dim) + bh * ops::padded_ld(capacity) * static_cast<std::int64_t>(sizeof(float));
 }
 
-}  // namespace
-
-Implementation vanilla_implementation() {
-  return implement(ModelSpec<VanillaConfig>{.fields = {}, .create = create,
-                                                  .flops = flops,
-                                                  .workspace = workspace,
-                                                  .backward_flops = backward_flops,
-                                                  .backward_workspace = backward_workspace,
-                                                  .decode_workspace = decode_workspace});
-}
+template <>
+Implementation implementation<VanillaConfig>() { return implement<VanillaConfig>(); }
 
 }  // namespace xfb

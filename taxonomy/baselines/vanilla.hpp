@@ -9,9 +9,11 @@
 // Decode: a KV cache of every token, [B·H, N + T, D] for keys and values (the state); a step
 // appends its key and value, materialises its score row against the n cached keys (one sgemm per
 // head), softmaxes it and multiplies by the cached values: 4·n·D + 5·n FLOPs per head, O(N).
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
 struct VanillaConfig {};  // no parameters
-Implementation vanilla_implementation();
+template <>
+Implementation implementation<VanillaConfig>();
 }

@@ -11,6 +11,14 @@
 #include "lib/core/tile_kernels.hpp"
 
 namespace xfb::block_sparse {
+
+std::int64_t ceil_sqrt(std::int64_t n) {
+  auto root = static_cast<std::int64_t>(std::sqrt(static_cast<double>(n)));
+  while (root * root < n) ++root;
+  while (root > 1 && (root - 1) * (root - 1) >= n) --root;
+  return std::max<std::int64_t>(root, 1);
+}
+
 namespace {
 
 struct Hull {

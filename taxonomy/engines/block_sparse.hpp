@@ -122,6 +122,9 @@ struct BlockTiling {
   std::int64_t rows(std::int64_t t) const;
 };
 
+// ⌈√n⌉, at least 1: the default stride and grid width of the factorised patterns.
+std::int64_t ceil_sqrt(std::int64_t n);
+
 // The residue classes of a stride: class r < min(stride, n) holds tokens r, r + stride, … < n;
 // each class is split into tiles of ≤ kTaskRows consecutive members. Task t is tile
 // t % tiles_per_class of class t / tiles_per_class; tiles past a short class have 0 rows.

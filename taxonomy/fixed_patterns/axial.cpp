@@ -19,19 +19,12 @@ namespace {
 namespace bs = block_sparse;
 using bs::kTaskRows;
 
-std::int64_t ceil_sqrt(std::int64_t n) {
-  auto root = static_cast<std::int64_t>(std::sqrt(static_cast<double>(n)));
-  while (root * root < n) ++root;
-  while (root > 1 && (root - 1) * (root - 1) >= n) --root;
-  return std::max<std::int64_t>(root, 1);
-}
-
 struct Grid {
   std::int64_t cols;
   bs::BlockTiling rows;       // grid rows: blocks of C tokens
   bs::StridedTiling columns;  // grid columns: residue classes of stride C
   Grid(const Problem& p, const AxialConfig& c)
-      : cols(std::min(c.cols > 0 ? c.cols : ceil_sqrt(p.seq_len), p.seq_len)),
+      : cols(std::min(c.cols > 0 ? c.cols : bs::ceil_sqrt(p.seq_len), p.seq_len)),
         rows(p.seq_len, cols),
         columns(p.seq_len, cols) {}
   std::int64_t max_width() const { return std::max(rows.block, columns.longest); }
@@ -305,6 +298,8 @@ class Axial final : public Mechanism {
   std::int64_t filled_ = 0, length_ = 0;
 };
 
+}  // namespace
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const AxialConfig& c, std::uint64_t) {
   return std::make_unique<Axial>(problem, c);
 }
@@ -370,21 +365,16 @@ std::int64_t workspace(const Problem& p, const AxialConfig& c) {
          floats * static_cast<std::int64_t>(sizeof(float));
 }
 
-}  // namespace
-
-Implementation axial_implementation() {
-  return implement(ModelSpec<AxialConfig>{
-      .fields = {int_field("cols", &AxialConfig::cols, 0, 1000000, "grid width C in tokens; 0 means ceil(sqrt(N))")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, AxialConfig c) {
-        c.cols = Grid(p, c).cols;
-        return c;
-      },
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<AxialConfig> config_fields(const AxialConfig*) {
+  return {int_field("cols", &AxialConfig::cols, 0, 1000000, "grid width C in tokens; 0 means ceil(sqrt(N))")};
 }
+
+AxialConfig resolve(const Problem& p, AxialConfig c) {
+  c.cols = Grid(p, c).cols;
+  return c;
+}
+
+template <>
+Implementation implementation<AxialConfig>() { return implement<AxialConfig>(); }
 
 }  // namespace xfb

@@ -26,6 +26,7 @@
 // k, v; a row's U is computed when it completes (stage `row_complete` of the next step: 4·C²·D +
 // 4·C² + C·D FLOPs per head), and a token attends to its column above (values U) and its row so
 // far (values V) in one softmax: O(√N) per token, state O(N).
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -34,6 +35,7 @@ struct AxialConfig {
   std::int64_t cols = 0;  // grid width C in tokens; 0 means ⌈√N⌉
 };
 
-Implementation axial_implementation();
+template <>
+Implementation implementation<AxialConfig>();
 
 }  // namespace xfb

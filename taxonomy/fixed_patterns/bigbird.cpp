@@ -214,6 +214,8 @@ class BigBird final : public Mechanism {
   Tensor lse_, deltas_;  // training only
 };
 
+}  // namespace
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const BigBirdConfig& c, std::uint64_t seed) {
   return std::make_unique<BigBird>(problem, c, seed);
 }
@@ -254,21 +256,16 @@ std::int64_t backward_workspace(const Problem& p, const BigBirdConfig& c) {
          p.threads * TileAttention::backward_bytes(sizes.scores, sizes.gathered, p.head_dim);
 }
 
-}  // namespace
-
-Implementation bigbird_implementation() {
-  return implement(ModelSpec<BigBirdConfig>{
-      .fields = {int_field("block", &BigBirdConfig::block, 1, 1 << 16, "block size b, tokens"),
-                 int_field("window_blocks", &BigBirdConfig::window_blocks, 1, 1 << 16,
-                           "sliding-window blocks w (query block in the middle)"),
-                 int_field("random_blocks", &BigBirdConfig::random_blocks, 0, 1 << 16, "random key blocks r per query block"),
-                 int_field("global_blocks", &BigBirdConfig::global_blocks, 0, 1 << 16,
-                           "global blocks g: first ceil(g/2) and last floor(g/2)")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+FieldTable<BigBirdConfig> config_fields(const BigBirdConfig*) {
+  return {int_field("block", &BigBirdConfig::block, 1, 1 << 16, "block size b, tokens"),
+          int_field("window_blocks", &BigBirdConfig::window_blocks, 1, 1 << 16,
+                    "sliding-window blocks w (query block in the middle)"),
+          int_field("random_blocks", &BigBirdConfig::random_blocks, 0, 1 << 16, "random key blocks r per query block"),
+          int_field("global_blocks", &BigBirdConfig::global_blocks, 0, 1 << 16,
+                    "global blocks g: first ceil(g/2) and last floor(g/2)")};
 }
+
+template <>
+Implementation implementation<BigBirdConfig>() { return implement<BigBirdConfig>(); }
 
 }  // namespace xfb

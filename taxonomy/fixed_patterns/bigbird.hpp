@@ -22,6 +22,7 @@
 // FLOPs per tile: 4·rows·keys·D + 5·rows·keys (every gathered key is visible to every row).
 // Backward: the forward saves each query token's log-sum-exp; the backward recomputes every tile
 // with the same random blocks (held fixed, as the paper trains; one head per task).
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -33,6 +34,7 @@ struct BigBirdConfig {
   std::int64_t global_blocks = 2;  // g, global blocks: the first ⌈g/2⌉ and the last ⌊g/2⌋
 };
 
-Implementation bigbird_implementation();
+template <>
+Implementation implementation<BigBirdConfig>();
 
 }  // namespace xfb

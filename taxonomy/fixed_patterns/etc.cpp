@@ -91,6 +91,8 @@ class Etc final : public Mechanism {
   std::vector<std::size_t> ranges_;  // training: tasks of each head
 };
 
+}  // namespace
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const EtcConfig& c, std::uint64_t) {
   return std::make_unique<Etc>(problem, c);
 }
@@ -128,22 +130,18 @@ std::int64_t backward_workspace(const Problem& p, const EtcConfig& c) {
   return floats * static_cast<std::int64_t>(sizeof(float)) + p.threads * TileAttention::backward_bytes(scores, 0, p.head_dim);
 }
 
-}  // namespace
-
-Implementation etc_implementation() {
-  return implement(ModelSpec<EtcConfig>{
-      .fields = {int_field("globals", &EtcConfig::globals, 0, 1 << 20, "global tokens n_g: the first n_g positions"),
-                 int_field("radius", &EtcConfig::radius, 0, 1 << 20, "long-to-long radius r, tokens on each side"),
-                 int_field("tile", &EtcConfig::tile, 1, 1024, "query rows per computed tile (implementation)")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, EtcConfig c) {
-        c.globals = std::min(c.globals, p.seq_len);
-        return c;
-      },
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+FieldTable<EtcConfig> config_fields(const EtcConfig*) {
+  return {int_field("globals", &EtcConfig::globals, 0, 1 << 20, "global tokens n_g: the first n_g positions"),
+          int_field("radius", &EtcConfig::radius, 0, 1 << 20, "long-to-long radius r, tokens on each side"),
+          int_field("tile", &EtcConfig::tile, 1, 1024, "query rows per computed tile (implementation)")};
 }
+
+EtcConfig resolve(const Problem& p, EtcConfig c) {
+  c.globals = std::min(c.globals, p.seq_len);
+  return c;
+}
+
+template <>
+Implementation implementation<EtcConfig>() { return implement<EtcConfig>(); }
 
 }  // namespace xfb

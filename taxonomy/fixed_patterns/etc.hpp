@@ -15,6 +15,7 @@
 // Work and memory: O(N_g·N + N·r) — the survey's O(N_g² + N·N_g) plus the local band.
 // Backward: the forward saves each query token's log-sum-exp; the backward recomputes every tile
 // (one head per task).
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -25,6 +26,7 @@ struct EtcConfig {
   std::int64_t tile = 64;      // query rows per computed tile (implementation)
 };
 
-Implementation etc_implementation();
+template <>
+Implementation implementation<EtcConfig>();
 
 }  // namespace xfb

@@ -16,6 +16,7 @@
 // Decode: a ring of the last l_m + l_q tokens' keys and values (the state); token i attends to
 // [max(0, q0 − l_m), i] (engines/decode_common.hpp WindowCache): O(l_m + l_q) per token, state
 // constant in N.
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -25,6 +26,7 @@ struct ImageTransformerConfig {
   std::int64_t memory_flange = 128;  // l_m, preceding tokens every query block also attends to
 };
 
-Implementation image_transformer_implementation();
+template <>
+Implementation implementation<ImageTransformerConfig>();
 
 }  // namespace xfb

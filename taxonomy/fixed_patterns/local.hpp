@@ -14,6 +14,7 @@
 // Decode: a window of the current block's keys and values ([B·H, b, D] each, a ring: the state);
 // a step attends to its block's tokens so far (engines/decode_common.hpp WindowCache): O(b) per
 // token, state constant in N.
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -22,6 +23,7 @@ struct LocalConfig {
   std::int64_t block = 50;  // tokens per block, b
 };
 
-Implementation local_implementation();
+template <>
+Implementation implementation<LocalConfig>();
 
 }  // namespace xfb

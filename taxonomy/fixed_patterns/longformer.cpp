@@ -251,6 +251,8 @@ class Longformer final : public Mechanism {
   std::int64_t length_ = 0;
 };
 
+}  // namespace
+
 void validate(const Problem&, const LongformerConfig& c) {
   if (c.window % 2 != 0) throw ParamError("longformer: window must be even (w/2 keys on each side), got " +
                                           std::to_string(c.window));
@@ -308,28 +310,22 @@ std::int64_t decode_workspace(const Problem& p, const LongformerConfig& c, std::
          heads * 2 * d * static_cast<std::int64_t>(sizeof(float));
 }
 
-}  // namespace
-
-Implementation longformer_implementation() {
-  return implement(ModelSpec<LongformerConfig>{
-      .fields = {int_field("window", &LongformerConfig::window, 0, 1 << 20,
-                           "sliding window w (even), tokens: w/2 on each side"),
-                 int_field("dilation", &LongformerConfig::dilation, 1, 1024, "gap between window keys on dilated heads, tokens"),
-                 int_field("dilated_heads", &LongformerConfig::dilated_heads, 0, 4096,
-                           "number of (last) heads using the dilation"),
-                 int_field("globals", &LongformerConfig::globals, 0, 1 << 20, "global tokens: the first g positions"),
-                 int_field("tile", &LongformerConfig::tile, 1, 1024, "query rows per computed tile (implementation)")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, LongformerConfig c) {
-        c.globals = std::min(c.globals, p.seq_len);
-        return c;
-      },
-      .validate = validate,
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<LongformerConfig> config_fields(const LongformerConfig*) {
+  return {int_field("window", &LongformerConfig::window, 0, 1 << 20,
+                    "sliding window w (even), tokens: w/2 on each side"),
+          int_field("dilation", &LongformerConfig::dilation, 1, 1024, "gap between window keys on dilated heads, tokens"),
+          int_field("dilated_heads", &LongformerConfig::dilated_heads, 0, 4096,
+                    "number of (last) heads using the dilation"),
+          int_field("globals", &LongformerConfig::globals, 0, 1 << 20, "global tokens: the first g positions"),
+          int_field("tile", &LongformerConfig::tile, 1, 1024, "query rows per computed tile (implementation)")};
 }
+
+LongformerConfig resolve(const Problem& p, LongformerConfig c) {
+  c.globals = std::min(c.globals, p.seq_len);
+  return c;
+}
+
+template <>
+Implementation implementation<LongformerConfig>() { return implement<LongformerConfig>(); }
 
 }  // namespace xfb

@@ -25,6 +25,7 @@
 // s·d_max + 1 tokens (every head's one-sided window). A decoded token is never global (g ≤ N: g is
 // clamped to the context), so it attends with its plain q to the globals and to the window tokens
 // i − d_h·t ≥ g: O(g + s) per token, state constant in N.
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -37,6 +38,7 @@ struct LongformerConfig {
   std::int64_t tile = 64;          // query rows per computed tile (implementation)
 };
 
-Implementation longformer_implementation();
+template <>
+Implementation implementation<LongformerConfig>();
 
 }  // namespace xfb

@@ -343,6 +343,8 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
   std::int64_t length_ = 0;
 };
 
+}  // namespace
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const MemoryCompressedConfig& c, std::uint64_t seed) {
   return std::make_unique<MemoryCompressed>(problem, Layout(problem, c), seed);
 }
@@ -397,27 +399,22 @@ std::int64_t decode_workspace(const Problem& p, const MemoryCompressedConfig& c,
          KvCache::bytes(compressed, l.compression, d) + p.batch * p.heads * 2 * d * static_cast<std::int64_t>(sizeof(float));
 }
 
-}  // namespace
-
-Implementation memory_compressed_implementation() {
-  return implement(ModelSpec<MemoryCompressedConfig>{
-      .fields = {int_field("block", &MemoryCompressedConfig::block, 1, 1 << 20, "local attention block, tokens"),
-                 int_field("compression", &MemoryCompressedConfig::compression, 1, 1024,
-                           "convolution kernel = stride c, tokens per memory slot"),
-                 choice_field("mode", &MemoryCompressedConfig::mode,
-                              {{"local", "local"}, {"compressed", "compressed"}, {"split", "split"}},
-                              "heads: all local, all compressed, or split (first half local)"),
-                 int_field("tile", &MemoryCompressedConfig::tile, 1, 1024, "query rows per computed tile (implementation)")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, MemoryCompressedConfig c) {
-        c.block = std::min(c.block, p.seq_len);
-        return c;
-      },
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<MemoryCompressedConfig> config_fields(const MemoryCompressedConfig*) {
+  return {int_field("block", &MemoryCompressedConfig::block, 1, 1 << 20, "local attention block, tokens"),
+          int_field("compression", &MemoryCompressedConfig::compression, 1, 1024,
+                    "convolution kernel = stride c, tokens per memory slot"),
+          choice_field("mode", &MemoryCompressedConfig::mode,
+                       {{"local", "local"}, {"compressed", "compressed"}, {"split", "split"}},
+                       "heads: all local, all compressed, or split (first half local)"),
+          int_field("tile", &MemoryCompressedConfig::tile, 1, 1024, "query rows per computed tile (implementation)")};
 }
+
+MemoryCompressedConfig resolve(const Problem& p, MemoryCompressedConfig c) {
+  c.block = std::min(c.block, p.seq_len);
+  return c;
+}
+
+template <>
+Implementation implementation<MemoryCompressedConfig>() { return implement<MemoryCompressedConfig>(); }
 
 }  // namespace xfb

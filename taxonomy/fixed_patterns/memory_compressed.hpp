@@ -27,6 +27,7 @@
 // ([⌈(N+T)/c⌉, D] keys and values) and the open window's raw rows ([c, D]). The token that completes
 // a window compresses it into the next slot (2·2·c·D² FLOPs); a token attends to the ⌊(i+1)/c⌋
 // completed slots: O(N/c) per token (O(block) on local heads), state O(N/c).
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -46,6 +47,7 @@ class MemoryCompressedMemories {
   virtual const Tensor& compressed_values() const = 0;  // V̂: [B, H_c, N_c, D]
 };
 
-Implementation memory_compressed_implementation();
+template <>
+Implementation implementation<MemoryCompressedConfig>();
 
 }  // namespace xfb

@@ -17,14 +17,6 @@ namespace {
 namespace bs = block_sparse;
 using bs::kTaskRows;
 
-// ⌈√n⌉, at least 1.
-std::int64_t ceil_sqrt(std::int64_t n) {
-  auto root = static_cast<std::int64_t>(std::sqrt(static_cast<double>(n)));
-  while (root * root < n) ++root;
-  while (root > 1 && (root - 1) * (root - 1) >= n) --root;
-  return std::max<std::int64_t>(root, 1);
-}
-
 // Strided A1: consecutive query tiles of min(64, l) rows over the band i − l ≤ j ≤ i (non-causal:
 // |i − j| ≤ l); a tile's hull is its rows plus l (2l) columns, so the waste stays a fixed factor.
 struct BandPlan {
@@ -76,7 +68,7 @@ struct Layout {
 
   Layout(const Problem& p, const SparseTransformerConfig& config)
       : fixed(config.pattern == "fixed"),
-        l(config.stride > 0 ? config.stride : ceil_sqrt(p.seq_len)),
+        l(config.stride > 0 ? config.stride : bs::ceil_sqrt(p.seq_len)),
         c(std::min(config.summary, l)),
         heads_a1((p.heads + 1) / 2),
         heads_a2(p.heads - heads_a1),
@@ -314,6 +306,8 @@ class SparseTransformer final : public Mechanism {
   std::int64_t length_ = 0;             // decoding: tokens seen
 };
 
+}  // namespace
+
 void validate(const Problem&, const SparseTransformerConfig& c) {
   if (c.pattern == "fixed" && c.stride > 0 && c.summary > c.stride)
     throw ParamError("sparse-transformer: summary=" + std::to_string(c.summary) +
@@ -367,28 +361,22 @@ std::int64_t decode_workspace(const Problem& p, const SparseTransformerConfig& c
   return bytes;
 }
 
-}  // namespace
-
-Implementation sparse_transformer_implementation() {
-  return implement(ModelSpec<SparseTransformerConfig>{
-      .fields = {choice_field("pattern", &SparseTransformerConfig::pattern,
-                              {{"strided", "strided"}, {"fixed", "fixed"}}, "factorised pattern"),
-                 int_field("stride", &SparseTransformerConfig::stride, 0, 1000000, "l in tokens; 0 means ceil(sqrt(N))"),
-                 int_field("summary", &SparseTransformerConfig::summary, 1, 1000000,
-                           "c: summary tokens per block of l (fixed pattern)")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, SparseTransformerConfig c) {
-        const Layout layout(p, c);
-        c.stride = layout.l;
-        c.summary = layout.c;
-        return c;
-      },
-      .validate = validate,
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<SparseTransformerConfig> config_fields(const SparseTransformerConfig*) {
+  return {choice_field("pattern", &SparseTransformerConfig::pattern,
+                       {{"strided", "strided"}, {"fixed", "fixed"}}, "factorised pattern"),
+          int_field("stride", &SparseTransformerConfig::stride, 0, 1000000, "l in tokens; 0 means ceil(sqrt(N))"),
+          int_field("summary", &SparseTransformerConfig::summary, 1, 1000000,
+                    "c: summary tokens per block of l (fixed pattern)")};
 }
+
+SparseTransformerConfig resolve(const Problem& p, SparseTransformerConfig c) {
+  const Layout layout(p, c);
+  c.stride = layout.l;
+  c.summary = layout.c;
+  return c;
+}
+
+template <>
+Implementation implementation<SparseTransformerConfig>() { return implement<SparseTransformerConfig>(); }
 
 }  // namespace xfb

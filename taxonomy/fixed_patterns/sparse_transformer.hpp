@@ -28,6 +28,7 @@
 // (fixed: l); A2 heads every token (strided: each token is in a later token's residue class) or
 // the summary tokens so far (fixed: G(N + T) rows). A step attends to its causal set from them:
 // O(l) for A1, O(N/l) = O(√N) for A2; the A2 state grows as N (strided) or N·c/l (fixed).
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -38,6 +39,7 @@ struct SparseTransformerConfig {
   std::int64_t summary = 8;         // c: summary tokens per block of l (fixed pattern)
 };
 
-Implementation sparse_transformer_implementation();
+template <>
+Implementation implementation<SparseTransformerConfig>();
 
 }  // namespace xfb

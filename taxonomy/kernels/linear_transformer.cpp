@@ -1,9 +1,8 @@
 #include "taxonomy/kernels/linear_transformer.hpp"
 
-
 #include "lib/core/config_table.hpp"
 #include "lib/core/ops.hpp"
-#include "taxonomy/engines/linear_attention.hpp"
+#include "taxonomy/kernels/linear_attention.hpp"
 
 namespace xfb {
 namespace {
@@ -87,14 +86,16 @@ class LinearTransformer final : public Mechanism {
   std::unique_ptr<ChunkedLinearAttention> engine_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const LinearTransformerConfig& c, std::uint64_t) {
-  return std::make_unique<LinearTransformer>(problem, c);
-}
-
 FeatureCosts costs(const Problem& p) {
   const std::int64_t per_row = kEluPlusOneFlops * p.head_dim;
   const std::int64_t gradient = kEluPlusOneGradientFlops * p.head_dim;
   return {p.head_dim, per_row, per_row, false, gradient, gradient};
+}
+
+}  // namespace
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const LinearTransformerConfig& c, std::uint64_t) {
+  return std::make_unique<LinearTransformer>(problem, c);
 }
 
 std::int64_t flops(const Problem& p, const LinearTransformerConfig& c) { return linear_attention_flops(p, c.chunk, costs(p)); }
@@ -111,23 +112,16 @@ std::int64_t backward_workspace(const Problem& p, const LinearTransformerConfig&
   return linear_attention_backward_workspace(p, c.chunk, p.head_dim);
 }
 
-
 std::int64_t decode_workspace(const Problem& p, const LinearTransformerConfig&, std::int64_t) {
   return linear_attention_decode_workspace(p, p.head_dim);
 }
 
-}  // namespace
-
-Implementation linear_transformer_implementation() {
-  return implement(ModelSpec<LinearTransformerConfig>{
-      .fields = {int_field("chunk", &LinearTransformerConfig::chunk, 1, 8192,
-                           "rows per chunk of the prefix-sum walk (tokens)")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<LinearTransformerConfig> config_fields(const LinearTransformerConfig*) {
+  return {int_field("chunk", &LinearTransformerConfig::chunk, 1, 8192,
+                    "rows per chunk of the prefix-sum walk (tokens)")};
 }
+
+template <>
+Implementation implementation<LinearTransformerConfig>() { return implement<LinearTransformerConfig>(); }
 
 }  // namespace xfb

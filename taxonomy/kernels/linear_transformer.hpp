@@ -1,6 +1,6 @@
 #pragma once
 // `linear-transformer` (Katharopoulos et al. 2020): φ(x) = elu(x) + 1 on the chunked
-// linear-attention engine (taxonomy/engines/linear_attention.hpp) with M = D:
+// linear-attention engine (taxonomy/kernels/linear_attention.hpp) with M = D:
 //   out_i = φ(q_i)ᵀ S / φ(q_i)ᵀ z,  S = Σ_j φ(k_j) v_jᵀ,  z = Σ_j φ(k_j)   (j <= i when causal).
 // Non-causal: the K–V summary [S | z] is built once per head. Causal: the running [D, D+1] state,
 // chunk by chunk — never an N×D×D prefix tensor.
@@ -9,10 +9,11 @@
 // Default chunk C = 32: the causal in-chunk work, 2·C·(2D + 1) per row, then stays below the
 // state work 4·D·(D + 1) per row at D = 64.
 // Workspace: the engine's per-thread buffers, independent of N.
-// Backward (engines/linear_attention.hpp): φ'(x) = e^x for x < 0, 1 otherwise; the forward saves
+// Backward (kernels/linear_attention.hpp): φ'(x) = e^x for x < 0, 1 otherwise; the forward saves
 // each row's normaliser, the features are recomputed.
-// Decode: the recurrent state [S | z] per head, [D, D+1] (engines/linear_attention.hpp), O(1)
+// Decode: the recurrent state [S | z] per head, [D, D+1] (kernels/linear_attention.hpp), O(1)
 // per token and constant in N.
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -21,6 +22,7 @@ struct LinearTransformerConfig {
   std::int64_t chunk = 32;  // rows per chunk of the engine, tokens (causal: the masked block size)
 };
 
-Implementation linear_transformer_implementation();
+template <>
+Implementation implementation<LinearTransformerConfig>();
 
 }  // namespace xfb

@@ -8,7 +8,7 @@
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
-#include "taxonomy/engines/linear_attention.hpp"
+#include "taxonomy/kernels/linear_attention.hpp"
 
 namespace xfb {
 namespace {
@@ -224,6 +224,8 @@ class Performer final : public Mechanism {
   std::unique_ptr<ChunkedLinearAttention> engine_;
 };
 
+}  // namespace
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const PerformerConfig& c, std::uint64_t seed) {
   return std::make_unique<Performer>(problem, c, seed);
 }
@@ -245,27 +247,20 @@ std::int64_t backward_workspace(const Problem& p, const PerformerConfig& c) {
   return linear_attention_backward_workspace(p, c.chunk, c.features);
 }
 
-
 std::int64_t decode_workspace(const Problem& p, const PerformerConfig& c, std::int64_t) {
   return linear_attention_decode_workspace(p, c.features) +
          c.features * p.head_dim * static_cast<std::int64_t>(sizeof(float));
 }
 
-}  // namespace
-
-Implementation performer_implementation() {
-  return implement(ModelSpec<PerformerConfig>{
-      .fields = {int_field("features", &PerformerConfig::features, 1, 16384, "random features M per head"),
-                 choice_field("kernel", &PerformerConfig::kernel,
-                              {{"softmax", PerformerKernel::Softmax}, {"relu", PerformerKernel::Relu}},
-                              "softmax: FAVOR+ positive features for exp(qᵀk/√D); relu: max(ωx/√M, 0) + 1e-3"),
-                 int_field("chunk", &PerformerConfig::chunk, 1, 8192, "rows per chunk of the prefix-sum walk (tokens)")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<PerformerConfig> config_fields(const PerformerConfig*) {
+  return {int_field("features", &PerformerConfig::features, 1, 16384, "random features M per head"),
+          choice_field("kernel", &PerformerConfig::kernel,
+                       {{"softmax", PerformerKernel::Softmax}, {"relu", PerformerKernel::Relu}},
+                       "softmax: FAVOR+ positive features for exp(qᵀk/√D); relu: max(ωx/√M, 0) + 1e-3"),
+          int_field("chunk", &PerformerConfig::chunk, 1, 8192, "rows per chunk of the prefix-sum walk (tokens)")};
 }
+
+template <>
+Implementation implementation<PerformerConfig>() { return implement<PerformerConfig>(); }
 
 }  // namespace xfb

@@ -1,6 +1,6 @@
 #pragma once
 // `performer`: FAVOR+ (Choromanski et al. 2020) on the chunked linear-attention engine
-// (taxonomy/engines/linear_attention.hpp), causal and not.
+// (taxonomy/kernels/linear_attention.hpp), causal and not.
 //
 // Random features ω: [M, D], one set shared by all heads, drawn from the seed: ⌈M/D⌉ blocks of D
 // rows, each block the Gram–Schmidt orthonormalisation of a D×D Gaussian matrix (the last block
@@ -18,20 +18,21 @@
 // kernel=relu (the paper's generalised ReLU kernel, as in its released code): no pre-scaling,
 //   φ(x) = max(ωx/√M, 0) + 10⁻³ (the constant keeps the normaliser positive).
 //
-// FLOPs per row, gemm included (the engine adds its own, see engines/linear_attention.hpp):
+// FLOPs per row, gemm included (the engine adds its own, see kernels/linear_attention.hpp):
 //   softmax: query 2·M·D + 3·M (max, subtract, exp); key 2·M·D + 2·D (‖k‖²) + 4·M
 //   (subtract ‖k‖²/2, max, subtract, exp); the state rescale M·(D+1) per chunk after the first.
 //   relu: 2·M·D + 2·M (max with 0, add) for queries and keys alike.
 // Default chunk C = 64: the causal in-chunk work, 2·C·(M + D + 1) per row, is then ~30% of the
 // rest at M = 256, D = 64.
 // Workspace: ω (M·D floats) plus the engine's per-thread buffers; independent of N.
-// Backward (engines/linear_attention.hpp): ω held fixed (redrawn, not learned); dq, dk through
+// Backward (kernels/linear_attention.hpp): ω held fixed (redrawn, not learned); dq, dk through
 // ∂φ/∂x = φ·(α·ω − α²·x for keys) (softmax; the row max and key shift are constants that cancel) or
 // [ωx > 0]·ω/√M (relu); per row M + 2·M·D (+ M + 2·D for softmax keys) FLOPs.
 // Decode: the recurrent state [S | z] per head, [M, D+1], at the running key shift (a new key
 // that raises the shift rescales it); O(1) per token and constant in N. A step projects its single
 // q and k rows through a transposed copy of ω ([D, M], made by prepare_decode) rather than one-row
 // sgemm calls.
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -46,6 +47,7 @@ struct PerformerConfig {
 
 inline constexpr float kPerformerReluStabiliser = 1e-3f;
 
-Implementation performer_implementation();
+template <>
+Implementation implementation<PerformerConfig>();
 
 }  // namespace xfb

@@ -571,8 +571,6 @@ std::int64_t ReformerAttention::chunk_backward(std::int64_t round, std::int64_t 
   return flops + (c.rows + 2 * c.cols) * d;
 }
 
-namespace {
-
 void validate(const Problem&, const ReformerConfig& c) {
   if (c.n_buckets != 1 && c.n_buckets % 2 != 0)
     throw ParamError("reformer: n_buckets must be 1 or even (buckets are argmax over [xR; -xR]), got " +
@@ -633,27 +631,21 @@ std::int64_t backward_workspace(const Problem& p, const ReformerConfig& c) {
   return 4 * (heads * n * (d + 1) + p.threads * ((2 * m + 2 * kc) * d + m * ops::padded_ld(kc)));
 }
 
-}  // namespace
-
-Implementation reformer_implementation() {
-  return implement(ModelSpec<ReformerConfig>{
-      .fields = {int_field("n_buckets", &ReformerConfig::n_buckets, 1, 4096, "hash buckets per round (1, or even); LRA: 10"),
-                 choice_field("n_rounds", &ReformerConfig::n_rounds,
-                              {{"1", std::int64_t{1}}, {"2", std::int64_t{2}}, {"4", std::int64_t{4}}, {"8", std::int64_t{8}}},
-                              "independent hash rounds; LRA: 1"),
-                 int_field("chunk_len", &ReformerConfig::chunk_len, 0, 65536,
-                           "tokens per chunk of the sorted order (paper 64-128); 0 = ceil(N / n_buckets) as in LRA's code")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, ReformerConfig c) {
-        c.chunk_len = reformer_chunk(p, c);
-        return c;
-      },
-      .validate = validate,
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<ReformerConfig> config_fields(const ReformerConfig*) {
+  return {int_field("n_buckets", &ReformerConfig::n_buckets, 1, 4096, "hash buckets per round (1, or even); LRA: 10"),
+          choice_field("n_rounds", &ReformerConfig::n_rounds,
+                       {{"1", std::int64_t{1}}, {"2", std::int64_t{2}}, {"4", std::int64_t{4}}, {"8", std::int64_t{8}}},
+                       "independent hash rounds; LRA: 1"),
+          int_field("chunk_len", &ReformerConfig::chunk_len, 0, 65536,
+                    "tokens per chunk of the sorted order (paper 64-128); 0 = ceil(N / n_buckets) as in LRA's code")};
 }
+
+ReformerConfig resolve(const Problem& p, ReformerConfig c) {
+  c.chunk_len = reformer_chunk(p, c);
+  return c;
+}
+
+template <>
+Implementation implementation<ReformerConfig>() { return implement<ReformerConfig>(); }
 
 }  // namespace xfb

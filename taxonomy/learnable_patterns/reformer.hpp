@@ -54,6 +54,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 #include "taxonomy/engines/pattern_common.hpp"
 
@@ -169,6 +170,7 @@ class ReformerAttention final : public Mechanism {
   std::int64_t length_ = 0;
 };
 
-Implementation reformer_implementation();
+template <>
+Implementation implementation<ReformerConfig>();
 
 }  // namespace xfb

@@ -622,8 +622,6 @@ std::int64_t SinkhornAttention::embed_blocks_backward(std::int64_t head, Tensor&
   return flops;
 }
 
-namespace {
-
 std::string unsupported(const Problem& p, const SinkhornConfig& c) {
   if (p.causal && c.sortcut_blocks > 0)
     return "SortCut (sortcut_blocks > 0) is encoder only: it has no causal mode";
@@ -690,29 +688,23 @@ std::int64_t decode_workspace(const Problem& p, const SinkhornConfig& c, std::in
   return 4 * floats;
 }
 
-}  // namespace
-
-Implementation sinkhorn_implementation() {
-  return implement(ModelSpec<SinkhornConfig>{
-      .fields = {int_field("block", &SinkhornConfig::block, 1, 65536, "tokens per block b (LRA: 50)"),
-                 int_field("sinkhorn_iters", &SinkhornConfig::sinkhorn_iters, 1, 100,
-                           "log-domain row+column normalisation rounds (non-causal; unconfirmed default)"),
-                 real_field("temperature", &SinkhornConfig::temperature, 0.01, 100,
-                            "temperature tau dividing the sorting scores (unconfirmed default)"),
-                 int_field("sortcut_blocks", &SinkhornConfig::sortcut_blocks, 0, 65536,
-                           "SortCut: attend only to the first n_k sorted blocks (encoder only); 0 = off")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, SinkhornConfig c) {
-        c.block = sinkhorn_block(p, c);
-        c.sortcut_blocks = sortcut(p, c);
-        return c;
-      },
-      .unsupported = unsupported,
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<SinkhornConfig> config_fields(const SinkhornConfig*) {
+  return {int_field("block", &SinkhornConfig::block, 1, 65536, "tokens per block b (LRA: 50)"),
+          int_field("sinkhorn_iters", &SinkhornConfig::sinkhorn_iters, 1, 100,
+                    "log-domain row+column normalisation rounds (non-causal; unconfirmed default)"),
+          real_field("temperature", &SinkhornConfig::temperature, 0.01, 100,
+                     "temperature tau dividing the sorting scores (unconfirmed default)"),
+          int_field("sortcut_blocks", &SinkhornConfig::sortcut_blocks, 0, 65536,
+                    "SortCut: attend only to the first n_k sorted blocks (encoder only); 0 = off")};
 }
+
+SinkhornConfig resolve(const Problem& p, SinkhornConfig c) {
+  c.block = sinkhorn_block(p, c);
+  c.sortcut_blocks = sortcut(p, c);
+  return c;
+}
+
+template <>
+Implementation implementation<SinkhornConfig>() { return implement<SinkhornConfig>(); }
 
 }  // namespace xfb

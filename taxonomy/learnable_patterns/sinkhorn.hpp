@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -145,6 +146,7 @@ class SinkhornAttention final : public Mechanism {
   void load_decode_context(const Tensor& k, const Tensor& v);
 };
 
-Implementation sinkhorn_implementation();
+template <>
+Implementation implementation<SinkhornConfig>();
 
 }  // namespace xfb

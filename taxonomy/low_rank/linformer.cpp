@@ -137,6 +137,8 @@ class Linformer final : public Mechanism {
   Tensor score_grads_, key_grads_, value_grads_, de_, df_;  // training only
 };
 
+}  // namespace
+
 void validate(const Problem& problem, const LinformerConfig& c) {
   if (c.identity && c.k < problem.seq_len)
     throw ParamError("linformer: projection=identity needs k >= N (E = F = I is N×N); got k=" +
@@ -170,29 +172,24 @@ std::int64_t backward_flops(const Problem& p, const LinformerConfig& c) {
 // The gradients mirror the forward's buffers: dE, dF as E, F; dK̄, dV̄ as K̄, V̄; dS as the scores.
 std::int64_t backward_workspace(const Problem& p, const LinformerConfig& c) { return workspace(p, c); }
 
-}  // namespace
-
-Implementation linformer_implementation() {
-  return implement(ModelSpec<LinformerConfig>{
-      .fields = {int_field("k", &LinformerConfig::k, 1, 1 << 20, "projected sequence length (rows of E, F), tokens"),
-                 choice_field("sharing", &LinformerConfig::sharing,
-                              {{"per-head", LinformerSharing::PerHead},
-                               {"headwise", LinformerSharing::Headwise},
-                               {"key-value", LinformerSharing::KeyValue}},
-                              "per-head: E_h, F_h per head; headwise: one E, F for all heads; key-value: one E = F"),
-                 choice_field("projection", &LinformerConfig::identity, {{"gaussian", false}, {"identity", true}},
-                              "gaussian: entries N(0, 1/k) from the seed; identity: E = F = I (needs k >= N, exact "
-                              "attention)")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, LinformerConfig c) {
-        c.k = projected_length(p, c);
-        return c;
-      },
-      .validate = validate,
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+FieldTable<LinformerConfig> config_fields(const LinformerConfig*) {
+  return {int_field("k", &LinformerConfig::k, 1, 1 << 20, "projected sequence length (rows of E, F), tokens"),
+          choice_field("sharing", &LinformerConfig::sharing,
+                       {{"per-head", LinformerSharing::PerHead},
+                        {"headwise", LinformerSharing::Headwise},
+                        {"key-value", LinformerSharing::KeyValue}},
+                       "per-head: E_h, F_h per head; headwise: one E, F for all heads; key-value: one E = F"),
+          choice_field("projection", &LinformerConfig::identity, {{"gaussian", false}, {"identity", true}},
+                       "gaussian: entries N(0, 1/k) from the seed; identity: E = F = I (needs k >= N, exact "
+                       "attention)")};
 }
+
+LinformerConfig resolve(const Problem& p, LinformerConfig c) {
+  c.k = projected_length(p, c);
+  return c;
+}
+
+template <>
+Implementation implementation<LinformerConfig>() { return implement<LinformerConfig>(); }
 
 }  // namespace xfb

@@ -15,6 +15,7 @@
 // runs softmax attention's backward over the k projected rows, then dK = Eᵀ·d(E·K) and
 // dE = Σ d(E·K)·Kᵀ over the (batch, head) pairs sharing E (V, F likewise; key-value sharing sums
 // both into dE). FLOPs B·H·(16·N·k·D + 4·N·k); workspace as much again as the forward's.
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -27,6 +28,7 @@ struct LinformerConfig {
   bool identity = false;  // E = F = I (requires k >= N)
 };
 
-Implementation linformer_implementation();
+template <>
+Implementation implementation<LinformerConfig>();
 
 }  // namespace xfb

@@ -435,6 +435,8 @@ class Synthesizer final : public Mechanism {
   std::int64_t length_ = 0;
 };
 
+}  // namespace
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const SynthesizerConfig& c, std::uint64_t seed) {
   return std::make_unique<Synthesizer>(problem, c, seed);
 }
@@ -493,25 +495,19 @@ std::int64_t backward_flops(const Problem& p, const SynthesizerConfig& c) {
 // parameter, and (dense) the stacked [W₂; b₂] and hidden-layer gradients as those buffers.
 std::int64_t backward_workspace(const Problem& p, const SynthesizerConfig& c) { return workspace(p, c); }
 
-}  // namespace
-
-Implementation synthesizer_implementation() {
-  return implement(ModelSpec<SynthesizerConfig>{
-      .fields = {choice_field("variant", &SynthesizerConfig::variant,
-                              {{"dense", SynthesizerVariant::Dense},
-                               {"random", SynthesizerVariant::Random},
-                               {"factorized-random", SynthesizerVariant::FactorizedRandom}},
-                              "how the logits are synthesised: per-token MLP, fixed random N×N, or R₁·R₂ᵀ"),
-                 int_field("factor_rank", &SynthesizerConfig::factor_rank, 1, 4096,
-                           "k of the factorized-random R₁·R₂ᵀ (R₁, R₂: N×k)"),
-                 real_field("vanilla_weight", &SynthesizerConfig::vanilla_weight, 0, 1,
-                            "weight α of Q·Kᵀ/√D mixed into the logits (\"+ Vanilla\"); 0 = pure synthesizer")},
-      .create = create,
-      .flops = flops,
-      .workspace = workspace,
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace,
-      .decode_workspace = decode_workspace});
+FieldTable<SynthesizerConfig> config_fields(const SynthesizerConfig*) {
+  return {choice_field("variant", &SynthesizerConfig::variant,
+                       {{"dense", SynthesizerVariant::Dense},
+                        {"random", SynthesizerVariant::Random},
+                        {"factorized-random", SynthesizerVariant::FactorizedRandom}},
+                       "how the logits are synthesised: per-token MLP, fixed random N×N, or R₁·R₂ᵀ"),
+          int_field("factor_rank", &SynthesizerConfig::factor_rank, 1, 4096,
+                    "k of the factorized-random R₁·R₂ᵀ (R₁, R₂: N×k)"),
+          real_field("vanilla_weight", &SynthesizerConfig::vanilla_weight, 0, 1,
+                     "weight α of Q·Kᵀ/√D mixed into the logits (\"+ Vanilla\"); 0 = pure synthesizer")};
 }
+
+template <>
+Implementation implementation<SynthesizerConfig>() { return implement<SynthesizerConfig>(); }
 
 }  // namespace xfb

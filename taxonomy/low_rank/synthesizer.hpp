@@ -32,6 +32,7 @@
 // draws of a model built for N + T tokens: dense "w2_b2" [H, D+1, N+T] (rows 0 … D−1 W₂, row D b₂;
 // with w1 and b1 of parameters()); random "r_decoded_rows" [H, T, N+T] (R's rows N … N+T−1);
 // factorized "r1_decoded_rows" [H, T, k] (R₁'s rows N … N+T−1) and "r2" [H, N+T, k] (R₂ whole).
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -44,6 +45,7 @@ struct SynthesizerConfig {
   double vanilla_weight = 0.0;   // α: weight of Q·Kᵀ/√D in the mixed logits, in [0, 1]
 };
 
-Implementation synthesizer_implementation();
+template <>
+Implementation implementation<SynthesizerConfig>();
 
 }  // namespace xfb

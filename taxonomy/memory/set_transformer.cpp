@@ -364,15 +364,24 @@ class SetTransformer final : public Mechanism {
   Tensor row_grads_, query_score_grads_, summary_score_grads_, summary_grads_, norm_grads_;
 };
 
-std::unique_ptr<Mechanism> create(const Problem& problem, const SetTransformerConfig& c, std::uint64_t seed) {
-  return std::make_unique<SetTransformer>(problem, c, seed);
-}
-
 std::int64_t mab_tail_flops(std::int64_t rows, std::int64_t d) {
   return matmul_flops(rows, d, d) + kMabTailFlopsPerElement * rows * d;
 }
 
-std::int64_t set_transformer_flops(const Problem& p, const SetTransformerConfig& c) {
+// FLOPs of tail_backward over `rows` rows: the LN recompute, the second LN's input, the ReLU mask
+// and the bias gradient per element; two LN backwards (with their gain and shift sums); dW, dH.
+std::int64_t tail_backward_flops(std::int64_t rows, std::int64_t d) {
+  return (kLayerNormFlopsPerElement + 3 + 2 * kLayerNormBackwardFlopsPerElement) * rows * d + 4 * d +
+         2 * matmul_flops(rows, d, d);
+}
+
+}  // namespace
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const SetTransformerConfig& c, std::uint64_t seed) {
+  return std::make_unique<SetTransformer>(problem, c, seed);
+}
+
+std::int64_t flops(const Problem& p, const SetTransformerConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, m = c.inducing_points;
   const std::int64_t mab1 = matmul_flops(m, n, d) + matmul_flops(m, d, n) + kSoftmaxFlopsPerElement * m * n +
                             mab_tail_flops(m, d) + 2 * matmul_flops(m, d, d);
@@ -388,13 +397,6 @@ std::int64_t workspace(const Problem& p, const SetTransformerConfig& c) {
   const std::int64_t summaries = 3 * p.batch * h * m * d;
   const std::int64_t per_thread = m * ops::padded_ld(p.seq_len) + rows * ops::padded_ld(m) + std::max(rows, m) * d;
   return (parameters + summaries + threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
-}
-
-// FLOPs of tail_backward over `rows` rows: the LN recompute, the second LN's input, the ReLU mask
-// and the bias gradient per element; two LN backwards (with their gain and shift sums); dW, dH.
-std::int64_t tail_backward_flops(std::int64_t rows, std::int64_t d) {
-  return (kLayerNormFlopsPerElement + 3 + 2 * kLayerNormBackwardFlopsPerElement) * rows * d + 4 * d +
-         2 * matmul_flops(rows, d, d);
 }
 
 std::int64_t backward_flops(const Problem& p, const SetTransformerConfig& c) {
@@ -419,23 +421,19 @@ std::int64_t backward_workspace(const Problem& p, const SetTransformerConfig& c)
   return (saved + gradients + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
-}  // namespace
-
-Implementation set_transformer_implementation() {
-  return implement(ModelSpec<SetTransformerConfig>{
-      .fields = {int_field("inducing_points", &SetTransformerConfig::inducing_points, 1, 4096,
-                           "m, learned inducing points per head"),
-                 int_field("block_q", &SetTransformerConfig::block_q, 1, 65536,
-                           "query rows per task in the second MAB (tokens)")},
-      .create = create,
-      .flops = set_transformer_flops,
-      .workspace = workspace,
-      .resolve = [](const Problem& p, SetTransformerConfig c) {
-        c.block_q = block_rows(p, c);
-        return c;
-      },
-      .backward_flops = backward_flops,
-      .backward_workspace = backward_workspace});
+FieldTable<SetTransformerConfig> config_fields(const SetTransformerConfig*) {
+  return {int_field("inducing_points", &SetTransformerConfig::inducing_points, 1, 4096,
+                    "m, learned inducing points per head"),
+          int_field("block_q", &SetTransformerConfig::block_q, 1, 65536,
+                    "query rows per task in the second MAB (tokens)")};
 }
+
+SetTransformerConfig resolve(const Problem& p, SetTransformerConfig c) {
+  c.block_q = block_rows(p, c);
+  return c;
+}
+
+template <>
+Implementation implementation<SetTransformerConfig>() { return implement<SetTransformerConfig>(); }
 
 }  // namespace xfb

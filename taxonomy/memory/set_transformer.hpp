@@ -24,6 +24,7 @@
 //   MAB 1: 2·m·N·D (scores) + 2·m·N·D (values) + 5·m·N (softmax) + tail(m) + 2·2·m·D·D (Wk, Wv)
 //   MAB 2: 2·N·m·D (scores) + 2·N·m·D (values) + 5·N·m (softmax) + tail(N)
 //   tail(r) = 2·r·D·D (rFF product) + 18·r·D (residual 1 + LN 7, bias + ReLU 2, residual 1 + LN 7)
+#include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
 namespace xfb {
@@ -33,6 +34,7 @@ struct SetTransformerConfig {
   std::int64_t block_q = 256;         // query rows per task in MAB 2, tokens
 };
 
-Implementation set_transformer_implementation();
+template <>
+Implementation implementation<SetTransformerConfig>();
 
 }  // namespace xfb

@@ -3,9 +3,8 @@
 #include "lib/core/config_table.hpp"
 
 namespace xfb {
-namespace {
 
-const FieldTable<CompressiveConfig>& fields() {
+const FieldTable<CompressiveConfig>& config_fields(const CompressiveConfig*) {
   using C = CompressiveConfig;
   static const FieldTable<C> table = {
       int_field("segment_len", &C::segment_len, 1, 65536, "L, tokens per segment"),
@@ -26,8 +25,6 @@ void validate(const Problem&, const CompressiveConfig& c) {
     throw ParamError("compressive: aux_loss=on needs compression=conv (max and mean pooling have no weights to train)");
 }
 
-}  // namespace
-
 SegmentAttentionConfig segment_config(const CompressiveConfig& c) {
   return {.model = "compressive",
           .segment_len = c.segment_len,
@@ -40,9 +37,10 @@ SegmentAttentionConfig segment_config(const CompressiveConfig& c) {
 }
 
 SegmentAttentionConfig compressive_config(const ParamValues& values) {
-  return segment_config(read_config(fields(), values));
+  return segment_config(read_config(fields_of<CompressiveConfig>(), values));
 }
 
-Implementation compressive_implementation() { return implement(segment_model_spec(fields(), validate)); }
+template <>
+Implementation implementation<CompressiveConfig>() { return implement<CompressiveConfig>(); }
 
 }  // namespace xfb

@@ -4,13 +4,13 @@
 // (kernel = stride = c, weights from the seed)} and kept in a FIFO of n_cm compressed slots;
 // queries attend to [compressed memory ; memory ; segment] with the relative-position scores,
 // compressed slots placed in the concatenated index directly before the memory. Contract, ragged
-// last group, masks and FLOP formula: taxonomy/engines/segment_attention.hpp.
+// last group, masks and FLOP formula: taxonomy/recurrence/segment_attention.hpp.
 // Work O(N·(n_cm + M + L)·D + N·D²) (conv), workspace O(B·H·(n_cm + M + L)·D): linear and
 // constant in N for fixed L, M, n_cm.
 // Decode: the memory (and compressed memory) and the open segment's rows; the FIFO update runs in
-// the step after a segment closes (engines/segment_attention.hpp): O(n_cm + M + L) per token.
+// the step after a segment closes (recurrence/segment_attention.hpp): O(n_cm + M + L) per token.
 #include "lib/core/mechanism.hpp"
-#include "taxonomy/engines/segment_attention.hpp"
+#include "taxonomy/recurrence/segment_attention.hpp"
 
 namespace xfb {
 
@@ -27,6 +27,7 @@ struct CompressiveConfig {
 // The segment engine's configuration of a compressive config, and of parsed values (tests).
 SegmentAttentionConfig segment_config(const CompressiveConfig& c);
 SegmentAttentionConfig compressive_config(const ParamValues& values);
-Implementation compressive_implementation();
+template <>
+Implementation implementation<CompressiveConfig>();
 
 }  // namespace xfb

@@ -3,9 +3,8 @@
 #include "lib/core/config_table.hpp"
 
 namespace xfb {
-namespace {
 
-const FieldTable<TransformerXlConfig>& fields() {
+const FieldTable<TransformerXlConfig>& config_fields(const TransformerXlConfig*) {
   using C = TransformerXlConfig;
   static const FieldTable<C> table = {
       int_field("segment_len", &C::segment_len, 1, 65536, "L, tokens per segment"),
@@ -14,16 +13,15 @@ const FieldTable<TransformerXlConfig>& fields() {
   return table;
 }
 
-}  // namespace
-
 SegmentAttentionConfig segment_config(const TransformerXlConfig& c) {
   return {.model = "transformer-xl", .segment_len = c.segment_len, .memory_len = c.memory_len, .block_q = c.block_q};
 }
 
 SegmentAttentionConfig transformer_xl_config(const ParamValues& values) {
-  return segment_config(read_config(fields(), values));
+  return segment_config(read_config(fields_of<TransformerXlConfig>(), values));
 }
 
-Implementation transformer_xl_implementation() { return implement(segment_model_spec(fields())); }
+template <>
+Implementation implementation<TransformerXlConfig>() { return implement<TransformerXlConfig>(); }
 
 }  // namespace xfb

@@ -3,13 +3,13 @@
 // relative-position score A_ij = q_iᵀk_j + q_iᵀW_R R_{i−j} + uᵀk_j + vᵀW_R R_{i−j}; the memory is
 // a FIFO of the M previous positions' keys and values, updated after each segment. Contract,
 // masks (causal = decoding; not causal = bidirectional within the segment, memory as past
-// context) and FLOP formula: taxonomy/engines/segment_attention.hpp with n_cm = 0.
+// context) and FLOP formula: taxonomy/recurrence/segment_attention.hpp with n_cm = 0.
 // Work O(N·(M + L)·D) and workspace O(B·H·(M + L)·D): linear and constant in N for fixed L, M
 // (the survey's O(N²) is the attention span M + L).
 // Decode: the memory (and compressed memory) and the open segment's rows; the FIFO update runs in
-// the step after a segment closes (engines/segment_attention.hpp): O(n_cm + M + L) per token.
+// the step after a segment closes (recurrence/segment_attention.hpp): O(n_cm + M + L) per token.
 #include "lib/core/mechanism.hpp"
-#include "taxonomy/engines/segment_attention.hpp"
+#include "taxonomy/recurrence/segment_attention.hpp"
 
 namespace xfb {
 
@@ -22,6 +22,7 @@ struct TransformerXlConfig {
 // The segment engine's configuration of a Transformer-XL config, and of parsed values (tests).
 SegmentAttentionConfig segment_config(const TransformerXlConfig& c);
 SegmentAttentionConfig transformer_xl_config(const ParamValues& values);
-Implementation transformer_xl_implementation();
+template <>
+Implementation implementation<TransformerXlConfig>();
 
 }  // namespace xfb

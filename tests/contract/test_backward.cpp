@@ -35,7 +35,7 @@ ResultRow pass_row(const std::string& model, const Problem& p, Pass pass, std::v
 std::vector<std::string> decoders_with_backward() {
   std::vector<std::string> names;
   for (const auto& model : registry())
-    if (model.implemented() && model.impl.has_backward() && model.decodes) names.push_back(model.name);
+    if (model.implemented() && model.impl.has_backward() && model.decodes()) names.push_back(model.name);
   return names;
 }
 
@@ -202,7 +202,7 @@ TEST_SUITE("backward") {
   TEST_CASE("a backward leaves the saved state unchanged: repeating it gives the same gradients, parameters' too") {
     for (const auto& model : registry()) {
       if (!model.implemented() || !model.impl.has_backward()) continue;
-      const Problem p{.batch = 2, .heads = 3, .seq_len = 130, .head_dim = 16, .causal = model.decodes};
+      const Problem p{.batch = 2, .heads = 3, .seq_len = 130, .head_dim = 16, .causal = model.decodes()};
       const auto in = random_inputs(p, 4);
       const Tensor dout = random_like(p, 4, "dout");
       BackwardRun run = run_backward(model.name, p, in, dout);
@@ -222,7 +222,7 @@ TEST_SUITE("backward") {
       if (!model.implemented() || !model.impl.has_backward()) continue;
       for (bool causal : {false, true})
         for (std::int64_t n : {1, 37, 100, 300}) {
-          if (causal && !model.decodes) continue;
+          if (causal && !model.decodes()) continue;
           const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
           const ParamValues values = resolve_params(model.name, model.impl.params, {});
           const std::int64_t forward = model.impl.flops(on_test_threads(p), values);
@@ -261,7 +261,7 @@ TEST_SUITE("backward") {
       if (!model.implemented() || !model.impl.has_backward()) continue;
       for (bool causal : {false, true})
         for (std::int64_t n : {100, 300}) {
-          if (causal && !model.decodes) continue;
+          if (causal && !model.decodes()) continue;
           const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
           PointConfig c = counter_point(model.name, p);
           c.pass = Pass::Train;

@@ -239,14 +239,14 @@ TEST_SUITE("decode") {
 
   TEST_CASE("a model without an incremental form gives unsupported decode rows with a reason") {
     for (const auto& model : registry()) {
-      if (model.impl.has_decode()) CHECK(model.decodes);
+      if (model.impl.has_decode()) CHECK(model.decodes());
       PointConfig config;
       config.model = model.name;
       config.pass = Pass::Decode;
       config.problem = {.batch = 1, .heads = 1, .seq_len = 64, .head_dim = 16};
       const ResultRow row = describe_point(config);
       CHECK(row.causal);
-      if (!model.decodes) {
+      if (!model.decodes()) {
         CHECK(row.status == Status::Unsupported);
         CHECK(row.reason.find("Decode = no") != std::string::npos);
       } else if (!model.impl.has_decode()) {

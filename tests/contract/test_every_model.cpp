@@ -30,7 +30,7 @@ TEST_SUITE("every_model") {
       for (std::int64_t n : {1, 100, 257})
         for (bool causal : {false, true})
           for (Scope scope : {Scope::Attention, Scope::Layer}) {
-            if (causal && !model.decodes) continue;
+            if (causal && !model.decodes()) continue;
             const auto config = quick_point(model.name, n, causal, scope);
             const ResultRow row = run_point(config);
             CAPTURE(model.name);
@@ -67,7 +67,7 @@ TEST_SUITE("every_model") {
     for (const auto& model : registry())
       for (std::int64_t n : {1, 37, 100, 1000})
         for (bool causal : {false, true}) {
-          if (causal && !model.decodes) continue;
+          if (causal && !model.decodes()) continue;
           const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal, .threads = 2};
           const ParamValues requested = resolve_params(model.name, model.impl.params, {});
           const ParamValues ran = model.impl.resolved(p, requested);
@@ -86,7 +86,7 @@ TEST_SUITE("every_model") {
     for (const auto& model : registry())
       for (int threads : {1, 2})
         for (bool causal : {false, true}) {
-          if (causal && !model.decodes) continue;
+          if (causal && !model.decodes()) continue;
           PointConfig config = quick_point(model.name, 300, causal);
           config.problem.threads = threads;
           DnnlContext::instance().clear_cache();
@@ -102,7 +102,7 @@ TEST_SUITE("every_model") {
 
   TEST_CASE("causal runs of models that cannot decode are unsupported rows with the reason") {
     for (const auto& model : registry()) {
-      if (model.decodes) continue;
+      if (model.decodes()) continue;
       const ResultRow row = describe_point(quick_point(model.name, 64, true));
       CAPTURE(model.name);
       CHECK(row.status == Status::Unsupported);

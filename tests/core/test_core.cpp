@@ -136,6 +136,19 @@ TEST_SUITE("core") {
     CHECK(params_for_model("vanilla", {"block_q=32"}).empty());
   }
 
+  TEST_CASE("registry: the cards in their order, each with its implementation") {
+    const auto& cards = model_cards();
+    REQUIRE(cards.size() == registry().size());
+    for (std::size_t i = 0; i < cards.size(); ++i) {
+      CAPTURE(cards[i].name);
+      CHECK(registry()[i].name == cards[i].name);
+      CHECK(registry()[i].decode_cost == cards[i].decode_cost);
+      CHECK(registry()[i].implemented() == cards[i].has_implementation);
+      CHECK(find_card(cards[i].name) == &cards[i]);
+    }
+    CHECK(find_card("nosuch") == nullptr);
+  }
+
   TEST_CASE("registry: the survey's Table 1 with its classes, complexity and decode column") {
     std::set<int> rows;
     for (const auto& m : registry())
@@ -166,12 +179,16 @@ TEST_SUITE("core") {
       const ModelInfo* m = find_model(e.name);
       REQUIRE(m != nullptr);
       CHECK(m->complexity == e.complexity);
-      CHECK(m->decodes == e.decodes);
+      CHECK(m->decodes() == e.decodes);
       CHECK(m->classes == e.classes);
     }
     for (const auto& m : registry()) {
       CHECK(m.implemented());
       CAPTURE(m.name);
+      // The card's decode cost is the one statement of decoding: the implementation's decode
+      // contract follows it, and every implementation has its training step.
+      CHECK(m.impl.has_decode() == m.decodes());
+      CHECK(m.impl.has_backward());
       CHECK((m.impl.flops != nullptr));
       CHECK((m.impl.workspace_bytes != nullptr));
       for (const auto& spec : m.impl.params) CHECK_FALSE(spec.help.empty());

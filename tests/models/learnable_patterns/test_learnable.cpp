@@ -14,6 +14,7 @@
 #include "apps/bench/point.hpp"
 #include "lib/core/cpu_isa.hpp"
 #include "lib/core/rng.hpp"
+#include "taxonomy/engines/top_positions.hpp"
 #include "taxonomy/learnable_patterns/reformer.hpp"
 #include "taxonomy/learnable_patterns/routing.hpp"
 #include "taxonomy/learnable_patterns/sinkhorn.hpp"

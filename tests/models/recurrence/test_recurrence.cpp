@@ -12,7 +12,7 @@
 
 #include "apps/bench/point.hpp"
 #include "lib/core/flop_counter.hpp"
-#include "taxonomy/engines/segment_attention.hpp"
+#include "taxonomy/recurrence/segment_attention.hpp"
 #include "taxonomy/recurrence/compressive.hpp"
 #include "taxonomy/recurrence/transformer_xl.hpp"
 #include "taxonomy/registry.hpp"

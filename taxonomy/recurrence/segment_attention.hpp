@@ -61,6 +61,7 @@
 // 2·d_r·D·n_rel (dW_R); reconstruction per evicting segment of Ls queries, e rows, g = ⌈e/c⌉ slots:
 // 4·compress_flops (compress K and V, the weights' gradient) + 2·2·Ls·e·D + 5·Ls·e + 5·2·Ls·g·D +
 // 9·Ls·g + 2·Ls·D.
+#include <concepts>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -205,26 +206,36 @@ std::int64_t segment_attention_backward_workspace(const Problem& p, const Segmen
 // of the relative table and the compression buffer when L_dec exceeds the context's L.
 std::int64_t segment_attention_decode_workspace(const Problem& p, const SegmentAttentionConfig& c, std::int64_t tokens);
 
-// The ModelSpec of a model on this engine: every function is the engine's on segment_config(config)
-// (each such model declares `SegmentAttentionConfig segment_config(const Config&)`).
+// A model on this engine declares `SegmentAttentionConfig segment_config(const Config&)`; its
+// functions (lib/core/config_table.hpp) are the engine's on segment_config(config).
 template <class Config>
-ModelSpec<Config> segment_model_spec(FieldTable<Config> fields, void (*validate)(const Problem&, const Config&) = nullptr) {
-  return {.fields = std::move(fields),
-          .create = [](const Problem& p, const Config& c, std::uint64_t seed) -> std::unique_ptr<Mechanism> {
-            return std::make_unique<SegmentAttention>(p, segment_config(c), seed);
-          },
-          .flops = [](const Problem& p, const Config& c) { return segment_attention_flops(p, segment_config(c)); },
-          .workspace = [](const Problem& p, const Config& c) { return segment_attention_workspace(p, segment_config(c)); },
-          .validate = validate,
-          .backward_flops = [](const Problem& p, const Config& c) {
-            return segment_attention_backward_flops(p, segment_config(c));
-          },
-          .backward_workspace = [](const Problem& p, const Config& c) {
-            return segment_attention_backward_workspace(p, segment_config(c));
-          },
-          .decode_workspace = [](const Problem& p, const Config& c, std::int64_t tokens) {
-            return segment_attention_decode_workspace(p, segment_config(c), tokens);
-          }};
+concept SegmentModel = requires(const Config& c) {
+  { segment_config(c) } -> std::same_as<SegmentAttentionConfig>;
+};
+
+template <SegmentModel Config>
+std::unique_ptr<Mechanism> create(const Problem& p, const Config& c, std::uint64_t seed) {
+  return std::make_unique<SegmentAttention>(p, segment_config(c), seed);
+}
+template <SegmentModel Config>
+std::int64_t flops(const Problem& p, const Config& c) {
+  return segment_attention_flops(p, segment_config(c));
+}
+template <SegmentModel Config>
+std::int64_t workspace(const Problem& p, const Config& c) {
+  return segment_attention_workspace(p, segment_config(c));
+}
+template <SegmentModel Config>
+std::int64_t backward_flops(const Problem& p, const Config& c) {
+  return segment_attention_backward_flops(p, segment_config(c));
+}
+template <SegmentModel Config>
+std::int64_t backward_workspace(const Problem& p, const Config& c) {
+  return segment_attention_backward_workspace(p, segment_config(c));
+}
+template <SegmentModel Config>
+std::int64_t decode_workspace(const Problem& p, const Config& c, std::int64_t tokens) {
+  return segment_attention_decode_workspace(p, segment_config(c), tokens);
 }
 
 }  // namespace xfb

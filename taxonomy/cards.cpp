@@ -1,8 +1,12 @@
-// The technique classes of "Efficient Transformers: A Survey" (Tay et al., arXiv 2009.06732): names,
-// the survey's letters, parsing. The models themselves are rows of taxonomy/registry.cpp.
-#include <stdexcept>
-
+// The model cards: the technique classes of "Efficient Transformers: A Survey" (Tay et al., arXiv
+// 2009.06732) — names, the survey's letters, parsing — and the cards of the registry's rows
+// (taxonomy/registry_rows.hpp), read without their implementations.
 #include "taxonomy/cards.hpp"
+
+#include <stdexcept>
+#include <type_traits>
+
+#include "taxonomy/registry_rows.hpp"
 
 namespace xfb {
 
@@ -56,6 +60,24 @@ bool ModelCard::has_class(ModelClass c) const {
   for (auto own : classes)
     if (own == c) return true;
   return false;
+}
+
+const std::vector<ModelCard>& model_cards() {
+  static const std::vector<ModelCard> cards = [] {
+    std::vector<ModelCard> all;
+    for_each_row([&]<class Config>(Model<Config>, const ModelCard& card) {
+      all.push_back(card);
+      all.back().has_implementation = !std::is_void_v<Config>;
+    });
+    return all;
+  }();
+  return cards;
+}
+
+const ModelCard* find_card(const std::string& name) {
+  for (const auto& card : model_cards())
+    if (card.name == name) return &card;
+  return nullptr;
 }
 
 }  // namespace xfb

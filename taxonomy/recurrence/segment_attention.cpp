@@ -1,4 +1,4 @@
-#include "taxonomy/engines/segment_attention.hpp"
+#include "taxonomy/recurrence/segment_attention.hpp"
 
 #include <omp.h>
 

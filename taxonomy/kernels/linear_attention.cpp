@@ -1,4 +1,4 @@
-#include "taxonomy/engines/linear_attention.hpp"
+#include "taxonomy/kernels/linear_attention.hpp"
 
 #include <omp.h>
 
