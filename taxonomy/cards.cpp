@@ -49,10 +49,9 @@ bool parse_class(const std::string& name, ModelClass& out) {
 }
 
 const std::vector<ModelClass>& all_classes() {
-  static const std::vector<ModelClass> classes = {ModelClass::Exact,   ModelClass::FixedPatterns,
-                                                  ModelClass::LearnablePatterns, ModelClass::Memory,
-                                                  ModelClass::LowRank, ModelClass::Kernels,
-                                                  ModelClass::Recurrence};
+  static const std::vector<ModelClass> classes = {
+      ModelClass::Exact,   ModelClass::FixedPatterns, ModelClass::LearnablePatterns, ModelClass::Memory,
+      ModelClass::LowRank, ModelClass::Kernels,       ModelClass::Recurrence};
   return classes;
 }
 

@@ -20,16 +20,16 @@ struct ModelCard {
   std::string name;          // command-line name, e.g. "sparse-transformer"
   std::string display_name;  // e.g. "Sparse Transformer"
   std::vector<ModelClass> classes;
-  std::string complexity;    // as printed in the survey's Table 1
+  std::string complexity;  // as printed in the survey's Table 1
   // Per-token cost of incremental decoding with hyperparameters fixed, as the design implies:
   // "O(N)" (a KV cache), "O(1)" (a recurrent state), "O(b)" (a window), …; "" when it cannot
   // decode. The one statement of decoding: decodes() and (checked by the tests) the
   // implementation's decode contract follow it.
   std::string decode_cost;
-  std::string paper;         // authors and year
-  std::string arxiv;         // arXiv id
+  std::string paper;  // authors and year
+  std::string arxiv;  // arXiv id
   int year = 0;
-  int survey_row = 0;        // row in the survey's Table 1 (v1); 0 when not in it
+  int survey_row = 0;               // row in the survey's Table 1 (v1); 0 when not in it
   bool has_implementation = false;  // derived from the row (it names a config type); not written in it
 
   bool has_class(ModelClass c) const;

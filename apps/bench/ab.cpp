@@ -8,11 +8,11 @@
 
 #include "apps/bench/sweep.hpp"
 #include "apps/bench/system_info.hpp"
+#include "apps/report/point_fields.hpp"
+#include "apps/report/table.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
 #include "lib/core/stats.hpp"
-#include "apps/report/point_fields.hpp"
-#include "apps/report/table.hpp"
 
 namespace xfb {
 
@@ -58,8 +58,7 @@ void judge_ab_point(AbPoint& point, const AbSettings& s) {
   if (2 * point.usable_rounds < static_cast<std::size_t>(s.rounds) || !interval) {
     point.verdict = AbVerdict::Noisy;
     point.reason = std::to_string(point.usable_rounds) + " clean of " + std::to_string(point.rounds.size()) +
-                   " rounds" +
-                   (interval ? "" : "; too few for a " + percent_text(1 - s.alpha) + " interval");
+                   " rounds" + (interval ? "" : "; too few for a " + percent_text(1 - s.alpha) + " interval");
     return;
   }
   const double limit = 1 + s.max_slowdown, margin = 1 + s.max_slowdown / 2;
@@ -78,7 +77,8 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
   if (s.timeout_s <= 0) throw InputError("--timeout must be positive");
   for (const auto* side : {&s.a, &s.b})
     if (!side->program.empty() && access(side->program.c_str(), X_OK) != 0)
-      throw InputError("--" + std::string(side == &s.a ? "a" : "b") + "-bin " + side->program + " is not an executable");
+      throw InputError("--" + std::string(side == &s.a ? "a" : "b") + "-bin " + side->program +
+                       " is not an executable");
   std::vector<std::pair<Point, Point>> pairs;
   for (const auto& model : s.models)
     for (Pass pass : s.passes)
@@ -93,13 +93,20 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
   report.context["command_line"] = command_line;
   report.context["seed"] = s.base.seed;
   auto side_json = [](const AbSide& side) {
-    return nlohmann::json{{"label", side.label}, {"program", side.program.empty() ? "self" : side.program},
-                          {"model", side.model}, {"params", side.params}};
+    return nlohmann::json{{"label", side.label},
+                          {"program", side.program.empty() ? "self" : side.program},
+                          {"model", side.model},
+                          {"params", side.params}};
   };
   report.settings = point_settings(s.base);  // every point field, as a sweep records them
-  report.settings.update({{"models", s.models},   {"seq_lens", s.seq_lens},         {"rounds", s.rounds},
-                          {"alpha", s.alpha},     {"max_slowdown", s.max_slowdown}, {"a", side_json(s.a)},
-                          {"b", side_json(s.b)},  {"params", s.params}});
+  report.settings.update({{"models", s.models},
+                          {"seq_lens", s.seq_lens},
+                          {"rounds", s.rounds},
+                          {"alpha", s.alpha},
+                          {"max_slowdown", s.max_slowdown},
+                          {"a", side_json(s.a)},
+                          {"b", side_json(s.b)},
+                          {"params", s.params}});
   report.settings["pass"] = pass_list_name(s.passes);
   std::size_t index = 0;
   for (const auto& [a_point, b_point] : pairs) {
@@ -126,7 +133,8 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
       for (const auto* row : {&point.a, &point.b})
         if (row->status != Status::Ok && point.verdict != AbVerdict::Error) {
           point.verdict = AbVerdict::Error;
-          point.reason = std::string(row == &point.a ? "A" : "B") + ": " + status_name(row->status) + ": " + row->reason;
+          point.reason =
+              std::string(row == &point.a ? "A" : "B") + ": " + status_name(row->status) + ": " + row->reason;
         }
       round.a_ns = point.a.median_ns;
       round.b_ns = point.b.median_ns;

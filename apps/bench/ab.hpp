@@ -22,24 +22,24 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/bench/point.hpp"
-#include "lib/core/paired.hpp"
 #include "apps/report/ab_report.hpp"
+#include "lib/core/paired.hpp"
 
 namespace xfb {
 
 struct AbSide {
-  std::string label;                 // "A" / "B" or what the user named it
-  std::string program;               // xfbench binary; empty: this one
-  std::string model;                 // empty: the point's model
-  std::vector<std::string> params;   // `key=value`, added after the common ones
+  std::string label;                // "A" / "B" or what the user named it
+  std::string program;              // xfbench binary; empty: this one
+  std::string model;                // empty: the point's model
+  std::vector<std::string> params;  // `key=value`, added after the common ones
 };
 
 struct AbSettings {
-  std::vector<std::string> models;    // registry names (of this build)
+  std::vector<std::string> models;  // registry names (of this build)
   std::vector<std::int64_t> seq_lens;
-  PointConfig base;                   // everything but model, seq_len, params and pass
+  PointConfig base;                            // everything but model, seq_len, params and pass
   std::vector<Pass> passes = {Pass::Forward};  // every point is compared once per pass
-  std::vector<std::string> params;    // common `key=value` / `model.key=value`
+  std::vector<std::string> params;             // common `key=value` / `model.key=value`
   AbSide a, b;
   int rounds = 10;
   double alpha = 0.01;

@@ -66,7 +66,8 @@ ChildResult run_program(const std::string& program, const std::vector<std::strin
         polls[count] = {fds[i], POLLIN, 0};
         which[count++] = i;
       }
-    const auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto remaining =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (remaining.count() <= 0) {
       result.timed_out = true;
       kill(pid, SIGKILL);

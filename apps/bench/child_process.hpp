@@ -8,8 +8,8 @@
 namespace xfb {
 
 struct ChildResult {
-  int exit_code = -1;     // when it exited normally
-  int signal = 0;         // when a signal ended it
+  int exit_code = -1;  // when it exited normally
+  int signal = 0;      // when a signal ended it
   bool timed_out = false;
   std::string out, err;
   std::int64_t peak_rss_bytes = 0;

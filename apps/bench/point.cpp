@@ -11,8 +11,9 @@
 #include <functional>
 #include <sstream>
 
-#include "taxonomy/layer/encoder_layer.hpp"
 #include "apps/bench/workload.hpp"
+#include "apps/report/files.hpp"
+#include "apps/report/point_fields.hpp"
 #include "lib/core/cpu_isa.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
@@ -22,8 +23,7 @@
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
 #include "lib/core/stats.hpp"
-#include "apps/report/files.hpp"
-#include "apps/report/point_fields.hpp"
+#include "taxonomy/layer/encoder_layer.hpp"
 #include "taxonomy/registry.hpp"
 
 namespace xfb {
@@ -114,7 +114,8 @@ void record_timing(ResultRow& row, const TimingResult& timed) {
   if (timed.primitives_created_while_timed > 0)
     row.warnings.push_back(std::to_string(timed.primitives_created_while_timed) +
                            " oneDNN primitive(s) were created inside the timed region");
-  if (!optimised_build()) row.warnings.push_back("this build is not optimised (" XFBENCH_BUILD_TYPE "): times are not representative");
+  if (!optimised_build())
+    row.warnings.push_back("this build is not optimised (" XFBENCH_BUILD_TYPE "): times are not representative");
 }
 
 // The decode pass's inputs, drawn untimed: the context's q, k, v are rows [0, N) of the seeded
@@ -250,7 +251,8 @@ std::int64_t point_io_bytes(const PointConfig& config) {
   const Problem& p = config.problem;
   const std::int64_t tensor = p.batch * p.heads * p.seq_len * p.head_dim * static_cast<std::int64_t>(sizeof(float));
   if (config.pass == Pass::Decode)  // the context's q, k, v, out and every step's
-    return 4 * tensor + 4 * config.decode_tokens * p.batch * p.heads * p.head_dim * static_cast<std::int64_t>(sizeof(float));
+    return 4 * tensor +
+           4 * config.decode_tokens * p.batch * p.heads * p.head_dim * static_cast<std::int64_t>(sizeof(float));
   const bool training = config.pass != Pass::Forward;
   // Attention: q, k, v, out (+ dout, dq, dk, dv); layer: x, y (+ dy, dx).
   const std::int64_t tensors = config.scope == Scope::Layer ? (training ? 4 : 2) : (training ? 8 : 4);

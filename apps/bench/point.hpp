@@ -9,11 +9,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "apps/report/report.hpp"
 #include "lib/core/mechanism.hpp"
 #include "lib/core/params.hpp"
 #include "lib/core/point_config.hpp"
 #include "lib/core/timing.hpp"
-#include "apps/report/report.hpp"
 #include "taxonomy/registry.hpp"
 
 namespace xfb {
@@ -30,7 +30,8 @@ struct Point {
 };
 
 // Validates (model, shape, threads, timing, parameter names, types and ranges, and the model's own
-// constraints) and resolves; a decode point is made causal. Throws InputError (ParamError for parameters) with a one-line message.
+// constraints) and resolves; a decode point is made causal. Throws InputError (ParamError for parameters) with a
+// one-line message.
 Point resolve_point(const PointConfig& config);
 void validate_point(const PointConfig& config);
 

@@ -13,9 +13,9 @@ struct SweepPreset {
   std::string description;
   std::vector<std::string> models;
   std::vector<std::int64_t> seq_lens;
-  std::string scope;         // attention | layer
+  std::string scope;  // attention | layer
   std::int64_t batch = 1, heads = 8, head_dim = 64;
-  std::int64_t d_ff = 0;     // layer scope FFN width
+  std::int64_t d_ff = 0;  // layer scope FFN width
   std::vector<std::string> params;
 };
 

@@ -12,13 +12,13 @@
 
 #include "apps/bench/child_process.hpp"
 #include "apps/bench/system_info.hpp"
-#include "lib/core/contention.hpp"
-#include "lib/core/dnnl_context.hpp"
-#include "lib/core/errors.hpp"
 #include "apps/report/compare.hpp"
 #include "apps/report/files.hpp"
 #include "apps/report/merge.hpp"
 #include "apps/report/point_fields.hpp"
+#include "lib/core/contention.hpp"
+#include "lib/core/dnnl_context.hpp"
+#include "lib/core/errors.hpp"
 #include "taxonomy/registry.hpp"
 
 namespace xfb {
@@ -49,7 +49,8 @@ std::string last_line(const std::string& text) {
   auto end = text.find_last_not_of("\n\r ");
   if (end == std::string::npos) return "";
   auto start = text.rfind('\n', end);
-  return text.substr(start == std::string::npos ? 0 : start + 1, end - (start == std::string::npos ? 0 : start + 1) + 1);
+  return text.substr(start == std::string::npos ? 0 : start + 1,
+                     end - (start == std::string::npos ? 0 : start + 1) + 1);
 }
 
 std::string signal_text(int signal) {
@@ -266,7 +267,8 @@ void check_resumable(const Report& previous, const nlohmann::json& settings, con
                      (axis ? " (a resumed sweep may only add models and lengths)" : "") + "; write a new report");
   }
   for (const auto& [key, value] : old.items())
-    if (!settings.contains(key)) throw InputError("--resume: " + path + " has settings." + key + ", this sweep has none");
+    if (!settings.contains(key))
+      throw InputError("--resume: " + path + " has settings." + key + ", this sweep has none");
 }
 
 }  // namespace

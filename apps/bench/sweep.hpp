@@ -13,20 +13,20 @@
 namespace xfb {
 
 struct SweepSettings {
-  std::vector<std::string> models;    // registry names
-  std::vector<std::int64_t> seq_lens; // tokens
-  PointConfig base;                   // everything but model, seq_len, params and pass
+  std::vector<std::string> models;             // registry names
+  std::vector<std::int64_t> seq_lens;          // tokens
+  PointConfig base;                            // everything but model, seq_len, params and pass
   std::vector<Pass> passes = {Pass::Forward};  // every point runs once per pass
-  std::vector<std::string> params;    // `key=value` or `model.key=value`
-  double timeout_s = 600;             // per point, seconds
-  std::int64_t memory_limit_bytes = 0;  // 0: no limit
+  std::vector<std::string> params;             // `key=value` or `model.key=value`
+  double timeout_s = 600;                      // per point, seconds
+  std::int64_t memory_limit_bytes = 0;         // 0: no limit
   std::string out_path;
   bool resume = false;
   bool measure_machine = true;  // record FMA peak and bandwidth in the context
   bool progress = true;         // progress lines on stderr
   int shard_index = 1;          // run shard shard_index of shard_count (1-based), see assign_shards
   int shard_count = 1;
-  std::string preset;           // recorded in the settings when the sweep came from a preset
+  std::string preset;  // recorded in the settings when the sweep came from a preset
 };
 
 // Parses "i/n" with 1 ≤ i ≤ n into (i, n); throws InputError.

@@ -32,8 +32,9 @@ std::string cpuinfo_field(const std::string& field) {
 }
 
 std::vector<std::string> isa_flags() {
-  static const std::set<std::string> relevant = {"sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw",
-                                                 "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile"};
+  static const std::set<std::string> relevant = {"sse4_2",      "avx",         "avx2",     "fma",
+                                                 "f16c",        "avx512f",     "avx512bw", "avx512vl",
+                                                 "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile"};
   std::istringstream flags(cpuinfo_field("flags"));
   std::vector<std::string> out;
   std::string flag;
@@ -44,16 +45,26 @@ std::vector<std::string> isa_flags() {
 
 std::string dnnl_isa_name(dnnl::cpu_isa isa) {
   switch (isa) {
-    case dnnl::cpu_isa::sse41: return "sse41";
-    case dnnl::cpu_isa::avx: return "avx";
-    case dnnl::cpu_isa::avx2: return "avx2";
-    case dnnl::cpu_isa::avx512_mic: return "avx512_mic";
-    case dnnl::cpu_isa::avx512_core: return "avx512_core";
-    case dnnl::cpu_isa::avx512_core_vnni: return "avx512_core_vnni";
-    case dnnl::cpu_isa::avx512_core_bf16: return "avx512_core_bf16";
-    case dnnl::cpu_isa::avx512_core_amx: return "avx512_core_amx";
-    case dnnl::cpu_isa::avx2_vnni: return "avx2_vnni";
-    default: return "other";
+    case dnnl::cpu_isa::sse41:
+      return "sse41";
+    case dnnl::cpu_isa::avx:
+      return "avx";
+    case dnnl::cpu_isa::avx2:
+      return "avx2";
+    case dnnl::cpu_isa::avx512_mic:
+      return "avx512_mic";
+    case dnnl::cpu_isa::avx512_core:
+      return "avx512_core";
+    case dnnl::cpu_isa::avx512_core_vnni:
+      return "avx512_core_vnni";
+    case dnnl::cpu_isa::avx512_core_bf16:
+      return "avx512_core_bf16";
+    case dnnl::cpu_isa::avx512_core_amx:
+      return "avx512_core_amx";
+    case dnnl::cpu_isa::avx2_vnni:
+      return "avx2_vnni";
+    default:
+      return "other";
   }
 }
 
@@ -148,7 +159,8 @@ nlohmann::json capture_context(int threads) {
 
 MachineMeasurement measure_machine(int threads) {
   MachineMeasurement m;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) m.fma_peak_256_gflops = fma_peak(threads, fma_chains);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    m.fma_peak_256_gflops = fma_peak(threads, fma_chains);
   if (__builtin_cpu_supports("avx512f")) m.fma_peak_512_gflops = fma_peak(threads, fma_chains_512);
   m.fma_peak_gflops = std::max(m.fma_peak_256_gflops, m.fma_peak_512_gflops);
   const std::int64_t n = 16 * 1024 * 1024;  // 64 MiB per array

@@ -15,10 +15,10 @@ std::string version_text();
 std::int64_t available_memory_bytes();
 
 struct MachineMeasurement {
-  double fma_peak_gflops = 0;       // the highest of the two below: this machine's fp32 FMA peak
-  double fma_peak_256_gflops = 0;   // all threads, 12 independent 8-float FMA chains per thread
-  double fma_peak_512_gflops = 0;   // the same with 16-float (512-bit) vectors; 0 without AVX-512
-  double triad_bandwidth_gbs = 0;   // STREAM triad a = b + s·c over 3×64 MiB arrays
+  double fma_peak_gflops = 0;      // the highest of the two below: this machine's fp32 FMA peak
+  double fma_peak_256_gflops = 0;  // all threads, 12 independent 8-float FMA chains per thread
+  double fma_peak_512_gflops = 0;  // the same with 16-float (512-bit) vectors; 0 without AVX-512
+  double triad_bandwidth_gbs = 0;  // STREAM triad a = b + s·c over 3×64 MiB arrays
 };
 MachineMeasurement measure_machine(int threads);
 

@@ -1,8 +1,8 @@
 #include "apps/bench/workload.hpp"
 
-#include "taxonomy/layer/encoder_layer.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
+#include "taxonomy/layer/encoder_layer.hpp"
 
 namespace xfb {
 namespace {
@@ -82,8 +82,12 @@ class LayerWorkload final : public Workload {
   }
   bool whole_layer() const override { return true; }
   DumpFiles dump_files() const override {
-    DumpFiles files = {{"x", &x_},   {"q", &layer_->q()}, {"k", &layer_->k()}, {"v", &layer_->v()},
-                       {"attention_out", &layer_->attention_output()}, {"out", &out_}};
+    DumpFiles files = {{"x", &x_},
+                       {"q", &layer_->q()},
+                       {"k", &layer_->k()},
+                       {"v", &layer_->v()},
+                       {"attention_out", &layer_->attention_output()},
+                       {"out", &out_}};
     for (const auto& named : layer_->parameters()) files.emplace_back(named.name, named.tensor);
     if (training_) {
       files.insert(files.end(), {{"dout", &dout_}, {"dx", &dx_}});
@@ -132,7 +136,8 @@ std::function<void()> pass_body(Pass pass, Workload& w) {
         timed_half(w, &Workload::backward, "backward");
       };
     case Pass::Forward:
-    case Pass::Decode: break;
+    case Pass::Decode:
+      break;
   }
   return [&w] { w.forward(); };
 }

@@ -1,6 +1,6 @@
 // The command-line application: global flags and every subcommand (apps/cli/cmd_<name>.cpp).
-#include "apps/cli/commands.hpp"
 #include "apps/bench/system_info.hpp"
+#include "apps/cli/commands.hpp"
 
 namespace xfb::cli {
 namespace {

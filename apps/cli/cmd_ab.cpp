@@ -2,14 +2,14 @@
 // point in alternating A B | B A rounds, decided on the paired per-round ratios (apps/bench/ab.hpp).
 #include <cstdio>
 
-#include "apps/cli/commands.hpp"
 #include "apps/bench/ab.hpp"
 #include "apps/bench/sweep.hpp"
-#include "lib/core/dnnl_context.hpp"
-#include "lib/core/errors.hpp"
+#include "apps/cli/commands.hpp"
 #include "apps/report/compare.hpp"
 #include "apps/report/files.hpp"
 #include "apps/report/report.hpp"
+#include "lib/core/dnnl_context.hpp"
+#include "lib/core/errors.hpp"
 
 namespace xfb::cli {
 namespace {
@@ -42,7 +42,8 @@ int run(AbOptions& o) {
   if (format == AbFormat::GithubBenchmark || format == AbFormat::Bencher) {
     AbDashboardOmissions omitted;
     ab_dashboard_entries(report, &omitted);
-    if (omitted.noisy + omitted.error > 0) std::fprintf(stderr, "xfbench: note: %s\n", ab_omission_note(omitted).c_str());
+    if (omitted.noisy + omitted.error > 0)
+      std::fprintf(stderr, "xfbench: note: %s\n", ab_omission_note(omitted).c_str());
   }
   return ab_regressions(report) > 0 ? kExitCheckFailed : kExitOk;
 }

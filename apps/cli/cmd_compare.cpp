@@ -3,8 +3,8 @@
 #include <cstdio>
 
 #include "apps/cli/commands.hpp"
-#include "lib/core/errors.hpp"
 #include "apps/report/compare.hpp"
+#include "lib/core/errors.hpp"
 
 namespace xfb::cli {
 namespace {
@@ -46,8 +46,11 @@ void add_compare(CLI::App& app, Action& action) {
   command->add_option("base", c->base, "baseline report (JSON)")->required();
   command->add_option("new", c->now, "new report (JSON)")->required();
   command->add_option("--metrics", c->metrics, "gates that apply: any of time,memory,flops")->capture_default_str();
-  command->add_option("--alpha", c->options.alpha, "significance level of the Mann–Whitney U test")->capture_default_str();
-  command->add_option("--max-slowdown", c->max_slowdown, "slow-down a significant point may have (5% or 0.05; a bare number above 1 is refused)")
+  command->add_option("--alpha", c->options.alpha, "significance level of the Mann–Whitney U test")
+      ->capture_default_str();
+  command
+      ->add_option("--max-slowdown", c->max_slowdown,
+                   "slow-down a significant point may have (5% or 0.05; a bare number above 1 is refused)")
       ->capture_default_str();
   command->add_option("--max-memory-growth", c->max_memory_growth, "peak tracked memory growth allowed (0, 1%, 0.01)")
       ->capture_default_str();

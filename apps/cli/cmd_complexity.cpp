@@ -7,7 +7,8 @@
 namespace xfb::cli {
 
 void add_complexity(CLI::App& app, Action& action) {
-  auto* command = app.add_subcommand("complexity", "fit how time, FLOPs and workspace grow with N; compare with the survey");
+  auto* command =
+      app.add_subcommand("complexity", "fit how time, FLOPs and workspace grow with N; compare with the survey");
   auto file = std::make_shared<std::string>();
   auto format = std::make_shared<std::string>("text");
   command->add_option("file", *file, "report JSON")->required();

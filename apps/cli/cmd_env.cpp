@@ -1,8 +1,8 @@
 // `xfbench env`: the context a report records; `--measure` adds FMA peak and memory bandwidth.
 #include <cstdio>
 
-#include "apps/cli/commands.hpp"
 #include "apps/bench/system_info.hpp"
+#include "apps/cli/commands.hpp"
 #include "lib/core/dnnl_context.hpp"
 
 namespace xfb::cli {
@@ -33,7 +33,8 @@ void add_env(CLI::App& app, Action& action) {
         std::printf("%s\n", info.dump(2).c_str());
       } else {
         for (const auto& [key, value] : info.items())
-          std::printf("%-20s %s\n", key.c_str(), value.is_string() ? value.get<std::string>().c_str() : value.dump().c_str());
+          std::printf("%-20s %s\n", key.c_str(),
+                      value.is_string() ? value.get<std::string>().c_str() : value.dump().c_str());
       }
       return 0;
     };

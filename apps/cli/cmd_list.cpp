@@ -19,7 +19,9 @@ std::string classes_text(const ModelInfo& m) {
 nlohmann::json model_json(const ModelInfo& m) {
   nlohmann::json params = nlohmann::json::array();
   for (const auto& spec : m.impl.params) {
-    nlohmann::json p = {{"name", spec.name}, {"type", param_type_name(spec.type)}, {"default", spec.default_value},
+    nlohmann::json p = {{"name", spec.name},
+                        {"type", param_type_name(spec.type)},
+                        {"default", spec.default_value},
                         {"help", spec.help}};
     if (spec.type == ParamType::Choice) p["choices"] = spec.choices;
     if (spec.type == ParamType::Int || spec.type == ParamType::Float) p["range"] = {spec.min, spec.max};
@@ -27,11 +29,20 @@ nlohmann::json model_json(const ModelInfo& m) {
   }
   std::vector<std::string> classes;
   for (auto c : m.classes) classes.push_back(class_name(c));
-  return {{"name", m.name},          {"display_name", m.display_name}, {"classes", classes},
-          {"complexity", m.complexity}, {"decodes", m.decodes()},      {"paper", m.paper},
-          {"arxiv", m.arxiv},        {"year", m.year},                 {"survey_row", m.survey_row},
-          {"implemented", m.implemented()}, {"backward", m.impl.has_backward()},
-          {"incremental", m.impl.has_decode()}, {"decode_cost", m.decode_cost}, {"params", params}};
+  return {{"name", m.name},
+          {"display_name", m.display_name},
+          {"classes", classes},
+          {"complexity", m.complexity},
+          {"decodes", m.decodes()},
+          {"paper", m.paper},
+          {"arxiv", m.arxiv},
+          {"year", m.year},
+          {"survey_row", m.survey_row},
+          {"implemented", m.implemented()},
+          {"backward", m.impl.has_backward()},
+          {"incremental", m.impl.has_decode()},
+          {"decode_cost", m.decode_cost},
+          {"params", params}};
 }
 
 // Left-aligns text in a column of `width` characters (UTF-8 aware: "²" is one column).
@@ -56,7 +67,8 @@ int run_list(const std::string& class_filter, bool implemented_only, const std::
   }
   const bool md = format == "md";
   if (md)
-    std::printf("| model | name | class | complexity | decode | paper | implemented |\n|---|---|---|---|---|---|---|\n");
+    std::printf(
+        "| model | name | class | complexity | decode | paper | implemented |\n|---|---|---|---|---|---|---|\n");
   else
     std::printf("%s%s%s%s%sPAPER\n", pad("MODEL", 21).c_str(), pad("CLASS", 9).c_str(), pad("COMPLEXITY", 18).c_str(),
                 pad("DECODE", 8).c_str(), pad("IMPLEMENTED", 13).c_str());

@@ -2,8 +2,8 @@
 #include <cstdio>
 
 #include "apps/cli/commands.hpp"
-#include "lib/core/errors.hpp"
 #include "apps/report/merge.hpp"
+#include "lib/core/errors.hpp"
 
 namespace xfb::cli {
 

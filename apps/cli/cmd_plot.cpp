@@ -2,8 +2,8 @@
 #include <cstdio>
 
 #include "apps/cli/commands.hpp"
-#include "lib/core/errors.hpp"
 #include "apps/report/plot.hpp"
+#include "lib/core/errors.hpp"
 
 namespace xfb::cli {
 
@@ -25,7 +25,8 @@ void add_plot(CLI::App& app, Action& action) {
       check_output_path(*out, {*file});
       const bool svg_name = out->size() > 4 && out->compare(out->size() - 4, 4, ".svg") == 0;
       if (*out != "-" && !svg_name)
-        throw InputError("--out " + *out + ": plot writes SVG; give the file the .svg extension (or - for standard output)");
+        throw InputError("--out " + *out +
+                         ": plot writes SVG; give the file the .svg extension (or - for standard output)");
       PlotOptions options;
       options.metric = *metric == "memory"    ? PlotMetric::Memory
                        : *metric == "speedup" ? PlotMetric::Speedup
@@ -33,7 +34,8 @@ void add_plot(CLI::App& app, Action& action) {
                                               : PlotMetric::Time;
       options.baseline = *baseline;
       const Report report = load_nonempty_report(*file);
-      if (baseline_given || options.metric == PlotMetric::Speedup) require_model(report, *baseline, *file, "--baseline");
+      if (baseline_given || options.metric == PlotMetric::Speedup)
+        require_model(report, *baseline, *file, "--baseline");
       write_output(*out, render_plot(report, options), {*file});
       return kExitOk;
     };

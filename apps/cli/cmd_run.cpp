@@ -6,9 +6,9 @@
 
 #include <spdlog/spdlog.h>
 
-#include "apps/cli/commands.hpp"
 #include "apps/bench/point.hpp"
 #include "apps/bench/system_info.hpp"
+#include "apps/cli/commands.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
 
@@ -17,11 +17,11 @@ namespace {
 
 struct RunOptions {
   std::shared_ptr<PointOptions> point = std::make_shared<PointOptions>();
-  std::string point_json;           // --point: the whole point as JSON (the sweep's child protocol)
-  double memory_limit_gib = -1;     // < 0: the memory available
+  std::string point_json;        // --point: the whole point as JSON (the sweep's child protocol)
+  double memory_limit_gib = -1;  // < 0: the memory available
   bool json = false;
   std::string dump_dir;
-  Point resolved;                   // resolved once, when the command line is parsed
+  Point resolved;  // resolved once, when the command line is parsed
 };
 
 // The point of the command line: --point's JSON, or --model, --seq-len and the other point options.
@@ -32,7 +32,8 @@ PointConfig point_config(const RunOptions& o) {
     return point_of(*o.point);
   }
   if (!o.point->texts.empty())
-    throw InputError("--point holds the whole point: give no other point option (" + o.point->texts.begin()->first + ")");
+    throw InputError("--point holds the whole point: give no other point option (" + o.point->texts.begin()->first +
+                     ")");
   nlohmann::json json;
   try {
     json = nlohmann::json::parse(o.point_json);
@@ -57,20 +58,22 @@ void check_memory(const Point& point, double limit_gib) {
 }
 
 void print_human(const ResultRow& row) {
-  std::printf("model      %s (%s, %s pass, %s%s)\n", row.model.c_str(), scope_name(row.scope).c_str(), pass_name(row.pass).c_str(),
-              row.causal ? "causal" : "non-causal",
+  std::printf("model      %s (%s, %s pass, %s%s)\n", row.model.c_str(), scope_name(row.scope).c_str(),
+              pass_name(row.pass).c_str(), row.causal ? "causal" : "non-causal",
               row.params.empty() ? "" : (", " + row.params.dump()).c_str());
   std::printf("shape      B=%lld H=%lld N=%lld D=%lld\n", static_cast<long long>(row.batch),
               static_cast<long long>(row.heads), static_cast<long long>(row.seq_len),
               static_cast<long long>(row.head_dim));
-  std::printf("status     %s%s%s\n", status_name(row.status).c_str(), row.reason.empty() ? "" : ": ", row.reason.c_str());
+  std::printf("status     %s%s%s\n", status_name(row.status).c_str(), row.reason.empty() ? "" : ": ",
+              row.reason.c_str());
   if (row.status == Status::Ok) {
     // Decode rows time one generated token: µs.
     const bool decode = row.pass == Pass::Decode;
     const double unit = decode ? 1e-3 : 1e-6;
-    std::printf("median     %.3f %s%s  (min %.3f, max %.3f, MAD %.3f, CV %.1f%%%s, %zu samples)\n", row.median_ns * unit,
-                decode ? "µs" : "ms", decode ? " per token" : "", row.min_ns * unit, row.max_ns * unit, row.mad_ns * unit,
-                row.cv * 100, row.unstable ? ", UNSTABLE" : "", row.samples_ns.size());
+    std::printf("median     %.3f %s%s  (min %.3f, max %.3f, MAD %.3f, CV %.1f%%%s, %zu samples)\n",
+                row.median_ns * unit, decode ? "µs" : "ms", decode ? " per token" : "", row.min_ns * unit,
+                row.max_ns * unit, row.mad_ns * unit, row.cv * 100, row.unstable ? ", UNSTABLE" : "",
+                row.samples_ns.size());
     std::printf("contention %lld descheduled sample(s) re-measured, on-CPU ratio %.2f, host busy %.0f%%, load %.2f%s\n",
                 static_cast<long long>(row.contended_samples), row.cpu_ratio, 100 * row.host_busy, row.load_average,
                 row.contended ? ", CONTENDED" : "");
@@ -80,13 +83,15 @@ void print_human(const ResultRow& row) {
       std::printf("stage      %-8s %.3f ms median (%.0f%% of the median call)\n", stage.c_str(), ns * 1e-6,
                   row.median_ns > 0 ? 100.0 * ns / row.median_ns : 0.0);
     std::printf("memory     peak tracked %.2f MiB (workspace %.2f MiB, estimate %.2f MiB), peak RSS %.1f MiB\n",
-                static_cast<double>(row.peak_tensor_bytes) / 1048576.0, static_cast<double>(row.workspace_bytes) / 1048576.0,
+                static_cast<double>(row.peak_tensor_bytes) / 1048576.0,
+                static_cast<double>(row.workspace_bytes) / 1048576.0,
                 static_cast<double>(row.estimated_workspace_bytes) / 1048576.0,
                 static_cast<double>(row.peak_rss_bytes) / 1048576.0);
     if (row.pass == Pass::Decode)
-      std::printf("decode     %lld tokens after the context: median is per token; prefill %.3f ms median; state %.3f MiB\n",
-                  static_cast<long long>(row.decode_tokens), row.prefill_ns * 1e-6,
-                  static_cast<double>(row.state_bytes) / 1048576.0);
+      std::printf(
+          "decode     %lld tokens after the context: median is per token; prefill %.3f ms median; state %.3f MiB\n",
+          static_cast<long long>(row.decode_tokens), row.prefill_ns * 1e-6,
+          static_cast<double>(row.state_bytes) / 1048576.0);
     else if (row.pass != Pass::Forward)
       std::printf("saved      %.2f MiB kept by the forward for the backward\n",
                   static_cast<double>(row.saved_bytes) / 1048576.0);
@@ -147,8 +152,9 @@ void add_run(CLI::App& app, Action& action) {
   auto options = std::make_shared<RunOptions>();
   options->point->defaults.problem.threads = DnnlContext::default_threads();
   add_point_options(*command, options->point, FieldUse::RunOnly);
-  command->add_option("--point", options->point_json, "the whole point as JSON, the sweep's child protocol "
-                                                      "(docs/cli.md#run)");
+  command->add_option("--point", options->point_json,
+                      "the whole point as JSON, the sweep's child protocol "
+                      "(docs/cli.md#run)");
   add_real_option(*command, "--memory-limit", options->memory_limit_gib, 0, 1 << 30,
                   "GiB; refuse the point when its estimated tracked memory exceeds it (0: no check; "
                   "default: the memory available)");

@@ -7,12 +7,12 @@
 
 #include <spdlog/spdlog.h>
 
-#include "apps/cli/commands.hpp"
 #include "apps/bench/presets.hpp"
 #include "apps/bench/sweep.hpp"
+#include "apps/cli/commands.hpp"
+#include "apps/report/table.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
-#include "apps/report/table.hpp"
 
 namespace xfb::cli {
 namespace {

@@ -3,10 +3,10 @@
 #include <cstdio>
 
 #include "apps/cli/commands.hpp"
-#include "lib/core/errors.hpp"
 #include "apps/report/dashboard.hpp"
 #include "apps/report/lra.hpp"
 #include "apps/report/table.hpp"
+#include "lib/core/errors.hpp"
 
 namespace xfb::cli {
 
@@ -27,26 +27,30 @@ void add_table(CLI::App& app, Action& action) {
       ->capture_default_str();
   command->add_option("--paper", *paper, "lra: our speed-ups and memory ratios next to LRA Table 2's")
       ->check(CLI::IsMember({"lra"}));
-  command->add_flag("--complexity", *complexity, "add the survey's complexity, the FLOP-count fit and the time exponent");
+  command->add_flag("--complexity", *complexity,
+                    "add the survey's complexity, the FLOP-count fit and the time exponent");
   command->callback([=, &action] {
     const bool baseline_given = command->count("--baseline") > 0;
     action = [=] {
       TableOptions options;
-      options.metric = *metric == "speedup" ? TableMetric::Speedup
-                       : *metric == "memory" ? TableMetric::Memory
+      options.metric = *metric == "speedup"        ? TableMetric::Speedup
+                       : *metric == "memory"       ? TableMetric::Memory
                        : *metric == "memory-ratio" ? TableMetric::MemoryRatio
-                       : *metric == "gflops" ? TableMetric::Gflops
-                       : *metric == "state" ? TableMetric::State
-                                             : TableMetric::Time;
+                       : *metric == "gflops"       ? TableMetric::Gflops
+                       : *metric == "state"        ? TableMetric::State
+                                                   : TableMetric::Time;
       if (*format == "github-benchmark" || *format == "bmf") {
         if (!paper->empty()) throw InputError("--paper lra prints text or md");
         DashboardOmissions omitted;
         const auto entries = dashboard_entries(load_report(*file), &omitted);
         std::printf("%s", (*format == "bmf" ? bencher_bmf_json(entries) : github_benchmark_json(entries)).c_str());
-        if (omitted.contended + omitted.unstable > 0) std::fprintf(stderr, "xfbench: note: %s\n", omission_note(omitted, *file).c_str());
+        if (omitted.contended + omitted.unstable > 0)
+          std::fprintf(stderr, "xfbench: note: %s\n", omission_note(omitted, *file).c_str());
         return 0;
       }
-      options.format = *format == "md" ? TableFormat::Markdown : *format == "csv" ? TableFormat::Csv : TableFormat::Text;
+      options.format = *format == "md"    ? TableFormat::Markdown
+                       : *format == "csv" ? TableFormat::Csv
+                                          : TableFormat::Text;
       options.baseline = *baseline;
       options.complexity = *complexity;
       if (!paper->empty()) {

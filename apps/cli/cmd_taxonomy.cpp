@@ -8,15 +8,18 @@
 namespace xfb::cli {
 
 void add_taxonomy(CLI::App& app, Action& action) {
-  auto* command = app.add_subcommand("taxonomy", "the survey's Table 1 (md, json) or class diagram (svg) from the registry");
+  auto* command =
+      app.add_subcommand("taxonomy", "the survey's Table 1 (md, json) or class diagram (svg) from the registry");
   auto format = std::make_shared<std::string>("md");
   auto out = std::make_shared<std::string>();
-  command->add_option("--format", *format, "md | json | svg")->check(CLI::IsMember({"md", "json", "svg"}))->capture_default_str();
+  command->add_option("--format", *format, "md | json | svg")
+      ->check(CLI::IsMember({"md", "json", "svg"}))
+      ->capture_default_str();
   command->add_option("--out,-o", *out, "write to this file instead of stdout (- is stdout)");
   command->callback([=, &action] {
     action = [=] {
       if (!out->empty()) check_output_path(*out);
-      const TaxonomyFormat f = *format == "json" ? TaxonomyFormat::Json
+      const TaxonomyFormat f = *format == "json"  ? TaxonomyFormat::Json
                                : *format == "svg" ? TaxonomyFormat::Svg
                                                   : TaxonomyFormat::Markdown;
       const std::string text = render_taxonomy(f);

@@ -22,7 +22,8 @@ void add_point_options(CLI::App& command, const std::shared_ptr<PointOptions>& o
     if (!only.empty() && std::find(only.begin(), only.end(), field.key) == only.end()) continue;
     const std::string key = field.key, help = field.help + default_text(field, options->defaults);
     if (field.type == FieldType::Flag) {
-      command.add_flag_callback(field.flags, [options, key] { options->texts[key].push_back("true"); }, help);
+      command.add_flag_callback(
+          field.flags, [options, key] { options->texts[key].push_back("true"); }, help);
     } else {
       // Every occurrence is kept (one word each): a list field takes them all, another refuses a repeat.
       command
@@ -40,7 +41,8 @@ PointConfig point_of(const PointOptions& options, std::vector<Pass>* passes) {
     const auto pass = texts.find("pass");
     *passes = pass == texts.end() ? std::vector<Pass>{options.defaults.pass} : std::vector<Pass>{};
     if (pass != texts.end()) {
-      if (pass->second.size() > 1) throw InputError("--pass is given " + std::to_string(pass->second.size()) + " times");
+      if (pass->second.size() > 1)
+        throw InputError("--pass is given " + std::to_string(pass->second.size()) + " times");
       *passes = parse_passes(pass->second.front());
       pass->second = {pass_name(passes->front())};
     }
@@ -80,7 +82,9 @@ CLI::Option* add_integer_option(CLI::App& command, const std::string& flags, int
   const PointField field = number_field(flags, FieldType::Integer, static_cast<double>(min), static_cast<double>(max));
   return command.add_option_function<std::string>(
       flags,
-      [field, &target](const std::string& word) { target = static_cast<int>(parse_field_text(field, word).get<std::int64_t>()); },
+      [field, &target](const std::string& word) {
+        target = static_cast<int>(parse_field_text(field, word).get<std::int64_t>());
+      },
       help + " (default: " + std::to_string(target) + ")");
 }
 

@@ -11,11 +11,16 @@ namespace xfb {
 
 std::string ab_verdict_name(AbVerdict v) {
   switch (v) {
-    case AbVerdict::Faster: return "faster";
-    case AbVerdict::Slower: return "slower";
-    case AbVerdict::Same: return "same";
-    case AbVerdict::Noisy: return "noisy";
-    case AbVerdict::Error: return "error";
+    case AbVerdict::Faster:
+      return "faster";
+    case AbVerdict::Slower:
+      return "slower";
+    case AbVerdict::Same:
+      return "same";
+    case AbVerdict::Noisy:
+      return "noisy";
+    case AbVerdict::Error:
+      return "error";
   }
   return "?";
 }
@@ -40,27 +45,31 @@ nlohmann::json ab_to_json(const AbReport& report) {
   for (const auto& p : report.points) {
     nlohmann::json rounds = nlohmann::json::array();
     for (const auto& r : p.rounds)
-      rounds.push_back({{"order", r.b_first ? "BA" : "AB"}, {"a_median_ns", r.a_ns}, {"b_median_ns", r.b_ns},
-                        {"a_contended", r.a_contended}, {"b_contended", r.b_contended}});
-    points.push_back({{"model_a", p.a.model},
-                      {"model_b", p.b.model},
-                      {"seq_len", p.a.seq_len},
-                      {"params_a", p.a.params},
-                      {"params_b", p.b.params},
-                      {"reproducer_a", p.a.reproducer},
-                      {"reproducer_b", p.b.reproducer},
-                      {"rounds", rounds},
-                      {"usable_rounds", p.usable_rounds},
-                      {"ratio", p.stats.ratio},
-                      {"ci_low", p.stats.ci_low},
-                      {"ci_high", std::isfinite(p.stats.ci_high) ? nlohmann::json(p.stats.ci_high) : nlohmann::json(nullptr)},
-                      {"w_plus", p.stats.w_plus},
-                      {"p_value", p.stats.p_value},
-                      {"verdict", ab_verdict_name(p.verdict)},
-                      {"reason", p.reason}});
+      rounds.push_back({{"order", r.b_first ? "BA" : "AB"},
+                        {"a_median_ns", r.a_ns},
+                        {"b_median_ns", r.b_ns},
+                        {"a_contended", r.a_contended},
+                        {"b_contended", r.b_contended}});
+    points.push_back(
+        {{"model_a", p.a.model},
+         {"model_b", p.b.model},
+         {"seq_len", p.a.seq_len},
+         {"params_a", p.a.params},
+         {"params_b", p.b.params},
+         {"reproducer_a", p.a.reproducer},
+         {"reproducer_b", p.b.reproducer},
+         {"rounds", rounds},
+         {"usable_rounds", p.usable_rounds},
+         {"ratio", p.stats.ratio},
+         {"ci_low", p.stats.ci_low},
+         {"ci_high", std::isfinite(p.stats.ci_high) ? nlohmann::json(p.stats.ci_high) : nlohmann::json(nullptr)},
+         {"w_plus", p.stats.w_plus},
+         {"p_value", p.stats.p_value},
+         {"verdict", ab_verdict_name(p.verdict)},
+         {"reason", p.reason}});
   }
-  return {{"schema_version", 1}, {"tool", "xfbench ab"}, {"context", report.context}, {"settings", report.settings},
-          {"points", points}, {"regressions", ab_regressions(report)}};
+  return {{"schema_version", 1},         {"tool", "xfbench ab"}, {"context", report.context},
+          {"settings", report.settings}, {"points", points},     {"regressions", ab_regressions(report)}};
 }
 
 std::size_t ab_regressions(const AbReport& report) {
@@ -94,18 +103,22 @@ std::vector<DashboardEntry> ab_dashboard_entries(const AbReport& report, AbDashb
 }
 
 std::string ab_omission_note(const AbDashboardOmissions& omitted) {
-  return "left out " + std::to_string(omitted.noisy + omitted.error) + " A/B point(s): " +
-         std::to_string(omitted.noisy) + " noisy, " + std::to_string(omitted.error) +
+  return "left out " + std::to_string(omitted.noisy + omitted.error) +
+         " A/B point(s): " + std::to_string(omitted.noisy) + " noisy, " + std::to_string(omitted.error) +
          " error; they have no trustworthy time";
 }
 
 std::string render_ab(const AbReport& report, AbFormat format_kind) {
   switch (format_kind) {
-    case AbFormat::Json: return ab_to_json(report).dump(2) + "\n";
-    case AbFormat::GithubBenchmark: return github_benchmark_json(ab_dashboard_entries(report));
-    case AbFormat::Bencher: return bencher_bmf_json(ab_dashboard_entries(report));
+    case AbFormat::Json:
+      return ab_to_json(report).dump(2) + "\n";
+    case AbFormat::GithubBenchmark:
+      return github_benchmark_json(ab_dashboard_entries(report));
+    case AbFormat::Bencher:
+      return bencher_bmf_json(ab_dashboard_entries(report));
     case AbFormat::Text:
-    case AbFormat::Markdown: break;
+    case AbFormat::Markdown:
+      break;
   }
   const bool md = format_kind == AbFormat::Markdown;
   std::vector<std::vector<std::string>> cells = {
@@ -131,8 +144,8 @@ std::string render_ab(const AbReport& report, AbFormat format_kind) {
   if (md) out << "**xfbench ab**: " << (regressions ? "❌ " : "✅ ") << regressions << " regression(s)\n\n";
   out << render_cells(cells, md ? TableFormat::Markdown : TableFormat::Text, 1);
   out << (md ? "\n" : "") << report.points.size() << " point(s): " << counts[0] << " faster, " << counts[1]
-      << " slower, " << counts[2] << " same, " << counts[3] << " noisy, " << counts[4] << " error; "
-      << regressions << " regression(s)\n";
+      << " slower, " << counts[2] << " same, " << counts[3] << " noisy, " << counts[4] << " error; " << regressions
+      << " regression(s)\n";
   return out.str();
 }
 

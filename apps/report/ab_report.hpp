@@ -19,17 +19,17 @@ std::string ab_verdict_name(AbVerdict v);
 
 struct AbRound {
   bool b_first = false;
-  double a_ns = 0, b_ns = 0;         // the children's medians
+  double a_ns = 0, b_ns = 0;  // the children's medians
   bool a_contended = false, b_contended = false;
 };
 
 struct AbPoint {
-  ResultRow a, b;                    // the last round's rows (identity, parameters, reproducers)
+  ResultRow a, b;  // the last round's rows (identity, parameters, reproducers)
   std::vector<AbRound> rounds;
-  std::size_t usable_rounds = 0;     // neither side contended
+  std::size_t usable_rounds = 0;  // neither side contended
   PairedResult stats;
   AbVerdict verdict = AbVerdict::Same;
-  std::string reason;                // for noisy and error
+  std::string reason;  // for noisy and error
 };
 
 struct AbReport {

@@ -7,9 +7,9 @@
 #include <set>
 #include <sstream>
 
-#include "lib/core/errors.hpp"
 #include "apps/report/json_fields.hpp"
 #include "apps/report/table.hpp"
+#include "lib/core/errors.hpp"
 
 namespace xfb {
 
@@ -47,20 +47,28 @@ double parse_fraction(const std::string& text, const std::string& option) {
   if (value < 0) throw InputError(option + ": " + text + " must not be negative");
   // A bare 5 could mean 5% or 500%: only a percentage or a fraction up to 1 is unambiguous.
   if (!percent && value > 1)
-    throw InputError(option + ": '" + text + "' is ambiguous; write " + text + "% for a percentage or a fraction such as " +
+    throw InputError(option + ": '" + text + "' is ambiguous; write " + text +
+                     "% for a percentage or a fraction such as " +
                      "0.05 (at most 1; above 100% write a percentage, e.g. 150%)");
   return percent ? value / 100 : value;
 }
 
 std::string verdict_name(Verdict v) {
   switch (v) {
-    case Verdict::Faster: return "faster";
-    case Verdict::Slower: return "slower";
-    case Verdict::Same: return "same";
-    case Verdict::Noisy: return "noisy";
-    case Verdict::New: return "new";
-    case Verdict::Missing: return "missing";
-    case Verdict::Error: return "error";
+    case Verdict::Faster:
+      return "faster";
+    case Verdict::Slower:
+      return "slower";
+    case Verdict::Same:
+      return "same";
+    case Verdict::Noisy:
+      return "noisy";
+    case Verdict::New:
+      return "new";
+    case Verdict::Missing:
+      return "missing";
+    case Verdict::Error:
+      return "error";
   }
   return "?";
 }
@@ -129,8 +137,8 @@ void judge(PointComparison& point, const CompareOptions& o, bool scratchpad_comp
   const bool significant = point.test.p_value < o.alpha;
   point.verdict = base.contended || now.contended                   ? Verdict::Noisy
                   : !significant || now.median_ns == base.median_ns ? Verdict::Same
-                  : now.median_ns > base.median_ns                   ? Verdict::Slower
-                                                                     : Verdict::Faster;
+                  : now.median_ns > base.median_ns                  ? Verdict::Slower
+                                                                    : Verdict::Faster;
   point.memory_delta = now.peak_tensor_bytes - base.peak_tensor_bytes;
   point.owned_known = base.peak_owned_bytes >= 0 && now.peak_owned_bytes >= 0;
   if (point.owned_known) point.owned_delta = now.peak_owned_bytes - base.peak_owned_bytes;
@@ -229,12 +237,13 @@ std::string signed_count(std::int64_t delta, double base, const char* unit) {
   const double magnitude = std::fabs(static_cast<double>(delta));
   std::string amount;
   if (std::string(unit) == "B")
-    amount = magnitude < 1024 ? format("%.0f B", magnitude)
+    amount = magnitude < 1024      ? format("%.0f B", magnitude)
              : magnitude < 1048576 ? format("%.1f KiB", magnitude / 1024)
                                    : format("%.1f MiB", magnitude / 1048576);
   else
     amount = magnitude < 1e6 ? format("%.0f FLOP", magnitude) : format("%.3g MFLOP", magnitude / 1e6);
-  return (delta > 0 ? "+" : "−") + amount + (base > 0 ? format(" (%+.2f%%)", 100.0 * static_cast<double>(delta) / base) : "");
+  return (delta > 0 ? "+" : "−") + amount +
+         (base > 0 ? format(" (%+.2f%%)", 100.0 * static_cast<double>(delta) / base) : "");
 }
 
 // Δ of peak_tensor_bytes where the scratchpad is comparable, else Δ of the owned bytes, marked.
@@ -294,10 +303,18 @@ nlohmann::json point_json(const PointComparison& p) {
   if (p.flops_regression) regressions.push_back("flops");
   if (p.error_regression) regressions.push_back("error");
   if (p.missing_regression) regressions.push_back("missing");
-  nlohmann::json j = {{"model", row.model},     {"scope", scope_name(row.scope)}, {"pass", pass_name(row.pass)},  {"causal", row.causal},
-                      {"batch", row.batch},     {"heads", row.heads},       {"seq_len", row.seq_len},
-                      {"head_dim", row.head_dim}, {"d_ff", row.d_ff},       {"params", row.params},
-                      {"verdict", verdict_name(p.verdict)}, {"regressions", regressions},
+  nlohmann::json j = {{"model", row.model},
+                      {"scope", scope_name(row.scope)},
+                      {"pass", pass_name(row.pass)},
+                      {"causal", row.causal},
+                      {"batch", row.batch},
+                      {"heads", row.heads},
+                      {"seq_len", row.seq_len},
+                      {"head_dim", row.head_dim},
+                      {"d_ff", row.d_ff},
+                      {"params", row.params},
+                      {"verdict", verdict_name(p.verdict)},
+                      {"regressions", regressions},
                       {"base_status", p.base ? nlohmann::json(status_name(p.base->status)) : nlohmann::json(nullptr)},
                       {"new_status", p.now ? nlohmann::json(status_name(p.now->status)) : nlohmann::json(nullptr)}};
   if (p.base && p.now && p.base->status == Status::Ok && p.now->status == Status::Ok) {
@@ -337,8 +354,8 @@ std::string comparison_summary(const Comparison& c) {
     out << "no point was measured (ok) in both reports: nothing compared; ";
   out << c.regressions << " regression(s)";
   if (c.regressions > 0)
-    out << " (time " << c.time_regressions << ", memory " << c.memory_regressions << ", flops "
-        << c.flops_regressions << ", ok→error " << c.error_regressions << ", missing " << c.missing_regressions << ")";
+    out << " (time " << c.time_regressions << ", memory " << c.memory_regressions << ", flops " << c.flops_regressions
+        << ", ok→error " << c.error_regressions << ", missing " << c.missing_regressions << ")";
   if (c.flops_changes > 0) out << "; executed FLOPs changed at " << c.flops_changes << " point(s)";
   return out.str();
 }
@@ -379,17 +396,17 @@ std::string render_comparison(const Comparison& c, const CompareOptions& o, Comp
     return nlohmann::json{{"summary", summary}, {"options", options}, {"points", points}}.dump(2) + "\n";
   }
   const bool md = format_kind == CompareFormat::Markdown;
-  std::vector<std::vector<std::string>> cells = {{"point", "base ms", "new ms", "new/base", "p", "verdict",
-                                                  "Δ peak memory", "Δ flops", "gate"}};
+  std::vector<std::vector<std::string>> cells = {
+      {"point", "base ms", "new ms", "new/base", "p", "verdict", "Δ peak memory", "Δ flops", "gate"}};
   const auto labels = point_labels(c);
   for (std::size_t i = 0; i < c.points.size(); ++i) {
     const auto& p = c.points[i];
     const bool measured = p.base && p.now && p.base->status == Status::Ok && p.now->status == Status::Ok;
-    cells.push_back({labels[i], median_cell(p.base), median_cell(p.now), p.time_ratio > 0 ? format("%.3f×", p.time_ratio) : "-",
-                     measured ? format("%.2g", p.test.p_value) : "-", verdict_name(p.verdict),
-                     measured ? memory_cell(p, c.scratchpad_compared) : "-",
-                     measured ? signed_count(p.flops_delta, static_cast<double>(p.base->flops), "FLOP") : "-",
-                     regression_cell(p)});
+    cells.push_back(
+        {labels[i], median_cell(p.base), median_cell(p.now), p.time_ratio > 0 ? format("%.3f×", p.time_ratio) : "-",
+         measured ? format("%.2g", p.test.p_value) : "-", verdict_name(p.verdict),
+         measured ? memory_cell(p, c.scratchpad_compared) : "-",
+         measured ? signed_count(p.flops_delta, static_cast<double>(p.base->flops), "FLOP") : "-", regression_cell(p)});
   }
   std::ostringstream out;
   if (md)

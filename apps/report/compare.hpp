@@ -26,18 +26,18 @@
 #include <string>
 #include <vector>
 
-#include "lib/core/stats.hpp"
 #include "apps/report/report.hpp"
+#include "lib/core/stats.hpp"
 
 namespace xfb {
 
 struct CompareOptions {
-  double alpha = 0.01;              // significance level of the U test
-  double max_slowdown = 0.05;       // fraction: 0.05 lets a point be up to 5% slower
-  double max_memory_growth = 0.0;   // fraction of BASE's peak_tensor_bytes
+  double alpha = 0.01;             // significance level of the U test
+  double max_slowdown = 0.05;      // fraction: 0.05 lets a point be up to 5% slower
+  double max_memory_growth = 0.0;  // fraction of BASE's peak_tensor_bytes
   bool gate_time = true, gate_memory = true, gate_flops = true;
   bool allow_different_context = false;
-  bool fail_on_missing = false;     // a point measured in BASE and not in NEW is a regression
+  bool fail_on_missing = false;  // a point measured in BASE and not in NEW is a regression
 };
 
 // Parses "time,memory,flops" (any non-empty subset) into the gate flags; throws InputError.
@@ -54,12 +54,12 @@ struct PointComparison {
   std::optional<ResultRow> base, now;  // absent when the report lacks the point
   const ResultRow& row() const { return now ? *now : *base; }
   Verdict verdict = Verdict::Same;
-  double time_ratio = 0;              // new median / base median; 0 unless both ok
-  UTestResult test;                   // both ok only
-  std::int64_t memory_delta = 0;      // new − base peak_tensor_bytes, both ok only
-  std::int64_t owned_delta = 0;       // new − base peak_owned_bytes, both ok and both known
-  bool owned_known = false;           // both rows carry peak_owned_bytes
-  std::int64_t flops_delta = 0;       // new − base flops, both ok only
+  double time_ratio = 0;          // new median / base median; 0 unless both ok
+  UTestResult test;               // both ok only
+  std::int64_t memory_delta = 0;  // new − base peak_tensor_bytes, both ok only
+  std::int64_t owned_delta = 0;   // new − base peak_owned_bytes, both ok and both known
+  bool owned_known = false;       // both rows carry peak_owned_bytes
+  std::int64_t flops_delta = 0;   // new − base flops, both ok only
   bool time_regression = false, memory_regression = false, flops_regression = false, error_regression = false,
        missing_regression = false;
   bool regression() const {
@@ -74,16 +74,16 @@ struct Comparison {
   double memory_geomean = 0;            // same for peak_tensor_bytes
   std::size_t regressions = 0, time_regressions = 0, memory_regressions = 0, flops_regressions = 0,
               error_regressions = 0, missing_regressions = 0;
-  std::size_t flops_changes = 0;        // reported whether or not gated
-  bool scratchpad_compared = true;      // same oneDNN version and ISA: peak_tensor_bytes gated too
-  bool compared_nothing = false;        // no point ok in both reports: the gate checked nothing (exit 1)
-  std::vector<std::string> notes;       // what was not compared and why
+  std::size_t flops_changes = 0;    // reported whether or not gated
+  bool scratchpad_compared = true;  // same oneDNN version and ISA: peak_tensor_bytes gated too
+  bool compared_nothing = false;    // no point ok in both reports: the gate checked nothing (exit 1)
+  std::vector<std::string> notes;   // what was not compared and why
 };
 
 // Context fields that must agree for `compare` (unless allowed), by gated metric: times need the
 // same machine, build and oneDNN path; the project's own tracked bytes depend on the thread count
 // alone; FLOP counts on nothing of the context.
-inline const std::vector<std::string> kTimeContextFields = {"cpu_model", "threads",    "onednn_version",
+inline const std::vector<std::string> kTimeContextFields = {"cpu_model",  "threads",    "onednn_version",
                                                             "onednn_isa", "kernel_isa", "build_type"};
 inline const std::vector<std::string> kMemoryContextFields = {"threads"};
 // Where these agree, oneDNN's scratchpad (inside peak_tensor_bytes) is comparable.

@@ -18,30 +18,42 @@ namespace xfb {
 
 std::string big_o_name(BigO c) {
   switch (c) {
-    case BigO::N: return "N";
-    case BigO::NLogN: return "N log N";
-    case BigO::NSqrtN: return "N√N";
-    case BigO::NSquared: return "N²";
+    case BigO::N:
+      return "N";
+    case BigO::NLogN:
+      return "N log N";
+    case BigO::NSqrtN:
+      return "N√N";
+    case BigO::NSquared:
+      return "N²";
   }
   return "?";
 }
 
 std::string per_token_name(BigO c) {
   switch (c) {
-    case BigO::N: return "1";
-    case BigO::NLogN: return "log N";
-    case BigO::NSqrtN: return "√N";
-    case BigO::NSquared: return "N";
+    case BigO::N:
+      return "1";
+    case BigO::NLogN:
+      return "log N";
+    case BigO::NSqrtN:
+      return "√N";
+    case BigO::NSquared:
+      return "N";
   }
   return "?";
 }
 
 double big_o_value(BigO c, double n) {
   switch (c) {
-    case BigO::N: return n;
-    case BigO::NLogN: return n * std::log2(n);
-    case BigO::NSqrtN: return n * std::sqrt(n);
-    case BigO::NSquared: return n * n;
+    case BigO::N:
+      return n;
+    case BigO::NLogN:
+      return n * std::log2(n);
+    case BigO::NSqrtN:
+      return n * std::sqrt(n);
+    case BigO::NSquared:
+      return n * n;
   }
   return 0;
 }
@@ -141,7 +153,8 @@ constexpr Mapping kDecodeMappings[] = {
     {"O(N)", BigO::NSquared, false, ""},
     {"O(N_c)", BigO::NSquared, false, "N_c = N/c with compression c fixed"},
     {"O(b+N/b)", BigO::NSquared, true,
-     "Sinkhorn: its block (constant) plus each block opening's mixing of all past blocks (N/b per token, amortised): N only where the mixing dominates"},
+     "Sinkhorn: its block (constant) plus each block opening's mixing of all past blocks (N/b per token, amortised): N "
+     "only where the mixing dominates"},
     {"O(N_r·m)", BigO::N, false, "hash rounds n_r and chunk length m fixed"},
     {"O(N/k)", BigO::NSquared, true, "N when the cluster count k is fixed, √N when k grows as √N"},
 };
@@ -165,10 +178,14 @@ ExpectedComplexity expected_decode_complexity(const std::string& printed) {
 
 std::string verdict_name(ComplexityVerdict v) {
   switch (v) {
-    case ComplexityVerdict::Match: return "match";
-    case ComplexityVerdict::Mismatch: return "MISMATCH";
-    case ComplexityVerdict::Ambiguous: return "ambiguous";
-    case ComplexityVerdict::Unmapped: return "unmapped";
+    case ComplexityVerdict::Match:
+      return "match";
+    case ComplexityVerdict::Mismatch:
+      return "MISMATCH";
+    case ComplexityVerdict::Ambiguous:
+      return "ambiguous";
+    case ComplexityVerdict::Unmapped:
+      return "unmapped";
   }
   return "?";
 }
@@ -207,7 +224,8 @@ ComplexitySeries analyse_series(const std::vector<const ResultRow*>& rows) {
     n.push_back(tokens);
     if (series.per_token) {  // N × the per-token figures (see per_token_name)
       time.push_back(row->median_ns * tokens);
-      flops.push_back(static_cast<double>(row->flops) / static_cast<double>(std::max<std::int64_t>(1, row->decode_tokens)) * tokens);
+      flops.push_back(static_cast<double>(row->flops) /
+                      static_cast<double>(std::max<std::int64_t>(1, row->decode_tokens)) * tokens);
       workspace.push_back(static_cast<double>(row->state_bytes) * tokens);
     } else {
       time.push_back(row->median_ns);
@@ -227,7 +245,8 @@ ComplexitySeries analyse_series(const std::vector<const ResultRow*>& rows) {
   else if (series.expected.ambiguous)
     series.verdict = ComplexityVerdict::Ambiguous;
   else
-    series.verdict = series.flops.fit->best == series.expected.cls ? ComplexityVerdict::Match : ComplexityVerdict::Mismatch;
+    series.verdict =
+        series.flops.fit->best == series.expected.cls ? ComplexityVerdict::Match : ComplexityVerdict::Mismatch;
   return series;
 }
 
@@ -235,7 +254,8 @@ std::vector<ComplexitySeries> analyse_complexity(const Report& report, std::vect
   std::map<std::string, std::vector<const ResultRow*>> groups;
   std::vector<std::string> order;
   std::map<std::string, std::set<std::string>> settings_per_model;
-  for (const auto& row : report.results) settings_per_model[configuration_text(row) + "|" + row.model].insert(row.params.dump());
+  for (const auto& row : report.results)
+    settings_per_model[configuration_text(row) + "|" + row.model].insert(row.params.dump());
   for (const auto& row : report.results) {
     const std::string key = configuration_text(row) + "|" + row.model + "|" + row.params.dump();
     if (!groups.count(key)) order.push_back(key);
@@ -277,8 +297,11 @@ std::string fit_text(const MetricFit& f, bool per_token) {
 nlohmann::json metric_json(const MetricFit& f, bool per_token) {
   if (!f.fit) return nullptr;
   nlohmann::json nrms = nlohmann::json::object();
-  for (std::size_t c = 0; c < kBigOCandidates.size(); ++c) nrms[class_text(kBigOCandidates[c], per_token)] = f.fit->nrms[c];
-  return {{"exponent", *f.exponent}, {"best", class_text(f.fit->best, per_token)}, {"coefficient", f.fit->coefficient},
+  for (std::size_t c = 0; c < kBigOCandidates.size(); ++c)
+    nrms[class_text(kBigOCandidates[c], per_token)] = f.fit->nrms[c];
+  return {{"exponent", *f.exponent},
+          {"best", class_text(f.fit->best, per_token)},
+          {"coefficient", f.fit->coefficient},
           {"nrms", nrms}};
 }
 
@@ -300,7 +323,8 @@ std::string render_complexity(const std::vector<ComplexitySeries>& series, const
                                {"seq_lens", s.lengths},
                                {"survey", s.survey},
                                {"per_token", s.per_token},
-                               {"expected", s.expected.known ? nlohmann::json(class_text(s.expected.cls, s.per_token)) : nlohmann::json(nullptr)},
+                               {"expected", s.expected.known ? nlohmann::json(class_text(s.expected.cls, s.per_token))
+                                                             : nlohmann::json(nullptr)},
                                {"expected_ambiguous", s.expected.ambiguous},
                                {"expected_note", s.expected.note},
                                {"time", metric_json(s.time, s.per_token)},
@@ -317,10 +341,9 @@ std::string render_complexity(const std::vector<ComplexitySeries>& series, const
     cells.push_back({s.label, s.configuration,
                      std::to_string(s.lengths.front()) + "–" + std::to_string(s.lengths.back()) + " (" +
                          std::to_string(s.lengths.size()) + ")",
-                     s.survey, expected_text(s.expected, s.per_token), exponent_text(s.time), fit_text(s.time, s.per_token),
-                     exponent_text(s.flops), fit_text(s.flops, s.per_token), exponent_text(s.workspace),
-                     fit_text(s.workspace, s.per_token),
-                     verdict_name(s.verdict)});
+                     s.survey, expected_text(s.expected, s.per_token), exponent_text(s.time),
+                     fit_text(s.time, s.per_token), exponent_text(s.flops), fit_text(s.flops, s.per_token),
+                     exponent_text(s.workspace), fit_text(s.workspace, s.per_token), verdict_name(s.verdict)});
   std::ostringstream out;
   out << render_cells(cells, md ? TableFormat::Markdown : TableFormat::Text, 2);
   if (series.empty()) out << "(no model with three or more ok sequence lengths)\n";

@@ -23,8 +23,8 @@ double big_o_value(BigO c, double n);
 
 struct BigOFit {
   BigO best = BigO::N;
-  double coefficient = 0;             // c of y ≈ c·g(N) for the best class
-  std::array<double, 4> nrms{};       // normalised RMS of every candidate, kBigOCandidates order
+  double coefficient = 0;        // c of y ≈ c·g(N) for the best class
+  std::array<double, 4> nrms{};  // normalised RMS of every candidate, kBigOCandidates order
   double best_nrms() const { return nrms[static_cast<std::size_t>(best)]; }
 };
 
@@ -35,7 +35,7 @@ double loglog_exponent(const std::vector<double>& n, const std::vector<double>& 
 
 // What the survey's printed complexity predicts for growth in N with hyperparameters fixed.
 struct ExpectedComplexity {
-  bool known = false;      // false: the string is not in the mapping
+  bool known = false;  // false: the string is not in the mapping
   BigO cls = BigO::N;
   bool ambiguous = false;  // the string does not pin the growth in N down (see note)
   std::string note;
@@ -55,12 +55,12 @@ std::string verdict_name(ComplexityVerdict v);
 
 // One model (one parameter setting, one configuration) with at least three ok sequence lengths.
 struct ComplexitySeries {
-  std::string model, label;  // label adds the parameters when a model has several settings
-  std::string configuration; // "attention, B=1 H=8 D=64"
-  std::string survey;        // the registry's complexity string (decode: its per-token decode cost)
-  bool per_token = false;    // a decode series: time and FLOPs per generated token, the state as
-                             // workspace; fits and expected class of N × them (see per_token_name),
-                             // exponents of the per-token values themselves
+  std::string model, label;   // label adds the parameters when a model has several settings
+  std::string configuration;  // "attention, B=1 H=8 D=64"
+  std::string survey;         // the registry's complexity string (decode: its per-token decode cost)
+  bool per_token = false;     // a decode series: time and FLOPs per generated token, the state as
+                              // workspace; fits and expected class of N × them (see per_token_name),
+                              // exponents of the per-token values themselves
   ExpectedComplexity expected;
   std::vector<std::int64_t> lengths;
   MetricFit time, flops, workspace;

@@ -102,10 +102,14 @@ std::string read_input_file(const std::string& path) {
   }
   struct stat info {};
   std::string problem;
-  if (::fstat(fd, &info) != 0) problem = "cannot examine: " + system_error_text(errno);
-  else if (S_ISDIR(info.st_mode)) problem = "is a directory, not a file";
-  else if (!S_ISREG(info.st_mode)) problem = "is not a regular file (a FIFO, device or socket)";
-  else if (info.st_size == 0) problem = "is empty";
+  if (::fstat(fd, &info) != 0)
+    problem = "cannot examine: " + system_error_text(errno);
+  else if (S_ISDIR(info.st_mode))
+    problem = "is a directory, not a file";
+  else if (!S_ISREG(info.st_mode))
+    problem = "is not a regular file (a FIFO, device or socket)";
+  else if (info.st_size == 0)
+    problem = "is empty";
   else if (static_cast<std::uintmax_t>(info.st_size) > kMaxInputBytes)
     problem = "is " + std::to_string(info.st_size) + " bytes, more than the " + std::to_string(kMaxInputBytes >> 20) +
               " MiB an input may have";
@@ -173,7 +177,8 @@ void write_output(const std::string& path, const std::string& content, const std
 std::string quoted(const std::string& text, std::size_t limit) {
   std::size_t end = std::min(text.size(), limit);
   while (end > 0 && end < text.size() && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
-  std::string literal = nlohmann::json(text.substr(0, end)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  std::string literal =
+      nlohmann::json(text.substr(0, end)).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   if (end < text.size()) literal.insert(literal.size() - 1, "…");
   return literal;
 }

@@ -3,8 +3,8 @@
 #include <cmath>
 #include <limits>
 
-#include "lib/core/errors.hpp"
 #include "apps/report/files.hpp"
+#include "lib/core/errors.hpp"
 
 namespace xfb {
 namespace {
@@ -37,13 +37,15 @@ std::string describe_json(const nlohmann::json& value) {
 
 FieldReader::FieldReader(const nlohmann::json& object, std::string where) : object_(object), where_(std::move(where)) {
   if (!object_.is_object())
-    throw InputError((where_.empty() ? "the top level" : where_) + ": must be an object, got " + describe_json(object_));
+    throw InputError((where_.empty() ? "the top level" : where_) + ": must be an object, got " +
+                     describe_json(object_));
 }
 
 std::string FieldReader::path(const std::string& name) const { return where_.empty() ? name : where_ + "." + name; }
 
 void FieldReader::fail(const std::string& name, const std::string& rule, const nlohmann::json* got) const {
-  throw InputError(path(name) + ": " + (got ? "must be " + rule + ", got " + describe_json(*got) : "missing (" + rule + ")"));
+  throw InputError(path(name) + ": " +
+                   (got ? "must be " + rule + ", got " + describe_json(*got) : "missing (" + rule + ")"));
 }
 
 bool FieldReader::has(const char* name) const { return object_.contains(name); }
@@ -94,9 +96,10 @@ std::int64_t FieldReader::integer(const char* name, std::int64_t lo, std::int64_
                                   std::optional<std::int64_t> fallback) const {
   const auto* value = find(name, !fallback);
   if (!value) return *fallback;
-  const bool fits = value->is_number_integer() &&
-                    (!value->is_number_unsigned() ||
-                     value->get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()));
+  const bool fits =
+      value->is_number_integer() &&
+      (!value->is_number_unsigned() ||
+       value->get<std::uint64_t>() <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()));
   if (!fits) fail(name, "an integer >= " + std::to_string(lo), value);
   const auto v = value->get<std::int64_t>();
   if (v < lo) fail(name, "an integer >= " + std::to_string(lo), value);
@@ -114,7 +117,8 @@ std::uint64_t FieldReader::unsigned_integer(const char* name, std::optional<std:
 double FieldReader::number(const char* name, double lo, double hi, std::optional<double> fallback) const {
   const auto* value = find(name, !fallback);
   if (!value) return *fallback;
-  if (!value->is_number() || !std::isfinite(value->get<double>())) fail(name, bound_rule("a finite number", lo, hi, lo), value);
+  if (!value->is_number() || !std::isfinite(value->get<double>()))
+    fail(name, bound_rule("a finite number", lo, hi, lo), value);
   const double v = value->get<double>();
   if (v < lo || v > hi) fail(name, bound_rule("a number", lo, hi, v), value);
   return v;
@@ -129,7 +133,8 @@ std::vector<double> FieldReader::numbers(const char* name, double lo, double hi,
   for (std::size_t i = 0; i < value->size(); ++i) {
     const auto& item = (*value)[i];
     const std::string where = std::string(name) + "[" + std::to_string(i) + "]";
-    if (!item.is_number() || !std::isfinite(item.get<double>())) fail(where, bound_rule("a finite number", lo, hi, lo), &item);
+    if (!item.is_number() || !std::isfinite(item.get<double>()))
+      fail(where, bound_rule("a finite number", lo, hi, lo), &item);
     const double v = item.get<double>();
     if (v < lo || v > hi) fail(where, bound_rule("a number", lo, hi, v), &item);
     out.push_back(v);
@@ -165,7 +170,8 @@ nlohmann::json FieldReader::scalar_object(const char* name) const {
   for (const auto& [key, item] : value->items()) {
     if (key.empty() || key.size() > kMaxNameBytes || has_control_character(key))
       fail(name, "an object whose keys are names without control characters", value);
-    const bool scalar = item.is_string() || item.is_boolean() || (item.is_number() && std::isfinite(item.get<double>()));
+    const bool scalar =
+        item.is_string() || item.is_boolean() || (item.is_number() && std::isfinite(item.get<double>()));
     if (!scalar) entries.fail(key, "a string, a finite number or a boolean", &item);
     if (item.is_string() && has_control_character(item.get_ref<const std::string&>()))
       entries.fail(key, "a string without control characters", &item);
@@ -182,8 +188,8 @@ nlohmann::json FieldReader::object(const char* name, bool optional) const {
 
 nlohmann::json parse_json_text(const std::string& text, const std::string& where, int max_depth) {
   const auto limit_depth = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json&) {
-    const bool opens = event == nlohmann::json::parse_event_t::object_start ||
-                       event == nlohmann::json::parse_event_t::array_start;
+    const bool opens =
+        event == nlohmann::json::parse_event_t::object_start || event == nlohmann::json::parse_event_t::array_start;
     if (opens && depth >= max_depth)
       throw InputError(where + ": nesting deeper than " + std::to_string(max_depth) + " levels, not a report");
     return true;

@@ -26,7 +26,8 @@ class FieldReader {
   std::string choice(const char* name, std::initializer_list<const char*> allowed,
                      std::optional<std::string> fallback = {}) const;
   bool flag(const char* name, std::optional<bool> fallback = {}) const;
-  std::int64_t integer(const char* name, std::int64_t lo, std::int64_t hi, std::optional<std::int64_t> fallback = {}) const;
+  std::int64_t integer(const char* name, std::int64_t lo, std::int64_t hi,
+                       std::optional<std::int64_t> fallback = {}) const;
   std::uint64_t unsigned_integer(const char* name, std::optional<std::uint64_t> fallback = {}) const;
   // A finite number in [lo, hi].
   double number(const char* name, double lo, double hi, std::optional<double> fallback = {}) const;

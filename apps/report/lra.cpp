@@ -83,7 +83,8 @@ std::string render_metric(const std::vector<Column>& columns, bool speed, TableF
       const auto found = columns[i].rows.find(published.model);
       const ResultRow* row = found == columns[i].rows.end() ? nullptr : found->second;
       std::string mine = "-";
-      if (row && row->status != Status::Ok) mine = row->status == Status::Unsupported ? "n/a" : status_name(row->status);
+      if (row && row->status != Status::Ok)
+        mine = row->status == Status::Unsupported ? "n/a" : status_name(row->status);
       const auto ratio = row && row->status == Status::Ok ? our_ratio(*row, *columns[i].vanilla, speed) : std::nullopt;
       if (ratio) {
         const double value = *ratio;
@@ -168,24 +169,31 @@ std::string render_lra_comparison(const Report& report, TableFormat format) {
     if (columns.empty()) continue;
     any = true;
     const std::string bold = md ? "**" : "";
-    out << (out.tellp() > 0 ? "\n" : "") << bold << "Speed-up over vanilla (ours: median time; LRA: training steps/s over "
-        << "the Transformer's) — " << configuration << bold << "\n" << (md ? "\n" : "");
+    out << (out.tellp() > 0 ? "\n" : "") << bold
+        << "Speed-up over vanilla (ours: median time; LRA: training steps/s over "
+        << "the Transformer's) — " << configuration << bold << "\n"
+        << (md ? "\n" : "");
     const auto& [base, pass] = base_and_pass[configuration];
     PassRho& pass_rho = rho[base][pass];
     out << render_metric(columns, true, format, pass_rho.speed);
-    out << "\n" << bold << "Peak memory relative to vanilla (ours: tracked bytes; LRA: GB per device) — " << configuration
-        << bold << "\n" << (md ? "\n" : "");
+    out << "\n"
+        << bold << "Peak memory relative to vanilla (ours: tracked bytes; LRA: GB per device) — " << configuration
+        << bold << "\n"
+        << (md ? "\n" : "");
     out << render_metric(columns, false, format, pass_rho.memory);
   }
   for (const auto& [base, passes] : rho) {
     const std::string bold = md ? "**" : "";
-    out << "\n" << bold << "Spearman ρ against LRA by pass (LRA timed training steps: `train` compares like with like) — "
-        << base << bold << "\n" << (md ? "\n" : "");
+    out << "\n"
+        << bold << "Spearman ρ against LRA by pass (LRA timed training steps: `train` compares like with like) — "
+        << base << bold << "\n"
+        << (md ? "\n" : "");
     out << render_rho_by_pass(passes, format);
   }
   if (!any)
-    throw InputError("report has no vanilla point at an LRA length (1000·k or 1024·k tokens, k = 1…4); run "
-                     "`xfbench sweep --preset lra`");
+    throw InputError(
+        "report has no vanilla point at an LRA length (1000·k or 1024·k tokens, k = 1…4); run "
+        "`xfbench sweep --preset lra`");
   out << (md ? "\n" : "") << "LRA: Tay et al., Long Range Arena, ICLR 2021 (arXiv 2011.04006), Table 2: byte-level "
       << "text, batch 32, TPU v3; ratios computed from the published steps/s and GB. † as printed, very likely a "
       << "typo (identical to Sinkhorn's cell); excluded from ρ. ρ ranks the models with a value in both columns.\n";

@@ -14,11 +14,11 @@ namespace xfb {
 // One row of LRA Table 2: training steps per second and peak memory per device (GB) at
 // N = 1K, 2K, 3K, 4K (byte-level text classification, batch 32, TPU v3 4×4).
 struct LraPublished {
-  const char* model;      // registry name
-  const char* lra_name;   // as printed in the paper
+  const char* model;     // registry name
+  const char* lra_name;  // as printed in the paper
   double steps_per_s[4];
   double memory_gb[4];
-  bool doubtful[4];       // the cell is as printed but very likely a typo
+  bool doubtful[4];  // the cell is as printed but very likely a typo
 };
 const std::vector<LraPublished>& lra_table2();
 

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <map>
 
-#include "lib/core/errors.hpp"
 #include "apps/report/compare.hpp"
+#include "lib/core/errors.hpp"
 
 namespace xfb {
 namespace {

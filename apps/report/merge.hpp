@@ -12,9 +12,9 @@
 
 namespace xfb {
 
-inline const std::vector<std::string> kMergeContextFields = {
-    "cpu_model",  "threads",  "onednn_version",  "onednn_isa", "kernel_isa",
-    "build_type", "compiler", "xfbench_version", "git_commit"};
+inline const std::vector<std::string> kMergeContextFields = {"cpu_model",  "threads",         "onednn_version",
+                                                             "onednn_isa", "kernel_isa",      "build_type",
+                                                             "compiler",   "xfbench_version", "git_commit"};
 
 struct NamedReport {
   std::string name;  // file name, for messages

@@ -7,8 +7,8 @@
 #include <set>
 #include <sstream>
 
-#include "lib/core/errors.hpp"
 #include "apps/report/svg.hpp"
+#include "lib/core/errors.hpp"
 #include "taxonomy/cards.hpp"
 
 namespace xfb {
@@ -50,19 +50,26 @@ std::string metric_title(const PlotOptions& o, bool decode) {
   switch (o.metric) {
     case PlotMetric::Time:
       return decode ? "median time per generated token (µs, log scale)" : "median time per timed call (ms, log scale)";
-    case PlotMetric::Memory: return "peak tracked memory (MiB, log scale)";
-    case PlotMetric::Speedup: return "speed-up over " + o.baseline + " (×, log scale; higher is faster)";
-    case PlotMetric::State: return "decode state kept between steps (MiB, log scale)";
+    case PlotMetric::Memory:
+      return "peak tracked memory (MiB, log scale)";
+    case PlotMetric::Speedup:
+      return "speed-up over " + o.baseline + " (×, log scale; higher is faster)";
+    case PlotMetric::State:
+      return "decode state kept between steps (MiB, log scale)";
   }
   return "";
 }
 
 std::string chart_title(const PlotOptions& o) {
   switch (o.metric) {
-    case PlotMetric::Time: return "Median time";
-    case PlotMetric::Memory: return "Peak tracked memory";
-    case PlotMetric::Speedup: return "Speed-up over " + o.baseline;
-    case PlotMetric::State: return "Decode state";
+    case PlotMetric::Time:
+      return "Median time";
+    case PlotMetric::Memory:
+      return "Peak tracked memory";
+    case PlotMetric::Speedup:
+      return "Speed-up over " + o.baseline;
+    case PlotMetric::State:
+      return "Decode state";
   }
   return "";
 }
@@ -110,7 +117,8 @@ std::vector<Panel> collect(const Report& report, const PlotOptions& o) {
         if (o.metric == PlotMetric::Memory) point.value = static_cast<double>(row->peak_tensor_bytes) / 1048576.0;
         if (o.metric == PlotMetric::Speedup) {
           const auto found = baseline.find(row->seq_len);
-          point.value = found == baseline.end() ? 0 : finite_ratio(found->second->median_ns, row->median_ns).value_or(0);
+          point.value =
+              found == baseline.end() ? 0 : finite_ratio(found->second->median_ns, row->median_ns).value_or(0);
           point.why = "no " + o.baseline + " point";
         }
         point.drawn = point.value >= kMinValue && point.value <= kMaxValue;
@@ -196,7 +204,7 @@ void draw_axes(std::ostringstream& out, const Axes& a, const PlotOptions& o, boo
   std::vector<double> y_ticks;
   // Decades only above three decades, 1-2-5 down to one, finer below.
   const double decades = std::log10(a.y_hi / a.y_lo);
-  const std::vector<double> steps = decades > 3.01 ? std::vector<double>{1}
+  const std::vector<double> steps = decades > 3.01   ? std::vector<double>{1}
                                     : decades > 1.01 ? std::vector<double>{1, 2, 5}
                                                      : std::vector<double>{1, 1.5, 2, 3, 5, 7};
   double decade = std::pow(10.0, std::floor(std::log10(a.y_lo)));
@@ -225,8 +233,9 @@ void draw_axes(std::ostringstream& out, const Axes& a, const PlotOptions& o, boo
   out << "<text class=\"axis-title\" x=\"" << num(kPlotLeft + kPlotWidth / 2) << "\" y=\"" << num(bottom + 42)
       << "\" text-anchor=\"middle\">" << (decode ? "context length N" : "sequence length N")
       << " (tokens, log scale)</text>\n";
-  out << "<text class=\"axis-title\" transform=\"translate(" << num(kPlotLeft - 58) << "," << num(a.top + kPlotHeight / 2)
-      << ") rotate(-90)\" text-anchor=\"middle\">" << escape(metric_title(o, decode)) << "</text>\n";
+  out << "<text class=\"axis-title\" transform=\"translate(" << num(kPlotLeft - 58) << ","
+      << num(a.top + kPlotHeight / 2) << ") rotate(-90)\" text-anchor=\"middle\">" << escape(metric_title(o, decode))
+      << "</text>\n";
 }
 
 // Marker shapes around the origin, cycled within a class; dash patterns likewise.
@@ -262,16 +271,16 @@ void draw_series(std::ostringstream& out, const Series& s, int index_in_class, c
           << "\" points=\"" << run << "\"/>\n";
   for (const auto& p : s.points)
     if (p.drawn)
-      out << "<path class=\"point\" data-n=\"" << p.n << "\" data-value=\"" << value_label(p.value) << "\" transform=\"translate("
-          << num(a.x(static_cast<double>(p.n))) << "," << num(a.y(p.value)) << ")\" stroke-width=\"1.5\" d=\""
-          << marker(index_in_class) << "\"/>\n";
+      out << "<path class=\"point\" data-n=\"" << p.n << "\" data-value=\"" << value_label(p.value)
+          << "\" transform=\"translate(" << num(a.x(static_cast<double>(p.n))) << "," << num(a.y(p.value))
+          << ")\" stroke-width=\"1.5\" d=\"" << marker(index_in_class) << "\"/>\n";
   out << "</g>\n";
 }
 
 // "absent: 1K error; 2K, 4K skipped" or "absent: unsupported (every N)", at most ~50 characters.
 std::string absent_text(const Series& s) {
-  std::vector<std::string> reasons;                // first-seen order
-  std::map<std::string, std::string> lengths;      // reason → "1K, 2K"
+  std::vector<std::string> reasons;            // first-seen order
+  std::map<std::string, std::string> lengths;  // reason → "1K, 2K"
   std::size_t missing = 0;
   for (const auto& p : s.points) {
     if (p.drawn) continue;
@@ -298,22 +307,24 @@ double draw_legend(std::ostringstream& out, const Panel& panel, const std::vecto
     const std::string colour = svg::class_colour(s.cls);
     if (s.cls != current) {
       current = s.cls;
-      out << "<text class=\"legend\" x=\"" << num(kLegendLeft) << "\" y=\"" << num(y + 12) << "\" font-weight=\"bold\" style=\"fill:"
-          << colour << "\">" << escape(svg::class_title(s.cls)) << "</text>\n";
+      out << "<text class=\"legend\" x=\"" << num(kLegendLeft) << "\" y=\"" << num(y + 12)
+          << "\" font-weight=\"bold\" style=\"fill:" << colour << "\">" << escape(svg::class_title(s.cls))
+          << "</text>\n";
       y += kLegendLine;
     }
     const bool hollow = index_in_class[i] % 10 >= 5;
-    out << "<g stroke=\"" << colour << "\" fill=\"" << (hollow ? "white" : colour) << "\"><line x1=\"" << num(kLegendLeft + 4)
-        << "\" y1=\"" << num(y + 8) << "\" x2=\"" << num(kLegendLeft + 32) << "\" y2=\"" << num(y + 8)
-        << "\" stroke-width=\"2\" stroke-dasharray=\"" << dash(index_in_class[i]) << "\"/><path transform=\"translate("
-        << num(kLegendLeft + 18) << "," << num(y + 8) << ")\" d=\"" << marker(index_in_class[i]) << "\"/></g>\n";
+    out << "<g stroke=\"" << colour << "\" fill=\"" << (hollow ? "white" : colour) << "\"><line x1=\""
+        << num(kLegendLeft + 4) << "\" y1=\"" << num(y + 8) << "\" x2=\"" << num(kLegendLeft + 32) << "\" y2=\""
+        << num(y + 8) << "\" stroke-width=\"2\" stroke-dasharray=\"" << dash(index_in_class[i])
+        << "\"/><path transform=\"translate(" << num(kLegendLeft + 18) << "," << num(y + 8) << ")\" d=\""
+        << marker(index_in_class[i]) << "\"/></g>\n";
     const std::string absent = absent_text(s);
-    out << "<text class=\"legend\" x=\"" << num(kLegendLeft + 40) << "\" y=\"" << num(y + 12) << "\">" << escape(s.label)
-        << "</text>\n";
+    out << "<text class=\"legend\" x=\"" << num(kLegendLeft + 40) << "\" y=\"" << num(y + 12) << "\">"
+        << escape(s.label) << "</text>\n";
     y += kLegendLine;
     if (!absent.empty()) {
-      out << "<text class=\"note\" x=\"" << num(kLegendLeft + 40) << "\" y=\"" << num(y + 10) << "\">"
-          << escape(absent) << "</text>\n";
+      out << "<text class=\"note\" x=\"" << num(kLegendLeft + 40) << "\" y=\"" << num(y + 10) << "\">" << escape(absent)
+          << "</text>\n";
       y += kLegendLine - 2;
     }
   }

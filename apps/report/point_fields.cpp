@@ -72,22 +72,26 @@ void identity_fields(std::vector<PointField>& fields) {
   model.from_row = [](const ResultRow& r) { return json(r.model); };
   fields.push_back(model);
 
-  PointField seq_len = integer("seq_len", "--seq-len,-n", 1, kMaxInt32, "tokens N",
-                               [](PointConfig& c) -> std::int64_t& { return c.problem.seq_len; }, &ResultRow::seq_len);
+  PointField seq_len = integer(
+      "seq_len", "--seq-len,-n", 1, kMaxInt32, "tokens N",
+      [](PointConfig& c) -> std::int64_t& { return c.problem.seq_len; }, &ResultRow::seq_len);
   seq_len.use = FieldUse::RunOnly;
   seq_len.in_settings = false;
   fields.push_back(seq_len);
 
-  PointField batch = integer("batch", "--batch,-b", 1, 1 << 20, "sequences per call",
-                             [](PointConfig& c) -> std::int64_t& { return c.problem.batch; }, &ResultRow::batch);
+  PointField batch = integer(
+      "batch", "--batch,-b", 1, 1 << 20, "sequences per call",
+      [](PointConfig& c) -> std::int64_t& { return c.problem.batch; }, &ResultRow::batch);
   fields.push_back(batch);
 
-  PointField heads = integer("heads", "--heads", 1, 1 << 20, "attention heads",
-                             [](PointConfig& c) -> std::int64_t& { return c.problem.heads; }, &ResultRow::heads);
+  PointField heads = integer(
+      "heads", "--heads", 1, 1 << 20, "attention heads",
+      [](PointConfig& c) -> std::int64_t& { return c.problem.heads; }, &ResultRow::heads);
   fields.push_back(heads);
 
-  PointField head_dim = integer("head_dim", "--head-dim,-d", 1, 1 << 20, "features per head",
-                                [](PointConfig& c) -> std::int64_t& { return c.problem.head_dim; }, &ResultRow::head_dim);
+  PointField head_dim = integer(
+      "head_dim", "--head-dim,-d", 1, 1 << 20, "features per head",
+      [](PointConfig& c) -> std::int64_t& { return c.problem.head_dim; }, &ResultRow::head_dim);
   fields.push_back(head_dim);
 }
 
@@ -116,14 +120,16 @@ void pass_fields(std::vector<PointField>& fields) {
       "e.g. forward,train";
   pass.get = [](const PointConfig& c) { return json(pass_name(c.pass)); };
   pass.set = [](PointConfig& c, const json& v) { c.pass = parse_pass(v.get<std::string>()); };
-  pass.words = [](const PointConfig& c) { return c.pass == Pass::Forward ? Words{} : Words{"--pass", pass_name(c.pass)}; };
+  pass.words = [](const PointConfig& c) {
+    return c.pass == Pass::Forward ? Words{} : Words{"--pass", pass_name(c.pass)};
+  };
   pass.to_row = [](ResultRow& r, const json& v) { r.pass = parse_pass(v.get<std::string>()); };
   pass.from_row = [](const ResultRow& r) { return json(pass_name(r.pass)); };
   fields.push_back(pass);
 
-  PointField decode_tokens = integer("decode_tokens", "--decode-tokens", 1, 1 << 20,
-                                     "decode pass: tokens generated one at a time after the context",
-                                     [](PointConfig& c) -> std::int64_t& { return c.decode_tokens; }, &ResultRow::decode_tokens);
+  PointField decode_tokens = integer(
+      "decode_tokens", "--decode-tokens", 1, 1 << 20, "decode pass: tokens generated one at a time after the context",
+      [](PointConfig& c) -> std::int64_t& { return c.decode_tokens; }, &ResultRow::decode_tokens);
   decode_tokens.recorded = [](const PointConfig& c) { return json(c.pass == Pass::Decode ? c.decode_tokens : 0); };
   decode_tokens.words = [](const PointConfig& c) {
     return c.pass == Pass::Decode ? Words{"--decode-tokens", std::to_string(c.decode_tokens)} : Words{};
@@ -142,8 +148,9 @@ void pass_fields(std::vector<PointField>& fields) {
   causal.from_row = [](const ResultRow& r) { return json(r.causal); };
   fields.push_back(causal);
 
-  PointField d_ff = integer("d_ff", "--d-ff", 0, kMaxInt32, "layer scope FFN width (0: 4·heads·head-dim)",
-                            [](PointConfig& c) -> std::int64_t& { return c.d_ff; }, &ResultRow::d_ff);
+  PointField d_ff = integer(
+      "d_ff", "--d-ff", 0, kMaxInt32, "layer scope FFN width (0: 4·heads·head-dim)",
+      [](PointConfig& c) -> std::int64_t& { return c.d_ff; }, &ResultRow::d_ff);
   d_ff.recorded = [](const PointConfig& c) { return json(c.scope == Scope::Layer ? c.effective_d_ff() : 0); };
   d_ff.words = [](const PointConfig& c) {
     return c.scope == Scope::Layer ? Words{"--d-ff", std::to_string(c.effective_d_ff())} : Words{};
@@ -153,9 +160,9 @@ void pass_fields(std::vector<PointField>& fields) {
 
 // How it runs: threads, seed, the mechanism's parameters.
 void run_fields(std::vector<PointField>& fields) {
-  PointField threads = small_integer("threads", "--threads,-t", 1, 4096,
-                                     "threads for oneDNN and OpenMP loops (default: all cores)",
-                                     [](PointConfig& c) -> int& { return c.problem.threads; });
+  PointField threads =
+      small_integer("threads", "--threads,-t", 1, 4096, "threads for oneDNN and OpenMP loops (default: all cores)",
+                    [](PointConfig& c) -> int& { return c.problem.threads; });
   threads.in_key = false;
   threads.to_row = [](ResultRow& r, const json& v) { r.threads = static_cast<int>(v.get<std::int64_t>()); };
   threads.from_row = [](const ResultRow& r) { return json(r.threads); };
@@ -249,17 +256,23 @@ std::vector<PointField> make_fields() {
 
 std::string range_text(const PointField& f) {
   switch (f.type) {
-    case FieldType::Integer: return "an integer in [" + std::to_string(f.min) + ", " + std::to_string(f.max) + "]";
-    case FieldType::Unsigned: return "an integer in [0, 18446744073709551615]";
-    case FieldType::Real: return "a finite number in [" + real_text(f.real_min) + ", " + real_text(f.real_max) + "]";
-    case FieldType::Flag: return "true or false";
+    case FieldType::Integer:
+      return "an integer in [" + std::to_string(f.min) + ", " + std::to_string(f.max) + "]";
+    case FieldType::Unsigned:
+      return "an integer in [0, 18446744073709551615]";
+    case FieldType::Real:
+      return "a finite number in [" + real_text(f.real_min) + ", " + real_text(f.real_max) + "]";
+    case FieldType::Flag:
+      return "true or false";
     case FieldType::Choice: {
       std::string text = "one of ";
       for (std::size_t i = 0; i < f.choices.size(); ++i) text += (i ? ", " : "") + f.choices[i];
       return text;
     }
-    case FieldType::Text: return "a non-empty string";
-    case FieldType::TextList: return "a list of strings";
+    case FieldType::Text:
+      return "a non-empty string";
+    case FieldType::TextList:
+      return "a list of strings";
   }
   return "";
 }
@@ -332,7 +345,8 @@ json parse_field_text(const PointField& f, const std::string& text) {
     case FieldType::Text:
       if (text.empty()) refuse(f, where, "an empty string");
       return text;
-    case FieldType::TextList: return json::array({text});
+    case FieldType::TextList:
+      return json::array({text});
   }
   refuse(f, where, "'" + text + "'");
 }
@@ -341,7 +355,8 @@ void check_field_value(const PointField& f, const json& v, const std::string& wh
   const std::string got = v.dump().substr(0, 60);
   switch (f.type) {
     case FieldType::Integer:
-      if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(f.max)) ||
+      if (!v.is_number_integer() ||
+          (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(f.max)) ||
           v.get<std::int64_t>() < f.min || v.get<std::int64_t>() > f.max)
         refuse(f, where, got);
       return;
@@ -392,14 +407,16 @@ void check_point_config(const PointConfig& c) {
   if (c.timing.min_reps > c.timing.max_reps)
     throw InputError("--min-reps " + std::to_string(c.timing.min_reps) + " exceeds --max-reps " +
                      std::to_string(c.timing.max_reps));
-  if (c.pass == Pass::Decode && c.scope != Scope::Attention) throw InputError("--pass decode runs in attention scope only");
+  if (c.pass == Pass::Decode && c.scope != Scope::Attention)
+    throw InputError("--pass decode runs in attention scope only");
   const std::int64_t tokens = p.seq_len + (c.pass == Pass::Decode ? c.decode_tokens : 0);
   check_limit({p.batch, p.heads, tokens, p.head_dim}, kMaxTensorElements,
               "one [--batch, --heads, --seq-len + --decode-tokens, --head-dim] tensor's element count");
   check_limit({p.batch, p.heads, tokens, tokens, p.head_dim}, kMaxQuadraticWork,
               "--batch × --heads × (--seq-len + --decode-tokens)² × --head-dim");
   if (c.scope == Scope::Layer) {
-    check_limit({p.heads, p.head_dim, c.effective_d_ff()}, kMaxTensorElements, "a layer's --heads × --head-dim × --d-ff");
+    check_limit({p.heads, p.head_dim, c.effective_d_ff()}, kMaxTensorElements,
+                "a layer's --heads × --head-dim × --d-ff");
     check_limit({p.batch, p.seq_len, p.heads, p.head_dim, c.effective_d_ff()}, kMaxQuadraticWork,
                 "a layer's --batch × --seq-len × --heads × --head-dim × --d-ff");
   }

@@ -21,8 +21,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "lib/core/point_config.hpp"
 #include "apps/report/report.hpp"
+#include "lib/core/point_config.hpp"
 
 namespace xfb {
 
@@ -44,16 +44,16 @@ struct PointField {
   std::string key;    // JSON, settings and row name: "head_dim"
   std::string flags;  // CLI11 names: "--head-dim,-d"
   FieldType type = FieldType::Integer;
-  std::int64_t min = 0, max = 0;        // Integer
-  double real_min = 0, real_max = 0;    // Real
-  std::vector<std::string> choices;     // Choice
-  std::string help;                     // meaning and unit
+  std::int64_t min = 0, max = 0;      // Integer
+  double real_min = 0, real_max = 0;  // Real
+  std::vector<std::string> choices;   // Choice
+  std::string help;                   // meaning and unit
   FieldUse use = FieldUse::Point;
-  bool in_settings = true;              // recorded in a report's settings
-  bool in_key = true;                   // part of the row key (rows are matched across reports by it)
-  std::function<nlohmann::json(const PointConfig&)> get;         // the value as given
-  std::function<void(PointConfig&, const nlohmann::json&)> set;  // a value that passed check_field_value
-  std::function<nlohmann::json(const PointConfig&)> recorded;    // as settings and rows record it
+  bool in_settings = true;                                // recorded in a report's settings
+  bool in_key = true;                                     // part of the row key (rows are matched across reports by it)
+  std::function<nlohmann::json(const PointConfig&)> get;  // the value as given
+  std::function<void(PointConfig&, const nlohmann::json&)> set;       // a value that passed check_field_value
+  std::function<nlohmann::json(const PointConfig&)> recorded;         // as settings and rows record it
   std::function<std::vector<std::string>(const PointConfig&)> words;  // reproducer words; none: omitted
   std::function<void(ResultRow&, const nlohmann::json&)> to_row;      // the recorded value into a row
   std::function<nlohmann::json(const ResultRow&)> from_row;           // and back (the key)

@@ -4,9 +4,9 @@
 #include <limits>
 #include <sstream>
 
-#include "lib/core/errors.hpp"
 #include "apps/report/json_fields.hpp"
 #include "apps/report/point_fields.hpp"
+#include "lib/core/errors.hpp"
 #include "taxonomy/cards.hpp"
 
 namespace xfb {
@@ -16,8 +16,7 @@ std::string ResultRow::key() const { return point_key(*this); }
 std::string configuration_text(const ResultRow& row) {
   std::ostringstream out;
   out << scope_name(row.scope) << (row.pass != Pass::Forward ? ", " + pass_name(row.pass) + " pass" : "")
-      << (row.causal ? ", causal" : "")
-      << ", B=" << row.batch << " H=" << row.heads << " D=" << row.head_dim;
+      << (row.causal ? ", causal" : "") << ", B=" << row.batch << " H=" << row.heads << " D=" << row.head_dim;
   if (row.pass == Pass::Decode) out << ", T=" << row.decode_tokens;
   if (row.d_ff) out << ", d_ff=" << row.d_ff;
   return out.str();
@@ -226,7 +225,8 @@ Report report_from_json(const nlohmann::json& j) {
   report.settings = f.object("settings");
   check_context(report.context);
   check_settings(report.settings);
-  if (!f.has("results") || !j["results"].is_array()) f.fail("results", "an array of result rows", f.has("results") ? &j["results"] : nullptr);
+  if (!f.has("results") || !j["results"].is_array())
+    f.fail("results", "an array of result rows", f.has("results") ? &j["results"] : nullptr);
   const auto& rows = j["results"];
   report.results.reserve(rows.size());
   for (std::size_t i = 0; i < rows.size(); ++i)

@@ -17,52 +17,51 @@ namespace xfb {
 
 inline constexpr int kSchemaVersion = 1;
 
-
 struct ResultRow {
   std::string model;
   std::vector<std::string> classes;  // class names, e.g. {"fixed_patterns", "memory"}
   Scope scope = Scope::Attention;
-  Pass pass = Pass::Forward;         // what was timed
+  Pass pass = Pass::Forward;  // what was timed
   bool causal = false;
   std::int64_t batch = 0, heads = 0, seq_len = 0, head_dim = 0;
-  std::int64_t d_ff = 0;  // layer scope only; 0 otherwise
+  std::int64_t d_ff = 0;                             // layer scope only; 0 otherwise
   nlohmann::json params = nlohmann::json::object();  // resolved mechanism parameters
   int threads = 0;
   std::string kernel_isa;  // vector ISA of the project's kernels that ran (lib/core/cpu_isa.hpp)
   std::uint64_t seed = 0;
   Status status = Status::Ok;
-  std::string reason;  // why the point is not ok; empty when ok
+  std::string reason;              // why the point is not ok; empty when ok
   std::vector<double> samples_ns;  // every timed repetition, nanoseconds
   double median_ns = 0, min_ns = 0, max_ns = 0, mad_ns = 0, cv = 0;
-  bool unstable = false;           // cv > 5%
+  bool unstable = false;  // cv > 5%
   // Contention (lib/core/contention.hpp): samples during which the point's threads waited for a CPU
   // are kept apart in `contended_samples_ns` and left out of the statistics above.
-  std::int64_t contended_samples = 0;       // timed repetitions marked descheduled
-  std::vector<double> contended_samples_ns; // their wall times, nanoseconds
-  bool contended = false;                   // too few clean samples: time figures are not trustworthy
-  double cpu_ratio = 0;                     // median over clean samples of cpu time / (wall · threads)
-  double host_busy = 0;                     // other processes' + steal share of all CPUs while timed
-  double load_average = 0;                  // 1-minute load average after timing
+  std::int64_t contended_samples = 0;             // timed repetitions marked descheduled
+  std::vector<double> contended_samples_ns;       // their wall times, nanoseconds
+  bool contended = false;                         // too few clean samples: time figures are not trustworthy
+  double cpu_ratio = 0;                           // median over clean samples of cpu time / (wall · threads)
+  double host_busy = 0;                           // other processes' + steal share of all CPUs while timed
+  double load_average = 0;                        // 1-minute load average after timing
   std::map<std::string, double> stage_median_ns;  // median per stage (see stage_clock.hpp); often empty
-  std::int64_t flops = 0;          // executed in one timed call (counter): forward, backward, or both
-  double gflops_per_s = 0;         // flops / median
-  double tokens_per_s = 0;         // batch·seq_len / median
-  std::int64_t peak_tensor_bytes = 0;  // tracked bytes live at the peak, inputs and output included
-  std::int64_t peak_owned_bytes = -1;  // same, the project's own tensors only (no oneDNN scratchpad):
-                                       // machine-independent; -1 in reports that predate it
-  std::int64_t workspace_bytes = 0;    // peak_tensor_bytes minus inputs and output (and, for the
-                                       // backward and train passes, dO and the input gradients:
-                                       // dq, dk, dv in attention scope, dx in layer scope)
-  std::int64_t saved_bytes = 0;        // tracked bytes the forward keeps for the backward (0: forward pass)
-  std::string gradient_note;           // what the backward holds constant (Mechanism::gradient_note); "" if nothing
+  std::int64_t flops = 0;                         // executed in one timed call (counter): forward, backward, or both
+  double gflops_per_s = 0;                        // flops / median
+  double tokens_per_s = 0;                        // batch·seq_len / median
+  std::int64_t peak_tensor_bytes = 0;             // tracked bytes live at the peak, inputs and output included
+  std::int64_t peak_owned_bytes = -1;             // same, the project's own tensors only (no oneDNN scratchpad):
+                                                  // machine-independent; -1 in reports that predate it
+  std::int64_t workspace_bytes = 0;               // peak_tensor_bytes minus inputs and output (and, for the
+                                                  // backward and train passes, dO and the input gradients:
+                                                  // dq, dk, dv in attention scope, dx in layer scope)
+  std::int64_t saved_bytes = 0;                   // tracked bytes the forward keeps for the backward (0: forward pass)
+  std::string gradient_note;  // what the backward holds constant (Mechanism::gradient_note); "" if nothing
   // Decode pass: samples and statistics above are per generated token (one step of B sequences),
   // flops those of the decode_tokens steps (prefill excluded), gflops_per_s = flops / tokens / median,
   // tokens_per_s = batch / median.
-  std::int64_t decode_tokens = 0;      // tokens generated after the N-token context (0: other passes)
-  double prefill_ns = 0;               // median time of the prefill (the context's forward + state)
-  std::int64_t state_bytes = 0;        // tracked bytes kept between steps at the end of the run
+  std::int64_t decode_tokens = 0;              // tokens generated after the N-token context (0: other passes)
+  double prefill_ns = 0;                       // median time of the prefill (the context's forward + state)
+  std::int64_t state_bytes = 0;                // tracked bytes kept between steps at the end of the run
   std::int64_t estimated_workspace_bytes = 0;  // the registry's analytic estimate
-  std::int64_t peak_rss_bytes = 0;     // of the process that ran the point
+  std::int64_t peak_rss_bytes = 0;             // of the process that ran the point
   std::vector<std::string> warnings;
   std::string reproducer;  // the `xfbench run …` command for this point
 

@@ -11,12 +11,23 @@ std::string escape(const std::string& text) {
   std::string out;
   for (char c : text) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      case '\'': out += "&apos;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&apos;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -55,7 +66,8 @@ std::string class_title(const std::string& class_name) {
 std::string open_document(double width, double height, const std::string& title) {
   return "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" + num(width) +
          "\" height=\"" + num(height) + "\" viewBox=\"0 0 " + num(width) + " " + num(height) + "\">\n<title>" +
-         escape(title) + "</title>\n<style>text{font-family:'DejaVu Sans',Helvetica,Arial,sans-serif;fill:#222}"
+         escape(title) +
+         "</title>\n<style>text{font-family:'DejaVu Sans',Helvetica,Arial,sans-serif;fill:#222}"
          ".tick{font-size:12px}.axis-title{font-size:13px}.title{font-size:15px;font-weight:bold}"
          ".legend{font-size:12px}.note{font-size:11px;fill:#666}</style>\n<rect width=\"100%\" height=\"100%\" "
          "fill=\"white\"/>\n";

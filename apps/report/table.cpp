@@ -6,8 +6,8 @@
 #include <set>
 #include <sstream>
 
-#include "lib/core/errors.hpp"
 #include "apps/report/complexity.hpp"
+#include "lib/core/errors.hpp"
 #include "taxonomy/cards.hpp"
 
 namespace xfb {
@@ -35,21 +35,30 @@ std::string metric_title(const TableOptions& o, bool decode) {
     case TableMetric::Time:
       return decode ? "median time per generated token (µs; ~ marks CV > 5%, ! a contended point)"
                     : "median time (ms; ~ marks CV > 5%, ! a contended point)";
-    case TableMetric::Speedup: return "speed-up over " + o.baseline + " (× , higher is faster; ! a contended point)";
-    case TableMetric::Memory: return "peak tracked memory (MiB)";
-    case TableMetric::MemoryRatio: return "peak tracked memory relative to " + o.baseline + " (×, lower is smaller)";
-    case TableMetric::Gflops: return "executed GFLOP/s (% of measured FMA peak)";
-    case TableMetric::State: return "decode state kept between steps (MiB; - for other passes)";
+    case TableMetric::Speedup:
+      return "speed-up over " + o.baseline + " (× , higher is faster; ! a contended point)";
+    case TableMetric::Memory:
+      return "peak tracked memory (MiB)";
+    case TableMetric::MemoryRatio:
+      return "peak tracked memory relative to " + o.baseline + " (×, lower is smaller)";
+    case TableMetric::Gflops:
+      return "executed GFLOP/s (% of measured FMA peak)";
+    case TableMetric::State:
+      return "decode state kept between steps (MiB; - for other passes)";
   }
   return "";
 }
 
 std::string status_cell(const ResultRow& row) {
   switch (row.status) {
-    case Status::Skipped: return "skipped";
-    case Status::Unsupported: return "n/a";
-    case Status::Error: return "error";
-    case Status::Ok: return "";
+    case Status::Skipped:
+      return "skipped";
+    case Status::Unsupported:
+      return "n/a";
+    case Status::Error:
+      return "error";
+    case Status::Ok:
+      return "";
   }
   return "";
 }
@@ -58,7 +67,8 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
   if (row.status != Status::Ok) return status_cell(row);
   switch (o.metric) {
     case TableMetric::Time:
-      return (row.pass == Pass::Decode ? printf_string("%.1f", row.median_ns * 1e-3) : printf_string("%.3f", row.median_ns * 1e-6)) +
+      return (row.pass == Pass::Decode ? printf_string("%.1f", row.median_ns * 1e-3)
+                                       : printf_string("%.3f", row.median_ns * 1e-6)) +
              (row.unstable ? "~" : "") + (row.contended ? "!" : "");
     case TableMetric::Speedup:
       if (baseline == nullptr || baseline->status != Status::Ok) return "-";
@@ -78,7 +88,8 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
       return printf_string("%.1f", row.gflops_per_s) + (share ? printf_string(" (%.0f%%)", *share) : "");
     }
     case TableMetric::State:
-      return row.pass == Pass::Decode ? printf_string("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0)) : "-";
+      return row.pass == Pass::Decode ? printf_string("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0))
+                                      : "-";
   }
   return "";
 }
@@ -108,13 +119,14 @@ std::vector<std::string> complexity_cells(const std::vector<const ResultRow*>& r
   const ComplexitySeries series = analyse_series(rows);
   const std::string survey = series.survey;
   if (series.lengths.size() < 3 || !series.flops.fit) return {survey, "-", "-"};
-  const char* mark = series.verdict == ComplexityVerdict::Match      ? " ✓"
-                     : series.verdict == ComplexityVerdict::Mismatch ? " ✗"
+  const char* mark = series.verdict == ComplexityVerdict::Match       ? " ✓"
+                     : series.verdict == ComplexityVerdict::Mismatch  ? " ✗"
                      : series.verdict == ComplexityVerdict::Ambiguous ? " ?"
                                                                       : "";
   char exponent[32] = "-";
   if (series.time.exponent) std::snprintf(exponent, sizeof exponent, "N^%.2f", *series.time.exponent);
-  return {survey, (series.per_token ? per_token_name(series.flops.fit->best) : big_o_name(series.flops.fit->best)) + mark,
+  return {survey,
+          (series.per_token ? per_token_name(series.flops.fit->best) : big_o_name(series.flops.fit->best)) + mark,
           exponent};
 }
 
@@ -172,7 +184,9 @@ std::string render_cells(const std::vector<std::vector<std::string>>& cells, Tab
 std::string render_table(const Report& report, const TableOptions& options) {
   std::map<GroupKey, std::vector<const ResultRow*>> groups;
   for (const auto& row : report.results)
-    groups[{scope_name(row.scope), pass_name(row.pass), row.causal, row.batch, row.heads, row.head_dim, row.d_ff, row.decode_tokens}].push_back(&row);
+    groups[{scope_name(row.scope), pass_name(row.pass), row.causal, row.batch, row.heads, row.head_dim, row.d_ff,
+            row.decode_tokens}]
+        .push_back(&row);
   const double peak = report.context.value("fma_peak_gflops", 0.0);
   std::ostringstream out;
   bool first_group = true;
@@ -214,20 +228,27 @@ std::string render_table(const Report& report, const TableOptions& options) {
                        std::to_string(kMaxTableCells) + " cells");
     std::vector<std::vector<std::string>> cells;
     std::vector<std::string> header = {"class", "model"};
-    if (options.format == TableFormat::Csv) header = {"scope", "pass", "causal", "batch", "heads", "head_dim", "class", "model"};
+    if (options.format == TableFormat::Csv)
+      header = {"scope", "pass", "causal", "batch", "heads", "head_dim", "class", "model"};
     for (auto n : lengths) header.push_back("N=" + std::to_string(n));
     if (options.complexity) header.insert(header.end(), {"survey", "flops fit", "time"});
     cells.push_back(header);
     for (const auto& label : labels) {
       std::vector<std::string> line;
       if (options.format == TableFormat::Csv)
-        line = {key.scope, key.pass, key.causal ? "true" : "false", std::to_string(key.batch), std::to_string(key.heads),
+        line = {key.scope,
+                key.pass,
+                key.causal ? "true" : "false",
+                std::to_string(key.batch),
+                std::to_string(key.heads),
                 std::to_string(key.head_dim)};
       line.push_back(first_class(label_model[label]));
       line.push_back(label);
       for (auto n : lengths) {
         auto found = grid[label].find(n);
-        line.push_back(found == grid[label].end() ? "" : cell(*found->second, baseline.count(n) ? baseline[n] : nullptr, options, peak));
+        line.push_back(found == grid[label].end()
+                           ? ""
+                           : cell(*found->second, baseline.count(n) ? baseline[n] : nullptr, options, peak));
       }
       if (options.complexity) {
         std::vector<const ResultRow*> series;

@@ -16,7 +16,8 @@ enum class TableFormat { Text, Markdown, Csv };
 struct TableOptions {
   TableMetric metric = TableMetric::Time;
   TableFormat format = TableFormat::Text;
-  std::string baseline = "vanilla";  // speedup: baseline median / model median; memory-ratio: model peak / baseline peak
+  std::string baseline =
+      "vanilla";  // speedup: baseline median / model median; memory-ratio: model peak / baseline peak
   // Adds the survey's complexity, the FLOP-count fit (✓ matches it, ✗ does not, ? ambiguous
   // survey string) and the time exponent (apps/report/complexity.hpp); models with < 3 ok lengths get "-".
   bool complexity = false;

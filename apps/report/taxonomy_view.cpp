@@ -44,7 +44,8 @@ std::string markdown() {
   for (const auto* m : table_order())
     out << "| " << (m->survey_row ? std::to_string(m->survey_row) : "") << " | " << m->display_name << " | `" << m->name
         << "` | " << m->paper << " (arXiv " << m->arxiv << ") | " << m->year << " | " << m->complexity << " | "
-        << (m->decodes() ? "✓" : "✗") << " | " << letters(*m) << " | " << (m->has_implementation ? "yes" : "no") << " |\n";
+        << (m->decodes() ? "✓" : "✗") << " | " << letters(*m) << " | " << (m->has_implementation ? "yes" : "no")
+        << " |\n";
   out << "\nClasses: FP fixed patterns, LP learnable patterns, M memory, LR low rank, KR kernels, RC recurrence; X the "
          "exact baselines. Decode: the model supports causal (autoregressive) attention.\n";
   return out.str();
@@ -55,10 +56,17 @@ std::string json() {
   for (const auto* m : table_order()) {
     std::vector<std::string> classes;
     for (auto c : m->classes) classes.push_back(class_name(c));
-    rows.push_back({{"survey_row", m->survey_row}, {"name", m->name}, {"model", m->display_name},
-                    {"paper", m->paper},           {"arxiv", m->arxiv}, {"year", m->year},
-                    {"complexity", m->complexity}, {"decode", m->decodes()}, {"classes", classes},
-                    {"class_letters", letters(*m)}, {"implemented", m->has_implementation}});
+    rows.push_back({{"survey_row", m->survey_row},
+                    {"name", m->name},
+                    {"model", m->display_name},
+                    {"paper", m->paper},
+                    {"arxiv", m->arxiv},
+                    {"year", m->year},
+                    {"complexity", m->complexity},
+                    {"decode", m->decodes()},
+                    {"classes", classes},
+                    {"class_letters", letters(*m)},
+                    {"implemented", m->has_implementation}});
   }
   return nlohmann::json{{"source", "Tay et al., Efficient Transformers: A Survey, arXiv 2009.06732 (v1), Table 1"},
                         {"models", rows}}
@@ -94,9 +102,15 @@ struct Anchor {
 const std::vector<Anchor>& anchors() {
   using C = ModelClass;
   static const std::vector<Anchor> list = {
-      {{C::FixedPatterns}, 200, 250}, {{C::FixedPatterns, C::Memory}, 450, 250}, {{C::Memory}, 700, 250},
-      {{C::Recurrence}, 970, 260},    {{C::LearnablePatterns}, 240, 570},      {{C::LearnablePatterns, C::LowRank}, 430, 575},
-      {{C::LowRank}, 640, 570},       {{C::Kernels}, 900, 570},                {{C::Exact}, 90, 748},
+      {{C::FixedPatterns}, 200, 250},
+      {{C::FixedPatterns, C::Memory}, 450, 250},
+      {{C::Memory}, 700, 250},
+      {{C::Recurrence}, 970, 260},
+      {{C::LearnablePatterns}, 240, 570},
+      {{C::LearnablePatterns, C::LowRank}, 430, 575},
+      {{C::LowRank}, 640, 570},
+      {{C::Kernels}, 900, 570},
+      {{C::Exact}, 90, 748},
   };
   return list;
 }
@@ -118,14 +132,16 @@ std::string svg_diagram() {
         << num(r.label_y) << "\" text-anchor=\"middle\" font-size=\"14\" font-weight=\"bold\" style=\"fill:" << colour
         << "\">" << escape(svg::class_title(class_name(r.cls))) << "</text>\n";
   }
-  out << "<rect class=\"class-region\" data-class=\"exact\" x=\"20\" y=\"700\" width=\"500\" height=\"75\" fill=\"none\" "
+  out << "<rect class=\"class-region\" data-class=\"exact\" x=\"20\" y=\"700\" width=\"500\" height=\"75\" "
+         "fill=\"none\" "
          "stroke=\"#404040\" stroke-dasharray=\"6 4\"/>\n<text class=\"class-label\" data-class=\"exact\" x=\"30\" "
          "y=\"718\" font-size=\"13\" font-weight=\"bold\">exact baselines (not in the survey's taxonomy)</text>\n";
   std::map<std::vector<ModelClass>, std::vector<const ModelCard*>> placed;
   for (const auto& m : model_cards()) {
     auto classes = m.classes;
     std::sort(classes.begin(), classes.end());
-    const bool known = std::any_of(anchors().begin(), anchors().end(), [&](const Anchor& a) { return a.classes == classes; });
+    const bool known =
+        std::any_of(anchors().begin(), anchors().end(), [&](const Anchor& a) { return a.classes == classes; });
     placed[known ? classes : std::vector<ModelClass>{m.classes.front()}].push_back(&m);
   }
   for (const auto& anchor : anchors()) {
@@ -156,9 +172,12 @@ std::string svg_diagram() {
 
 std::string render_taxonomy(TaxonomyFormat format) {
   switch (format) {
-    case TaxonomyFormat::Markdown: return markdown();
-    case TaxonomyFormat::Json: return json();
-    case TaxonomyFormat::Svg: return svg_diagram();
+    case TaxonomyFormat::Markdown:
+      return markdown();
+    case TaxonomyFormat::Json:
+      return json();
+    case TaxonomyFormat::Svg:
+      return svg_diagram();
   }
   return "";
 }

@@ -38,7 +38,7 @@ namespace xfb {
 
 template <class Config>
 struct Field {
-  ParamSpec spec;                                        // name, type, default, range or choices, help
+  ParamSpec spec;                                         // name, type, default, range or choices, help
   std::function<void(Config&, const ParamValues&)> read;  // parsed values → struct
   std::function<ParamValue(const Config&)> write;         // struct → value of the spec's type
 };
@@ -50,8 +50,13 @@ using FieldTable = std::vector<Field<Config>>;
 template <class Config>
 Field<Config> int_field(std::string name, std::int64_t Config::*member, std::int64_t min, std::int64_t max,
                         std::string help) {
-  return {{name, ParamType::Int, std::to_string(Config{}.*member), static_cast<double>(min),
-           static_cast<double>(max), {}, std::move(help)},
+  return {{name,
+           ParamType::Int,
+           std::to_string(Config{}.*member),
+           static_cast<double>(min),
+           static_cast<double>(max),
+           {},
+           std::move(help)},
           [name, member](Config& c, const ParamValues& v) { c.*member = v.get_int(name); },
           [member](const Config& c) { return ParamValue(c.*member); }};
 }
@@ -119,7 +124,9 @@ concept HasResolve = requires(const Problem& p, const Config& c) {
   { resolve(p, c) } -> std::same_as<Config>;
 };
 template <class Config>
-concept HasValidate = requires(const Problem& p, const Config& c) { validate(p, c); };
+concept HasValidate = requires(const Problem& p, const Config& c) {
+  validate(p, c);
+};
 template <class Config>
 concept HasUnsupported = requires(const Problem& p, const Config& c) {
   { unsupported(p, c) } -> std::convertible_to<std::string>;

@@ -160,10 +160,9 @@ ContentionSummary summarize_contention(const std::vector<double>& wall_ns, const
 
 std::string contention_reason(std::int64_t contended, std::int64_t total, const ContentionSummary& summary) {
   char text[160];
-  std::snprintf(text, sizeof text,
-                "contended: %lld of %lld timed samples waited for a CPU; host busy %.0f%%, load average %.2f",
-                static_cast<long long>(contended), static_cast<long long>(total), 100 * summary.host_busy,
-                summary.load_average);
+  std::snprintf(
+      text, sizeof text, "contended: %lld of %lld timed samples waited for a CPU; host busy %.0f%%, load average %.2f",
+      static_cast<long long>(contended), static_cast<long long>(total), 100 * summary.host_busy, summary.load_average);
   return text;
 }
 

@@ -50,8 +50,8 @@ class ContentionProbe {
   ContentionProbe& operator=(const ContentionProbe&) = delete;
 
   bool schedstat_available() const { return !task_fds_.empty(); }
-  void start();                                  // snapshot before a sample
-  SampleContention stop(double wall_ns);         // readings since start(), judged
+  void start();                           // snapshot before a sample
+  SampleContention stop(double wall_ns);  // readings since start(), judged
 
  private:
   struct Snapshot {

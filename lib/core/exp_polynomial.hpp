@@ -15,7 +15,6 @@ inline constexpr float kLn2Low = 2.12194440e-4f;
 inline constexpr float kLowest = -87.0f;
 inline constexpr float kHighest = 88.0f;  // inputs are clamped here where 2^n is built by hand
 inline constexpr int kDegree = 6;
-inline constexpr float kCoefficients[kDegree + 1] = {1.394110848e-3f, 8.375125937e-3f, 4.166635126e-2f,
-                                                     1.666641533e-1f, 0.5f,            1.0f,
-                                                     1.0f};
+inline constexpr float kCoefficients[kDegree + 1] = {
+    1.394110848e-3f, 8.375125937e-3f, 4.166635126e-2f, 1.666641533e-1f, 0.5f, 1.0f, 1.0f};
 }  // namespace xfb::exp_polynomial

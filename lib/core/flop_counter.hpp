@@ -24,9 +24,7 @@ inline constexpr std::int64_t kSoftmaxBackwardFlopsPerElement = 4;
 // A recomputed tile's backward from saved log-sum-exp: subtract+exp (P), subtract+multiply (dS).
 inline constexpr std::int64_t kRecomputedSoftmaxBackwardFlopsPerElement = 4;
 
-inline constexpr std::int64_t matmul_flops(std::int64_t m, std::int64_t n, std::int64_t k) {
-  return 2 * m * n * k;
-}
+inline constexpr std::int64_t matmul_flops(std::int64_t m, std::int64_t n, std::int64_t k) { return 2 * m * n * k; }
 
 class FlopCounter {
  public:

@@ -34,13 +34,13 @@
 namespace xfb {
 
 struct Problem {
-  std::int64_t batch = 1;      // sequences per call
-  std::int64_t heads = 8;      // attention heads
-  std::int64_t seq_len = 1024; // tokens, N
-  std::int64_t head_dim = 64;  // features per head, D
-  bool causal = false;         // token i attends only to j <= i
-  int threads = 1;             // OpenMP threads the mechanism runs on; per-thread buffers are sized
-                               // for exactly this many (the harness sets the OpenMP team to match)
+  std::int64_t batch = 1;       // sequences per call
+  std::int64_t heads = 8;       // attention heads
+  std::int64_t seq_len = 1024;  // tokens, N
+  std::int64_t head_dim = 64;   // features per head, D
+  bool causal = false;          // token i attends only to j <= i
+  int threads = 1;              // OpenMP threads the mechanism runs on; per-thread buffers are sized
+                                // for exactly this many (the harness sets the OpenMP team to match)
 };
 
 struct NamedTensor {

@@ -59,9 +59,9 @@ void matmul(const MatmulShape& s, const float* a, const float* b, float* c) {
       c_desc(c_dims, dt::f32, c_strides);
 
   auto& context = DnnlContext::instance();
-  const auto key = key_of("matmul", {s.batch, s.m, s.n, s.k, s.trans_a, s.trans_b, lda, ldb, ldc, stride_a, stride_b,
-                                     stride_c, static_cast<std::int64_t>(std::bit_cast<std::uint32_t>(s.alpha)),
-                                     s.accumulate});
+  const auto key =
+      key_of("matmul", {s.batch, s.m, s.n, s.k, s.trans_a, s.trans_b, lda, ldb, ldc, stride_a, stride_b, stride_c,
+                        static_cast<std::int64_t>(std::bit_cast<std::uint32_t>(s.alpha)), s.accumulate});
   const auto& cached = context.primitive(key, [&] {
     auto attr = user_scratchpad_attr();
     if (s.alpha != 1.0f) attr.set_output_scales(0, {s.alpha});
@@ -82,7 +82,8 @@ void matmul(const MatmulShape& s, const float* a, const float* b, float* c) {
 
 void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
           std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
-  const auto status = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  const auto status =
+      dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   if (status != dnnl_success) throw std::runtime_error("dnnl_sgemm failed with status " + std::to_string(status));
   FlopCounter::add(matmul_flops(m, n, k));
 }
@@ -91,9 +92,8 @@ void softmax(float* data, std::int64_t rows, std::int64_t cols) {
   auto& context = DnnlContext::instance();
   const memory::desc desc({rows, cols}, dt::f32, tag::ab);
   const auto& cached = context.primitive(key_of("softmax", {rows, cols}), [&] {
-    dnnl::softmax_forward::primitive_desc pd(
-        dnnl::softmax_forward::desc(dnnl::prop_kind::forward_inference, desc, 1), user_scratchpad_attr(),
-        context.engine());
+    dnnl::softmax_forward::primitive_desc pd(dnnl::softmax_forward::desc(dnnl::prop_kind::forward_inference, desc, 1),
+                                             user_scratchpad_attr(), context.engine());
     return std::make_pair(dnnl::primitive(dnnl::softmax_forward(pd)), pd.scratchpad_desc());
   });
   memory mem(desc, context.engine(), data);
@@ -101,8 +101,8 @@ void softmax(float* data, std::int64_t rows, std::int64_t cols) {
   FlopCounter::add(kSoftmaxFlopsPerElement * rows * cols);
 }
 
-void softmax_rows_masked(float* data, std::int64_t batch, std::int64_t rows, std::int64_t cols, std::int64_t ld, bool causal,
-                         std::int64_t causal_offset) {
+void softmax_rows_masked(float* data, std::int64_t batch, std::int64_t rows, std::int64_t cols, std::int64_t ld,
+                         bool causal, std::int64_t causal_offset) {
   std::int64_t executed = 0;
   const std::int64_t total_rows = batch * rows;
 #pragma omp parallel for schedule(dynamic, 16) reduction(+ : executed)
@@ -123,8 +123,8 @@ void softmax_rows_masked(float* data, std::int64_t batch, std::int64_t rows, std
   FlopCounter::add(kSoftmaxFlopsPerElement * executed);
 }
 
-void softmax_backward_rows_masked(const float* p, float* grad, std::int64_t batch, std::int64_t rows,
-                                  std::int64_t cols, std::int64_t ld, bool causal) {
+void softmax_backward_rows_masked(const float* p, float* grad, std::int64_t batch, std::int64_t rows, std::int64_t cols,
+                                  std::int64_t ld, bool causal) {
   std::int64_t executed = 0;
   const std::int64_t total_rows = batch * rows;
 #pragma omp parallel for schedule(dynamic, 16) reduction(+ : executed)
@@ -144,8 +144,8 @@ void softmax_backward_rows_masked(const float* p, float* grad, std::int64_t batc
   FlopCounter::add(kSoftmaxBackwardFlopsPerElement * executed);
 }
 
-void layer_norm(const float* x, float* y, std::int64_t rows, std::int64_t cols, const float* gamma,
-                const float* beta, float eps) {
+void layer_norm(const float* x, float* y, std::int64_t rows, std::int64_t cols, const float* gamma, const float* beta,
+                float eps) {
   auto& context = DnnlContext::instance();
   const memory::desc desc({rows, cols}, dt::f32, tag::ab);
   const memory::desc param_desc = dense_1d(cols);
@@ -186,8 +186,9 @@ void gelu_backward(const float* z, float* grad, std::int64_t n) {
     const dnnl::eltwise_forward::primitive_desc hint(
         dnnl::eltwise_forward::desc(dnnl::prop_kind::forward_training, dnnl::algorithm::eltwise_gelu_erf, desc),
         context.engine());
-    dnnl::eltwise_backward::primitive_desc pd(dnnl::eltwise_backward::desc(dnnl::algorithm::eltwise_gelu_erf, desc, desc),
-                                              user_scratchpad_attr(), context.engine(), hint);
+    dnnl::eltwise_backward::primitive_desc pd(
+        dnnl::eltwise_backward::desc(dnnl::algorithm::eltwise_gelu_erf, desc, desc), user_scratchpad_attr(),
+        context.engine(), hint);
     return std::make_pair(dnnl::primitive(dnnl::eltwise_backward(pd)), pd.scratchpad_desc());
   });
   auto& engine = context.engine();

@@ -16,7 +16,7 @@ namespace xfb::ops {
 struct MatmulShape {
   std::int64_t batch = 1, m = 0, n = 0, k = 0;
   bool trans_a = false, trans_b = false;
-  std::int64_t lda = 0, ldb = 0, ldc = 0;  // 0: packed (the stored row length)
+  std::int64_t lda = 0, ldb = 0, ldc = 0;                    // 0: packed (the stored row length)
   std::int64_t stride_a = -1, stride_b = -1, stride_c = -1;  // -1: packed
   float alpha = 1.0f;
   bool accumulate = false;
@@ -35,19 +35,19 @@ void softmax(float* data, std::int64_t rows, std::int64_t cols);
 // stride rows·ld). Row r uses its first valid(r) entries, where
 // valid(r) = cols, or min(cols, r + 1 + causal_offset) when causal; the rest of the row is set
 // to 0. Counts kSoftmaxFlopsPerElement per valid entry. Project kernel (OpenMP over rows).
-void softmax_rows_masked(float* data, std::int64_t batch, std::int64_t rows, std::int64_t cols, std::int64_t ld, bool causal,
-                         std::int64_t causal_offset = 0);
+void softmax_rows_masked(float* data, std::int64_t batch, std::int64_t rows, std::int64_t cols, std::int64_t ld,
+                         bool causal, std::int64_t causal_offset = 0);
 
 // Softmax backward over the same strided rows: grad holds dP on entry and dS on return, where
 // dS[r, j] = P[r, j]·(dP[r, j] − Σ_valid P[r, ·]·dP[r, ·]) for the valid(r) entries (as above, with
 // causal_offset 0) and 0 beyond them. p: the softmax output (row stride ld), unchanged. Counts
 // kSoftmaxBackwardFlopsPerElement per valid entry. Project kernel (OpenMP over rows).
-void softmax_backward_rows_masked(const float* p, float* grad, std::int64_t batch, std::int64_t rows,
-                                  std::int64_t cols, std::int64_t ld, bool causal);
+void softmax_backward_rows_masked(const float* p, float* grad, std::int64_t batch, std::int64_t rows, std::int64_t cols,
+                                  std::int64_t ld, bool causal);
 
 // y = (x - mean) / sqrt(var + eps) · gamma + beta over each row of [rows, cols] (oneDNN).
-void layer_norm(const float* x, float* y, std::int64_t rows, std::int64_t cols, const float* gamma,
-                const float* beta, float eps = 1e-5f);
+void layer_norm(const float* x, float* y, std::int64_t rows, std::int64_t cols, const float* gamma, const float* beta,
+                float eps = 1e-5f);
 
 // In-place GELU (erf form) over n values (oneDNN eltwise).
 void gelu(float* data, std::int64_t n);

@@ -18,11 +18,11 @@ namespace xfb {
 inline constexpr std::size_t kExactSignedRankMax = 60;
 
 struct PairedResult {
-  std::size_t rounds = 0;        // non-zero differences used
-  double ratio = 1;              // exp(Hodges–Lehmann estimate of the median log ratio)
+  std::size_t rounds = 0;          // non-zero differences used
+  double ratio = 1;                // exp(Hodges–Lehmann estimate of the median log ratio)
   double ci_low = 0, ci_high = 0;  // confidence interval of the ratio (0 and +∞ when undecidable)
-  double w_plus = 0;             // signed-rank statistic
-  double p_value = 1;            // two-sided
+  double w_plus = 0;               // signed-rank statistic
+  double p_value = 1;              // two-sided
   bool exact = true;
 };
 

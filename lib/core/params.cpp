@@ -68,7 +68,9 @@ ParamValue parse_value(const std::string& model, const ParamSpec& spec, const st
 
 }  // namespace
 
-std::int64_t ParamValues::get_int(const std::string& name) const { return std::get<std::int64_t>(lookup(values_, name)); }
+std::int64_t ParamValues::get_int(const std::string& name) const {
+  return std::get<std::int64_t>(lookup(values_, name));
+}
 double ParamValues::get_float(const std::string& name) const { return std::get<double>(lookup(values_, name)); }
 bool ParamValues::get_bool(const std::string& name) const { return std::get<bool>(lookup(values_, name)); }
 const std::string& ParamValues::get_choice(const std::string& name) const {
@@ -97,10 +99,14 @@ std::string param_value_string(const ParamValue& value) {
 
 std::string param_type_name(ParamType type) {
   switch (type) {
-    case ParamType::Int: return "int";
-    case ParamType::Float: return "float";
-    case ParamType::Bool: return "bool";
-    case ParamType::Choice: return "choice";
+    case ParamType::Int:
+      return "int";
+    case ParamType::Float:
+      return "float";
+    case ParamType::Bool:
+      return "bool";
+    case ParamType::Choice:
+      return "choice";
   }
   return "?";
 }
@@ -124,8 +130,7 @@ ParamValues resolve_params(const std::string& model, const std::vector<ParamSpec
   std::vector<std::string> assigned;
   for (const auto& assignment : assignments) {
     const auto eq = assignment.find('=');
-    if (eq == std::string::npos || eq == 0)
-      throw ParamError("--param expects key=value, got '" + assignment + "'");
+    if (eq == std::string::npos || eq == 0) throw ParamError("--param expects key=value, got '" + assignment + "'");
     const std::string key = assignment.substr(0, eq);
     const ParamSpec* spec = nullptr;
     for (const auto& candidate : specs)

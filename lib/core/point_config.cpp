@@ -16,10 +16,14 @@ Scope parse_scope(const std::string& name) {
 
 std::string status_name(Status s) {
   switch (s) {
-    case Status::Ok: return "ok";
-    case Status::Skipped: return "skipped";
-    case Status::Unsupported: return "unsupported";
-    case Status::Error: return "error";
+    case Status::Ok:
+      return "ok";
+    case Status::Skipped:
+      return "skipped";
+    case Status::Unsupported:
+      return "unsupported";
+    case Status::Error:
+      return "error";
   }
   return "error";
 }
@@ -32,10 +36,14 @@ Status parse_status(const std::string& name) {
 
 std::string pass_name(Pass p) {
   switch (p) {
-    case Pass::Forward: return "forward";
-    case Pass::Backward: return "backward";
-    case Pass::Train: return "train";
-    case Pass::Decode: return "decode";
+    case Pass::Forward:
+      return "forward";
+    case Pass::Backward:
+      return "backward";
+    case Pass::Train:
+      return "train";
+    case Pass::Decode:
+      return "decode";
   }
   return "forward";
 }

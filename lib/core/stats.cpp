@@ -102,8 +102,8 @@ UTestResult mann_whitney_u(const std::vector<double>& a, const std::vector<doubl
   const double rank_sum_a = std::accumulate(ranks.begin(), ranks.begin() + static_cast<long>(a.size()), 0.0);
   result.u_a = rank_sum_a - na * (na + 1) / 2;
   result.u_b = na * nb - result.u_a;
-  const bool exact = method == UTestMethod::Exact ||
-                     (method == UTestMethod::Auto && pooled.size() <= kExactUTestMaxTotal);
+  const bool exact =
+      method == UTestMethod::Exact || (method == UTestMethod::Auto && pooled.size() <= kExactUTestMaxTotal);
   if (exact) {
     std::vector<long> doubled;
     doubled.reserve(ranks.size());
@@ -123,7 +123,8 @@ UTestResult mann_whitney_u(const std::vector<double>& a, const std::vector<doubl
 }
 
 double spearman_rho(const std::vector<double>& x, const std::vector<double>& y) {
-  if (x.size() != y.size() || x.size() < 2) throw std::invalid_argument("spearman_rho needs two equal-length series of at least two values");
+  if (x.size() != y.size() || x.size() < 2)
+    throw std::invalid_argument("spearman_rho needs two equal-length series of at least two values");
   const auto rx = average_ranks(x), ry = average_ranks(y);
   const double mean = 0.5 * static_cast<double>(x.size() + 1);
   double sxy = 0, sxx = 0, syy = 0;

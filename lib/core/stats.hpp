@@ -9,7 +9,7 @@ namespace xfb {
 
 struct SampleStats {
   double median = 0, min = 0, max = 0;
-  double mad = 0;  // median absolute deviation from the median (unscaled)
+  double mad = 0;               // median absolute deviation from the median (unscaled)
   double mean = 0, stddev = 0;  // stddev with Bessel's correction (0 for one sample)
   double cv = 0;                // stddev / mean
 };

@@ -37,7 +37,9 @@ Tensor::Tensor(Shape shape) : shape_(std::move(shape)), size_(element_count(shap
 Tensor::~Tensor() { release(); }
 
 Tensor::Tensor(Tensor&& other) noexcept
-    : shape_(std::move(other.shape_)), size_(std::exchange(other.size_, 0)), data_(std::exchange(other.data_, nullptr)) {}
+    : shape_(std::move(other.shape_)),
+      size_(std::exchange(other.size_, 0)),
+      data_(std::exchange(other.data_, nullptr)) {}
 
 Tensor& Tensor::operator=(Tensor&& other) noexcept {
   if (this != &other) {

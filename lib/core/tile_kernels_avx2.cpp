@@ -7,6 +7,7 @@
 namespace xfb::tiles::avx2 {
 #define XFB_VECTOR_FLOATS 8
 #define XFB_BLOCK_ROWS 6
-#define XFB_SPLAT(x) vec{(x), (x), (x), (x), (x), (x), (x), (x)}
+#define XFB_SPLAT(x) \
+  vec { (x), (x), (x), (x), (x), (x), (x), (x) }
 #include "lib/core/tile_kernels_isa.inc"
 }  // namespace xfb::tiles::avx2

@@ -3,21 +3,21 @@
 // its own file with its ISA's flags; lib/core/tile_kernels.cpp picks one by kernel_isa(). Plain types
 // only: this header is included under AVX-512 flags.
 namespace xfb::tiles {
-#define XFB_TILE_KERNELS(ns)                                                                                     \
-  namespace ns {                                                                                                 \
-  void scores(const float* q, long ldq, long rows, const float* packed, long panels, long d, float alpha,       \
-              float* s, long lds);                                                                               \
-  void accumulate_pv(const float* p, long ldp, long rows, long cols, const float* v, long ldv, long d,          \
-                     float* out, long ldo, float alpha);                                                         \
-  void accumulate_transposed(const float* p, long ldp, long rows, long cols, const float* x, long ldx, long d,   \
-                             float alpha, float* out, long ldo);                                                 \
-  float interval_max(const float* x, long lo, long hi, float start);                                             \
-  float exp_interval(float* x, long lo, long hi, long width, float shift);                                       \
-  void softmax_grad_interval(float* p, float* g, long lo, long hi, long width, float shift, float dot);           \
-  float row_max(const float* x, long n, float start);                                                            \
-  float exp_and_sum(float* x, long n, float shift);                                                              \
-  void pack_key_panels(const float* keys, long ldk, long cols, long d, float* packed);                           \
-  long positions_at_least(const float* values, long n, float threshold, int* positions, float* kept);           \
+#define XFB_TILE_KERNELS(ns)                                                                                        \
+  namespace ns {                                                                                                    \
+  void scores(const float* q, long ldq, long rows, const float* packed, long panels, long d, float alpha, float* s, \
+              long lds);                                                                                            \
+  void accumulate_pv(const float* p, long ldp, long rows, long cols, const float* v, long ldv, long d, float* out,  \
+                     long ldo, float alpha);                                                                        \
+  void accumulate_transposed(const float* p, long ldp, long rows, long cols, const float* x, long ldx, long d,      \
+                             float alpha, float* out, long ldo);                                                    \
+  float interval_max(const float* x, long lo, long hi, float start);                                                \
+  float exp_interval(float* x, long lo, long hi, long width, float shift);                                          \
+  void softmax_grad_interval(float* p, float* g, long lo, long hi, long width, float shift, float dot);             \
+  float row_max(const float* x, long n, float start);                                                               \
+  float exp_and_sum(float* x, long n, float shift);                                                                 \
+  void pack_key_panels(const float* keys, long ldk, long cols, long d, float* packed);                              \
+  long positions_at_least(const float* values, long n, float threshold, int* positions, float* kept);               \
   }
 XFB_TILE_KERNELS(avx2)
 XFB_TILE_KERNELS(avx512)

@@ -65,7 +65,8 @@ TimingResult time_repeatedly(const TimingSettings& settings, const std::function
   return result;
 }
 
-DecodeTimingResult time_decoding(const TimingSettings& settings, std::int64_t tokens, const std::function<void()>& prefill,
+DecodeTimingResult time_decoding(const TimingSettings& settings, std::int64_t tokens,
+                                 const std::function<void()>& prefill,
                                  const std::function<void(std::int64_t step)>& step,
                                  const std::function<void(std::int64_t step)>& ready) {
   using clock = std::chrono::steady_clock;
@@ -77,14 +78,17 @@ DecodeTimingResult time_decoding(const TimingSettings& settings, std::int64_t to
   const auto created_before = DnnlContext::instance().primitives_created();
   ContentionProbe probe;
   // Sorting only: the stopping rule is per run, below.
-  SampleCollector collector({.warmup = 0, .min_reps = static_cast<int>(tokens), .min_time_s = 0,
+  SampleCollector collector({.warmup = 0,
+                             .min_reps = static_cast<int>(tokens),
+                             .min_time_s = 0,
                              .max_reps = std::numeric_limits<int>::max()});
   DecodeTimingResult result;
   double total_ns = 0, clean_steps = 0, contended_ns = 0;
   const double budget_ns = (2 * settings.min_time_s + 0.25) * 1e9;
   auto done = [&] {
     if (result.runs >= settings.max_reps) return true;
-    if (result.runs >= settings.min_reps && clean_steps >= static_cast<double>(settings.min_reps) * static_cast<double>(tokens) &&
+    if (result.runs >= settings.min_reps &&
+        clean_steps >= static_cast<double>(settings.min_reps) * static_cast<double>(tokens) &&
         total_ns >= settings.min_time_s * 1e9)
       return true;
     return result.runs > 0 && contended_ns > budget_ns;

@@ -16,10 +16,10 @@
 namespace xfb {
 
 struct TimingSettings {
-  int warmup = 1;          // untimed runs before timing
-  int min_reps = 5;        // clean timed runs, at least
-  double min_time_s = 0.5; // seconds of clean timed runs, at least
-  int max_reps = 1000;     // timed runs, clean or not, at most
+  int warmup = 1;           // untimed runs before timing
+  int min_reps = 5;         // clean timed runs, at least
+  double min_time_s = 0.5;  // seconds of clean timed runs, at least
+  int max_reps = 1000;      // timed runs, clean or not, at most
 };
 
 struct TimingResult {
@@ -28,7 +28,7 @@ struct TimingResult {
   // Per stage_clock stage, one per clean run (per run of any kind when no run was clean).
   std::map<std::string, std::vector<double>> stage_samples_ns;
   ContentionSummary contention;
-  bool contended = false;                    // clean samples < min_reps, or < descheduled ones
+  bool contended = false;  // clean samples < min_reps, or < descheduled ones
   std::int64_t primitives_created_while_timed = 0;
 };
 
@@ -60,11 +60,12 @@ TimingResult time_repeatedly(const TimingSettings& settings, const std::function
 // clean ones). `ready(t)` runs untimed right before step t (the harness brings the token's inputs
 // into cache there, as the projection that produces them in a real decoder would leave them).
 struct DecodeTimingResult {
-  TimingResult steps;               // per-token wall times of every timed run's steps
-  std::vector<double> prefill_ns;   // one per timed run
+  TimingResult steps;              // per-token wall times of every timed run's steps
+  std::vector<double> prefill_ns;  // one per timed run
   std::int64_t runs = 0;
 };
-DecodeTimingResult time_decoding(const TimingSettings& settings, std::int64_t tokens, const std::function<void()>& prefill,
+DecodeTimingResult time_decoding(const TimingSettings& settings, std::int64_t tokens,
+                                 const std::function<void()>& prefill,
                                  const std::function<void(std::int64_t step)>& step,
                                  const std::function<void(std::int64_t step)>& ready);
 

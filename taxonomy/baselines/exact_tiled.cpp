@@ -125,8 +125,8 @@ class ExactTiled final : public Mechanism {
         // Causal tasks near the end of a head are the longest: start them first.
         const std::int64_t block = p_.causal ? query_blocks - 1 - task % query_blocks : task % query_blocks;
         kernel_flops += query_block(head, q.data() + head * n * p_.head_dim, k.data() + head * n * p_.head_dim,
-                                     v.data() + head * n * p_.head_dim, out.data() + head * n * p_.head_dim,
-                                     block * c_.block_q, thread);
+                                    v.data() + head * n * p_.head_dim, out.data() + head * n * p_.head_dim,
+                                    block * c_.block_q, thread);
       }
     }
     if (cache_.capacity() > 0) cache_.load_context(k, v, p_.threads);  // the prefill of a decode
@@ -153,9 +153,9 @@ class ExactTiled final : public Mechanism {
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t head = 0; head < heads; ++head) {
         const std::int64_t offset = head * n * d;
-        own_flops += head_backward(head, {q.data() + offset, k.data() + offset, v.data() + offset, out.data() + offset,
-                                          dout.data() + offset, dq.data() + offset, dk.data() + offset,
-                                          dv.data() + offset},
+        own_flops += head_backward(head,
+                                   {q.data() + offset, k.data() + offset, v.data() + offset, out.data() + offset,
+                                    dout.data() + offset, dq.data() + offset, dk.data() + offset, dv.data() + offset},
                                    thread);
       }
     }
@@ -198,7 +198,8 @@ class ExactTiled final : public Mechanism {
 #pragma omp for schedule(static)
       for (std::int64_t head = 0; head < heads; ++head) {
         RowSoftmax total = split_row(head * splits + splits - 1);
-        for (std::int64_t split = 0; split + 1 < splits; ++split) flops += merge_rows(total, split_row(head * splits + split));
+        for (std::int64_t split = 0; split + 1 < splits; ++split)
+          flops += merge_rows(total, split_row(head * splits + split));
         flops += finish_row(total, out.data() + head * d);
       }
     }
@@ -254,8 +255,8 @@ class ExactTiled final : public Mechanism {
   // The backward of the [rows, cols] tile at (q0, k0): P and dS recomputed from the saved
   // log-sum-exp, then dV += Pᵀ·dO, dK += scale·dSᵀ·Q, dQ += scale·dS·K. Returns the FLOPs it
   // executed outside oneDNN.
-  std::int64_t tile_backward(std::int64_t head, const HeadGrads& g, std::int64_t q0, std::int64_t rows,
-                             std::int64_t k0, std::int64_t cols, int thread) {
+  std::int64_t tile_backward(std::int64_t head, const HeadGrads& g, std::int64_t q0, std::int64_t rows, std::int64_t k0,
+                             std::int64_t cols, int thread) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = score_stride(c_.backward_block_k);
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     float* probs = tile_grads_.data() + thread * 2 * backward_rows(c_, d) * ld;
@@ -305,8 +306,8 @@ class ExactTiled final : public Mechanism {
   }
 
   // Computes rows [q0, q0 + bq) of one head. Returns the FLOPs it executed outside oneDNN.
-  std::int64_t query_block(std::int64_t head, const float* q, const float* k, const float* v, float* out, std::int64_t q0,
-                           int thread) {
+  std::int64_t query_block(std::int64_t head, const float* q, const float* k, const float* v, float* out,
+                           std::int64_t q0, int thread) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, bk = c_.block_k;
     const std::int64_t rows = std::min(c_.block_q, n - q0);
     const std::int64_t lds = score_ld_;
@@ -376,7 +377,8 @@ class ExactTiled final : public Mechanism {
       ops::gemm(false, true, rows, cols, d, scale, q, d, k + k0 * d, d, 0.0f, scores, score_ld_);
       return 0;
     }
-    const float* packed = packed_keys_.data() + (head * tiles::panels_for(p_.seq_len) + k0 / tiles::kPanel) * d * tiles::kPanel;
+    const float* packed =
+        packed_keys_.data() + (head * tiles::panels_for(p_.seq_len) + k0 / tiles::kPanel) * d * tiles::kPanel;
     tiles::scores(q, d, rows, packed, tiles::panels_for(cols), d, scale, scores, score_ld_);
     return matmul_flops(rows, score_columns(cols, d), d);
   }
@@ -456,12 +458,13 @@ std::int64_t decode_workspace(const Problem& p, const ExactTiledConfig& c, std::
   const std::int64_t heads = p.batch * p.heads, tasks = heads * decode_splits(p, c, tokens);
   const std::int64_t capacity = p.seq_len + tokens;
   return KvCache::bytes(heads, capacity, p.head_dim) +
-         tasks * (2 * p.head_dim + 2 + split_capacity(capacity, tasks / heads)) * static_cast<std::int64_t>(sizeof(float));
+         tasks * (2 * p.head_dim + 2 + split_capacity(capacity, tasks / heads)) *
+             static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t backward_workspace(const Problem& p, const ExactTiledConfig& c) {
-  const std::int64_t per_thread = 2 * backward_rows(c, p.head_dim) * score_stride(c.backward_block_k) +
-                                  2 * block_panel_floats(c, p.head_dim);
+  const std::int64_t per_thread =
+      2 * backward_rows(c, p.head_dim) * score_stride(c.backward_block_k) + 2 * block_panel_floats(c, p.head_dim);
   const std::int64_t floats = 2 * p.batch * p.heads * p.seq_len + p.threads * per_thread;
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
@@ -475,6 +478,8 @@ FieldTable<ExactTiledConfig> config_fields(const ExactTiledConfig*) {
 }
 
 template <>
-Implementation implementation<ExactTiledConfig>() { return implement<ExactTiledConfig>(); }
+Implementation implementation<ExactTiledConfig>() {
+  return implement<ExactTiledConfig>();
+}
 
 }  // namespace xfb

@@ -41,9 +41,9 @@
 namespace xfb {
 
 struct ExactTiledConfig {
-  std::int64_t block_q = 64;   // query rows per task, tokens
-  std::int64_t block_k = 1024;  // key columns per forward tile, tokens (AVX-512 class: 3% faster than 512,
-                               // AVX2: 1.5%)
+  std::int64_t block_q = 64;            // query rows per task, tokens
+  std::int64_t block_k = 1024;          // key columns per forward tile, tokens (AVX-512 class: 3% faster than 512,
+                                        // AVX2: 1.5%)
   std::int64_t backward_block_k = 512;  // key columns per backward block, tokens (AVX2 class: 1024 is
                                         // 10% slower; AVX-512: the same)
 };

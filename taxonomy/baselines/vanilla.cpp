@@ -25,7 +25,12 @@ class Vanilla final : public Mechanism {
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = scores_.dim(2);
-    ops::MatmulShape qk{.batch = p_.batch * p_.heads, .m = n, .n = n, .k = d, .trans_b = true, .ldc = ld,
+    ops::MatmulShape qk{.batch = p_.batch * p_.heads,
+                        .m = n,
+                        .n = n,
+                        .k = d,
+                        .trans_b = true,
+                        .ldc = ld,
                         .alpha = 1.0f / std::sqrt(static_cast<float>(d))};
     ops::matmul(qk, q.data(), k.data(), scores_.data());
     ops::softmax_rows_masked(scores_.data(), p_.batch * p_.heads, n, n, ld, p_.causal);
@@ -79,8 +84,8 @@ class Vanilla final : public Mechanism {
     ops::softmax_backward_rows_masked(scores_.data(), score_grads_.data(), bh, n, n, ld, p_.causal);
     ops::matmul({.batch = bh, .m = n, .n = d, .k = n, .lda = ld, .alpha = scale}, score_grads_.data(), k.data(),
                 dq.data());
-    ops::matmul({.batch = bh, .m = n, .n = d, .k = n, .trans_a = true, .lda = ld, .alpha = scale},
-                score_grads_.data(), q.data(), dk.data());
+    ops::matmul({.batch = bh, .m = n, .n = d, .k = n, .trans_a = true, .lda = ld, .alpha = scale}, score_grads_.data(),
+                q.data(), dk.data());
   }
 
   std::vector<NamedTensor> saved() const override { return {{"probabilities", &scores_}}; }
@@ -88,8 +93,8 @@ class Vanilla final : public Mechanism {
  private:
   Problem p_;
   Tensor scores_, score_grads_;
-  KvCache cache_;       // decode: keys and values of every token so far, [B·H, N + T, D] each
-  Tensor step_scores_;  // decode: one score row per head, [B·H, padded(N + T)]
+  KvCache cache_;            // decode: keys and values of every token so far, [B·H, N + T, D] each
+  Tensor step_scores_;       // decode: one score row per head, [B·H, padded(N + T)]
   std::int64_t length_ = 0;  // decode: tokens in the cache
 };
 
@@ -110,7 +115,8 @@ std::int64_t workspace(const Problem& p, const VanillaConfig&) {
 
 std::int64_t backward_flops(const Problem& p, const VanillaConfig&) {
   const std::int64_t bh = p.batch * p.heads;
-  return 4 * bh * matmul_flops(p.seq_len, p.seq_len, p.head_dim) + kSoftmaxBackwardFlopsPerElement * bh * softmax_entries(p);
+  return 4 * bh * matmul_flops(p.seq_len, p.seq_len, p.head_dim) +
+         kSoftmaxBackwardFlopsPerElement * bh * softmax_entries(p);
 }
 
 // The dP/dS buffer; P itself is the forward's score buffer.
@@ -118,10 +124,13 @@ std::int64_t backward_workspace(const Problem& p, const VanillaConfig& c) { retu
 
 std::int64_t decode_workspace(const Problem& p, const VanillaConfig&, std::int64_t tokens) {
   const std::int64_t bh = p.batch * p.heads, capacity = p.seq_len + tokens;
-  return KvCache::bytes(bh, capacity, p.head_dim) + bh * ops::padded_ld(capacity) * static_cast<std::int64_t>(sizeof(float));
+  return KvCache::bytes(bh, capacity, p.head_dim) +
+         bh * ops::padded_ld(capacity) * static_cast<std::int64_t>(sizeof(float));
 }
 
 template <>
-Implementation implementation<VanillaConfig>() { return implement<VanillaConfig>(); }
+Implementation implementation<VanillaConfig>() {
+  return implement<VanillaConfig>();
+}
 
 }  // namespace xfb

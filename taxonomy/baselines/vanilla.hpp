@@ -16,4 +16,4 @@ namespace xfb {
 struct VanillaConfig {};  // no parameters
 template <>
 Implementation implementation<VanillaConfig>();
-}
+}  // namespace xfb

@@ -201,10 +201,10 @@ std::int64_t attend(const HeadView& head, const Tile& tile, ThreadScratch& scrat
 
 // A plan is a callable plan(task, lo, hi) -> Tile that fills lo/hi of the tile's rows; tasks are
 // independent. run_tiles runs tasks [0, tasks) of every head h < heads (views from head_of(h)) in
-// one OpenMP loop of scratch.threads() threads and adds the FLOPs to the counter; plan_flops is the exact count for one head.
-// Threads claim kTilesPerClaim consecutive tasks at a time, so each reads its q, k, v rows as runs
-// the hardware prefetcher follows (one task at a time interleaved the threads' rows: local attention
-// 6% slower, axial 9%); claims stay small enough to balance uneven (causal) tasks.
+// one OpenMP loop of scratch.threads() threads and adds the FLOPs to the counter; plan_flops is the exact count for one
+// head. Threads claim kTilesPerClaim consecutive tasks at a time, so each reads its q, k, v rows as runs the hardware
+// prefetcher follows (one task at a time interleaved the threads' rows: local attention 6% slower, axial 9%); claims
+// stay small enough to balance uneven (causal) tasks.
 inline constexpr int kTilesPerClaim = 8;
 template <class Plan>
 std::int64_t plan_flops(std::int64_t tasks, std::int64_t d, const Plan& plan) {
@@ -268,8 +268,7 @@ class BackwardScratch {
  public:
   BackwardScratch() = default;
   BackwardScratch(std::int64_t threads, std::int64_t max_cols, std::int64_t tokens, std::int64_t d);
-  static std::int64_t tracked_bytes(std::int64_t threads, std::int64_t max_cols, std::int64_t tokens,
-                                    std::int64_t d);
+  static std::int64_t tracked_bytes(std::int64_t threads, std::int64_t max_cols, std::int64_t tokens, std::int64_t d);
   int threads() const { return threads_; }
   float* probs(int thread) { return tiles_.data() + thread * 2 * kTaskRows * ld_; }
   float* grads(int thread) { return probs(thread) + kTaskRows * ld_; }
@@ -342,8 +341,7 @@ std::int64_t backward_tiles(const HeadGrads& g, std::int64_t tasks, const Plan& 
 // saving() leaves views unchanged and the forward saves nothing.
 class TileTraining {
  public:
-  void prepare(std::int64_t heads, std::int64_t tokens, std::int64_t threads, std::int64_t max_cols,
-               std::int64_t d);
+  void prepare(std::int64_t heads, std::int64_t tokens, std::int64_t threads, std::int64_t max_cols, std::int64_t d);
   static std::int64_t tracked_bytes(std::int64_t heads, std::int64_t tokens, std::int64_t threads,
                                     std::int64_t max_cols, std::int64_t d);
   // The view with lse at head `head`'s entries of the saved log-sum-exp (when prepared).

@@ -59,9 +59,7 @@ std::int64_t TileAttention::bytes(std::int64_t score_capacity, std::int64_t gath
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
 
-std::int64_t TileAttention::score_floats(std::int64_t rows, std::int64_t width) {
-  return rows * ops::padded_ld(width);
-}
+std::int64_t TileAttention::score_floats(std::int64_t rows, std::int64_t width) { return rows * ops::padded_ld(width); }
 
 namespace {
 
@@ -226,8 +224,8 @@ void TileAttention::per_run_products(const TilePattern& tile, const TileGrads& g
     const std::int64_t w = columns_[s].width(), step_ld = runs[s].step * d;
     if (w == 0) continue;
     const std::int64_t first_row = runs[s].first + columns_[s].lo * runs[s].step;
-    ops::gemm(true, false, w, d, rows, 1.0f, scores_.data() + offsets_[s], ld, g.dout, g.ld, 1.0f,
-              g.dv + first_row * d, step_ld);
+    ops::gemm(true, false, w, d, rows, 1.0f, scores_.data() + offsets_[s], ld, g.dout, g.ld, 1.0f, g.dv + first_row * d,
+              step_ld);
     ops::gemm(true, false, w, d, rows, scale, grads_.data() + offsets_[s], ld, g.q, g.ld, 1.0f, g.dk + first_row * d,
               step_ld);
     ops::gemm(false, false, rows, d, w, scale, grads_.data() + offsets_[s], ld, first_computed(tile, k, s), step_ld,

@@ -126,21 +126,21 @@ class TileAttention {
               std::int64_t ld, bool gather);
   std::int64_t softmax_rows(const TilePattern& tile, std::int64_t width, std::int64_t ld, float* lse,
                             std::int64_t lse_step);
-  std::int64_t computed_layout(const TilePattern& tile);  // fills columns_, offsets_; returns the width
+  std::int64_t computed_layout(const TilePattern& tile);          // fills columns_, offsets_; returns the width
   void visible_spans(const TilePattern& tile, std::int64_t row);  // fills spans_ for one row
   void gather_union(const TilePattern& tile, const float* k, const float* v);
   // C (+)= op(A)·B over each run's computed columns (see backward in the .cpp).
   // width: the computed columns (computed_layout's result).
-  void per_run_products(const TilePattern& tile, const TileGrads& g, const float* k, std::int64_t width, std::int64_t ld,
-                        bool gather);
+  void per_run_products(const TilePattern& tile, const TileGrads& g, const float* k, std::int64_t width,
+                        std::int64_t ld, bool gather);
   void weighted_values(const TilePattern& tile, const float* v, float* out, std::int64_t out_ld, std::int64_t width,
                        std::int64_t ld, bool gather);
 
   std::int64_t d_;
   Tensor scores_, keys_, values_;
-  Tensor grads_, key_grads_, value_grads_;  // backward only (enable_backward)
-  std::vector<ColumnRange> columns_;   // per run: computed union
-  std::vector<std::int64_t> offsets_;  // per run: first score column
+  Tensor grads_, key_grads_, value_grads_;                    // backward only (enable_backward)
+  std::vector<ColumnRange> columns_;                          // per run: computed union
+  std::vector<std::int64_t> offsets_;                         // per run: first score column
   std::vector<std::pair<std::int64_t, std::int64_t>> spans_;  // one row's visible (first column, length)
 };
 
@@ -163,7 +163,8 @@ std::vector<std::size_t> task_ranges_by_head(const std::vector<Task>& tasks, std
   std::vector<std::size_t> ranges(static_cast<std::size_t>(heads + 1), tasks.size());
   for (std::size_t t = tasks.size(); t-- > 0;) ranges[static_cast<std::size_t>(tasks[t].head)] = t;
   for (std::int64_t h = heads; h-- > 0;)  // a head without tasks starts where the next one does
-    ranges[static_cast<std::size_t>(h)] = std::min(ranges[static_cast<std::size_t>(h)], ranges[static_cast<std::size_t>(h + 1)]);
+    ranges[static_cast<std::size_t>(h)] =
+        std::min(ranges[static_cast<std::size_t>(h)], ranges[static_cast<std::size_t>(h + 1)]);
   return ranges;
 }
 
@@ -176,7 +177,7 @@ void run_tile_tasks(std::int64_t batch, const std::vector<Task>& tasks, std::vec
                     RunTask&& run_task) {
   const auto count = static_cast<std::int64_t>(tasks.size());
   std::int64_t softmax_flops = 0;
-#pragma omp parallel num_threads(static_cast<int>(kernels.size())) reduction(+ : softmax_flops)
+#pragma omp parallel num_threads(static_cast <int>(kernels.size())) reduction(+ : softmax_flops)
   {
     TileAttention& kernel = kernels[static_cast<std::size_t>(omp_get_thread_num())];
     TilePattern tile;

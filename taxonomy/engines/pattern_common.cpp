@@ -65,9 +65,7 @@ std::int64_t gathered_tile_backward(const GatheredTile& t, float scale, float* s
   return kRecomputedSoftmaxBackwardFlopsPerElement * t.rows * t.cols;
 }
 
-bool tile_products_on_kernels(std::int64_t d) {
-  return tiles::fits_head_dim(d) && kernel_isa() == KernelIsa::Avx512;
-}
+bool tile_products_on_kernels(std::int64_t d) { return tiles::fits_head_dim(d) && kernel_isa() == KernelIsa::Avx512; }
 
 std::int64_t tile_panel_floats(std::int64_t cols, std::int64_t d) {
   return tiles::fits_head_dim(d) ? tiles::panels_for(cols) * tiles::kPanel * d : 0;

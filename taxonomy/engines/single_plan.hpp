@@ -34,7 +34,9 @@ class SinglePlanAttention final : public Mechanism {
     if (!window_.empty()) window_.load_context(k, v, p_.threads);
   }
 
-  void prepare_decode(std::int64_t) override { window_ = WindowCache(p_.batch * p_.heads, plan_.window(), p_.head_dim); }
+  void prepare_decode(std::int64_t) override {
+    window_ = WindowCache(p_.batch * p_.heads, plan_.window(), p_.head_dim);
+  }
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     window_.step(q, k, v, out, plan_.window_start(window_.length()), p_.threads);
   }

@@ -34,7 +34,8 @@ void plan_global(const WindowGlobalShape& s, const WindowGlobalTask& t, TilePatt
 
 }  // namespace
 
-std::vector<WindowGlobalTask> window_global_tasks(const WindowGlobalShape& s, const std::vector<std::int64_t>& dilation) {
+std::vector<WindowGlobalTask> window_global_tasks(const WindowGlobalShape& s,
+                                                  const std::vector<std::int64_t>& dilation) {
   std::vector<WindowGlobalTask> tasks;
   for (std::size_t h = 0; h < dilation.size(); ++h) {
     const auto head = static_cast<std::int64_t>(h);
@@ -44,8 +45,8 @@ std::vector<WindowGlobalTask> window_global_tasks(const WindowGlobalShape& s, co
     for (std::int64_t residue = 0; residue < d; ++residue) {
       const std::int64_t length = subsequence_length(s.tokens, d, residue);
       for (std::int64_t m = first_local_index(s.globals, d, residue); m < length; m += s.tile)
-        tasks.push_back({.head = head, .dilation = d, .residue = residue, .start = m,
-                         .rows = std::min(s.tile, length - m)});
+        tasks.push_back(
+            {.head = head, .dilation = d, .residue = residue, .start = m, .rows = std::min(s.tile, length - m)});
     }
   }
   return tasks;
@@ -73,9 +74,8 @@ TileGrads task_grads(const WindowGlobalTask& task, const HeadRows& head, std::in
 }
 
 std::int64_t window_global_score_floats(const WindowGlobalShape& shape, const std::vector<WindowGlobalTask>& tasks) {
-  return most_score_floats(tasks, [&](const WindowGlobalTask& task, TilePattern& tile) {
-    plan_window_global(shape, task, tile);
-  });
+  return most_score_floats(
+      tasks, [&](const WindowGlobalTask& task, TilePattern& tile) { plan_window_global(shape, task, tile); });
 }
 
 }  // namespace xfb::fixed

@@ -38,13 +38,16 @@ struct WindowGlobalTask {
 };
 
 // Every tile of every head; dilation[h] is head h's d (≥ 1).
-std::vector<WindowGlobalTask> window_global_tasks(const WindowGlobalShape& shape, const std::vector<std::int64_t>& dilation);
+std::vector<WindowGlobalTask> window_global_tasks(const WindowGlobalShape& shape,
+                                                  const std::vector<std::int64_t>& dilation);
 
 // The tile's key runs (rows of the head's K/V) and visible columns.
 void plan_window_global(const WindowGlobalShape& shape, const WindowGlobalTask& task, TilePattern& tile);
 
 // Memory offsets of a task's first query/output row, in rows of D floats, and the row step.
-inline std::int64_t first_row(const WindowGlobalTask& t) { return t.global ? t.start : t.residue + t.dilation * t.start; }
+inline std::int64_t first_row(const WindowGlobalTask& t) {
+  return t.global ? t.start : t.residue + t.dilation * t.start;
+}
 inline std::int64_t row_step(const WindowGlobalTask& t) { return t.global ? 1 : t.dilation; }
 
 // A task's query-side rows in one head's [N, D] tensors and [N] statistics, for

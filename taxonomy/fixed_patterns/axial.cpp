@@ -46,10 +46,14 @@ struct StagePlan {
   std::int64_t tasks() const { return kind == Rows || kind == MaskedRows ? grid->rows.tasks() : grid->columns.tasks(); }
   bs::Tile operator()(std::int64_t task, std::int64_t* lo, std::int64_t* hi) const {
     switch (kind) {
-      case Rows: return bs::block_tile(grid->rows, task, false, lo, hi);
-      case MaskedRows: return bs::block_tile(grid->rows, task, true, lo, hi);
-      case Columns: return bs::class_tile(grid->columns, task, false, lo, hi);
-      case ColumnsAbove: return column_above_tile(grid->columns, task, lo, hi);
+      case Rows:
+        return bs::block_tile(grid->rows, task, false, lo, hi);
+      case MaskedRows:
+        return bs::block_tile(grid->rows, task, true, lo, hi);
+      case Columns:
+        return bs::class_tile(grid->columns, task, false, lo, hi);
+      case ColumnsAbove:
+        return column_above_tile(grid->columns, task, lo, hi);
     }
     return {};
   }
@@ -170,11 +174,17 @@ class Axial final : public Mechanism {
       float* stats = row_stats_.data() + thread * 2 * n;  // joint L (causal), then δ of the row stage
       float* row_grads = row_grads_.data() + thread * n * d;
       const float* row_outputs = row_outputs_.data() + offset;
-      bs::HeadGrads second{.q = q.data() + offset, .k = k.data() + offset, .v = row_outputs,
-                           .out = out.data() + offset, .dout = dout.data() + offset,
+      bs::HeadGrads second{.q = q.data() + offset,
+                           .k = k.data() + offset,
+                           .v = row_outputs,
+                           .out = out.data() + offset,
+                           .dout = dout.data() + offset,
                            .lse = p_.causal ? stats : column_lse_.data() + head * n,
-                           .delta = backward_scratch_.delta(thread), .dq = dq.data() + offset,
-                           .dk = dk.data() + offset, .dv = row_grads, .d = d};
+                           .delta = backward_scratch_.delta(thread),
+                           .dq = dq.data() + offset,
+                           .dk = dk.data() + offset,
+                           .dv = row_grads,
+                           .d = d};
       std::int64_t flops = bs::begin_head(second, n, n);
       std::fill_n(dv.data() + offset, n * d, 0.0f);
       if (p_.causal) {
@@ -202,7 +212,8 @@ class Axial final : public Mechanism {
 
   std::vector<NamedTensor> saved() const override {
     std::vector<NamedTensor> list{{"row_outputs", &row_outputs_}, {"row_log_sum_exp", &row_lse_}};
-    list.push_back(p_.causal ? NamedTensor{"token_stats", &token_stats_} : NamedTensor{"column_log_sum_exp", &column_lse_});
+    list.push_back(p_.causal ? NamedTensor{"token_stats", &token_stats_}
+                             : NamedTensor{"column_log_sum_exp", &column_lse_});
     return list;
   }
 
@@ -258,8 +269,12 @@ class Axial final : public Mechanism {
       std::copy_n(k.data() + head * n * d, completed * d, column_keys_.data() + head * total * d);
       std::copy_n(row_outputs_.data() + head * n * d, completed * d, column_outputs_.data() + head * total * d);
       for (std::int64_t t = 0; t < 3; ++t)
-        std::copy_n((t == 0 ? q : t == 1 ? k : v).data() + (head * n + completed) * d, (n - completed) * d,
-                    open_row(t, head));
+        std::copy_n((t == 0   ? q
+                     : t == 1 ? k
+                              : v)
+                            .data() +
+                        (head * n + completed) * d,
+                    (n - completed) * d, open_row(t, head));
     }
     filled_ = n - completed;
     length_ = n;
@@ -339,7 +354,8 @@ std::int64_t backward_flops(const Problem& p, const AxialConfig& c) {
     return bs::plan_backward_flops(n, plan.tasks(), d, plan) - (1 - deltas) * 2 * n * d;
   };
   std::int64_t per_head = stage(StagePlan::Rows, 1);
-  per_head += p.causal ? stage(StagePlan::ColumnsAbove, 1) + stage(StagePlan::MaskedRows, 0) : stage(StagePlan::Columns, 1);
+  per_head +=
+      p.causal ? stage(StagePlan::ColumnsAbove, 1) + stage(StagePlan::MaskedRows, 0) : stage(StagePlan::Columns, 1);
   return p.batch * p.heads * per_head;
 }
 
@@ -353,7 +369,8 @@ std::int64_t backward_workspace(const Problem& p, const AxialConfig& c) {
 
 std::int64_t decode_workspace(const Problem& p, const AxialConfig& config, std::int64_t tokens) {
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim, c = Grid(p, config).cols, total = p.seq_len + tokens;
-  const std::int64_t floats = 2 * heads * total * d + 3 * heads * c * d + heads * 2 * d + p.threads * c * (ops::padded_ld(c) + 1);
+  const std::int64_t floats =
+      2 * heads * total * d + 3 * heads * c * d + heads * 2 * d + p.threads * c * (ops::padded_ld(c) + 1);
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
 
@@ -375,6 +392,8 @@ AxialConfig resolve(const Problem& p, AxialConfig c) {
 }
 
 template <>
-Implementation implementation<AxialConfig>() { return implement<AxialConfig>(); }
+Implementation implementation<AxialConfig>() {
+  return implement<AxialConfig>();
+}
 
 }  // namespace xfb

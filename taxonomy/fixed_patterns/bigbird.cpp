@@ -24,9 +24,14 @@ struct BlockLayout {
   std::int64_t random = 0;             // r
 
   BlockLayout(const Problem& p, const BigBirdConfig& c)
-      : tokens(p.seq_len), block(c.block), blocks((p.seq_len + c.block - 1) / c.block),
-        front((c.global_blocks + 1) / 2), back(c.global_blocks / 2),
-        before((c.window_blocks - 1) / 2), after(c.window_blocks / 2), random(c.random_blocks) {
+      : tokens(p.seq_len),
+        block(c.block),
+        blocks((p.seq_len + c.block - 1) / c.block),
+        front((c.global_blocks + 1) / 2),
+        back(c.global_blocks / 2),
+        before((c.window_blocks - 1) / 2),
+        after(c.window_blocks / 2),
+        random(c.random_blocks) {
     if (front + back >= blocks) {
       front = blocks;
       back = 0;
@@ -53,14 +58,16 @@ struct BlockLayout {
 };
 
 // Key runs of query block qb; `chosen` are its random blocks in ascending order.
-void plan_block(const BlockLayout& layout, std::int64_t qb, const std::vector<std::int64_t>& chosen, TilePattern& tile) {
+void plan_block(const BlockLayout& layout, std::int64_t qb, const std::vector<std::int64_t>& chosen,
+                TilePattern& tile) {
   tile.reset(layout.end(qb) - layout.begin(qb));
   if (layout.global(qb)) {
     tile.add_run({.first = 0, .step = 1, .count = layout.tokens});
     return;
   }
   auto add_blocks = [&](std::int64_t first, std::int64_t last) {
-    if (last > first) tile.add_run({.first = layout.begin(first), .step = 1, .count = layout.end(last - 1) - layout.begin(first)});
+    if (last > first)
+      tile.add_run({.first = layout.begin(first), .step = 1, .count = layout.end(last - 1) - layout.begin(first)});
   };
   const auto [first, last] = layout.window(qb);
   add_blocks(0, layout.front);
@@ -266,6 +273,8 @@ FieldTable<BigBirdConfig> config_fields(const BigBirdConfig*) {
 }
 
 template <>
-Implementation implementation<BigBirdConfig>() { return implement<BigBirdConfig>(); }
+Implementation implementation<BigBirdConfig>() {
+  return implement<BigBirdConfig>();
+}
 
 }  // namespace xfb

@@ -17,8 +17,12 @@ using fixed::WindowGlobalShape;
 using fixed::WindowGlobalTask;
 
 WindowGlobalShape shape_of(const Problem& p, const EtcConfig& c) {
-  return {.tokens = p.seq_len, .globals = std::min(c.globals, p.seq_len), .before = c.radius, .after = c.radius,
-          .tile = c.tile, .causal = false};
+  return {.tokens = p.seq_len,
+          .globals = std::min(c.globals, p.seq_len),
+          .before = c.radius,
+          .after = c.radius,
+          .tile = c.tile,
+          .causal = false};
 }
 
 std::vector<WindowGlobalTask> tasks_of(const Problem& p, const EtcConfig& c) {
@@ -64,17 +68,23 @@ class Etc final : public Mechanism {
     const std::int64_t n = p_.seq_len, d = p_.head_dim;
     block_sparse::run_heads(p_.batch * p_.heads, p_.threads, [&](std::int64_t head, int thread) {
       const std::int64_t offset = head * n * d, h = head % p_.heads;
-      const fixed::HeadRows rows{q.data() + offset, dout.data() + offset, dq.data() + offset, lse_.data() + head * n,
-                                 deltas_.data() + thread * n, dk.data() + offset, dv.data() + offset};
-      std::int64_t flops = block_sparse::begin_head(
-          {.out = out.data() + offset, .dout = rows.dout, .delta = deltas_.data() + thread * n, .dq = rows.dq,
-           .dk = rows.dk, .dv = rows.dv, .d = d},
-          n, n);
+      const fixed::HeadRows rows{q.data() + offset,      dout.data() + offset,        dq.data() + offset,
+                                 lse_.data() + head * n, deltas_.data() + thread * n, dk.data() + offset,
+                                 dv.data() + offset};
+      std::int64_t flops = block_sparse::begin_head({.out = out.data() + offset,
+                                                     .dout = rows.dout,
+                                                     .delta = deltas_.data() + thread * n,
+                                                     .dq = rows.dq,
+                                                     .dk = rows.dk,
+                                                     .dv = rows.dv,
+                                                     .d = d},
+                                                    n, n);
       auto& kernel = kernels_[static_cast<std::size_t>(thread)];
       TilePattern tile;
       for (std::size_t t = ranges_[static_cast<std::size_t>(h)]; t < ranges_[static_cast<std::size_t>(h + 1)]; ++t) {
         fixed::plan_window_global(shape_, tasks_[t], tile);
-        flops += kernel.backward(tile, fixed::task_grads(tasks_[t], rows, d), k.data() + offset, v.data() + offset, false);
+        flops +=
+            kernel.backward(tile, fixed::task_grads(tasks_[t], rows, d), k.data() + offset, v.data() + offset, false);
       }
       return flops;
     });
@@ -127,7 +137,8 @@ std::int64_t backward_flops(const Problem& p, const EtcConfig& c) {
 std::int64_t backward_workspace(const Problem& p, const EtcConfig& c) {
   const std::int64_t scores = fixed::window_global_score_floats(shape_of(p, c), tasks_of(p, c));
   const std::int64_t floats = p.batch * p.heads * p.seq_len + p.threads * p.seq_len;
-  return floats * static_cast<std::int64_t>(sizeof(float)) + p.threads * TileAttention::backward_bytes(scores, 0, p.head_dim);
+  return floats * static_cast<std::int64_t>(sizeof(float)) +
+         p.threads * TileAttention::backward_bytes(scores, 0, p.head_dim);
 }
 
 FieldTable<EtcConfig> config_fields(const EtcConfig*) {
@@ -142,6 +153,8 @@ EtcConfig resolve(const Problem& p, EtcConfig c) {
 }
 
 template <>
-Implementation implementation<EtcConfig>() { return implement<EtcConfig>(); }
+Implementation implementation<EtcConfig>() {
+  return implement<EtcConfig>();
+}
 
 }  // namespace xfb

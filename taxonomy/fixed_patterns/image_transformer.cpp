@@ -73,6 +73,8 @@ ImageTransformerConfig resolve(const Problem& p, ImageTransformerConfig c) {
 }
 
 template <>
-Implementation implementation<ImageTransformerConfig>() { return implement<ImageTransformerConfig>(); }
+Implementation implementation<ImageTransformerConfig>() {
+  return implement<ImageTransformerConfig>();
+}
 
 }  // namespace xfb

@@ -56,6 +56,8 @@ LocalConfig resolve(const Problem& p, LocalConfig c) {
 }
 
 template <>
-Implementation implementation<LocalConfig>() { return implement<LocalConfig>(); }
+Implementation implementation<LocalConfig>() {
+  return implement<LocalConfig>();
+}
 
 }  // namespace xfb

@@ -24,8 +24,12 @@ using fixed::WindowGlobalTask;
 
 WindowGlobalShape shape_of(const Problem& p, const LongformerConfig& c) {
   const std::int64_t half = c.window / 2;
-  return {.tokens = p.seq_len, .globals = std::min(c.globals, p.seq_len), .before = half,
-          .after = p.causal ? 0 : half, .tile = c.tile, .causal = p.causal};
+  return {.tokens = p.seq_len,
+          .globals = std::min(c.globals, p.seq_len),
+          .before = half,
+          .after = p.causal ? 0 : half,
+          .tile = c.tile,
+          .causal = p.causal};
 }
 
 std::vector<std::int64_t> head_dilations(const Problem& p, const LongformerConfig& c) {
@@ -106,8 +110,10 @@ class Longformer final : public Mechanism {
   }
 
   std::vector<NamedTensor> decode_state() const override {
-    return {{"global_keys", &globals_cache_.key_tensor()}, {"global_values", &globals_cache_.value_tensor()},
-            {"window_keys", &window_cache_.key_tensor()}, {"window_values", &window_cache_.value_tensor()}};
+    return {{"global_keys", &globals_cache_.key_tensor()},
+            {"global_values", &globals_cache_.value_tensor()},
+            {"window_keys", &window_cache_.key_tensor()},
+            {"window_values", &window_cache_.value_tensor()}};
   }
 
   void prepare_backward() override {
@@ -132,18 +138,25 @@ class Longformer final : public Mechanism {
       for (std::int64_t b = 0; b < p_.batch; ++b) {
         const std::int64_t head = b * p_.heads + h, offset = head * n * d;
         float* delta = deltas_.data() + thread * n;
-        const fixed::HeadRows rows{q.data() + offset, dout.data() + offset, dq.data() + offset, lse_.data() + head * n,
-                                   delta, dk.data() + offset, dv.data() + offset};
-        flops += block_sparse::begin_head({.out = out.data() + offset, .dout = rows.dout, .delta = delta,
-                                           .dq = rows.dq, .dk = rows.dk, .dv = rows.dv, .d = d},
+        const fixed::HeadRows rows{
+            q.data() + offset,  dout.data() + offset, dq.data() + offset, lse_.data() + head * n, delta,
+            dk.data() + offset, dv.data() + offset};
+        flops += block_sparse::begin_head({.out = out.data() + offset,
+                                           .dout = rows.dout,
+                                           .delta = delta,
+                                           .dq = rows.dq,
+                                           .dk = rows.dk,
+                                           .dv = rows.dv,
+                                           .d = d},
                                           n, n);
         TilePattern tile;
         for (std::size_t t = ranges_[static_cast<std::size_t>(h)]; t < ranges_[static_cast<std::size_t>(h + 1)]; ++t) {
           const WindowGlobalTask& task = tasks_[t];
           fixed::plan_window_global(shape_, task, tile);
-          flops += task.global ? global_backward(task, tile, rows, k.data() + offset, v.data() + offset, head, thread)
-                               : kernels_[static_cast<std::size_t>(thread)].backward(
-                                     tile, fixed::task_grads(task, rows, d), k.data() + offset, v.data() + offset, false);
+          flops += task.global
+                       ? global_backward(task, tile, rows, k.data() + offset, v.data() + offset, head, thread)
+                       : kernels_[static_cast<std::size_t>(thread)].backward(
+                             tile, fixed::task_grads(task, rows, d), k.data() + offset, v.data() + offset, false);
         }
       }
       return flops;
@@ -201,8 +214,14 @@ class Longformer final : public Mechanism {
     float* delta = rows.delta + task.start;
     block_sparse::row_dots(d_attended, attended, r, d, delta);
     std::fill_n(d_query, r * d, 0.0f);
-    const fixed::TileGrads grads{.q = query, .dout = d_attended, .dq = d_query, .ld = d, .lse = rows.lse + task.start,
-                                 .delta = delta, .dk = rows.dk, .dv = rows.dv};
+    const fixed::TileGrads grads{.q = query,
+                                 .dout = d_attended,
+                                 .dq = d_query,
+                                 .ld = d,
+                                 .lse = rows.lse + task.start,
+                                 .delta = delta,
+                                 .dk = rows.dk,
+                                 .dv = rows.dv};
     const std::int64_t flops = kernels_[static_cast<std::size_t>(thread)].backward(tile, grads, k, v, false);
     ops::gemm(false, false, r, d, d, 1.0f, d_query, d, wk, d, 0.0f, d_projected, d);
     ops::gemm(true, false, d, d, r, 1.0f, d_query, d, projected, d, 1.0f, dwk_.data() + h * d * d, d);
@@ -227,8 +246,8 @@ class Longformer final : public Mechanism {
     const float* wv = wv_.data() + h * d * d;
     ops::gemm(false, false, rows, d, d, 1.0f, q.head(b, h) + task.start * d, d, wq, d, 0.0f, projected, d);
     ops::gemm(false, true, rows, d, d, 1.0f, projected, d, wk, d, 0.0f, query, d);
-    const std::int64_t flops = kernels_[static_cast<std::size_t>(thread)].run(tile, query, d, k.head(b, h), v.head(b, h),
-                                                                              attended, d, false, lse_at(b, task));
+    const std::int64_t flops = kernels_[static_cast<std::size_t>(thread)].run(
+        tile, query, d, k.head(b, h), v.head(b, h), attended, d, false, lse_at(b, task));
     ops::gemm(false, false, rows, d, d, 1.0f, attended, d, wv, d, 0.0f, out.head(b, h) + task.start * d, d);
     return flops;
   }
@@ -254,8 +273,8 @@ class Longformer final : public Mechanism {
 }  // namespace
 
 void validate(const Problem&, const LongformerConfig& c) {
-  if (c.window % 2 != 0) throw ParamError("longformer: window must be even (w/2 keys on each side), got " +
-                                          std::to_string(c.window));
+  if (c.window % 2 != 0)
+    throw ParamError("longformer: window must be even (w/2 keys on each side), got " + std::to_string(c.window));
 }
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const LongformerConfig& c, std::uint64_t seed) {
@@ -277,7 +296,8 @@ std::int64_t flops(const Problem& p, const LongformerConfig& c) {
 std::int64_t workspace(const Problem& p, const LongformerConfig& c) {
   const auto shape = shape_of(p, c);
   const std::int64_t threads = p.threads;
-  const std::int64_t scores = fixed::window_global_score_floats(shape, fixed::window_global_tasks(shape, head_dilations(p, c)));
+  const std::int64_t scores =
+      fixed::window_global_score_floats(shape, fixed::window_global_tasks(shape, head_dilations(p, c)));
   const std::int64_t floats = 3 * p.heads * p.head_dim * p.head_dim + threads * projection_floats(p, c);
   return floats * static_cast<std::int64_t>(sizeof(float)) + threads * TileAttention::bytes(scores, 0, p.head_dim);
 }
@@ -298,7 +318,8 @@ std::int64_t backward_flops(const Problem& p, const LongformerConfig& c) {
 std::int64_t backward_workspace(const Problem& p, const LongformerConfig& c) {
   const auto shape = shape_of(p, c);
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim, threads = p.threads;
-  const std::int64_t scores = fixed::window_global_score_floats(shape, fixed::window_global_tasks(shape, head_dilations(p, c)));
+  const std::int64_t scores =
+      fixed::window_global_score_floats(shape, fixed::window_global_tasks(shape, head_dilations(p, c)));
   const std::int64_t floats = heads * p.seq_len + heads * 3 * shape.globals * d + threads * p.seq_len +
                               threads * 3 * c.tile * d + 3 * p.heads * d * d;
   return floats * static_cast<std::int64_t>(sizeof(float)) + threads * TileAttention::backward_bytes(scores, 0, d);
@@ -311,13 +332,13 @@ std::int64_t decode_workspace(const Problem& p, const LongformerConfig& c, std::
 }
 
 FieldTable<LongformerConfig> config_fields(const LongformerConfig*) {
-  return {int_field("window", &LongformerConfig::window, 0, 1 << 20,
-                    "sliding window w (even), tokens: w/2 on each side"),
-          int_field("dilation", &LongformerConfig::dilation, 1, 1024, "gap between window keys on dilated heads, tokens"),
-          int_field("dilated_heads", &LongformerConfig::dilated_heads, 0, 4096,
-                    "number of (last) heads using the dilation"),
-          int_field("globals", &LongformerConfig::globals, 0, 1 << 20, "global tokens: the first g positions"),
-          int_field("tile", &LongformerConfig::tile, 1, 1024, "query rows per computed tile (implementation)")};
+  return {
+      int_field("window", &LongformerConfig::window, 0, 1 << 20, "sliding window w (even), tokens: w/2 on each side"),
+      int_field("dilation", &LongformerConfig::dilation, 1, 1024, "gap between window keys on dilated heads, tokens"),
+      int_field("dilated_heads", &LongformerConfig::dilated_heads, 0, 4096,
+                "number of (last) heads using the dilation"),
+      int_field("globals", &LongformerConfig::globals, 0, 1 << 20, "global tokens: the first g positions"),
+      int_field("tile", &LongformerConfig::tile, 1, 1024, "query rows per computed tile (implementation)")};
 }
 
 LongformerConfig resolve(const Problem& p, LongformerConfig c) {
@@ -326,6 +347,8 @@ LongformerConfig resolve(const Problem& p, LongformerConfig c) {
 }
 
 template <>
-Implementation implementation<LongformerConfig>() { return implement<LongformerConfig>(); }
+Implementation implementation<LongformerConfig>() {
+  return implement<LongformerConfig>();
+}
 
 }  // namespace xfb

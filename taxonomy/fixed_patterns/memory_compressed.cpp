@@ -25,8 +25,12 @@ struct Layout {
   bool causal = false;
 
   Layout(const Problem& p, const MemoryCompressedConfig& c)
-      : tokens(p.seq_len), block(std::min(c.block, p.seq_len)), compression(c.compression), tile(c.tile),
-        slots((p.seq_len + c.compression - 1) / c.compression), causal(p.causal) {
+      : tokens(p.seq_len),
+        block(std::min(c.block, p.seq_len)),
+        compression(c.compression),
+        tile(c.tile),
+        slots((p.seq_len + c.compression - 1) / c.compression),
+        causal(p.causal) {
     local_heads = c.mode == "local" ? p.heads : c.mode == "compressed" ? 0 : (p.heads + 1) / 2;
     compressed_heads = p.heads - local_heads;
   }
@@ -35,7 +39,7 @@ struct Layout {
 // One tile of query rows of one head.
 struct Task {
   std::int64_t head = 0;
-  std::int64_t start = 0, rows = 0;       // query rows [start, start + rows)
+  std::int64_t start = 0, rows = 0;             // query rows [start, start + rows)
   std::int64_t block_begin = 0, block_end = 0;  // local heads: the enclosing block
 };
 
@@ -47,7 +51,8 @@ std::vector<Task> tasks_of(const Layout& l, std::int64_t heads) {
     for (std::int64_t begin = 0; begin < l.tokens; begin += span) {
       const std::int64_t end = std::min(begin + span, l.tokens);
       for (std::int64_t i = begin; i < end; i += l.tile)
-        tasks.push_back({.head = h, .start = i, .rows = std::min(l.tile, end - i), .block_begin = begin, .block_end = end});
+        tasks.push_back(
+            {.head = h, .start = i, .rows = std::min(l.tile, end - i), .block_begin = begin, .block_end = end});
     }
   }
   return tasks;
@@ -72,7 +77,9 @@ std::int64_t score_capacity(const Layout& l, const std::vector<Task>& tasks) {
 }
 
 // Decode: the slots of N + T tokens.
-std::int64_t decode_slots(const Layout& l, std::int64_t tokens) { return (l.tokens + tokens + l.compression - 1) / l.compression; }
+std::int64_t decode_slots(const Layout& l, std::int64_t tokens) {
+  return (l.tokens + tokens + l.compression - 1) / l.compression;
+}
 
 class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories {
  public:
@@ -99,18 +106,17 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
       compress(v, packed_v_, memory_v_);
     }
     const std::int64_t d = p_.head_dim;
-    fixed::run_tile_tasks(p_.batch, tasks_, kernels_,
-                          [&](std::int64_t b, const Task& task, TileAttention& kernel, TilePattern& tile) {
-                            plan(l_, task, tile);
-                            const bool local = task.head < l_.local_heads;
-                            const std::int64_t memory_head = task.head - l_.local_heads;
-                            const float* keys = local ? k.head(b, task.head) : memory_k_.head(b, memory_head);
-                            const float* values = local ? v.head(b, task.head) : memory_v_.head(b, memory_head);
-                            float* lse = lse_.empty() ? nullptr
-                                                      : lse_.data() + (b * p_.heads + task.head) * p_.seq_len + task.start;
-                            return kernel.run(tile, q.head(b, task.head) + task.start * d, d, keys, values,
-                                              out.head(b, task.head) + task.start * d, d, false, lse);
-                          });
+    fixed::run_tile_tasks(
+        p_.batch, tasks_, kernels_, [&](std::int64_t b, const Task& task, TileAttention& kernel, TilePattern& tile) {
+          plan(l_, task, tile);
+          const bool local = task.head < l_.local_heads;
+          const std::int64_t memory_head = task.head - l_.local_heads;
+          const float* keys = local ? k.head(b, task.head) : memory_k_.head(b, memory_head);
+          const float* values = local ? v.head(b, task.head) : memory_v_.head(b, memory_head);
+          float* lse = lse_.empty() ? nullptr : lse_.data() + (b * p_.heads + task.head) * p_.seq_len + task.start;
+          return kernel.run(tile, q.head(b, task.head) + task.start * d, d, keys, values,
+                            out.head(b, task.head) + task.start * d, d, false, lse);
+        });
     if (!step_buffers_.empty()) load_decode_context(k, v);
   }
 
@@ -139,8 +145,13 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
       for (std::int64_t b = 0; b < p_.batch; ++b) {
         const std::int64_t head = b * p_.heads + h, offset = head * n * d;
         float* delta = deltas_.data() + thread * n;
-        block_sparse::HeadGrads g{.out = out.data() + offset, .dout = dout.data() + offset, .delta = delta,
-                                  .dq = dq.data() + offset, .dk = dk.data() + offset, .dv = dv.data() + offset, .d = d};
+        block_sparse::HeadGrads g{.out = out.data() + offset,
+                                  .dout = dout.data() + offset,
+                                  .delta = delta,
+                                  .dq = dq.data() + offset,
+                                  .dk = dk.data() + offset,
+                                  .dv = dv.data() + offset,
+                                  .d = d};
         const bool local = h < l_.local_heads;
         const float* keys = local ? k.data() + offset : memory_k_.head(b, h - l_.local_heads);
         const float* values = local ? v.data() + offset : memory_v_.head(b, h - l_.local_heads);
@@ -204,7 +215,8 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
       if (h < l_.local_heads) {
         const std::int64_t index = b * l_.local_heads + h, block = l_.block, first = i / block * block;
         local_cache_.store(index, i % block, key, value, 1);
-        return attend_ring(row, query, local_cache_.keys(index), local_cache_.values(index), block, first, i - first + 1);
+        return attend_ring(row, query, local_cache_.keys(index), local_cache_.values(index), block, first,
+                           i - first + 1);
       }
       const std::int64_t index = b * l_.compressed_heads + h - l_.local_heads;
       return append_compressed(index, h - l_.local_heads, i, key, value) +
@@ -214,9 +226,9 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
   }
 
   std::vector<NamedTensor> decode_state() const override {
-    return {{"local_keys", &local_cache_.key_tensor()},    {"local_values", &local_cache_.value_tensor()},
-            {"slot_keys", &slot_cache_.key_tensor()},      {"slot_values", &slot_cache_.value_tensor()},
-            {"open_keys", &open_window_.key_tensor()},     {"open_values", &open_window_.value_tensor()}};
+    return {{"local_keys", &local_cache_.key_tensor()}, {"local_values", &local_cache_.value_tensor()},
+            {"slot_keys", &slot_cache_.key_tensor()},   {"slot_values", &slot_cache_.value_tensor()},
+            {"open_keys", &open_window_.key_tensor()},  {"open_values", &open_window_.value_tensor()}};
   }
 
   const Tensor& compressed_keys() const override { return memory_k_; }
@@ -262,7 +274,8 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
   void make_weights(const char* stream, Tensor& weights, Tensor& packed) const {
     const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression;
     weights = Tensor(Shape{hc, d, d, c});
-    CounterRng(seed_, stream).fill_normal(weights, 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(c * d))));
+    CounterRng(seed_, stream)
+        .fill_normal(weights, 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(c * d))));
     packed = Tensor(Shape{hc, c * d, d});
     for (std::int64_t h = 0; h < hc; ++h)
       for (std::int64_t o = 0; o < d; ++o)
@@ -301,8 +314,8 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
     open_window_.store(index, i % c, key, value, 1);
     if ((i + 1) % c != 0) return 0;
     const std::int64_t slot = i / c;
-    ops::gemm(false, false, 1, d, c * d, 1.0f, open_window_.keys(index), c * d, packed_k_.data() + hc * c * d * d, d, 0.0f,
-              slot_cache_.keys(index) + slot * d, d);
+    ops::gemm(false, false, 1, d, c * d, 1.0f, open_window_.keys(index), c * d, packed_k_.data() + hc * c * d * d, d,
+              0.0f, slot_cache_.keys(index) + slot * d, d);
     ops::gemm(false, false, 1, d, c * d, 1.0f, open_window_.values(index), c * d, packed_v_.data() + hc * c * d * d, d,
               0.0f, slot_cache_.values(index) + slot * d, d);
     return 0;
@@ -315,8 +328,8 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
       const float* rows = x.head(b, l_.local_heads);
       float* slots = memory.head(b, 0);
       if (full > 0) {
-        const ops::MatmulShape shape{.batch = hc, .m = full, .n = d, .k = c * d, .lda = c * d, .stride_a = n * d,
-                                     .stride_c = l_.slots * d};
+        const ops::MatmulShape shape{
+            .batch = hc, .m = full, .n = d, .k = c * d, .lda = c * d, .stride_a = n * d, .stride_c = l_.slots * d};
         ops::matmul(shape, rows, packed.data(), slots);
       }
       if (rest > 0) {
@@ -357,7 +370,8 @@ std::int64_t flops(const Problem& p, const MemoryCompressedConfig& c) {
     plan(l, task, tile);
     total += fixed::tile_flops(tile, p.head_dim);
   }
-  const std::int64_t convolutions = 2 * l.compressed_heads * matmul_flops(l.slots, p.head_dim, l.compression * p.head_dim);
+  const std::int64_t convolutions =
+      2 * l.compressed_heads * matmul_flops(l.slots, p.head_dim, l.compression * p.head_dim);
   return p.batch * (total + convolutions);
 }
 
@@ -396,7 +410,8 @@ std::int64_t decode_workspace(const Problem& p, const MemoryCompressedConfig& c,
   const Layout l(p, c);
   const std::int64_t d = p.head_dim, compressed = p.batch * l.compressed_heads;
   return KvCache::bytes(p.batch * l.local_heads, l.block, d) + KvCache::bytes(compressed, decode_slots(l, tokens), d) +
-         KvCache::bytes(compressed, l.compression, d) + p.batch * p.heads * 2 * d * static_cast<std::int64_t>(sizeof(float));
+         KvCache::bytes(compressed, l.compression, d) +
+         p.batch * p.heads * 2 * d * static_cast<std::int64_t>(sizeof(float));
 }
 
 FieldTable<MemoryCompressedConfig> config_fields(const MemoryCompressedConfig*) {
@@ -415,6 +430,8 @@ MemoryCompressedConfig resolve(const Problem& p, MemoryCompressedConfig c) {
 }
 
 template <>
-Implementation implementation<MemoryCompressedConfig>() { return implement<MemoryCompressedConfig>(); }
+Implementation implementation<MemoryCompressedConfig>() {
+  return implement<MemoryCompressedConfig>();
+}
 
 }  // namespace xfb

@@ -221,7 +221,8 @@ class SparseTransformer final : public Mechanism {
 
   std::vector<NamedTensor> saved() const override {
     auto saved = training_.saved();
-    if (!summary_keys_.empty()) saved.insert(saved.end(), {{"summary_keys", &summary_keys_}, {"summary_values", &summary_values_}});
+    if (!summary_keys_.empty())
+      saved.insert(saved.end(), {{"summary_keys", &summary_keys_}, {"summary_values", &summary_values_}});
     return saved;
   }
 
@@ -300,7 +301,7 @@ class SparseTransformer final : public Mechanism {
   std::vector<std::int64_t> summary_index_;
   Tensor summary_keys_, summary_values_;
   bs::TileTraining training_;
-  Tensor summary_grads_;  // training, fixed pattern: per thread dK, dV of one head's gathered rows
+  Tensor summary_grads_;                // training, fixed pattern: per thread dK, dV of one head's gathered rows
   KvCache first_cache_, second_cache_;  // decoding: A1 rings, A2 rows (see Layout::first_ring)
   Tensor step_buffers_;                 // decoding: per head the scaled query and the accumulator
   std::int64_t length_ = 0;             // decoding: tokens seen
@@ -321,9 +322,8 @@ std::unique_ptr<Mechanism> create(const Problem& problem, const SparseTransforme
 std::int64_t flops(const Problem& p, const SparseTransformerConfig& c) {
   const Layout layout(p, c);
   auto group = [&](bool first) {
-    return layout.with_group_plan(first, p.causal, [&](std::int64_t tasks, const auto& plan) {
-      return bs::plan_flops(tasks, p.head_dim, plan);
-    });
+    return layout.with_group_plan(
+        first, p.causal, [&](std::int64_t tasks, const auto& plan) { return bs::plan_flops(tasks, p.head_dim, plan); });
   };
   return p.batch * (layout.heads_a1 * group(true) + (layout.heads_a2 > 0 ? layout.heads_a2 * group(false) : 0));
 }
@@ -357,13 +357,14 @@ std::int64_t decode_workspace(const Problem& p, const SparseTransformerConfig& c
   const std::int64_t d = p.head_dim;
   std::int64_t bytes = KvCache::bytes(p.batch * layout.heads_a1, layout.first_ring(), d) +
                        p.batch * p.heads * 2 * d * static_cast<std::int64_t>(sizeof(float));
-  if (layout.heads_a2 > 0) bytes += KvCache::bytes(p.batch * layout.heads_a2, layout.second_rows(p.seq_len + tokens), d);
+  if (layout.heads_a2 > 0)
+    bytes += KvCache::bytes(p.batch * layout.heads_a2, layout.second_rows(p.seq_len + tokens), d);
   return bytes;
 }
 
 FieldTable<SparseTransformerConfig> config_fields(const SparseTransformerConfig*) {
-  return {choice_field("pattern", &SparseTransformerConfig::pattern,
-                       {{"strided", "strided"}, {"fixed", "fixed"}}, "factorised pattern"),
+  return {choice_field("pattern", &SparseTransformerConfig::pattern, {{"strided", "strided"}, {"fixed", "fixed"}},
+                       "factorised pattern"),
           int_field("stride", &SparseTransformerConfig::stride, 0, 1000000, "l in tokens; 0 means ceil(sqrt(N))"),
           int_field("summary", &SparseTransformerConfig::summary, 1, 1000000,
                     "c: summary tokens per block of l (fixed pattern)")};
@@ -377,6 +378,8 @@ SparseTransformerConfig resolve(const Problem& p, SparseTransformerConfig c) {
 }
 
 template <>
-Implementation implementation<SparseTransformerConfig>() { return implement<SparseTransformerConfig>(); }
+Implementation implementation<SparseTransformerConfig>() {
+  return implement<SparseTransformerConfig>();
+}
 
 }  // namespace xfb

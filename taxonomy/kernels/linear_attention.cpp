@@ -30,7 +30,9 @@ struct ChunkedLinearAttention::GradBuffers {
 
 namespace {
 
-std::int64_t clamp_chunk(const Problem& p, std::int64_t chunk) { return std::max<std::int64_t>(1, std::min(chunk, p.seq_len)); }
+std::int64_t clamp_chunk(const Problem& p, std::int64_t chunk) {
+  return std::max<std::int64_t>(1, std::min(chunk, p.seq_len));
+}
 
 // values[r] = [v_r | 1] for the rows of one chunk.
 void load_values(const float* v, std::int64_t rows, std::int64_t d, float* values, std::int64_t ld) {
@@ -115,16 +117,16 @@ void ChunkedLinearAttention::forward(const FeatureMap& map, const Tensor& q, con
       float* final_shift = decode_shifts_.empty() ? nullptr : decode_shifts_.data() + task;
       flops += p_.causal ? head_causal(map, q.data() + offset, k.data() + offset, v.data() + offset,
                                        out.data() + offset, z, shifts, b, final_state, final_shift)
-                         : head_full(map, q.data() + offset, k.data() + offset, v.data() + offset,
-                                     out.data() + offset, z, shifts, b);
+                         : head_full(map, q.data() + offset, k.data() + offset, v.data() + offset, out.data() + offset,
+                                     z, shifts, b);
     }
   }
   FlopCounter::add(flops);
 }
 
 std::int64_t ChunkedLinearAttention::load_key_chunk(const FeatureMap& map, const float* k, const float* v,
-                                                    std::int64_t c0, std::int64_t rows, float& shift,
-                                                    const Buffers& b, bool rescale_state) const {
+                                                    std::int64_t c0, std::int64_t rows, float& shift, const Buffers& b,
+                                                    bool rescale_state) const {
   const std::int64_t d = p_.head_dim;
   const float old_shift = shift;
   std::int64_t flops = map.keys(k + c0 * d, rows, b.phi_k, ld_m_, shift);
@@ -154,9 +156,9 @@ std::int64_t ChunkedLinearAttention::head_full(const FeatureMap& map, const floa
   return flops;
 }
 
-std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const float* q, const float* k,
-                                                 const float* v, float* out, float* z, float* shifts,
-                                                 const Buffers& b, float* final_state, float* final_shift) const {
+std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const float* q, const float* k, const float* v,
+                                                 float* out, float* z, float* shifts, const Buffers& b,
+                                                 float* final_state, float* final_shift) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
   float shift = -std::numeric_limits<float>::infinity();
   std::int64_t flops = 0;
@@ -245,8 +247,7 @@ void ChunkedLinearAttention::enable_backward() {
 
 ChunkedLinearAttention::GradBuffers ChunkedLinearAttention::grad_buffers(int thread) {
   return {output_grads_.data() + thread * chunk_ * ld_v_, feature_grads_.data() + thread * chunk_ * ld_m_,
-          adjoint_.data() + thread * m_ * ld_v_,
-          p_.causal ? masked_grads_.data() + thread * chunk_ * ld_c_ : nullptr};
+          adjoint_.data() + thread * m_ * ld_v_, p_.causal ? masked_grads_.data() + thread * chunk_ * ld_c_ : nullptr};
 }
 
 void ChunkedLinearAttention::backward(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -263,8 +264,12 @@ void ChunkedLinearAttention::backward(const FeatureMap& map, const Tensor& q, co
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < tasks; ++task) {
       const std::int64_t offset = task * head_size;
-      const float* const in[7] = {q.data() + offset,   k.data() + offset,    v.data() + offset,
-                                  out.data() + offset, dout.data() + offset, normalisers_.data() + task * n,
+      const float* const in[7] = {q.data() + offset,
+                                  k.data() + offset,
+                                  v.data() + offset,
+                                  out.data() + offset,
+                                  dout.data() + offset,
+                                  normalisers_.data() + task * n,
                                   shifts_.data() + task * shifts_.dim(1)};
       float* const grads[3] = {dq.data() + offset, dk.data() + offset, dv.data() + offset};
       flops += p_.causal ? head_backward_causal(map, in, grads, b, g) : head_backward_full(map, in, grads, b, g);
@@ -395,21 +400,22 @@ std::int64_t linear_attention_backward_flops(const Problem& p, std::int64_t chun
   std::int64_t per_head = n * (costs.query_gradient_row + costs.key_gradient_row);  // dQ and dK through the map
   if (!p.causal) {
     // S'; dφ(Q), dS'; dφ(K), dV.
-    per_head += n * (costs.key_row + costs.query_row + output_grads + costs.key_row) +
-                3 * matmul_flops(n, m, d + 1) + matmul_flops(n, m, d + 1) + matmul_flops(n, d, m);
+    per_head += n * (costs.key_row + costs.query_row + output_grads + costs.key_row) + 3 * matmul_flops(n, m, d + 1) +
+                matmul_flops(n, m, d + 1) + matmul_flops(n, d, m);
     return p.batch * p.heads * per_head;
   }
   const std::int64_t last = (n - 1) / c * c;
   for (std::int64_t c0 = 0; c0 < n; c0 += c) {
     const std::int64_t rows = std::min(c, n - c0);
     const std::int64_t chunk_load = rows * (features + output_grads) + matmul_flops(rows, rows, d + 1);
-    per_head += 2 * chunk_load;                                    // both walks load the chunk
-    per_head += matmul_flops(rows, m, rows);                       // B·φ(K)
-    if (c0 > 0) per_head += matmul_flops(rows, m, d + 1);          // G'·S'ᵀ
-    if (c0 + rows < n) per_head += matmul_flops(m, d + 1, rows);   // S' update
-    per_head += matmul_flops(rows, rows, m) + matmul_flops(rows, m, rows) + matmul_flops(rows, d, rows);  // A, Bᵀ·φ(Q), Aᵀ·G'
-    if (c0 < last) per_head += matmul_flops(rows, m, d + 1) + matmul_flops(rows, d, m);  // V'·Rᵀ, φ(K)·R
-    if (c0 > 0) per_head += matmul_flops(m, d + 1, rows);          // R update
+    per_head += 2 * chunk_load;                                   // both walks load the chunk
+    per_head += matmul_flops(rows, m, rows);                      // B·φ(K)
+    if (c0 > 0) per_head += matmul_flops(rows, m, d + 1);         // G'·S'ᵀ
+    if (c0 + rows < n) per_head += matmul_flops(m, d + 1, rows);  // S' update
+    per_head +=
+        matmul_flops(rows, rows, m) + matmul_flops(rows, m, rows) + matmul_flops(rows, d, rows);  // A, Bᵀ·φ(Q), Aᵀ·G'
+    if (c0 < last) per_head += matmul_flops(rows, m, d + 1) + matmul_flops(rows, d, m);           // V'·Rᵀ, φ(K)·R
+    if (c0 > 0) per_head += matmul_flops(m, d + 1, rows);                                         // R update
   }
   return p.batch * p.heads * per_head;
 }

@@ -68,8 +68,8 @@ class FeatureMap {
   // per-row and shared stabilising factors are constants here: they cancel in the output, so the
   // output's derivative through them is zero. Returns its FLOPs.
   virtual bool differentiable() const { return false; }
-  virtual std::int64_t gradient(const float* x, std::int64_t rows, const float* phi, float* dphi,
-                                std::int64_t ld, float* dx, bool keys) const {
+  virtual std::int64_t gradient(const float* x, std::int64_t rows, const float* phi, float* dphi, std::int64_t ld,
+                                float* dx, bool keys) const {
     (void)x, (void)rows, (void)phi, (void)dphi, (void)ld, (void)dx, (void)keys;
     return 0;
   }
@@ -114,8 +114,8 @@ class ChunkedLinearAttention {
  private:
   struct Buffers;
   struct GradBuffers;
-  std::int64_t head_backward_full(const FeatureMap& map, const float* const* in, float* const* grads,
-                                  const Buffers& b, const GradBuffers& g) const;
+  std::int64_t head_backward_full(const FeatureMap& map, const float* const* in, float* const* grads, const Buffers& b,
+                                  const GradBuffers& g) const;
   std::int64_t head_backward_causal(const FeatureMap& map, const float* const* in, float* const* grads,
                                     const Buffers& b, const GradBuffers& g) const;
   // G'_c of chunk rows [c0, c0 + rows) into g.output_grads. Returns its FLOPs (3·D per row).
@@ -136,15 +136,15 @@ class ChunkedLinearAttention {
   // The key side of chunk [c0, c0 + rows): φ(K) into b.phi_k (moving the running shift, and
   // rescaling the state to it when the map shifts and rescale_state; the backward's keys sit at the
   // final shift and never move it), and [V | 1] into b.values. Returns its FLOPs.
-  std::int64_t load_key_chunk(const FeatureMap& map, const float* k, const float* v, std::int64_t c0,
-                              std::int64_t rows, float& shift, const Buffers& b, bool rescale_state = true) const;
+  std::int64_t load_key_chunk(const FeatureMap& map, const float* k, const float* v, std::int64_t c0, std::int64_t rows,
+                              float& shift, const Buffers& b, bool rescale_state = true) const;
   Buffers buffers(int thread);
 
   Problem p_;
   std::int64_t chunk_, m_, ld_m_, ld_c_, ld_v_;
   Tensor phi_q_, phi_k_, scores_, values_, numerators_, state_;
   Tensor normalisers_, shifts_, output_grads_, feature_grads_, adjoint_, masked_grads_;  // training only
-  Tensor decode_states_, decode_shifts_;  // decoding only
+  Tensor decode_states_, decode_shifts_;                                                 // decoding only
 };
 
 std::int64_t linear_attention_flops(const Problem& p, std::int64_t chunk, const FeatureCosts& costs);

@@ -24,8 +24,8 @@ class EluFeatures final : public FeatureMap {
   }
   bool differentiable() const override { return true; }
   // φ'(x) = e^x = φ(x) for x < 0, 1 otherwise.
-  std::int64_t gradient(const float* x, std::int64_t rows, const float* phi, float* dphi, std::int64_t ld,
-                        float* dx, bool) const override {
+  std::int64_t gradient(const float* x, std::int64_t rows, const float* phi, float* dphi, std::int64_t ld, float* dx,
+                        bool) const override {
     for (std::int64_t r = 0; r < rows; ++r) {
 #pragma omp simd
       for (std::int64_t c = 0; c < d_; ++c)
@@ -98,7 +98,9 @@ std::unique_ptr<Mechanism> create(const Problem& problem, const LinearTransforme
   return std::make_unique<LinearTransformer>(problem, c);
 }
 
-std::int64_t flops(const Problem& p, const LinearTransformerConfig& c) { return linear_attention_flops(p, c.chunk, costs(p)); }
+std::int64_t flops(const Problem& p, const LinearTransformerConfig& c) {
+  return linear_attention_flops(p, c.chunk, costs(p));
+}
 
 std::int64_t workspace(const Problem& p, const LinearTransformerConfig& c) {
   return linear_attention_workspace(p, c.chunk, p.head_dim);
@@ -117,11 +119,13 @@ std::int64_t decode_workspace(const Problem& p, const LinearTransformerConfig&, 
 }
 
 FieldTable<LinearTransformerConfig> config_fields(const LinearTransformerConfig*) {
-  return {int_field("chunk", &LinearTransformerConfig::chunk, 1, 8192,
-                    "rows per chunk of the prefix-sum walk (tokens)")};
+  return {
+      int_field("chunk", &LinearTransformerConfig::chunk, 1, 8192, "rows per chunk of the prefix-sum walk (tokens)")};
 }
 
 template <>
-Implementation implementation<LinearTransformerConfig>() { return implement<LinearTransformerConfig>(); }
+Implementation implementation<LinearTransformerConfig>() {
+  return implement<LinearTransformerConfig>();
+}
 
 }  // namespace xfb

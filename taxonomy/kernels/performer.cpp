@@ -48,7 +48,8 @@ Tensor orthogonal_random_features(std::int64_t m, std::int64_t d, std::uint64_t 
         norm += g * g;
       }
       norm = std::sqrt(norm);
-      for (std::int64_t c = 0; c < d; ++c) omega[i * d + c] = static_cast<float>(norm * unit[static_cast<std::size_t>(r * d + c)]);
+      for (std::int64_t c = 0; c < d; ++c)
+        omega[i * d + c] = static_cast<float>(norm * unit[static_cast<std::size_t>(r * d + c)]);
     }
   }
   return omega;
@@ -86,7 +87,8 @@ class FavorFeatures final : public FeatureMap {
       float* u = dphi + r * ld;
       const float* f = phi + r * ld;
 #pragma omp simd
-      for (std::int64_t j = 0; j < m_; ++j) u[j] = softmax ? u[j] * f[j] : (f[j] > kPerformerReluStabiliser ? u[j] : 0.0f);
+      for (std::int64_t j = 0; j < m_; ++j)
+        u[j] = softmax ? u[j] * f[j] : (f[j] > kPerformerReluStabiliser ? u[j] : 0.0f);
     }
     flops += rows * m_;
     ops::gemm(false, false, rows, d_, m_, alpha(), dphi, ld, omega_, d_, 0.0f, dx, d_);
@@ -203,7 +205,8 @@ class Performer final : public Mechanism {
     engine_->enable_decode();
     omega_transposed_ = Tensor(Shape{p_.head_dim, c_.features});
     for (std::int64_t j = 0; j < c_.features; ++j)
-      for (std::int64_t c = 0; c < p_.head_dim; ++c) omega_transposed_[c * c_.features + j] = omega_[j * p_.head_dim + c];
+      for (std::int64_t c = 0; c < p_.head_dim; ++c)
+        omega_transposed_[c * c_.features + j] = omega_[j * p_.head_dim + c];
   }
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     engine_->decode_step(FavorFeatures(omega_, c_.kernel, omega_transposed_.data()), q, k, v, out);
@@ -261,6 +264,8 @@ FieldTable<PerformerConfig> config_fields(const PerformerConfig*) {
 }
 
 template <>
-Implementation implementation<PerformerConfig>() { return implement<PerformerConfig>(); }
+Implementation implementation<PerformerConfig>() {
+  return implement<PerformerConfig>();
+}
 
 }  // namespace xfb

@@ -114,8 +114,9 @@ void EncoderLayer::forward(Mechanism& mechanism, const Tensor& x, Tensor& y) {
 }
 
 std::vector<NamedTensor> EncoderLayer::parameters() const {
-  return {{"layer_w_qkv", &w_qkv_},         {"layer_w_o", &w_o_},           {"layer_w_1", &w_1_},
-          {"layer_w_2", &w_2_},             {"layer_ln1_gain", &ln1_gain_}, {"layer_ln1_shift", &ln1_shift_},
+  return {{"layer_w_qkv", &w_qkv_},       {"layer_w_o", &w_o_},
+          {"layer_w_1", &w_1_},           {"layer_w_2", &w_2_},
+          {"layer_ln1_gain", &ln1_gain_}, {"layer_ln1_shift", &ln1_shift_},
           {"layer_ln2_gain", &ln2_gain_}, {"layer_ln2_shift", &ln2_shift_}};
 }
 
@@ -166,16 +167,27 @@ void EncoderLayer::backward(Mechanism& mechanism, const Tensor& x, const Tensor&
 }
 
 std::vector<NamedTensor> EncoderLayer::saved() const {
-  return {{"layer_ln1_out", &first_normed_}, {"layer_q", &q_},         {"layer_k", &k_},
-          {"layer_v", &v_},                  {"layer_attention_out", &o_}, {"layer_merged", &merged_},
-          {"layer_hidden", &hidden_},        {"layer_ln2_out", &normed_},  {"layer_ffn_pre", &ffn_pre_},
+  return {{"layer_ln1_out", &first_normed_},
+          {"layer_q", &q_},
+          {"layer_k", &k_},
+          {"layer_v", &v_},
+          {"layer_attention_out", &o_},
+          {"layer_merged", &merged_},
+          {"layer_hidden", &hidden_},
+          {"layer_ln2_out", &normed_},
+          {"layer_ffn_pre", &ffn_pre_},
           {"layer_ffn", &ffn_}};
 }
 
 std::vector<NamedTensor> EncoderLayer::parameter_gradients() const {
-  return {{"dlayer_w_qkv", &dw_qkv_},         {"dlayer_w_o", &dw_o_},           {"dlayer_w_1", &dw_1_},
-          {"dlayer_w_2", &dw_2_},             {"dlayer_ln1_gain", &d_ln1_gain_}, {"dlayer_ln1_shift", &d_ln1_shift_},
-          {"dlayer_ln2_gain", &d_ln2_gain_}, {"dlayer_ln2_shift", &d_ln2_shift_}};
+  return {{"dlayer_w_qkv", &dw_qkv_},
+          {"dlayer_w_o", &dw_o_},
+          {"dlayer_w_1", &dw_1_},
+          {"dlayer_w_2", &dw_2_},
+          {"dlayer_ln1_gain", &d_ln1_gain_},
+          {"dlayer_ln1_shift", &d_ln1_shift_},
+          {"dlayer_ln2_gain", &d_ln2_gain_},
+          {"dlayer_ln2_shift", &d_ln2_shift_}};
 }
 
 std::vector<NamedTensor> EncoderLayer::attention_gradients() const {
@@ -186,14 +198,16 @@ std::int64_t EncoderLayer::backward_flops_outside_mechanism(const Problem& p, st
   const std::int64_t tokens = p.batch * p.seq_len, e = p.heads * p.head_dim;
   const std::int64_t products = matmul_flops(tokens, 3 * e, e) + matmul_flops(tokens, e, e) +
                                 matmul_flops(tokens, d_ff, e) + matmul_flops(tokens, e, d_ff);
-  return 2 * products + 2 * kLayerNormBackwardFlopsPerElement * tokens * e + kGeluBackwardFlopsPerElement * tokens * d_ff;
+  return 2 * products + 2 * kLayerNormBackwardFlopsPerElement * tokens * e +
+         kGeluBackwardFlopsPerElement * tokens * d_ff;
 }
 
 std::int64_t EncoderLayer::backward_workspace_bytes(const Problem& p, std::int64_t d_ff) {
   const std::int64_t tokens = p.batch * p.seq_len, e = p.heads * p.head_dim;
   const std::int64_t weights = weight_floats(e, d_ff);
-  const std::int64_t activations = tokens * (e + d_ff);                   // LN₁ output, z
-  const std::int64_t gradients = tokens * (d_ff + 4 * e + 3 * e + 4 * e);  // dz; dLN, dh, d merge, scratch; dqkv; do, dq, dk, dv
+  const std::int64_t activations = tokens * (e + d_ff);  // LN₁ output, z
+  const std::int64_t gradients =
+      tokens * (d_ff + 4 * e + 3 * e + 4 * e);  // dz; dLN, dh, d merge, scratch; dqkv; do, dq, dk, dv
   return (weights + activations + gradients) * static_cast<std::int64_t>(sizeof(float));
 }
 

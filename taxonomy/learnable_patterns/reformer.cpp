@@ -146,7 +146,8 @@ void ReformerAttention::prepare_decode(std::int64_t) {
   union_keys_ = Tensor(Shape{heads, gathered, d});
   union_values_ = Tensor(Shape{heads, gathered, d});
   step_buffers_ = Tensor(Shape{heads, 3, d});
-  union_pairs_.assign(static_cast<std::size_t>(p_.threads), std::vector<std::int64_t>(static_cast<std::size_t>(gathered)));
+  union_pairs_.assign(static_cast<std::size_t>(p_.threads),
+                      std::vector<std::int64_t>(static_cast<std::size_t>(gathered)));
 }
 
 // Round `round`'s bucket of a normalised key: argmax of [x ; −x], x = k̂·R_r (first maximum wins).
@@ -354,7 +355,8 @@ std::int64_t ReformerAttention::discount_repeats(std::int64_t head, const std::i
   for (std::int64_t r = 0; r < rows; ++r)
     for (std::int64_t t = 0; t < cols; ++t) {
       std::size_t count = 0;
-      for (std::int64_t round = 0; round < c_.n_rounds; ++round) count += sees(round, head, order[q0 + r], order[k0 + t]);
+      for (std::int64_t round = 0; round < c_.n_rounds; ++round)
+        count += sees(round, head, order[q0 + r], order[k0 + t]);
       scores[r * score_ld_ + t] -= kLogCount[count];
     }
   return rows * cols;
@@ -413,8 +415,8 @@ std::int64_t ReformerAttention::chunk_scores(std::int64_t round, std::int64_t he
   float* scores = scores_.data() + thread * m * score_ld_;
   tile_scores(q_rows, c.rows, k_rows, c.cols, d, 1.0f / std::sqrt(static_cast<float>(d)),
               panels_.data() + thread * tile_panel_floats(key_cols_, d), scores, score_ld_);
-  const std::int64_t flops = c.rows * d + (c_.n_rounds > 1 ? discount_repeats(head, order, c.q0, c.rows, c.k0,
-                                                                                   c.cols, scores) : 0);
+  const std::int64_t flops =
+      c.rows * d + (c_.n_rounds > 1 ? discount_repeats(head, order, c.q0, c.rows, c.k0, c.cols, scores) : 0);
 
   // The sorted order groups a bucket's keys by position, so the keys query s sees form one run of
   // columns [first, end): its bucket's keys in the tile (causal: up to s, and from the first rank
@@ -439,8 +441,8 @@ std::int64_t ReformerAttention::chunk_scores(std::int64_t round, std::int64_t he
 }
 
 // Queries of sorted chunk `chunk` against their candidate keys; merges into out and running_lse.
-std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk,
-                                             const Tensor& q, const Tensor& v, Tensor& out, int thread) {
+std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk, const Tensor& q,
+                                             const Tensor& v, Tensor& out, int thread) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, m = chunk_;
   const ChunkRange c = chunk_range(chunk);
   std::int64_t flops = chunk_scores(round, head, c, q, v, thread);
@@ -448,8 +450,8 @@ std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t he
   float* scores = scores_.data() + thread * m * score_ld_;
   float* lse = row_stats_.data() + thread * 2 * m;
   float* inverse = lse + m;
-  flops += exp_rows_masked(scores, c.rows, c.cols, score_ld_, [](std::int64_t, std::int64_t) { return true; }, lse,
-                           inverse);
+  flops += exp_rows_masked(
+      scores, c.rows, c.cols, score_ld_, [](std::int64_t, std::int64_t) { return true; }, lse, inverse);
   const float* v_rows = gathered_.data() + thread * (m + 2 * key_cols_) * d + (m + key_cols_) * d;
   float* o = tile_out_.data() + thread * m * d;
   tile_values(scores, score_ld_, c.rows, c.cols, v_rows, d, o);
@@ -487,8 +489,8 @@ std::int64_t ReformerAttention::saved_bytes() const {
          sorted_buckets_.bytes() + ranks_.bytes() + positions_.bytes();
 }
 
-void ReformerAttention::backward(const Tensor& q, const Tensor&, const Tensor& v, const Tensor& out,
-                                 const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+void ReformerAttention::backward(const Tensor& q, const Tensor&, const Tensor& v, const Tensor& out, const Tensor& dout,
+                                 Tensor& dq, Tensor& dk, Tensor& dv) {
   const std::int64_t heads = p_.batch * p_.heads;
   dk.fill(0.0f);  // shared QK: the keys are made from q, the k input is not read
   forget_held_rows();
@@ -555,11 +557,19 @@ std::int64_t ReformerAttention::chunk_backward(std::int64_t round, std::int64_t 
     lse[r] = running_lse_.data()[head * n + token];
     delta[r] = deltas_.data()[head * n + token];
   }
-  const GatheredTile tile{.rows = c.rows, .cols = c.cols, .d = d, .ld = score_ld_, .q = q_rows,
-                          .k = q_rows + m * d, .v = q_rows + (m + key_cols_) * d, .dout = dout_rows,
-                          .lse = lse, .delta = delta};
-  flops += gathered_tile_backward(tile, 1.0f / std::sqrt(static_cast<float>(d)), scores_.data() + thread * m * score_ld_,
-                                  score_grads_.data() + thread * m * score_ld_, dq_rows, dk_rows, dv_rows);
+  const GatheredTile tile{.rows = c.rows,
+                          .cols = c.cols,
+                          .d = d,
+                          .ld = score_ld_,
+                          .q = q_rows,
+                          .k = q_rows + m * d,
+                          .v = q_rows + (m + key_cols_) * d,
+                          .dout = dout_rows,
+                          .lse = lse,
+                          .delta = delta};
+  flops +=
+      gathered_tile_backward(tile, 1.0f / std::sqrt(static_cast<float>(d)), scores_.data() + thread * m * score_ld_,
+                             score_grads_.data() + thread * m * score_ld_, dq_rows, dk_rows, dv_rows);
   float* dq_head = dq.data() + head * n * d;
   float* dk_head = key_grads_.data() + head * n * d;
   float* dv_head = dv.data() + head * n * d;
@@ -597,9 +607,9 @@ std::int64_t flops(const Problem& p, const ReformerConfig& c) {
 std::int64_t workspace(const Problem& p, const ReformerConfig& c) {
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c);
   const std::int64_t half = c.n_buckets / 2, threads = p.threads, kc = max_key_cols(p, m);
-  const std::int64_t floats = half * d * c.n_rounds + heads * n * (d + c.n_rounds * half + 2) +
-                              threads * ((m + 2 * kc) * d + m * ops::padded_ld(kc) + m * d + 2 * m +
-                                         tile_panel_floats(kc, d));
+  const std::int64_t floats =
+      half * d * c.n_rounds + heads * n * (d + c.n_rounds * half + 2) +
+      threads * ((m + 2 * kc) * d + m * ops::padded_ld(kc) + m * d + 2 * m + tile_panel_floats(kc, d));
   // buckets, orders, sorted buckets, ranks (and token positions with several rounds) per round.
   const std::int64_t ints = heads * n * c.n_rounds * (c.n_rounds > 1 ? 5 : 4) + threads * c.n_buckets;
   return 4 * (floats + ints);
@@ -646,6 +656,8 @@ ReformerConfig resolve(const Problem& p, ReformerConfig c) {
 }
 
 template <>
-Implementation implementation<ReformerConfig>() { return implement<ReformerConfig>(); }
+Implementation implementation<ReformerConfig>() {
+  return implement<ReformerConfig>();
+}
 
 }  // namespace xfb

@@ -119,13 +119,13 @@ class ReformerAttention final : public Mechanism {
   ChunkRange chunk_range(std::int64_t chunk) const;
   std::int64_t chunk_scores(std::int64_t round, std::int64_t head, const ChunkRange& c, const Tensor& q,
                             const Tensor& v, int thread);
-  std::int64_t keep_held_rows(std::int64_t round, std::int64_t head, const ChunkRange& c, float* k_rows,
-                              float* v_rows, int thread);
+  std::int64_t keep_held_rows(std::int64_t round, std::int64_t head, const ChunkRange& c, float* k_rows, float* v_rows,
+                              int thread);
   void forget_held_rows();
-  std::int64_t attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk, const Tensor& q,
-                            const Tensor& v, Tensor& out, int thread);
-  std::int64_t backward_head(std::int64_t head, const Tensor& q, const Tensor& v, const Tensor& out,
-                             const Tensor& dout, Tensor& dq, Tensor& dv, int thread);
+  std::int64_t attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk, const Tensor& q, const Tensor& v,
+                            Tensor& out, int thread);
+  std::int64_t backward_head(std::int64_t head, const Tensor& q, const Tensor& v, const Tensor& out, const Tensor& dout,
+                             Tensor& dq, Tensor& dv, int thread);
   std::int64_t chunk_backward(std::int64_t round, std::int64_t head, const ChunkRange& c, const Tensor& q,
                               const Tensor& v, const Tensor& dout, Tensor& dq, Tensor& dv, int thread);
   bool alone(const std::int32_t* sorted, const std::int32_t* rank, std::int64_t s) const;

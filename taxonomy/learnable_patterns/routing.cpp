@@ -298,7 +298,8 @@ void RoutingAttention::append_routed(std::int64_t r, std::int32_t cluster, const
 
 // The attention of one head's step (after routing): a routing head's query against its cluster's
 // ring, a local head's against its own and previous block. Returns the FLOPs.
-std::int64_t RoutingAttention::decode_head(std::int64_t bh, const float* q, const float* k, const float* v, float* out) {
+std::int64_t RoutingAttention::decode_head(std::int64_t bh, const float* q, const float* k, const float* v,
+                                           float* out) {
   const std::int64_t d = p_.head_dim, w = window_, i = length_, h = bh % p_.heads;
   const std::int64_t local = local_head_count(p_, c_);
   float* query = decode_buffers_.data() + bh * 2 * d;
@@ -450,8 +451,8 @@ std::int64_t RoutingAttention::attend_cluster(const Tensor& q, const Tensor& k, 
               panels_.data() + thread * tile_panel_floats(w, d), scores, score_ld_);
   float* lse = cluster_lse_.data() + (r * cl + cluster) * w;
   float* inverse = row_stats_.data() + thread * 2 * w;
-  std::int64_t flops =
-      exp_rows_masked(scores, w, w, score_ld_, [](std::int64_t, std::int64_t) { return true; }, lse, inverse);
+  std::int64_t flops = exp_rows_masked(
+      scores, w, w, score_ld_, [](std::int64_t, std::int64_t) { return true; }, lse, inverse);
   float* o = cluster_out_.data() + (r * cl + cluster) * w * d;
   tile_values(scores, score_ld_, w, w, v_rows, d, o);
   for (std::int64_t s = 0; s < w; ++s) scale_row(o + s * d, o + s * d, inverse[s], d);
@@ -659,8 +660,16 @@ std::int64_t RoutingAttention::clusters_backward(const Grads& g, std::int64_t r,
       delta[s] = token_delta(g, bh, query_ids[s]);
     }
     ops::gemm(false, true, w, w, d, scale, q_rows, d, k_rows, d, 0.0f, scores, score_ld_);
-    const GatheredTile tile{.rows = w, .cols = w, .d = d, .ld = score_ld_, .q = q_rows, .k = k_rows, .v = v_rows,
-                            .dout = dout_rows, .lse = lse, .delta = delta};
+    const GatheredTile tile{.rows = w,
+                            .cols = w,
+                            .d = d,
+                            .ld = score_ld_,
+                            .q = q_rows,
+                            .k = k_rows,
+                            .v = v_rows,
+                            .dout = dout_rows,
+                            .lse = lse,
+                            .delta = delta};
     flops += gathered_tile_backward(tile, scale, scores, score_grads, dq_rows, dk_rows, dv_rows) + 5 * w * d;
     for (std::int64_t s = 0; s < w; ++s) {
       add_row(g.dq.data() + at + query_ids[s] * d, dq_rows + s * d, d);
@@ -741,15 +750,21 @@ std::int64_t RoutingAttention::local_backward(const Grads& g, std::int64_t bh, i
   std::int64_t flops = 0;
   for (std::int64_t q0 = 0; q0 < n; q0 += w) {
     const std::int64_t rows = std::min(w, n - q0), k0 = std::max<std::int64_t>(0, q0 - w), cols = q0 + rows - k0;
-    ops::gemm(false, true, rows, cols, d, scale, g.q.data() + at + q0 * d, d, g.k.data() + at + k0 * d, d, 0.0f,
-              scores, score_ld_);
+    ops::gemm(false, true, rows, cols, d, scale, g.q.data() + at + q0 * d, d, g.k.data() + at + k0 * d, d, 0.0f, scores,
+              score_ld_);
     for (std::int64_t row = 0; row < rows && p_.causal; ++row)
       std::fill(scores + row * score_ld_ + (q0 + row - k0) + 1, scores + row * score_ld_ + cols,
                 -std::numeric_limits<float>::infinity());
     for (std::int64_t row = 0; row < rows; ++row) delta[row] = token_delta(g, bh, q0 + row);
-    const GatheredTile tile{.rows = rows, .cols = cols, .d = d, .ld = score_ld_, .q = g.q.data() + at + q0 * d,
-                            .k = g.k.data() + at + k0 * d, .v = g.v.data() + at + k0 * d,
-                            .dout = g.dout.data() + at + q0 * d, .lse = token_lse_.data() + bh * n + q0,
+    const GatheredTile tile{.rows = rows,
+                            .cols = cols,
+                            .d = d,
+                            .ld = score_ld_,
+                            .q = g.q.data() + at + q0 * d,
+                            .k = g.k.data() + at + k0 * d,
+                            .v = g.v.data() + at + k0 * d,
+                            .dout = g.dout.data() + at + q0 * d,
+                            .lse = token_lse_.data() + bh * n + q0,
                             .delta = delta};
     flops += gathered_tile_backward(tile, scale, scores, score_grads, g.dq.data() + at + q0 * d, dk_rows, dv_rows) +
              2 * rows * d + 2 * cols * d;
@@ -831,13 +846,13 @@ ForwardElements forward_elements(const Problem& p, const RoutingConfig& c) {
   const std::int64_t block = affinity_block(n);
   const std::int64_t kept = p.heads * cl * d + threads * (cl * ops::padded_ld(block) + block + n + cl + 1);
   const std::int64_t fitting = c.kmeans_updates > 0 ? threads * 2 * n * d : 0;
-  std::int64_t after = threads * ((p.causal ? 1 : 3 * w) * d + score_rows(p, c) * ops::padded_ld(score_cols(p, c)) + 2 * w);
+  std::int64_t after =
+      threads * ((p.causal ? 1 : 3 * w) * d + score_rows(p, c) * ops::padded_ld(score_cols(p, c)) + 2 * w);
   if (p.causal)
     after += routed * (5 * n + cl + 1) + routed * 2 * n * d;
   else
     after += threads * (2 * (cl + 1) * TopPositions::capacity(w, block, n) + tile_panel_floats(w, d)) +
-             routed * (3 * cl * w + n + 1) +
-             routed * cl * w * (d + 1);
+             routed * (3 * cl * w + n + 1) + routed * cl * w * (d + 1);
   return {kept, fitting, after};
 }
 
@@ -859,10 +874,9 @@ std::int64_t backward_flops(const Problem& p, const RoutingConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, cl = routing_clusters(p, c), w = routing_window(p, c);
   const std::int64_t local = local_head_count(p, c);
   const std::int64_t softmax = kRecomputedSoftmaxBackwardFlopsPerElement;
-  const std::int64_t routed_head =
-      p.causal ? n * (10 * w * d + softmax * w + 4 * d) + 8 * n * d
-               : cl * (5 * matmul_flops(w, w, d) + softmax * w * w + 5 * w * d) + 8 * n * d +
-                     2 * matmul_flops(cl, n, d) + 2 * (cl - 1) * n;
+  const std::int64_t routed_head = p.causal ? n * (10 * w * d + softmax * w + 4 * d) + 8 * n * d
+                                            : cl * (5 * matmul_flops(w, w, d) + softmax * w * w + 5 * w * d) +
+                                                  8 * n * d + 2 * matmul_flops(cl, n, d) + 2 * (cl - 1) * n;
   std::int64_t local_head = 0;
   for (std::int64_t q0 = 0; q0 < n; q0 += w) {
     const std::int64_t rows = std::min(w, n - q0), cols = q0 + rows - std::max<std::int64_t>(0, q0 - w);
@@ -897,6 +911,8 @@ RoutingConfig resolve(const Problem& p, RoutingConfig c) {
 }
 
 template <>
-Implementation implementation<RoutingConfig>() { return implement<RoutingConfig>(); }
+Implementation implementation<RoutingConfig>() {
+  return implement<RoutingConfig>();
+}
 
 }  // namespace xfb

@@ -7,8 +7,8 @@
 // causal outputs depend on no later token and batch elements are independent. Head h fits on 2N
 // rows of N(0, 1) entries (stream "routing/fit", element e of head h: index h·2·N·D + e; the first
 // N rows play queries, the next N keys): every normalised row x̂ goes to its nearest centroid,
-// μ_c ← λ·μ_c + (1−λ)/2·(Σ x̂ assigned to c), then μ_c ← μ_c/‖μ_c‖ (λ = ema_decay). C = clusters (0: round(√N)), clamped to [1, N]; w = ⌈N/C⌉.
-// Scores are q_i·k_j/√D on the raw inputs; the routing affinities are q̂_i·μ_c and k̂_j·μ_c.
+// μ_c ← λ·μ_c + (1−λ)/2·(Σ x̂ assigned to c), then μ_c ← μ_c/‖μ_c‖ (λ = ema_decay). C = clusters (0: round(√N)), clamped
+// to [1, N]; w = ⌈N/C⌉. Scores are q_i·k_j/√D on the raw inputs; the routing affinities are q̂_i·μ_c and k̂_j·μ_c.
 //
 // Non-causal (the paper's balanced routing): cluster c takes the w queries and, separately, the
 // w keys of largest affinity (ties: lower position first), listed in position order; its queries
@@ -94,9 +94,7 @@ class RoutingAttention final : public Mechanism {
     return "cluster assignments held fixed; centroids by EMA (stage centroid_update), not gradients";
   }
   // No gradient: the centroids' EMA update of the step (see above).
-  std::vector<NamedTensor> parameter_gradients() const override {
-    return {{"updated_centroids", &updated_centroids_}};
-  }
+  std::vector<NamedTensor> parameter_gradients() const override { return {{"updated_centroids", &updated_centroids_}}; }
 
   // Decode (causal): the model of the context — centroids as fitted for N (2N seeded rows) and
   // w = ⌈N/C⌉ — continued token by token. Routing heads keep per cluster a ring of the w most recent
@@ -107,12 +105,12 @@ class RoutingAttention final : public Mechanism {
   void prepare_decode(std::int64_t tokens) override;
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
   std::vector<NamedTensor> decode_state() const override {
-    return {{"cluster_keys", &cluster_cache_.key_tensor()}, {"cluster_values", &cluster_cache_.value_tensor()},
-            {"local_keys", &local_cache_.key_tensor()}, {"local_values", &local_cache_.value_tensor()}};
+    return {{"cluster_keys", &cluster_cache_.key_tensor()},
+            {"cluster_values", &cluster_cache_.value_tensor()},
+            {"local_keys", &local_cache_.key_tensor()},
+            {"local_values", &local_cache_.value_tensor()}};
   }
-  std::int64_t state_bytes() const override {
-    return Mechanism::state_bytes() + cluster_counts_.bytes();
-  }
+  std::int64_t state_bytes() const override { return Mechanism::state_bytes() + cluster_counts_.bytes(); }
 
   // The pattern of the last forward, for tests (member/cluster lists exist for routing heads only,
   // i.e. heads that are not local).

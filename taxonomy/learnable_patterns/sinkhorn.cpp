@@ -152,7 +152,8 @@ void SinkhornAttention::prepare_decode(std::int64_t tokens) {
   decode_w2_ = Tensor(Shape{d, blocks});
   fill_output_weights(decode_w2_, seed_);
   decode_b2_ = Tensor(Shape{blocks});
-  CounterRng(seed_, "sinkhorn/b2").fill_normal(decode_b2_, 0.0f, spread);  // entry j is draw j: a prefix of more blocks'
+  CounterRng(seed_, "sinkhorn/b2")
+      .fill_normal(decode_b2_, 0.0f, spread);  // entry j is draw j: a prefix of more blocks'
   block_keys_ = Tensor(Shape{heads, blocks * b, d});
   block_values_ = Tensor(Shape{heads, blocks * b, d});
   decode_sorted_ = Tensor(Shape{heads, 2, b, d});
@@ -178,8 +179,8 @@ std::int64_t SinkhornAttention::start_block(std::int64_t head, std::int64_t bloc
   const float total = ops::exp_and_sum(scores, block, ops::row_max(scores, block, scores[0]));
   for (std::int64_t j = 0; j < block; ++j) scores[j] /= total;
   float* sorted = decode_sorted_.data() + head * 2 * b * d;
-  ops::gemm(false, false, 1, b * d, block, 1.0f, scores, block, block_keys_.data() + head * block_keys_.dim(1) * d, b * d,
-            0.0f, sorted, b * d);
+  ops::gemm(false, false, 1, b * d, block, 1.0f, scores, block, block_keys_.data() + head * block_keys_.dim(1) * d,
+            b * d, 0.0f, sorted, b * d);
   ops::gemm(false, false, 1, b * d, block, 1.0f, scores, block, block_values_.data() + head * block_values_.dim(1) * d,
             b * d, 0.0f, sorted + b * d, b * d);
   return 2 * d + 7 * block;
@@ -244,7 +245,8 @@ void SinkhornAttention::forward(const Tensor& q, const Tensor& k, const Tensor& 
 #pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
   for (std::int64_t head = 0; head < heads; ++head) flops += embed_blocks(k, head, omp_get_thread_num());
   flops += sorting_network();
-  if (!sort_scores_.empty()) std::copy(permutation_.data(), permutation_.data() + permutation_.size(), sort_scores_.data());
+  if (!sort_scores_.empty())
+    std::copy(permutation_.data(), permutation_.data() + permutation_.size(), sort_scores_.data());
 #pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
   for (std::int64_t head = 0; head < heads; ++head) flops += balance(head, omp_get_thread_num());
   stage_clock::lap("route");
@@ -333,12 +335,29 @@ std::int64_t SinkhornAttention::balance(std::int64_t head, int thread) {
 void SinkhornAttention::mix_blocks(const Tensor& x, Tensor& sorted) {
   const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim, b = block_, nb = blocks_;
   const std::int64_t full = n / b, rem = n % b, nr = sorted_rows_;
-  ops::MatmulShape mix{.batch = heads, .m = nr, .n = b * d, .k = full, .lda = nb, .ldb = b * d, .ldc = b * d,
-                       .stride_a = nb * nb, .stride_b = n * d, .stride_c = nr * b * d};
+  ops::MatmulShape mix{.batch = heads,
+                       .m = nr,
+                       .n = b * d,
+                       .k = full,
+                       .lda = nb,
+                       .ldb = b * d,
+                       .ldc = b * d,
+                       .stride_a = nb * nb,
+                       .stride_b = n * d,
+                       .stride_c = nr * b * d};
   ops::matmul(mix, permutation_.data(), x.data(), sorted.data());
   if (rem == 0) return;
-  ops::MatmulShape tail{.batch = heads, .m = nr, .n = rem * d, .k = 1, .lda = nb, .ldb = rem * d, .ldc = b * d,
-                        .stride_a = nb * nb, .stride_b = n * d, .stride_c = nr * b * d, .accumulate = true};
+  ops::MatmulShape tail{.batch = heads,
+                        .m = nr,
+                        .n = rem * d,
+                        .k = 1,
+                        .lda = nb,
+                        .ldb = rem * d,
+                        .ldc = b * d,
+                        .stride_a = nb * nb,
+                        .stride_b = n * d,
+                        .stride_c = nr * b * d,
+                        .accumulate = true};
   ops::matmul(tail, permutation_.data() + full, x.data() + full * b * d, sorted.data());
 }
 
@@ -358,23 +377,19 @@ std::int64_t SinkhornAttention::attend_block(const Tensor& q, const Tensor& k, c
   if (sortcut_ > 0) {
     const std::int64_t cols = sortcut_ * b;
     ops::gemm(false, true, rows, cols, d, scale, queries, d, sorted_keys, d, 0.0f, scores, score_ld_);
-    flops = exp_rows_masked(scores, rows, cols, score_ld_, [](std::int64_t, std::int64_t) { return true; }, lse,
-                            inverse);
+    flops = exp_rows_masked(
+        scores, rows, cols, score_ld_, [](std::int64_t, std::int64_t) { return true; }, lse, inverse);
     ops::gemm(false, false, rows, d, cols, 1.0f, scores, score_ld_, sorted_values, d, 0.0f, dst, d);
   } else {
     const std::int64_t own = rows;
-    ops::gemm(false, true, rows, own, d, scale, queries, d, k.data() + (head * n + q0) * d, d, 0.0f, scores,
-              score_ld_);
+    ops::gemm(false, true, rows, own, d, scale, queries, d, k.data() + (head * n + q0) * d, d, 0.0f, scores, score_ld_);
     ops::gemm(false, true, rows, b, d, scale, queries, d, sorted_keys + block * b * d, d, 0.0f, scores + own,
               score_ld_);
     const bool causal = p_.causal;
-    auto visible = [&](std::int64_t r, std::int64_t t) {
-      return t < own ? !causal || t <= r : !causal || block > 0;
-    };
+    auto visible = [&](std::int64_t r, std::int64_t t) { return t < own ? !causal || t <= r : !causal || block > 0; };
     flops = exp_rows_masked(scores, rows, own + b, score_ld_, visible, lse, inverse);
     ops::gemm(false, false, rows, d, own, 1.0f, scores, score_ld_, v.data() + (head * n + q0) * d, d, 0.0f, dst, d);
-    ops::gemm(false, false, rows, d, b, 1.0f, scores + own, score_ld_, sorted_values + block * b * d, d, 1.0f, dst,
-              d);
+    ops::gemm(false, false, rows, d, b, 1.0f, scores + own, score_ld_, sorted_values + block * b * d, d, 1.0f, dst, d);
   }
   for (std::int64_t r = 0; r < rows; ++r) scale_row(dst + r * d, dst + r * d, inverse[r], d);
   if (!lse_.empty()) std::copy(lse, lse + rows, lse_.data() + head * n + q0);
@@ -400,8 +415,9 @@ void SinkhornAttention::prepare_backward() {
 }
 
 std::vector<NamedTensor> SinkhornAttention::saved() const {
-  return {{"lse", &lse_},         {"sort_scores", &sort_scores_}, {"embeddings", &embeddings_}, {"hidden", &hidden_},
-          {"permutation", &permutation_}, {"sorted_k", &sorted_k_},   {"sorted_v", &sorted_v_}};
+  return {{"lse", &lse_},          {"sort_scores", &sort_scores_}, {"embeddings", &embeddings_},
+          {"hidden", &hidden_},    {"permutation", &permutation_}, {"sorted_k", &sorted_k_},
+          {"sorted_v", &sorted_v_}};
 }
 
 void SinkhornAttention::backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -423,8 +439,8 @@ void SinkhornAttention::backward(const Tensor& q, const Tensor& k, const Tensor&
     // Block i writes the rows of its own block and of K̃_i, Ṽ_i only: one task per block.
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) reduction(+ : flops)
     for (std::int64_t task = 0; task < heads * blocks_; ++task)
-      flops += attend_block_backward(q, k, v, out, dout, task / blocks_, task % blocks_, dq, dk, dv,
-                                     omp_get_thread_num());
+      flops +=
+          attend_block_backward(q, k, v, out, dout, task / blocks_, task % blocks_, dq, dk, dv, omp_get_thread_num());
   }
   mix_blocks_backward(k, v, dk, dv);
   stage_clock::lap("backward_attend");
@@ -473,10 +489,19 @@ std::int64_t SinkhornAttention::attend_block_backward(const Tensor& q, const Ten
   }
   float* delta = row_stats_.data() + thread * 2 * b;
   const std::int64_t delta_flops = block_sparse::row_dots(out.data() + at, dout.data() + at, rows, d, delta);
-  const GatheredTile tile{.rows = rows, .cols = cols, .d = d, .ld = score_ld_, .q = q.data() + at, .k = keys,
-                          .v = values, .dout = dout.data() + at, .lse = lse_.data() + head * n + q0, .delta = delta};
-  std::int64_t flops = delta_flops + gathered_tile_backward(tile, scale, scores, score_grads_.data() + thread * b * score_ld_,
-                                                             dq.data() + at, key_grads, value_grads);
+  const GatheredTile tile{.rows = rows,
+                          .cols = cols,
+                          .d = d,
+                          .ld = score_ld_,
+                          .q = q.data() + at,
+                          .k = keys,
+                          .v = values,
+                          .dout = dout.data() + at,
+                          .lse = lse_.data() + head * n + q0,
+                          .delta = delta};
+  std::int64_t flops =
+      delta_flops + gathered_tile_backward(tile, scale, scores, score_grads_.data() + thread * b * score_ld_,
+                                           dq.data() + at, key_grads, value_grads);
   float* sorted_key_grads = sorted_k_grads_.data() + sorted_at;
   float* sorted_value_grads = sorted_v_grads_.data() + sorted_at;
   if (sortcut_ > 0) {
@@ -499,26 +524,62 @@ void SinkhornAttention::mix_blocks_backward(const Tensor& k, const Tensor& v, Te
   permutation_grads_.fill(0.0f);
   const std::pair<const Tensor*, const Tensor*> pairs[] = {{&k, &sorted_k_grads_}, {&v, &sorted_v_grads_}};
   for (const auto& [x, sorted_grads] : pairs) {
-    ops::MatmulShape grad{.batch = heads, .m = nr, .n = full, .k = b * d, .trans_b = true, .lda = b * d,
-                          .ldb = b * d, .ldc = nb, .stride_a = nr * b * d, .stride_b = n * d, .stride_c = nb * nb,
+    ops::MatmulShape grad{.batch = heads,
+                          .m = nr,
+                          .n = full,
+                          .k = b * d,
+                          .trans_b = true,
+                          .lda = b * d,
+                          .ldb = b * d,
+                          .ldc = nb,
+                          .stride_a = nr * b * d,
+                          .stride_b = n * d,
+                          .stride_c = nb * nb,
                           .accumulate = true};
     ops::matmul(grad, sorted_grads->data(), x->data(), permutation_grads_.data());
     if (rem == 0) continue;
-    ops::MatmulShape tail{.batch = heads, .m = nr, .n = 1, .k = rem * d, .trans_b = true, .lda = b * d,
-                          .ldb = rem * d, .ldc = nb, .stride_a = nr * b * d, .stride_b = n * d, .stride_c = nb * nb,
+    ops::MatmulShape tail{.batch = heads,
+                          .m = nr,
+                          .n = 1,
+                          .k = rem * d,
+                          .trans_b = true,
+                          .lda = b * d,
+                          .ldb = rem * d,
+                          .ldc = nb,
+                          .stride_a = nr * b * d,
+                          .stride_b = n * d,
+                          .stride_c = nb * nb,
                           .accumulate = true};
     ops::matmul(tail, sorted_grads->data(), x->data() + full * b * d, permutation_grads_.data() + full);
   }
   const std::pair<Tensor*, const Tensor*> grads[] = {{&dk, &sorted_k_grads_}, {&dv, &sorted_v_grads_}};
   for (const auto& [dx, sorted_grads] : grads) {
-    ops::MatmulShape spread{.batch = heads, .m = full, .n = b * d, .k = nr, .trans_a = true, .lda = nb,
-                            .ldb = b * d, .ldc = b * d, .stride_a = nb * nb, .stride_b = nr * b * d,
-                            .stride_c = n * d, .accumulate = true};
+    ops::MatmulShape spread{.batch = heads,
+                            .m = full,
+                            .n = b * d,
+                            .k = nr,
+                            .trans_a = true,
+                            .lda = nb,
+                            .ldb = b * d,
+                            .ldc = b * d,
+                            .stride_a = nb * nb,
+                            .stride_b = nr * b * d,
+                            .stride_c = n * d,
+                            .accumulate = true};
     ops::matmul(spread, permutation_.data(), sorted_grads->data(), dx->data());
     if (rem == 0) continue;
-    ops::MatmulShape tail{.batch = heads, .m = 1, .n = rem * d, .k = nr, .trans_a = true, .lda = nb,
-                          .ldb = b * d, .ldc = rem * d, .stride_a = nb * nb, .stride_b = nr * b * d,
-                          .stride_c = n * d, .accumulate = true};
+    ops::MatmulShape tail{.batch = heads,
+                          .m = 1,
+                          .n = rem * d,
+                          .k = nr,
+                          .trans_a = true,
+                          .lda = nb,
+                          .ldb = b * d,
+                          .ldc = rem * d,
+                          .stride_a = nb * nb,
+                          .stride_b = nr * b * d,
+                          .stride_c = n * d,
+                          .accumulate = true};
     ops::matmul(tail, permutation_.data() + full, sorted_grads->data(), dx->data() + full * b * d);
   }
 }
@@ -623,8 +684,7 @@ std::int64_t SinkhornAttention::embed_blocks_backward(std::int64_t head, Tensor&
 }
 
 std::string unsupported(const Problem& p, const SinkhornConfig& c) {
-  if (p.causal && c.sortcut_blocks > 0)
-    return "SortCut (sortcut_blocks > 0) is encoder only: it has no causal mode";
+  if (p.causal && c.sortcut_blocks > 0) return "SortCut (sortcut_blocks > 0) is encoder only: it has no causal mode";
   return "";
 }
 
@@ -635,8 +695,8 @@ std::unique_ptr<Mechanism> create(const Problem& problem, const SinkhornConfig& 
 std::int64_t flops(const Problem& p, const SinkhornConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, b = sinkhorn_block(p, c), nb = sinkhorn_blocks(p, c);
   const std::int64_t cut = sortcut(p, c);
-  std::int64_t per_head = n * d + (p.causal ? (nb - 1) * d : 0) + matmul_flops(nb, d, d) + 2 * nb * d +
-                          matmul_flops(nb, nb, d) + nb * nb;
+  std::int64_t per_head =
+      n * d + (p.causal ? (nb - 1) * d : 0) + matmul_flops(nb, d, d) + 2 * nb * d + matmul_flops(nb, nb, d) + nb * nb;
   per_head += p.causal ? 7 * nb * (nb - 1) / 2 : nb * nb * (2 + 10 * c.sinkhorn_iters);
   per_head += 2 * matmul_flops(sorted_rows(p, c), n, d);
   for (std::int64_t q0 = 0; q0 < n; q0 += b) {
@@ -674,8 +734,7 @@ std::int64_t backward_workspace(const Problem& p, const SinkhornConfig& c) {
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, b = sinkhorn_block(p, c);
   const std::int64_t nb = sinkhorn_blocks(p, c), cols = score_cols(p, c), threads = p.threads;
   const std::int64_t floats = heads * n + 2 * heads * nb * nb + 2 * heads * sorted_rows(p, c) * b * d + d * d + d +
-                              d * nb + nb + 2 * heads * nb * d +
-                              threads * (4 * cols * d + b * ops::padded_ld(cols)) +
+                              d * nb + nb + 2 * heads * nb * d + threads * (4 * cols * d + b * ops::padded_ld(cols)) +
                               (p.causal ? 0 : threads * 2 * c.sinkhorn_iters * nb * nb);
   return 4 * floats;
 }
@@ -705,6 +764,8 @@ SinkhornConfig resolve(const Problem& p, SinkhornConfig c) {
 }
 
 template <>
-Implementation implementation<SinkhornConfig>() { return implement<SinkhornConfig>(); }
+Implementation implementation<SinkhornConfig>() {
+  return implement<SinkhornConfig>();
+}
 
 }  // namespace xfb

@@ -91,7 +91,9 @@ class SinkhornAttention final : public Mechanism {
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
   std::vector<NamedTensor> decode_parameters() const override { return {{"w2", &decode_w2_}, {"b2", &decode_b2_}}; }
   std::vector<NamedTensor> decode_state() const override {
-    return {{"block_keys", &block_keys_}, {"block_values", &block_values_}, {"open_embedding", &decode_embeddings_},
+    return {{"block_keys", &block_keys_},
+            {"block_values", &block_values_},
+            {"open_embedding", &decode_embeddings_},
             {"sorted_block", &decode_sorted_}};
   }
 

@@ -37,7 +37,12 @@ class Linformer final : public Mechanism {
     const Tensor& f = c_.sharing == LinformerSharing::KeyValue ? e_ : f_;
     project(e_, k, keys_);
     project(f, v, values_);
-    ops::matmul({.batch = bh, .m = n, .n = k_, .k = d, .trans_b = true, .ldc = ld_,
+    ops::matmul({.batch = bh,
+                 .m = n,
+                 .n = k_,
+                 .k = d,
+                 .trans_b = true,
+                 .ldc = ld_,
                  .alpha = 1.0f / std::sqrt(static_cast<float>(d))},
                 q.data(), keys_.data(), scores_.data());
     ops::softmax_rows_masked(scores_.data(), bh, n, k_, ld_, false);
@@ -141,8 +146,8 @@ class Linformer final : public Mechanism {
 
 void validate(const Problem& problem, const LinformerConfig& c) {
   if (c.identity && c.k < problem.seq_len)
-    throw ParamError("linformer: projection=identity needs k >= N (E = F = I is N×N); got k=" +
-                     std::to_string(c.k) + ", N=" + std::to_string(problem.seq_len));
+    throw ParamError("linformer: projection=identity needs k >= N (E = F = I is N×N); got k=" + std::to_string(c.k) +
+                     ", N=" + std::to_string(problem.seq_len));
 }
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const LinformerConfig& c, std::uint64_t seed) {
@@ -190,6 +195,8 @@ LinformerConfig resolve(const Problem& p, LinformerConfig c) {
 }
 
 template <>
-Implementation implementation<LinformerConfig>() { return implement<LinformerConfig>(); }
+Implementation implementation<LinformerConfig>() {
+  return implement<LinformerConfig>();
+}
 
 }  // namespace xfb

@@ -59,7 +59,10 @@ Tensor stacked_output_weights(std::int64_t h, std::int64_t d, std::int64_t n, st
 class Synthesizer final : public Mechanism {
  public:
   Synthesizer(const Problem& problem, const SynthesizerConfig& config, std::uint64_t seed)
-      : p_(problem), c_(config), seed_(seed), ld_(ops::padded_ld(problem.seq_len)),
+      : p_(problem),
+        c_(config),
+        seed_(seed),
+        ld_(ops::padded_ld(problem.seq_len)),
         mix_(static_cast<float>(config.vanilla_weight)) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
@@ -97,13 +100,24 @@ class Synthesizer final : public Mechanism {
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
     if (mix_ > 0.0f)
-      ops::matmul({.batch = bh, .m = n, .n = n, .k = d, .trans_b = true, .ldc = ld_,
+      ops::matmul({.batch = bh,
+                   .m = n,
+                   .n = n,
+                   .k = d,
+                   .trans_b = true,
+                   .ldc = ld_,
                    .alpha = mix_ / std::sqrt(static_cast<float>(d))},
                   q.data(), k.data(), logits_.data());
     switch (c_.variant) {
-      case SynthesizerVariant::Dense: dense_logits(q); break;
-      case SynthesizerVariant::Random: random_logits(); break;
-      case SynthesizerVariant::FactorizedRandom: factorized_logits(); break;
+      case SynthesizerVariant::Dense:
+        dense_logits(q);
+        break;
+      case SynthesizerVariant::Random:
+        random_logits();
+        break;
+      case SynthesizerVariant::FactorizedRandom:
+        factorized_logits();
+        break;
     }
     ops::softmax_rows_masked(logits_.data(), bh, n, n, ld_, p_.causal);
     ops::matmul({.batch = bh, .m = n, .n = d, .k = n, .lda = ld_}, logits_.data(), v.data(), out.data());
@@ -169,8 +183,10 @@ class Synthesizer final : public Mechanism {
 
   std::vector<NamedTensor> decode_parameters() const override {
     switch (c_.variant) {
-      case SynthesizerVariant::Dense: return {{"w2_b2", &decode_synthetic_}};
-      case SynthesizerVariant::Random: return {{"r_decoded_rows", &decode_synthetic_}};
+      case SynthesizerVariant::Dense:
+        return {{"w2_b2", &decode_synthetic_}};
+      case SynthesizerVariant::Random:
+        return {{"r_decoded_rows", &decode_synthetic_}};
       case SynthesizerVariant::FactorizedRandom:
         return {{"r1_decoded_rows", &decode_factor_rows_}, {"r2", &decode_synthetic_}};
     }
@@ -179,9 +195,12 @@ class Synthesizer final : public Mechanism {
 
   std::vector<NamedTensor> parameters() const override {
     switch (c_.variant) {
-      case SynthesizerVariant::Dense: return {{"w1", &w1_}, {"b1", &b1_}, {"w2", &w2_}, {"b2", &b2_}};
-      case SynthesizerVariant::Random: return {{"r", &r_}};
-      case SynthesizerVariant::FactorizedRandom: return {{"r1", &r1_}, {"r2", &r2_}};
+      case SynthesizerVariant::Dense:
+        return {{"w1", &w1_}, {"b1", &b1_}, {"w2", &w2_}, {"b2", &b2_}};
+      case SynthesizerVariant::Random:
+        return {{"r", &r_}};
+      case SynthesizerVariant::FactorizedRandom:
+        return {{"r1", &r1_}, {"r2", &r2_}};
     }
     return {};
   }
@@ -191,13 +210,15 @@ class Synthesizer final : public Mechanism {
     logit_grads_ = Tensor(logits_.shape());
     switch (c_.variant) {
       case SynthesizerVariant::Dense:
-        for (auto [grad, param] : {std::pair{&dw1_, &w1_}, std::pair{&db1_, &b1_}, std::pair{&dw2_, &w2_},
-                                   std::pair{&db2_, &b2_}})
+        for (auto [grad, param] :
+             {std::pair{&dw1_, &w1_}, std::pair{&db1_, &b1_}, std::pair{&dw2_, &w2_}, std::pair{&db2_, &b2_}})
           *grad = Tensor(param->shape());
         stacked_grads_ = Tensor(Shape{h, d + 1, n});
         hidden_grads_ = Tensor(Shape{bh, n, d + 1});
         break;
-      case SynthesizerVariant::Random: dr_ = Tensor(r_.shape()); break;
+      case SynthesizerVariant::Random:
+        dr_ = Tensor(r_.shape());
+        break;
       case SynthesizerVariant::FactorizedRandom:
         dr1_ = Tensor(r1_.shape());
         dr2_ = Tensor(r2_.shape());
@@ -226,9 +247,15 @@ class Synthesizer final : public Mechanism {
       if (c_.variant != SynthesizerVariant::Dense) dq.fill(0.0f);
     }
     switch (c_.variant) {
-      case SynthesizerVariant::Dense: dense_backward(q, dq); break;
-      case SynthesizerVariant::Random: random_backward(); break;
-      case SynthesizerVariant::FactorizedRandom: factorized_backward(); break;
+      case SynthesizerVariant::Dense:
+        dense_backward(q, dq);
+        break;
+      case SynthesizerVariant::Random:
+        random_backward();
+        break;
+      case SynthesizerVariant::FactorizedRandom:
+        factorized_backward();
+        break;
     }
   }
 
@@ -238,9 +265,12 @@ class Synthesizer final : public Mechanism {
   }
   std::vector<NamedTensor> parameter_gradients() const override {
     switch (c_.variant) {
-      case SynthesizerVariant::Dense: return {{"dw1", &dw1_}, {"db1", &db1_}, {"dw2", &dw2_}, {"db2", &db2_}};
-      case SynthesizerVariant::Random: return {{"dr", &dr_}};
-      case SynthesizerVariant::FactorizedRandom: return {{"dr1", &dr1_}, {"dr2", &dr2_}};
+      case SynthesizerVariant::Dense:
+        return {{"dw1", &dw1_}, {"db1", &db1_}, {"dw2", &dw2_}, {"db2", &db2_}};
+      case SynthesizerVariant::Random:
+        return {{"dr", &dr_}};
+      case SynthesizerVariant::FactorizedRandom:
+        return {{"dr1", &dr1_}, {"dr2", &dr2_}};
     }
     return {};
   }
@@ -279,8 +309,9 @@ class Synthesizer final : public Mechanism {
       }
       case SynthesizerVariant::FactorizedRandom: {
         const std::int64_t k = c_.factor_rank;
-        ops::gemm(false, true, 1, keys, k, synthetic_weight(), decode_factor_rows_.data() + (h * (total - n) + i - n) * k,
-                  k, decode_synthetic_.data() + h * total * k, k, beta, logits, keys);
+        ops::gemm(false, true, 1, keys, k, synthetic_weight(),
+                  decode_factor_rows_.data() + (h * (total - n) + i - n) * k, k,
+                  decode_synthetic_.data() + h * total * k, k, beta, logits, keys);
         break;
       }
     }
@@ -320,9 +351,9 @@ class Synthesizer final : public Mechanism {
       }
     }
     for (std::int64_t b = 0; b < p_.batch; ++b)
-      ops::matmul({.batch = h, .m = n, .n = n, .k = ld, .ldc = ld_, .alpha = synthetic_weight(),
-                   .accumulate = accumulate()},
-                  hidden_.data() + b * h * n * ld, w2_with_bias_.data(), logits(b, 0));
+      ops::matmul(
+          {.batch = h, .m = n, .n = n, .k = ld, .ldc = ld_, .alpha = synthetic_weight(), .accumulate = accumulate()},
+          hidden_.data() + b * h * n * ld, w2_with_bias_.data(), logits(b, 0));
     FlopCounter::add(rows * 2 * d);
   }
 
@@ -347,7 +378,13 @@ class Synthesizer final : public Mechanism {
   void factorized_logits() {
     const std::int64_t n = p_.seq_len, k = c_.factor_rank;
     for (std::int64_t b = 0; b < p_.batch; ++b)
-      ops::matmul({.batch = p_.heads, .m = n, .n = n, .k = k, .trans_b = true, .ldc = ld_, .alpha = synthetic_weight(),
+      ops::matmul({.batch = p_.heads,
+                   .m = n,
+                   .n = n,
+                   .k = k,
+                   .trans_b = true,
+                   .ldc = ld_,
+                   .alpha = synthetic_weight(),
                    .accumulate = accumulate()},
                   r1_.data(), r2_.data(), logits(b, 0));
   }
@@ -358,8 +395,15 @@ class Synthesizer final : public Mechanism {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, h = p_.heads, ld = d + 1;
     for (std::int64_t b = 0; b < p_.batch; ++b) {
       const float* logit_grads = logit_grads_.data() + b * h * n * ld_;
-      ops::matmul({.batch = h, .m = ld, .n = n, .k = n, .trans_a = true, .lda = ld, .ldb = ld_,
-                   .alpha = synthetic_weight(), .accumulate = b > 0},
+      ops::matmul({.batch = h,
+                   .m = ld,
+                   .n = n,
+                   .k = n,
+                   .trans_a = true,
+                   .lda = ld,
+                   .ldb = ld_,
+                   .alpha = synthetic_weight(),
+                   .accumulate = b > 0},
                   hidden_.data() + b * h * n * ld, logit_grads, stacked_grads_.data());
       ops::matmul({.batch = h, .m = n, .n = ld, .k = n, .trans_b = true, .lda = ld_, .alpha = synthetic_weight()},
                   logit_grads, w2_with_bias_.data(), hidden_grads_.data() + b * h * n * ld);
@@ -415,7 +459,13 @@ class Synthesizer final : public Mechanism {
       const float* logit_grads = logit_grads_.data() + b * h * n * ld_;
       ops::matmul({.batch = h, .m = n, .n = k, .k = n, .lda = ld_, .alpha = synthetic_weight(), .accumulate = b > 0},
                   logit_grads, r2_.data(), dr1_.data());
-      ops::matmul({.batch = h, .m = n, .n = k, .k = n, .trans_a = true, .lda = ld_, .alpha = synthetic_weight(),
+      ops::matmul({.batch = h,
+                   .m = n,
+                   .n = k,
+                   .k = n,
+                   .trans_a = true,
+                   .lda = ld_,
+                   .alpha = synthetic_weight(),
                    .accumulate = b > 0},
                   logit_grads, r1_.data(), dr2_.data());
     }
@@ -447,9 +497,15 @@ std::int64_t flops(const Problem& p, const SynthesizerConfig& c) {
   std::int64_t per_head = kSoftmaxFlopsPerElement * softmax_entries(p) + matmul_flops(n, d, n);
   if (mixed) per_head += matmul_flops(n, n, d);
   switch (c.variant) {
-    case SynthesizerVariant::Dense: per_head += matmul_flops(n, d, d) + 2 * n * d + matmul_flops(n, n, d + 1); break;
-    case SynthesizerVariant::Random: per_head += mixed ? 2 * n * n : 0; break;
-    case SynthesizerVariant::FactorizedRandom: per_head += matmul_flops(n, n, c.factor_rank); break;
+    case SynthesizerVariant::Dense:
+      per_head += matmul_flops(n, d, d) + 2 * n * d + matmul_flops(n, n, d + 1);
+      break;
+    case SynthesizerVariant::Random:
+      per_head += mixed ? 2 * n * n : 0;
+      break;
+    case SynthesizerVariant::FactorizedRandom:
+      per_head += matmul_flops(n, n, c.factor_rank);
+      break;
   }
   return p.batch * p.heads * per_head;
 }
@@ -458,9 +514,15 @@ std::int64_t decode_workspace(const Problem& p, const SynthesizerConfig& c, std:
   const std::int64_t h = p.heads, d = p.head_dim, n = p.seq_len, total = n + tokens, bh = p.batch * p.heads;
   std::int64_t floats = bh * total * d * (c.vanilla_weight > 0 ? 2 : 1) + bh * ops::padded_ld(total);
   switch (c.variant) {
-    case SynthesizerVariant::Dense: floats += h * (d + 1) * total + bh * (d + 1); break;
-    case SynthesizerVariant::Random: floats += h * tokens * total; break;
-    case SynthesizerVariant::FactorizedRandom: floats += h * (tokens + total) * c.factor_rank; break;
+    case SynthesizerVariant::Dense:
+      floats += h * (d + 1) * total + bh * (d + 1);
+      break;
+    case SynthesizerVariant::Random:
+      floats += h * tokens * total;
+      break;
+    case SynthesizerVariant::FactorizedRandom:
+      floats += h * (tokens + total) * c.factor_rank;
+      break;
   }
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
@@ -469,9 +531,15 @@ std::int64_t workspace(const Problem& p, const SynthesizerConfig& c) {
   const std::int64_t h = p.heads, n = p.seq_len, d = p.head_dim, bh = p.batch * p.heads;
   std::int64_t floats = bh * n * ops::padded_ld(n);
   switch (c.variant) {
-    case SynthesizerVariant::Dense: floats += h * (d * d + d + d * n + n) + h * (d + 1) * n + bh * n * (d + 1); break;
-    case SynthesizerVariant::Random: floats += h * n * n; break;
-    case SynthesizerVariant::FactorizedRandom: floats += 2 * h * n * c.factor_rank; break;
+    case SynthesizerVariant::Dense:
+      floats += h * (d * d + d + d * n + n) + h * (d + 1) * n + bh * n * (d + 1);
+      break;
+    case SynthesizerVariant::Random:
+      floats += h * n * n;
+      break;
+    case SynthesizerVariant::FactorizedRandom:
+      floats += 2 * h * n * c.factor_rank;
+      break;
   }
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
@@ -484,9 +552,15 @@ std::int64_t backward_flops(const Problem& p, const SynthesizerConfig& c) {
   std::int64_t per_head = 2 * matmul_flops(n, n, d) + kSoftmaxBackwardFlopsPerElement * softmax_entries(p);
   if (static_cast<float>(c.vanilla_weight) > 0.0f) per_head += 2 * matmul_flops(n, n, d);
   switch (c.variant) {
-    case SynthesizerVariant::Dense: per_head += 2 * matmul_flops(n, n, d + 1) + 2 * n * d + 2 * matmul_flops(n, d, d); break;
-    case SynthesizerVariant::Random: per_head += 2 * n * n; break;
-    case SynthesizerVariant::FactorizedRandom: per_head += 2 * matmul_flops(n, c.factor_rank, n); break;
+    case SynthesizerVariant::Dense:
+      per_head += 2 * matmul_flops(n, n, d + 1) + 2 * n * d + 2 * matmul_flops(n, d, d);
+      break;
+    case SynthesizerVariant::Random:
+      per_head += 2 * n * n;
+      break;
+    case SynthesizerVariant::FactorizedRandom:
+      per_head += 2 * matmul_flops(n, c.factor_rank, n);
+      break;
   }
   return p.batch * p.heads * per_head;
 }
@@ -508,6 +582,8 @@ FieldTable<SynthesizerConfig> config_fields(const SynthesizerConfig*) {
 }
 
 template <>
-Implementation implementation<SynthesizerConfig>() { return implement<SynthesizerConfig>(); }
+Implementation implementation<SynthesizerConfig>() {
+  return implement<SynthesizerConfig>();
+}
 
 }  // namespace xfb

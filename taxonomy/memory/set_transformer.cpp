@@ -189,7 +189,8 @@ class SetTransformer final : public Mechanism {
     for (std::int64_t r = 0; r < rows; ++r) softmax_row(scores + r * ld, m);
     ops::gemm(false, false, rows, d, m, 1.0f, scores, ld, values, d, 0.0f, out, d);
     const std::int64_t saved_at = (bh * p_.seq_len + r0) * d;
-    mab_tail(q, out, rows, head, 1, thread, saved_pointer(saved_rows_, 0, saved_at), saved_pointer(saved_rows_, 1, saved_at));
+    mab_tail(q, out, rows, head, 1, thread, saved_pointer(saved_rows_, 0, saved_at),
+             saved_pointer(saved_rows_, 1, saved_at));
     return kSoftmaxFlopsPerElement * rows * m + kMabTailFlopsPerElement * rows * d;
   }
 
@@ -231,7 +232,8 @@ class SetTransformer final : public Mechanism {
     const std::int64_t h = p_.heads, d = p_.head_dim, m = c_.inducing_points;
     std::fill(d_inducing_.data() + head * m * d, d_inducing_.data() + (head + 1) * m * d, 0.0f);
     for (std::int64_t i = 0; i < 2; ++i) {
-      std::fill(d_projections_.data() + (i * h + head) * d * d, d_projections_.data() + (i * h + head + 1) * d * d, 0.0f);
+      std::fill(d_projections_.data() + (i * h + head) * d * d, d_projections_.data() + (i * h + head + 1) * d * d,
+                0.0f);
       std::fill(d_ff_weights_.data() + (i * h + head) * d * d, d_ff_weights_.data() + (i * h + head + 1) * d * d, 0.0f);
       std::fill(d_ff_biases_.data() + head_offset(i, head), d_ff_biases_.data() + head_offset(i, head) + d, 0.0f);
     }
@@ -385,8 +387,8 @@ std::int64_t flops(const Problem& p, const SetTransformerConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, m = c.inducing_points;
   const std::int64_t mab1 = matmul_flops(m, n, d) + matmul_flops(m, d, n) + kSoftmaxFlopsPerElement * m * n +
                             mab_tail_flops(m, d) + 2 * matmul_flops(m, d, d);
-  const std::int64_t mab2 = matmul_flops(n, m, d) + matmul_flops(n, d, m) + kSoftmaxFlopsPerElement * n * m +
-                            mab_tail_flops(n, d);
+  const std::int64_t mab2 =
+      matmul_flops(n, m, d) + matmul_flops(n, d, m) + kSoftmaxFlopsPerElement * n * m + mab_tail_flops(n, d);
   return p.batch * p.heads * (mab1 + mab2);
 }
 
@@ -407,8 +409,8 @@ std::int64_t backward_flops(const Problem& p, const SetTransformerConfig& c) {
     const std::int64_t rows = std::min(block, n - r0);
     mab2 += tail_backward_flops(rows, d) + 5 * matmul_flops(rows, m, d) + softmax * rows * m;
   }
-  const std::int64_t mab1 = 4 * matmul_flops(m, d, d) + tail_backward_flops(m, d) + m * d + 5 * matmul_flops(m, n, d) +
-                            softmax * m * n;
+  const std::int64_t mab1 =
+      4 * matmul_flops(m, d, d) + tail_backward_flops(m, d) + m * d + 5 * matmul_flops(m, n, d) + softmax * m * n;
   return p.batch * p.heads * (mab1 + mab2);
 }
 
@@ -416,16 +418,16 @@ std::int64_t backward_workspace(const Problem& p, const SetTransformerConfig& c)
   const std::int64_t h = p.heads, d = p.head_dim, m = c.inducing_points, rows = block_rows(p, c), bh = p.batch * h;
   const std::int64_t saved = 2 * bh * m * d + 2 * bh * p.seq_len * d;
   const std::int64_t gradients = h * m * d + 4 * h * d * d + 2 * h * d + 8 * h * d;
-  const std::int64_t per_thread = 6 * std::max(rows, m) * d + rows * ops::padded_ld(m) + m * ops::padded_ld(p.seq_len) +
-                                  3 * m * d + 2 * d;
+  const std::int64_t per_thread =
+      6 * std::max(rows, m) * d + rows * ops::padded_ld(m) + m * ops::padded_ld(p.seq_len) + 3 * m * d + 2 * d;
   return (saved + gradients + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
 FieldTable<SetTransformerConfig> config_fields(const SetTransformerConfig*) {
-  return {int_field("inducing_points", &SetTransformerConfig::inducing_points, 1, 4096,
-                    "m, learned inducing points per head"),
-          int_field("block_q", &SetTransformerConfig::block_q, 1, 65536,
-                    "query rows per task in the second MAB (tokens)")};
+  return {
+      int_field("inducing_points", &SetTransformerConfig::inducing_points, 1, 4096,
+                "m, learned inducing points per head"),
+      int_field("block_q", &SetTransformerConfig::block_q, 1, 65536, "query rows per task in the second MAB (tokens)")};
 }
 
 SetTransformerConfig resolve(const Problem& p, SetTransformerConfig c) {
@@ -434,6 +436,8 @@ SetTransformerConfig resolve(const Problem& p, SetTransformerConfig c) {
 }
 
 template <>
-Implementation implementation<SetTransformerConfig>() { return implement<SetTransformerConfig>(); }
+Implementation implementation<SetTransformerConfig>() {
+  return implement<SetTransformerConfig>();
+}
 
 }  // namespace xfb

@@ -41,6 +41,8 @@ SegmentAttentionConfig compressive_config(const ParamValues& values) {
 }
 
 template <>
-Implementation implementation<CompressiveConfig>() { return implement<CompressiveConfig>(); }
+Implementation implementation<CompressiveConfig>() {
+  return implement<CompressiveConfig>();
+}
 
 }  // namespace xfb

@@ -152,8 +152,7 @@ void SegmentAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
     CounterRng(seed_, c_.model + "/conv_weights")
         .fill_normal(conv_weights_, 0.0f, 1.0f / std::sqrt(static_cast<float>(c_.rate * d)));
   }
-  if (c_.compression != Compression::None)
-    compressed_slots_ = Tensor(Shape{threads, ceil_div(s.segment, c_.rate), d});
+  if (c_.compression != Compression::None) compressed_slots_ = Tensor(Shape{threads, ceil_div(s.segment, c_.rate), d});
 
   windows_ = Tensor(Shape{2, p_.batch * h, s.rows, d});
   biased_queries_ = Tensor(Shape{threads, 2, s.block, d});
@@ -250,8 +249,8 @@ void SegmentAttention::decode_step(const Tensor& q, const Tensor& k, const Tenso
     float* scores = decode_scores_.data() + bh * 2 * ld;
     float* relative = scores + ld;
     ops::gemm(false, true, 1, cols, d, scale, with_u, d, win[0] + lo * d, d, 0.0f, scores, ld);
-    ops::gemm(false, true, 1, cols, d, scale, with_v, d, relative_keys_.data() + (head * table_rows + first_table_row) * d,
-              d, 0.0f, relative, ld);
+    ops::gemm(false, true, 1, cols, d, scale, with_v, d,
+              relative_keys_.data() + (head * table_rows + first_table_row) * d, d, 0.0f, relative, ld);
     const float inverse = add_relative_and_exponentiate(scores, relative, cols, cols, nullptr);
     float* dst = out.data() + bh * d;
     ops::gemm(false, false, 1, d, cols, 1.0f, scores, ld, win[1] + lo * d, d, 0.0f, dst, d);
@@ -449,8 +448,7 @@ std::int64_t SegmentAttention::update_memory(float* const* win, std::int64_t hea
       const float* weights = c_.compression == Compression::Conv
                                  ? conv_weights_.data() + ((values ? p_.heads : 0) + head) * c_.rate * d * d
                                  : nullptr;
-      flops += compress_rows(c_.compression, rows + (context_ - cache.memory) * d, evicted, d, c_.rate, weights,
-                             slots);
+      flops += compress_rows(c_.compression, rows + (context_ - cache.memory) * d, evicted, d, c_.rate, weights, slots);
       push_compressed(rows, slots, ceil_div(evicted, c_.rate), cache.compressed);
     }
     std::memmove(rows + (context_ - kept) * d, rows + (context_ + segment_rows - kept) * d,
@@ -494,7 +492,8 @@ void SegmentAttention::prepare_backward() {
 }
 
 std::vector<NamedTensor> SegmentAttention::parameter_gradients() const {
-  std::vector<NamedTensor> list{{"dpos_bias_u", &bias_u_grads_}, {"dpos_bias_v", &bias_v_grads_}, {"dw_r", &w_r_grads_}};
+  std::vector<NamedTensor> list{
+      {"dpos_bias_u", &bias_u_grads_}, {"dpos_bias_v", &bias_v_grads_}, {"dw_r", &w_r_grads_}};
   if (c_.compression == Compression::Conv) list.push_back({"dconv_weights", &conv_grads_});
   return list;
 }
@@ -604,7 +603,8 @@ std::int64_t SegmentAttention::tile_backward(const Grads& g, const float* const*
   float* positional = content + block * d;
   const float* relative_keys = relative_keys_.data() + (head * n_rel + t.first_table_row) * d;
   ops::gemm(false, false, t.rows, d, t.cols, scale, ds, ld, win[0] + t.lo * d, d, 0.0f, content, d);
-  ops::gemm(false, false, t.rows, d, t.relative, scale, ds_relative, ld_relative, relative_keys, d, 0.0f, positional, d);
+  ops::gemm(false, false, t.rows, d, t.relative, scale, ds_relative, ld_relative, relative_keys, d, 0.0f, positional,
+            d);
   ops::gemm(true, false, t.relative, d, t.rows, scale, ds_relative, ld_relative, with_v, d, 1.0f,
             relative_key_grads_.data() + (head * n_rel + t.first_table_row) * d, d);
   float* dq = g.dq.data() + at;
@@ -638,7 +638,8 @@ std::int64_t SegmentAttention::reconstruction_backward(const Grads& g, const flo
   float* slot_grads[2] = {compressed[1] + capacity * d, compressed[1] + 2 * capacity * d};
   const float* weights[2] = {conv_weights_.data() + head * rate * d * d,
                              conv_weights_.data() + (p_.heads + head) * rate * d * d};
-  for (std::int64_t t = 0; t < 2; ++t) compress_rows(Compression::Conv, rows[t], evicted, d, rate, weights[t], compressed[t]);
+  for (std::int64_t t = 0; t < 2; ++t)
+    compress_rows(Compression::Conv, rows[t], evicted, d, rate, weights[t], compressed[t]);
   float* evicted_scores = reconstruction_scores_.data() + thread * reconstruction_scores_.dim(1);
   float* slot_scores = evicted_scores + segment_ * ld_evicted;
   float* slot_score_grads = slot_scores + segment_ * ld_slots;
@@ -660,7 +661,8 @@ std::int64_t SegmentAttention::reconstruction_backward(const Grads& g, const flo
   ops::gemm(false, false, segment_rows, d, evicted, 1.0f, evicted_scores, ld_evicted, rows[1], d, 0.0f, target, d);
   ops::gemm(false, true, segment_rows, slots, d, scale, q, d, compressed[0], d, 0.0f, slot_scores, ld_slots);
   flops += softmax_rows(slot_scores, slots, ld_slots);
-  ops::gemm(false, false, segment_rows, d, slots, 1.0f, slot_scores, ld_slots, compressed[1], d, 0.0f, reconstructed, d);
+  ops::gemm(false, false, segment_rows, d, slots, 1.0f, slot_scores, ld_slots, compressed[1], d, 0.0f, reconstructed,
+            d);
   for (std::int64_t e = 0; e < segment_rows * d; ++e) reconstructed[e] = -2.0f * (target[e] - reconstructed[e]);
   const float* output_grads = reconstructed;
   ops::gemm(true, false, slots, d, segment_rows, 1.0f, slot_scores, ld_slots, output_grads, d, 0.0f, slot_grads[1], d);
@@ -688,20 +690,22 @@ std::int64_t segment_attention_flops(const Problem& p, const SegmentAttentionCon
   for (std::int64_t s0 = 0; s0 < p.seq_len; s0 += s.segment) {
     const std::int64_t segment_rows = std::min(s.segment, p.seq_len - s0);
     for (std::int64_t r0 = 0; r0 < segment_rows; r0 += s.block)
-      per_head += tile_flops(p, state.memory + state.compressed, r0, std::min(s.block, segment_rows - r0),
-                             segment_rows);
+      per_head +=
+          tile_flops(p, state.memory + state.compressed, r0, std::min(s.block, segment_rows - r0), segment_rows);
     const std::int64_t evicted = advance(state, segment_rows, c);
     per_head += 2 * compress_flops(c.compression, evicted, p.head_dim, c.rate);
   }
   return p.batch * p.heads * per_head;
 }
 
-std::int64_t segment_attention_decode_workspace(const Problem& p, const SegmentAttentionConfig& c, std::int64_t tokens) {
+std::int64_t segment_attention_decode_workspace(const Problem& p, const SegmentAttentionConfig& c,
+                                                std::int64_t tokens) {
   const Sizes s = sizes_of(p, c);
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim, segment = std::min(c.segment_len, p.seq_len + tokens);
   const std::int64_t rows = s.context + segment;
   std::int64_t floats = 2 * heads * rows * d + heads * 2 * ops::padded_ld(rows) + heads * 2 * d;
-  if (rows > s.relative) floats += (rows - s.relative) * (p.heads * d + p.heads * d);  // sinusoid [·, d_r], relative keys
+  if (rows > s.relative)
+    floats += (rows - s.relative) * (p.heads * d + p.heads * d);  // sinusoid [·, d_r], relative keys
   if (c.compression != Compression::None)
     floats += p.threads * std::max<std::int64_t>(0, ceil_div(segment, c.rate) - ceil_div(s.segment, c.rate)) * d;
   return floats * static_cast<std::int64_t>(sizeof(float));
@@ -714,8 +718,8 @@ std::int64_t segment_attention_workspace(const Problem& p, const SegmentAttentio
   if (c.compression == Compression::Conv) floats += 2 * h * c.rate * d * d;
   if (c.compression != Compression::None) floats += threads * ceil_div(s.segment, c.rate) * d;
   floats += 2 * p.batch * h * s.rows * d;
-  floats += threads * (2 * s.block * d + s.block * ops::padded_ld(s.rows) +
-                       s.block * ops::padded_ld(s.rows + s.block - 1));
+  floats +=
+      threads * (2 * s.block * d + s.block * ops::padded_ld(s.rows) + s.block * ops::padded_ld(s.rows + s.block - 1));
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
 
@@ -751,15 +755,14 @@ std::int64_t segment_attention_backward_flops(const Problem& p, const SegmentAtt
 std::int64_t segment_attention_backward_workspace(const Problem& p, const SegmentAttentionConfig& c) {
   const Sizes s = sizes_of(p, c);
   const std::int64_t h = p.heads, d = p.head_dim, threads = p.threads;
-  std::int64_t floats = p.batch * h * p.seq_len + threads * 2 * s.rows * d + 2 * h * d + h * s.relative * d +
-                        h * h * d * d +
-                        threads * (s.block * ops::padded_ld(s.rows) + s.block * ops::padded_ld(s.rows + s.block - 1) +
-                                   2 * s.block * d);
+  std::int64_t floats =
+      p.batch * h * p.seq_len + threads * 2 * s.rows * d + 2 * h * d + h * s.relative * d + h * h * d * d +
+      threads * (s.block * ops::padded_ld(s.rows) + s.block * ops::padded_ld(s.rows + s.block - 1) + 2 * s.block * d);
   if (c.compression == Compression::Conv) floats += 2 * h * c.rate * d * d;
   if (c.aux_loss) {
     const std::int64_t slots = ceil_div(s.segment, c.rate);
-    floats += threads * (4 * slots * d + s.segment * ops::padded_ld(s.segment) +
-                         2 * s.segment * ops::padded_ld(slots) + 2 * s.segment * d);
+    floats += threads * (4 * slots * d + s.segment * ops::padded_ld(s.segment) + 2 * s.segment * ops::padded_ld(slots) +
+                         2 * s.segment * d);
   }
   return floats * static_cast<std::int64_t>(sizeof(float));
 }

@@ -75,14 +75,14 @@ namespace xfb {
 enum class Compression { None, MaxPool, MeanPool, Conv };
 
 struct SegmentAttentionConfig {
-  std::string model;                 // registry name; prefixes the seed streams
-  std::int64_t segment_len = 512;    // L, tokens per segment
-  std::int64_t memory_len = 512;     // M, memory slots (cached previous positions)
-  std::int64_t compressed_len = 0;   // n_cm, compressed-memory slots (0 with Compression::None)
-  std::int64_t rate = 1;             // c, evicted slots per compressed slot
+  std::string model;                // registry name; prefixes the seed streams
+  std::int64_t segment_len = 512;   // L, tokens per segment
+  std::int64_t memory_len = 512;    // M, memory slots (cached previous positions)
+  std::int64_t compressed_len = 0;  // n_cm, compressed-memory slots (0 with Compression::None)
+  std::int64_t rate = 1;            // c, evicted slots per compressed slot
   Compression compression = Compression::None;
-  std::int64_t block_q = 64;         // query rows per task, tokens
-  bool aux_loss = false;             // Conv only: the attention-reconstruction loss in the backward
+  std::int64_t block_q = 64;  // query rows per task, tokens
+  bool aux_loss = false;      // Conv only: the attention-reconstruction loss in the backward
 };
 
 // Compresses `count` consecutive rows [count, d] into ⌈count/rate⌉ rows of `out` as described
@@ -179,7 +179,7 @@ class SegmentAttention final : public Mechanism {
   SegmentAttentionConfig c_;
   std::uint64_t seed_;
   std::int64_t segment_ = 0, context_ = 0, rows_ = 0, delta_max_ = 0;  // L clamped to N, W, W + L, top δ
-  SegmentCache cache_;  // after the last forward
+  SegmentCache cache_;                                                 // after the last forward
   Tensor bias_u_, bias_v_, w_r_, sinusoid_, relative_keys_, conv_weights_;
   Tensor windows_, biased_queries_, scores_, relative_scores_, compressed_slots_;
   // Backward only: each query row's log-sum-exp [B·H, N] (saved by the forward), per thread replay

@@ -22,6 +22,8 @@ SegmentAttentionConfig transformer_xl_config(const ParamValues& values) {
 }
 
 template <>
-Implementation implementation<TransformerXlConfig>() { return implement<TransformerXlConfig>(); }
+Implementation implementation<TransformerXlConfig>() {
+  return implement<TransformerXlConfig>();
+}
 
 }  // namespace xfb

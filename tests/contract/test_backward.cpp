@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "taxonomy/layer/encoder_layer.hpp"
 #include "apps/bench/point.hpp"
 #include "lib/core/rng.hpp"
+#include "taxonomy/layer/encoder_layer.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/gradient_check.hpp"
@@ -112,14 +112,15 @@ TEST_SUITE("backward") {
         for (const auto& parameter : layer.parameters())
           for (const auto& gradient : layer.parameter_gradients())
             if (gradient.name == "d" + parameter.name) {
-              inputs[parameter.name] = std::vector<double>(parameter.tensor->data(),
-                                                           parameter.tensor->data() + parameter.tensor->size());
+              inputs[parameter.name] =
+                  std::vector<double>(parameter.tensor->data(), parameter.tensor->data() + parameter.tensor->size());
               grads[parameter.name] = gradient.tensor;
             }
         CHECK(grads.size() == 9);
-        check_against_differences("layer N=" + std::to_string(n) + (causal ? " causal" : ""), inputs, grads, dy,
-                                  [&](const NamedValues& values) { return layer_reference(p, f, values); },
-                                  std::log2(static_cast<double>(n) + 1) + f, every_element);
+        check_against_differences(
+            "layer N=" + std::to_string(n) + (causal ? " causal" : ""), inputs, grads, dy,
+            [&](const NamedValues& values) { return layer_reference(p, f, values); },
+            std::log2(static_cast<double>(n) + 1) + f, every_element);
       }
   }
 
@@ -159,8 +160,9 @@ TEST_SUITE("backward") {
     for (std::int64_t n : {1, 7, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513})
       for (bool causal : {false, true})
         for (const char* model : {"vanilla", "exact-tiled"})
-          worst = std::max(worst, check_model_gradients(model, {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal},
-                                mask_for(causal)));
+          worst = std::max(worst, check_model_gradients(
+                                      model, {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal},
+                                      mask_for(causal)));
     CHECK(worst <= 1);
   }
 
@@ -186,7 +188,8 @@ TEST_SUITE("backward") {
         const auto in = random_inputs(p, 9);
         Tensor dout = random_like(p, 9, "dout");
         for (std::int64_t b = 0; b < 2; ++b)
-          for (std::int64_t h = 0; h < 2; ++h) std::fill(dout.head(b, h) + (last + 1) * 16, dout.head(b, h) + n * 16, 0.0f);
+          for (std::int64_t h = 0; h < 2; ++h)
+            std::fill(dout.head(b, h) + (last + 1) * 16, dout.head(b, h) + n * 16, 0.0f);
         const BackwardRun run = run_backward(model, p, in, dout);
         std::int64_t nonzero_after = 0, nonzero_before = 0;
         for (const Tensor* g : {&run.dq, &run.dk, &run.dv})
@@ -339,8 +342,7 @@ TEST_SUITE("backward") {
       return names;
     };
     CHECK(stage_names(pass_row("exact-tiled", p, Pass::Train)) == std::vector<std::string>{"backward", "forward"});
-    CHECK(stage_names(pass_row("reformer", p, Pass::Train)) ==
-          std::vector<std::string>{"attend", "backward", "route"});
+    CHECK(stage_names(pass_row("reformer", p, Pass::Train)) == std::vector<std::string>{"attend", "backward", "route"});
     CHECK(stage_names(pass_row("reformer", p, Pass::Forward)) == std::vector<std::string>{"attend", "route"});
     // Layer scope: the whole layer's forward and backward, whatever stages the mechanism laps inside.
     PointConfig layer = counter_point("reformer", p, {}, Scope::Layer);

@@ -31,8 +31,8 @@ Tensor rows_of(const Tensor& whole, std::int64_t first, std::int64_t count) {
 }
 
 struct Decoded {
-  Tensor context_out;        // [B, H, N, D]: the prefill's output
-  std::vector<Tensor> steps;  // [B, H, 1, D] per token
+  Tensor context_out;             // [B, H, N, D]: the prefill's output
+  std::vector<Tensor> steps;      // [B, H, 1, D] per token
   std::int64_t decode_bytes = 0;  // tracked bytes prepare_decode allocated
   std::int64_t state_bytes = 0;
   std::unique_ptr<Mechanism> mechanism;  // as the last step left it
@@ -126,10 +126,14 @@ const std::vector<DecodeCase>& decode_cases() {
       {"transformer-xl", {"segment_len=5", "memory_len=4"}, {1, 4, 5, 6, 13}, 12},
       {"transformer-xl", {"segment_len=16", "memory_len=3", "block_q=4"}, {7}, 14},
       {"compressive", {"segment_len=4", "memory_len=3", "compressed_len=2", "compression_rate=2"}, {3, 4, 5, 11}, 13},
-      {"compressive", {"segment_len=5", "memory_len=2", "compressed_len=3", "compression_rate=3", "compression=max"},
-       {6}, 12},
-      {"compressive", {"segment_len=3", "memory_len=3", "compressed_len=4", "compression_rate=2", "compression=mean"},
-       {8}, 10},
+      {"compressive",
+       {"segment_len=5", "memory_len=2", "compressed_len=3", "compression_rate=3", "compression=max"},
+       {6},
+       12},
+      {"compressive",
+       {"segment_len=3", "memory_len=3", "compressed_len=4", "compression_rate=2", "compression=mean"},
+       {8},
+       10},
       {"synthesizer", {"variant=dense"}, {1, 9}, 7},
       {"synthesizer", {"variant=dense", "vanilla_weight=0.5"}, {5}, 6},
       {"synthesizer", {"variant=random"}, {4}, 6},
@@ -186,34 +190,35 @@ void check_decode_case(const DecodeCase& c) {
   const ModelInfo* model = find_model(c.model);
   REQUIRE(model != nullptr);
   REQUIRE(model->impl.has_decode());
-    for (const std::int64_t n : c.contexts) {
-      for (const Problem shape : {Problem{.batch = 2, .heads = 2, .head_dim = 16}, Problem{.batch = 1, .heads = 1, .head_dim = 24}}) {
-        Problem context = on_test_threads(shape);
-        context.seq_len = n;
-        context.causal = true;
-        Problem whole_problem = context;
-        whole_problem.seq_len = n + c.tokens;
-        const ParamValues values = model->impl.resolved(context, resolve_params(c.model, model->impl.params, c.params));
-        const AttentionInputs whole = random_inputs(whole_problem, 7);
-        auto reference = model->impl.create(whole_problem, values, 42);
-        reference->prepare(whole.q, whole.k, whole.v);
-        Tensor want = Tensor::bhnd(context.batch, context.heads, whole_problem.seq_len, context.head_dim);
-        reference->forward(whole.q, whole.k, whole.v, want);
+  for (const std::int64_t n : c.contexts) {
+    for (const Problem shape :
+         {Problem{.batch = 2, .heads = 2, .head_dim = 16}, Problem{.batch = 1, .heads = 1, .head_dim = 24}}) {
+      Problem context = on_test_threads(shape);
+      context.seq_len = n;
+      context.causal = true;
+      Problem whole_problem = context;
+      whole_problem.seq_len = n + c.tokens;
+      const ParamValues values = model->impl.resolved(context, resolve_params(c.model, model->impl.params, c.params));
+      const AttentionInputs whole = random_inputs(whole_problem, 7);
+      auto reference = model->impl.create(whole_problem, values, 42);
+      reference->prepare(whole.q, whole.k, whole.v);
+      Tensor want = Tensor::bhnd(context.batch, context.heads, whole_problem.seq_len, context.head_dim);
+      reference->forward(whole.q, whole.k, whole.v, want);
 
-        const Decoded got = decode(*model, context, values, whole, c.tokens, 2);
-        const double tolerance = c.tolerance_factor * decode_tolerance(whole, whole_problem);
-        const std::string label = c.model + " " + params_text(values.to_json()) + " N=" + std::to_string(n) +
-                                  " T=" + std::to_string(c.tokens) + " B=" + std::to_string(context.batch) +
-                                  " H=" + std::to_string(context.heads) + " D=" + std::to_string(context.head_dim);
-        CAPTURE(label);
-        CHECK(row_error(got.context_out, want, 0) <= tolerance);
-        for (std::int64_t t = 0; t < c.tokens; ++t) {
-          CAPTURE(t);
-          CHECK(row_error(got.steps[t], want, n + t) <= tolerance);
-        }
-        CHECK(got.decode_bytes == model->impl.decode_workspace_bytes(context, values, c.tokens));
+      const Decoded got = decode(*model, context, values, whole, c.tokens, 2);
+      const double tolerance = c.tolerance_factor * decode_tolerance(whole, whole_problem);
+      const std::string label = c.model + " " + params_text(values.to_json()) + " N=" + std::to_string(n) +
+                                " T=" + std::to_string(c.tokens) + " B=" + std::to_string(context.batch) +
+                                " H=" + std::to_string(context.heads) + " D=" + std::to_string(context.head_dim);
+      CAPTURE(label);
+      CHECK(row_error(got.context_out, want, 0) <= tolerance);
+      for (std::int64_t t = 0; t < c.tokens; ++t) {
+        CAPTURE(t);
+        CHECK(row_error(got.steps[t], want, n + t) <= tolerance);
       }
+      CHECK(got.decode_bytes == model->impl.decode_workspace_bytes(context, values, c.tokens));
     }
+  }
 }
 
 // The generic case of a registered model: its defaults at contexts 1 and 37, 9 tokens. Routing's
@@ -229,8 +234,7 @@ DecodeCase generic_decode_case(const std::string& model) {
 TEST_SUITE("decode") {
   TEST_CASE("every registered incremental form, at its defaults, reproduces the causal forward over N + T") {
     for (const auto& model : registry())
-      if (model.implemented() && model.impl.has_decode())
-        check_decode_case(generic_decode_case(model.name));
+      if (model.implemented() && model.impl.has_decode()) check_decode_case(generic_decode_case(model.name));
   }
 
   TEST_CASE("the incremental forms reproduce the causal forward at sizes around their blocks") {
@@ -289,7 +293,8 @@ TEST_SUITE("decode") {
         double best_dot = -INFINITY;
         for (std::int64_t c = 0; c < clusters; ++c) {
           double dot = 0;
-          for (std::int64_t j = 0; j < d; ++j) dot += static_cast<double>(x[j]) * (*centroids)[(h * clusters + c) * d + j];
+          for (std::int64_t j = 0; j < d; ++j)
+            dot += static_cast<double>(x[j]) * (*centroids)[(h * clusters + c) * d + j];
           if (dot > best_dot) best_dot = dot, best = c;
         }
         return best;
@@ -318,8 +323,9 @@ TEST_SUITE("decode") {
                 vals.insert(vals.end(), vh + j * d, vh + (j + 1) * d);
               }
               const std::vector<double> query(qh + i * d, qh + (i + 1) * d);
-              want = reference_attention(query.data(), keys.data(), vals.data(), 1, static_cast<std::int64_t>(visible.size()),
-                                         d, 1.0 / std::sqrt(static_cast<double>(d)), full_mask);
+              want = reference_attention(query.data(), keys.data(), vals.data(), 1,
+                                         static_cast<std::int64_t>(visible.size()), d,
+                                         1.0 / std::sqrt(static_cast<double>(d)), full_mask);
             }
             CAPTURE(local);
             CAPTURE(t);
@@ -434,7 +440,9 @@ TEST_SUITE("decode") {
     }
     // Constant-state models: the same state and per-token FLOPs at every context length.
     for (const auto& [model, params] : std::vector<std::pair<std::string, std::vector<std::string>>>{
-             {"linear-transformer", {}}, {"local", {"block=16"}}, {"image-transformer", {"query_block=16", "memory_flange=8"}}}) {
+             {"linear-transformer", {}},
+             {"local", {"block=16"}},
+             {"image-transformer", {"query_block=16", "memory_flange=8"}}}) {
       CAPTURE(model);
       const ResultRow short_context = decode_row(model, 64, params), long_context = decode_row(model, 512, params);
       CHECK(short_context.state_bytes > 0);

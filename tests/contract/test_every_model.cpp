@@ -5,17 +5,17 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
-#include "taxonomy/layer/encoder_layer.hpp"
 #include "apps/bench/point.hpp"
 #include "lib/core/cpu_isa.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/tile_kernels.hpp"
+#include "taxonomy/layer/encoder_layer.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/gradient_check.hpp"
@@ -39,7 +39,8 @@ TEST_SUITE("every_model") {
             CAPTURE(scope_name(scope));
             REQUIRE(row.status == Status::Ok);
             std::int64_t expected = model.impl.flops(config.problem, resolve_params(model.name, model.impl.params, {}));
-            if (scope == Scope::Layer) expected += EncoderLayer::flops_outside_mechanism(config.problem, config.effective_d_ff());
+            if (scope == Scope::Layer)
+              expected += EncoderLayer::flops_outside_mechanism(config.problem, config.effective_d_ff());
             CHECK(row.flops == expected);
             // Inputs and output are the project's own tensors; the scratchpad is not.
             CHECK(row.peak_owned_bytes >= point_io_bytes(config));
@@ -55,8 +56,10 @@ TEST_SUITE("every_model") {
         const ResultRow row = run_point(quick_point(model.name, n, false));
         CAPTURE(model.name);
         CAPTURE(n);
-        CHECK(static_cast<double>(row.workspace_bytes) <= 1.25 * static_cast<double>(row.estimated_workspace_bytes) + 65536);
-        CHECK(static_cast<double>(row.workspace_bytes) >= 0.75 * static_cast<double>(row.estimated_workspace_bytes) - 65536);
+        CHECK(static_cast<double>(row.workspace_bytes) <=
+              1.25 * static_cast<double>(row.estimated_workspace_bytes) + 65536);
+        CHECK(static_cast<double>(row.workspace_bytes) >=
+              0.75 * static_cast<double>(row.estimated_workspace_bytes) - 65536);
       }
     }
   }

@@ -7,12 +7,12 @@
 #include <random>
 
 #include "apps/bench/ab.hpp"
+#include "apps/report/compare.hpp"
+#include "apps/report/dashboard.hpp"
 #include "lib/core/contention.hpp"
 #include "lib/core/memory_tracker.hpp"
 #include "lib/core/paired.hpp"
 #include "lib/core/timing.hpp"
-#include "apps/report/compare.hpp"
-#include "apps/report/dashboard.hpp"
 
 using namespace xfb;
 
@@ -46,7 +46,10 @@ ResultRow measured_row(const std::string& model, double median_ns, bool contende
 }
 Report report_of(std::vector<ResultRow> rows, const std::string& isa) {
   Report r;
-  r.context = {{"cpu_model", "cpu"}, {"threads", 2}, {"onednn_version", "2.6.3"}, {"onednn_isa", isa},
+  r.context = {{"cpu_model", "cpu"},
+               {"threads", 2},
+               {"onednn_version", "2.6.3"},
+               {"onednn_isa", isa},
                {"build_type", "Release"}};
   r.results = std::move(rows);
   return r;
@@ -93,7 +96,7 @@ TEST_SUITE("measurement") {
     SampleContention s;  // no run-queue wait, no switch: only steal
     s.steal_ns = 10e6;   // one 10 ms tick
     CHECK(is_descheduled(20e6, s, true));
-    CHECK(is_descheduled(20e6, s, false));               // whatever the run-queue source
+    CHECK(is_descheduled(20e6, s, false));                              // whatever the run-queue source
     CHECK_FALSE(is_descheduled(10e6 / kWaitFraction * 1.01, s, true));  // < fraction of a long sample
     s.steal_ns = 0.9 * kWaitFloorNs;
     CHECK_FALSE(is_descheduled(1e3, s, true));  // under the floor
@@ -192,7 +195,7 @@ TEST_SUITE("measurement") {
     const PairedResult r = paired_log_ratio_test({1, 2, 3, 4, 5}, 0.9);
     CHECK(r.rounds == 5);
     CHECK(r.w_plus == 15);
-    CHECK(r.p_value == doctest::Approx(2.0 / 32));  // one pattern of 32 is as extreme, two-sided
+    CHECK(r.p_value == doctest::Approx(2.0 / 32));   // one pattern of 32 is as extreme, two-sided
     CHECK(std::log(r.ratio) == doctest::Approx(3));  // median of the 15 Walsh averages
     // 90%: P(W+ ≤ 0) = 1/32 ≤ 0.05 < P(W+ ≤ 1) = 2/32, so k = 1: the extreme Walsh averages.
     CHECK(std::log(r.ci_low) == doctest::Approx(1));

@@ -50,9 +50,18 @@ TEST_SUITE("ops") {
       Tensor b = random_tensor({c.broadcast_b ? 1 : c.batch, rows_b, ldb}, "b");
       Tensor out = random_tensor({c.batch, c.m, ldc}, "c");
       const Tensor before = out.clone();
-      ops::MatmulShape shape{.batch = c.batch, .m = c.m, .n = c.n, .k = c.k, .trans_a = c.ta, .trans_b = c.tb,
-                             .lda = lda, .ldb = ldb, .ldc = ldc, .stride_b = c.broadcast_b ? 0 : -1,
-                             .alpha = c.alpha, .accumulate = c.accumulate};
+      ops::MatmulShape shape{.batch = c.batch,
+                             .m = c.m,
+                             .n = c.n,
+                             .k = c.k,
+                             .trans_a = c.ta,
+                             .trans_b = c.tb,
+                             .lda = lda,
+                             .ldb = ldb,
+                             .ldc = ldc,
+                             .stride_b = c.broadcast_b ? 0 : -1,
+                             .alpha = c.alpha,
+                             .accumulate = c.accumulate};
       FlopCounter::reset();
       ops::matmul(shape, a.data(), b.data(), out.data());
       CHECK(FlopCounter::total() == c.batch * 2 * c.m * c.n * c.k);
@@ -69,12 +78,14 @@ TEST_SUITE("ops") {
             want *= c.alpha;
             const std::int64_t e = bi * c.m * ldc + i * ldc + j;
             if (c.accumulate) want += before[e];
-            const double tolerance = 2 * kFloatEps * (static_cast<double>(c.k) * std::fabs(c.alpha) * magnitude + std::fabs(before[e]) + 1);
+            const double tolerance =
+                2 * kFloatEps * (static_cast<double>(c.k) * std::fabs(c.alpha) * magnitude + std::fabs(before[e]) + 1);
             REQUIRE(std::fabs(out[e] - want) <= tolerance);
           }
         // Padding columns are untouched.
         for (std::int64_t i = 0; i < c.m; ++i)
-          for (std::int64_t j = c.n; j < ldc; ++j) REQUIRE(out[bi * c.m * ldc + i * ldc + j] == before[bi * c.m * ldc + i * ldc + j]);
+          for (std::int64_t j = c.n; j < ldc; ++j)
+            REQUIRE(out[bi * c.m * ldc + i * ldc + j] == before[bi * c.m * ldc + i * ldc + j]);
       }
     }
   }
@@ -92,7 +103,8 @@ TEST_SUITE("ops") {
             magnitude += std::fabs(static_cast<double>(a[i * k + p]) * b[j * k + p]);
           }
           want = 0.5 * want + before[i * n + j];
-          REQUIRE(std::fabs(c[i * n + j] - want) <= 2 * kFloatEps * (static_cast<double>(k) * magnitude + std::fabs(before[i * n + j]) + 1));
+          REQUIRE(std::fabs(c[i * n + j] - want) <=
+                  2 * kFloatEps * (static_cast<double>(k) * magnitude + std::fabs(before[i * n + j]) + 1));
         }
     }
   }
@@ -170,7 +182,8 @@ TEST_SUITE("ops") {
       for (std::int64_t j = 0; j < cols; ++j) {
         const double normalised = (x[r * cols + j] - mean) / std::sqrt(var + 1e-5);
         const double want = normalised * gain[j] + shift[j];
-        REQUIRE(std::fabs(y[r * cols + j] - want) <= 16 * kFloatEps * (std::fabs(normalised * gain[j]) + std::fabs(shift[j]) + 1) * std::log2(cols));
+        REQUIRE(std::fabs(y[r * cols + j] - want) <=
+                16 * kFloatEps * (std::fabs(normalised * gain[j]) + std::fabs(shift[j]) + 1) * std::log2(cols));
       }
     }
     const std::int64_t n = 1001;

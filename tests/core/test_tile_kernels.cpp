@@ -4,17 +4,17 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
-#include "taxonomy/layer/encoder_layer.hpp"
 #include "apps/bench/point.hpp"
 #include "lib/core/cpu_isa.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/tile_kernels.hpp"
+#include "taxonomy/layer/encoder_layer.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/gradient_check.hpp"
@@ -72,15 +72,16 @@ TEST_SUITE("tile_kernels") {
             CounterRng(7, "tile/v").fill_normal(v);
             std::vector<float> packed(static_cast<std::size_t>(panels * d * tiles::kPanel));
             tiles::pack_key_panels(k.data(), d, cols, d, packed.data());
-            std::vector<float> s(static_cast<std::size_t>(rows * width), -1.0f), o(static_cast<std::size_t>(rows * d), 0.5f);
+            std::vector<float> s(static_cast<std::size_t>(rows * width), -1.0f),
+                o(static_cast<std::size_t>(rows * d), 0.5f);
             tiles::scores(q.data(), d, rows, packed.data(), panels, d, 0.25f, s.data(), width);
             tiles::accumulate_pv(pr.data(), cols, rows, cols, v.data(), d, d, o.data(), d);
             // Pᵀ·X with alpha: X [rows, d] is q here; T [cols, d] starts at 0.25.
             std::vector<float> t(static_cast<std::size_t>(cols * d), 0.25f);
             tiles::accumulate_transposed(pr.data(), cols, rows, cols, q.data(), d, d, 0.5f, t.data(), d);
             // fp32 dot products of length L: |error| ≤ L·ε·Σ|terms|, bounded by L·ε·(typical 3²·L).
-            const std::string where = kernel_isa_name(isa) + " d=" + std::to_string(d) + " rows=" +
-                                      std::to_string(rows) + " cols=" + std::to_string(cols);
+            const std::string where = kernel_isa_name(isa) + " d=" + std::to_string(d) +
+                                      " rows=" + std::to_string(rows) + " cols=" + std::to_string(cols);
             for (std::int64_t r = 0; r < rows; ++r) {
               for (std::int64_t j = 0; j < width; ++j) {
                 double want = 0, magnitude = 0;
@@ -126,7 +127,8 @@ TEST_SUITE("tile_kernels") {
           // The block-sparse engine's row softmax on this path: block-local attention, block 13.
           const Tensor local = run_mechanism("local", p, in, {"block=13"});
           check_against_reference(
-              local, in, p, [causal](std::int64_t i, std::int64_t j) { return i / 13 == j / 13 && (!causal || j <= i); },
+              local, in, p,
+              [causal](std::int64_t i, std::int64_t j) { return i / 13 == j / 13 && (!causal || j <= i); },
               "local " + kernel_isa_name(isa) + " N=" + std::to_string(n));
         }
     }
@@ -170,7 +172,8 @@ TEST_SUITE("tile_kernels") {
             double want_sum = 0;
             for (std::int64_t j = 0; j < padded + 16; ++j) {
               if (j >= padded) {
-                REQUIRE_MESSAGE((x[j] == kSentinel && p[j] == kSentinel && dscores[j] == kSentinel), where << " j=" << j);
+                REQUIRE_MESSAGE((x[j] == kSentinel && p[j] == kSentinel && dscores[j] == kSentinel),
+                                where << " j=" << j);
                 continue;
               }
               if (j >= width) continue;  // padding: scratch
@@ -181,7 +184,8 @@ TEST_SUITE("tile_kernels") {
               // exp of a float difference: ε·|x − peak| from the subtraction, a few ε from the polynomial.
               const double shifted = double(original_x[j]) - double(peak), want = std::exp(shifted);
               const double tolerance = (4.0 + std::fabs(shifted)) * 1.2e-7 * want;
-              REQUIRE_MESSAGE(std::fabs(x[j] - want) <= tolerance, where << " j=" << j << " " << x[j] << " vs " << want);
+              REQUIRE_MESSAGE(std::fabs(x[j] - want) <= tolerance,
+                              where << " j=" << j << " " << x[j] << " vs " << want);
               REQUIRE_MESSAGE(p[j] == x[j], where << " j=" << j);
               const double want_grad = double(x[j]) * (double(g[j]) - dot);
               REQUIRE_MESSAGE(std::fabs(dscores[j] - want_grad) <= 2.4e-7 * x[j] * (std::fabs(g[j]) + dot),
@@ -209,7 +213,8 @@ TEST_SUITE("tile_kernels") {
           std::vector<float> buffer(static_cast<std::size_t>(offset + n + 32), kSentinel);
           float* x = buffer.data() + offset;
           for (std::int64_t j = 0; j < n; ++j) x[j] = 4.0f * values.data()[j];
-          const std::string where = kernel_isa_name(isa) + " n=" + std::to_string(n) + " offset=" + std::to_string(offset);
+          const std::string where =
+              kernel_isa_name(isa) + " n=" + std::to_string(n) + " offset=" + std::to_string(offset);
           float want_peak = -2.0f;
           for (std::int64_t j = 0; j < n; ++j) want_peak = std::max(want_peak, x[j]);
           REQUIRE_MESSAGE(tiles::row_max(x, n, -2.0f) == want_peak, where);

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "apps/cli/commands.hpp"
-#include "lib/core/errors.hpp"
 #include "apps/report/point_fields.hpp"
+#include "lib/core/errors.hpp"
 
 using namespace xfb;
 using nlohmann::json;
@@ -28,7 +28,9 @@ PointConfig parse_words(const std::vector<std::string>& words, FieldUse use, con
 }
 
 PointConfig random_point(std::mt19937_64& rng) {
-  auto pick = [&](std::int64_t lo, std::int64_t hi) { return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng); };
+  auto pick = [&](std::int64_t lo, std::int64_t hi) {
+    return std::uniform_int_distribution<std::int64_t>(lo, hi)(rng);
+  };
   PointConfig c;
   c.model = pick(0, 1) ? "local" : "vanilla";
   c.problem.seq_len = pick(1, 5000);
@@ -70,7 +72,8 @@ TEST_SUITE("point_fields") {
     const auto& seed = point_field("seed");
     CHECK(parse_field_text(seed, "18446744073709551615").get<std::uint64_t>() == UINT64_MAX);
     CHECK(parse_field_text(seed, "0").get<std::uint64_t>() == 0);
-    for (const char* bad : {"-1", "18446744073709551616", "1.5", ""}) CHECK_THROWS_AS(parse_field_text(seed, bad), InputError);
+    for (const char* bad : {"-1", "18446744073709551616", "1.5", ""})
+      CHECK_THROWS_AS(parse_field_text(seed, bad), InputError);
     const auto& min_time = point_field("min_time_s");
     CHECK(parse_field_text(min_time, "0").get<double>() == 0);
     CHECK(parse_field_text(min_time, "0.25").get<double>() == 0.25);
@@ -137,11 +140,20 @@ TEST_SUITE("point_fields") {
     c.model = "local";
     json good = point_to_json(c);
     CHECK_NOTHROW(point_from_json(good));
-    const std::vector<std::pair<std::string, json>> bad = {
-        {"batch", 0},           {"batch", "1"},       {"batch", 1.5},        {"seed", -1},
-        {"min_time_s", "nan"},  {"min_time_s", -1.0}, {"scope", "bogus"},    {"causal", 1},
-        {"params", "block=8"},  {"params", {1}},      {"model", ""},         {"threads", 1e10},
-        {"seq_len", 9223372036854775807LL},           {"heads", json::object()}};
+    const std::vector<std::pair<std::string, json>> bad = {{"batch", 0},
+                                                           {"batch", "1"},
+                                                           {"batch", 1.5},
+                                                           {"seed", -1},
+                                                           {"min_time_s", "nan"},
+                                                           {"min_time_s", -1.0},
+                                                           {"scope", "bogus"},
+                                                           {"causal", 1},
+                                                           {"params", "block=8"},
+                                                           {"params", {1}},
+                                                           {"model", ""},
+                                                           {"threads", 1e10},
+                                                           {"seq_len", 9223372036854775807LL},
+                                                           {"heads", json::object()}};
     for (const auto& [key, value] : bad) {
       CAPTURE(key);
       json doctored = good;

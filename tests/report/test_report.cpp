@@ -8,10 +8,10 @@
 #include <iterator>
 
 #include "apps/bench/point.hpp"
-#include "lib/core/errors.hpp"
-#include "lib/core/npy.hpp"
 #include "apps/report/report.hpp"
 #include "apps/report/table.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/core/npy.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -68,10 +68,30 @@ TEST_SUITE("report") {
     report.results.push_back(skipped);
     const auto j = report_to_json(report);
     CHECK(j["schema_version"] == kSchemaVersion);
-    for (const char* field :
-         {"model", "classes", "scope", "causal", "batch", "heads", "seq_len", "head_dim", "params", "status", "reason",
-          "samples_ns", "median_ns", "min_ns", "mad_ns", "cv", "unstable", "flops", "gflops_per_s", "tokens_per_s",
-          "peak_tensor_bytes", "workspace_bytes", "peak_rss_bytes", "reproducer"})
+    for (const char* field : {"model",
+                              "classes",
+                              "scope",
+                              "causal",
+                              "batch",
+                              "heads",
+                              "seq_len",
+                              "head_dim",
+                              "params",
+                              "status",
+                              "reason",
+                              "samples_ns",
+                              "median_ns",
+                              "min_ns",
+                              "mad_ns",
+                              "cv",
+                              "unstable",
+                              "flops",
+                              "gflops_per_s",
+                              "tokens_per_s",
+                              "peak_tensor_bytes",
+                              "workspace_bytes",
+                              "peak_rss_bytes",
+                              "reproducer"})
       CHECK_MESSAGE(j["results"][0].contains(field), field);
     const Report back = report_from_json(nlohmann::json::parse(j.dump()));
     REQUIRE(back.results.size() == 2);
@@ -85,9 +105,11 @@ TEST_SUITE("report") {
 
   TEST_CASE("malformed reports and future schemas are input errors") {
     CHECK_THROWS_AS(report_from_json(nlohmann::json::array()), InputError);
-    CHECK_THROWS_AS(report_from_json({{"schema_version", kSchemaVersion + 1}, {"results", nlohmann::json::array()}}), InputError);
+    CHECK_THROWS_AS(report_from_json({{"schema_version", kSchemaVersion + 1}, {"results", nlohmann::json::array()}}),
+                    InputError);
     CHECK_THROWS_AS(report_from_json({{"schema_version", kSchemaVersion}}), InputError);
-    CHECK_THROWS_AS(report_from_json({{"schema_version", kSchemaVersion}, {"results", {{{"model", "x"}}}}}), InputError);
+    CHECK_THROWS_AS(report_from_json({{"schema_version", kSchemaVersion}, {"results", {{{"model", "x"}}}}}),
+                    InputError);
     const auto dir = temp_dir("bad");
     std::ofstream(dir / "broken.json") << "{ not json";
     CHECK_THROWS_AS(load_report((dir / "broken.json").string()), InputError);
@@ -231,7 +253,8 @@ TEST_SUITE("report") {
             k[t * d + c] = static_cast<float>(qkv[base + e]);
             v[t * d + c] = static_cast<float>(qkv[base + 2 * e]);
           }
-        const auto o = test::reference_attention(q.data(), k.data(), v.data(), n, n, d, 1.0 / std::sqrt(8.0), test::causal_mask);
+        const auto o =
+            test::reference_attention(q.data(), k.data(), v.data(), n, n, d, 1.0 / std::sqrt(8.0), test::causal_mask);
         for (std::int64_t t = 0; t < n; ++t)
           for (std::int64_t c = 0; c < d; ++c) attention[(bi * n + t) * e + head * d + c] = o[t * d + c];
       }

@@ -12,7 +12,6 @@
 #include <limits>
 #include <random>
 
-#include "lib/core/errors.hpp"
 #include "apps/report/compare.hpp"
 #include "apps/report/complexity.hpp"
 #include "apps/report/dashboard.hpp"
@@ -22,6 +21,7 @@
 #include "apps/report/plot.hpp"
 #include "apps/report/report.hpp"
 #include "apps/report/table.hpp"
+#include "lib/core/errors.hpp"
 
 using namespace xfb;
 using nlohmann::json;
@@ -87,21 +87,50 @@ std::string random_bytes(std::mt19937_64& rng) {
 }
 
 json random_value(std::mt19937_64& rng) {
-  static const double numbers[] = {0.0, -0.0, -1.0, 1.0, 0.5, 1e300, -1e300, 5e-324, 1e-300, 1e18, 1e19,
-                                   std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
-                                   std::numeric_limits<double>::quiet_NaN(), 1099511627777.0, 64.0};
-  static const std::int64_t integers[] = {0, -1, 1, 2, 64, std::int64_t{1} << 40, (std::int64_t{1} << 40) + 1,
-                                          std::numeric_limits<std::int64_t>::max(), std::numeric_limits<std::int64_t>::min()};
+  static const double numbers[] = {0.0,
+                                   -0.0,
+                                   -1.0,
+                                   1.0,
+                                   0.5,
+                                   1e300,
+                                   -1e300,
+                                   5e-324,
+                                   1e-300,
+                                   1e18,
+                                   1e19,
+                                   std::numeric_limits<double>::infinity(),
+                                   -std::numeric_limits<double>::infinity(),
+                                   std::numeric_limits<double>::quiet_NaN(),
+                                   1099511627777.0,
+                                   64.0};
+  static const std::int64_t integers[] = {0,
+                                          -1,
+                                          1,
+                                          2,
+                                          64,
+                                          std::int64_t{1} << 40,
+                                          (std::int64_t{1} << 40) + 1,
+                                          std::numeric_limits<std::int64_t>::max(),
+                                          std::numeric_limits<std::int64_t>::min()};
   switch (rng() % 9) {
-    case 0: return nullptr;
-    case 1: return rng() % 2 == 0;
-    case 2: return numbers[rng() % std::size(numbers)];
-    case 3: return integers[rng() % std::size(integers)];
-    case 4: return std::numeric_limits<std::uint64_t>::max() - rng() % 3;
-    case 5: return random_bytes(rng);
-    case 6: return std::to_string(rng() % 5000);
-    case 7: return json::array({random_bytes(rng), 1});
-    default: return json{{random_bytes(rng), json::array({json::object()})}};
+    case 0:
+      return nullptr;
+    case 1:
+      return rng() % 2 == 0;
+    case 2:
+      return numbers[rng() % std::size(numbers)];
+    case 3:
+      return integers[rng() % std::size(integers)];
+    case 4:
+      return std::numeric_limits<std::uint64_t>::max() - rng() % 3;
+    case 5:
+      return random_bytes(rng);
+    case 6:
+      return std::to_string(rng() % 5000);
+    case 7:
+      return json::array({random_bytes(rng), 1});
+    default:
+      return json{{random_bytes(rng), json::array({json::object()})}};
   }
 }
 
@@ -131,8 +160,11 @@ void extreme_but_valid(json& report, std::mt19937_64& rng) {
   json& row = rows[rng() % rows.size()];
   if (!row.is_object()) return;
   const double t = times[rng() % std::size(times)];
-  if (rng() % 2) row.update({{"samples_ns", {t}}, {"median_ns", t}, {"min_ns", t}, {"max_ns", t}, {"mad_ns", 0}});
-  else row.update({{"peak_tensor_bytes", counts[rng() % 3]}, {"flops", counts[rng() % 3]}, {"state_bytes", counts[rng() % 3]}});
+  if (rng() % 2)
+    row.update({{"samples_ns", {t}}, {"median_ns", t}, {"min_ns", t}, {"max_ns", t}, {"mad_ns", 0}});
+  else
+    row.update(
+        {{"peak_tensor_bytes", counts[rng() % 3]}, {"flops", counts[rng() % 3]}, {"state_bytes", counts[rng() % 3]}});
   if (rng() % 4 == 0 && report["context"].is_object()) report["context"]["fma_peak_gflops"] = times[rng() % 3];
 }
 
@@ -143,7 +175,9 @@ void mutate_tree(json& report, std::mt19937_64& rng) {
   json& node = pick_node(report, rng);
   switch (rng() % 6) {
     case 0:
-    case 1: node = random_value(rng); break;
+    case 1:
+      node = random_value(rng);
+      break;
     case 2:
       if (node.is_object() && !node.empty()) {
         auto it = node.begin();
@@ -153,7 +187,9 @@ void mutate_tree(json& report, std::mt19937_64& rng) {
         node.erase(node.begin() + static_cast<long>(rng() % node.size()));
       }
       break;
-    case 3: node = nested(static_cast<int>(rng() % 40)); break;
+    case 3:
+      node = nested(static_cast<int>(rng() % 40));
+      break;
     case 4:
       if (node.is_number()) node = node.get<double>() * (rng() % 2 ? 1e200 : -1.0);
       break;
@@ -174,7 +210,9 @@ std::string mutate_text(const json& report, std::mt19937_64& rng) {
 
 // "nan" or "inf" as a word of their own, in any case: how printf and JSON writers spell non-finite numbers.
 bool prints_non_finite(const std::string& output) {
-  const auto letter = [&](std::size_t i) { return i < output.size() && std::isalpha(static_cast<unsigned char>(output[i])); };
+  const auto letter = [&](std::size_t i) {
+    return i < output.size() && std::isalpha(static_cast<unsigned char>(output[i]));
+  };
   for (std::size_t i = 0; i + 3 <= output.size(); ++i) {
     const char a = static_cast<char>(std::tolower(output[i]));
     if (a != 'n' && a != 'i') continue;
@@ -209,25 +247,31 @@ const std::vector<Renderer>& renderers() {
   }();
   static const std::vector<Renderer> all = {
       {"time table", [](const Report& r, const Report&) { return render_table(r, {}); }},
-      {"speed-up table", [](const Report& r, const Report&) { return render_table(r, {.metric = TableMetric::Speedup}); }},
-      {"memory tables", [](const Report& r, const Report&) {
+      {"speed-up table",
+       [](const Report& r, const Report&) { return render_table(r, {.metric = TableMetric::Speedup}); }},
+      {"memory tables",
+       [](const Report& r, const Report&) {
          return render_table(r, {.metric = TableMetric::Memory, .format = TableFormat::Csv}) +
                 render_table(r, {.metric = TableMetric::MemoryRatio, .format = TableFormat::Markdown});
        }},
-      {"gflops and state tables", [](const Report& r, const Report&) {
+      {"gflops and state tables",
+       [](const Report& r, const Report&) {
          return render_table(r, {.metric = TableMetric::Gflops}) + render_table(r, {.metric = TableMetric::State});
        }},
-      {"complexity table", [](const Report& r, const Report&) {
+      {"complexity table",
+       [](const Report& r, const Report&) {
          require_known_models(r, "fuzz");
          return render_table(r, {.format = TableFormat::Markdown, .complexity = true});
        }},
-      {"complexity", [](const Report& r, const Report&) {
+      {"complexity",
+       [](const Report& r, const Report&) {
          std::vector<std::string> skipped;
          return render_complexity(analyse_complexity(r, &skipped), skipped, ComplexityFormat::Json);
        }},
       {"lra", [](const Report& r, const Report&) { return render_lra_comparison(r, TableFormat::Text); }},
       {"time plot", [](const Report& r, const Report&) { return render_plot(r, {}); }},
-      {"other plots", [](const Report& r, const Report&) {
+      {"other plots",
+       [](const Report& r, const Report&) {
          std::string svg;
          for (PlotMetric metric : {PlotMetric::Memory, PlotMetric::Speedup, PlotMetric::State}) try {
              svg += render_plot(r, {.metric = metric});
@@ -235,16 +279,22 @@ const std::vector<Renderer>& renderers() {
            }
          return svg;
        }},
-      {"compare", [](const Report& r, const Report& seed) {
+      {"compare",
+       [](const Report& r, const Report& seed) {
          return render_comparison(compare_reports(seed, r, options), options, CompareFormat::Text);
        }},
-      {"compare json", [](const Report& r, const Report& seed) {
+      {"compare json",
+       [](const Report& r, const Report& seed) {
          return render_comparison(compare_reports(r, seed, options), options, CompareFormat::Json);
        }},
-      {"dashboards", [](const Report& r, const Report&) {
+      {"dashboards",
+       [](const Report& r, const Report&) {
          return bencher_bmf_json(dashboard_entries(r)) + github_benchmark_json(dashboard_entries(r));
        }},
-      {"merge", [](const Report& r, const Report& seed) { return report_to_json(merge_reports({{"a", r}, {"b", seed}})).dump(); }},
+      {"merge",
+       [](const Report& r, const Report& seed) {
+         return report_to_json(merge_reports({{"a", r}, {"b", seed}})).dump();
+       }},
   };
   return all;
 }
@@ -254,7 +304,8 @@ void render(const Report& report, const Report& seed, int i, std::size_t count) 
   const auto& all = renderers();
   for (std::size_t k = 0; k < count; ++k) {
     const auto& [what, renderer] = all[(static_cast<std::size_t>(i) * count + k) % all.size()];
-    expect_clean(what, [&] { return renderer(report, seed); }, i);
+    expect_clean(
+        what, [&] { return renderer(report, seed); }, i);
   }
 }
 

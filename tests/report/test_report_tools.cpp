@@ -14,8 +14,6 @@
 #include "apps/bench/ab.hpp"
 #include "apps/bench/presets.hpp"
 #include "apps/bench/sweep.hpp"
-#include "lib/core/errors.hpp"
-#include "lib/core/stats.hpp"
 #include "apps/report/compare.hpp"
 #include "apps/report/complexity.hpp"
 #include "apps/report/lra.hpp"
@@ -23,6 +21,8 @@
 #include "apps/report/plot.hpp"
 #include "apps/report/table.hpp"
 #include "apps/report/taxonomy_view.hpp"
+#include "lib/core/errors.hpp"
+#include "lib/core/stats.hpp"
 #include "taxonomy/registry.hpp"
 
 using namespace xfb;
@@ -188,7 +188,9 @@ TEST_SUITE("report_tools") {
       AbPoint p;
       p.a.model = p.b.model = model;
       p.a.seq_len = p.b.seq_len = 64;
-      p.rounds = {{false, 1e6, 2e6, false, false}, {true, 1e6, 3e6, false, false}, {false, 1e6, 4e6, false, false},
+      p.rounds = {{false, 1e6, 2e6, false, false},
+                  {true, 1e6, 3e6, false, false},
+                  {false, 1e6, 4e6, false, false},
                   {true, 1e6, 9e6, true, false}};
       p.stats.ratio = 3;
       p.verdict = verdict;
@@ -311,8 +313,8 @@ TEST_SUITE("report_tools") {
     CHECK(same.regressions == 0);
     CHECK(same.time_geomean == doctest::Approx(1));
     // Significant but within --max-slowdown: slower, yet no regression.
-    const auto slightly = compare_reports(base, report_of({make_row("vanilla", 256, noisy(1.1e6))}),
-                                          {.max_slowdown = 0.2});
+    const auto slightly =
+        compare_reports(base, report_of({make_row("vanilla", 256, noisy(1.1e6))}), {.max_slowdown = 0.2});
     CHECK(only_point(slightly).verdict == Verdict::Slower);
     CHECK(slightly.regressions == 0);
     // Without the time gate the 2× point is reported but does not fail.
@@ -460,10 +462,12 @@ TEST_SUITE("report_tools") {
     CHECK(merged.context["merged_from"].size() == 2);
     CHECK(merged.context["merged_from"][1]["host"] == "node2");
 
-    CHECK_THROWS_WITH_AS(merge_reports({{"a.json", a}, {"a2.json", a}}), doctest::Contains("duplicate point"), InputError);
+    CHECK_THROWS_WITH_AS(merge_reports({{"a.json", a}, {"a2.json", a}}), doctest::Contains("duplicate point"),
+                         InputError);
     Report other_cpu = b;
     other_cpu.context["cpu_model"] = "Other CPU";
-    CHECK_THROWS_WITH_AS(merge_reports({{"a.json", a}, {"b.json", other_cpu}}), doctest::Contains("cpu_model"), InputError);
+    CHECK_THROWS_WITH_AS(merge_reports({{"a.json", a}, {"b.json", other_cpu}}), doctest::Contains("cpu_model"),
+                         InputError);
     Report other_settings = b;
     other_settings.settings["batch"] = 32;
     CHECK_THROWS_WITH_AS(merge_reports({{"a.json", a}, {"b.json", other_settings}}), doctest::Contains("batch"),
@@ -544,11 +548,13 @@ TEST_SUITE("report_tools") {
 
   TEST_CASE("decode rows: every decode cost maps; per-token fits, tables and plots in per-token terms") {
     for (const auto& model : registry()) {
-      if (model.decodes()) CHECK_MESSAGE(expected_decode_complexity(model.decode_cost).known, (model.name + ": " + model.decode_cost));
+      if (model.decodes())
+        CHECK_MESSAGE(expected_decode_complexity(model.decode_cost).known, (model.name + ": " + model.decode_cost));
     }
     std::vector<ResultRow> rows;
     for (std::int64_t n : {1024, 2048, 4096, 8192}) {
-      auto decode_row = [&](const std::string& model, double per_token_ns, std::int64_t per_token_flops, std::int64_t state) {
+      auto decode_row = [&](const std::string& model, double per_token_ns, std::int64_t per_token_flops,
+                            std::int64_t state) {
         ResultRow row = make_row(model, n, {per_token_ns});
         row.pass = Pass::Decode;
         row.causal = true;
@@ -558,8 +564,8 @@ TEST_SUITE("report_tools") {
         return row;
       };
       rows.push_back(decode_row("vanilla", 2.0 * static_cast<double>(n), 4 * 64 * n, 512 * n));  // a KV cache
-      rows.push_back(decode_row("linear-transformer", 4500, 70000, 167936));                      // a recurrent state
-      rows.push_back(decode_row("performer", 10.0 * static_cast<double>(n), 3 * n, 600000));       // claims O(1), grows
+      rows.push_back(decode_row("linear-transformer", 4500, 70000, 167936));                     // a recurrent state
+      rows.push_back(decode_row("performer", 10.0 * static_cast<double>(n), 3 * n, 600000));     // claims O(1), grows
     }
     const auto series = analyse_complexity(report_of(rows));
     REQUIRE(series.size() == 3);
@@ -567,7 +573,7 @@ TEST_SUITE("report_tools") {
     CHECK(series[0].survey == "O(N)");
     CHECK(series[0].verdict == ComplexityVerdict::Match);
     CHECK(*series[0].flops.exponent == doctest::Approx(1));  // per token, not per N tokens
-    CHECK(series[0].workspace.fit->best == BigO::NSquared);   // the state: "N" per token
+    CHECK(series[0].workspace.fit->best == BigO::NSquared);  // the state: "N" per token
     CHECK(series[1].verdict == ComplexityVerdict::Match);
     CHECK(*series[1].time.exponent == doctest::Approx(0).epsilon(1e-9));
     CHECK(series[2].verdict == ComplexityVerdict::Mismatch);
@@ -660,7 +666,7 @@ TEST_SUITE("report_tools") {
       const pugi::xml_node root = document.document_element();
       REQUIRE(std::string(root.name()) == "svg");
       std::map<std::pair<std::string, std::int64_t>, double> drawn;
-      std::vector<std::pair<double, double>> positions;  // (log value, y) of vanilla
+      std::vector<std::pair<double, double>> positions;      // (log value, y) of vanilla
       std::map<std::string, std::set<std::string>> colours;  // class → stroke colours
       for (const pugi::xml_node series : find_all(root, "g", "series")) {
         for (const pugi::xml_node point : find_all(series, "path", "point")) {
@@ -687,8 +693,10 @@ TEST_SUITE("report_tools") {
         if (row.status != Status::Ok) continue;
         const double value = drawn.at({row.model, row.seq_len});
         if (metric == PlotMetric::Time) CHECK(value == doctest::Approx(row.median_ns * 1e-6).epsilon(1e-5));
-        if (metric == PlotMetric::Memory) CHECK(value == doctest::Approx(row.peak_tensor_bytes / 1048576.0).epsilon(1e-5));
-        if (metric == PlotMetric::Speedup && row.model == "exact-tiled") CHECK(value == doctest::Approx(1e3 / 7e2).epsilon(1e-5));
+        if (metric == PlotMetric::Memory)
+          CHECK(value == doctest::Approx(row.peak_tensor_bytes / 1048576.0).epsilon(1e-5));
+        if (metric == PlotMetric::Speedup && row.model == "exact-tiled")
+          CHECK(value == doctest::Approx(1e3 / 7e2).epsilon(1e-5));
       }
       // y is linear in log(value), decreasing: equal slopes between consecutive vanilla points.
       if (metric != PlotMetric::Speedup) {
@@ -713,7 +721,8 @@ TEST_SUITE("report_tools") {
 
   TEST_CASE("taxonomy: Table 1 as Markdown and JSON, and the class diagram places every model") {
     const auto md = render_taxonomy(TaxonomyFormat::Markdown);
-    for (const auto& model : registry()) CHECK_MESSAGE(md.find("`" + model.name + "`") != std::string::npos, model.name);
+    for (const auto& model : registry())
+      CHECK_MESSAGE(md.find("`" + model.name + "`") != std::string::npos, model.name);
     CHECK(md.find("| 17 | Big Bird") != std::string::npos);
     const auto j = nlohmann::json::parse(render_taxonomy(TaxonomyFormat::Json));
     REQUIRE(j["models"].size() == registry().size());

@@ -10,8 +10,8 @@
 
 namespace xfb::test {
 
-inline PointConfig counter_point(const std::string& model, const Problem& problem,
-                                 std::vector<std::string> params = {}, Scope scope = Scope::Attention) {
+inline PointConfig counter_point(const std::string& model, const Problem& problem, std::vector<std::string> params = {},
+                                 Scope scope = Scope::Attention) {
   PointConfig c;
   c.model = model;
   c.problem = on_test_threads(problem);

@@ -75,8 +75,8 @@ double check_gradients(const BackwardRun& run, const AttentionInputs& in, const 
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
       const MaskFn head_mask = [&](std::int64_t i, std::int64_t j) { return allowed(h, i, j); };
-      const auto want = reference_attention_backward(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h),
-                                                     dout.head(b, h), n, n, d, scale, head_mask);
+      const auto want = reference_attention_backward(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h), dout.head(b, h),
+                                                     n, n, d, scale, head_mask);
       const double factor = gradient_error_factor(in.q.head(b, h), in.k.head(b, h), n, n, d, scale);
       std::ostringstream head;
       head << label << " b=" << b << " h=" << h;
@@ -108,8 +108,8 @@ void check_directional_derivative(const BackwardRun& run, const AttentionInputs&
         return sum;
       };
       const double numeric = (objective(step) - objective(-step)) / (2 * step);
-      const auto want = reference_attention_backward(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h),
-                                                     dout.head(b, h), n, n, d, scale, head_mask);
+      const auto want = reference_attention_backward(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h), dout.head(b, h),
+                                                     n, n, d, scale, head_mask);
       const double factor = gradient_error_factor(in.q.head(b, h), in.k.head(b, h), n, n, d, scale);
       double analytic = 0, tolerance = 0;
       for (std::int64_t e = 0; e < count; ++e) {
@@ -120,9 +120,9 @@ void check_directional_derivative(const BackwardRun& run, const AttentionInputs&
                                want.dv_terms[i] * std::fabs(dv));
       }
       tolerance += 1e-7 * (1 + std::fabs(numeric));  // the central difference's own error
-      CHECK_MESSAGE(std::fabs(analytic - numeric) <= tolerance, label << " b=" << b << " h=" << h << ": ⟨∇, δ⟩ = "
-                                                                      << analytic << ", difference quotient "
-                                                                      << numeric << " (tolerance " << tolerance << ")");
+      CHECK_MESSAGE(std::fabs(analytic - numeric) <= tolerance,
+                    label << " b=" << b << " h=" << h << ": ⟨∇, δ⟩ = " << analytic << ", difference quotient "
+                          << numeric << " (tolerance " << tolerance << ")");
     }
 }
 
@@ -192,7 +192,8 @@ void check_against_differences(const std::string& label, const NamedValues& inpu
     const std::int64_t count = every_element ? grad->size() : std::min(kSampled, grad->size());
     for (std::int64_t i = 0; i < count; ++i) {
       const auto index = static_cast<std::uint64_t>(i);
-      const auto e = static_cast<std::int64_t>(every_element ? index : sample.bits(index) % static_cast<std::uint64_t>(grad->size()));
+      const auto e = static_cast<std::int64_t>(
+          every_element ? index : sample.bits(index) % static_cast<std::uint64_t>(grad->size()));
       NamedValues x = inputs;
       x[name][static_cast<std::size_t>(e)] += step;
       const double up = objective(x);
@@ -216,9 +217,9 @@ void check_against_differences(const std::string& label, const NamedValues& inpu
     }
   }
   const double numeric = (objective(up) - objective(down)) / (2 * step);
-  CHECK_MESSAGE(std::fabs(analytic - numeric) <= bound + 1e-6 * (1 + std::fabs(numeric)),
-                label << ": ⟨∇, δ⟩ = " << analytic << ", difference quotient " << numeric << " (tolerance " << bound
-                      << ")");
+  CHECK_MESSAGE(
+      std::fabs(analytic - numeric) <= bound + 1e-6 * (1 + std::fabs(numeric)),
+      label << ": ⟨∇, δ⟩ = " << analytic << ", difference quotient " << numeric << " (tolerance " << bound << ")");
 }
 
 }  // namespace xfb::test

@@ -40,7 +40,7 @@ void check_directional_derivative(const BackwardRun& run, const AttentionInputs&
 
 // Both checks on seeded inputs and dO; returns check_gradients' largest ratio.
 double check_model_gradients(const std::string& model, const Problem& p, const HeadMask& allowed,
-                           const std::vector<std::string>& params = {}, std::uint64_t seed = 7);
+                             const std::vector<std::string>& params = {}, std::uint64_t seed = 7);
 
 // Named double-precision inputs of a whole model: "q", "k", "v" ([B, H, N, D]) and parameters.
 using NamedValues = std::map<std::string, std::vector<double>>;

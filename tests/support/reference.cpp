@@ -66,7 +66,8 @@ std::vector<double> reference_attention(const double* q, const double* k, const 
 AttentionGradients reference_attention_backward(const float* q32, const float* k32, const float* v32,
                                                 const float* dout32, std::int64_t nq, std::int64_t nk, std::int64_t d,
                                                 double scale, const MaskFn& allowed) {
-  const auto q = widened(q32, nq * d), k = widened(k32, nk * d), v = widened(v32, nk * d), dout = widened(dout32, nq * d);
+  const auto q = widened(q32, nq * d), k = widened(k32, nk * d), v = widened(v32, nk * d),
+             dout = widened(dout32, nq * d);
   const auto zeros = [](std::int64_t count) { return std::vector<double>(static_cast<std::size_t>(count), 0.0); };
   AttentionGradients g{zeros(nq * d), zeros(nk * d), zeros(nk * d), zeros(nq * d), zeros(nk * d), zeros(nk * d)};
   std::vector<double> probs(static_cast<std::size_t>(nk)), dp(static_cast<std::size_t>(nk)), dp_terms(dp.size());

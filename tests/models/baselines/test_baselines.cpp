@@ -4,17 +4,17 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
-#include "taxonomy/layer/encoder_layer.hpp"
 #include "apps/bench/point.hpp"
 #include "lib/core/cpu_isa.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/tile_kernels.hpp"
+#include "taxonomy/layer/encoder_layer.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/gradient_check.hpp"
@@ -53,9 +53,9 @@ TEST_SUITE("baselines") {
           const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = c.head_dim, .causal = causal};
           const auto in = random_inputs(p, 3);
           const Tensor out = run_mechanism("exact-tiled", p, in, {c.block_q, "block_k=24", c.backward_block_k});
-          check_against_reference(out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
-                                  std::string("exact-tiled ") + c.block_q + " D=" + std::to_string(c.head_dim) +
-                                      " N=" + std::to_string(n));
+          check_against_reference(
+              out, in, p, causal ? MaskFn(causal_mask) : MaskFn(full_mask),
+              std::string("exact-tiled ") + c.block_q + " D=" + std::to_string(c.head_dim) + " N=" + std::to_string(n));
           check_model_gradients("exact-tiled", p, same_for_every_head(causal ? MaskFn(causal_mask) : MaskFn(full_mask)),
                                 {c.block_q, "block_k=24", c.backward_block_k});
         }

@@ -77,7 +77,8 @@ void check_masked(const Tensor& got, const AttentionInputs& in, const Problem& p
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
-      const auto want = reference_attention(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h), n, n, d, scale, mask_of_head(h));
+      const auto want =
+          reference_attention(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h), n, n, d, scale, mask_of_head(h));
       const double tolerance = attention_tolerance(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h), n, n, d, scale);
       check_rows(got, b, h, want, std::min(rows_from, n), n, tolerance, label);
     }
@@ -112,7 +113,8 @@ struct LongformerCase {
   std::vector<std::string> extra;  // e.g. tile
   std::vector<std::string> params() const {
     std::vector<std::string> list{"window=" + std::to_string(window), "dilation=" + std::to_string(dilation),
-                                  "dilated_heads=" + std::to_string(dilated_heads), "globals=" + std::to_string(globals)};
+                                  "dilated_heads=" + std::to_string(dilated_heads),
+                                  "globals=" + std::to_string(globals)};
     list.insert(list.end(), extra.begin(), extra.end());
     return list;
   }
@@ -164,7 +166,8 @@ ModelReference longformer_reference(const Problem& p, const LongformerCase& c) {
       const std::int64_t h = head % p.heads, dilation = h >= p.heads - c.dilated_heads ? c.dilation : 1;
       const double *q = x.at("q").data() + head * n * d, *k = x.at("k").data() + head * n * d,
                    *v = x.at("v").data() + head * n * d;
-      auto window = reference_attention(q, k, v, n, n, d, scale, longformer_window_mask(c.window, dilation, g, p.causal));
+      auto window =
+          reference_attention(q, k, v, n, n, d, scale, longformer_window_mask(c.window, dilation, g, p.causal));
       if (g > 0) {
         const auto qg = project(q, x.at("global_wq").data() + h * d * d, g, d);
         const auto kg = project(k, x.at("global_wk").data() + h * d * d, n, d);
@@ -208,8 +211,13 @@ struct BigBirdCase {
 struct BigBirdGeometry {
   std::int64_t n, block, blocks, front, back, before, after;
   BigBirdGeometry(std::int64_t tokens, const BigBirdCase& c)
-      : n(tokens), block(c.block), blocks((tokens + c.block - 1) / c.block), front((c.globals + 1) / 2),
-        back(c.globals / 2), before((c.window - 1) / 2), after(c.window / 2) {}
+      : n(tokens),
+        block(c.block),
+        blocks((tokens + c.block - 1) / c.block),
+        front((c.globals + 1) / 2),
+        back(c.globals / 2),
+        before((c.window - 1) / 2),
+        after(c.window / 2) {}
   bool global(std::int64_t blk) const { return front + back >= blocks || blk < front || blk >= blocks - back; }
   bool in_window(std::int64_t qb, std::int64_t kb) const { return kb >= qb - before && kb <= qb + after; }
   bool full(std::int64_t blk) const { return std::min((blk + 1) * block, n) - blk * block == block; }
@@ -242,8 +250,8 @@ void check_bigbird(const Problem& p, const BigBirdCase& c, std::uint64_t seed) {
   const Tensor& random = parameter(*ran.mechanism, "random_blocks");
   const BigBirdGeometry geo(p.seq_len, c);
   REQUIRE(random.shape() == Shape{p.heads, geo.blocks, c.random});
-  check_masked(ran.out, in, p, [&](std::int64_t h) { return bigbird_mask(random, geo, h); },
-               describe("bigbird", p, params));
+  check_masked(
+      ran.out, in, p, [&](std::int64_t h) { return bigbird_mask(random, geo, h); }, describe("bigbird", p, params));
 }
 
 // Gradients against the reference with the pattern of the random blocks the same seed draws.
@@ -252,16 +260,16 @@ void check_bigbird_gradients(const Problem& p, const BigBirdCase& c) {
   const Ran ran = run_model("bigbird", p, random_inputs(p, seed), c.params(), seed);
   const Tensor& random = parameter(*ran.mechanism, "random_blocks");
   const BigBirdGeometry geo(p.seq_len, c);
-  check_model_gradients("bigbird", p,
-                        [&](std::int64_t h, std::int64_t i, std::int64_t j) { return bigbird_mask(random, geo, h)(i, j); },
-                        c.params(), seed);
+  check_model_gradients(
+      "bigbird", p, [&](std::int64_t h, std::int64_t i, std::int64_t j) { return bigbird_mask(random, geo, h)(i, j); },
+      c.params(), seed);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Memory compressed: local blocks; strided convolution K̂[t,o] = Σ_u Σ_i W[o,i,u]·k[c·t+u, i].
 
 struct Compressed {
-  std::vector<double> keys, values;  // [N_c, D]
+  std::vector<double> keys, values;       // [N_c, D]
   double key_error = 0, value_error = 0;  // bound on |float result − exact| per element
 };
 
@@ -310,7 +318,8 @@ ModelReference memory_compressed_reference(const Problem& p, std::int64_t local_
           for (std::int64_t t = 0; t < slots; ++t)
             for (std::int64_t o = 0; o < d; ++o)
               for (std::int64_t u = 0; u < c && c * t + u < n; ++u)
-                for (std::int64_t i = 0; i < d; ++i) y[t * d + o] += wh[(o * d + i) * c + u] * rows[(c * t + u) * d + i];
+                for (std::int64_t i = 0; i < d; ++i)
+                  y[t * d + o] += wh[(o * d + i) * c + u] * rows[(c * t + u) * d + i];
           return y;
         };
         const auto keys = convolve(k, x.at("compress_wk")), values = convolve(v, x.at("compress_wv"));
@@ -361,7 +370,8 @@ void check_compressed_head(const Ran& ran, const AttentionInputs& in, const Prob
     bad += std::fabs(got_keys[e] - keys[static_cast<std::size_t>(e)]) > key_bound;
     bad += std::fabs(got_values[e] - values[static_cast<std::size_t>(e)]) > value_bound;
   }
-  CHECK_MESSAGE(bad == 0, label << " h=" << h << ": " << bad << " compressed entries differ from the naive convolution");
+  CHECK_MESSAGE(bad == 0,
+                label << " h=" << h << ": " << bad << " compressed entries differ from the naive convolution");
 
   const auto keys_f = to_float(keys), values_f = to_float(values);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
@@ -397,10 +407,9 @@ void check_memory_compressed(const Problem& p, const MemoryCompressedCase& c, st
         check_compressed_head(ran, in, p, c, b, h, label);
         continue;
       }
-      const auto want = reference_attention(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h), n, n, d, scale,
-                                            [&](std::int64_t i, std::int64_t j) {
-                                              return i / block == j / block && (!causal || j <= i);
-                                            });
+      const auto want = reference_attention(
+          in.q.head(b, h), in.k.head(b, h), in.v.head(b, h), n, n, d, scale,
+          [&](std::int64_t i, std::int64_t j) { return i / block == j / block && (!causal || j <= i); });
       const double tolerance = attention_tolerance(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h), n, n, d, scale);
       check_rows(ran.out, b, h, want, 0, n, tolerance, label + " local");
     }
@@ -452,8 +461,8 @@ TEST_SUITE("fixed_memory") {
         for (std::int64_t dilation : {1, 3})
           for (bool causal : {false, true}) {
             const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
-            LongformerCase c{.window = 16, .dilation = dilation, .dilated_heads = 1, .globals = globals,
-                             .extra = {"tile=8"}};
+            LongformerCase c{
+                .window = 16, .dilation = dilation, .dilated_heads = 1, .globals = globals, .extra = {"tile=8"}};
             check_longformer(p, c, static_cast<std::uint64_t>(n * 7 + globals));
           }
   }
@@ -499,7 +508,8 @@ TEST_SUITE("fixed_memory") {
       const MaskFn mask = [=](std::int64_t i, std::int64_t j) {
         return i < globals || j < globals || std::abs(i - j) <= radius;
       };
-      check_masked(out, in, p, [&](std::int64_t) { return mask; }, describe("etc", p, params));
+      check_masked(
+          out, in, p, [&](std::int64_t) { return mask; }, describe("etc", p, params));
     };
     for (std::int64_t n : {1, 3, 4, 5, 8, 9, 20, 41})
       for (std::int64_t globals : {0, 2, 5})
@@ -511,11 +521,12 @@ TEST_SUITE("fixed_memory") {
     auto check = [](std::int64_t n, std::int64_t globals, std::int64_t radius, std::vector<std::string> extra) {
       std::vector<std::string> params{"globals=" + std::to_string(globals), "radius=" + std::to_string(radius)};
       params.insert(params.end(), extra.begin(), extra.end());
-      check_model_gradients("etc", {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8},
-                            [=](std::int64_t, std::int64_t i, std::int64_t j) {
-                              return i < globals || j < globals || std::abs(i - j) <= radius;
-                            },
-                            params);
+      check_model_gradients(
+          "etc", {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8},
+          [=](std::int64_t, std::int64_t i, std::int64_t j) {
+            return i < globals || j < globals || std::abs(i - j) <= radius;
+          },
+          params);
     };
     for (std::int64_t n : {1, 4, 5, 9, 20})
       for (std::int64_t globals : {0, 2, 5})

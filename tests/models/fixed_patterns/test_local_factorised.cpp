@@ -22,7 +22,6 @@ using namespace xfb::test;
 
 namespace {
 
-
 std::int64_t naive_ceil_sqrt(std::int64_t n) {
   std::int64_t root = 1;
   while (root * root < n) ++root;
@@ -202,7 +201,9 @@ TEST_SUITE("local_factorised") {
   TEST_CASE("local gradients against the masked reference: block and 64-row tile ± 1, causal and not, batch 2") {
     for (const auto& [params, block, sizes] :
          std::vector<std::tuple<std::vector<std::string>, std::int64_t, std::vector<std::int64_t>>>{
-             {{}, 50, {1, 49, 50, 51, 101}}, {{"block=16"}, 16, {15, 16, 17, 63, 64, 65}}, {{"block=70"}, 70, {69, 70, 71}}})
+             {{}, 50, {1, 49, 50, 51, 101}},
+             {{"block=16"}, 16, {15, 16, 17, 63, 64, 65}},
+             {{"block=70"}, 70, {69, 70, 71}}})
       for (std::int64_t n : sizes)
         for (bool causal : {false, true})
           check_model_gradients("local", {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal},
@@ -253,8 +254,8 @@ TEST_SUITE("local_factorised") {
         for (bool causal : {false, true})
           for (std::int64_t heads : {1, 3}) {
             const Problem p{.batch = 2, .heads = heads, .seq_len = n, .head_dim = 8, .causal = causal};
-            check_model_gradients("sparse-transformer", p, sparse_mask(fixed, stride, std::min(summary, stride), heads, causal),
-                                  params);
+            check_model_gradients("sparse-transformer", p,
+                                  sparse_mask(fixed, stride, std::min(summary, stride), heads, causal), params);
           }
   }
 
@@ -292,20 +293,19 @@ TEST_SUITE("local_factorised") {
                {1, 1, true}, {5, 2, true}, {7, 3, true}, {9, 3, true}, {70, 8, false}, {150, 0, false}}) {
         const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = every ? 3 : 8, .causal = causal};
         const std::int64_t grid_cols = cols > 0 ? cols : naive_ceil_sqrt(n);
-        check_composite_gradients("axial", p, {"cols=" + std::to_string(cols)},
-                                  [=](const NamedValues& x) {
-                                    const std::int64_t size = n * p.head_dim;
-                                    std::vector<double> out;
-                                    for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
-                                      const auto one = axial_reference(x.at("q").data() + head * size,
-                                                                       x.at("k").data() + head * size,
-                                                                       x.at("v").data() + head * size, n, p.head_dim,
-                                                                       grid_cols, causal);
-                                      out.insert(out.end(), one.begin(), one.end());
-                                    }
-                                    return out;
-                                  },
-                                  every);
+        check_composite_gradients(
+            "axial", p, {"cols=" + std::to_string(cols)},
+            [=](const NamedValues& x) {
+              const std::int64_t size = n * p.head_dim;
+              std::vector<double> out;
+              for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
+                const auto one = axial_reference(x.at("q").data() + head * size, x.at("k").data() + head * size,
+                                                 x.at("v").data() + head * size, n, p.head_dim, grid_cols, causal);
+                out.insert(out.end(), one.begin(), one.end());
+              }
+              return out;
+            },
+            every);
       }
   }
 
@@ -360,7 +360,8 @@ TEST_SUITE("local_factorised") {
     const ModelInfo* info = find_model("sparse-transformer");
     REQUIRE(info != nullptr);
     const Problem p{.batch = 1, .heads = 2, .seq_len = 64, .head_dim = 8, .causal = false};
-    CHECK_THROWS_AS(validate_point(counter_point(info->name, p, {"pattern=fixed", "stride=4", "summary=5"})), ParamError);
+    CHECK_THROWS_AS(validate_point(counter_point(info->name, p, {"pattern=fixed", "stride=4", "summary=5"})),
+                    ParamError);
     CHECK_NOTHROW(validate_point(counter_point(info->name, p, {"pattern=fixed", "stride=4", "summary=4"})));
   }
 

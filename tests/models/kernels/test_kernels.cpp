@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "taxonomy/kernels/performer.hpp"
-#include "tests/support/mechanism_run.hpp"
 #include "tests/support/gradient_check.hpp"
+#include "tests/support/mechanism_run.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -43,8 +43,9 @@ std::vector<double> features(Kernel kernel, const Tensor* omega, const T* x, std
   for (std::int64_t f = 0; f < m; ++f) {
     double dot = 0;
     for (std::int64_t c = 0; c < d; ++c) dot += static_cast<double>((*omega)[f * d + c]) * x[c];
-    phi[f] = kernel == Kernel::Favor ? std::exp(scale * dot - half_norm) / std::sqrt(static_cast<double>(m))
-                                     : std::max(dot / std::sqrt(static_cast<double>(m)), 0.0) + kPerformerReluStabiliser;
+    phi[f] = kernel == Kernel::Favor
+                 ? std::exp(scale * dot - half_norm) / std::sqrt(static_cast<double>(m))
+                 : std::max(dot / std::sqrt(static_cast<double>(m)), 0.0) + kPerformerReluStabiliser;
   }
   return phi;
 }
@@ -121,7 +122,8 @@ std::vector<std::vector<double>> projection_terms(const Tensor* omega, double al
 //   ReLU: a feature's absolute error is Σ|ω_f·x|/√M, so the weight's relative error is
 //   Σ_f (t_q,f·φ_f(k) + φ_f(q)·t_k,f) / w_ij, taken at its largest over (i, j).
 //   elu + 1: a few ulp of exp.
-double weight_error(Kernel kernel, const Tensor* omega, const float* q, const float* k, std::int64_t n, std::int64_t d) {
+double weight_error(Kernel kernel, const Tensor* omega, const float* q, const float* k, std::int64_t n,
+                    std::int64_t d) {
   if (kernel == Kernel::Elu) return 2.0;
   const std::int64_t m = omega->dim(0);
   if (kernel == Kernel::Favor) {
@@ -157,7 +159,8 @@ double weight_error(Kernel kernel, const Tensor* omega, const float* q, const fl
 double kernel_tolerance(Kernel kernel, const Tensor* omega, const float* q, const float* k, const float* v,
                         std::int64_t n, std::int64_t d) {
   const double m = omega ? static_cast<double>(omega->dim(0)) : static_cast<double>(d);
-  return 8 * kFloatEps * (weight_error(kernel, omega, q, k, n, d) + std::log2(static_cast<double>(n)) + std::log2(m) + 1) *
+  return 8 * kFloatEps *
+         (weight_error(kernel, omega, q, k, n, d) + std::log2(static_cast<double>(n)) + std::log2(m) + 1) *
          max_abs(v, n * d);
 }
 
@@ -165,8 +168,8 @@ const Tensor* omega_of(const MechanismRun& run, Kernel kernel) {
   return kernel == Kernel::Elu ? nullptr : &run.parameter("random_features");
 }
 
-using Reference = std::vector<double> (*)(Kernel, const Tensor*, const float*, const float*, const float*,
-                                          std::int64_t, std::int64_t, bool);
+using Reference = std::vector<double> (*)(Kernel, const Tensor*, const float*, const float*, const float*, std::int64_t,
+                                          std::int64_t, bool);
 
 std::vector<double> recurrence(Kernel kernel, const Tensor* omega, const float* q, const float* k, const float* v,
                                std::int64_t n, std::int64_t d, bool) {
@@ -275,7 +278,8 @@ TEST_SUITE("kernels") {
       for (std::int64_t h = 0; h < p.heads; ++h) {
         CHECK(std::memcmp(before.head(0, h), after.head(0, h), chunk_start * d * sizeof(float)) == 0);
         for (std::int64_t e = chunk_start * d; e < cut * d; ++e)
-          CHECK(std::fabs(before.head(0, h)[e] - after.head(0, h)[e]) <= 64 * kFloatEps * (1 + std::fabs(before.head(0, h)[e])));
+          CHECK(std::fabs(before.head(0, h)[e] - after.head(0, h)[e]) <=
+                64 * kFloatEps * (1 + std::fabs(before.head(0, h)[e])));
         CHECK(std::memcmp(before.head(0, h) + cut * d, after.head(0, h) + cut * d, d * sizeof(float)) != 0);
       }
     }
@@ -347,12 +351,18 @@ TEST_SUITE("kernels") {
   TEST_CASE("performer and linear-transformer gradients against central differences of the double kernel formula") {
     // Random features held fixed (read from a forward with the same seed); chunk ± 1 and two chunks
     // and a part on tiny problems (every element), the default chunks around their size (sampled).
-    for (const KernelCase& c : {KernelCase{"performer", Kernel::Favor, {}}, KernelCase{"performer", Kernel::Relu, {"kernel=relu"}},
-                                KernelCase{"linear-transformer", Kernel::Elu, {}}})
+    for (const KernelCase& c :
+         {KernelCase{"performer", Kernel::Favor, {}}, KernelCase{"performer", Kernel::Relu, {"kernel=relu"}},
+          KernelCase{"linear-transformer", Kernel::Elu, {}}})
       for (bool causal : {false, true})
-        for (auto [n, d, chunk, every] : std::vector<std::tuple<std::int64_t, std::int64_t, const char*, bool>>{
-                 {1, 3, "chunk=4", true}, {3, 3, "chunk=4", true}, {4, 3, "chunk=4", true}, {5, 3, "chunk=4", true},
-                 {9, 3, "chunk=4", true}, {63, 8, "", false}, {65, 8, "", false}}) {
+        for (auto [n, d, chunk, every] :
+             std::vector<std::tuple<std::int64_t, std::int64_t, const char*, bool>>{{1, 3, "chunk=4", true},
+                                                                                    {3, 3, "chunk=4", true},
+                                                                                    {4, 3, "chunk=4", true},
+                                                                                    {5, 3, "chunk=4", true},
+                                                                                    {9, 3, "chunk=4", true},
+                                                                                    {63, 8, "", false},
+                                                                                    {65, 8, "", false}}) {
           const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = d, .causal = causal};
           std::vector<std::string> params = c.params;
           if (c.kernel != Kernel::Elu) params.push_back("features=16");
@@ -360,19 +370,20 @@ TEST_SUITE("kernels") {
           const auto ran = run_keeping(c.model, p, random_inputs(p, 7), params, 7);
           const Tensor* omega = c.kernel == Kernel::Elu ? nullptr : &ran.parameter("random_features");
           const Kernel kernel = c.kernel;
-          check_composite_gradients(c.model, p, params,
-                                    [&](const NamedValues& x) {
-                                      std::vector<double> out;
-                                      const std::int64_t size = n * d;
-                                      for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
-                                        const auto one = naive_kernel_attention(
-                                            kernel, omega, x.at("q").data() + head * size, x.at("k").data() + head * size,
-                                            x.at("v").data() + head * size, n, d, causal);
-                                        out.insert(out.end(), one.begin(), one.end());
-                                      }
-                                      return out;
-                                    },
-                                    every);
+          check_composite_gradients(
+              c.model, p, params,
+              [&](const NamedValues& x) {
+                std::vector<double> out;
+                const std::int64_t size = n * d;
+                for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
+                  const auto one = naive_kernel_attention(kernel, omega, x.at("q").data() + head * size,
+                                                          x.at("k").data() + head * size,
+                                                          x.at("v").data() + head * size, n, d, causal);
+                  out.insert(out.end(), one.begin(), one.end());
+                }
+                return out;
+              },
+              every);
         }
   }
 
@@ -389,7 +400,8 @@ TEST_SUITE("kernels") {
         CHECK(static_cast<double>(mid.flops) / static_cast<double>(small.flops) < 2.05);
         // Workspace does not depend on N: the peak is inputs and output plus a constant.
         CHECK(large.workspace_bytes == mid.workspace_bytes);
-        const double peak_ratio = static_cast<double>(large.peak_tensor_bytes) / static_cast<double>(mid.peak_tensor_bytes);
+        const double peak_ratio =
+            static_cast<double>(large.peak_tensor_bytes) / static_cast<double>(mid.peak_tensor_bytes);
         CHECK(peak_ratio < 2.0);
         CHECK(peak_ratio > 1.5);
       }

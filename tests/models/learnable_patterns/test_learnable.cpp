@@ -265,7 +265,8 @@ std::vector<double> cosine_affinities(const float* x, const Tensor& centroids, s
     for (std::int64_t c = 0; c < d; ++c) squares += static_cast<double>(x[i * d + c]) * x[i * d + c];
     for (std::int64_t cl = 0; cl < clusters; ++cl) {
       double s = 0;
-      for (std::int64_t c = 0; c < d; ++c) s += x[i * d + c] * static_cast<double>(centroids[(h * clusters + cl) * d + c]);
+      for (std::int64_t c = 0; c < d; ++c)
+        s += x[i * d + c] * static_cast<double>(centroids[(h * clusters + cl) * d + c]);
       a[i * clusters + cl] = s / std::sqrt(squares);
     }
   }
@@ -311,8 +312,8 @@ void check_routing(const Problem& p, const std::vector<std::string>& params) {
       if (!model.is_local_head(h) && !p.causal) {
         // Each cluster's members are its top-w tokens by cosine affinity.
         for (std::int64_t c = 0; c < clusters; ++c)
-          for (const auto& [members, affinity] : {std::pair{model.query_members(b, h, c), &qa},
-                                                  std::pair{model.key_members(b, h, c), &ka}}) {
+          for (const auto& [members, affinity] :
+               {std::pair{model.query_members(b, h, c), &qa}, std::pair{model.key_members(b, h, c), &ka}}) {
             REQUIRE(static_cast<std::int64_t>(members.size()) == w);
             REQUIRE(std::is_sorted(members.begin(), members.end()));
             REQUIRE(std::adjacent_find(members.begin(), members.end()) == members.end());
@@ -450,7 +451,8 @@ void check_sinkhorn(const Problem& p, const std::vector<std::string>& params, st
   const std::int64_t n = p.seq_len, d = p.head_dim, bs = model.block(), nb = model.blocks();
   const auto parameters = model.parameters();
   std::vector<std::vector<double>> weights;
-  for (std::size_t i = 0; i < 4; ++i) weights.push_back(widened(parameters[i].tensor->data(), parameters[i].tensor->size()));
+  for (std::size_t i = 0; i < 4; ++i)
+    weights.push_back(widened(parameters[i].tensor->data(), parameters[i].tensor->size()));
   const SortingWeights w{weights[0].data(), weights[1].data(), weights[2].data(), weights[3].data()};
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
@@ -461,9 +463,10 @@ void check_sinkhorn(const Problem& p, const std::vector<std::string>& params, st
       for (std::int64_t e = 0; e < nb * nb; ++e)
         CHECK_MESSAGE(std::fabs(perm[e] - want_perm[e]) <= 1e-4 * (1 + want_perm[e]),
                       "permutation entry " << e << ": got " << perm[e] << ", want " << want_perm[e]);
-      const auto want = sinkhorn_attention(q.data(), k.data(), v.data(), {perm.begin(), perm.end()}, p, bs,
-                                           model.sortcut_blocks());
-      check_close(run.out.head(b, h), want, d, 4 * head_tolerance(in, b, h, p), label_of("sinkhorn", n, p.causal, params));
+      const auto want =
+          sinkhorn_attention(q.data(), k.data(), v.data(), {perm.begin(), perm.end()}, p, bs, model.sortcut_blocks());
+      check_close(run.out.head(b, h), want, d, 4 * head_tolerance(in, b, h, p),
+                  label_of("sinkhorn", n, p.causal, params));
     }
 }
 
@@ -544,8 +547,8 @@ TEST_SUITE("learnable") {
               for (std::int64_t c = 0; c < p.head_dim; ++c) squares += q[i * p.head_dim + c] * q[i * p.head_dim + c];
               for (std::int64_t c = 0; c < p.head_dim; ++c) keys[i * p.head_dim + c] /= std::sqrt(squares);
             }
-            const auto o = list_attention(q, keys, v, p.seq_len, p.head_dim,
-                                          [&](std::int64_t i) { return unions[head][i]; });
+            const auto o =
+                list_attention(q, keys, v, p.seq_len, p.head_dim, [&](std::int64_t i) { return unions[head][i]; });
             out.insert(out.end(), o.begin(), o.end());
           }
           return out;
@@ -633,7 +636,8 @@ TEST_SUITE("learnable") {
               const auto nearest = std::max_element(first, first + clusters) - first;
               double squares = 0;
               for (std::int64_t c = 0; c < d; ++c) squares += std::pow(x->head(b, h)[i * d + c], 2);
-              for (std::int64_t c = 0; c < d; ++c) sums[nearest * d + c] += x->head(b, h)[i * d + c] / std::sqrt(squares);
+              for (std::int64_t c = 0; c < d; ++c)
+                sums[nearest * d + c] += x->head(b, h)[i * d + c] / std::sqrt(squares);
             }
           }
         for (std::int64_t c = 0; c < clusters; ++c) {
@@ -718,7 +722,8 @@ TEST_SUITE("learnable") {
     auto by_sort = [](const std::vector<float>& values, std::int64_t w) {
       std::vector<std::int32_t> order(values.size());
       std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) { return values[a] > values[b]; });
+      std::stable_sort(order.begin(), order.end(),
+                       [&](std::int32_t a, std::int32_t b) { return values[a] > values[b]; });
       order.resize(static_cast<std::size_t>(w));
       std::sort(order.begin(), order.end());
       return order;
@@ -743,8 +748,8 @@ TEST_SUITE("learnable") {
       std::uint64_t draw = 0;
       for (std::int64_t n : {1, 2, 7, 8, 9, 15, 16, 17, 100, 255, 256, 257, 1000, 8192})
         for (std::int64_t w : {std::int64_t{1}, (n + 90) / 91, std::max<std::int64_t>(1, n / 3), n})
-          for (std::int64_t block : {std::int64_t{1}, std::int64_t{15}, std::int64_t{16}, std::int64_t{17},
-                                     std::int64_t{256}, n}) {
+          for (std::int64_t block :
+               {std::int64_t{1}, std::int64_t{15}, std::int64_t{16}, std::int64_t{17}, std::int64_t{256}, n}) {
             std::vector<float> values(static_cast<std::size_t>(n));
             // Coarse values (multiples of 1/8) so ties are frequent.
             for (float& value : values) value = std::round(static_cast<float>(rng.normal(draw++)) * 8.0f) / 8.0f;
@@ -797,7 +802,8 @@ TEST_SUITE("learnable") {
       for (std::int64_t b = 0; b < 2; ++b) {
         auto alone = random_inputs(single, 1);
         for (std::int64_t h = 0; h < pair.heads; ++h)
-          for (auto [from, to] : {std::pair{&both.q, &alone.q}, std::pair{&both.k, &alone.k}, std::pair{&both.v, &alone.v}})
+          for (auto [from, to] :
+               {std::pair{&both.q, &alone.q}, std::pair{&both.k, &alone.k}, std::pair{&both.v, &alone.v}})
             std::copy_n(from->head(b, h), pair.seq_len * pair.head_dim, to->head(0, h));
         const auto run = run_model<RoutingAttention>("routing", single, alone, {"kmeans_updates=3"});
         for (std::int64_t h = 0; h < pair.heads; ++h) {
@@ -826,7 +832,8 @@ TEST_SUITE("learnable") {
     CHECK(moved > 1e-3);
     for (std::int64_t row = 0; row < after.size() / p.head_dim; ++row) {
       double squares = 0;
-      for (std::int64_t c = 0; c < p.head_dim; ++c) squares += double(after[row * p.head_dim + c]) * after[row * p.head_dim + c];
+      for (std::int64_t c = 0; c < p.head_dim; ++c)
+        squares += double(after[row * p.head_dim + c]) * after[row * p.head_dim + c];
       CHECK(std::fabs(squares - 1.0) < 1e-5);
     }
     for (std::int64_t c = 0; c < refined.model->clusters(); ++c) {
@@ -922,8 +929,8 @@ TEST_SUITE("learnable") {
     // reformer O(N); routing O(N·√N); sinkhorn O(N·b) attention plus O(N²/b) soft-permutation mixing.
     for (bool causal : {false, true}) {
       const auto vanilla = run_point(counter_point("vanilla", 4096, causal));
-      for (const Expect& e : {Expect{"reformer", 1.9, 2.1, 2.1}, Expect{"routing", 2.6, 3.0, 2.9},
-                              Expect{"sinkhorn", 2.1, 3.0, 2.1}}) {
+      for (const Expect& e :
+           {Expect{"reformer", 1.9, 2.1, 2.1}, Expect{"routing", 2.6, 3.0, 2.9}, Expect{"sinkhorn", 2.1, 3.0, 2.1}}) {
         const auto small = run_point(counter_point(e.model, 2048, causal));
         const auto large = run_point(counter_point(e.model, 4096, causal));
         CAPTURE(e.model);

@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "tests/support/counter_point.hpp"
-#include "tests/support/mechanism_run.hpp"
 #include "tests/support/gradient_check.hpp"
+#include "tests/support/mechanism_run.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -134,10 +134,11 @@ TEST_SUITE("low_rank") {
       for (std::int64_t n : {1, 17, 64, 100}) {
         const Problem p{.batch = 2, .heads = 3, .seq_len = n, .head_dim = 16, .causal = false};
         const auto in = random_inputs(p, static_cast<std::uint64_t>(n));
-        const Tensor out = run_mechanism("linformer", p, in,
-                                         {"projection=identity", "sharing=" + std::string(sharing),
-                                          "k=" + std::to_string(n == 100 ? 100 : 256)});
-        check_against_reference(out, in, p, full_mask, std::string("linformer identity ") + sharing + " N=" + std::to_string(n));
+        const Tensor out = run_mechanism(
+            "linformer", p, in,
+            {"projection=identity", "sharing=" + std::string(sharing), "k=" + std::to_string(n == 100 ? 100 : 256)});
+        check_against_reference(out, in, p, full_mask,
+                                std::string("linformer identity ") + sharing + " N=" + std::to_string(n));
       }
   }
 
@@ -154,7 +155,8 @@ TEST_SUITE("low_rank") {
             const auto [e, f] = linformer_matrices(run, sharing, h, k, n);
             const auto keys = project(e, in.k.head(b, h), k, n, d), values = project(f, in.v.head(b, h), k, n, d);
             const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-            const auto want = reference_attention(in.q.head(b, h), keys.data(), values.data(), n, k, d, scale, full_mask);
+            const auto want =
+                reference_attention(in.q.head(b, h), keys.data(), values.data(), n, k, d, scale, full_mask);
             const double tolerance = attention_tolerance(in.q.head(b, h), keys.data(), values.data(), n, k, d, scale);
             check_head(run.out.head(b, h), want, n, d, tolerance,
                        std::string("linformer ") + sharing + " N=" + std::to_string(n) + " b=" + std::to_string(b) +
@@ -178,7 +180,8 @@ TEST_SUITE("low_rank") {
             std::vector<double> y(static_cast<std::size_t>(k * d), 0.0);
             for (std::int64_t i = 0; i < k; ++i)
               for (std::int64_t j = 0; j < n; ++j)
-                for (std::int64_t c = 0; c < d; ++c) y[i * d + c] += w[offset + i * n + j] * x.at(name)[(head * n + j) * d + c];
+                for (std::int64_t c = 0; c < d; ++c)
+                  y[i * d + c] += w[offset + i * n + j] * x.at(name)[(head * n + j) * d + c];
             return y;
           };
           const auto keys = projected(e, "k"), values = projected(f, "v");
@@ -214,7 +217,8 @@ TEST_SUITE("low_rank") {
             if (variant == "factorized-random") {
               const std::int64_t rank = static_cast<std::int64_t>(x.at("r1").size()) / (p.heads * n);
               double s = 0;
-              for (std::int64_t c = 0; c < rank; ++c) s += x.at("r1")[(h * n + i) * rank + c] * x.at("r2")[(h * n + j) * rank + c];
+              for (std::int64_t c = 0; c < rank; ++c)
+                s += x.at("r1")[(h * n + i) * rank + c] * x.at("r2")[(h * n + j) * rank + c];
               return s;
             }
             double s = x.at("b2")[h * n + j];
@@ -250,10 +254,10 @@ TEST_SUITE("low_rank") {
         for (bool causal : {false, true})
           for (auto [n, every] : {std::pair<std::int64_t, bool>{1, true}, {4, true}, {33, false}}) {
             const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 3, .causal = causal};
-            check_composite_gradients("synthesizer", p,
-                                      {"variant=" + std::string(variant), "factor_rank=2",
-                                       "vanilla_weight=" + std::to_string(alpha)},
-                                      reference(p, variant, alpha), every);
+            check_composite_gradients(
+                "synthesizer", p,
+                {"variant=" + std::string(variant), "factor_rank=2", "vanilla_weight=" + std::to_string(alpha)},
+                reference(p, variant, alpha), every);
           }
   }
 
@@ -314,11 +318,12 @@ TEST_SUITE("low_rank") {
             const auto run = run_keeping("synthesizer", p, in, params);
             for (std::int64_t b = 0; b < p.batch; ++b)
               for (std::int64_t h = 0; h < p.heads; ++h) {
-                const auto logits = synthesizer_logits(run, variant, mix, in.q.head(b, h), in.k.head(b, h), h, n, p.head_dim);
+                const auto logits =
+                    synthesizer_logits(run, variant, mix, in.q.head(b, h), in.k.head(b, h), h, n, p.head_dim);
                 check_head(run.out.head(b, h), softmax_times_v(logits, in.v.head(b, h), n, p.head_dim, causal), n,
                            p.head_dim, logits_tolerance(logits, in.v.head(b, h), n, p.head_dim),
-                           std::string("synthesizer ") + variant + " mix=" + std::to_string(mix) + " N=" +
-                               std::to_string(n) + (causal ? " causal" : "") + " b=" + std::to_string(b) +
+                           std::string("synthesizer ") + variant + " mix=" + std::to_string(mix) +
+                               " N=" + std::to_string(n) + (causal ? " causal" : "") + " b=" + std::to_string(b) +
                                " h=" + std::to_string(h));
               }
           }
@@ -344,7 +349,8 @@ TEST_SUITE("low_rank") {
       const Tensor a = run_mechanism("synthesizer", p, in, {"variant=" + std::string(variant)});
       const Tensor b = run_mechanism("synthesizer", p, changed, {"variant=" + std::string(variant)});
       CHECK(std::memcmp(a.data(), b.data(), a.bytes()) == 0);
-      const Tensor c = run_mechanism("synthesizer", p, changed, {"variant=" + std::string(variant), "vanilla_weight=0.5"});
+      const Tensor c =
+          run_mechanism("synthesizer", p, changed, {"variant=" + std::string(variant), "vanilla_weight=0.5"});
       CHECK(std::memcmp(a.data(), c.data(), a.bytes()) != 0);
     }
     changed.q = in.q.clone();
@@ -394,7 +400,8 @@ TEST_SUITE("low_rank") {
       const double flops_ratio = static_cast<double>(large.flops) / static_cast<double>(mid.flops);
       CHECK(flops_ratio > 3.9);
       CHECK(flops_ratio < 4.1);
-      const double workspace_ratio = static_cast<double>(large.workspace_bytes) / static_cast<double>(mid.workspace_bytes);
+      const double workspace_ratio =
+          static_cast<double>(large.workspace_bytes) / static_cast<double>(mid.workspace_bytes);
       CHECK(workspace_ratio > 3.5);
       CHECK(workspace_ratio < 4.2);
     }

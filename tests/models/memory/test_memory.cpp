@@ -28,7 +28,8 @@ struct ErrorScale {
 // softmax(queries·keysᵀ/√d)·values; queries [nq, d], keys and values [nk, d].
 Matrix naive_attention(const Matrix& queries, const Matrix& keys, const Matrix& values, std::int64_t d,
                        ErrorScale& scale_info) {
-  const std::int64_t nq = static_cast<std::int64_t>(queries.size()) / d, nk = static_cast<std::int64_t>(keys.size()) / d;
+  const std::int64_t nq = static_cast<std::int64_t>(queries.size()) / d,
+                     nk = static_cast<std::int64_t>(keys.size()) / d;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   Matrix out(static_cast<std::size_t>(nq * d), 0.0);
   std::vector<double> scores(static_cast<std::size_t>(nk));
@@ -62,7 +63,8 @@ Matrix add_norm(const Matrix& a, const Matrix& b, std::int64_t d, const double* 
     for (std::int64_t f = 0; f < d; ++f) var += std::pow(a[r * d + f] + b[r * d + f] - mean, 2);
     const double inverse_std = 1.0 / std::sqrt(var / d + 1e-5);
     scale_info.inverse_std = std::max(scale_info.inverse_std, inverse_std);
-    for (std::int64_t f = 0; f < d; ++f) out[r * d + f] = (a[r * d + f] + b[r * d + f] - mean) * inverse_std * gain[f] + shift[f];
+    for (std::int64_t f = 0; f < d; ++f)
+      out[r * d + f] = (a[r * d + f] + b[r * d + f] - mean) * inverse_std * gain[f] + shift[f];
   }
   return out;
 }
@@ -83,8 +85,8 @@ struct MabParams {
 // H = LN(queries + attention(queries, keys, values)).
 Matrix naive_mab(const Matrix& queries, const Matrix& keys, const Matrix& values, std::int64_t d, const MabParams& mp,
                  ErrorScale& scale_info) {
-  const Matrix h = add_norm(queries, naive_attention(queries, keys, values, d, scale_info), d, mp.gain0, mp.shift0,
-                            scale_info);
+  const Matrix h =
+      add_norm(queries, naive_attention(queries, keys, values, d, scale_info), d, mp.gain0, mp.shift0, scale_info);
   Matrix ff = times(h, mp.ff_w, d);
   for (std::size_t e = 0; e < ff.size(); ++e) ff[e] = std::max(ff[e] + mp.ff_b[e % d], 0.0);
   return add_norm(h, ff, d, mp.gain1, mp.shift1, scale_info);
@@ -97,10 +99,10 @@ Matrix isab_head(const NamedValues& x, const Problem& p, std::int64_t m, std::in
   auto ln = [&](const char* name, std::int64_t index) { return x.at(name).data() + (index * heads + h) * d; };
   const double* ff_w = x.at("ff_weights").data();
   const double* projections = x.at("kv_projections").data();
-  const MabParams first{ff_w + h * d * d, ln("ff_biases", 0), ln("ln_gains", 0), ln("ln_shifts", 0), ln("ln_gains", 1),
-                        ln("ln_shifts", 1)};
-  const MabParams second{ff_w + (heads + h) * d * d, ln("ff_biases", 1), ln("ln_gains", 2), ln("ln_shifts", 2),
-                         ln("ln_gains", 3), ln("ln_shifts", 3)};
+  const MabParams first{ff_w + h * d * d,   ln("ff_biases", 0), ln("ln_gains", 0),
+                        ln("ln_shifts", 0), ln("ln_gains", 1),  ln("ln_shifts", 1)};
+  const MabParams second{ff_w + (heads + h) * d * d, ln("ff_biases", 1), ln("ln_gains", 2),
+                         ln("ln_shifts", 2),         ln("ln_gains", 3),  ln("ln_shifts", 3)};
   auto slice = [&](const char* name) { return Matrix(x.at(name).begin() + at, x.at(name).begin() + at + n * d); };
   const double* inducing = x.at("inducing_points").data() + h * m * d;
   const Matrix summary = naive_mab(Matrix(inducing, inducing + m * d), slice("k"), slice("v"), d, first, scale_info);
@@ -174,24 +176,26 @@ TEST_SUITE("memory") {
   }
 
   TEST_CASE("set-transformer gradients of q, k, v, the inducing points and every projection, LN and rFF") {
-    for (const auto& [n, params] : {std::pair<std::int64_t, std::vector<std::string>>{5, {"inducing_points=3", "block_q=2"}},
-                                    {8, {"inducing_points=4", "block_q=8"}},
-                                    {9, {"inducing_points=2", "block_q=4"}},
-                                    {40, {"inducing_points=5", "block_q=16"}}}) {
+    for (const auto& [n, params] :
+         {std::pair<std::int64_t, std::vector<std::string>>{5, {"inducing_points=3", "block_q=2"}},
+          {8, {"inducing_points=4", "block_q=8"}},
+          {9, {"inducing_points=2", "block_q=4"}},
+          {40, {"inducing_points=5", "block_q=16"}}}) {
       const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = false};
       const std::int64_t m = std::stoll(params[0].substr(params[0].find('=') + 1));
-      check_composite_gradients("set-transformer", p, params,
-                                [&](const NamedValues& x) {
-                                  std::vector<double> out;
-                                  for (std::int64_t b = 0; b < p.batch; ++b)
-                                    for (std::int64_t h = 0; h < p.heads; ++h) {
-                                      ErrorScale unused;
-                                      const Matrix o = isab_head(x, p, m, b, h, unused);
-                                      out.insert(out.end(), o.begin(), o.end());
-                                    }
-                                  return out;
-                                },
-                                n <= 9);
+      check_composite_gradients(
+          "set-transformer", p, params,
+          [&](const NamedValues& x) {
+            std::vector<double> out;
+            for (std::int64_t b = 0; b < p.batch; ++b)
+              for (std::int64_t h = 0; h < p.heads; ++h) {
+                ErrorScale unused;
+                const Matrix o = isab_head(x, p, m, b, h, unused);
+                out.insert(out.end(), o.begin(), o.end());
+              }
+            return out;
+          },
+          n <= 9);
     }
   }
 

@@ -12,8 +12,8 @@
 
 #include "apps/bench/point.hpp"
 #include "lib/core/flop_counter.hpp"
-#include "taxonomy/recurrence/segment_attention.hpp"
 #include "taxonomy/recurrence/compressive.hpp"
+#include "taxonomy/recurrence/segment_attention.hpp"
 #include "taxonomy/recurrence/transformer_xl.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/support/counter_point.hpp"
@@ -55,7 +55,8 @@ Run run_model(const std::string& model, const Problem& p, const AttentionInputs&
 }
 
 Run run_direct(const SegmentAttentionConfig& config, const Problem& p, const AttentionInputs& in) {
-  Run run{std::make_unique<SegmentAttention>(on_test_threads(p), config, 7), Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim)};
+  Run run{std::make_unique<SegmentAttention>(on_test_threads(p), config, 7),
+          Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim)};
   run.mechanism->prepare(in.q, in.k, in.v);
   run.out.fill(std::nanf(""));
   run.mechanism->forward(in.q, in.k, in.v, run.out);
@@ -163,8 +164,10 @@ NaiveResult naive_segments(const float* q, const float* k, const float* v, std::
     if (c.compression != Compression::None)
       for (std::int64_t g = 0; g < evicted; g += c.rate) {
         const auto end = std::min(g + c.rate, evicted);
-        result.compressed_k.push_back(naive_compress(c.compression, Rows(all_k.begin() + g, all_k.begin() + end), hp.conv_k));
-        result.compressed_v.push_back(naive_compress(c.compression, Rows(all_v.begin() + g, all_v.begin() + end), hp.conv_v));
+        result.compressed_k.push_back(
+            naive_compress(c.compression, Rows(all_k.begin() + g, all_k.begin() + end), hp.conv_k));
+        result.compressed_v.push_back(
+            naive_compress(c.compression, Rows(all_v.begin() + g, all_v.begin() + end), hp.conv_v));
       }
     while (static_cast<std::int64_t>(result.compressed_k.size()) > c.compressed_len) {
       result.compressed_k.erase(result.compressed_k.begin());
@@ -177,7 +180,8 @@ NaiveResult naive_segments(const float* q, const float* k, const float* v, std::
   // and of the softmax-weighted sum, as in attention_tolerance.
   const double conv_terms = c.compression == Compression::Conv ? static_cast<double>(c.rate * d) : 0.0;
   result.tolerance =
-      8 * kFloatEps * (largest_terms * (1 + conv_terms) + std::log2(static_cast<double>(largest_context)) + 1 + conv_terms) *
+      8 * kFloatEps *
+      (largest_terms * (1 + conv_terms) + std::log2(static_cast<double>(largest_context)) + 1 + conv_terms) *
       largest_value;
   return result;
 }
@@ -195,8 +199,8 @@ void check_close(const float* got, const std::vector<double>& want, double toler
   for (std::size_t e = 0; e < want.size(); ++e) {
     const double error = std::fabs(got[e] - want[e]);
     if (!(error <= tolerance) && failures++ < 3)
-      FAIL_CHECK(label << ": element " << e << ": got " << got[e] << ", want " << want[e] << " (tolerance "
-                       << tolerance << ")");
+      FAIL_CHECK(label << ": element " << e << ": got " << got[e] << ", want " << want[e] << " (tolerance " << tolerance
+                       << ")");
   }
   CHECK_MESSAGE(failures == 0, label << ": " << failures << " elements out of tolerance");
 }
@@ -222,7 +226,8 @@ void check_model(const std::string& model, const Problem& p, const std::vector<s
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
       HeadParams hp = head_params(*run.mechanism, c, p.heads, h, d);
-      const auto want = naive_segments(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h), p.seq_len, d, c, p.causal, hp);
+      const auto want =
+          naive_segments(in.q.head(b, h), in.k.head(b, h), in.v.head(b, h), p.seq_len, d, c, p.causal, hp);
       check_close(run.out.head(b, h), want.out, want.tolerance, label.str());
       REQUIRE(run.state().memory_length() == static_cast<std::int64_t>(want.memory_k.size()));
       REQUIRE(run.state().compressed_length() == static_cast<std::int64_t>(want.compressed_k.size()));
@@ -233,9 +238,10 @@ void check_model(const std::string& model, const Problem& p, const std::vector<s
       if (c.compression == Compression::Conv)
         for (float w : parameter(*run.mechanism, "conv_weights").values())
           largest_weight = std::max(largest_weight, std::fabs(double(w)));
-      const double cache_tolerance = c.compression == Compression::Conv
-                                         ? 2 * kFloatEps * double(c.rate * d) * double(c.rate * d) * largest_input * largest_weight
-                                         : 2 * kFloatEps * double(c.rate) * largest_input;
+      const double cache_tolerance =
+          c.compression == Compression::Conv
+              ? 2 * kFloatEps * double(c.rate * d) * double(c.rate * d) * largest_input * largest_weight
+              : 2 * kFloatEps * double(c.rate) * largest_input;
       check_rows(run.state().memory_rows(false, b, h), want.memory_k, 0, label.str() + " memory keys");
       check_rows(run.state().memory_rows(true, b, h), want.memory_v, 0, label.str() + " memory values");
       check_rows(run.state().compressed_rows(false, b, h), want.compressed_k, cache_tolerance,
@@ -269,8 +275,11 @@ std::vector<double> stopped_recurrence(const NamedValues& x, const AttentionInpu
         return r;
       };
       HeadParams hp = head_params(m, c, p.heads, h, d);
-      auto row = [d](const double* rows, std::int64_t i) { return std::vector<double>(rows + i * d, rows + (i + 1) * d); };
-      const std::vector<double> fixed_k = widened(fixed.k.head(b, h), n * d), fixed_v = widened(fixed.v.head(b, h), n * d);
+      auto row = [d](const double* rows, std::int64_t i) {
+        return std::vector<double>(rows + i * d, rows + (i + 1) * d);
+      };
+      const std::vector<double> fixed_k = widened(fixed.k.head(b, h), n * d),
+                                fixed_v = widened(fixed.v.head(b, h), n * d);
       Rows memory_k, memory_v, compressed_k, compressed_v;
       for (std::int64_t s0 = 0; s0 < n; s0 += segment) {
         const std::int64_t rows = std::min(segment, n - s0);
@@ -288,7 +297,8 @@ std::vector<double> stopped_recurrence(const NamedValues& x, const AttentionInpu
           for (std::int64_t j = 0; j < visible; ++j) {
             const auto r = relative_key(context + i - j);
             for (std::int64_t f = 0; f < d; ++f)
-              scores[j] += ((q[(s0 + i) * d + f] + u[f]) * keys[j][f] + (q[(s0 + i) * d + f] + bias_v[f]) * r[f]) * scale;
+              scores[j] +=
+                  ((q[(s0 + i) * d + f] + u[f]) * keys[j][f] + (q[(s0 + i) * d + f] + bias_v[f]) * r[f]) * scale;
           }
           const double peak = *std::max_element(scores.begin(), scores.end());
           double sum = 0;
@@ -307,8 +317,10 @@ std::vector<double> stopped_recurrence(const NamedValues& x, const AttentionInpu
         if (c.compression != Compression::None)
           for (std::int64_t g = 0; g < evicted; g += c.rate) {
             const auto end = std::min(g + c.rate, evicted);
-            compressed_k.push_back(naive_compress(c.compression, Rows(all_k.begin() + g, all_k.begin() + end), hp.conv_k));
-            compressed_v.push_back(naive_compress(c.compression, Rows(all_v.begin() + g, all_v.begin() + end), hp.conv_v));
+            compressed_k.push_back(
+                naive_compress(c.compression, Rows(all_k.begin() + g, all_k.begin() + end), hp.conv_k));
+            compressed_v.push_back(
+                naive_compress(c.compression, Rows(all_v.begin() + g, all_v.begin() + end), hp.conv_v));
           }
         while (static_cast<std::int64_t>(compressed_k.size()) > c.compressed_len) {
           compressed_k.erase(compressed_k.begin());
@@ -326,9 +338,8 @@ void check_recurrence_gradients(const std::string& model, const Problem& p, cons
                                 const SegmentAttentionConfig& c) {
   const auto fixed = random_inputs(p, 7);  // check_composite_gradients' inputs and seed
   const Run run = run_model(model, p, fixed, params, 7);
-  check_composite_gradients(model, p, params,
-                            [&](const NamedValues& x) { return stopped_recurrence(x, fixed, *run.mechanism, c, p); },
-                            true);
+  check_composite_gradients(
+      model, p, params, [&](const NamedValues& x) { return stopped_recurrence(x, fixed, *run.mechanism, c, p); }, true);
 }
 
 // The attention-reconstruction loss Σ over (batch, head) and evicting segments of
@@ -413,18 +424,21 @@ TEST_SUITE("recurrence") {
         }
   }
 
-  TEST_CASE("transformer-xl and compressive gradients: u, v, W_R, and K, V within their segment (memory stop-gradient)") {
+  TEST_CASE(
+      "transformer-xl and compressive gradients: u, v, W_R, and K, V within their segment (memory stop-gradient)") {
     for (bool causal : {false, true})
       for (std::int64_t n : {3, 4, 5, 11}) {
         const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = causal};
         const std::vector<std::string> xl{"segment_len=4", "memory_len=3", "block_q=3"};
-        check_recurrence_gradients("transformer-xl", p, xl, transformer_xl_config(resolve_params(
-                                                              "transformer-xl", find_model("transformer-xl")->impl.params, xl)));
+        check_recurrence_gradients(
+            "transformer-xl", p, xl,
+            transformer_xl_config(resolve_params("transformer-xl", find_model("transformer-xl")->impl.params, xl)));
         for (const char* f : {"conv", "max", "mean"}) {
-          const std::vector<std::string> cm{"segment_len=4", "memory_len=3", "block_q=3", "compressed_len=2",
-                                            "compression_rate=2", std::string("compression=") + f};
-          check_recurrence_gradients("compressive", p, cm, compressive_config(resolve_params(
-                                                               "compressive", find_model("compressive")->impl.params, cm)));
+          const std::vector<std::string> cm{"segment_len=4",    "memory_len=3",       "block_q=3",
+                                            "compressed_len=2", "compression_rate=2", std::string("compression=") + f};
+          check_recurrence_gradients(
+              "compressive", p, cm,
+              compressive_config(resolve_params("compressive", find_model("compressive")->impl.params, cm)));
         }
       }
   }
@@ -433,8 +447,9 @@ TEST_SUITE("recurrence") {
     for (bool causal : {false, true})
       for (const auto& [n, rate] : {std::pair<std::int64_t, std::int64_t>{11, 2}, {13, 3}, {9, 1}}) {
         const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = causal};
-        const std::vector<std::string> params{"segment_len=4", "memory_len=3",        "block_q=3",
-                                              "compressed_len=2", param("compression_rate", rate), "aux_loss=on"};
+        const std::vector<std::string> params{
+            "segment_len=4", "memory_len=3", "block_q=3", "compressed_len=2", param("compression_rate", rate),
+            "aux_loss=on"};
         const SegmentAttentionConfig c =
             compressive_config(resolve_params("compressive", find_model("compressive")->impl.params, params));
         const auto in = random_inputs(p, 5);
@@ -481,7 +496,8 @@ TEST_SUITE("recurrence") {
             const float *q = in.q.head(0, h), *k = in.k.head(0, h), *val = in.v.head(0, h);
             std::vector<double> want(static_cast<std::size_t>(n * 16), 0.0);
             double largest_terms = 0, largest_value = 0;
-            for (std::int64_t e = 0; e < n * 16; ++e) largest_value = std::max(largest_value, std::fabs(double(val[e])));
+            for (std::int64_t e = 0; e < n * 16; ++e)
+              largest_value = std::max(largest_value, std::fabs(double(val[e])));
             for (std::int64_t i = 0; i < n; ++i) {
               const std::int64_t end = causal ? i + 1 : n;
               std::vector<double> scores(static_cast<std::size_t>(end));
@@ -499,11 +515,13 @@ TEST_SUITE("recurrence") {
               double sum = 0;
               for (double s : scores) sum += std::exp(s - peak);
               for (std::int64_t j = 0; j < end; ++j)
-                for (std::int64_t f = 0; f < 16; ++f) want[i * 16 + f] += std::exp(scores[j] - peak) / sum * val[j * 16 + f];
+                for (std::int64_t f = 0; f < 16; ++f)
+                  want[i * 16 + f] += std::exp(scores[j] - peak) / sum * val[j * 16 + f];
             }
             const double tolerance = 8 * kFloatEps * (largest_terms + std::log2(double(n)) + 1) * largest_value;
-            check_close(run.out.head(0, h), want, tolerance,
-                        "one segment N=" + std::to_string(n) + " L=" + std::to_string(segment) + (causal ? " causal" : ""));
+            check_close(
+                run.out.head(0, h), want, tolerance,
+                "one segment N=" + std::to_string(n) + " L=" + std::to_string(segment) + (causal ? " causal" : ""));
           }
           CHECK(run.state().memory_length() == n);
         }
@@ -529,8 +547,8 @@ TEST_SUITE("recurrence") {
           }
           REQUIRE(static_cast<std::int64_t>(want.size()) == (count + rate - 1) / rate);
           check_rows(out.data(), want, 8 * kFloatEps * rate * d * 3,
-                     "compress f=" + std::to_string(int(f)) + " rate=" + std::to_string(rate) + " count=" +
-                         std::to_string(count));
+                     "compress f=" + std::to_string(int(f)) + " rate=" + std::to_string(rate) +
+                         " count=" + std::to_string(count));
         }
   }
 
@@ -541,10 +559,10 @@ TEST_SUITE("recurrence") {
         for (std::int64_t n : {11, 12, 13, 24, 25, 36, 37, 61, 100})
           for (bool causal : {false, true}) {
             const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal};
-            check_model("compressive", p,
-                        {"segment_len=12", param("memory_len", memory), param("compressed_len", memory == 12 ? 6 : 5),
-                         param("compression_rate", memory == 12 ? 3 : 2), std::string("compression=") + f,
-                         "block_q=5"});
+            check_model(
+                "compressive", p,
+                {"segment_len=12", param("memory_len", memory), param("compressed_len", memory == 12 ? 6 : 5),
+                 param("compression_rate", memory == 12 ? 3 : 2), std::string("compression=") + f, "block_q=5"});
           }
   }
 
@@ -563,8 +581,13 @@ TEST_SUITE("recurrence") {
       for (bool causal : {false, true}) {
         const Problem p{.batch = 1, .heads = 2, .seq_len = 77, .head_dim = 16, .causal = causal};
         const auto in = random_inputs(p, 8);
-        const Run compressive = run_direct({.model = "x", .segment_len = 10, .memory_len = 6, .compressed_len = 9,
-                                            .rate = 1, .compression = f, .block_q = 4},
+        const Run compressive = run_direct({.model = "x",
+                                            .segment_len = 10,
+                                            .memory_len = 6,
+                                            .compressed_len = 9,
+                                            .rate = 1,
+                                            .compression = f,
+                                            .block_q = 4},
                                            p, in);
         const Run xl = run_direct({.model = "x", .segment_len = 10, .memory_len = 15, .block_q = 4}, p, in);
         CHECK(std::memcmp(compressive.out.data(), xl.out.data(), static_cast<std::size_t>(xl.out.bytes())) == 0);
@@ -605,9 +628,9 @@ TEST_SUITE("recurrence") {
         CHECK(std::memcmp(xl.state().memory_rows(false, b, h), in.k.head(b, h) + 88 * 8, 7 * 8 * sizeof(float)) == 0);
         CHECK(std::memcmp(xl.state().memory_rows(true, b, h), in.v.head(b, h) + 88 * 8, 7 * 8 * sizeof(float)) == 0);
       }
-    Run compressive = run_model("compressive", p, in,
-                                {"segment_len=10", "memory_len=7", "compressed_len=4", "compression_rate=3",
-                                 "compression=max"});
+    Run compressive =
+        run_model("compressive", p, in,
+                  {"segment_len=10", "memory_len=7", "compressed_len=4", "compression_rate=3", "compression=max"});
     CHECK(compressive.state().memory_length() == 7);
     CHECK(compressive.state().compressed_length() == 4);
     // The last segment (90 … 94) evicted positions 83 … 87 of [83 … 89 ; 90 … 94]: groups
@@ -666,8 +689,12 @@ TEST_SUITE("recurrence") {
     for (const char* f : {"max", "mean", "conv"})
       for (bool causal : {false, true})
         for (std::int64_t n : {1, 47, 100}) {
-          const std::vector<std::string> params{"segment_len=16", "memory_len=9", "compressed_len=5",
-                                                "compression_rate=3", std::string("compression=") + f, "block_q=7"};
+          const std::vector<std::string> params{"segment_len=16",
+                                                "memory_len=9",
+                                                "compressed_len=5",
+                                                "compression_rate=3",
+                                                std::string("compression=") + f,
+                                                "block_q=7"};
           const auto config = quick_point("compressive", n, causal, params);
           const ModelInfo* info = find_model("compressive");
           CAPTURE(f);
@@ -692,7 +719,8 @@ TEST_SUITE("recurrence") {
       const auto small = run_point(quick_point(model, 2048, true, {}, 1, 16));
       const auto large = run_point(quick_point(model, 16384, true, {}, 1, 16));
       CHECK(large.workspace_bytes <= 2 * small.workspace_bytes);
-      CHECK(static_cast<double>(large.workspace_bytes) <= 1.05 * static_cast<double>(large.estimated_workspace_bytes) + 65536);
+      CHECK(static_cast<double>(large.workspace_bytes) <=
+            1.05 * static_cast<double>(large.estimated_workspace_bytes) + 65536);
       const ParamValues defaults = resolve_params(model, info->impl.params, {});
       CHECK(large.flops == info->impl.flops(quick_point(model, 16384, true, {}, 1, 16).problem, defaults));
       // Once the caches are full (compressive: after 2560 tokens) every segment costs the same:
