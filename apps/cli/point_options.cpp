@@ -13,6 +13,26 @@ std::string default_text(const PointField& field, const PointConfig& defaults) {
   return " (default: " + (value.is_string() ? value.get<std::string>() : value.dump()) + ")";
 }
 
+// The option's value as --help shows it.
+std::string type_name(FieldType type) {
+  switch (type) {
+    case FieldType::Integer:
+    case FieldType::Unsigned:
+      return "INT";
+    case FieldType::Real:
+      return "REAL";
+    case FieldType::Choice:
+      return "CHOICE";
+    case FieldType::Flag:
+      return "";
+    case FieldType::Text:
+      return "TEXT";
+    case FieldType::TextList:
+      return "KEY=VALUE";
+  }
+  return "TEXT";
+}
+
 }  // namespace
 
 void add_point_options(CLI::App& command, const std::shared_ptr<PointOptions>& options, FieldUse use,
@@ -29,7 +49,8 @@ void add_point_options(CLI::App& command, const std::shared_ptr<PointOptions>& o
       command
           .add_option_function<std::vector<std::string>>(
               field.flags, [options, key](const std::vector<std::string>& words) { options->texts[key] = words; }, help)
-          ->allow_extra_args(false);
+          ->allow_extra_args(false)
+          ->type_name(type_name(field.type));
     }
   }
 }

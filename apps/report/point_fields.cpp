@@ -161,7 +161,7 @@ void pass_fields(std::vector<PointField>& fields) {
 // How it runs: threads, seed, the mechanism's parameters.
 void run_fields(std::vector<PointField>& fields) {
   PointField threads =
-      small_integer("threads", "--threads,-t", 1, 4096, "threads for oneDNN and OpenMP loops (default: all cores)",
+      small_integer("threads", "--threads,-t", 1, 4096, "threads for oneDNN and OpenMP loops, every core by default",
                     [](PointConfig& c) -> int& { return c.problem.threads; });
   threads.in_key = false;
   threads.to_row = [](ResultRow& r, const json& v) { r.threads = static_cast<int>(v.get<std::int64_t>()); };
