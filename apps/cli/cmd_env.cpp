@@ -17,10 +17,10 @@ void add_env(CLI::App& app, Action& action) {
   add_point_options(*command, point, FieldUse::Point, {"threads"});
   command->add_flag("--json", *json, "print JSON");
   command->callback([=, &action] {
-    point_of(*point);  // validated when parsed
+    const int threads = point_of(*point).problem.threads;  // validated when parsed
     action = [=] {
       auto& context = DnnlContext::instance();
-      context.set_threads(point_of(*point).problem.threads);
+      context.set_threads(threads);
       auto info = capture_context(context.threads());
       if (*measure) {
         const auto m = measure_machine(context.threads());

@@ -1,5 +1,6 @@
 // `xfbench run`: one point in this process; `--json` prints the report row (the sweep's child
 // protocol), `--dump DIR` writes inputs, output and parameters as .npy with a manifest.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <optional>
@@ -47,14 +48,11 @@ PointConfig point_config(const RunOptions& o) {
 // anything is allocated.
 void check_memory(const Point& point, double limit_gib) {
   const double limit = limit_gib < 0 ? static_cast<double>(available_memory_bytes()) : limit_gib * 1073741824.0;
-  if (limit <= 0 || describe_point(point).status != Status::Ok) return;
-  const std::int64_t estimate = estimated_point_bytes(point);
-  if (static_cast<double>(estimate) <= limit) return;
-  char text[256];
-  std::snprintf(text, sizeof text, "the point's estimated %.3f GiB exceed --memory-limit %.3f GiB%s",
-                static_cast<double>(estimate) / 1073741824.0, limit / 1073741824.0,
-                limit_gib < 0 ? " (the memory available; --memory-limit 0 runs it anyway)" : "");
-  throw InputError(text);
+  // describe_point's rule, the one sweep --memory-limit skips by: the estimate against the limit.
+  const ResultRow row = describe_point(point, static_cast<std::int64_t>(std::min(limit, 9.0e18)));
+  if (row.status == Status::Skipped)
+    throw InputError("the point's " + row.reason +
+                     (limit_gib < 0 ? " (the memory available; --memory-limit 0 runs it anyway)" : ""));
 }
 
 void print_human(const ResultRow& row) {

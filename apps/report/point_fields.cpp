@@ -281,21 +281,20 @@ std::string range_text(const PointField& f) {
   throw InputError(where + " must be " + range_text(f) + ", got " + got);
 }
 
-// a·b, or nullopt-like -1 when it overflows int64 (every operand is non-negative here).
-std::int64_t product_or_overflow(std::initializer_list<std::int64_t> factors) {
-  std::int64_t result = 1;
-  for (std::int64_t factor : factors)
-    if (__builtin_mul_overflow(result, factor, &result)) return -1;
-  return result;
-}
-
 void check_limit(std::initializer_list<std::int64_t> factors, std::int64_t limit, const std::string& what) {
-  const std::int64_t value = product_or_overflow(factors);
+  const std::int64_t value = checked_product(factors);
   if (value < 0 || value > limit)
     throw InputError(what + " exceeds the limit of " + std::to_string(limit) + " (docs/cli.md#limits)");
 }
 
 }  // namespace
+
+std::int64_t checked_product(std::initializer_list<std::int64_t> factors) {
+  std::int64_t result = 1;
+  for (std::int64_t factor : factors)
+    if (__builtin_mul_overflow(result, factor, &result)) return -1;
+  return result;
+}
 
 std::string PointField::long_flag() const { return flags.substr(0, flags.find(',')); }
 

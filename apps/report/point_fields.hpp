@@ -15,6 +15,7 @@
 // in 64 bits), a layer's B·N·(H·D)·d_ff ≤ 2^56, and a point keeps at most 2^27 timed samples.
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <string>
 #include <vector>
@@ -73,6 +74,9 @@ void check_field_value(const PointField& field, const nlohmann::json& value, con
 using FieldTexts = std::map<std::string, std::vector<std::string>>;
 // `defaults` with every given field applied (each validated); `pass` must be a single pass here.
 PointConfig apply_field_texts(PointConfig defaults, const FieldTexts& texts);
+
+// The product of non-negative factors, or -1 when it overflows int64.
+std::int64_t checked_product(std::initializer_list<std::int64_t> factors);
 
 // Relations between fields and the size limits above; InputError naming the options.
 void check_point_config(const PointConfig& config);

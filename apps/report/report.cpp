@@ -99,10 +99,8 @@ constexpr std::int64_t kMaxCount = std::numeric_limits<std::int64_t>::max();
 constexpr double kMaxNs = 1e18, kMaxFigure = 1e18;
 
 void check_sizes(const ResultRow& r, const FieldReader& f) {
-  std::int64_t product = 1;
-  for (std::int64_t size : {r.batch, r.heads, r.seq_len, r.head_dim})
-    if (__builtin_mul_overflow(product, size, &product))
-      throw InputError(f.path("batch") + " × heads × seq_len × head_dim: overflows a 64-bit integer");
+  if (checked_product({r.batch, r.heads, r.seq_len, r.head_dim}) < 0)
+    throw InputError(f.path("batch") + " × heads × seq_len × head_dim: overflows a 64-bit integer");
 }
 
 // An ok row carries a measurement: samples, a positive median between min and max.
