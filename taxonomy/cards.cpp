@@ -24,6 +24,7 @@ constexpr ClassNames kClassNames[] = {
     {ModelClass::LowRank, "low_rank", "LR"},
     {ModelClass::Kernels, "kernels", "KR"},
     {ModelClass::Recurrence, "recurrence", "RC"},
+    {ModelClass::Downsampling, "downsampling", "DS"},
 };
 }  // namespace
 
@@ -51,7 +52,7 @@ bool parse_class(const std::string& name, ModelClass& out) {
 const std::vector<ModelClass>& all_classes() {
   static const std::vector<ModelClass> classes = {
       ModelClass::Exact,   ModelClass::FixedPatterns, ModelClass::LearnablePatterns, ModelClass::Memory,
-      ModelClass::LowRank, ModelClass::Kernels,       ModelClass::Recurrence};
+      ModelClass::LowRank, ModelClass::Kernels,       ModelClass::Recurrence,        ModelClass::Downsampling};
   return classes;
 }
 

@@ -9,8 +9,8 @@
 
 namespace xfb {
 
-// Survey class tags (the survey's letters in brackets).
-enum class ModelClass { Exact, FixedPatterns, LearnablePatterns, Memory, LowRank, Kernels, Recurrence };
+// Survey class tags (the survey's letters; DS, downsampling, is the revision's).
+enum class ModelClass { Exact, FixedPatterns, LearnablePatterns, Memory, LowRank, Kernels, Recurrence, Downsampling };
 std::string class_name(ModelClass c);    // "fixed_patterns", …: the folder under taxonomy/
 std::string class_letter(ModelClass c);  // "FP", …; "X" for the exact baselines
 bool parse_class(const std::string& name, ModelClass& out);
@@ -29,7 +29,10 @@ struct ModelCard {
   std::string paper;  // authors and year
   std::string arxiv;  // arXiv id
   int year = 0;
-  int survey_row = 0;               // row in the survey's Table 1 (v1); 0 when not in it
+  int survey_row = 0;  // row in the survey's Table 1 (v1); 0 when not in it
+  // Added by the survey's revision (arXiv 2009.06732v3, ACM Computing Surveys 2022): in its Table 1,
+  // not in v1's.
+  bool revision = false;
   bool has_implementation = false;  // derived from the row (it names a config type); not written in it
 
   bool has_class(ModelClass c) const;

@@ -50,6 +50,7 @@ std::string class_colour(const std::string& class_name) {
   if (class_name == "low_rank") return "#ff7f0e";
   if (class_name == "kernels") return "#d62728";
   if (class_name == "recurrence") return "#8c564b";
+  if (class_name == "downsampling") return "#17becf";
   return "#999999";
 }
 

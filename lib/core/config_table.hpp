@@ -19,6 +19,8 @@
 //               defined exactly when the mechanism implements the backward contract (both or neither).
 //   decode_workspace: tracked bytes prepare_decode(tokens) adds (state at capacity, step buffers);
 //               defined exactly when the mechanism implements the decode contract.
+//   output_rows: M, the output's rows per (batch, head), for a downsampling model (M < N possible).
+//               Optional (M = N).
 // implement<Config>() erases the config type into the registry's Implementation; the model's .cpp
 // defines implementation<Config>() with it, and its header declares that specialisation.
 #include <concepts>
@@ -145,6 +147,11 @@ concept HasDecode = requires(const Problem& p, const Config& c, std::int64_t tok
 };
 
 template <class Config>
+concept HasOutputRows = requires(const Problem& p, const Config& c) {
+  { output_rows(p, c) } -> std::same_as<std::int64_t>;
+};
+
+template <class Config>
 FieldTable<Config> fields_of() {
   if constexpr (HasFields<Config>)
     return config_fields(static_cast<const Config*>(nullptr));
@@ -194,6 +201,8 @@ Implementation implement() {
     impl.decode_workspace_bytes = [running](const Problem& p, const ParamValues& v, std::int64_t tokens) {
       return decode_workspace(p, running(p, v), tokens);
     };
+  if constexpr (HasOutputRows<Config>)
+    impl.output_rows = [running](const Problem& p, const ParamValues& v) { return output_rows(p, running(p, v)); };
   return impl;
 }
 

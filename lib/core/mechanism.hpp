@@ -3,8 +3,10 @@
 //
 // A mechanism computes O = attention(Q, K, V) for per-head tensors of shape [B, H, N, D]
 // (batch, heads, tokens, features per head; row-major), optionally causal (token i depends only
-// on tokens j <= i). Parameters (projections, random features, centroids …) are made from the seed
-// in the untimed `prepare`; `forward` is the timed work.
+// on tokens j <= i). O has M rows per (batch, head): M = N, except for a downsampling model
+// (Perceiver's latents, Funnel's pooled queries, TokenLearner's tokens), whose `output_rows`
+// gives M (Implementation::output_rows; `output_rows_of` below). Parameters (projections, random features, centroids …)
+// are made from the seed in the untimed `prepare`; `forward` is the timed work.
 //
 // The backward contract (mechanisms that implement it; the registry's `backward_flops` says which):
 // after `prepare_backward` (untimed), every forward also saves what the backward needs (listed by
@@ -18,9 +20,11 @@
 // forward — the prefill — also leaves the decoding state of its N tokens (KV cache, recurrent
 // state, window, memories), and `decode_step` then generates up to T further tokens one at a time,
 // each from that token's q, k, v alone ([B, H, 1, D]; the B sequences in lock-step), appending it to
-// the state. The step's output is the row N + t of the causal forward over N + T tokens of the
-// same model (same seed and parameters), up to fp32 rounding: that is the test that the
-// incremental form is the same model. A new forward restarts the state from its context.
+// the state. The step's output for token N + t is the last output row of the causal forward over
+// the N + t + 1 tokens so far, of the same model (same seed and parameters), up to fp32 rounding:
+// that is the test that the incremental form is the same model. For M = N that is the row N + t of
+// the causal forward over N + T tokens; for a downsampling model (Perceiver AR's last M positions)
+// it is the last row of the window ending at that token. A new forward restarts the state.
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -61,14 +65,15 @@ class Mechanism {
   // Untimed. q, k, v: [B, H, N, D]. Builds parameters, buffers and oneDNN primitives. Nothing may
   // be fitted to the inputs (a causal output would depend on later tokens).
   virtual void prepare(const Tensor& q, const Tensor& k, const Tensor& v) = 0;
-  // Timed. Writes every element of out: [B, H, N, D].
+  // Timed. Writes every element of out: [B, H, M, D] (M = output_rows_of; N for most models).
   virtual void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) = 0;
   // Every parameter tensor the mechanism used (for --dump).
   virtual std::vector<NamedTensor> parameters() const { return {}; }
 
   // Untimed, after prepare: allocates the backward's buffers and what the forward saves for it.
   virtual void prepare_backward() { throw std::logic_error("this mechanism has no backward pass"); }
-  // Timed. q, k, v, out: the last forward's; dout, dq, dk, dv: [B, H, N, D]. Writes every element of
+  // Timed. q, k, v, out: the last forward's; dout and out: [B, H, M, D]; dq, dk, dv: [B, H, N, D].
+  // Writes every element of
   // dq, dk, dv (= ∂⟨dout, O⟩/∂q, …) and of every parameter gradient.
   virtual void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
                         Tensor& dq, Tensor& dk, Tensor& dv) {
@@ -142,6 +147,15 @@ struct Implementation {
   // and the step's buffers).
   std::function<std::int64_t(const Problem&, const ParamValues&, std::int64_t tokens)> decode_workspace_bytes;
   bool has_decode() const { return static_cast<bool>(decode_workspace_bytes); }
+  // Optional, present exactly for a downsampling model: M, the output's rows per (batch, head) on
+  // the problem (1 ≤ M ≤ N); absent means M = N.
+  std::function<std::int64_t(const Problem&, const ParamValues&)> output_rows;
+  bool downsamples() const { return static_cast<bool>(output_rows); }
 };
+
+// M, the rows of the model's output per (batch, head) on the problem.
+inline std::int64_t output_rows_of(const Implementation& impl, const Problem& p, const ParamValues& values) {
+  return impl.output_rows ? impl.output_rows(p, values) : p.seq_len;
+}
 
 }  // namespace xfb
