@@ -95,7 +95,7 @@ TEST_SUITE("backward") {
       for (auto [n, every_element] : {std::pair<std::int64_t, bool>{3, true}, {9, false}}) {
         const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = causal, .threads = kTestThreads};
         auto mechanism = find_model("vanilla")->impl.create(p, {}, 5);
-        EncoderLayer layer(p, f, 5);
+        EncoderLayer layer(p, f, n, true, 5);
         Tensor x(Shape{2, n, 8}), dy(Shape{2, n, 8}), y(Shape{2, n, 8}), dx(Shape{2, n, 8});
         CounterRng(5, "x").fill_normal(x);
         CounterRng(5, "dy").fill_normal(dy);
@@ -251,9 +251,10 @@ TEST_SUITE("backward") {
         const ModelInfo& info = *find_model(model);
         const ParamValues values = resolve_params(model, info.impl.params, {});
         const std::int64_t f = c.effective_d_ff();
+        const std::int64_t rows = point_output_rows(resolve_point(c));
         CHECK(row.flops == info.impl.flops(p, values) + info.impl.backward_flops(p, values) +
-                               EncoderLayer::flops_outside_mechanism(p, f) +
-                               EncoderLayer::backward_flops_outside_mechanism(p, f));
+                               EncoderLayer::flops_outside_mechanism(p, f, rows) +
+                               EncoderLayer::backward_flops_outside_mechanism(p, f, rows));
         CHECK(row.peak_owned_bytes - point_io_bytes(c) == row.estimated_workspace_bytes);
         CHECK(row.saved_bytes > 0);
       }
