@@ -169,34 +169,63 @@ void segment_means_backward(float* g, float* dx, const Sizes& s) {
   }
 }
 
-// out [N, D] += conv(v) with the head's taps w [k].
-void conv_add(const float* v, const float* w, float* out, const Sizes& s) {
+// 16 floats (one 512-bit vector, two 256-bit ones on AVX2), unaligned loads and stores.
+using Lanes = float __attribute__((vector_size(64)));
+inline Lanes load_lanes(const float* p) {
+  Lanes x;
+  __builtin_memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline void store_lanes(float* p, Lanes x) { __builtin_memcpy(p, &x, sizeof(x)); }
+
+// dst[0, 16·Vectors) += Σ_{t0 ≤ t < t1} w[t]·in[(t − t0)·step + ·], summed in Vectors independent
+// register accumulators and stored once.
+template <int Vectors>
+void tap_block(const float* in, std::int64_t step, const float* w, std::int64_t t0, std::int64_t t1, float* dst) {
+  Lanes acc[Vectors];
+#pragma GCC unroll 8
+  for (int j = 0; j < Vectors; ++j) acc[j] = load_lanes(dst + 16 * j);
+  for (std::int64_t t = t0; t < t1; ++t, in += step) {
+    const Lanes tap = Lanes{} + w[t];
+#pragma GCC unroll 8
+    for (int j = 0; j < Vectors; ++j) acc[j] += tap * load_lanes(in + 16 * j);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < Vectors; ++j) store_lanes(dst + 16 * j, acc[j]);
+}
+
+// The same for one feature.
+void tap_scalar(const float* in, std::int64_t step, const float* w, std::int64_t t0, std::int64_t t1, float* dst) {
+  float acc = *dst;
+  for (std::int64_t t = t0; t < t1; ++t, in += step) acc += w[t] * *in;
+  *dst = acc;
+}
+
+// dst row i += Σ_t w[t]·src row (i + direction·(t − ⌊k/2⌋)) over the rows inside [0, N): the
+// convolution (direction 1) or its transpose (direction −1).
+void accumulate_taps(const float* src, const float* w, float* dst, const Sizes& s, std::int64_t direction) {
   const std::int64_t n = s.n, d = s.d, half = s.k / 2;
   for (std::int64_t i = 0; i < n; ++i) {
-    float* row = out + i * d;
-    const std::int64_t t0 = std::max<std::int64_t>(0, half - i), t1 = std::min(s.k, n + half - i);
-    for (std::int64_t t = t0; t < t1; ++t) {
-      const float* src = v + (i + t - half) * d;
-      const float tap = w[t];
-#pragma omp simd
-      for (std::int64_t f = 0; f < d; ++f) row[f] += tap * src[f];
-    }
+    // Every row reads at least the centre tap (offset 0), so [t0, t1) is never empty.
+    const std::int64_t t0 =
+        direction > 0 ? std::max<std::int64_t>(0, half - i) : std::max<std::int64_t>(0, i + half - n + 1);
+    const std::int64_t t1 = direction > 0 ? std::min(s.k, n + half - i) : std::min(s.k, i + half + 1);
+    const float* first = src + (i + direction * (t0 - half)) * d;  // the row tap t0 reads
+    const std::int64_t step = direction * d;
+    float* row = dst + i * d;
+    std::int64_t f = 0;
+    for (; f + 64 <= d; f += 64) tap_block<4>(first + f, step, w, t0, t1, row + f);
+    for (; f + 16 <= d; f += 16) tap_block<1>(first + f, step, w, t0, t1, row + f);
+    for (; f < d; ++f) tap_scalar(first + f, step, w, t0, t1, row + f);
   }
 }
 
+// out [N, D] += conv(v) with the head's taps w [k].
+void conv_add(const float* v, const float* w, float* out, const Sizes& s) { accumulate_taps(v, w, out, s, 1); }
+
 // dv [N, D] += the convolution's transpose applied to dout.
 void conv_backward_values(const float* dout, const float* w, float* dv, const Sizes& s) {
-  const std::int64_t n = s.n, d = s.d, half = s.k / 2;
-  for (std::int64_t i = 0; i < n; ++i) {
-    const float* g = dout + i * d;
-    const std::int64_t t0 = std::max<std::int64_t>(0, half - i), t1 = std::min(s.k, n + half - i);
-    for (std::int64_t t = t0; t < t1; ++t) {
-      float* dst = dv + (i + t - half) * d;
-      const float tap = w[t];
-#pragma omp simd
-      for (std::int64_t f = 0; f < d; ++f) dst[f] += tap * g[f];
-    }
-  }
+  accumulate_taps(dout, w, dv, s, -1);
 }
 
 // dw [k] += ∂⟨dout, conv(v)⟩/∂w for one (batch, head).
