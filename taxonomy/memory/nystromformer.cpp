@@ -228,18 +228,28 @@ void conv_backward_values(const float* dout, const float* w, float* dv, const Si
   accumulate_taps(dout, w, dv, s, -1);
 }
 
-// dw [k] += ∂⟨dout, conv(v)⟩/∂w for one (batch, head).
+// dw [k] += ∂⟨dout, conv(v)⟩/∂w for one (batch, head): per tap, the dot product of dout's rows
+// with the rows of v it reads, summed in vector accumulators and reduced once.
 void conv_backward_taps(const float* dout, const float* v, float* dw, const Sizes& s) {
   const std::int64_t n = s.n, d = s.d, half = s.k / 2;
   for (std::int64_t t = 0; t < s.k; ++t) {
     const std::int64_t i0 = std::max<std::int64_t>(0, half - t), i1 = std::min(n, n + half - t);
-    float sum = 0.0f;
+    Lanes acc[4] = {};
+    float tail = 0.0f;
     for (std::int64_t i = i0; i < i1; ++i) {
       const float* g = dout + i * d;
       const float* src = v + (i + t - half) * d;
-#pragma omp simd reduction(+ : sum)
-      for (std::int64_t f = 0; f < d; ++f) sum += g[f] * src[f];
+      std::int64_t f = 0;
+      for (; f + 64 <= d; f += 64) {
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) acc[j] += load_lanes(g + f + 16 * j) * load_lanes(src + f + 16 * j);
+      }
+      for (; f + 16 <= d; f += 16) acc[0] += load_lanes(g + f) * load_lanes(src + f);
+      for (; f < d; ++f) tail += g[f] * src[f];
     }
+    const Lanes total = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    float sum = tail;
+    for (int l = 0; l < 16; ++l) sum += total[l];
     dw[t] += sum;
   }
 }
