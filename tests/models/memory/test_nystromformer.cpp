@@ -194,7 +194,7 @@ Matrix nystrom_all(const NamedValues& x, const Problem& p, const Settings& s) {
 // logits and softmax (the score terms, log2 of the row), the products' sums (log2 N·m), times
 // 1 + log2(1 + κ), κ = ‖A‖∞‖Z‖∞, for the pseudo-inverse (the iteration corrects its own earlier
 // rounding, so only the last iterations' rounding, amplified by A's conditioning, remains), plus the
-// convolution's sums of k terms.
+// convolution's sums of k terms (log2(k + 1)) relative to Σ|w|·max|v|.
 double head_tolerance(const ErrorScale& scale, std::int64_t n, const Settings& s) {
   const std::int64_t m = std::min(s.landmarks, n);
   const double sums = scale.score_terms + std::log2(static_cast<double>(n * m)) + 1;
@@ -309,6 +309,22 @@ TEST_SUITE("nystromformer") {
       check_composite_gradients(
           "nystromformer", p, params_of(s), [&](const NamedValues& x) { return nystrom_all(x, p, s); }, n <= 9);
     }
+  }
+
+  TEST_CASE(
+      "nystromformer: a sequence's output ignores the other sequences of its batch, and depends on its last token") {
+    // The pseudo-inverse's scale α is per (batch, head): the code's global maximum would couple them.
+    const Problem p{.batch = 2, .heads = 2, .seq_len = 100, .head_dim = 8, .causal = false};
+    auto in = random_inputs(p, 9);
+    const Tensor before = run_mechanism("nystromformer", p, in, {"landmarks=8"});
+    for (Tensor* t : {&in.q, &in.k, &in.v})
+      for (std::int64_t e = 0; e < 2 * 100 * 8; ++e) t->head(1, 0)[e] *= 3.0f;
+    in.k.head(0, 1)[99 * 8] += 1.0f;  // the last key of head 1 of sequence 0
+    const Tensor after = run_mechanism("nystromformer", p, in, {"landmarks=8"});
+    CHECK(std::equal(before.head(0, 0), before.head(0, 0) + 100 * 8, after.head(0, 0)));
+    for (std::int64_t i = 0; i < 100; ++i)
+      CHECK_MESSAGE(!std::equal(before.head(0, 1) + i * 8, before.head(0, 1) + (i + 1) * 8, after.head(0, 1) + i * 8),
+                    "row " << i);
   }
 
   TEST_CASE("nystromformer: causal points are unsupported, even taps are a parameter error") {
