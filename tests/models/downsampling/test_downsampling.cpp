@@ -293,12 +293,15 @@ void check_tokenlearner(const Problem& p, TokenLearnerShape t) {
     for (std::int64_t h = 0; h < p.heads; ++h) {
       TokenErrorScale scale;
       const Matrix want = tokenlearner_head(x, p, t, b, h, scale);
-      // fp32 error: a logit sums d + f products of a normalised row (its rounding amplified by the
-      // row's 1/σ; the erf polynomial's 1.3·eps per GELU is within it), relative to its terms; a
-      // weight's relative error is at most twice a logit's plus the softmax's log2 N; a token is a
-      // convex sum of the inputs, so its error is relative to the largest |token|; the attention
-      // over the S tokens adds its score terms and log2 S.
-      const double logit_error = (d + t.bottleneck) * scale.logit_terms * std::max(1.0, scale.inverse_std);
+      // fp32 error: a logit is a blocked sum of d then f products of a normalised row (rounding
+      // growing with log2 of each length, amplified by the row's 1/σ; the erf polynomial's 1.3·eps
+      // per GELU is within it), relative to its terms; a weight's relative error is at most twice
+      // a logit's plus the softmax's log2 N; a token is a convex sum of the inputs, so its error is
+      // relative to the largest |token|; the attention over the S tokens adds its score terms and
+      // log2 S.
+      const double logit_error =
+          (std::log2(static_cast<double>(d)) + std::log2(static_cast<double>(t.bottleneck)) + 2) * scale.logit_terms *
+          std::max(1.0, scale.inverse_std);
       const double tolerance = 8 * kFloatEps *
                                (2 * logit_error + std::log2(static_cast<double>(p.seq_len)) + scale.score_terms +
                                 std::log2(static_cast<double>(m)) + 1) *
