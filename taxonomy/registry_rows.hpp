@@ -10,9 +10,11 @@
 #include "taxonomy/baselines/exact_tiled.hpp"
 #include "taxonomy/baselines/vanilla.hpp"
 #include "taxonomy/cards.hpp"
+#include "taxonomy/downsampling/tokenlearner.hpp"
 #include "taxonomy/fixed_patterns/axial.hpp"
 #include "taxonomy/fixed_patterns/bigbird.hpp"
 #include "taxonomy/fixed_patterns/etc.hpp"
+#include "taxonomy/fixed_patterns/funnel.hpp"
 #include "taxonomy/fixed_patterns/image_transformer.hpp"
 #include "taxonomy/fixed_patterns/local.hpp"
 #include "taxonomy/fixed_patterns/longformer.hpp"
@@ -220,6 +222,17 @@ void for_each_row(Row&& row) {
                            .paper = "Tay et al. 2021 (LRA)",
                            .arxiv = "2011.04006",
                            .year = 2021});
+  row(model<FunnelConfig>, {.name = "funnel",
+                            .display_name = "Funnel Transformer",
+                            .classes = {C::FixedPatterns, C::Downsampling},
+                            .complexity = "O(N²)",
+                            .decode_cost = "",
+                            .decode_note = "the survey marks it as decoding; its paper gives no causal form of "
+                                           "pooled-query attention",
+                            .paper = "Dai et al. 2020",
+                            .arxiv = "2006.03236",
+                            .year = 2020,
+                            .revision = true});
   row(model<NystromformerConfig>, {.name = "nystromformer",
                                    .display_name = "Nyströmformer",
                                    .classes = {C::Memory, C::Downsampling},
@@ -229,6 +242,15 @@ void for_each_row(Row&& row) {
                                    .arxiv = "2102.03902",
                                    .year = 2021,
                                    .revision = true});
+  row(model<TokenLearnerConfig>, {.name = "tokenlearner",
+                                  .display_name = "TokenLearner",
+                                  .classes = {C::Downsampling},
+                                  .complexity = "O(k²)",
+                                  .decode_cost = "",
+                                  .paper = "Ryoo et al. 2021",
+                                  .arxiv = "2106.11297",
+                                  .year = 2021,
+                                  .revision = true});
 }
 
 }  // namespace xfb
