@@ -1,6 +1,6 @@
 #pragma once
-// The registry's rows: every model of the survey's Table 1 (v1), LRA's local attention and the two
-// exact baselines, in the order `list` shows them. A row is the model's config type — the key to
+// The registry's rows: every model of the survey's Table 1 (v1, then the models its 2022 revision adds), LRA's local
+// attention and the two exact baselines, in the order `list` shows them. A row is the model's config type — the key to
 // its implementation, implementation<Config>() (lib/core/config_table.hpp), or void for a card
 // without one — and its card: name, display name, classes, complexity as the survey prints it,
 // the per-token decoding cost ("" = does not decode: Table 1's Decode column), paper, arXiv id,
