@@ -1,0 +1,485 @@
+#include "taxonomy/memory/luna.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
+#include "taxonomy/engines/pattern_common.hpp"
+
+namespace xfb {
+namespace {
+
+constexpr std::int64_t kFloat = static_cast<std::int64_t>(sizeof(float));
+
+// Rows of P a problem uses: all l when causal, the first min(l, N) otherwise (resolve has cut them).
+std::int64_t rows_used(const LunaConfig& c) { return c.projected_length; }
+
+// In-place softmax of one row of n values (n >= 1).
+void softmax_row(float* row, std::int64_t n) {
+  const float inverse = 1.0f / ops::exp_and_sum(row, n, ops::row_max(row, n, row[0]));
+#pragma omp simd
+  for (std::int64_t j = 0; j < n; ++j) row[j] *= inverse;
+}
+
+// a = elu(z) + 1 in place over n values (1 FLOP each).
+void elu_plus_one(float* z, std::int64_t n) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < n; ++i) z[i] = z[i] > 0.0f ? z[i] + 1.0f : ops::fast_exp(z[i]);
+}
+
+// Per-token FLOPs outside ops::gemm, per (batch, head).
+std::int64_t causal_step_flops(std::int64_t l, std::int64_t d) { return 8 * l * d + 6 * l + d; }
+std::int64_t causal_pass1_flops(std::int64_t l, std::int64_t d) { return 8 * l * d + 5 * l + d; }
+std::int64_t causal_pass2_flops(std::int64_t l, std::int64_t d) { return 12 * l * d + 3 * l; }
+
+class Luna final : public Mechanism {
+ public:
+  Luna(const Problem& problem, const LunaConfig& config, std::uint64_t seed)
+      : p_(problem), c_(config), seed_(seed), l_(rows_used(config)) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    const std::int64_t h = p_.heads, d = p_.head_dim, threads = p_.threads;
+    projected_ = Tensor(Shape{h, l_, d});
+    const CounterRng rng(seed_, "luna/projected_sequence");
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    for (std::int64_t head = 0; head < h; ++head)
+      for (std::int64_t j = 0; j < l_; ++j)
+        for (std::int64_t f = 0; f < d; ++f)
+          projected_[(head * l_ + j) * d + f] = scale * static_cast<float>(rng.normal_at(head, j, f));
+    if (p_.causal) {
+      weights_ = Tensor(Shape{threads, c_.chunk, l_});
+      key_sums_ = Tensor(Shape{threads, l_, d});
+      value_sums_ = Tensor(Shape{threads, l_, d});
+      vectors_ = Tensor(Shape{threads, 2, l_});
+    } else {
+      packed_ = Tensor(Shape{p_.batch * h, l_, d});
+      pack_scores_ = Tensor(Shape{threads, l_, ops::padded_ld(p_.seq_len)});
+      unpack_scores_ = Tensor(Shape{threads, c_.chunk, l_});
+    }
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    if (p_.causal)
+      causal_forward(q, k, v, out);
+    else
+      noncausal_forward(q, k, v, out);
+  }
+
+  std::vector<NamedTensor> parameters() const override { return {{"projected_sequence", &projected_}}; }
+
+  void prepare_backward() override {
+    const std::int64_t bh = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+    d_projected_ = Tensor(projected_.shape());
+    if (p_.causal) {
+      saved_weights_ = Tensor(Shape{bh, n, l_});
+      saved_probs_ = Tensor(Shape{bh, n, l_});
+      weight_grads_ = Tensor(Shape{p_.threads, n, l_});
+    } else {
+      saved_pack_ = Tensor(Shape{bh, l_, ops::padded_ld(n)});
+      saved_unpack_ = Tensor(Shape{bh, n, l_});
+      packed_grads_ = Tensor(Shape{p_.threads, l_, d});
+    }
+  }
+
+  std::vector<NamedTensor> saved() const override {
+    if (p_.causal) return {{"pack_weights", &saved_weights_}, {"unpack_probabilities", &saved_probs_}};
+    return {{"pack_probabilities", &saved_pack_}, {"unpack_probabilities", &saved_unpack_}, {"packed", &packed_}};
+  }
+
+  std::vector<NamedTensor> parameter_gradients() const override { return {{"dprojected_sequence", &d_projected_}}; }
+
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t nd = p_.seq_len * p_.head_dim, ld = l_ * p_.head_dim;
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
+    for (std::int64_t head = 0; head < p_.heads; ++head) {
+      const int thread = omp_get_thread_num();
+      float* d_projected = d_projected_.data() + head * ld;
+      std::fill(d_projected, d_projected + ld, 0.0f);
+      for (std::int64_t b = 0; b < p_.batch; ++b) {
+        const std::int64_t bh = b * p_.heads + head, at = bh * nd;
+        const Rows rows{q.data() + at, k.data() + at, v.data() + at};
+        const Grads grads{dout.data() + at, dq.data() + at, dk.data() + at, dv.data() + at, d_projected};
+        flops += p_.causal ? causal_backward(bh, rows, grads, thread) : noncausal_backward(bh, rows, grads, thread);
+      }
+    }
+    FlopCounter::add(flops);
+  }
+
+  void prepare_decode(std::int64_t) override {
+    if (!p_.causal) throw std::logic_error("luna: decoding needs a causal problem");
+    decode_keys_ = Tensor(Shape{p_.batch * p_.heads, l_, p_.head_dim});
+    decode_values_ = Tensor(Shape{p_.batch * p_.heads, l_, p_.head_dim});
+  }
+
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t tasks = p_.batch * p_.heads, d = p_.head_dim;
+    const std::int64_t t = ++steps_;
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+    for (std::int64_t bh = 0; bh < tasks; ++bh) {
+      const int thread = omp_get_thread_num();
+      float* weights = vectors_.data() + (thread * 2 + 1) * l_;
+      const float* projected = projected_.data() + bh % p_.heads * l_ * d;
+      const float* key = k.data() + bh * d;
+      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+      for (std::int64_t j = 0; j < l_; ++j) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (std::int64_t f = 0; f < d; ++f) dot += key[f] * projected[j * d + f];
+        weights[j] = scale * dot;
+      }
+      elu_plus_one(weights, l_);
+      causal_step(q.data() + bh * d, key, v.data() + bh * d, weights, t, decode_keys_.data() + bh * d * l_,
+                  decode_values_.data() + bh * l_ * d, vectors_.data() + thread * 2 * l_, nullptr, out.data() + bh * d);
+      flops += 2 * l_ * d + 2 * l_ + causal_step_flops(l_, d);
+    }
+    FlopCounter::add(flops);
+  }
+
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"key_sums", &decode_keys_}, {"value_sums", &decode_values_}};
+  }
+  std::int64_t state_bytes() const override {
+    return total_bytes(decode_state()) + static_cast<std::int64_t>(sizeof(steps_));
+  }
+
+ private:
+  struct Rows {
+    const float *q, *k, *v;
+  };
+  struct Grads {
+    const float* dout;
+    float *dq, *dk, *dv, *d_projected;
+  };
+
+  float scale() const { return 1.0f / std::sqrt(static_cast<float>(p_.head_dim)); }
+  const float* projected(std::int64_t bh) const { return projected_.data() + bh % p_.heads * l_ * p_.head_dim; }
+
+  // ---- non-causal ----
+
+  void noncausal_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    const std::int64_t tasks = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+    const std::int64_t blocks = (n + c_.chunk - 1) / c_.chunk;
+    std::int64_t flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+    {
+      const int thread = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t bh = 0; bh < tasks; ++bh)
+        flops += pack(bh, k.data() + bh * n * d, v.data() + bh * n * d, thread);
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t task = 0; task < tasks * blocks; ++task) {
+        const std::int64_t bh = task / blocks, r0 = task % blocks * c_.chunk, at = (bh * n + r0) * d;
+        flops += unpack(bh, r0, q.data() + at, out.data() + at, thread);
+      }
+    }
+    FlopCounter::add(flops);
+  }
+
+  // The pack probabilities of (batch, head) bh: the saved ones when the backward is prepared.
+  float* pack_probabilities(std::int64_t bh, int thread) {
+    const std::int64_t ld = pack_scores_.dim(2);
+    return saved_pack_.empty() ? pack_scores_.data() + thread * l_ * ld : saved_pack_.data() + bh * l_ * ld;
+  }
+
+  // Y_P[bh] = softmax(c·P·Kᵀ)·V. Returns the FLOPs outside ops::gemm.
+  std::int64_t pack(std::int64_t bh, const float* k, const float* v, int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = pack_scores_.dim(2);
+    float* scores = pack_probabilities(bh, thread);
+    ops::gemm(false, true, l_, n, d, scale(), projected(bh), d, k, d, 0.0f, scores, ld);
+    for (std::int64_t j = 0; j < l_; ++j) softmax_row(scores + j * ld, n);
+    ops::gemm(false, false, l_, d, n, 1.0f, scores, ld, v, d, 0.0f, packed_.data() + bh * l_ * d, d);
+    return kSoftmaxFlopsPerElement * l_ * n;
+  }
+
+  // Rows [r0, r0 + rows) of O = softmax(c·Q·Y_Pᵀ)·Y_P; q and out point at row r0.
+  std::int64_t unpack(std::int64_t bh, std::int64_t r0, const float* q, float* out, int thread) {
+    const std::int64_t d = p_.head_dim, rows = std::min(c_.chunk, p_.seq_len - r0);
+    float* scores = saved_unpack_.empty() ? unpack_scores_.data() + thread * c_.chunk * l_
+                                          : saved_unpack_.data() + (bh * p_.seq_len + r0) * l_;
+    const float* packed = packed_.data() + bh * l_ * d;
+    ops::gemm(false, true, rows, l_, d, scale(), q, d, packed, d, 0.0f, scores, l_);
+    for (std::int64_t r = 0; r < rows; ++r) softmax_row(scores + r * l_, l_);
+    ops::gemm(false, false, rows, d, l_, 1.0f, scores, l_, packed, d, 0.0f, out, d);
+    return kSoftmaxFlopsPerElement * rows * l_;
+  }
+
+  std::int64_t noncausal_backward(std::int64_t bh, const Rows& x, const Grads& g, int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = saved_pack_.dim(2);
+    const float c = scale();
+    const float* packed = packed_.data() + bh * l_ * d;
+    float* packed_grad = packed_grads_.data() + thread * l_ * d;
+    float* score_grads = unpack_scores_.data() + thread * c_.chunk * l_;
+    std::int64_t flops = 0;
+    for (std::int64_t r0 = 0; r0 < n; r0 += c_.chunk) {
+      const std::int64_t rows = std::min(c_.chunk, n - r0), at = r0 * d;
+      const float* probs = saved_unpack_.data() + (bh * n + r0) * l_;
+      ops::gemm(false, true, rows, l_, d, 1.0f, g.dout + at, d, packed, d, 0.0f, score_grads, l_);
+      ops::gemm(true, false, l_, d, rows, 1.0f, probs, l_, g.dout + at, d, r0 == 0 ? 0.0f : 1.0f, packed_grad, d);
+      flops += softmax_backward_rows(probs, score_grads, rows, l_, l_);
+      ops::gemm(false, false, rows, d, l_, c, score_grads, l_, packed, d, 0.0f, g.dq + at, d);
+      ops::gemm(true, false, l_, d, rows, c, score_grads, l_, x.q + at, d, 1.0f, packed_grad, d);
+    }
+    const float* probs = saved_pack_.data() + bh * l_ * ld;
+    float* pack_grads = pack_scores_.data() + thread * l_ * ld;
+    ops::gemm(false, true, l_, n, d, 1.0f, packed_grad, d, x.v, d, 0.0f, pack_grads, ld);
+    ops::gemm(true, false, n, d, l_, 1.0f, probs, ld, packed_grad, d, 0.0f, g.dv, d);
+    flops += softmax_backward_rows(probs, pack_grads, l_, n, ld);
+    ops::gemm(false, false, l_, d, n, c, pack_grads, ld, x.k, d, 1.0f, g.d_projected, d);
+    ops::gemm(true, false, n, d, l_, c, pack_grads, ld, projected(bh), d, 0.0f, g.dk, d);
+    return flops;
+  }
+
+  // ---- causal ----
+
+  void causal_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    const std::int64_t tasks = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+    const bool decoding = !decode_keys_.empty();
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
+    for (std::int64_t bh = 0; bh < tasks; ++bh) {
+      const int thread = omp_get_thread_num();
+      float* keys = decoding ? decode_keys_.data() + bh * d * l_ : key_sums_.data() + thread * d * l_;
+      float* values = decoding ? decode_values_.data() + bh * l_ * d : value_sums_.data() + thread * l_ * d;
+      std::fill(keys, keys + d * l_, 0.0f);
+      std::fill(values, values + l_ * d, 0.0f);
+      const std::int64_t at = bh * n * d;
+      flops +=
+          causal_head(bh, Rows{q.data() + at, k.data() + at, v.data() + at}, out.data() + at, keys, values, thread);
+    }
+    steps_ = n;
+    FlopCounter::add(flops);
+  }
+
+  // One head's causal rows, advancing the sums `keys` = Aᵀ [l, D] and `values` = B [l, D] from zero.
+  std::int64_t causal_head(std::int64_t bh, const Rows& x, float* out, float* keys, float* values, int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    const bool saving = !saved_weights_.empty();
+    float* probs = vectors_.data() + thread * 2 * l_;
+    std::int64_t flops = 0;
+    for (std::int64_t t0 = 0; t0 < n; t0 += c_.chunk) {
+      const std::int64_t rows = std::min(c_.chunk, n - t0);
+      float* weights = saving ? saved_weights_.data() + (bh * n + t0) * l_ : weights_.data() + thread * c_.chunk * l_;
+      ops::gemm(false, true, rows, l_, d, scale(), x.k + t0 * d, d, projected(bh), d, 0.0f, weights, l_);
+      elu_plus_one(weights, rows * l_);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const std::int64_t i = t0 + r;
+        float* saved_probs = saving ? saved_probs_.data() + (bh * n + i) * l_ : nullptr;
+        causal_step(x.q + i * d, x.k + i * d, x.v + i * d, weights + r * l_, i + 1, keys, values, probs, saved_probs,
+                    out + i * d);
+      }
+      flops += rows * (l_ + causal_step_flops(l_, d));
+    }
+    return flops;
+  }
+
+  // Token t (1-based) with pack weights a: keys += a kᵀ, values += a vᵀ (both [l, D]), then
+  // out = valuesᵀ·softmax(c/t · keys·q) / t. probs: l floats of scratch; saved_probs (or null)
+  // receives π.
+  void causal_step(const float* __restrict q, const float* __restrict k, const float* __restrict v,
+                   const float* __restrict a, std::int64_t t, float* __restrict keys, float* __restrict values,
+                   float* __restrict probs, float* saved_probs, float* __restrict out) const {
+    const std::int64_t d = p_.head_dim, l = l_;
+    for (std::int64_t j = 0; j < l; ++j) {
+      const float aj = a[j];
+      float* __restrict row = keys + j * d;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (std::int64_t f = 0; f < d; ++f) {
+        row[f] += aj * k[f];
+        dot += q[f] * row[f];
+      }
+      probs[j] = dot;
+    }
+    const float score_scale = scale() / static_cast<float>(t);
+#pragma omp simd
+    for (std::int64_t j = 0; j < l; ++j) probs[j] *= score_scale;
+    softmax_row(probs, l);
+    if (saved_probs != nullptr) std::copy(probs, probs + l, saved_probs);
+    std::fill(out, out + d, 0.0f);
+    for (std::int64_t j = 0; j < l; ++j) {
+      const float aj = a[j], pj = probs[j];
+      float* __restrict row = values + j * d;
+#pragma omp simd
+      for (std::int64_t f = 0; f < d; ++f) {
+        row[f] += aj * v[f];
+        out[f] += pj * row[f];
+      }
+    }
+    const float inverse_t = 1.0f / static_cast<float>(t);
+#pragma omp simd
+    for (std::int64_t f = 0; f < d; ++f) out[f] *= inverse_t;
+  }
+
+  std::int64_t causal_backward(std::int64_t bh, const Rows& x, const Grads& g, int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, l = l_;
+    const float c = scale();
+    const float* weights = saved_weights_.data() + bh * n * l;
+    const float* probs = saved_probs_.data() + bh * n * l;
+    float* grads = weight_grads_.data() + thread * n * l;  // ds_t, then dz_t
+    float* key_sums = key_sums_.data() + thread * d * l;
+    float* value_sums = value_sums_.data() + thread * l * d;
+    // Walk 1 (forward): A_t, B_t again; dπ_t = B_t·dO_t / t, ds_t, dq_t = (c/t)·A_t·ds_t.
+    std::fill(key_sums, key_sums + d * l, 0.0f);
+    std::fill(value_sums, value_sums + l * d, 0.0f);
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float *a = weights + i * l, *v = x.v + i * d, *k = x.k + i * d, *dout = g.dout + i * d;
+      const float inverse_t = 1.0f / static_cast<float>(i + 1);
+      float* ds = grads + i * l;
+      for (std::int64_t j = 0; j < l; ++j) {
+        const float aj = a[j];
+        float* __restrict row = value_sums + j * d;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (std::int64_t f = 0; f < d; ++f) {
+          row[f] += aj * v[f];
+          dot += row[f] * dout[f];
+        }
+        ds[j] = dot * inverse_t;
+      }
+      softmax_backward_rows(probs + i * l, ds, 1, l, l);
+      float* __restrict dq = g.dq + i * d;
+      std::fill(dq, dq + d, 0.0f);
+      for (std::int64_t j = 0; j < l; ++j) {
+        const float aj = a[j], dsj = ds[j];
+        float* __restrict row = key_sums + j * d;
+#pragma omp simd
+        for (std::int64_t f = 0; f < d; ++f) {
+          row[f] += aj * k[f];
+          dq[f] += dsj * row[f];
+        }
+      }
+      const float q_scale = c * inverse_t;
+#pragma omp simd
+      for (std::int64_t f = 0; f < d; ++f) dq[f] *= q_scale;
+    }
+    // Walk 2 (backward) with the suffix sums G_B [l, D] and G_Aᵀ [l, D] in the same buffers.
+    float* suffix_values = value_sums;
+    float* suffix_keys = key_sums;
+    std::fill(suffix_keys, suffix_keys + d * l, 0.0f);
+    std::fill(suffix_values, suffix_values + l * d, 0.0f);
+    float* da = vectors_.data() + thread * 2 * l;
+    for (std::int64_t i = n - 1; i >= 0; --i) {
+      const float *a = weights + i * l, *pi = probs + i * l, *q = x.q + i * d, *k = x.k + i * d, *v = x.v + i * d;
+      const float* dout = g.dout + i * d;
+      const float inverse_t = 1.0f / static_cast<float>(i + 1);
+      float* __restrict dv = g.dv + i * d;
+      float* __restrict dk = g.dk + i * d;
+      std::fill(dv, dv + d, 0.0f);
+      for (std::int64_t j = 0; j < l; ++j) {
+        const float w = pi[j] * inverse_t, aj = a[j];
+        float* __restrict row = suffix_values + j * d;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (std::int64_t f = 0; f < d; ++f) {
+          row[f] += w * dout[f];
+          dot += row[f] * v[f];
+          dv[f] += row[f] * aj;
+        }
+        da[j] = dot;
+      }
+      float* __restrict ds = grads + i * l;
+      const float q_scale = c * inverse_t;
+      std::fill(dk, dk + d, 0.0f);
+      for (std::int64_t j = 0; j < l; ++j) {
+        const float w = ds[j] * q_scale, aj = a[j];
+        float* __restrict row = suffix_keys + j * d;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (std::int64_t f = 0; f < d; ++f) {
+          row[f] += w * q[f];
+          dk[f] += aj * row[f];
+          dot += row[f] * k[f];
+        }
+        da[j] += dot;
+      }
+#pragma omp simd
+      for (std::int64_t j = 0; j < l; ++j) ds[j] = a[j] > 1.0f ? da[j] : da[j] * a[j];  // dz
+    }
+    ops::gemm(false, false, n, d, l, c, grads, l, projected(bh), d, 1.0f, g.dk, d);
+    ops::gemm(true, false, l, d, n, c, grads, l, x.k, d, 1.0f, g.d_projected, d);
+    return n * (causal_pass1_flops(l, d) + causal_pass2_flops(l, d));
+  }
+
+  Problem p_;
+  LunaConfig c_;
+  std::uint64_t seed_;
+  std::int64_t l_;
+  Tensor projected_;
+  // Non-causal: Y_P per (batch, head); per thread pack scores [l, ld(N)] and an unpack block.
+  Tensor packed_, pack_scores_, unpack_scores_;
+  // Causal: per thread pack weights of a chunk, the sums Aᵀ and B [l, D], two l-vectors.
+  Tensor weights_, key_sums_, value_sums_, vectors_;
+  // Backward: dP; non-causal saved probabilities and per thread dY_P; causal saved a and π and per
+  // thread ds/dz rows [N, l].
+  Tensor d_projected_, saved_pack_, saved_unpack_, packed_grads_, saved_weights_, saved_probs_, weight_grads_;
+  // Decoding: Aᵀ and B per (batch, head); the tokens seen.
+  Tensor decode_keys_, decode_values_;
+  std::int64_t steps_ = 0;
+};
+
+std::int64_t heads_of(const Problem& p) { return p.batch * p.heads; }
+
+}  // namespace
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const LunaConfig& c, std::uint64_t seed) {
+  return std::make_unique<Luna>(problem, c, seed);
+}
+
+std::int64_t flops(const Problem& p, const LunaConfig& c) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, l = rows_used(c);
+  if (p.causal) return heads_of(p) * n * (matmul_flops(1, l, d) + l + causal_step_flops(l, d));
+  return heads_of(p) * (4 * matmul_flops(n, l, d) + 2 * kSoftmaxFlopsPerElement * n * l);
+}
+
+std::int64_t workspace(const Problem& p, const LunaConfig& c) {
+  const std::int64_t d = p.head_dim, l = rows_used(c), threads = p.threads;
+  const std::int64_t parameters = p.heads * l * d;
+  if (p.causal) return (parameters + threads * (c.chunk * l + 2 * d * l + 2 * l)) * kFloat;
+  return (parameters + heads_of(p) * l * d + threads * (l * ops::padded_ld(p.seq_len) + c.chunk * l)) * kFloat;
+}
+
+std::int64_t backward_flops(const Problem& p, const LunaConfig& c) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, l = rows_used(c);
+  if (p.causal)
+    return heads_of(p) * n * (causal_pass1_flops(l, d) + causal_pass2_flops(l, d) + 2 * matmul_flops(1, l, d));
+  return heads_of(p) * (8 * matmul_flops(n, l, d) + 2 * kSoftmaxBackwardFlopsPerElement * n * l);
+}
+
+std::int64_t backward_workspace(const Problem& p, const LunaConfig& c) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, l = rows_used(c);
+  const std::int64_t gradients = p.heads * l * d;
+  if (p.causal) return (gradients + 2 * heads_of(p) * n * l + p.threads * n * l) * kFloat;
+  return (gradients + heads_of(p) * (l * ops::padded_ld(n) + n * l) + p.threads * l * d) * kFloat;
+}
+
+std::int64_t decode_workspace(const Problem& p, const LunaConfig& c, std::int64_t) {
+  return 2 * heads_of(p) * rows_used(c) * p.head_dim * kFloat;
+}
+
+FieldTable<LunaConfig> config_fields(const LunaConfig*) {
+  return {int_field("projected_length", &LunaConfig::projected_length, 1, 4096,
+                    "l, rows of the learned projected sequence P per head (non-causal uses min(l, N))"),
+          int_field("chunk", &LunaConfig::chunk, 1, 65536,
+                    "tokens per block: causal pack-weight products, non-causal query blocks")};
+}
+
+LunaConfig resolve(const Problem& p, LunaConfig c) {
+  if (!p.causal) c.projected_length = std::min(c.projected_length, p.seq_len);
+  c.chunk = std::min(c.chunk, p.seq_len);
+  return c;
+}
+
+template <>
+Implementation implementation<LunaConfig>() {
+  return implement<LunaConfig>();
+}
+
+}  // namespace xfb
