@@ -15,6 +15,8 @@ namespace xfb {
 namespace {
 
 constexpr std::int64_t kFloat = static_cast<std::int64_t>(sizeof(float));
+// Decode state floats (Aᵀ and B over every head) from which a step runs its heads in parallel.
+constexpr std::int64_t kParallelStepFloats = std::int64_t{1} << 18;
 
 // Rows of P a problem uses: all l when causal, the first min(l, N) otherwise (resolve has cut them).
 std::int64_t rows_used(const LunaConfig& c) { return c.projected_length; }
@@ -30,6 +32,76 @@ void softmax_row(float* row, std::int64_t n) {
 void elu_plus_one(float* z, std::int64_t n) {
 #pragma omp simd
   for (std::int64_t i = 0; i < n; ++i) z[i] = z[i] > 0.0f ? z[i] + 1.0f : ops::fast_exp(z[i]);
+}
+
+// Fused row kernels of the per-token sums, in 8-lane vectors whose sums stay in registers (an
+// `omp simd` reduction's epilogue reloads its lanes from a stack store, a store-forwarding stall
+// that dominated the per-token loops).
+using Lanes = float __attribute__((vector_size(32)));
+constexpr std::int64_t kLanes = 8;
+inline Lanes load(const float* p) {
+  Lanes v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, Lanes v) { __builtin_memcpy(p, &v, sizeof v); }
+inline float lane_sum(Lanes v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+
+// Σ x[f]·y[f] over n values.
+float dot(const float* __restrict x, const float* __restrict y, std::int64_t n) {
+  Lanes acc = {};
+  std::int64_t f = 0;
+  for (; f + kLanes <= n; f += kLanes) acc += load(x + f) * load(y + f);
+  float sum = lane_sum(acc);
+  for (; f < n; ++f) sum += x[f] * y[f];
+  return sum;
+}
+
+// row += w·x, then returns Σ row·y; with acc, also acc += b·row. Over n values.
+float update_and_dot(float* __restrict row, float w, const float* __restrict x, const float* __restrict y,
+                     float* __restrict acc = nullptr, float b = 0.0f, std::int64_t n = 0) {
+  Lanes sum = {};
+  std::int64_t f = 0;
+  for (; f + kLanes <= n; f += kLanes) {
+    const Lanes r = load(row + f) + w * load(x + f);
+    store(row + f, r);
+    sum += r * load(y + f);
+    if (acc != nullptr) store(acc + f, load(acc + f) + b * r);
+  }
+  float total = lane_sum(sum);
+  for (; f < n; ++f) {
+    row[f] += w * x[f];
+    total += row[f] * y[f];
+    if (acc != nullptr) acc[f] += b * row[f];
+  }
+  return total;
+}
+
+// rows_j += a[j]·x for j < count (rows [count, n], row stride n), then out = scale·Σ_j w[j]·rows_j,
+// with out's partial sums in registers, 32 columns at a time. Over n values.
+void update_and_combine(float* __restrict rows, const float* __restrict a, const float* __restrict x,
+                        const float* __restrict w, std::int64_t count, float scale, float* __restrict out,
+                        std::int64_t n) {
+  std::int64_t f = 0;
+  for (; f + 4 * kLanes <= n; f += 4 * kLanes) {
+    const Lanes x0 = load(x + f), x1 = load(x + f + kLanes), x2 = load(x + f + 2 * kLanes),
+                x3 = load(x + f + 3 * kLanes);
+    Lanes o0 = {}, o1 = {}, o2 = {}, o3 = {};
+    for (std::int64_t j = 0; j < count; ++j) {
+      float* r = rows + j * n + f;
+      const Lanes r0 = load(r) + a[j] * x0, r1 = load(r + kLanes) + a[j] * x1;
+      const Lanes r2 = load(r + 2 * kLanes) + a[j] * x2, r3 = load(r + 3 * kLanes) + a[j] * x3;
+      store(r, r0), store(r + kLanes, r1), store(r + 2 * kLanes, r2), store(r + 3 * kLanes, r3);
+      o0 += w[j] * r0, o1 += w[j] * r1, o2 += w[j] * r2, o3 += w[j] * r3;
+    }
+    store(out + f, scale * o0), store(out + f + kLanes, scale * o1);
+    store(out + f + 2 * kLanes, scale * o2), store(out + f + 3 * kLanes, scale * o3);
+  }
+  for (; f < n; ++f) {
+    float o = 0.0f;
+    for (std::int64_t j = 0; j < count; ++j) o += w[j] * (rows[j * n + f] += a[j] * x[f]);
+    out[f] = scale * o;
+  }
 }
 
 // Per-token FLOPs outside ops::gemm, per (batch, head).
@@ -121,8 +193,10 @@ class Luna final : public Mechanism {
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     const std::int64_t tasks = p_.batch * p_.heads, d = p_.head_dim;
     const std::int64_t t = ++steps_;
+    // A step reads its state once; below kParallelStepFloats a parallel region costs more than it saves.
+    const bool parallel = 2 * tasks * l_ * d >= kParallelStepFloats;
     std::int64_t flops = 0;
-#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops) if (parallel)
     for (std::int64_t bh = 0; bh < tasks; ++bh) {
       const int thread = omp_get_thread_num();
       float* weights = vectors_.data() + (thread * 2 + 1) * l_;
@@ -130,10 +204,7 @@ class Luna final : public Mechanism {
       const float* key = k.data() + bh * d;
       const float scale = 1.0f / std::sqrt(static_cast<float>(d));
       for (std::int64_t j = 0; j < l_; ++j) {
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (std::int64_t f = 0; f < d; ++f) dot += key[f] * projected[j * d + f];
-        weights[j] = scale * dot;
+        weights[j] = scale * dot(key, projected + j * d, d);
       }
       elu_plus_one(weights, l_);
       causal_step(q.data() + bh * d, key, v.data() + bh * d, weights, t, decode_keys_.data() + bh * d * l_,
@@ -288,34 +359,14 @@ class Luna final : public Mechanism {
                    float* __restrict probs, float* saved_probs, float* __restrict out) const {
     const std::int64_t d = p_.head_dim, l = l_;
     for (std::int64_t j = 0; j < l; ++j) {
-      const float aj = a[j];
-      float* __restrict row = keys + j * d;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (std::int64_t f = 0; f < d; ++f) {
-        row[f] += aj * k[f];
-        dot += q[f] * row[f];
-      }
-      probs[j] = dot;
+      probs[j] = update_and_dot(keys + j * d, a[j], k, q, nullptr, 0.0f, d);
     }
     const float score_scale = scale() / static_cast<float>(t);
 #pragma omp simd
     for (std::int64_t j = 0; j < l; ++j) probs[j] *= score_scale;
     softmax_row(probs, l);
     if (saved_probs != nullptr) std::copy(probs, probs + l, saved_probs);
-    std::fill(out, out + d, 0.0f);
-    for (std::int64_t j = 0; j < l; ++j) {
-      const float aj = a[j], pj = probs[j];
-      float* __restrict row = values + j * d;
-#pragma omp simd
-      for (std::int64_t f = 0; f < d; ++f) {
-        row[f] += aj * v[f];
-        out[f] += pj * row[f];
-      }
-    }
-    const float inverse_t = 1.0f / static_cast<float>(t);
-#pragma omp simd
-    for (std::int64_t f = 0; f < d; ++f) out[f] *= inverse_t;
+    update_and_combine(values, a, v, probs, l, 1.0f / static_cast<float>(t), out, d);
   }
 
   std::int64_t causal_backward(std::int64_t bh, const Rows& x, const Grads& g, int thread) {
@@ -334,31 +385,10 @@ class Luna final : public Mechanism {
       const float inverse_t = 1.0f / static_cast<float>(i + 1);
       float* ds = grads + i * l;
       for (std::int64_t j = 0; j < l; ++j) {
-        const float aj = a[j];
-        float* __restrict row = value_sums + j * d;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (std::int64_t f = 0; f < d; ++f) {
-          row[f] += aj * v[f];
-          dot += row[f] * dout[f];
-        }
-        ds[j] = dot * inverse_t;
+        ds[j] = update_and_dot(value_sums + j * d, a[j], v, dout, nullptr, 0.0f, d) * inverse_t;
       }
       softmax_backward_rows(probs + i * l, ds, 1, l, l);
-      float* __restrict dq = g.dq + i * d;
-      std::fill(dq, dq + d, 0.0f);
-      for (std::int64_t j = 0; j < l; ++j) {
-        const float aj = a[j], dsj = ds[j];
-        float* __restrict row = key_sums + j * d;
-#pragma omp simd
-        for (std::int64_t f = 0; f < d; ++f) {
-          row[f] += aj * k[f];
-          dq[f] += dsj * row[f];
-        }
-      }
-      const float q_scale = c * inverse_t;
-#pragma omp simd
-      for (std::int64_t f = 0; f < d; ++f) dq[f] *= q_scale;
+      update_and_combine(key_sums, a, k, ds, l, c * inverse_t, g.dq + i * d, d);
     }
     // Walk 2 (backward) with the suffix sums G_B [l, D] and G_Aᵀ [l, D] in the same buffers.
     float* suffix_values = value_sums;
@@ -374,31 +404,13 @@ class Luna final : public Mechanism {
       float* __restrict dk = g.dk + i * d;
       std::fill(dv, dv + d, 0.0f);
       for (std::int64_t j = 0; j < l; ++j) {
-        const float w = pi[j] * inverse_t, aj = a[j];
-        float* __restrict row = suffix_values + j * d;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (std::int64_t f = 0; f < d; ++f) {
-          row[f] += w * dout[f];
-          dot += row[f] * v[f];
-          dv[f] += row[f] * aj;
-        }
-        da[j] = dot;
+        da[j] = update_and_dot(suffix_values + j * d, pi[j] * inverse_t, dout, v, dv, a[j], d);
       }
       float* __restrict ds = grads + i * l;
       const float q_scale = c * inverse_t;
       std::fill(dk, dk + d, 0.0f);
       for (std::int64_t j = 0; j < l; ++j) {
-        const float w = ds[j] * q_scale, aj = a[j];
-        float* __restrict row = suffix_keys + j * d;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (std::int64_t f = 0; f < d; ++f) {
-          row[f] += w * q[f];
-          dk[f] += aj * row[f];
-          dot += row[f] * k[f];
-        }
-        da[j] += dot;
+        da[j] += update_and_dot(suffix_keys + j * d, ds[j] * q_scale, q, k, dk, a[j], d);
       }
 #pragma omp simd
       for (std::int64_t j = 0; j < l; ++j) ds[j] = a[j] > 1.0f ? da[j] : da[j] * a[j];  // dz
