@@ -104,6 +104,43 @@ void update_and_combine(float* __restrict rows, const float* __restrict a, const
   }
 }
 
+// In-place softmax of each column of x [rows, cols] over its rows; scratch: 2·cols floats.
+void softmax_columns(float* __restrict x, std::int64_t rows, std::int64_t cols, float* __restrict scratch) {
+  float* __restrict peak = scratch;
+  float* __restrict sum = scratch + cols;
+  std::copy(x, x + cols, peak);
+  for (std::int64_t r = 1; r < rows; ++r) {
+#pragma omp simd
+    for (std::int64_t j = 0; j < cols; ++j) peak[j] = std::max(peak[j], x[r * cols + j]);
+  }
+  std::fill(sum, sum + cols, 0.0f);
+  for (std::int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+    for (std::int64_t j = 0; j < cols; ++j) sum[j] += x[r * cols + j] = ops::fast_exp(x[r * cols + j] - peak[j]);
+  }
+  for (std::int64_t j = 0; j < cols; ++j) sum[j] = 1.0f / sum[j];
+  for (std::int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+    for (std::int64_t j = 0; j < cols; ++j) x[r * cols + j] *= sum[j];
+  }
+}
+
+// The softmax backward of each column: grad holds dP on entry and P ⊙ (dP − Σ_rows P·dP) on return.
+// scratch: cols floats. Returns its FLOPs.
+std::int64_t softmax_columns_backward(const float* __restrict p, float* __restrict grad, std::int64_t rows,
+                                      std::int64_t cols, float* __restrict scratch) {
+  std::fill(scratch, scratch + cols, 0.0f);
+  for (std::int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+    for (std::int64_t j = 0; j < cols; ++j) scratch[j] += p[r * cols + j] * grad[r * cols + j];
+  }
+  for (std::int64_t r = 0; r < rows; ++r) {
+#pragma omp simd
+    for (std::int64_t j = 0; j < cols; ++j) grad[r * cols + j] = p[r * cols + j] * (grad[r * cols + j] - scratch[j]);
+  }
+  return kSoftmaxBackwardFlopsPerElement * rows * cols;
+}
+
 // Per-token FLOPs outside ops::gemm, per (batch, head).
 std::int64_t causal_step_flops(std::int64_t l, std::int64_t d) { return 8 * l * d + 6 * l + d; }
 std::int64_t causal_pass1_flops(std::int64_t l, std::int64_t d) { return 8 * l * d + 5 * l + d; }
@@ -130,8 +167,9 @@ class Luna final : public Mechanism {
       vectors_ = Tensor(Shape{threads, 2, l_});
     } else {
       packed_ = Tensor(Shape{p_.batch * h, l_, d});
-      pack_scores_ = Tensor(Shape{threads, l_, ops::padded_ld(p_.seq_len)});
+      pack_scores_ = Tensor(Shape{threads, p_.seq_len, l_});
       unpack_scores_ = Tensor(Shape{threads, c_.chunk, l_});
+      vectors_ = Tensor(Shape{threads, 2, l_});
     }
   }
 
@@ -152,7 +190,7 @@ class Luna final : public Mechanism {
       saved_probs_ = Tensor(Shape{bh, n, l_});
       weight_grads_ = Tensor(Shape{p_.threads, n, l_});
     } else {
-      saved_pack_ = Tensor(Shape{bh, l_, ops::padded_ld(n)});
+      saved_pack_ = Tensor(Shape{bh, n, l_});
       saved_unpack_ = Tensor(Shape{bh, n, l_});
       packed_grads_ = Tensor(Shape{p_.threads, l_, d});
     }
@@ -235,38 +273,37 @@ class Luna final : public Mechanism {
 
   // ---- non-causal ----
 
+  // One task per (batch, head), pack then unpack: no barrier between them (a descheduled thread
+  // stalls every barrier on a shared machine); parallelism min(B·H, threads).
   void noncausal_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
     const std::int64_t tasks = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
-    const std::int64_t blocks = (n + c_.chunk - 1) / c_.chunk;
     std::int64_t flops = 0;
-#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
-    {
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
+    for (std::int64_t bh = 0; bh < tasks; ++bh) {
       const int thread = omp_get_thread_num();
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t bh = 0; bh < tasks; ++bh)
-        flops += pack(bh, k.data() + bh * n * d, v.data() + bh * n * d, thread);
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t task = 0; task < tasks * blocks; ++task) {
-        const std::int64_t bh = task / blocks, r0 = task % blocks * c_.chunk, at = (bh * n + r0) * d;
-        flops += unpack(bh, r0, q.data() + at, out.data() + at, thread);
-      }
+      const std::int64_t at = bh * n * d;
+      flops += pack(bh, k.data() + at, v.data() + at, thread);
+      for (std::int64_t r0 = 0; r0 < n; r0 += c_.chunk)
+        flops += unpack(bh, r0, q.data() + at + r0 * d, out.data() + at + r0 * d, thread);
     }
     FlopCounter::add(flops);
   }
 
   // The pack probabilities of (batch, head) bh: the saved ones when the backward is prepared.
   float* pack_probabilities(std::int64_t bh, int thread) {
-    const std::int64_t ld = pack_scores_.dim(2);
-    return saved_pack_.empty() ? pack_scores_.data() + thread * l_ * ld : saved_pack_.data() + bh * l_ * ld;
+    const std::int64_t size = p_.seq_len * l_;
+    return saved_pack_.empty() ? pack_scores_.data() + thread * size : saved_pack_.data() + bh * size;
   }
 
-  // Y_P[bh] = softmax(c·P·Kᵀ)·V. Returns the FLOPs outside ops::gemm.
+  // Y_P[bh] = softmax(c·P·Kᵀ)·V, the scores kept transposed ([N, l]: the product K·Pᵀ has N rows,
+  // which oneDNN's sgemm runs faster than l rows, and the softmax over N vectorises over l).
+  // Returns the FLOPs outside ops::gemm.
   std::int64_t pack(std::int64_t bh, const float* k, const float* v, int thread) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = pack_scores_.dim(2);
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
     float* scores = pack_probabilities(bh, thread);
-    ops::gemm(false, true, l_, n, d, scale(), projected(bh), d, k, d, 0.0f, scores, ld);
-    for (std::int64_t j = 0; j < l_; ++j) softmax_row(scores + j * ld, n);
-    ops::gemm(false, false, l_, d, n, 1.0f, scores, ld, v, d, 0.0f, packed_.data() + bh * l_ * d, d);
+    ops::gemm(false, true, n, l_, d, scale(), k, d, projected(bh), d, 0.0f, scores, l_);
+    softmax_columns(scores, n, l_, vectors_.data() + thread * 2 * l_);
+    ops::gemm(true, false, l_, d, n, 1.0f, scores, l_, v, d, 0.0f, packed_.data() + bh * l_ * d, d);
     return kSoftmaxFlopsPerElement * l_ * n;
   }
 
@@ -283,7 +320,7 @@ class Luna final : public Mechanism {
   }
 
   std::int64_t noncausal_backward(std::int64_t bh, const Rows& x, const Grads& g, int thread) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = saved_pack_.dim(2);
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
     const float c = scale();
     const float* packed = packed_.data() + bh * l_ * d;
     float* packed_grad = packed_grads_.data() + thread * l_ * d;
@@ -298,13 +335,13 @@ class Luna final : public Mechanism {
       ops::gemm(false, false, rows, d, l_, c, score_grads, l_, packed, d, 0.0f, g.dq + at, d);
       ops::gemm(true, false, l_, d, rows, c, score_grads, l_, x.q + at, d, 1.0f, packed_grad, d);
     }
-    const float* probs = saved_pack_.data() + bh * l_ * ld;
-    float* pack_grads = pack_scores_.data() + thread * l_ * ld;
-    ops::gemm(false, true, l_, n, d, 1.0f, packed_grad, d, x.v, d, 0.0f, pack_grads, ld);
-    ops::gemm(true, false, n, d, l_, 1.0f, probs, ld, packed_grad, d, 0.0f, g.dv, d);
-    flops += softmax_backward_rows(probs, pack_grads, l_, n, ld);
-    ops::gemm(false, false, l_, d, n, c, pack_grads, ld, x.k, d, 1.0f, g.d_projected, d);
-    ops::gemm(true, false, n, d, l_, c, pack_grads, ld, projected(bh), d, 0.0f, g.dk, d);
+    const float* probs = saved_pack_.data() + bh * n * l_;
+    float* pack_grads = pack_scores_.data() + thread * n * l_;
+    ops::gemm(false, true, n, l_, d, 1.0f, x.v, d, packed_grad, d, 0.0f, pack_grads, l_);
+    ops::gemm(false, false, n, d, l_, 1.0f, probs, l_, packed_grad, d, 0.0f, g.dv, d);
+    flops += softmax_columns_backward(probs, pack_grads, n, l_, vectors_.data() + thread * 2 * l_);
+    ops::gemm(true, false, l_, d, n, c, pack_grads, l_, x.k, d, 1.0f, g.d_projected, d);
+    ops::gemm(false, false, n, d, l_, c, pack_grads, l_, projected(bh), d, 0.0f, g.dk, d);
     return flops;
   }
 
@@ -455,7 +492,7 @@ std::int64_t workspace(const Problem& p, const LunaConfig& c) {
   const std::int64_t d = p.head_dim, l = rows_used(c), threads = p.threads;
   const std::int64_t parameters = p.heads * l * d;
   if (p.causal) return (parameters + threads * (c.chunk * l + 2 * d * l + 2 * l)) * kFloat;
-  return (parameters + heads_of(p) * l * d + threads * (l * ops::padded_ld(p.seq_len) + c.chunk * l)) * kFloat;
+  return (parameters + heads_of(p) * l * d + threads * (l * p.seq_len + c.chunk * l + 2 * l)) * kFloat;
 }
 
 std::int64_t backward_flops(const Problem& p, const LunaConfig& c) {
@@ -469,7 +506,7 @@ std::int64_t backward_workspace(const Problem& p, const LunaConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, l = rows_used(c);
   const std::int64_t gradients = p.heads * l * d;
   if (p.causal) return (gradients + 2 * heads_of(p) * n * l + p.threads * n * l) * kFloat;
-  return (gradients + heads_of(p) * (l * ops::padded_ld(n) + n * l) + p.threads * l * d) * kFloat;
+  return (gradients + 2 * heads_of(p) * n * l + p.threads * l * d) * kFloat;
 }
 
 std::int64_t decode_workspace(const Problem& p, const LunaConfig& c, std::int64_t) {

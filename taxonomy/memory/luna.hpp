@@ -39,7 +39,7 @@
 // projected_embeddings, with head space's D for the model's d). Its gradient is
 // dprojected_sequence.
 //
-// Backward. Non-causal: the forward saves the pack probabilities [B·H, l, N] and the unpack
+// Backward. Non-causal: the forward saves the pack probabilities [B·H, N, l] and the unpack
 // probabilities [B·H, N, l]; Y_P is kept from the forward. Then per query block dSu = dO·Y_Pᵀ,
 // dY_P = Suᵀ·dO + c·dUᵀ·Q, dQ = c·dU·Y_P (dU the softmax backward of dSu); then dSp = dY_P·Vᵀ,
 // dV = Spᵀ·dY_P, dW = softmax backward of dSp, dP_h += c·dW·K, dK = c·dWᵀ·P_h. Causal: the forward
@@ -55,8 +55,10 @@
 //                                                     1/t scalings l + D, softmax 5l)
 //   causal backward     N·(24·l·D + 8·l + D)
 //   decode step         10·l·D + 8·l + D
-// Workspace: P; non-causal Y_P [B·H, L, D] and per thread one [L, N] pack score matrix and a
-// [chunk, L] unpack block; causal per thread a [chunk, l] weight block, Aᵀ, B and two l-vectors.
+// Work is one task per (batch, head) (parallelism min(B·H, threads)); the non-causal pack scores
+// are kept transposed, [N, L] (the product K·P_hᵀ, a softmax down each column).
+// Workspace: P; non-causal Y_P [B·H, L, D] and per thread one [N, L] pack score matrix, a
+// [chunk, L] unpack block and two L-vectors; causal per thread a [chunk, l] weight block, Aᵀ, B and two l-vectors.
 // Backward adds dP, the saved probabilities (or a and π) and per thread dY_P [L, D] (causal: the
 // ds/dz rows [N, l]); decoding adds Aᵀ and B per (batch, head).
 #include "lib/core/config_table.hpp"
