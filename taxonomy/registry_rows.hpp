@@ -27,6 +27,7 @@
 #include "taxonomy/learnable_patterns/sinkhorn.hpp"
 #include "taxonomy/low_rank/linformer.hpp"
 #include "taxonomy/low_rank/synthesizer.hpp"
+#include "taxonomy/memory/luna.hpp"
 #include "taxonomy/memory/nystromformer.hpp"
 #include "taxonomy/memory/set_transformer.hpp"
 #include "taxonomy/recurrence/compressive.hpp"
@@ -242,6 +243,15 @@ void for_each_row(Row&& row) {
                                    .arxiv = "2102.03902",
                                    .year = 2021,
                                    .revision = true});
+  row(model<LunaConfig>, {.name = "luna",
+                          .display_name = "Luna",
+                          .classes = {C::Memory},
+                          .complexity = "O(N)",
+                          .decode_cost = "O(l)",
+                          .paper = "Ma et al. 2021",
+                          .arxiv = "2106.01540",
+                          .year = 2021,
+                          .revision = true});
   row(model<TokenLearnerConfig>, {.name = "tokenlearner",
                                   .display_name = "TokenLearner",
                                   .classes = {C::Downsampling},

@@ -1,0 +1,355 @@
+// Luna (pack into l rows of a learned P, unpack over them) against naive double-precision
+// references of both forms, its gradients against central differences, its causality and
+// incremental decoding, and its O(N·l) FLOP and memory scaling.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "apps/bench/point.hpp"
+#include "lib/core/memory_tracker.hpp"
+#include "taxonomy/registry.hpp"
+#include "tests/support/counter_point.hpp"
+#include "tests/support/gradient_check.hpp"
+#include "tests/support/mechanism_run.hpp"
+#include "tests/support/reference.hpp"
+
+using namespace xfb;
+using namespace xfb::test;
+
+namespace {
+
+using Matrix = std::vector<double>;  // row-major
+
+// What fp32 rounding scales with: the largest sum of |terms| of a score (after its scale), and the
+// largest |value| the outputs average.
+struct ErrorScale {
+  double score_terms = 0, values = 0;
+};
+
+// softmax over n entries in place.
+void softmax(double* x, std::int64_t n) {
+  const double peak = *std::max_element(x, x + n);
+  double sum = 0;
+  for (std::int64_t j = 0; j < n; ++j) sum += x[j] = std::exp(x[j] - peak);
+  for (std::int64_t j = 0; j < n; ++j) x[j] /= sum;
+}
+
+// Non-causal Luna of one head: Y = softmax_N(c·P·Kᵀ)·V, O = softmax_l(c·Q·Yᵀ)·Y; P [l, d].
+Matrix noncausal_head(const double* q, const double* k, const double* v, const double* p, std::int64_t n,
+                      std::int64_t l, std::int64_t d, ErrorScale& e) {
+  const double c = 1.0 / std::sqrt(static_cast<double>(d));
+  Matrix packed(static_cast<std::size_t>(l * d), 0.0), out(static_cast<std::size_t>(n * d), 0.0);
+  std::vector<double> scores(static_cast<std::size_t>(std::max(n, l)));
+  for (std::int64_t j = 0; j < l; ++j) {
+    for (std::int64_t s = 0; s < n; ++s) {
+      double dot = 0, terms = 0;
+      for (std::int64_t f = 0; f < d; ++f)
+        dot += p[j * d + f] * k[s * d + f], terms += std::fabs(p[j * d + f] * k[s * d + f]);
+      scores[s] = c * dot;
+      e.score_terms = std::max(e.score_terms, c * terms);
+    }
+    softmax(scores.data(), n);
+    for (std::int64_t s = 0; s < n; ++s)
+      for (std::int64_t f = 0; f < d; ++f) packed[j * d + f] += scores[s] * v[s * d + f];
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t j = 0; j < l; ++j) {
+      double dot = 0, terms = 0;
+      for (std::int64_t f = 0; f < d; ++f)
+        dot += q[i * d + f] * packed[j * d + f], terms += std::fabs(q[i * d + f] * packed[j * d + f]);
+      scores[j] = c * dot;
+      e.score_terms = std::max(e.score_terms, c * terms);
+    }
+    softmax(scores.data(), l);
+    for (std::int64_t j = 0; j < l; ++j)
+      for (std::int64_t f = 0; f < d; ++f) out[i * d + f] += scores[j] * packed[j * d + f];
+  }
+  for (std::int64_t s = 0; s < n * d; ++s) e.values = std::max(e.values, std::fabs(v[s]));
+  return out;
+}
+
+// Causal Luna of one head straight from its definition, no prefix sums: a_s = elu(c·P·k_s) + 1,
+// s_t = (1/t)·Σ_{s≤t} c·(q_t·k_s)·a_s, π_t = softmax(s_t), o_t = (1/t)·Σ_j π_tj·Σ_{s≤t} a_sj·v_s.
+Matrix causal_head(const double* q, const double* k, const double* v, const double* p, std::int64_t n, std::int64_t l,
+                   std::int64_t d, ErrorScale& e) {
+  const double c = 1.0 / std::sqrt(static_cast<double>(d));
+  Matrix a(static_cast<std::size_t>(n * l)), out(static_cast<std::size_t>(n * d), 0.0);
+  for (std::int64_t s = 0; s < n; ++s)
+    for (std::int64_t j = 0; j < l; ++j) {
+      double z = 0;
+      for (std::int64_t f = 0; f < d; ++f) z += k[s * d + f] * p[j * d + f];
+      z *= c;
+      a[s * l + j] = z > 0 ? z + 1 : std::exp(z);
+    }
+  std::vector<double> scores(static_cast<std::size_t>(l)), terms(static_cast<std::size_t>(l));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double t = static_cast<double>(i + 1);
+    std::fill(scores.begin(), scores.end(), 0.0);
+    std::fill(terms.begin(), terms.end(), 0.0);
+    for (std::int64_t s = 0; s <= i; ++s) {
+      double dot = 0, dot_terms = 0;
+      for (std::int64_t f = 0; f < d; ++f)
+        dot += q[i * d + f] * k[s * d + f], dot_terms += std::fabs(q[i * d + f] * k[s * d + f]);
+      for (std::int64_t j = 0; j < l; ++j)
+        scores[j] += c * dot * a[s * l + j] / t, terms[j] += c * dot_terms * a[s * l + j] / t;
+    }
+    for (double x : terms) e.score_terms = std::max(e.score_terms, x);
+    softmax(scores.data(), l);
+    for (std::int64_t s = 0; s <= i; ++s)
+      for (std::int64_t j = 0; j < l; ++j)
+        for (std::int64_t f = 0; f < d; ++f) out[i * d + f] += scores[j] * a[s * l + j] * v[s * d + f] / t;
+  }
+  // The weights a ≤ 1 + |z| scale the averaged values.
+  double largest_a = 0;
+  for (double x : a) largest_a = std::max(largest_a, x);
+  for (std::int64_t s = 0; s < n * d; ++s) e.values = std::max(e.values, largest_a * std::fabs(v[s]));
+  return out;
+}
+
+// Every head's reference output ([B, H, N, D] order) from the named inputs.
+Matrix luna_reference(const NamedValues& x, const Problem& p, std::int64_t l,
+                      std::vector<ErrorScale>* scales = nullptr) {
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  Matrix all;
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const std::int64_t at = (b * p.heads + h) * n * d;
+      const double* projected = x.at("projected_sequence").data() + h * l * d;
+      ErrorScale e;
+      const Matrix o = p.causal ? causal_head(x.at("q").data() + at, x.at("k").data() + at, x.at("v").data() + at,
+                                              projected, n, l, d, e)
+                                : noncausal_head(x.at("q").data() + at, x.at("k").data() + at, x.at("v").data() + at,
+                                                 projected, n, l, d, e);
+      all.insert(all.end(), o.begin(), o.end());
+      if (scales != nullptr) scales->push_back(e);
+    }
+  return all;
+}
+
+// The rows of P the model uses on the problem, as resolved.
+std::int64_t resolved_rows(const Problem& p, const std::vector<std::string>& params) {
+  const ModelInfo* info = find_model("luna");
+  REQUIRE(info != nullptr);
+  return info->impl.resolved(p, resolve_params("luna", info->impl.params, params)).get_int("projected_length");
+}
+
+// fp32 tolerance of one head's output: the scores' rounding (their |terms|), the products' d-term
+// sums, the softmaxes over N and l and, causal, the running sums over up to N tokens (√N: rounding
+// of independent terms), relative to the averaged values.
+double tolerance_of(const ErrorScale& e, const Problem& p, std::int64_t l) {
+  const double n = static_cast<double>(p.seq_len);
+  const double sums = p.causal ? std::sqrt(n) : std::log2(n + 1);
+  return 8 * kFloatEps * (e.score_terms + sums + static_cast<double>(p.head_dim + l) + 1) * std::max(1.0, e.values);
+}
+
+NamedValues named_inputs(const AttentionInputs& in, const Mechanism& mechanism) {
+  NamedValues named{{"q", widened(in.q.data(), in.q.size())},
+                    {"k", widened(in.k.data(), in.k.size())},
+                    {"v", widened(in.v.data(), in.v.size())}};
+  for (const auto& parameter : mechanism.parameters())
+    named[parameter.name] = widened(parameter.tensor->data(), parameter.tensor->size());
+  return named;
+}
+
+void check_forward(const Problem& p, const std::vector<std::string>& params, const std::string& label) {
+  const ModelInfo* info = find_model("luna");
+  REQUIRE(info != nullptr);
+  const std::int64_t l = resolved_rows(p, params), n = p.seq_len, d = p.head_dim;
+  const auto in = random_inputs(p, static_cast<std::uint64_t>(n + 7 * l));
+  auto mechanism = info->impl.create(on_test_threads(p), resolve_params("luna", info->impl.params, params), 42);
+  mechanism->prepare(in.q, in.k, in.v);
+  Tensor out = Tensor::bhnd(p.batch, p.heads, n, d);
+  out.fill(std::nanf(""));
+  mechanism->forward(in.q, in.k, in.v, out);
+  const NamedValues named = named_inputs(in, *mechanism);
+  REQUIRE(named.at("projected_sequence").size() == static_cast<std::size_t>(p.heads * l * d));
+  std::vector<ErrorScale> scales;
+  const Matrix want = luna_reference(named, p, l, &scales);
+  for (std::int64_t bh = 0; bh < p.batch * p.heads; ++bh) {
+    const std::vector<double> head(want.begin() + bh * n * d, want.begin() + (bh + 1) * n * d);
+    check_head(out.data() + bh * n * d, head, n, d, tolerance_of(scales[static_cast<std::size_t>(bh)], p, l),
+               label + " bh=" + std::to_string(bh));
+  }
+}
+
+std::string sizes(std::int64_t n, const std::vector<std::string>& params, bool causal) {
+  std::string text = (causal ? "causal N=" : "N=") + std::to_string(n);
+  for (const auto& param : params) text += " " + param;
+  return text;
+}
+
+// rows [first, first + count) of every head of a [B, H, L, D] tensor.
+Tensor rows_of(const Tensor& whole, std::int64_t first, std::int64_t count) {
+  Tensor part = Tensor::bhnd(whole.dim(0), whole.dim(1), count, whole.dim(3));
+  const std::int64_t d = whole.dim(3);
+  for (std::int64_t b = 0; b < whole.dim(0); ++b)
+    for (std::int64_t h = 0; h < whole.dim(1); ++h)
+      std::copy_n(whole.head(b, h) + first * d, count * d, part.head(b, h));
+  return part;
+}
+
+// Prefill of N context tokens and T single-token steps against the causal forward over N + T (the
+// model resolved for the context), within twice the causal tolerance of the whole problem.
+void check_decode(std::int64_t n, std::int64_t tokens, const std::vector<std::string>& params) {
+  const ModelInfo* info = find_model("luna");
+  REQUIRE(info != nullptr);
+  const Problem context = on_test_threads({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = true});
+  Problem whole_problem = context;
+  whole_problem.seq_len = n + tokens;
+  const ParamValues values = info->impl.resolved(context, resolve_params("luna", info->impl.params, params));
+  const AttentionInputs whole = random_inputs(whole_problem, 5);
+  auto reference = info->impl.create(whole_problem, values, 42);
+  reference->prepare(whole.q, whole.k, whole.v);
+  Tensor want = Tensor::bhnd(2, 2, whole_problem.seq_len, 16);
+  reference->forward(whole.q, whole.k, whole.v, want);
+  std::vector<ErrorScale> scales;
+  luna_reference(named_inputs(whole, *reference), whole_problem, values.get_int("projected_length"), &scales);
+  double tolerance = 0;
+  for (const auto& e : scales)
+    tolerance = std::max(tolerance, 2 * tolerance_of(e, whole_problem, values.get_int("projected_length")));
+
+  auto mechanism = info->impl.create(context, values, 42);
+  const Tensor q = rows_of(whole.q, 0, n), k = rows_of(whole.k, 0, n), v = rows_of(whole.v, 0, n);
+  mechanism->prepare(q, k, v);
+  const std::int64_t before = MemoryTracker::instance().current_bytes();
+  mechanism->prepare_decode(tokens);
+  CHECK(MemoryTracker::instance().current_bytes() - before ==
+        info->impl.decode_workspace_bytes(context, values, tokens));
+  Tensor context_out = Tensor::bhnd(2, 2, n, 16);
+  for (int run = 0; run < 2; ++run) {  // a new forward restarts the state
+    mechanism->forward(q, k, v, context_out);
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      Tensor out = Tensor::bhnd(2, 2, 1, 16);
+      out.fill(std::nanf(""));
+      mechanism->decode_step(rows_of(whole.q, n + t, 1), rows_of(whole.k, n + t, 1), rows_of(whole.v, n + t, 1), out);
+      for (std::int64_t bh = 0; bh < 4; ++bh)
+        for (std::int64_t f = 0; f < 16; ++f) {
+          const double error = std::fabs(out.data()[bh * 16 + f] - want.data()[(bh * (n + tokens) + n + t) * 16 + f]);
+          CHECK_MESSAGE(error <= tolerance, "N=" << n << " step " << t << " bh=" << bh << " f=" << f << ": error "
+                                                 << error << " (tolerance " << tolerance << ")");
+        }
+    }
+  }
+  for (std::int64_t bh = 0; bh < 4; ++bh)
+    for (std::int64_t e = 0; e < n * 16; ++e)
+      CHECK(std::fabs(context_out.data()[bh * n * 16 + e] - want.data()[bh * (n + tokens) * 16 + e]) <= tolerance);
+  CHECK(mechanism->state_bytes() == 2 * 4 * values.get_int("projected_length") * 16 * 4 + 8);
+}
+
+PointConfig luna_point(std::int64_t n, bool causal, std::vector<std::string> params = {}) {
+  return counter_point("luna", {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal},
+                       std::move(params));
+}
+
+}  // namespace
+
+TEST_SUITE("luna") {
+  TEST_CASE("luna: the non-causal form equals the double reference around l and the query block") {
+    // Defaults l = 16, chunk = 256: N below, at and above both (N < l uses the first N rows of P).
+    for (std::int64_t n : {1, 2, 15, 16, 17, 255, 256, 257, 600})
+      check_forward({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false}, {}, sizes(n, {}, false));
+    for (std::int64_t n : {4, 5, 6, 7, 8, 9, 23}) {
+      const std::vector<std::string> params{"projected_length=5", "chunk=8"};
+      check_forward({.batch = 2, .heads = 3, .seq_len = n, .head_dim = 8, .causal = false}, params,
+                    sizes(n, params, false));
+    }
+  }
+
+  TEST_CASE("luna: the causal form equals its definition around l and the chunk") {
+    for (std::int64_t n : {1, 2, 15, 16, 17, 255, 256, 257, 420})
+      check_forward({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = true}, {}, sizes(n, {}, true));
+    for (std::int64_t n : {3, 5, 7, 8, 9, 16, 17, 23}) {
+      const std::vector<std::string> params{"projected_length=6", "chunk=8"};
+      check_forward({.batch = 2, .heads = 3, .seq_len = n, .head_dim = 8, .causal = true}, params,
+                    sizes(n, params, true));
+    }
+    const std::vector<std::string> wide{"projected_length=128", "chunk=32"};
+    check_forward({.batch = 1, .heads = 2, .seq_len = 70, .head_dim = 16, .causal = true}, wide, sizes(70, wide, true));
+  }
+
+  TEST_CASE("luna gradients of q, k, v and P against central differences, both forms") {
+    for (const bool causal : {false, true})
+      for (const auto& [n, params] :
+           {std::pair<std::int64_t, std::vector<std::string>>{5, {"projected_length=3", "chunk=2"}},
+            {9, {"projected_length=16", "chunk=4"}},
+            {8, {"projected_length=4", "chunk=8"}},
+            {40, {"projected_length=5", "chunk=16"}}}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = causal};
+        const std::int64_t l = resolved_rows(p, params);
+        check_composite_gradients(
+            "luna", p, params, [&](const NamedValues& x) { return luna_reference(x, p, l); }, n <= 9);
+      }
+  }
+
+  TEST_CASE("luna causal: changing a token changes no earlier output") {
+    const Problem p{.batch = 2, .heads = 2, .seq_len = 50, .head_dim = 8, .causal = true};
+    const std::vector<std::string> params{"projected_length=6", "chunk=16"};
+    for (std::int64_t changed : {0, 15, 16, 31, 49}) {
+      auto in = random_inputs(p, 3);
+      const Tensor before = run_mechanism("luna", p, in, params);
+      for (std::int64_t bh = 0; bh < 4; ++bh)
+        for (std::int64_t f = 0; f < 8; ++f) {
+          in.q.data()[(bh * 50 + changed) * 8 + f] += 1.5f;
+          in.k.data()[(bh * 50 + changed) * 8 + f] -= 0.75f;
+          in.v.data()[(bh * 50 + changed) * 8 + f] += 2.0f;
+        }
+      const Tensor after = run_mechanism("luna", p, in, params);
+      for (std::int64_t bh = 0; bh < 4; ++bh) {
+        CHECK(std::memcmp(before.data() + bh * 400, after.data() + bh * 400,
+                          static_cast<std::size_t>(changed * 8) * sizeof(float)) == 0);
+        CHECK(std::memcmp(before.data() + bh * 400 + changed * 8, after.data() + bh * 400 + changed * 8,
+                          8 * sizeof(float)) != 0);
+      }
+    }
+  }
+
+  TEST_CASE("luna: not causal, every output depends on the last token") {
+    const Problem p{.batch = 1, .heads = 1, .seq_len = 40, .head_dim = 8, .causal = false};
+    auto in = random_inputs(p, 2);
+    const Tensor before = run_mechanism("luna", p, in);
+    for (std::int64_t f = 0; f < 8; ++f) in.v.data()[39 * 8 + f] += 1.0f;
+    const Tensor after = run_mechanism("luna", p, in);
+    for (std::int64_t i = 0; i < 39; ++i)
+      CHECK_MESSAGE(std::memcmp(before.data() + i * 8, after.data() + i * 8, 8 * sizeof(float)) != 0, "row " << i);
+  }
+
+  TEST_CASE("luna decodes: prefill + steps equal the causal forward, at contexts around l and the chunk") {
+    for (std::int64_t n : {1, 4, 5, 6, 7, 8, 9, 20}) check_decode(n, 19, {"projected_length=5", "chunk=8"});
+    for (std::int64_t n : {15, 16, 17}) check_decode(n, 12, {});
+    check_decode(3, 30, {"projected_length=40", "chunk=2"});
+  }
+
+  TEST_CASE("luna: executed FLOPs equal the analytic count at non-default settings, forward and backward") {
+    const ModelInfo* info = find_model("luna");
+    REQUIRE(info != nullptr);
+    for (const bool causal : {false, true})
+      for (std::int64_t n : {1, 37, 300}) {
+        const std::vector<std::string> params{"projected_length=7", "chunk=16"};
+        PointConfig config = luna_point(n, causal, params);
+        const ParamValues values = resolve_params("luna", info->impl.params, params);
+        CHECK(run_point(config).flops == info->impl.flops(config.problem, values));
+        config.pass = Pass::Backward;
+        CHECK(run_point(config).flops == info->impl.backward_flops(config.problem, values));
+      }
+  }
+
+  TEST_CASE("luna: FLOPs and workspace grow linearly in N (O(N·l)), both forms") {
+    for (const bool causal : {false, true}) {
+      CAPTURE(causal);
+      const auto small = run_point(luna_point(2048, causal));
+      const auto large = run_point(luna_point(8192, causal));
+      const double flop_ratio = static_cast<double>(large.flops) / static_cast<double>(small.flops);
+      CHECK(flop_ratio > 3.99);
+      CHECK(flop_ratio <= 4.0);
+      const double memory_ratio =
+          static_cast<double>(large.workspace_bytes) / static_cast<double>(small.workspace_bytes);
+      CHECK(memory_ratio <= 4.01);
+      // Far below vanilla's B·H·N² scores at the larger size.
+      CHECK(large.workspace_bytes < 2 * 8192 * 8192 * 4 / 64);
+    }
+  }
+}
