@@ -246,7 +246,7 @@ void for_each_row(Row&& row) {
   row(model<LunaConfig>, {.name = "luna",
                           .display_name = "Luna",
                           .classes = {C::Memory},
-                          .complexity = "O(N)",
+                          .complexity = "O(kN)",
                           .decode_cost = "O(l)",
                           .paper = "Ma et al. 2021",
                           .arxiv = "2106.01540",

@@ -148,6 +148,7 @@ constexpr Mapping kMappings[] = {
 constexpr Mapping kDecodeMappings[] = {
     {"O(1)", BigO::N, false, ""},
     {"O(b)", BigO::N, false, "block b fixed"},
+    {"O(l)", BigO::N, false, "projected length l fixed"},
     {"O(l_q+l_m)", BigO::N, false, "query block and memory flange fixed"},
     {"O(w+g)", BigO::N, false, "window w and global tokens g fixed"},
     {"O(L+M)", BigO::N, false, "segment L and memory M fixed"},
