@@ -25,6 +25,7 @@
 #include "taxonomy/learnable_patterns/sinkhorn.hpp"
 #include "taxonomy/low_rank/linformer.hpp"
 #include "taxonomy/low_rank/synthesizer.hpp"
+#include "taxonomy/memory/perceiver.hpp"
 #include "taxonomy/memory/set_transformer.hpp"
 #include "taxonomy/recurrence/compressive.hpp"
 #include "taxonomy/recurrence/transformer_xl.hpp"
@@ -219,6 +220,15 @@ void for_each_row(Row&& row) {
                            .paper = "Tay et al. 2021 (LRA)",
                            .arxiv = "2011.04006",
                            .year = 2021});
+  row(model<PerceiverConfig>, {.name = "perceiver",
+                               .display_name = "Perceiver",
+                               .classes = {C::Memory, C::Downsampling},
+                               .complexity = "O(kN)",
+                               .decode_cost = "O(N+k)",
+                               .paper = "Jaegle et al. 2021",
+                               .arxiv = "2103.03206",
+                               .year = 2021,
+                               .revision = true});
 }
 
 }  // namespace xfb
