@@ -224,7 +224,7 @@ void for_each_row(Row&& row) {
                                .display_name = "Perceiver",
                                .classes = {C::Memory, C::Downsampling},
                                .complexity = "O(kN)",
-                               .decode_cost = "O(N+k)",
+                               .decode_cost = "O(N)",
                                .paper = "Jaegle et al. 2021",
                                .arxiv = "2103.03206",
                                .year = 2021,
