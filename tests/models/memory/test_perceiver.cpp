@@ -197,7 +197,6 @@ void check_forward(const Problem& p, const std::vector<std::string>& params) {
              label_of(p, params));
 }
 
-
 }  // namespace
 
 TEST_SUITE("perceiver") {
