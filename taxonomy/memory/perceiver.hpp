@@ -41,7 +41,13 @@
 // FLOPs (exact) per (batch, head), V(i) = |R(i)|, tiles(i) = key tiles of row i's block that meet R(i):
 //   cross: Σ over computed tiles 2·2·rows·cols·D  +  Σ_i (4·V(i) + D·tiles(i) + D)
 //   latent: 3·2·M·D² + 2·2·M²·D + 5·Σ_i valid(i)      (valid(i) = M, causal i + 1)
+// Backward FLOPs (exact) per (batch, head): cross: Σ over tiles 5·2·rows·cols·D (S again, dV, dP, dQc,
+// dK) + 4·Σ_i V(i) (P from the log-sum-exp, dS) + 2·M·D (the rows' dC·C); latent: 3·2·M·D² (rows
+// again) + 5·2·M²·D (scores, dLv, dP, dLq, dLk) + 6·2·M·D² (dW, dC) + 9·Σ_i valid(i) (softmax again
+// and its backward).
 // Work O(M·N·D + M²·D + M·D²); never an N×N matrix; workspace O(M·(D + block) + M²) per thread.
+// `latents` is recorded as given (resolve does not clamp it: a decoder's latent window grows to it
+// as tokens arrive); cross_window resolves to 0 in the non-causal form, where it has no meaning.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
