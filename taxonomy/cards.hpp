@@ -26,6 +26,9 @@ struct ModelCard {
   // decode. The one statement of decoding: decodes() and (checked by the tests) the
   // implementation's decode contract follow it.
   std::string decode_cost;
+  // Why decodes() differs from the survey's own Table 1 mark, when it does (Funnel: the survey marks
+  // it as decoding, its paper gives no causal form); "" when they agree.
+  std::string decode_note = "";
   std::string paper;  // authors and year
   std::string arxiv;  // arXiv id
   int year = 0;

@@ -1,6 +1,6 @@
 #pragma once
-// The registry's rows: every model of the survey's Table 1 (v1), LRA's local attention and the two
-// exact baselines, in the order `list` shows them. A row is the model's config type — the key to
+// The registry's rows: every model of the survey's Table 1 (v1, then the models its 2022 revision adds), LRA's local
+// attention and the two exact baselines, in the order `list` shows them. A row is the model's config type — the key to
 // its implementation, implementation<Config>() (lib/core/config_table.hpp), or void for a card
 // without one — and its card: name, display name, classes, complexity as the survey prints it,
 // the per-token decoding cost ("" = does not decode: Table 1's Decode column), paper, arXiv id,
@@ -10,9 +10,11 @@
 #include "taxonomy/baselines/exact_tiled.hpp"
 #include "taxonomy/baselines/vanilla.hpp"
 #include "taxonomy/cards.hpp"
+#include "taxonomy/downsampling/tokenlearner.hpp"
 #include "taxonomy/fixed_patterns/axial.hpp"
 #include "taxonomy/fixed_patterns/bigbird.hpp"
 #include "taxonomy/fixed_patterns/etc.hpp"
+#include "taxonomy/fixed_patterns/funnel.hpp"
 #include "taxonomy/fixed_patterns/image_transformer.hpp"
 #include "taxonomy/fixed_patterns/local.hpp"
 #include "taxonomy/fixed_patterns/longformer.hpp"
@@ -25,6 +27,7 @@
 #include "taxonomy/learnable_patterns/sinkhorn.hpp"
 #include "taxonomy/low_rank/linformer.hpp"
 #include "taxonomy/low_rank/synthesizer.hpp"
+#include "taxonomy/memory/nystromformer.hpp"
 #include "taxonomy/memory/perceiver.hpp"
 #include "taxonomy/memory/set_transformer.hpp"
 #include "taxonomy/recurrence/compressive.hpp"
@@ -220,6 +223,35 @@ void for_each_row(Row&& row) {
                            .paper = "Tay et al. 2021 (LRA)",
                            .arxiv = "2011.04006",
                            .year = 2021});
+  row(model<FunnelConfig>, {.name = "funnel",
+                            .display_name = "Funnel Transformer",
+                            .classes = {C::FixedPatterns, C::Downsampling},
+                            .complexity = "O(N²)",
+                            .decode_cost = "",
+                            .decode_note = "the survey marks it as decoding; its paper gives no causal form of "
+                                           "pooled-query attention",
+                            .paper = "Dai et al. 2020",
+                            .arxiv = "2006.03236",
+                            .year = 2020,
+                            .revision = true});
+  row(model<NystromformerConfig>, {.name = "nystromformer",
+                                   .display_name = "Nyströmformer",
+                                   .classes = {C::Memory, C::Downsampling},
+                                   .complexity = "O(kN)",
+                                   .decode_cost = "",
+                                   .paper = "Xiong et al. 2021",
+                                   .arxiv = "2102.03902",
+                                   .year = 2021,
+                                   .revision = true});
+  row(model<TokenLearnerConfig>, {.name = "tokenlearner",
+                                  .display_name = "TokenLearner",
+                                  .classes = {C::Downsampling},
+                                  .complexity = "O(k²)",
+                                  .decode_cost = "",
+                                  .paper = "Ryoo et al. 2021",
+                                  .arxiv = "2106.11297",
+                                  .year = 2021,
+                                  .revision = true});
   row(model<PerceiverConfig>, {.name = "perceiver",
                                .display_name = "Perceiver",
                                .classes = {C::Memory, C::Downsampling},

@@ -53,12 +53,14 @@ nlohmann::json dump_manifest(const Point& point, const ResultRow& row,
   nlohmann::json manifest = point_settings(point.config);
   manifest["model"] = point.config.model;
   manifest["seq_len"] = point.config.problem.seq_len;
+  manifest["out_len"] = row.out_len;
   manifest["params"] = point.running.to_json();
   manifest["requested_params"] = row.params;
   manifest["layout"] = "attention tensors are [B, H, N, D]; little-endian float32, C order";
   if (point.config.pass == Pass::Decode)
-    manifest["decode"] = "q, k, v, out hold the " + std::to_string(point.config.problem.seq_len) +
-                         " context rows, then the " + std::to_string(point.config.decode_tokens) +
+    manifest["decode"] = "q, k, v hold the " + std::to_string(point.config.problem.seq_len) +
+                         " context rows and out the " + std::to_string(row.out_len) +
+                         " rows of the prefill's output, then the " + std::to_string(point.config.decode_tokens) +
                          " decoded tokens' rows; state_* is the state after the last step";
   manifest["reproducer"] = row.reproducer;
   nlohmann::json list = nlohmann::json::array();
@@ -127,14 +129,14 @@ struct DecodeInputs {
   std::vector<std::array<Tensor, 3>> steps;
   std::vector<Tensor> step_out;
 
-  DecodeInputs(const Problem& p, std::int64_t tokens, std::uint64_t seed) {
+  DecodeInputs(const Problem& p, std::int64_t out_rows, std::int64_t tokens, std::uint64_t seed) {
     constexpr std::array<const char*, 3> kStreams = {"input/q", "input/k", "input/v"};
     const std::int64_t total = p.seq_len + tokens;
     for (std::size_t i = 0; i < 3; ++i) {
       context[i] = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
       CounterRng(seed, kStreams[i]).fill_normal_rows(context[i], total, 0);
     }
-    out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+    out = Tensor::bhnd(p.batch, p.heads, out_rows, p.head_dim);
     steps.resize(static_cast<std::size_t>(tokens));
     step_out.resize(static_cast<std::size_t>(tokens));
     for (std::int64_t t = 0; t < tokens; ++t) {
@@ -157,7 +159,7 @@ struct DecodeInputs {
   }
 
   // Input i (0 q, 1 k, 2 v, 3 out) over the whole sequence, context rows then decoded rows:
-  // [B, H, N + T, D].
+  // [B, H, N + T, D] (out: [B, H, M + T, D], the prefill's M rows then the steps').
   Tensor whole_sequence(std::size_t i) const {
     const Tensor& head_rows = i < 3 ? context[i] : out;
     const std::int64_t b_count = head_rows.dim(0), h_count = head_rows.dim(1), n = head_rows.dim(2),
@@ -186,7 +188,7 @@ ResultRow run_decode_point(const Point& point, ResultRow row, const std::optiona
   const std::int64_t owned_baseline = tracker.owned_current_bytes();
   tracker.reset_peak();
 
-  DecodeInputs in(p, tokens, config.seed);
+  DecodeInputs in(p, point_output_rows(point), tokens, config.seed);
   auto mechanism = point.model->impl.create(p, point.requested, config.seed);
   mechanism->prepare(in.context[0], in.context[1], in.context[2]);
   mechanism->prepare_decode(tokens);
@@ -207,7 +209,7 @@ ResultRow run_decode_point(const Point& point, ResultRow row, const std::optiona
 
   row.peak_tensor_bytes = tracker.peak_bytes() - baseline;
   row.peak_owned_bytes = tracker.owned_peak_bytes() - owned_baseline;
-  row.workspace_bytes = row.peak_tensor_bytes - point_io_bytes(config);
+  row.workspace_bytes = row.peak_tensor_bytes - point_io_bytes(point);
   row.state_bytes = mechanism->state_bytes();
   record_timing(row, timed.steps);
   row.prefill_ns = median_of(timed.prefill_ns);
@@ -247,28 +249,36 @@ Point resolve_point(const PointConfig& config) {
 
 void validate_point(const PointConfig& config) { resolve_point(config); }
 
-std::int64_t point_io_bytes(const PointConfig& config) {
+std::int64_t point_output_rows(const Point& point) {
+  return output_rows_of(point.model->impl, point.config.problem, point.requested);
+}
+
+std::int64_t point_io_bytes(const Point& point) {
+  const PointConfig& config = point.config;
   const Problem& p = config.problem;
-  const std::int64_t tensor = p.batch * p.heads * p.seq_len * p.head_dim * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t row = p.batch * p.heads * p.head_dim * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t inputs = p.seq_len * row, outputs = point_output_rows(point) * row;
   if (config.pass == Pass::Decode)  // the context's q, k, v, out and every step's
-    return 4 * tensor +
-           4 * config.decode_tokens * p.batch * p.heads * p.head_dim * static_cast<std::int64_t>(sizeof(float));
+    return 3 * inputs + outputs + 4 * config.decode_tokens * row;
   const bool training = config.pass != Pass::Forward;
   // Attention: q, k, v, out (+ dout, dq, dk, dv); layer: x, y (+ dy, dx).
-  const std::int64_t tensors = config.scope == Scope::Layer ? (training ? 4 : 2) : (training ? 8 : 4);
-  return tensors * tensor;
+  if (config.scope == Scope::Layer) return training ? 2 * (inputs + outputs) : inputs + outputs;
+  return training ? 6 * inputs + 2 * outputs : 3 * inputs + outputs;
 }
+
+std::int64_t point_io_bytes(const PointConfig& config) { return point_io_bytes(resolve_point(config)); }
 
 std::int64_t estimated_point_bytes(const Point& point) {
   const PointConfig& c = point.config;
-  std::int64_t bytes = point_io_bytes(c) + point.model->impl.workspace_bytes(c.problem, point.requested);
+  std::int64_t bytes = point_io_bytes(point) + point.model->impl.workspace_bytes(c.problem, point.requested);
   if (c.pass == Pass::Decode)
     bytes += point.model->impl.decode_workspace_bytes(c.problem, point.requested, c.decode_tokens);
   else if (c.pass != Pass::Forward)
     bytes += point.model->impl.backward_workspace_bytes(c.problem, point.requested);
-  if (c.scope == Scope::Layer) bytes += EncoderLayer::workspace_bytes(c.problem, c.effective_d_ff());
+  const std::int64_t rows = point_output_rows(point);
+  if (c.scope == Scope::Layer) bytes += EncoderLayer::workspace_bytes(c.problem, c.effective_d_ff(), rows);
   if (c.scope == Scope::Layer && c.pass != Pass::Forward)
-    bytes += EncoderLayer::backward_workspace_bytes(c.problem, c.effective_d_ff());
+    bytes += EncoderLayer::backward_workspace_bytes(c.problem, c.effective_d_ff(), rows);
   return bytes;
 }
 
@@ -287,12 +297,14 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
   set_row_identity(row, config);
   for (auto c : model.classes) row.classes.push_back(class_name(c));
   row.params = point.requested.to_json();
+  row.out_len = point_output_rows(point);
   row.kernel_isa = kernel_isa_name(kernel_isa());
   row.reproducer = reproducer_command(point);
   const std::string why = model.impl.unsupported ? model.impl.unsupported(config.problem, point.requested) : "";
   if (config.problem.causal && !model.decodes()) {
     row.status = Status::Unsupported;
-    row.reason = model.display_name + " cannot decode (survey Table 1: Decode = no), so it has " +
+    const std::string why_not = model.decode_note.empty() ? "survey Table 1: Decode = no" : model.decode_note;
+    row.reason = model.display_name + " cannot decode (" + why_not + "), so it has " +
                  (config.pass == Pass::Decode ? "no incremental form" : "no causal mode");
   } else if (!why.empty()) {
     row.status = Status::Unsupported;
@@ -305,7 +317,7 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
     row.reason = model.display_name + " has no backward pass in this build, so no " + pass_name(row.pass) + " pass";
   } else {
     const std::int64_t estimate = estimated_point_bytes(point);
-    row.estimated_workspace_bytes = estimate - point_io_bytes(config);
+    row.estimated_workspace_bytes = estimate - point_io_bytes(point);
     if (memory_limit_bytes > 0 && estimate > memory_limit_bytes) {
       row.status = Status::Skipped;
       row.reason = "estimated " + std::to_string(estimate) + " bytes exceed --memory-limit " +
@@ -350,7 +362,7 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
 
   row.peak_tensor_bytes = tracker.peak_bytes() - baseline;
   row.peak_owned_bytes = tracker.owned_peak_bytes() - owned_baseline;
-  row.workspace_bytes = row.peak_tensor_bytes - point_io_bytes(config);
+  row.workspace_bytes = row.peak_tensor_bytes - point_io_bytes(point);
   record_timing(row, timed);
   row.gflops_per_s = row.median_ns > 0 ? static_cast<double>(row.flops) / row.median_ns : 0;
   const double tokens = static_cast<double>(config.problem.batch * config.problem.seq_len);

@@ -35,15 +35,20 @@ struct Point {
 Point resolve_point(const PointConfig& config);
 void validate_point(const PointConfig& config);
 
+// M, the rows of the mechanism's output per (batch, head): N, or a downsampling model's own count.
+std::int64_t point_output_rows(const Point& point);
+
 // A row filled with the point's identity (model, classes, shape, resolved params, reproducer)
 // and, when the point cannot run here, status and reason (unsupported, skipped by memory limit).
 ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes = 0);
 ResultRow describe_point(const PointConfig& config, std::int64_t memory_limit_bytes = 0);
 
 // Tracked bytes of the point's inputs and output: q, k, v, out (attention) or x, y (layer); for the
-// backward and train passes also dout, dq, dk, dv; for the decode pass the context's q, k, v, out and
-// every step's q, k, v, out ([B, H, 1, D] each).
-std::int64_t point_io_bytes(const PointConfig& config);
+// backward and train passes also dout, dq, dk, dv (dy, dx); for the decode pass the context's q, k, v,
+// out and every step's q, k, v, out ([B, H, 1, D] each). out, dout, y and dy have M rows
+// (point_output_rows), the others N.
+std::int64_t point_io_bytes(const Point& point);
+std::int64_t point_io_bytes(const PointConfig& config);  // of resolve_point(config)
 // Analytic estimate of the tracked bytes of the point: inputs, output, workspace.
 std::int64_t estimated_point_bytes(const Point& point);
 

@@ -27,12 +27,13 @@ class AttentionWorkload final : public Workload {
     const PointConfig& c = point.config;
     const Problem& p = c.problem;
     auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim); };
+    auto outputs = [&] { return Tensor::bhnd(p.batch, p.heads, point_output_rows(point), p.head_dim); };
     q_ = seeded(bhnd(), c.seed, "input/q");
     k_ = seeded(bhnd(), c.seed, "input/k");
     v_ = seeded(bhnd(), c.seed, "input/v");
-    out_ = bhnd();
+    out_ = outputs();
     if (training_) {
-      dout_ = seeded(bhnd(), c.seed, "input/dout");
+      dout_ = seeded(outputs(), c.seed, "input/dout");
       dq_ = bhnd();
       dk_ = bhnd();
       dv_ = bhnd();
@@ -62,15 +63,16 @@ class LayerWorkload final : public Workload {
   explicit LayerWorkload(const Point& point) : training_(trains(point.config.pass)) {
     const PointConfig& c = point.config;
     const Problem& p = c.problem;
-    const Shape shape{p.batch, p.seq_len, p.heads * p.head_dim};
+    const std::int64_t rows = point_output_rows(point);
+    const Shape shape{p.batch, p.seq_len, p.heads * p.head_dim}, out_shape{p.batch, rows, p.heads * p.head_dim};
     x_ = seeded(Tensor(shape), c.seed, "input/x");
-    out_ = Tensor(shape);
+    out_ = Tensor(out_shape);
     if (training_) {
-      dout_ = seeded(Tensor(shape), c.seed, "input/dout");
+      dout_ = seeded(Tensor(out_shape), c.seed, "input/dout");
       dx_ = Tensor(shape);
     }
     mechanism_ = point.model->impl.create(p, point.requested, c.seed);
-    layer_ = std::make_unique<EncoderLayer>(p, c.effective_d_ff(), c.seed);
+    layer_ = std::make_unique<EncoderLayer>(p, c.effective_d_ff(), rows, !point.model->impl.downsamples(), c.seed);
     if (training_) layer_->prepare_training();  // the layer's own buffers, before the mechanism's setup
     layer_->prepare(*mechanism_, x_);
     if (training_) layer_->prepare_backward(*mechanism_);

@@ -2,8 +2,9 @@
 // What a point of the forward, backward and train passes runs, one workload per scope: the seeded
 // inputs, the mechanism (and in layer scope the encoder layer around it) prepared untimed, the
 // forward and backward calls the pass times, what the forward saves, and the files of a dump.
-//   attention  q, k, v, out [B, H, N, D] (training: dout, dq, dk, dv of the same shape)
-//   layer      x, y [B, N, H·D] (training: dy, dx); the layer's own q, k, v inside
+//   attention  q, k, v [B, H, N, D], out [B, H, M, D] (training: dout like out; dq, dk, dv like q)
+//   layer      x [B, N, H·D], y [B, M, H·D] (training: dy like y, dx like x); the layer's own q, k, v inside
+// M = N but for a downsampling model (point_output_rows).
 // Every tensor is allocated before the mechanism is prepared, so a model's setup-only buffers peak
 // over the inputs, as they do in a real step. The decode pass has its own runner (point.cpp).
 #include <memory>

@@ -1,4 +1,5 @@
-// `xfbench list`: the registry — every model of the survey's Table 1 and the exact baselines.
+// `xfbench list`: the registry — every model of the survey's Table 1 (v1 and its revision's) and the exact
+// baselines.
 #include <cstdio>
 
 #include <nlohmann/json.hpp>
@@ -38,6 +39,7 @@ nlohmann::json model_json(const ModelInfo& m) {
           {"arxiv", m.arxiv},
           {"year", m.year},
           {"survey_row", m.survey_row},
+          {"revision", m.revision},
           {"implemented", m.implemented()},
           {"backward", m.impl.has_backward()},
           {"incremental", m.impl.has_decode()},

@@ -59,9 +59,12 @@ void print_human(const ResultRow& row) {
   std::printf("model      %s (%s, %s pass, %s%s)\n", row.model.c_str(), scope_name(row.scope).c_str(),
               pass_name(row.pass).c_str(), row.causal ? "causal" : "non-causal",
               row.params.empty() ? "" : (", " + row.params.dump()).c_str());
-  std::printf("shape      B=%lld H=%lld N=%lld D=%lld\n", static_cast<long long>(row.batch),
+  std::printf("shape      B=%lld H=%lld N=%lld D=%lld", static_cast<long long>(row.batch),
               static_cast<long long>(row.heads), static_cast<long long>(row.seq_len),
               static_cast<long long>(row.head_dim));
+  if (row.out_len > 0 && row.out_len != row.seq_len)  // a downsampling model
+    std::printf(", output M=%lld rows", static_cast<long long>(row.out_len));
+  std::printf("\n");
   std::printf("status     %s%s%s\n", status_name(row.status).c_str(), row.reason.empty() ? "" : ": ",
               row.reason.c_str());
   if (row.status == Status::Ok) {

@@ -125,7 +125,7 @@ struct Mapping {
   const char* note;
 };
 
-// The survey's Table 1 strings (and LRA's local attention) with hyperparameters held fixed.
+// The survey's Table 1 strings (v1 and the revision's, and LRA's local attention) with hyperparameters held fixed.
 constexpr Mapping kMappings[] = {
     {"O(N)", BigO::N, false, ""},
     {"O(kN)", BigO::N, false, "k fixed"},
@@ -139,6 +139,9 @@ constexpr Mapping kMappings[] = {
     {"O(B²)", BigO::NSquared, true,
      "B is a block size: block attention is O(N·B), only the block-sorting step grows as (N/B)²"},
     {"O(N_g²+N·N_g)", BigO::N, true, "linear when the global tokens N_g are fixed, quadratic when they grow with N"},
+    {"O(k²)", BigO::N, false,
+     "TokenLearner: attention over its k learned tokens is O(k²), constant in N; pooling N tokens into them is "
+     "O(N·k), linear"},
 };
 
 // Per-token decoding costs (ModelCard::decode_cost), as the class of N tokens' cost.

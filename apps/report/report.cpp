@@ -51,6 +51,7 @@ void to_json(nlohmann::json& j, const ResultRow& r) {
                      {"batch", r.batch},
                      {"heads", r.heads},
                      {"seq_len", r.seq_len},
+                     {"out_len", r.out_len > 0 ? r.out_len : r.seq_len},
                      {"head_dim", r.head_dim},
                      {"d_ff", r.d_ff},
                      {"params", r.params},
@@ -125,6 +126,7 @@ void read_identity(ResultRow& r, const FieldReader& f) {
   r.seq_len = f.integer("seq_len", 1, kMaxSize);
   r.head_dim = f.integer("head_dim", 1, kMaxSize);
   check_sizes(r, f);
+  r.out_len = f.integer("out_len", 1, r.seq_len, r.seq_len);
   r.d_ff = f.integer("d_ff", 0, kMaxSize, 0);
   r.params = f.scalar_object("params");
   r.threads = static_cast<int>(f.integer("threads", 0, 1 << 20, 0));

@@ -24,6 +24,8 @@ struct ResultRow {
   Pass pass = Pass::Forward;  // what was timed
   bool causal = false;
   std::int64_t batch = 0, heads = 0, seq_len = 0, head_dim = 0;
+  // M, output rows per (batch, head): seq_len but for a downsampling model (0, unset, is written as seq_len).
+  std::int64_t out_len = 0;
   std::int64_t d_ff = 0;                             // layer scope only; 0 otherwise
   nlohmann::json params = nlohmann::json::object();  // resolved mechanism parameters
   int threads = 0;

@@ -24,30 +24,37 @@ std::string letters(const ModelCard& m) {
   return text;
 }
 
-// Table 1's rows in survey order, then the models that are not in it.
+// Table 1's rows in survey order, then the revision's models, then the models in neither table.
 std::vector<const ModelCard*> table_order() {
   std::vector<const ModelCard*> models;
   for (const auto& m : model_cards()) models.push_back(&m);
   std::stable_sort(models.begin(), models.end(), [](const ModelCard* a, const ModelCard* b) {
-    const int ra = a->survey_row ? a->survey_row : 1000, rb = b->survey_row ? b->survey_row : 1000;
-    return ra < rb;
+    auto rank = [](const ModelCard* m) { return m->survey_row ? m->survey_row : m->revision ? 1000 : 2000; };
+    return rank(a) < rank(b);
   });
   return models;
 }
 
+// Which of the survey's tables a model is in: "v1" (2020, and the revision's too), "revision" (added in
+// 2022), "" (neither).
+std::string survey_table(const ModelCard& m) { return m.survey_row ? "v1" : m.revision ? "revision" : ""; }
+
 std::string markdown() {
   std::ostringstream out;
-  out << "Table 1 of Tay et al., *Efficient Transformers: A Survey* (arXiv 2009.06732, v1), from the xfbench "
-         "registry; rows without a number are not in the survey's table.\n\n";
-  out << "| # | model | name | paper | year | complexity | decode | class | implemented |\n"
-      << "|---:|:---|:---|:---|---:|:---|:---:|:---|:---:|\n";
+  out << "Table 1 of Tay et al., *Efficient Transformers: A Survey* (arXiv 2009.06732): the v1 rows (2020) by "
+         "number, then the models the revision (v3, ACM Computing Surveys 2022) adds, from the xfbench registry; rows "
+         "without a table are in neither.\n\n";
+  out << "| # | table | model | name | paper | year | complexity | decode | class | implemented |\n"
+      << "|---:|:---|:---|:---|:---|---:|:---|:---:|:---|:---:|\n";
   for (const auto* m : table_order())
-    out << "| " << (m->survey_row ? std::to_string(m->survey_row) : "") << " | " << m->display_name << " | `" << m->name
-        << "` | " << m->paper << " (arXiv " << m->arxiv << ") | " << m->year << " | " << m->complexity << " | "
-        << (m->decodes() ? "✓" : "✗") << " | " << letters(*m) << " | " << (m->has_implementation ? "yes" : "no")
-        << " |\n";
-  out << "\nClasses: FP fixed patterns, LP learnable patterns, M memory, LR low rank, KR kernels, RC recurrence; X the "
-         "exact baselines. Decode: the model supports causal (autoregressive) attention.\n";
+    out << "| " << (m->survey_row ? std::to_string(m->survey_row) : "") << " | " << survey_table(*m) << " | "
+        << m->display_name << " | `" << m->name << "` | " << m->paper << " (arXiv " << m->arxiv << ") | " << m->year
+        << " | " << m->complexity << " | " << (m->decodes() ? "✓" : "✗")
+        << (m->decode_note.empty() ? "" : " (" + m->decode_note + ")") << " | " << letters(*m) << " | "
+        << (m->has_implementation ? "yes" : "no") << " |\n";
+  out << "\nClasses: FP fixed patterns, LP learnable patterns, M memory, LR low rank, KR kernels, RC recurrence, DS "
+         "downsampling (the revision's); X the exact baselines. Decode: the model supports causal (autoregressive) "
+         "attention.\n";
   return out.str();
 }
 
@@ -57,6 +64,7 @@ std::string json() {
     std::vector<std::string> classes;
     for (auto c : m->classes) classes.push_back(class_name(c));
     rows.push_back({{"survey_row", m->survey_row},
+                    {"table", survey_table(*m)},
                     {"name", m->name},
                     {"model", m->display_name},
                     {"paper", m->paper},
@@ -64,11 +72,14 @@ std::string json() {
                     {"year", m->year},
                     {"complexity", m->complexity},
                     {"decode", m->decodes()},
+                    {"decode_note", m->decode_note},
                     {"classes", classes},
                     {"class_letters", letters(*m)},
                     {"implemented", m->has_implementation}});
   }
-  return nlohmann::json{{"source", "Tay et al., Efficient Transformers: A Survey, arXiv 2009.06732 (v1), Table 1"},
+  return nlohmann::json{{"source",
+                         "Tay et al., Efficient Transformers: A Survey, arXiv 2009.06732, Table 1 (v1, 2020; "
+                         "revision v3, 2022)"},
                         {"models", rows}}
              .dump(2) +
          "\n";
@@ -80,15 +91,17 @@ struct Region {
   double label_x, label_y;
 };
 
-// Figure-2-like layout: FP overlaps M, LP overlaps LR, KR and RC stand alone.
+// Figure-2-like layout: FP overlaps M, LP overlaps LR, KR and RC stand alone; the revision's DS
+// overlaps FP and M from above.
 const std::vector<Region>& regions() {
   static const std::vector<Region> layout = {
-      {ModelClass::FixedPatterns, 300, 250, 230, 170, 210, 130},
-      {ModelClass::Memory, 600, 250, 230, 170, 700, 130},
-      {ModelClass::Recurrence, 970, 250, 115, 110, 970, 185},
-      {ModelClass::LearnablePatterns, 300, 560, 200, 130, 240, 480},
-      {ModelClass::LowRank, 560, 560, 200, 130, 640, 480},
-      {ModelClass::Kernels, 900, 560, 130, 120, 900, 490},
+      {ModelClass::Downsampling, 450, 200, 260, 110, 450, 115},
+      {ModelClass::FixedPatterns, 300, 400, 230, 170, 190, 340},
+      {ModelClass::Memory, 600, 400, 230, 170, 710, 340},
+      {ModelClass::Recurrence, 970, 400, 115, 110, 970, 335},
+      {ModelClass::LearnablePatterns, 300, 710, 200, 130, 240, 630},
+      {ModelClass::LowRank, 560, 710, 200, 130, 640, 630},
+      {ModelClass::Kernels, 900, 710, 130, 120, 900, 640},
   };
   return layout;
 }
@@ -102,27 +115,30 @@ struct Anchor {
 const std::vector<Anchor>& anchors() {
   using C = ModelClass;
   static const std::vector<Anchor> list = {
-      {{C::FixedPatterns}, 200, 250},
-      {{C::FixedPatterns, C::Memory}, 450, 250},
-      {{C::Memory}, 700, 250},
-      {{C::Recurrence}, 970, 260},
-      {{C::LearnablePatterns}, 240, 570},
-      {{C::LearnablePatterns, C::LowRank}, 430, 575},
-      {{C::LowRank}, 640, 570},
-      {{C::Kernels}, 900, 570},
-      {{C::Exact}, 90, 748},
+      {{C::Downsampling}, 450, 150},
+      {{C::FixedPatterns, C::Downsampling}, 330, 272},
+      {{C::Memory, C::Downsampling}, 570, 272},
+      {{C::FixedPatterns}, 200, 410},
+      {{C::FixedPatterns, C::Memory}, 450, 420},
+      {{C::Memory}, 700, 410},
+      {{C::Recurrence}, 970, 410},
+      {{C::LearnablePatterns}, 240, 720},
+      {{C::LearnablePatterns, C::LowRank}, 430, 725},
+      {{C::LowRank}, 640, 720},
+      {{C::Kernels}, 900, 720},
+      {{C::Exact}, 90, 898},
   };
   return list;
 }
 
 std::string svg_diagram() {
-  constexpr double width = 1100, height = 790, line = 16;
+  constexpr double width = 1100, height = 940, line = 16;
   std::ostringstream out;
   out << svg::open_document(width, height, "Efficient Transformers: a taxonomy (xfbench registry)");
   out << "<text class=\"title\" x=\"20\" y=\"30\">Efficient attention models by class, after Tay et al., "
          "Efficient Transformers: A Survey, Figure 2</text>\n";
   out << "<text class=\"note\" x=\"20\" y=\"50\">from the xfbench registry; bold: implemented in this build; grey: "
-         "not implemented</text>\n";
+         "not implemented; DS and the models marked \u2020 are the revision's (2022)</text>\n";
   for (const auto& r : regions()) {
     const std::string colour = svg::class_colour(class_name(r.cls));
     out << "<ellipse class=\"class-region\" data-class=\"" << class_name(r.cls) << "\" cx=\"" << num(r.cx) << "\" cy=\""
@@ -132,10 +148,10 @@ std::string svg_diagram() {
         << num(r.label_y) << "\" text-anchor=\"middle\" font-size=\"14\" font-weight=\"bold\" style=\"fill:" << colour
         << "\">" << escape(svg::class_title(class_name(r.cls))) << "</text>\n";
   }
-  out << "<rect class=\"class-region\" data-class=\"exact\" x=\"20\" y=\"700\" width=\"500\" height=\"75\" "
+  out << "<rect class=\"class-region\" data-class=\"exact\" x=\"20\" y=\"850\" width=\"500\" height=\"75\" "
          "fill=\"none\" "
          "stroke=\"#404040\" stroke-dasharray=\"6 4\"/>\n<text class=\"class-label\" data-class=\"exact\" x=\"30\" "
-         "y=\"718\" font-size=\"13\" font-weight=\"bold\">exact baselines (not in the survey's taxonomy)</text>\n";
+         "y=\"868\" font-size=\"13\" font-weight=\"bold\">exact baselines (not in the survey's taxonomy)</text>\n";
   std::map<std::vector<ModelClass>, std::vector<const ModelCard*>> placed;
   for (const auto& m : model_cards()) {
     auto classes = m.classes;
@@ -155,15 +171,18 @@ std::string svg_diagram() {
           << "\" data-implemented=\"" << (m->has_implementation ? "true" : "false") << "\" x=\"" << num(x) << "\" y=\""
           << num(y) << "\" text-anchor=\"middle\" dominant-baseline=\"middle\" font-size=\"12\""
           << (m->has_implementation ? " font-weight=\"bold\"" : " style=\"fill:#777\"") << ">" << escape(m->name)
-          << (m->survey_row ? "" : "*") << "</text>\n";
+          << (m->survey_row ? ""
+              : m->revision ? "\u2020"
+                            : "*")
+          << "</text>\n";
       if (in_row)
         x += 130;
       else
         y += line;
     }
   }
-  out << "<text class=\"note\" x=\"560\" y=\"760\">* not a row of the survey's Table 1 (LRA's local attention, the "
-         "exact baselines)</text>\n";
+  out << "<text class=\"note\" x=\"560\" y=\"910\">* in neither version of the survey's Table 1 (LRA's local "
+         "attention, the exact baselines)</text>\n";
   out << "</svg>\n";
   return out.str();
 }

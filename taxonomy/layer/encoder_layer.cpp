@@ -26,8 +26,9 @@ Tensor constant(std::int64_t n, float value) {
 }
 }  // namespace
 
-EncoderLayer::EncoderLayer(const Problem& problem, std::int64_t d_ff, std::uint64_t seed)
-    : p_(problem), e_(problem.heads * problem.head_dim), f_(d_ff) {
+EncoderLayer::EncoderLayer(const Problem& problem, std::int64_t d_ff, std::int64_t out_rows, bool residual,
+                           std::uint64_t seed)
+    : p_(problem), e_(problem.heads * problem.head_dim), f_(d_ff), m_(out_rows), residual_(residual) {
   w_qkv_ = random_weight(e_, 3 * e_, seed, "layer/w_qkv");
   w_o_ = random_weight(e_, e_, seed, "layer/w_o");
   w_1_ = random_weight(e_, f_, seed, "layer/w_1");
@@ -36,23 +37,23 @@ EncoderLayer::EncoderLayer(const Problem& problem, std::int64_t d_ff, std::uint6
   ln1_shift_ = constant(e_, 0.0f);
   ln2_gain_ = constant(e_, 1.0f);
   ln2_shift_ = constant(e_, 0.0f);
-  const std::int64_t tokens = p_.batch * p_.seq_len;
+  const std::int64_t tokens = p_.batch * p_.seq_len, rows = p_.batch * m_;
   normed_ = Tensor(Shape{tokens, e_});
   qkv_ = Tensor(Shape{tokens, 3 * e_});
   q_ = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
   k_ = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
   v_ = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
-  o_ = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
-  merged_ = Tensor(Shape{tokens, e_});
-  hidden_ = Tensor(Shape{tokens, e_});
-  ffn_ = Tensor(Shape{tokens, f_});
+  o_ = Tensor::bhnd(p_.batch, p_.heads, m_, p_.head_dim);
+  merged_ = Tensor(Shape{rows, e_});
+  hidden_ = Tensor(Shape{rows, e_});
+  ffn_ = Tensor(Shape{rows, f_});
 }
 
 namespace {
-// Rows of token-major [B·N, parts·E] (row t = [part 0 heads | part 1 heads | …]) to or from head-major
-// [B, H, N, D] tensors, one per part.
-void split_heads(const Problem& p, const float* rows, std::int64_t parts, float* const* heads) {
-  const std::int64_t n = p.seq_len, d = p.head_dim, h = p.heads, e = h * d;
+// Rows of token-major [B·n, parts·E] (row t = [part 0 heads | part 1 heads | …]) to or from head-major
+// [B, H, n, D] tensors, one per part (n: N tokens, or M output rows).
+void split_heads(const Problem& p, std::int64_t n, const float* rows, std::int64_t parts, float* const* heads) {
+  const std::int64_t d = p.head_dim, h = p.heads, e = h * d;
 #pragma omp parallel for collapse(2) schedule(static)
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t t = 0; t < n; ++t) {
@@ -63,8 +64,8 @@ void split_heads(const Problem& p, const float* rows, std::int64_t parts, float*
     }
 }
 
-void merge_heads(const Problem& p, const float* const* heads, std::int64_t parts, float* rows) {
-  const std::int64_t n = p.seq_len, d = p.head_dim, h = p.heads, e = h * d;
+void merge_heads(const Problem& p, std::int64_t n, const float* const* heads, std::int64_t parts, float* rows) {
+  const std::int64_t d = p.head_dim, h = p.heads, e = h * d;
 #pragma omp parallel for collapse(2) schedule(static)
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t t = 0; t < n; ++t) {
@@ -82,7 +83,7 @@ void EncoderLayer::project_qkv(const Tensor& x) {
   ops::layer_norm(x.data(), normed, tokens, e_, ln1_gain_.data(), ln1_shift_.data());
   ops::matmul({.m = tokens, .n = 3 * e_, .k = e_}, normed, w_qkv_.data(), qkv_.data());
   float* const parts[3] = {q_.data(), k_.data(), v_.data()};
-  split_heads(p_, qkv_.data(), 3, parts);
+  split_heads(p_, p_.seq_len, qkv_.data(), 3, parts);
 }
 
 void EncoderLayer::prepare(Mechanism& mechanism, const Tensor& x) {
@@ -91,16 +92,16 @@ void EncoderLayer::prepare(Mechanism& mechanism, const Tensor& x) {
 }
 
 void EncoderLayer::forward(Mechanism& mechanism, const Tensor& x, Tensor& y) {
-  const std::int64_t tokens = p_.batch * p_.seq_len;
+  const std::int64_t tokens = p_.batch * m_;  // the rows after attention
   project_qkv(x);
   // A forward pass's stages are the mechanism's own and exclude the projections before it; a
   // training step's `forward` stage is the whole layer forward (point.cpp mutes the clock inside).
   if (!training()) stage_clock::restart();
   mechanism.forward(q_, k_, v_, o_);
   const float* const heads[1] = {o_.data()};
-  merge_heads(p_, heads, 1, merged_.data());
-  std::memcpy(hidden_.data(), x.data(), static_cast<std::size_t>(x.bytes()));
-  ops::matmul({.m = tokens, .n = e_, .k = e_, .accumulate = true}, merged_.data(), w_o_.data(), hidden_.data());
+  merge_heads(p_, m_, heads, 1, merged_.data());
+  if (residual_) std::memcpy(hidden_.data(), x.data(), static_cast<std::size_t>(x.bytes()));
+  ops::matmul({.m = tokens, .n = e_, .k = e_, .accumulate = residual_}, merged_.data(), w_o_.data(), hidden_.data());
   ops::layer_norm(hidden_.data(), normed_.data(), tokens, e_, ln2_gain_.data(), ln2_shift_.data());
   if (training()) {
     ops::matmul({.m = tokens, .n = f_, .k = e_}, normed_.data(), w_1_.data(), ffn_pre_.data());
@@ -126,13 +127,15 @@ void EncoderLayer::prepare_backward(Mechanism& mechanism) {
 }
 
 void EncoderLayer::prepare_training() {
-  const std::int64_t tokens = p_.batch * p_.seq_len;
+  const std::int64_t tokens = p_.batch * p_.seq_len, rows = p_.batch * m_;
   first_normed_ = Tensor(Shape{tokens, e_});
-  ffn_pre_ = Tensor(Shape{tokens, f_});
-  d_ffn_ = Tensor(Shape{tokens, f_});
-  for (Tensor* t : {&d_normed_, &d_hidden_, &d_merged_, &ln_scratch_}) *t = Tensor(Shape{tokens, e_});
+  ffn_pre_ = Tensor(Shape{rows, f_});
+  d_ffn_ = Tensor(Shape{rows, f_});
+  for (Tensor* t : {&d_normed_, &ln_scratch_}) *t = Tensor(Shape{tokens, e_});
+  for (Tensor* t : {&d_hidden_, &d_merged_}) *t = Tensor(Shape{rows, e_});
   d_qkv_ = Tensor(Shape{tokens, 3 * e_});
-  for (Tensor* t : {&do_, &dq_, &dk_, &dv_}) *t = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
+  do_ = Tensor::bhnd(p_.batch, p_.heads, m_, p_.head_dim);
+  for (Tensor* t : {&dq_, &dk_, &dv_}) *t = Tensor::bhnd(p_.batch, p_.heads, p_.seq_len, p_.head_dim);
   dw_qkv_ = Tensor(w_qkv_.shape());
   dw_o_ = Tensor(w_o_.shape());
   dw_1_ = Tensor(w_1_.shape());
@@ -141,8 +144,8 @@ void EncoderLayer::prepare_training() {
 }
 
 void EncoderLayer::backward(Mechanism& mechanism, const Tensor& x, const Tensor& dy, Tensor& dx) {
-  const std::int64_t tokens = p_.batch * p_.seq_len, e = e_, f = f_;
-  // FFN: y = h + GELU(z)·W₂, z = LN₂(h)·W₁.
+  const std::int64_t tokens = p_.batch * m_, e = e_, f = f_;
+  // FFN on the B·M rows: y = h + GELU(z)·W₂, z = LN₂(h)·W₁.
   ops::matmul({.m = f, .n = e, .k = tokens, .trans_a = true}, ffn_.data(), dy.data(), dw_2_.data());
   ops::matmul({.m = tokens, .n = f, .k = e, .trans_b = true}, dy.data(), w_2_.data(), d_ffn_.data());
   ops::gelu_backward(ffn_pre_.data(), d_ffn_.data(), tokens * f);
@@ -151,18 +154,22 @@ void EncoderLayer::backward(Mechanism& mechanism, const Tensor& x, const Tensor&
   std::memcpy(d_hidden_.data(), dy.data(), static_cast<std::size_t>(dy.bytes()));
   ops::layer_norm_backward(hidden_.data(), d_normed_.data(), tokens, e, ln2_gain_.data(), d_hidden_.data(),
                            d_ln2_gain_.data(), d_ln2_shift_.data(), ln_scratch_.data());
-  // Attention block: h = x + merge(o)·W_o.
+  // Attention block: h = x + merge(o)·W_o (h = merge(o)·W_o without the residual when M ≠ N).
   ops::matmul({.m = e, .n = e, .k = tokens, .trans_a = true}, merged_.data(), d_hidden_.data(), dw_o_.data());
   ops::matmul({.m = tokens, .n = e, .k = e, .trans_b = true}, d_hidden_.data(), w_o_.data(), d_merged_.data());
   float* const out_grad[1] = {do_.data()};
-  split_heads(p_, d_merged_.data(), 1, out_grad);
+  split_heads(p_, m_, d_merged_.data(), 1, out_grad);
   mechanism.backward(q_, k_, v_, o_, do_, dq_, dk_, dv_);
   const float* const qkv_grads[3] = {dq_.data(), dk_.data(), dv_.data()};
-  merge_heads(p_, qkv_grads, 3, d_qkv_.data());
-  ops::matmul({.m = e, .n = 3 * e, .k = tokens, .trans_a = true}, first_normed_.data(), d_qkv_.data(), dw_qkv_.data());
-  ops::matmul({.m = tokens, .n = e, .k = 3 * e, .trans_b = true}, d_qkv_.data(), w_qkv_.data(), d_normed_.data());
-  std::memcpy(dx.data(), d_hidden_.data(), static_cast<std::size_t>(d_hidden_.bytes()));
-  ops::layer_norm_backward(x.data(), d_normed_.data(), tokens, e, ln1_gain_.data(), dx.data(), d_ln1_gain_.data(),
+  merge_heads(p_, p_.seq_len, qkv_grads, 3, d_qkv_.data());
+  const std::int64_t inputs = p_.batch * p_.seq_len;
+  ops::matmul({.m = e, .n = 3 * e, .k = inputs, .trans_a = true}, first_normed_.data(), d_qkv_.data(), dw_qkv_.data());
+  ops::matmul({.m = inputs, .n = e, .k = 3 * e, .trans_b = true}, d_qkv_.data(), w_qkv_.data(), d_normed_.data());
+  if (residual_)
+    std::memcpy(dx.data(), d_hidden_.data(), static_cast<std::size_t>(d_hidden_.bytes()));
+  else
+    dx.fill(0.0f);
+  ops::layer_norm_backward(x.data(), d_normed_.data(), inputs, e, ln1_gain_.data(), dx.data(), d_ln1_gain_.data(),
                            d_ln1_shift_.data(), ln_scratch_.data());
 }
 
@@ -194,33 +201,36 @@ std::vector<NamedTensor> EncoderLayer::attention_gradients() const {
   return {{"attention_dout", &do_}, {"dq", &dq_}, {"dk", &dk_}, {"dv", &dv_}};
 }
 
-std::int64_t EncoderLayer::backward_flops_outside_mechanism(const Problem& p, std::int64_t d_ff) {
-  const std::int64_t tokens = p.batch * p.seq_len, e = p.heads * p.head_dim;
-  const std::int64_t products = matmul_flops(tokens, 3 * e, e) + matmul_flops(tokens, e, e) +
-                                matmul_flops(tokens, d_ff, e) + matmul_flops(tokens, e, d_ff);
-  return 2 * products + 2 * kLayerNormBackwardFlopsPerElement * tokens * e +
-         kGeluBackwardFlopsPerElement * tokens * d_ff;
+std::int64_t EncoderLayer::backward_flops_outside_mechanism(const Problem& p, std::int64_t d_ff,
+                                                            std::int64_t out_rows) {
+  const std::int64_t tokens = p.batch * p.seq_len, rows = p.batch * out_rows, e = p.heads * p.head_dim;
+  const std::int64_t products = matmul_flops(tokens, 3 * e, e) + matmul_flops(rows, e, e) +
+                                matmul_flops(rows, d_ff, e) + matmul_flops(rows, e, d_ff);
+  return 2 * products + kLayerNormBackwardFlopsPerElement * (tokens + rows) * e +
+         kGeluBackwardFlopsPerElement * rows * d_ff;
 }
 
-std::int64_t EncoderLayer::backward_workspace_bytes(const Problem& p, std::int64_t d_ff) {
-  const std::int64_t tokens = p.batch * p.seq_len, e = p.heads * p.head_dim;
+std::int64_t EncoderLayer::backward_workspace_bytes(const Problem& p, std::int64_t d_ff, std::int64_t out_rows) {
+  const std::int64_t tokens = p.batch * p.seq_len, rows = p.batch * out_rows, e = p.heads * p.head_dim;
   const std::int64_t weights = weight_floats(e, d_ff);
-  const std::int64_t activations = tokens * (e + d_ff);  // LN₁ output, z
+  const std::int64_t activations = tokens * e + rows * d_ff;  // LN₁ output, z
+  // dz; dLN, scratch; dh, d merge; dqkv; do; dq, dk, dv
   const std::int64_t gradients =
-      tokens * (d_ff + 4 * e + 3 * e + 4 * e);  // dz; dLN, dh, d merge, scratch; dqkv; do, dq, dk, dv
+      rows * d_ff + tokens * 2 * e + rows * 2 * e + tokens * 3 * e + rows * e + tokens * 3 * e;
   return (weights + activations + gradients) * static_cast<std::int64_t>(sizeof(float));
 }
 
-std::int64_t EncoderLayer::flops_outside_mechanism(const Problem& p, std::int64_t d_ff) {
-  const std::int64_t tokens = p.batch * p.seq_len, e = p.heads * p.head_dim;
-  return 2 * kLayerNormFlopsPerElement * tokens * e + matmul_flops(tokens, 3 * e, e) + matmul_flops(tokens, e, e) +
-         matmul_flops(tokens, d_ff, e) + matmul_flops(tokens, e, d_ff) + kGeluFlopsPerElement * tokens * d_ff;
+std::int64_t EncoderLayer::flops_outside_mechanism(const Problem& p, std::int64_t d_ff, std::int64_t out_rows) {
+  const std::int64_t tokens = p.batch * p.seq_len, rows = p.batch * out_rows, e = p.heads * p.head_dim;
+  return kLayerNormFlopsPerElement * (tokens + rows) * e + matmul_flops(tokens, 3 * e, e) + matmul_flops(rows, e, e) +
+         matmul_flops(rows, d_ff, e) + matmul_flops(rows, e, d_ff) + kGeluFlopsPerElement * rows * d_ff;
 }
 
-std::int64_t EncoderLayer::workspace_bytes(const Problem& p, std::int64_t d_ff) {
-  const std::int64_t tokens = p.batch * p.seq_len, e = p.heads * p.head_dim;
+std::int64_t EncoderLayer::workspace_bytes(const Problem& p, std::int64_t d_ff, std::int64_t out_rows) {
+  const std::int64_t tokens = p.batch * p.seq_len, rows = p.batch * out_rows, e = p.heads * p.head_dim;
   const std::int64_t weights = weight_floats(e, d_ff);
-  const std::int64_t buffers = tokens * (e + 3 * e + 4 * e + e + e + d_ff);
+  // LN output, [q|k|v], q, k, v; o, merge(o), h; GELU input
+  const std::int64_t buffers = tokens * (e + 3 * e + 3 * e) + rows * (e + e + e + d_ff);
   return (weights + buffers) * static_cast<std::int64_t>(sizeof(float));
 }
 

@@ -5,14 +5,21 @@
 //   y = h + GELU(LN₂(h)·W₁)·W₂  (W₁: [E, F], W₂: [F, E]).  No biases; LN has gain and shift.
 // FLOPs beyond the mechanism: 2·7·B·N·E (two LN) + 2·B·N·E·(3E + E + 2F) (products) + 5·B·N·F (GELU).
 //
+// A downsampling mechanism (Perceiver, Funnel, TokenLearner: o has M rows, M ≤ N) maps the N tokens
+// to M: everything after the mechanism runs on B·M rows and y is [B, M, E]; the attention sublayer
+// has no residual, h = merge(o)·W_o, because an output row is a new token (a latent, a pooled query, a
+// learned token), not one of the input rows x could be added to. The FLOPs are then
+// 7·B·(N + M)·E (LN₁ on N rows, LN₂ on M) + 2·B·N·E·3E + 2·B·M·E·(E + 2F) + 5·B·M·F, and dx flows
+// through q, k, v alone.
+//
 // Training (prepare_backward): the forward also keeps LN₁'s output and the FFN pre-activation z
 // apart, so everything the backward reads is saved: a₁ = LN₁(x), q, k, v, o, merge(o), h, LN₂(h),
 // z, GELU(z) (and the mechanism's own saved state). The backward of y, given dy:
 //   dW₂ = GELU(z)ᵀ·dy;  dz = (dy·W₂ᵀ)·GELU'(z);  dW₁ = LN₂(h)ᵀ·dz;  dh = dy + LN₂ᵀ(dz·W₁ᵀ);
 //   dW_o = merge(o)ᵀ·dh;  do = split(dh·W_oᵀ);  (dq, dk, dv) = mechanism backward of do;
 //   dW_qkv = a₁ᵀ·[dq|dk|dv];  dx = dh + LN₁ᵀ([dq|dk|dv]·W_qkvᵀ);  LN gains and shifts likewise.
-// Backward FLOPs beyond the mechanism: twice the forward's products + 2·19·B·N·E (LN backward) +
-// 11·B·N·F (GELU backward).
+// Backward FLOPs beyond the mechanism: twice the forward's products + 19·B·(N + M)·E (LN backward) +
+// 11·B·M·F (GELU backward); M = N but for a downsampling mechanism.
 #include <cstdint>
 #include <vector>
 
@@ -22,11 +29,13 @@ namespace xfb {
 
 class EncoderLayer {
  public:
-  EncoderLayer(const Problem& problem, std::int64_t d_ff, std::uint64_t seed);
+  // out_rows: M, the mechanism's output rows (N unless it downsamples); residual: h = x + merge(o)·W_o
+  // (false for a downsampling mechanism: h = merge(o)·W_o).
+  EncoderLayer(const Problem& problem, std::int64_t d_ff, std::int64_t out_rows, bool residual, std::uint64_t seed);
 
   // Untimed: computes q, k, v for x once and prepares the mechanism with them.
   void prepare(Mechanism& mechanism, const Tensor& x);
-  // Timed: y = layer(x).
+  // Timed: y = layer(x); x [B, N, E], y [B, M, E].
   void forward(Mechanism& mechanism, const Tensor& x, Tensor& y);
 
   std::vector<NamedTensor> parameters() const;
@@ -36,7 +45,7 @@ class EncoderLayer {
   void prepare_training();
   // Untimed, after prepare: prepare_training() unless done, then mechanism.prepare_backward().
   void prepare_backward(Mechanism& mechanism);
-  // Timed, after a forward of x: dx = ∂⟨dy, y⟩/∂x ([B, N, E]), the layer's weight gradients and the
+  // Timed, after a forward of x: dx = ∂⟨dy, y⟩/∂x ([B, N, E]; dy [B, M, E]), the layer's weight gradients and the
   // mechanism's (through its backward).
   void backward(Mechanism& mechanism, const Tensor& x, const Tensor& dy, Tensor& dx);
   // What the forward keeps for the backward (beyond the mechanism's own), and the weights' gradients
@@ -50,11 +59,11 @@ class EncoderLayer {
   const Tensor& v() const { return v_; }
   const Tensor& attention_output() const { return o_; }
 
-  static std::int64_t flops_outside_mechanism(const Problem& p, std::int64_t d_ff);
-  static std::int64_t workspace_bytes(const Problem& p, std::int64_t d_ff);
-  static std::int64_t backward_flops_outside_mechanism(const Problem& p, std::int64_t d_ff);
+  static std::int64_t flops_outside_mechanism(const Problem& p, std::int64_t d_ff, std::int64_t out_rows);
+  static std::int64_t workspace_bytes(const Problem& p, std::int64_t d_ff, std::int64_t out_rows);
+  static std::int64_t backward_flops_outside_mechanism(const Problem& p, std::int64_t d_ff, std::int64_t out_rows);
   // Tracked bytes prepare_backward adds (the mechanism's own backward workspace not included).
-  static std::int64_t backward_workspace_bytes(const Problem& p, std::int64_t d_ff);
+  static std::int64_t backward_workspace_bytes(const Problem& p, std::int64_t d_ff, std::int64_t out_rows);
 
  private:
   void project_qkv(const Tensor& x);
@@ -62,7 +71,8 @@ class EncoderLayer {
   const Tensor& first_normed() const { return training() ? first_normed_ : normed_; }
 
   Problem p_;
-  std::int64_t e_, f_;
+  std::int64_t e_, f_, m_;  // E = H·D, F = d_ff, M output rows
+  bool residual_;
   Tensor w_qkv_, w_o_, w_1_, w_2_, ln1_gain_, ln1_shift_, ln2_gain_, ln2_shift_;
   Tensor normed_, qkv_, q_, k_, v_, o_, merged_, hidden_, ffn_;
   // Training only: saved activations, gradients of activations and of the weights.

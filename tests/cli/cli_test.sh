@@ -375,7 +375,7 @@ expect_error 2 plot "$work/base.json" --metric gflops --out "$work/p.svg"
 "$bin" table "$work/fit.json" --complexity | grep -q "N² ✓" && pass || fail "table --complexity"
 expect_error 2 complexity "$work/empty.json"
 expect_error 2 complexity "$work/future.json"
-"$bin" taxonomy --format md | grep -q "| 14 | Performer" && pass || fail "taxonomy md"
+"$bin" taxonomy --format md | grep -q "| 14 | v1 | Performer" && pass || fail "taxonomy md"
 [ "$("$bin" taxonomy --format json | grep -c '"survey_row"')" -eq 20 ] && pass || fail "taxonomy json"
 "$bin" taxonomy --format svg --out "$work/taxonomy.svg" && [ "$(grep -c 'class="model"' "$work/taxonomy.svg")" -eq 20 ] \
   && pass || fail "taxonomy svg"

@@ -39,12 +39,16 @@ std::vector<std::string> decoders_with_backward() {
   return names;
 }
 
-// The pre-LN encoder layer (taxonomy/layer/encoder_layer.hpp) in double, with exact softmax attention.
-std::vector<double> layer_reference(const Problem& p, std::int64_t f, const NamedValues& x) {
-  const std::int64_t b = p.batch, n = p.seq_len, h = p.heads, d = p.head_dim, e = h * d, tokens = b * n;
-  auto layer_norm = [&](const std::vector<double>& in, const std::string& gain, const std::string& shift) {
+// The pre-LN encoder layer (taxonomy/layer/encoder_layer.hpp) in double, with exact softmax attention;
+// `pooled`: Funnel's pooled-query attention (mean of query rows 2i, 2i + 1; M = ⌈N/2⌉ output rows),
+// after which the layer runs on M rows without the attention residual.
+std::vector<double> layer_reference(const Problem& p, std::int64_t f, const NamedValues& x, bool pooled = false) {
+  const std::int64_t b = p.batch, n = p.seq_len, h = p.heads, d = p.head_dim, e = h * d;
+  const std::int64_t m = pooled ? (n + 1) / 2 : n;
+  auto layer_norm = [&](const std::vector<double>& in, std::int64_t rows, const std::string& gain,
+                        const std::string& shift) {
     std::vector<double> out(in.size());
-    for (std::int64_t t = 0; t < tokens; ++t) {
+    for (std::int64_t t = 0; t < rows; ++t) {
       double mean = 0, var = 0;
       for (std::int64_t c = 0; c < e; ++c) mean += in[t * e + c] / e;
       for (std::int64_t c = 0; c < e; ++c) var += (in[t * e + c] - mean) * (in[t * e + c] - mean) / e;
@@ -53,18 +57,20 @@ std::vector<double> layer_reference(const Problem& p, std::int64_t f, const Name
     }
     return out;
   };
-  auto product = [&](const std::vector<double>& a, const std::string& w, std::int64_t inner, std::int64_t cols) {
-    std::vector<double> out(static_cast<std::size_t>(tokens * cols), 0.0);
-    for (std::int64_t r = 0; r < tokens; ++r)
+  auto product = [&](const std::vector<double>& a, std::int64_t rows, const std::string& w, std::int64_t inner,
+                     std::int64_t cols) {
+    std::vector<double> out(static_cast<std::size_t>(rows * cols), 0.0);
+    for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t k = 0; k < inner; ++k)
         for (std::int64_t c = 0; c < cols; ++c) out[r * cols + c] += a[r * inner + k] * x.at(w)[k * cols + c];
     return out;
   };
-  const auto qkv = product(layer_norm(x.at("x"), "layer_ln1_gain", "layer_ln1_shift"), "layer_w_qkv", e, 3 * e);
-  std::vector<double> hidden = x.at("x"), attention(static_cast<std::size_t>(tokens * e));
+  const auto qkv =
+      product(layer_norm(x.at("x"), b * n, "layer_ln1_gain", "layer_ln1_shift"), b * n, "layer_w_qkv", e, 3 * e);
+  std::vector<double> attention(static_cast<std::size_t>(b * m * e));
   for (std::int64_t bi = 0; bi < b; ++bi)
     for (std::int64_t head = 0; head < h; ++head) {
-      std::vector<double> q(n * d), k(n * d), v(n * d);
+      std::vector<double> q(n * d), k(n * d), v(n * d), queries(m * d, 0.0);
       for (std::int64_t t = 0; t < n; ++t)
         for (std::int64_t c = 0; c < d; ++c) {
           const std::int64_t base = (bi * n + t) * 3 * e + head * d + c;
@@ -72,16 +78,22 @@ std::vector<double> layer_reference(const Problem& p, std::int64_t f, const Name
           k[t * d + c] = qkv[base + e];
           v[t * d + c] = qkv[base + 2 * e];
         }
-      const auto o = reference_attention(q.data(), k.data(), v.data(), n, n, d, 1.0 / std::sqrt(double(d)),
+      for (std::int64_t i = 0; i < m; ++i) {
+        const std::int64_t first = pooled ? 2 * i : i, count = pooled ? std::min<std::int64_t>(2, n - first) : 1;
+        for (std::int64_t t = first; t < first + count; ++t)
+          for (std::int64_t c = 0; c < d; ++c) queries[i * d + c] += q[t * d + c] / static_cast<double>(count);
+      }
+      const auto o = reference_attention(queries.data(), k.data(), v.data(), m, n, d, 1.0 / std::sqrt(double(d)),
                                          p.causal ? MaskFn(causal_mask) : MaskFn(full_mask));
-      for (std::int64_t t = 0; t < n; ++t)
-        for (std::int64_t c = 0; c < d; ++c) attention[(bi * n + t) * e + head * d + c] = o[t * d + c];
+      for (std::int64_t t = 0; t < m; ++t)
+        for (std::int64_t c = 0; c < d; ++c) attention[(bi * m + t) * e + head * d + c] = o[t * d + c];
     }
-  const auto projected = product(attention, "layer_w_o", e, e);
-  for (std::size_t i = 0; i < hidden.size(); ++i) hidden[i] += projected[i];
-  auto ffn = product(layer_norm(hidden, "layer_ln2_gain", "layer_ln2_shift"), "layer_w_1", e, f);
+  std::vector<double> hidden = product(attention, b * m, "layer_w_o", e, e);
+  if (!pooled)
+    for (std::size_t i = 0; i < hidden.size(); ++i) hidden[i] += x.at("x")[i];
+  auto ffn = product(layer_norm(hidden, b * m, "layer_ln2_gain", "layer_ln2_shift"), b * m, "layer_w_1", e, f);
   for (auto& z : ffn) z = 0.5 * z * (1 + std::erf(z / std::sqrt(2.0)));
-  auto y = product(ffn, "layer_w_2", f, e);
+  auto y = product(ffn, b * m, "layer_w_2", f, e);
   for (std::size_t i = 0; i < y.size(); ++i) y[i] += hidden[i];
   return y;
 }
@@ -90,38 +102,46 @@ std::vector<double> layer_reference(const Problem& p, std::int64_t f, const Name
 
 TEST_SUITE("backward") {
   TEST_CASE("layer-scope backward: dx and every weight's gradient against central differences of a double layer") {
+    // vanilla (causal and not), and funnel: a downsampling mechanism, M = ⌈N/2⌉ rows, no attention residual.
     const std::int64_t f = 12;
-    for (bool causal : {false, true})
-      for (auto [n, every_element] : {std::pair<std::int64_t, bool>{3, true}, {9, false}}) {
-        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = causal, .threads = kTestThreads};
-        auto mechanism = find_model("vanilla")->impl.create(p, {}, 5);
-        EncoderLayer layer(p, f, 5);
-        Tensor x(Shape{2, n, 8}), dy(Shape{2, n, 8}), y(Shape{2, n, 8}), dx(Shape{2, n, 8});
-        CounterRng(5, "x").fill_normal(x);
-        CounterRng(5, "dy").fill_normal(dy);
-        // The layer starts with γ = 1, β = 0; other values make their gradients' factors visible.
-        for (const auto& parameter : layer.parameters())
-          if (parameter.name.find("_ln") != std::string::npos)
-            CounterRng(5, parameter.name).fill_normal(*const_cast<Tensor*>(parameter.tensor), 1.0f, 0.5f);
-        layer.prepare(*mechanism, x);
-        layer.prepare_backward(*mechanism);
-        layer.forward(*mechanism, x, y);
-        layer.backward(*mechanism, x, dy, dx);
-        NamedValues inputs{{"x", std::vector<double>(x.data(), x.data() + x.size())}};
-        std::map<std::string, const Tensor*> grads{{"x", &dx}};
-        for (const auto& parameter : layer.parameters())
-          for (const auto& gradient : layer.parameter_gradients())
-            if (gradient.name == "d" + parameter.name) {
-              inputs[parameter.name] =
-                  std::vector<double>(parameter.tensor->data(), parameter.tensor->data() + parameter.tensor->size());
-              grads[parameter.name] = gradient.tensor;
-            }
-        CHECK(grads.size() == 9);
-        check_against_differences(
-            "layer N=" + std::to_string(n) + (causal ? " causal" : ""), inputs, grads, dy,
-            [&](const NamedValues& values) { return layer_reference(p, f, values); },
-            std::log2(static_cast<double>(n) + 1) + f, every_element);
-      }
+    for (const char* model : {"vanilla", "funnel"})
+      for (bool causal : {false, true})
+        for (auto [n, every_element] : {std::pair<std::int64_t, bool>{3, true}, {9, false}}) {
+          const bool pooled = std::string(model) == "funnel";
+          if (pooled && causal) continue;
+          const std::int64_t m = pooled ? (n + 1) / 2 : n;
+          const Problem p{
+              .batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = causal, .threads = kTestThreads};
+          const ModelInfo& info = *find_model(model);
+          REQUIRE(output_rows_of(info.impl, p, resolve_params(model, info.impl.params, {})) == m);
+          auto mechanism = info.impl.create(p, resolve_params(model, info.impl.params, {}), 5);
+          EncoderLayer layer(p, f, m, !pooled, 5);
+          Tensor x(Shape{2, n, 8}), dy(Shape{2, m, 8}), y(Shape{2, m, 8}), dx(Shape{2, n, 8});
+          CounterRng(5, "x").fill_normal(x);
+          CounterRng(5, "dy").fill_normal(dy);
+          // The layer starts with γ = 1, β = 0; other values make their gradients' factors visible.
+          for (const auto& parameter : layer.parameters())
+            if (parameter.name.find("_ln") != std::string::npos)
+              CounterRng(5, parameter.name).fill_normal(*const_cast<Tensor*>(parameter.tensor), 1.0f, 0.5f);
+          layer.prepare(*mechanism, x);
+          layer.prepare_backward(*mechanism);
+          layer.forward(*mechanism, x, y);
+          layer.backward(*mechanism, x, dy, dx);
+          NamedValues inputs{{"x", std::vector<double>(x.data(), x.data() + x.size())}};
+          std::map<std::string, const Tensor*> grads{{"x", &dx}};
+          for (const auto& parameter : layer.parameters())
+            for (const auto& gradient : layer.parameter_gradients())
+              if (gradient.name == "d" + parameter.name) {
+                inputs[parameter.name] =
+                    std::vector<double>(parameter.tensor->data(), parameter.tensor->data() + parameter.tensor->size());
+                grads[parameter.name] = gradient.tensor;
+              }
+          CHECK(grads.size() == 9);
+          check_against_differences(
+              std::string(model) + " layer N=" + std::to_string(n) + (causal ? " causal" : ""), inputs, grads, dy,
+              [&](const NamedValues& values) { return layer_reference(p, f, values, pooled); },
+              std::log2(static_cast<double>(n) + 1) + f, every_element);
+        }
   }
 
   TEST_CASE("the reference's analytic gradient is its own derivative (central differences, tiny problem)") {
@@ -240,8 +260,9 @@ TEST_SUITE("backward") {
   }
 
   TEST_CASE("layer-scope train: FLOPs = forward + backward of layer and mechanism; tracked peak = estimate") {
-    for (const char* model : {"vanilla", "local", "longformer", "routing", "reformer"})
+    for (const char* model : {"vanilla", "local", "longformer", "routing", "reformer", "funnel", "tokenlearner"})
       for (bool causal : {false, true}) {
+        if (causal && !find_model(model)->decodes()) continue;
         const Problem p = on_test_threads({.batch = 2, .heads = 2, .seq_len = 70, .head_dim = 16, .causal = causal});
         PointConfig c = counter_point(model, p, {}, Scope::Layer);
         c.pass = Pass::Train;
@@ -251,9 +272,10 @@ TEST_SUITE("backward") {
         const ModelInfo& info = *find_model(model);
         const ParamValues values = resolve_params(model, info.impl.params, {});
         const std::int64_t f = c.effective_d_ff();
+        const std::int64_t rows = point_output_rows(resolve_point(c));
         CHECK(row.flops == info.impl.flops(p, values) + info.impl.backward_flops(p, values) +
-                               EncoderLayer::flops_outside_mechanism(p, f) +
-                               EncoderLayer::backward_flops_outside_mechanism(p, f));
+                               EncoderLayer::flops_outside_mechanism(p, f, rows) +
+                               EncoderLayer::backward_flops_outside_mechanism(p, f, rows));
         CHECK(row.peak_owned_bytes - point_io_bytes(c) == row.estimated_workspace_bytes);
         CHECK(row.saved_bytes > 0);
       }

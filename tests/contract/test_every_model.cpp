@@ -40,7 +40,8 @@ TEST_SUITE("every_model") {
             REQUIRE(row.status == Status::Ok);
             std::int64_t expected = model.impl.flops(config.problem, resolve_params(model.name, model.impl.params, {}));
             if (scope == Scope::Layer)
-              expected += EncoderLayer::flops_outside_mechanism(config.problem, config.effective_d_ff());
+              expected += EncoderLayer::flops_outside_mechanism(config.problem, config.effective_d_ff(),
+                                                                point_output_rows(resolve_point(config)));
             CHECK(row.flops == expected);
             // Inputs and output are the project's own tensors; the scratchpad is not.
             CHECK(row.peak_owned_bytes >= point_io_bytes(config));

@@ -723,7 +723,7 @@ TEST_SUITE("report_tools") {
     const auto md = render_taxonomy(TaxonomyFormat::Markdown);
     for (const auto& model : registry())
       CHECK_MESSAGE(md.find("`" + model.name + "`") != std::string::npos, model.name);
-    CHECK(md.find("| 17 | Big Bird") != std::string::npos);
+    CHECK(md.find("| 17 | v1 | Big Bird") != std::string::npos);
     const auto j = nlohmann::json::parse(render_taxonomy(TaxonomyFormat::Json));
     REQUIRE(j["models"].size() == registry().size());
     CHECK(j["models"][0]["survey_row"] == 1);
@@ -741,7 +741,7 @@ TEST_SUITE("report_tools") {
     for (const pugi::xml_node e : find_all(root, "ellipse", "class-region"))
       regions[at(e, "data-class")] = {std::stod(at(e, "cx")), std::stod(at(e, "cy")), std::stod(at(e, "rx")),
                                       std::stod(at(e, "ry"))};
-    CHECK(regions.size() == 6);
+    CHECK(regions.size() == 7);
     const auto labels = find_all(root, "text", "model");
     REQUIRE(labels.size() == registry().size());
     for (const pugi::xml_node label : labels) {

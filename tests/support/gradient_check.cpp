@@ -14,13 +14,13 @@ BackwardRun run_backward(const std::string& model, const Problem& p, const Atten
   const ModelInfo* info = find_model(model);
   REQUIRE(info != nullptr);
   REQUIRE(info->impl.has_backward());
-  auto shaped = [&] {
-    Tensor t = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+  auto shaped = [&](std::int64_t rows) {
+    Tensor t = Tensor::bhnd(p.batch, p.heads, rows, p.head_dim);
     t.fill(std::nanf(""));
     return t;
   };
   BackwardRun run{info->impl.create(on_test_threads(p), resolve_params(model, info->impl.params, params), seed),
-                  shaped(), shaped(), shaped(), shaped()};
+                  shaped(model_output_rows(model, p, params)), shaped(p.seq_len), shaped(p.seq_len), shaped(p.seq_len)};
   run.mechanism->prepare(in.q, in.k, in.v);
   run.mechanism->prepare_backward();
   run.mechanism->forward(in.q, in.k, in.v, run.out);
@@ -30,6 +30,13 @@ BackwardRun run_backward(const std::string& model, const Problem& p, const Atten
 
 Tensor random_like(const Problem& p, std::uint64_t seed, const char* name) {
   Tensor t = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+  CounterRng(seed, name).fill_normal(t);
+  return t;
+}
+
+Tensor random_output(const std::string& model, const Problem& p, const std::vector<std::string>& params,
+                     std::uint64_t seed, const char* name) {
+  Tensor t = Tensor::bhnd(p.batch, p.heads, model_output_rows(model, p, params), p.head_dim);
   CounterRng(seed, name).fill_normal(t);
   return t;
 }
@@ -149,7 +156,7 @@ double largest(const Tensor& t) { return max_abs(t.data(), t.size()); }
 void check_composite_gradients(const std::string& model, const Problem& p, const std::vector<std::string>& params,
                                const ModelReference& reference, bool every_element, std::uint64_t seed) {
   const auto in = random_inputs(p, seed);
-  const Tensor dout = random_like(p, seed, "dout");
+  const Tensor dout = random_output(model, p, params, seed, "dout");
   const BackwardRun run = run_backward(model, p, in, dout, params, seed);
   NamedValues inputs{{"q", widen(in.q)}, {"k", widen(in.k)}, {"v", widen(in.v)}};
   std::map<std::string, const Tensor*> grads{{"q", &run.dq}, {"k", &run.dk}, {"v", &run.dv}};

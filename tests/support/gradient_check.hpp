@@ -18,7 +18,8 @@ namespace xfb::test {
 
 struct BackwardRun {
   std::unique_ptr<Mechanism> mechanism;
-  Tensor out, dq, dk, dv;  // [B, H, N, D]; NaN-filled before the calls: every element must be written
+  Tensor out, dq, dk, dv;  // out [B, H, M, D], dq, dk, dv [B, H, N, D]; NaN-filled before the calls: every
+                           // element must be written
 };
 
 // create, prepare, prepare_backward, forward, backward with the given dO, on kTestThreads threads.
@@ -27,6 +28,9 @@ BackwardRun run_backward(const std::string& model, const Problem& p, const Atten
 
 // N(0,1) in the shape of q, from stream `name`.
 Tensor random_like(const Problem& p, std::uint64_t seed, const char* name);
+// N(0,1) in the shape of the model's output ([B, H, M, D]: dO), from stream `name`.
+Tensor random_output(const std::string& model, const Problem& p, const std::vector<std::string>& params,
+                     std::uint64_t seed, const char* name);
 
 // Every element of dQ, dK, dV of every head within gradient_error_factor · (its terms). Returns the
 // largest error / tolerance ratio; with `report`, CHECKs fail for elements above 1.

@@ -31,7 +31,7 @@ inline MechanismRun run_keeping(const std::string& model, const Problem& p, cons
   const ModelInfo* info = find_model(model);
   REQUIRE(info != nullptr);
   MechanismRun run{info->impl.create(on_test_threads(p), resolve_params(model, info->impl.params, params), seed),
-                   Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim)};
+                   Tensor::bhnd(p.batch, p.heads, model_output_rows(model, p, params), p.head_dim)};
   run.mechanism->prepare(in.q, in.k, in.v);
   run.out.fill(std::nanf(""));  // every element must be written
   run.mechanism->forward(in.q, in.k, in.v, run.out);

@@ -124,13 +124,19 @@ AttentionInputs random_inputs(const Problem& p, std::uint64_t seed) {
   return in;
 }
 
+std::int64_t model_output_rows(const std::string& model, const Problem& p, const std::vector<std::string>& params) {
+  const ModelInfo* info = find_model(model);
+  REQUIRE(info != nullptr);
+  return output_rows_of(info->impl, p, resolve_params(model, info->impl.params, params));
+}
+
 Tensor run_mechanism(const std::string& model, const Problem& p, const AttentionInputs& in,
                      const std::vector<std::string>& params, std::uint64_t seed) {
   const ModelInfo* info = find_model(model);
   REQUIRE(info != nullptr);
   auto mechanism = info->impl.create(on_test_threads(p), resolve_params(model, info->impl.params, params), seed);
   mechanism->prepare(in.q, in.k, in.v);
-  Tensor out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+  Tensor out = Tensor::bhnd(p.batch, p.heads, model_output_rows(model, p, params), p.head_dim);
   out.fill(std::nanf(""));  // every element must be written
   mechanism->forward(in.q, in.k, in.v, out);
   return out;

@@ -68,7 +68,10 @@ struct AttentionInputs {
 };
 AttentionInputs random_inputs(const Problem& p, std::uint64_t seed);
 
-// Runs a registered mechanism (prepare + forward) and returns its output.
+// M, the rows of the registered model's output per (batch, head) on p (N but for a downsampling model).
+std::int64_t model_output_rows(const std::string& model, const Problem& p, const std::vector<std::string>& params = {});
+
+// Runs a registered mechanism (prepare + forward) and returns its output ([B, H, M, D]).
 Tensor run_mechanism(const std::string& model, const Problem& p, const AttentionInputs& in,
                      const std::vector<std::string>& params = {}, std::uint64_t seed = 42);
 
