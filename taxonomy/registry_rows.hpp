@@ -29,6 +29,7 @@
 #include "taxonomy/low_rank/synthesizer.hpp"
 #include "taxonomy/memory/luna.hpp"
 #include "taxonomy/memory/nystromformer.hpp"
+#include "taxonomy/memory/perceiver.hpp"
 #include "taxonomy/memory/set_transformer.hpp"
 #include "taxonomy/recurrence/compressive.hpp"
 #include "taxonomy/recurrence/transformer_xl.hpp"
@@ -243,6 +244,15 @@ void for_each_row(Row&& row) {
                                    .arxiv = "2102.03902",
                                    .year = 2021,
                                    .revision = true});
+  row(model<PerceiverConfig>, {.name = "perceiver",
+                               .display_name = "Perceiver (causal: Perceiver AR)",
+                               .classes = {C::Memory, C::Downsampling},
+                               .complexity = "O(kN)",
+                               .decode_cost = "O(N)",
+                               .paper = "Jaegle et al. 2021",
+                               .arxiv = "2103.03206",
+                               .year = 2021,
+                               .revision = true});
   row(model<LunaConfig>, {.name = "luna",
                           .display_name = "Luna",
                           .classes = {C::Memory},
