@@ -111,6 +111,26 @@ inline RowMoments row_moments(const float* x, std::int64_t n, float eps) {
 // (tiles::exp_and_sum: 512-bit on AVX-512 even in a portable build).
 inline float exp_and_sum(float* x, std::int64_t n, float shift) { return tiles::exp_and_sum(x, n, shift); }
 
+// dst = LN(x) over each of `rows` rows of d features with per-feature gain and shift (dst may alias x):
+// (x − mean)/√(var + eps)·gain + shift, on row_moments.
+inline void layer_norm_rows(const float* x, float* dst, std::int64_t rows, std::int64_t d, const float* gain,
+                            const float* shift, float eps) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* in = x + r * d;
+    float* y = dst + r * d;
+    const auto [mean, inverse_std] = row_moments(in, d, eps);
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) y[j] = (in[j] - mean) * inverse_std * gain[j] + shift[j];
+  }
+}
+
+// x[0..n) := softmax(x[0..n)) in place (n ≥ 1): kSoftmaxFlopsPerElement·n FLOPs, which the caller counts.
+inline void softmax_in_place(float* x, std::int64_t n) {
+  const float inverse = 1.0f / exp_and_sum(x, n, row_max(x, n, x[0]));
+#pragma omp simd
+  for (std::int64_t j = 0; j < n; ++j) x[j] *= inverse;
+}
+
 // A row stride of at least n floats that is a multiple of 16 and avoids multiples of 256 floats
 // (power-of-two strides make oneDNN's gemm ~45% slower on this machine class through cache
 // conflicts).

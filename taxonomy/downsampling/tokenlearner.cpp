@@ -46,25 +46,6 @@ void bias_gelu(float* x, const float* bias, std::int64_t rows, std::int64_t f) {
   }
 }
 
-// In-place softmax of one row of n values.
-void softmax_row(float* row, std::int64_t n) {
-  const float inverse = 1.0f / ops::exp_and_sum(row, n, ops::row_max(row, n, row[0]));
-#pragma omp simd
-  for (std::int64_t j = 0; j < n; ++j) row[j] *= inverse;
-}
-
-// dst = LN(x) over each of `rows` rows of d features.
-void normalise_rows(const float* x, float* dst, std::int64_t rows, std::int64_t d, const float* gain,
-                    const float* shift) {
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const float* in = x + r * d;
-    float* y = dst + r * d;
-    const auto [mean, inverse_std] = ops::row_moments(in, d, kLayerNormEps);
-#pragma omp simd
-    for (std::int64_t j = 0; j < d; ++j) y[j] = (in[j] - mean) * inverse_std * gain[j] + shift[j];
-  }
-}
-
 class TokenLearner final : public Mechanism {
  public:
   TokenLearner(const Problem& problem, const TokenLearnerConfig& config, std::uint64_t seed)
@@ -172,7 +153,7 @@ class TokenLearner final : public Mechanism {
     const std::int64_t d = p_.head_dim, f = c_.bottleneck;
     float* xn = normalised_.data() + thread * normalised_.dim(1) * d;
     float* hid = hidden_.data() + thread * hidden_.dim(1) * f;
-    normalise_rows(vh + r0 * d, xn, rows, d, w.gain, w.shift);
+    ops::layer_norm_rows(vh + r0 * d, xn, rows, d, w.gain, w.shift, kLayerNormEps);
     ops::gemm(false, false, rows, f, d, 1.0f, xn, d, w.w1, f, 0.0f, hid, f);
     bias_gelu(hid, w.b1, rows, f);
     return kLayerNormFlopsPerElement * rows * d + (1 + kGeluFlopsPerElement) * rows * f;
@@ -196,7 +177,7 @@ class TokenLearner final : public Mechanism {
       const float bias = w.b2[t];
 #pragma omp simd
       for (std::int64_t j = 0; j < n; ++j) row[j] += bias;
-      softmax_row(row, n);
+      ops::softmax_in_place(row, n);
     }
     flops += (1 + kSoftmaxFlopsPerElement) * s * n;
     float* tq = pooled(0, bh);
@@ -208,7 +189,7 @@ class TokenLearner final : public Mechanism {
     float* attention = probs_.data() + bh * s * s;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     ops::gemm(false, true, s, s, d, scale, tq, d, tk, d, 0.0f, attention, s);
-    for (std::int64_t t = 0; t < s; ++t) softmax_row(attention + t * s, s);
+    for (std::int64_t t = 0; t < s; ++t) ops::softmax_in_place(attention + t * s, s);
     ops::gemm(false, false, s, d, s, 1.0f, attention, s, tv, d, 0.0f, out.data() + bh * s * d, d);
     return flops + kSoftmaxFlopsPerElement * s * s;
   }
@@ -285,7 +266,7 @@ class TokenLearner final : public Mechanism {
     float* dz = pre + mlp_grads_.dim(2) * f;
     float* dxn = row_grads_.data() + thread * 2 * row_grads_.dim(2) * d;
     float* scratch = dxn + row_grads_.dim(2) * d;
-    normalise_rows(vh + r0 * d, xn, rows, d, w.gain, w.shift);
+    ops::layer_norm_rows(vh + r0 * d, xn, rows, d, w.gain, w.shift, kLayerNormEps);
     ops::gemm(false, false, rows, f, d, 1.0f, xn, d, w.w1, f, 0.0f, pre, f);
     float* hid = hidden_.data() + thread * hidden_.dim(1) * f;
     for (std::int64_t r = 0; r < rows; ++r) {

@@ -21,13 +21,6 @@ constexpr std::int64_t kParallelStepFloats = std::int64_t{1} << 18;
 // Rows of P a problem uses: all l when causal, the first min(l, N) otherwise (resolve has cut them).
 std::int64_t rows_used(const LunaConfig& c) { return c.projected_length; }
 
-// In-place softmax of one row of n values (n >= 1).
-void softmax_row(float* row, std::int64_t n) {
-  const float inverse = 1.0f / ops::exp_and_sum(row, n, ops::row_max(row, n, row[0]));
-#pragma omp simd
-  for (std::int64_t j = 0; j < n; ++j) row[j] *= inverse;
-}
-
 // a = elu(z) + 1 in place over n values (1 FLOP each).
 void elu_plus_one(float* z, std::int64_t n) {
 #pragma omp simd
@@ -314,7 +307,7 @@ class Luna final : public Mechanism {
                                           : saved_unpack_.data() + (bh * p_.seq_len + r0) * l_;
     const float* packed = packed_.data() + bh * l_ * d;
     ops::gemm(false, true, rows, l_, d, scale(), q, d, packed, d, 0.0f, scores, l_);
-    for (std::int64_t r = 0; r < rows; ++r) softmax_row(scores + r * l_, l_);
+    for (std::int64_t r = 0; r < rows; ++r) ops::softmax_in_place(scores + r * l_, l_);
     ops::gemm(false, false, rows, d, l_, 1.0f, scores, l_, packed, d, 0.0f, out, d);
     return kSoftmaxFlopsPerElement * rows * l_;
   }
@@ -401,7 +394,7 @@ class Luna final : public Mechanism {
     const float score_scale = scale() / static_cast<float>(t);
 #pragma omp simd
     for (std::int64_t j = 0; j < l; ++j) probs[j] *= score_scale;
-    softmax_row(probs, l);
+    ops::softmax_in_place(probs, l);
     if (saved_probs != nullptr) std::copy(probs, probs + l, saved_probs);
     update_and_combine(values, a, v, probs, l, 1.0f / static_cast<float>(t), out, d);
   }

@@ -48,16 +48,9 @@ std::pair<std::int64_t, std::int64_t> segment(const Sizes& s, std::int64_t j) {
   return {j * length + std::min(j, longer), length + (j < longer ? 1 : 0)};
 }
 
-// In-place softmax of one row of n values.
-void softmax_row(float* row, std::int64_t n) {
-  const float inverse = 1.0f / ops::exp_and_sum(row, n, ops::row_max(row, n, row[0]));
-#pragma omp simd
-  for (std::int64_t j = 0; j < n; ++j) row[j] *= inverse;
-}
-
 // Softmax over each of `rows` rows of n values (row stride ld); returns its FLOPs.
 std::int64_t softmax_rows(float* x, std::int64_t rows, std::int64_t n, std::int64_t ld) {
-  for (std::int64_t r = 0; r < rows; ++r) softmax_row(x + r * ld, n);
+  for (std::int64_t r = 0; r < rows; ++r) ops::softmax_in_place(x + r * ld, n);
   return kSoftmaxFlopsPerElement * rows * n;
 }
 

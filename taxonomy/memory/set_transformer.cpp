@@ -22,31 +22,12 @@ constexpr std::int64_t kMabTailFlopsPerElement = (1 + kLayerNormFlopsPerElement)
 // Rows of a query block that the tiles actually hold.
 std::int64_t block_rows(const Problem& p, const SetTransformerConfig& c) { return std::min(c.block_q, p.seq_len); }
 
-// In-place softmax of one row of n values (n >= 1).
-void softmax_row(float* row, std::int64_t n) {
-  const float inverse = 1.0f / ops::exp_and_sum(row, n, ops::row_max(row, n, row[0]));
-#pragma omp simd
-  for (std::int64_t j = 0; j < n; ++j) row[j] *= inverse;
-}
-
-// dst = LN(x) over each of `rows` rows of d features; dst may alias x.
-void normalise_rows(const float* x, float* dst, std::int64_t rows, std::int64_t d, const float* gain,
-                    const float* shift) {
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const float* in = x + r * d;
-    float* y = dst + r * d;
-    const auto [mean, inverse_std] = ops::row_moments(in, d, kLayerNormEps);
-#pragma omp simd
-    for (std::int64_t j = 0; j < d; ++j) y[j] = (in[j] - mean) * inverse_std * gain[j] + shift[j];
-  }
-}
-
 // dst = LN(a + b); dst may alias a or b. With `sum`, a + b is also kept there (the backward's LN input).
 void add_and_norm(const float* a, const float* b, float* dst, std::int64_t rows, std::int64_t d, const float* gain,
                   const float* shift, float* sum = nullptr) {
   for (std::int64_t e = 0; e < rows * d; ++e) dst[e] = a[e] + b[e];
   if (sum != nullptr) std::copy(dst, dst + rows * d, sum);
-  normalise_rows(dst, dst, rows, d, gain, shift);
+  ops::layer_norm_rows(dst, dst, rows, d, gain, shift, kLayerNormEps);
 }
 
 // dst[e] += src[e] over n values.
@@ -164,7 +145,7 @@ class SetTransformer final : public Mechanism {
     float* summary = summaries_.data() + bh * m * d;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     ops::gemm(false, true, m, n, d, scale, inducing, d, k, d, 0.0f, scores, ld);
-    for (std::int64_t r = 0; r < m; ++r) softmax_row(scores + r * ld, n);
+    for (std::int64_t r = 0; r < m; ++r) ops::softmax_in_place(scores + r * ld, n);
     ops::gemm(false, false, m, d, n, 1.0f, scores, ld, v, d, 0.0f, summary, d);
     mab_tail(inducing, summary, m, head, 0, thread, saved_pointer(saved_summary_, 0, bh * m * d),
              saved_pointer(saved_summary_, 1, bh * m * d));
@@ -186,7 +167,7 @@ class SetTransformer final : public Mechanism {
     const float* values = keys + stride;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     ops::gemm(false, true, rows, m, d, scale, q, d, keys, d, 0.0f, scores, ld);
-    for (std::int64_t r = 0; r < rows; ++r) softmax_row(scores + r * ld, m);
+    for (std::int64_t r = 0; r < rows; ++r) ops::softmax_in_place(scores + r * ld, m);
     ops::gemm(false, false, rows, d, m, 1.0f, scores, ld, values, d, 0.0f, out, d);
     const std::int64_t saved_at = (bh * p_.seq_len + r0) * d;
     mab_tail(q, out, rows, head, 1, thread, saved_pointer(saved_rows_, 0, saved_at),
@@ -266,8 +247,8 @@ class SetTransformer final : public Mechanism {
     float* second_sum = row_buffer(thread, kSecondSum);
     float* second_grad = row_buffer(thread, kSecondSumGrad);
     float* pre_grad = row_buffer(thread, kPreGrad);
-    normalise_rows(sum, hidden, rows, d, ln_gains_.data() + head_offset(2 * mab, head),
-                   ln_shifts_.data() + head_offset(2 * mab, head));
+    ops::layer_norm_rows(sum, hidden, rows, d, ln_gains_.data() + head_offset(2 * mab, head),
+                         ln_shifts_.data() + head_offset(2 * mab, head), kLayerNormEps);
     for (std::int64_t e = 0; e < count; ++e) second_sum[e] = hidden[e] + relu[e];
     std::fill(second_grad, second_grad + count, 0.0f);
     std::int64_t flops = norm_backward(second_sum, d_out, second_grad, rows, 2 * mab + 1, head, thread);
@@ -308,7 +289,7 @@ class SetTransformer final : public Mechanism {
                              rows, head, 1, thread);
       std::copy(sum_grad, sum_grad + rows * d, dq + at);  // the residual Q
       ops::gemm(false, true, rows, m, d, scale, q + at, d, keys, d, 0.0f, scores, ld);
-      for (std::int64_t r = 0; r < rows; ++r) softmax_row(scores + r * ld, m);
+      for (std::int64_t r = 0; r < rows; ++r) ops::softmax_in_place(scores + r * ld, m);
       ops::gemm(true, false, m, d, rows, 1.0f, scores, ld, sum_grad, d, 1.0f, value_grads, d);
       ops::gemm(false, true, rows, m, d, 1.0f, sum_grad, d, values, d, 0.0f, score_grads, ld);
       softmax_backward_rows(scores, score_grads, rows, m, ld);
@@ -345,7 +326,7 @@ class SetTransformer final : public Mechanism {
     const float* inducing = inducing_.data() + head * m * d;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     ops::gemm(false, true, m, n, d, scale, inducing, d, k, d, 0.0f, scores, ld);
-    for (std::int64_t r = 0; r < m; ++r) softmax_row(scores + r * ld, n);
+    for (std::int64_t r = 0; r < m; ++r) ops::softmax_in_place(scores + r * ld, n);
     ops::gemm(true, false, n, d, m, 1.0f, scores, ld, sum_grad, d, 0.0f, dv, d);
     ops::gemm(false, true, m, n, d, 1.0f, sum_grad, d, v, d, 0.0f, score_grads, ld);
     softmax_backward_rows(scores, score_grads, m, n, ld);
