@@ -56,7 +56,8 @@ nlohmann::json dump_manifest(const Point& point, const ResultRow& row,
   manifest["out_len"] = row.out_len;
   manifest["params"] = point.running.to_json();
   manifest["requested_params"] = row.params;
-  manifest["layout"] = "attention tensors are [B, H, N, D]; little-endian float32, C order";
+  manifest["layout"] =
+      "attention tensors are [B, H, N, D] (out and dout [B, H, M, D], M = out_len); little-endian float32, C order";
   if (point.config.pass == Pass::Decode)
     manifest["decode"] = "q, k, v hold the " + std::to_string(point.config.problem.seq_len) +
                          " context rows and out the " + std::to_string(row.out_len) +
