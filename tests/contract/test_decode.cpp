@@ -21,16 +21,6 @@
 namespace xfb::test {
 namespace {
 
-// rows [first, first + count) of every head of a [B, H, L, D] tensor.
-Tensor rows_of(const Tensor& whole, std::int64_t first, std::int64_t count) {
-  Tensor part = Tensor::bhnd(whole.dim(0), whole.dim(1), count, whole.dim(3));
-  const std::int64_t d = whole.dim(3);
-  for (std::int64_t b = 0; b < whole.dim(0); ++b)
-    for (std::int64_t h = 0; h < whole.dim(1); ++h)
-      std::copy_n(whole.head(b, h) + first * d, count * d, part.head(b, h));
-  return part;
-}
-
 struct Decoded {
   Tensor context_out;             // [B, H, M, D]: the prefill's output (M = N but for a downsampling model)
   std::vector<Tensor> steps;      // [B, H, 1, D] per token

@@ -124,6 +124,15 @@ AttentionInputs random_inputs(const Problem& p, std::uint64_t seed) {
   return in;
 }
 
+Tensor rows_of(const Tensor& whole, std::int64_t first, std::int64_t count) {
+  Tensor part = Tensor::bhnd(whole.dim(0), whole.dim(1), count, whole.dim(3));
+  const std::int64_t d = whole.dim(3);
+  for (std::int64_t b = 0; b < whole.dim(0); ++b)
+    for (std::int64_t h = 0; h < whole.dim(1); ++h)
+      std::copy_n(whole.head(b, h) + first * d, count * d, part.head(b, h));
+  return part;
+}
+
 std::int64_t model_output_rows(const std::string& model, const Problem& p, const std::vector<std::string>& params) {
   const ModelInfo* info = find_model(model);
   REQUIRE(info != nullptr);

@@ -71,6 +71,9 @@ AttentionInputs random_inputs(const Problem& p, std::uint64_t seed);
 // M, the rows of the registered model's output per (batch, head) on p (N but for a downsampling model).
 std::int64_t model_output_rows(const std::string& model, const Problem& p, const std::vector<std::string>& params = {});
 
+// Rows [first, first + count) of every head of a [B, H, L, D] tensor, as a [B, H, count, D] tensor.
+Tensor rows_of(const Tensor& whole, std::int64_t first, std::int64_t count);
+
 // Runs a registered mechanism (prepare + forward) and returns its output ([B, H, M, D]).
 Tensor run_mechanism(const std::string& model, const Problem& p, const AttentionInputs& in,
                      const std::vector<std::string>& params = {}, std::uint64_t seed = 42);

@@ -182,16 +182,6 @@ std::string sizes(std::int64_t n, const std::vector<std::string>& params, bool c
   return text;
 }
 
-// rows [first, first + count) of every head of a [B, H, L, D] tensor.
-Tensor rows_of(const Tensor& whole, std::int64_t first, std::int64_t count) {
-  Tensor part = Tensor::bhnd(whole.dim(0), whole.dim(1), count, whole.dim(3));
-  const std::int64_t d = whole.dim(3);
-  for (std::int64_t b = 0; b < whole.dim(0); ++b)
-    for (std::int64_t h = 0; h < whole.dim(1); ++h)
-      std::copy_n(whole.head(b, h) + first * d, count * d, part.head(b, h));
-  return part;
-}
-
 // Prefill of N context tokens and T single-token steps against the causal forward over N + T (the
 // model resolved for the context), within twice the causal tolerance of the whole problem.
 void check_decode(std::int64_t n, std::int64_t tokens, const std::vector<std::string>& params) {
