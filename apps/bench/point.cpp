@@ -283,6 +283,22 @@ std::int64_t estimated_point_bytes(const Point& point) {
   return bytes;
 }
 
+std::optional<std::int64_t> estimated_point_flops(const Point& point) {
+  const PointConfig& c = point.config;
+  const Implementation& impl = point.model->impl;
+  if (c.pass == Pass::Decode || (c.pass != Pass::Forward && !impl.has_backward())) return std::nullopt;
+  const std::int64_t rows = point_output_rows(point), d_ff = c.effective_d_ff();
+  const bool layer = c.scope == Scope::Layer;
+  std::int64_t flops = 0;
+  if (c.pass != Pass::Backward)
+    flops += impl.flops(c.problem, point.requested) +
+             (layer ? EncoderLayer::flops_outside_mechanism(c.problem, d_ff, rows) : 0);
+  if (c.pass != Pass::Forward)
+    flops += impl.backward_flops(c.problem, point.requested) +
+             (layer ? EncoderLayer::backward_flops_outside_mechanism(c.problem, d_ff, rows) : 0);
+  return flops;
+}
+
 std::string reproducer_command(const Point& point) {
   // A capped kernel ISA is part of what ran.
   std::string command = "xfbench";

@@ -16,6 +16,7 @@
 #include "apps/report/files.hpp"
 #include "apps/report/merge.hpp"
 #include "apps/report/point_fields.hpp"
+#include "apps/report/table.hpp"
 #include "lib/core/contention.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
@@ -67,52 +68,15 @@ std::string format_duration(double seconds) {
 
 }  // namespace
 
-std::vector<std::string> parse_model_selection(const std::string& text) {
-  std::vector<std::string> names;
-  if (text == "all" || text == "implemented") {
-    for (const auto& model : registry())
-      if (model.implemented()) names.push_back(model.name);
-    return names;
-  }
-  if (text.rfind("class:", 0) == 0) {
-    ModelClass wanted;
-    if (!parse_class(text.substr(6), wanted)) throw InputError("unknown class '" + text.substr(6) + "'");
-    for (const auto& model : registry())
-      if (model.implemented() && model.has_class(wanted)) names.push_back(model.name);
-    if (names.empty()) throw InputError("no implemented model in class " + text.substr(6));
-    return names;
-  }
-  for (const auto& name : split(text, ',')) {
-    if (find_model(name) == nullptr) throw InputError("unknown model '" + name + "' in --models");
-    names.push_back(name);
-  }
-  if (names.empty()) throw InputError("--models is empty");
-  return names;
-}
-
-std::vector<std::int64_t> parse_seq_lens(const std::string& text) {
-  std::vector<std::int64_t> lens;
-  const auto range = split(text, ':');
-  if (range.size() == 3) {
-    const std::int64_t lo = parse_positive(range[0], "--seq-lens"), hi = parse_positive(range[1], "--seq-lens");
-    const std::string& step = range[2];
-    if (step.size() < 2 || (step[0] != 'x' && step[0] != '+'))
-      throw InputError("--seq-lens step must be xK (geometric) or +K (arithmetic), got '" + step + "'");
-    const std::int64_t k = parse_positive(step.substr(1), "--seq-lens step");
-    if (step[0] == 'x' && k < 2) throw InputError("--seq-lens geometric step must be at least x2");
-    if (lo > hi) throw InputError("--seq-lens range is empty");
-    for (std::int64_t n = lo; n <= hi; n = step[0] == 'x' ? n * k : n + k) lens.push_back(n);
-    return lens;
-  }
-  if (range.size() != 1) throw InputError("--seq-lens expects a,b,c or lo:hi:xK, got '" + text + "'");
-  for (const auto& part : split(text, ',')) lens.push_back(parse_positive(part, "--seq-lens"));
-  if (lens.empty()) throw InputError("--seq-lens is empty");
-  return lens;
-}
-
 std::vector<std::string> params_for_model(const std::string& model, const std::vector<std::string>& params) {
-  std::vector<std::string> own;
+  std::vector<std::string> own, qualified_keys;
   const ModelInfo* info = find_model(model);
+  for (const auto& param : params) {
+    const auto eq = param.find('=');
+    const auto dot = param.find('.');
+    if (dot != std::string::npos && dot < eq && param.substr(0, dot) == model)
+      qualified_keys.push_back(param.substr(dot + 1, eq - dot - 1));
+  }
   for (const auto& param : params) {
     const auto eq = param.find('=');
     const auto dot = param.find('.');
@@ -121,10 +85,43 @@ std::vector<std::string> params_for_model(const std::string& model, const std::v
       continue;
     }
     const std::string key = param.substr(0, eq);
+    if (std::find(qualified_keys.begin(), qualified_keys.end(), key) != qualified_keys.end()) continue;
     for (const auto& spec : info->impl.params)
       if (spec.name == key) own.push_back(param);
   }
   return own;
+}
+
+std::vector<std::vector<std::string>> param_grid(const std::vector<std::string>& own) {
+  std::vector<std::pair<std::string, std::vector<std::string>>> keys;  // key → values, first-given order
+  for (const auto& param : own) {
+    const auto eq = param.find('=');
+    const std::string key = param.substr(0, eq);
+    auto entry = std::find_if(keys.begin(), keys.end(), [&](const auto& k) { return k.first == key; });
+    if (entry == keys.end()) entry = keys.insert(keys.end(), {key, {}});
+    if (eq == std::string::npos) continue;  // no value: resolve_params names the mistake
+    for (const auto& value : comma_items(param.substr(eq + 1))) {
+      if (value.empty()) throw InputError("--param " + param + " has an empty value");
+      if (std::find(entry->second.begin(), entry->second.end(), value) != entry->second.end())
+        throw InputError("--param " + key + " is given the value " + value + " twice");
+      entry->second.push_back(value);
+    }
+  }
+  std::vector<std::vector<std::string>> sets = {{}};
+  for (const auto& [key, values] : keys) {
+    if (values.empty()) {  // `key` without `=`: kept as given, for resolve_params's message
+      for (auto& set : sets) set.push_back(key);
+      continue;
+    }
+    std::vector<std::vector<std::string>> expanded;
+    for (const auto& set : sets)
+      for (const auto& value : values) {
+        expanded.push_back(set);
+        expanded.back().push_back(key + "=" + value);
+      }
+    sets = std::move(expanded);
+  }
+  return sets;
 }
 
 std::pair<int, int> parse_shard(const std::string& text) {
@@ -163,22 +160,30 @@ struct PlannedPoint {
   ResultRow row;
 };
 
-// Every point of the grid, resolved (InputError on any invalid one, before anything is written).
+// The grid's base points: every combination of the gridded fields, or the base alone.
+std::vector<PointConfig> base_points(const SweepSettings& s) {
+  return s.grid.empty() ? std::vector<PointConfig>{s.base} : s.grid;
+}
+
+// Every point of the grid — per model, each base point, parameter set, pass and length — resolved
+// (InputError on any invalid one, before anything is written).
 std::vector<PlannedPoint> plan_points(const SweepSettings& s) {
   std::vector<PlannedPoint> planned;
   for (const auto& model : s.models) {
-    const auto own = params_for_model(model, s.params);
-    for (Pass pass : s.passes)
-      for (auto n : s.seq_lens) {
-        PointConfig config = s.base;
-        config.model = model;
-        config.problem.seq_len = n;
-        config.params = own;
-        config.pass = pass;
-        Point point = resolve_point(config);
-        ResultRow row = describe_point(point, s.memory_limit_bytes);
-        planned.push_back({std::move(point), std::move(row)});
-      }
+    const auto param_sets = param_grid(params_for_model(model, s.params));
+    for (const auto& base : base_points(s))
+      for (const auto& params : param_sets)
+        for (Pass pass : s.passes)
+          for (auto n : s.seq_lens) {
+            PointConfig config = base;
+            config.model = model;
+            config.problem.seq_len = n;
+            config.params = params;
+            config.pass = pass;
+            Point point = resolve_point(config);
+            ResultRow row = describe_point(point, s.memory_limit_bytes);
+            planned.push_back({std::move(point), std::move(row)});
+          }
   }
   for (const auto& param : s.params) {
     bool used = false;
@@ -210,11 +215,54 @@ void print_progress(std::size_t index, std::size_t total, std::size_t ran, doubl
                eta.c_str());
 }
 
-// The report settings of a sweep: the base point's, then the sweep's own.
+// "12.3 ms": a duration with the unit its size needs.
+std::string time_text(double ns) {
+  const char* unit = ns < 1e3 ? "ns" : ns < 1e6 ? "µs" : ns < 1e9 ? "ms" : "s";
+  const double scaled = ns < 1e3 ? ns : ns < 1e6 ? ns * 1e-3 : ns < 1e9 ? ns * 1e-6 : ns * 1e-9;
+  char text[32];
+  std::snprintf(text, sizeof text, "%.4g %s", scaled, unit);
+  return text;
+}
+
+// The landed point's figures under its progress line, as hyperfine prints them: the median (bold
+// green on a terminal), its spread, samples, GFLOP/s and memory; or its status and reason.
+void print_finished(const ResultRow& row, bool colour) {
+  const char* on = colour ? "\033[1;32m" : "";
+  const char* warn = colour ? "\033[33m" : "";
+  const char* off = colour ? "\033[0m" : "";
+  if (row.status != Status::Ok) {
+    std::fprintf(stderr, "        %s%s%s: %s\n", warn, status_name(row.status).c_str(), off, row.reason.c_str());
+    return;
+  }
+  std::fprintf(stderr, "        %s%s: %s%s%s (min %s, max %s, CV %.1f%%%s, %zu samples), %.1f GFLOP/s, %.1f MiB\n",
+               row.pass == Pass::Decode ? "per token" : "median", row.unstable ? " ~" : "", on,
+               time_text(row.median_ns).c_str(), off, time_text(row.min_ns).c_str(), time_text(row.max_ns).c_str(),
+               100 * row.cv, row.contended ? ", contended" : "", row.samples_ns.size(), row.gflops_per_s,
+               static_cast<double>(row.peak_tensor_bytes) / (1024.0 * 1024.0));
+}
+
+// The distinct thread counts of the grid, ascending.
+std::vector<int> grid_threads(const SweepSettings& s) {
+  std::set<int> threads;
+  for (const auto& base : base_points(s)) threads.insert(base.problem.threads);
+  return {threads.begin(), threads.end()};
+}
+
+// The report settings of a sweep: the base point's (a gridded field: the list of its values, in
+// the grid's order), then the sweep's own.
 nlohmann::json sweep_settings(const SweepSettings& s) {
   nlohmann::json settings = point_settings(s.base);
+  for (const auto& key : s.gridded) {
+    nlohmann::json values = nlohmann::json::array();
+    for (const auto& base : base_points(s)) {
+      const auto value = point_settings(base)[key];
+      if (std::find(values.begin(), values.end(), value) == values.end()) values.push_back(value);
+    }
+    settings[key] = values;
+  }
   settings["pass"] = pass_list_name(s.passes);
-  if (std::find(s.passes.begin(), s.passes.end(), Pass::Decode) != s.passes.end())
+  const bool decode_gridded = std::find(s.gridded.begin(), s.gridded.end(), "decode_tokens") != s.gridded.end();
+  if (std::find(s.passes.begin(), s.passes.end(), Pass::Decode) != s.passes.end() && !decode_gridded)
     settings["decode_tokens"] = s.base.decode_tokens;
   settings["models"] = s.models;
   settings["seq_lens"] = s.seq_lens;
@@ -226,17 +274,23 @@ nlohmann::json sweep_settings(const SweepSettings& s) {
   return settings;
 }
 
+// The context of a sweep on the machine: `threads` is the grid's largest thread count; with more
+// than one, `machine_by_threads` holds the measured peaks and bandwidth per thread count (what a
+// row's GFLOP/s share is quoted against) and the top-level figures are the largest count's.
 nlohmann::json sweep_context(const SweepSettings& s, const std::string& command_line) {
-  const int threads = s.base.problem.threads;
-  nlohmann::json context = capture_context(threads);
+  const auto threads = grid_threads(s);
+  nlohmann::json context = capture_context(threads.back());
   context["command_line"] = command_line;
   context["seed"] = s.base.seed;
-  if (s.measure_machine) {
-    const auto m = measure_machine(threads);
-    context["fma_peak_gflops"] = m.fma_peak_gflops;
-    context["fma_peak_256_gflops"] = m.fma_peak_256_gflops;
-    context["fma_peak_512_gflops"] = m.fma_peak_512_gflops;
-    context["triad_bandwidth_gbs"] = m.triad_bandwidth_gbs;
+  if (!s.measure_machine) return context;
+  for (const int t : threads) {
+    const auto m = measure_machine(t);
+    const nlohmann::json figures = {{"fma_peak_gflops", m.fma_peak_gflops},
+                                    {"fma_peak_256_gflops", m.fma_peak_256_gflops},
+                                    {"fma_peak_512_gflops", m.fma_peak_512_gflops},
+                                    {"triad_bandwidth_gbs", m.triad_bandwidth_gbs}};
+    if (threads.size() > 1) context["machine_by_threads"][std::to_string(t)] = figures;
+    if (t == threads.back()) context.update(figures);
   }
   return context;
 }
@@ -309,6 +363,47 @@ ResultRow run_point_in_child(const Point& point, const ResultRow& described, dou
   return row;
 }
 
+std::string render_dry_run(const SweepSettings& s) {
+  if (s.shard_index < 1 || s.shard_index > s.shard_count) throw InputError("--shard index out of range");
+  const std::vector<PlannedPoint> points = points_of_shard(plan_points(s), s.shard_index, s.shard_count);
+  std::vector<std::string> header = {"#", "model", "N", "pass", "causal"};
+  header.insert(header.end(), s.gridded.begin(), s.gridded.end());
+  header.insert(header.end(), {"params", "est. MiB", "est. GFLOP", "would"});
+  std::vector<std::vector<std::string>> cells = {header};
+  std::size_t runs = 0, skipped = 0, unsupported = 0;
+  double gflop = 0;
+  for (const auto& [point, row] : points) {
+    const auto flops = estimated_point_flops(point);
+    const bool ok = row.status == Status::Ok;
+    runs += ok;
+    skipped += row.status == Status::Skipped;
+    unsupported += row.status == Status::Unsupported;
+    if (ok && flops) gflop += static_cast<double>(*flops) * 1e-9;
+    char mib[32] = "-", giga[32] = "-";
+    if (ok || row.status == Status::Skipped)
+      std::snprintf(mib, sizeof mib, "%.1f", static_cast<double>(estimated_point_bytes(point)) / (1024.0 * 1024.0));
+    if (flops && row.status != Status::Unsupported)
+      std::snprintf(giga, sizeof giga, "%.3f", static_cast<double>(*flops) * 1e-9);
+    std::vector<std::string> line = {std::to_string(cells.size()), row.model, std::to_string(row.seq_len),
+                                     pass_name(row.pass), row.causal ? "yes" : "no"};
+    for (const auto& key : s.gridded) {
+      const auto value = point_field(key).get(point.config);
+      line.push_back(value.is_string() ? value.get<std::string>() : value.dump());
+    }
+    line.insert(line.end(),
+                {params_text(row.params), mib, giga, ok ? "run" : status_name(row.status) + ": " + row.reason});
+    cells.push_back(std::move(line));
+  }
+  std::string summary = "dry run: " + std::to_string(points.size()) + " points";
+  if (s.shard_count > 1) summary += " in shard " + std::to_string(s.shard_index) + "/" + std::to_string(s.shard_count);
+  char total[64];
+  std::snprintf(total, sizeof total, "%.3f", gflop);
+  summary += "; " + std::to_string(runs) + " would run (" + total + " GFLOP estimated, decode steps not counted), " +
+             std::to_string(skipped) + " skipped over --memory-limit, " + std::to_string(unsupported) +
+             " unsupported; nothing was run\n";
+  return render_cells(cells, TableFormat::Text, 6) + "\n" + summary;
+}
+
 Report run_sweep(const SweepSettings& s, const std::string& command_line) {
   // Validate everything before writing anything.
   if (s.out_path == "-") throw InputError("--out -: a sweep rewrites its report after every point; name a file");
@@ -321,7 +416,7 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
   std::set<std::string> done;
   if (s.resume && std::filesystem::exists(s.out_path)) {
     Report previous = load_report(s.out_path);
-    check_resumable(previous, report.settings, capture_context(s.base.problem.threads), s.out_path);
+    check_resumable(previous, report.settings, capture_context(grid_threads(s).back()), s.out_path);
     report.context = previous.context;
     report.results = std::move(previous.results);
     for (const auto& row : report.results) done.insert(row.key());
@@ -341,8 +436,7 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
       row = run_point_in_child(point, described, s.timeout_s);
       ++ran;
     }
-    if (s.progress && row.status != Status::Ok)
-      std::fprintf(stderr, "        %s: %s\n", status_name(row.status).c_str(), row.reason.c_str());
+    if (s.progress) print_finished(row, s.colour);
     if (row.contended) spdlog::warn("{} N={}: {}", row.model, row.seq_len, contended_warning(row));
     report.results.push_back(std::move(row));
     save_report_atomically(report, s.out_path);

@@ -16,8 +16,7 @@ namespace {
 
 struct AbOptions {
   std::shared_ptr<PointOptions> point = std::make_shared<PointOptions>();
-  std::string models;
-  std::string seq_lens = "512,1024,2048";
+  SelectionOptions selection{.models = "", .exclude = "", .seq_lens = "512,1024,2048"};
   std::string max_slowdown = "5%";
   std::string format = "text";
   std::string out;
@@ -26,7 +25,7 @@ struct AbOptions {
 
 int run(AbOptions& o) {
   auto& s = o.settings;
-  fill_point_grid(*o.point, o.models, o.seq_lens, s);
+  fill_point_grid(*o.point, o.selection, s);
   s.max_slowdown = parse_fraction(o.max_slowdown, "--max-slowdown");
   if (!s.b.model.empty() && s.models.size() != 1) throw InputError("--b-model needs exactly one model in --models");
   if (o.out == "-") throw InputError("--out -: ab prints its table on standard output (--format json prints JSON)");
@@ -57,8 +56,7 @@ void add_ab(CLI::App& app, Action& action) {
   o->point->defaults.problem.threads = DnnlContext::default_threads();
   o->settings.a.label = "A";
   o->settings.b.label = "B";
-  command->add_option("--models", o->models, "all | implemented | class:<class> | a,b,c")->required();
-  command->add_option("--seq-lens", o->seq_lens, "a,b,c | lo:hi:xK | lo:hi:+K")->capture_default_str();
+  add_selection_options(*command, o->selection);
   add_point_options(*command, o->point, FieldUse::Point);
   command->add_option("--a-bin", o->settings.a.program, "xfbench binary of side A (default: this one)");
   command->add_option("--b-bin", o->settings.b.program, "xfbench binary of side B (default: this one)");

@@ -4,12 +4,14 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
 #include "apps/bench/point.hpp"
 #include "apps/bench/sweep.hpp"
 #include "apps/report/point_fields.hpp"
+#include "lib/core/errors.hpp"
 
 namespace xfb::cli {
 
@@ -43,17 +45,39 @@ void add_point_options(CLI::App& command, const std::shared_ptr<PointOptions>& o
 // `passes` (sweep, ab) receives the --pass list; without it, --pass must name one pass.
 PointConfig point_of(const PointOptions& options, std::vector<Pass>* passes = nullptr);
 
-// Fills the point grid shared by sweep-like settings (models, seq_lens, passes, base point without
-// parameters, parameters) from the parsed options.
+// The selection options of sweep and ab (apps/bench/selection.hpp).
+struct SelectionOptions {
+  std::string models, exclude, seq_lens;
+};
+// Registers --models, --exclude and --seq-lens on `command` (--models required when it has no default).
+void add_selection_options(CLI::App& command, SelectionOptions& selection);
+
+// Sweep: the points the options give — every combination of the fields given as comma lists
+// (`--threads 1,2 --heads 4,8`), the first field of the table varying slowest — each validated;
+// `gridded` receives the keys of the fields given as lists. A list for a field outside a point's
+// identity (timing, `--causal`) is an InputError. `passes` as for point_of.
+std::vector<PointConfig> point_grid_of(const PointOptions& options, std::vector<Pass>& passes,
+                                       std::vector<std::string>& gridded);
+
+// Fills the point grid shared by sweep-like settings (models, seq_lens, passes, the grid of base
+// points without parameters, parameters) from the parsed options. Settings without a `grid`
+// (ab) take one value per field.
 template <class GridSettings>
-void fill_point_grid(const PointOptions& options, const std::string& models, const std::string& seq_lens,
-                     GridSettings& settings) {
-  const PointConfig point = point_of(options, &settings.passes);
-  settings.models = parse_model_selection(models);
-  settings.seq_lens = parse_seq_lens(seq_lens);
-  settings.base = point;
-  settings.base.params.clear();
-  settings.params = point.params;
+void fill_point_grid(const PointOptions& options, const SelectionOptions& selection, GridSettings& settings) {
+  std::vector<std::string> gridded;
+  std::vector<PointConfig> grid = point_grid_of(options, settings.passes, gridded);
+  settings.models = parse_model_selection(selection.models, selection.exclude);
+  settings.seq_lens = parse_seq_lens(selection.seq_lens);
+  settings.params = grid.front().params;
+  for (auto& point : grid) point.params.clear();
+  settings.base = grid.front();
+  if constexpr (requires { settings.grid; }) {
+    settings.grid = std::move(grid);
+    settings.gridded = std::move(gridded);
+  } else if (!gridded.empty()) {
+    throw InputError(point_field(gridded.front()).long_flag() +
+                     " is given a list: this command runs one value per field (sweep takes grids)");
+  }
 }
 
 // Number options outside the point, validated by the same rules as the point fields: integers exact

@@ -19,6 +19,8 @@ std::string type_name(FieldType type) {
     case FieldType::Integer:
     case FieldType::Unsigned:
       return "INT";
+    case FieldType::Length:
+      return "TOKENS";
     case FieldType::Real:
       return "REAL";
     case FieldType::Choice:
@@ -69,6 +71,65 @@ PointConfig point_of(const PointOptions& options, std::vector<Pass>* passes) {
     }
   }
   return apply_field_texts(options.defaults, texts);
+}
+
+namespace {
+
+constexpr std::size_t kMaxGridPoints = 100'000;  // combinations of the gridded fields
+
+// The values of a gridded option; InputError for an empty or repeated one.
+std::vector<std::string> grid_values(const PointField& field, const std::string& text) {
+  std::vector<std::string> values;
+  for (auto& value : comma_items(text)) {
+    if (value.empty()) throw InputError(field.long_flag() + " '" + text + "' has an empty entry");
+    if (std::find(values.begin(), values.end(), value) != values.end())
+      throw InputError(field.long_flag() + " '" + text + "' lists " + value + " twice");
+    values.push_back(std::move(value));
+  }
+  return values;
+}
+
+}  // namespace
+
+std::vector<PointConfig> point_grid_of(const PointOptions& options, std::vector<Pass>& passes,
+                                       std::vector<std::string>& gridded) {
+  std::vector<FieldTexts> combinations = {options.texts};
+  for (const auto& field : point_fields()) {
+    const auto given = options.texts.find(field.key);
+    if (field.key == "pass" || field.type == FieldType::TextList || field.use == FieldUse::RunOnly ||
+        given == options.texts.end() || given->second.size() != 1 ||
+        given->second.front().find(',') == std::string::npos)
+      continue;
+    if (!field.in_key || field.type == FieldType::Flag)
+      throw InputError(field.long_flag() + " takes one value: a grid varies only the fields that identify a point");
+    gridded.push_back(field.key);
+    const auto values = grid_values(field, given->second.front());
+    if (combinations.size() * values.size() > kMaxGridPoints)
+      throw InputError("the grid of " + field.long_flag() + " and the lists before it has more than " +
+                       std::to_string(kMaxGridPoints) + " combinations");
+    std::vector<FieldTexts> expanded;
+    for (const auto& combination : combinations)
+      for (const auto& value : values) {
+        expanded.push_back(combination);
+        expanded.back()[field.key] = {value};
+      }
+    combinations = std::move(expanded);
+  }
+  std::vector<PointConfig> grid;
+  for (const auto& texts : combinations) grid.push_back(point_of({texts, options.defaults}, &passes));
+  return grid;
+}
+
+void add_selection_options(CLI::App& command, SelectionOptions& selection) {
+  auto* models = command.add_option("--models", selection.models,
+                                    "comma list of names, globs (*former), class:<class>, all; spaces trimmed");
+  if (selection.models.empty())
+    models->required();
+  else
+    models->capture_default_str();
+  command.add_option("--exclude", selection.exclude, "models to leave out, in the --models syntax");
+  command.add_option("--seq-lens", selection.seq_lens, "a,b,c | lo:hi:xK | lo:hi:+K; lengths may be written 1K, 16K")
+      ->capture_default_str();
 }
 
 namespace {

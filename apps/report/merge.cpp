@@ -4,6 +4,7 @@
 #include <map>
 
 #include "apps/report/compare.hpp"
+#include "apps/report/point_fields.hpp"
 #include "lib/core/errors.hpp"
 
 namespace xfb {
@@ -21,18 +22,89 @@ std::string joined(const std::vector<std::string>& parts) {
   return text;
 }
 
+// Settings a grid varies, which merged reports may differ in.
+bool is_grid_setting(const std::string& key) {
+  if (key == "models" || key == "seq_lens" || key == "pass" || key == "params") return true;
+  for (const auto& field : point_fields())
+    if (field.key == key) return field.in_key && field.in_settings;
+  return false;
+}
+
+// The values a setting lists: an array's entries, a comma list's items (`pass`), or the one value.
+std::vector<nlohmann::json> setting_values(const std::string& key, const nlohmann::json& value) {
+  if (value.is_array()) return {value.begin(), value.end()};
+  if (key != "pass" || !value.is_string()) return {value};
+  std::vector<nlohmann::json> items;
+  std::string text = value.get<std::string>();
+  for (std::size_t start = 0, comma = 0; comma != std::string::npos; start = comma + 1) {
+    comma = text.find(',', start);
+    items.emplace_back(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+  }
+  return items;
+}
+
+// `merged` with the values of `other` it lacks appended, in the form settings record it.
+nlohmann::json merged_setting(const std::string& key, const nlohmann::json& merged, const nlohmann::json& other) {
+  auto values = setting_values(key, merged);
+  for (const auto& value : setting_values(key, other))
+    if (std::find(values.begin(), values.end(), value) == values.end()) values.push_back(value);
+  const bool listed = merged.is_array() || other.is_array() || key == "pass";
+  if (key == "pass") {
+    std::string text;
+    for (const auto& value : values) text += (text.empty() ? "" : ",") + value.get<std::string>();
+    return text;
+  }
+  if (values.size() == 1 && !listed) return values.front();
+  return nlohmann::json(values);
+}
+
+bool threads_differ(const NamedReport& first, const NamedReport& other) {
+  return first.report.settings.value("threads", nlohmann::json()) !=
+         other.report.settings.value("threads", nlohmann::json());
+}
+
 void check_compatible(const NamedReport& first, const NamedReport& other) {
-  const auto context = context_differences(first.report.context, other.report.context, kMergeContextFields);
+  std::vector<std::string> fields = kMergeContextFields;
+  if (threads_differ(first, other)) std::erase(fields, std::string("threads"));
+  const auto context = context_differences(first.report.context, other.report.context, fields);
   if (!context.empty())
     throw InputError("cannot merge " + other.name + " into " + first.name + ": contexts differ in " + joined(context));
   const auto a = settings_without_shard(first.report.settings), b = settings_without_shard(other.report.settings);
-  if (a == b) return;
   std::vector<std::string> keys;
   for (const auto& [key, value] : a.items())
-    if (!b.contains(key) || b[key] != value) keys.push_back(key);
+    if ((!b.contains(key) || b[key] != value) && !is_grid_setting(key)) keys.push_back(key);
   for (const auto& [key, value] : b.items())
-    if (!a.contains(key)) keys.push_back(key);
-  throw InputError("cannot merge " + other.name + " into " + first.name + ": settings differ in " + joined(keys));
+    if (!a.contains(key) && !is_grid_setting(key)) keys.push_back(key);
+  if (!keys.empty())
+    throw InputError("cannot merge " + other.name + " into " + first.name + ": settings differ in " + joined(keys) +
+                     " (reports may differ only in what a grid varies: models, lengths, passes, parameters and "
+                     "the point's identity fields)");
+}
+
+// The peaks and bandwidth of a report per thread count: its machine_by_threads, or its own figures.
+nlohmann::json machine_by_threads(const nlohmann::json& context) {
+  if (context.contains("machine_by_threads")) return context["machine_by_threads"];
+  nlohmann::json figures = nlohmann::json::object();
+  for (const char* field : {"fma_peak_gflops", "fma_peak_256_gflops", "fma_peak_512_gflops", "triad_bandwidth_gbs"})
+    if (context.contains(field)) figures[field] = context[field];
+  nlohmann::json by_threads = nlohmann::json::object();
+  if (context.contains("threads") && !figures.empty()) by_threads[context["threads"].dump()] = figures;
+  return by_threads;
+}
+
+// The merged context's thread figures when the inputs ran at several thread counts.
+void merge_thread_contexts(const std::vector<NamedReport>& inputs, nlohmann::json& context) {
+  nlohmann::json by_threads = nlohmann::json::object();
+  const nlohmann::json* largest = &inputs.front().report.context;
+  for (const auto& input : inputs) {
+    by_threads.update(machine_by_threads(input.report.context));
+    if (input.report.context.value("threads", 0) > largest->value("threads", 0)) largest = &input.report.context;
+  }
+  if (by_threads.size() < 2) return;
+  for (const char* field :
+       {"threads", "fma_peak_gflops", "fma_peak_256_gflops", "fma_peak_512_gflops", "triad_bandwidth_gbs"})
+    if (largest->contains(field)) context[field] = (*largest)[field];
+  context["machine_by_threads"] = by_threads;
 }
 
 template <typename T>
@@ -54,6 +126,9 @@ Report merge_reports(const std::vector<NamedReport>& inputs) {
   std::map<std::string, std::string> owner;
   for (const auto& input : inputs) {
     check_compatible(inputs.front(), input);
+    const nlohmann::json settings = settings_without_shard(input.report.settings);
+    for (const auto& [key, value] : settings.items())
+      merged.settings[key] = merged.settings.contains(key) ? merged_setting(key, merged.settings[key], value) : value;
     const auto& c = input.report.context;
     merged.context["merged_from"].push_back({{"file", input.name},
                                              {"host", c.value("host", "")},
@@ -68,6 +143,7 @@ Report merge_reports(const std::vector<NamedReport>& inputs) {
       merged.results.push_back(row);
     }
   }
+  merge_thread_contexts(inputs, merged.context);
   const auto& models = merged.settings.contains("models") ? merged.settings["models"] : nlohmann::json();
   const auto& lengths = merged.settings.contains("seq_lens") ? merged.settings["seq_lens"] : nlohmann::json();
   std::stable_sort(merged.results.begin(), merged.results.end(), [&](const ResultRow& a, const ResultRow& b) {

@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "lib/core/errors.hpp"
+#include "lib/core/token_count.hpp"
 
 namespace xfb {
 namespace {
@@ -75,6 +76,7 @@ void identity_fields(std::vector<PointField>& fields) {
   PointField seq_len = integer(
       "seq_len", "--seq-len,-n", 1, kMaxInt32, "tokens N",
       [](PointConfig& c) -> std::int64_t& { return c.problem.seq_len; }, &ResultRow::seq_len);
+  seq_len.type = FieldType::Length;
   seq_len.use = FieldUse::RunOnly;
   seq_len.in_settings = false;
   fields.push_back(seq_len);
@@ -130,6 +132,7 @@ void pass_fields(std::vector<PointField>& fields) {
   PointField decode_tokens = integer(
       "decode_tokens", "--decode-tokens", 1, 1 << 20, "decode pass: tokens generated one at a time after the context",
       [](PointConfig& c) -> std::int64_t& { return c.decode_tokens; }, &ResultRow::decode_tokens);
+  decode_tokens.type = FieldType::Length;
   decode_tokens.recorded = [](const PointConfig& c) { return json(c.pass == Pass::Decode ? c.decode_tokens : 0); };
   decode_tokens.words = [](const PointConfig& c) {
     return c.pass == Pass::Decode ? Words{"--decode-tokens", std::to_string(c.decode_tokens)} : Words{};
@@ -163,7 +166,6 @@ void run_fields(std::vector<PointField>& fields) {
   PointField threads =
       small_integer("threads", "--threads,-t", 1, 4096, "threads for oneDNN and OpenMP loops, every core by default",
                     [](PointConfig& c) -> int& { return c.problem.threads; });
-  threads.in_key = false;
   threads.to_row = [](ResultRow& r, const json& v) { r.threads = static_cast<int>(v.get<std::int64_t>()); };
   threads.from_row = [](const ResultRow& r) { return json(r.threads); };
   fields.push_back(threads);
@@ -173,7 +175,6 @@ void run_fields(std::vector<PointField>& fields) {
   seed.flags = "--seed";
   seed.type = FieldType::Unsigned;
   seed.help = "seed of inputs and parameters (0 … 2^64−1)";
-  seed.in_key = false;
   seed.get = [](const PointConfig& c) { return json(c.seed); };
   seed.set = [](PointConfig& c, const json& v) { c.seed = v.get<std::uint64_t>(); };
   seed.to_row = [](ResultRow& r, const json& v) { r.seed = v.get<std::uint64_t>(); };
@@ -258,6 +259,9 @@ std::string range_text(const PointField& f) {
   switch (f.type) {
     case FieldType::Integer:
       return "an integer in [" + std::to_string(f.min) + ", " + std::to_string(f.max) + "]";
+    case FieldType::Length:
+      return "a token count in [" + std::to_string(f.min) + ", " + std::to_string(f.max) +
+             "] (digits, or with K or M: 4K)";
     case FieldType::Unsigned:
       return "an integer in [0, 18446744073709551615]";
     case FieldType::Real:
@@ -320,6 +324,11 @@ json parse_field_text(const PointField& f, const std::string& text) {
       if (ec != std::errc() || ptr != end || value < f.min || value > f.max) refuse(f, where, "'" + text + "'");
       return value;
     }
+    case FieldType::Length: {
+      const auto value = parse_token_count(text);
+      if (!value || *value < f.min || *value > f.max) refuse(f, where, "'" + text + "'");
+      return *value;
+    }
     case FieldType::Unsigned: {
       std::uint64_t value = 0;
       const auto [ptr, ec] = std::from_chars(begin, end, value);
@@ -354,6 +363,7 @@ void check_field_value(const PointField& f, const json& v, const std::string& wh
   const std::string got = v.dump().substr(0, 60);
   switch (f.type) {
     case FieldType::Integer:
+    case FieldType::Length:
       if (!v.is_number_integer() ||
           (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(f.max)) ||
           v.get<std::int64_t>() < f.min || v.get<std::int64_t>() > f.max)

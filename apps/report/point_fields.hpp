@@ -29,6 +29,7 @@ namespace xfb {
 
 enum class FieldType {
   Integer,   // int64 in [min, max]
+  Length,    // a token count in [min, max]: an Integer that also takes 1K, 16K, 1M (lib/core/token_count.hpp)
   Unsigned,  // uint64, the whole range (the seed)
   Real,      // finite double in [real_min, real_max]
   Flag,      // true when given

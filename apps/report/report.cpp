@@ -1,5 +1,6 @@
 #include "apps/report/report.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -12,6 +13,14 @@
 namespace xfb {
 
 std::string ResultRow::key() const { return point_key(*this); }
+
+double fma_peak_for_threads(const nlohmann::json& context, int threads) {
+  const std::string key = std::to_string(threads);
+  if (context.contains("machine_by_threads") && context["machine_by_threads"].contains(key))
+    return context["machine_by_threads"][key].value("fma_peak_gflops", 0.0);
+  if (threads == 0 || context.value("threads", 0) == threads) return context.value("fma_peak_gflops", 0.0);
+  return 0;
+}
 
 std::string configuration_text(const ResultRow& row) {
   std::ostringstream out;
@@ -172,14 +181,27 @@ void read_work(ResultRow& r, const FieldReader& f) {
   r.reproducer = f.text("reproducer");
 }
 
-// The context fields commands read or compare, where present: strings, non-negative numbers.
+void check_machine_figures(const FieldReader& f) {
+  for (const char* field : {"fma_peak_gflops", "fma_peak_256_gflops", "fma_peak_512_gflops", "triad_bandwidth_gbs"})
+    if (f.has(field)) f.number(field, 0, kMaxFigure);
+}
+
+// The context fields commands read or compare, where present: strings, non-negative numbers;
+// `machine_by_threads` keyed by thread counts (1 … 2^20, decimal), each entry's figures numbers.
 void check_context(const nlohmann::json& context) {
   const FieldReader f(context, "context");
   for (const char* field : {"cpu_model", "onednn_version", "onednn_commit", "onednn_isa", "kernel_isa", "compiler",
                             "cxx_flags", "build_type", "xfbench_version", "git_commit", "date", "host", "command_line"})
     if (f.has(field)) f.text(field);
-  for (const char* field : {"fma_peak_gflops", "fma_peak_256_gflops", "fma_peak_512_gflops", "triad_bandwidth_gbs"})
-    if (f.has(field)) f.number(field, 0, kMaxFigure);
+  check_machine_figures(f);
+  const nlohmann::json by_threads = f.object("machine_by_threads", true);
+  for (const auto& [threads, figures] : by_threads.items()) {
+    const bool digits = !threads.empty() && threads.size() <= 7 &&
+                        std::all_of(threads.begin(), threads.end(), [](char c) { return c >= '0' && c <= '9'; });
+    if (!digits || std::stol(threads) < 1 || std::stol(threads) > (1 << 20))
+      f.fail("machine_by_threads", "must be keyed by thread counts from 1 to 1048576", nullptr);
+    check_machine_figures(FieldReader(figures, f.path("machine_by_threads." + threads)));
+  }
   for (const char* field : {"logical_cores", "threads"})
     if (f.has(field)) f.integer(field, 0, 1 << 20);
   if (f.has("isa_flags")) f.texts("isa_flags");
@@ -187,8 +209,12 @@ void check_context(const nlohmann::json& context) {
 
 void check_settings(const nlohmann::json& settings) {
   const FieldReader f(settings, "settings");
-  for (const char* field : {"shard", "preset", "scope", "pass"})
+  for (const char* field : {"shard", "preset", "pass"})
     if (f.has(field)) f.text(field);
+  if (f.has("scope") && settings["scope"].is_array())  // a grid over scopes lists them
+    f.texts("scope");
+  else if (f.has("scope"))
+    f.text("scope");
   if (f.has("models")) f.texts("models");
 }
 

@@ -81,6 +81,11 @@ std::string params_text(const nlohmann::json& params);
 // report code divides figures it prints, so no table or chart shows nan or inf.
 std::optional<double> finite_ratio(double numerator, double denominator);
 
+// The measured FMA peak (GFLOP/s) a row that ran on `threads` threads is quoted against: the
+// context's `machine_by_threads` entry for that count, else `fma_peak_gflops` when the context ran
+// that count (or the row predates the field, threads 0); 0 when not measured for it.
+double fma_peak_for_threads(const nlohmann::json& context, int threads);
+
 // The row's contention warning (the one in `warnings` that starts "contended:"), or a summary.
 std::string contended_warning(const ResultRow& row);
 

@@ -21,8 +21,26 @@ struct GroupKey {
   std::string scope, pass;
   bool causal;
   std::int64_t batch, heads, head_dim, d_ff, decode_tokens;
+  int threads;
+  std::uint64_t seed;
   auto operator<=>(const GroupKey&) const = default;
 };
+
+// What the rows of a report vary in besides the group key's shape: a grid over threads or seeds
+// gives one table per value, titled with it.
+struct ReportVaries {
+  bool threads = false, seed = false;
+};
+
+ReportVaries varies_of(const Report& report) {
+  std::set<int> threads;
+  std::set<std::uint64_t> seeds;
+  for (const auto& row : report.results) {
+    threads.insert(row.threads);
+    seeds.insert(row.seed);
+  }
+  return {.threads = threads.size() > 1, .seed = seeds.size() > 1};
+}
 
 std::string printf_string(const char* format, double value) {
   char text[64];
@@ -63,7 +81,8 @@ std::string status_cell(const ResultRow& row) {
   return "";
 }
 
-std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOptions& o, double peak_gflops) {
+std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOptions& o,
+                 const nlohmann::json& context) {
   if (row.status != Status::Ok) return status_cell(row);
   switch (o.metric) {
     case TableMetric::Time:
@@ -84,7 +103,7 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
         return printf_string("%.3f×", *ratio);
       return "-";
     case TableMetric::Gflops: {
-      const auto share = finite_ratio(100.0 * row.gflops_per_s, peak_gflops);
+      const auto share = finite_ratio(100.0 * row.gflops_per_s, fma_peak_for_threads(context, row.threads));
       return printf_string("%.1f", row.gflops_per_s) + (share ? printf_string(" (%.0f%%)", *share) : "");
     }
     case TableMetric::State:
@@ -185,9 +204,9 @@ std::string render_table(const Report& report, const TableOptions& options) {
   std::map<GroupKey, std::vector<const ResultRow*>> groups;
   for (const auto& row : report.results)
     groups[{scope_name(row.scope), pass_name(row.pass), row.causal, row.batch, row.heads, row.head_dim, row.d_ff,
-            row.decode_tokens}]
+            row.decode_tokens, row.threads, row.seed}]
         .push_back(&row);
-  const double peak = report.context.value("fma_peak_gflops", 0.0);
+  const ReportVaries varies = varies_of(report);
   std::ostringstream out;
   bool first_group = true;
   for (const auto& [key, rows] : groups) {
@@ -220,6 +239,8 @@ std::string render_table(const Report& report, const TableOptions& options) {
           << (key.causal ? ", causal" : "") << ", B=" << key.batch << " H=" << key.heads << " D=" << key.head_dim
           << (key.pass == "decode" ? ", T=" + std::to_string(key.decode_tokens) : "")
           << (key.d_ff ? ", d_ff=" + std::to_string(key.d_ff) : "")
+          << (varies.threads ? ", threads=" + std::to_string(key.threads) : "")
+          << (varies.seed ? ", seed=" + std::to_string(key.seed) : "")
           << (options.format == TableFormat::Markdown ? "**\n\n" : "\n");
     }
     if (labels.size() * lengths.size() > kMaxTableCells)
@@ -228,27 +249,34 @@ std::string render_table(const Report& report, const TableOptions& options) {
                        std::to_string(kMaxTableCells) + " cells");
     std::vector<std::vector<std::string>> cells;
     std::vector<std::string> header = {"class", "model"};
-    if (options.format == TableFormat::Csv)
-      header = {"scope", "pass", "causal", "batch", "heads", "head_dim", "class", "model"};
+    if (options.format == TableFormat::Csv) {
+      header = {"scope", "pass", "causal", "batch", "heads", "head_dim"};
+      if (varies.threads) header.push_back("threads");
+      if (varies.seed) header.push_back("seed");
+      header.insert(header.end(), {"class", "model"});
+    }
     for (auto n : lengths) header.push_back("N=" + std::to_string(n));
     if (options.complexity) header.insert(header.end(), {"survey", "flops fit", "time"});
     cells.push_back(header);
     for (const auto& label : labels) {
       std::vector<std::string> line;
-      if (options.format == TableFormat::Csv)
+      if (options.format == TableFormat::Csv) {
         line = {key.scope,
                 key.pass,
                 key.causal ? "true" : "false",
                 std::to_string(key.batch),
                 std::to_string(key.heads),
                 std::to_string(key.head_dim)};
+        if (varies.threads) line.push_back(std::to_string(key.threads));
+        if (varies.seed) line.push_back(std::to_string(key.seed));
+      }
       line.push_back(first_class(label_model[label]));
       line.push_back(label);
       for (auto n : lengths) {
         auto found = grid[label].find(n);
         line.push_back(found == grid[label].end()
                            ? ""
-                           : cell(*found->second, baseline.count(n) ? baseline[n] : nullptr, options, peak));
+                           : cell(*found->second, baseline.count(n) ? baseline[n] : nullptr, options, report.context));
       }
       if (options.complexity) {
         std::vector<const ResultRow*> series;

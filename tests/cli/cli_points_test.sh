@@ -29,7 +29,7 @@ cases=(
   '--warmup|--warmup 0' '--threads|--threads -3' '--threads|--threads 0' '--threads|--threads 99999'
   '--pass|--pass bogus' '--pass|--pass forward,forward' '--scope|--scope bogus' '--d-ff|--d-ff -1'
   '--decode-tokens|--pass decode --decode-tokens 0' 'attention scope|--pass decode --scope layer'
-  'block|-p block=-1' 'block|-p block=x' 'given more than once|-p block=8 -p block=16'
+  'block|-p block=-1' 'block|-p block=x' '--min-reps|--min-reps 1,2' '--heads|--heads 2,0' '--heads|--heads 2,2'
   'exceeds the limit|--heads 65536 --head-dim 65536'
   'exceeds the limit|--batch 1048576 --heads 1048576'
   'exceeds the limit|--scope layer --heads 1024 --head-dim 1024 --d-ff 2147483647'
@@ -42,6 +42,12 @@ for entry in "${cases[@]}"; do
     expect_refusal 2 "$needle" $command $options
   done
 done
+
+# A parameter given twice: run and ab refuse it; sweep makes it a grid (tests/cli/cli_grid_test.sh).
+expect_refusal 2 "given more than once" run -m local -n 64 -p block=8 -p block=16
+expect_refusal 2 "given more than once" ab --models local --seq-lens 64 --out "$out/ab.json" -p block=8 -p block=16
+expect_refusal 2 "one value per field" ab --models local --seq-lens 64 --out "$out/ab.json" --heads 2,4
+expect_refusal 2 "given the value 8 twice" sweep --models local --seq-lens 64 --out "$out/s.json" -p block=8,8
 
 # --- run alone ---------------------------------------------------------------------------------
 expect_refusal 2 --seq-len run -m local -n 9223372036854775807

@@ -413,21 +413,25 @@ expect_error 2 sweep --preset nosuch --out "$work/r.json"
 
 # --- the report schema document names exactly the fields reports carry ----------------------------
 # One measured sweep (the context's peak fields) with a preset and a shard (the optional settings),
-# then merged (context.merged_from): together they carry every field the writer emits. Objects whose
+# then merged (context.merged_from), and a threads grid (context.machine_by_threads): together they
+# carry every field the writer emits. Objects whose
 # keys are data (a row's params, stage_median_ns) are single fields; arrays of objects are `name[]`.
 schema_doc="$src/docs/report-schema.md"
 "$bin" sweep --preset lra --models vanilla --seq-lens 32,64 --batch 1 --heads 1 --head-dim 16 --d-ff 32 --threads 2 \
   --min-reps 1 --min-time 0 --shard 1/2 --no-table --out "$work/schema-shard.json" >/dev/null 2>&1 \
   && "$bin" merge "$work/schema-shard.json" -o "$work/schema-merged.json" 2>/dev/null \
-  && pass || fail "sweep and merge for the schema check"
+  && "$bin" sweep --models local --seq-lens 32 --heads 1 --head-dim 16 --threads 1,2 --min-reps 1 --min-time 0 \
+    --no-table --out "$work/schema-grid.json" >/dev/null 2>&1 \
+  && pass || fail "sweep, merge and a threads grid (context.machine_by_threads) for the schema check"
 if ! command -v python3 >/dev/null; then
   fail "python3 is needed to check docs/report-schema.md against reports (tools/install_deps.sh installs it)"
 else
-  python3 - "$schema_doc" "$work/schema-shard.json" "$work/schema-merged.json" >"$work/schema.txt" 2>&1 <<'PY'
+  python3 - "$schema_doc" "$work/schema-shard.json" "$work/schema-merged.json" "$work/schema-grid.json" \
+    >"$work/schema.txt" 2>&1 <<'PY'
 import json, re, sys
 
 doc, reports = sys.argv[1], sys.argv[2:]
-data_keyed = {"results[].params", "results[].stage_median_ns"}
+data_keyed = {"results[].params", "results[].stage_median_ns", "context.machine_by_threads"}
 
 def walk(value, path, out):
     if isinstance(value, dict):

@@ -255,6 +255,13 @@ TEST_SUITE("backward") {
           CAPTURE(causal);
           CHECK(pass_row(model.name, p, Pass::Backward).flops == backward);
           CHECK(pass_row(model.name, p, Pass::Train).flops == forward + backward);
+          for (Pass pass : {Pass::Forward, Pass::Backward, Pass::Train}) {  // what `sweep --dry-run` prints
+            PointConfig c = counter_point(model.name, p);
+            c.pass = pass;
+            CHECK(estimated_point_flops(resolve_point(c)) == (pass == Pass::Forward    ? forward
+                                                              : pass == Pass::Backward ? backward
+                                                                                       : forward + backward));
+          }
         }
     }
   }
@@ -276,6 +283,7 @@ TEST_SUITE("backward") {
         CHECK(row.flops == info.impl.flops(p, values) + info.impl.backward_flops(p, values) +
                                EncoderLayer::flops_outside_mechanism(p, f, rows) +
                                EncoderLayer::backward_flops_outside_mechanism(p, f, rows));
+        CHECK(estimated_point_flops(resolve_point(c)) == row.flops);
         CHECK(row.peak_owned_bytes - point_io_bytes(c) == row.estimated_workspace_bytes);
         CHECK(row.saved_bytes > 0);
       }

@@ -57,7 +57,7 @@ PointConfig random_point(std::mt19937_64& rng) {
 TEST_SUITE("point_fields") {
   TEST_CASE("every integer field takes its ends and refuses one past them, exactly") {
     for (const auto& field : point_fields()) {
-      if (field.type != FieldType::Integer) continue;
+      if (field.type != FieldType::Integer && field.type != FieldType::Length) continue;
       CAPTURE(field.key);
       CHECK(parse_field_text(field, std::to_string(field.min)).get<std::int64_t>() == field.min);
       CHECK(parse_field_text(field, std::to_string(field.max)).get<std::int64_t>() == field.max);
@@ -66,6 +66,18 @@ TEST_SUITE("point_fields") {
       for (const char* bad : {"", " 1", "1 ", "1.0", "1e3", "0x10", "+1", "nan", "99999999999999999999", "-"})
         CHECK_THROWS_AS(parse_field_text(field, bad), InputError);
     }
+  }
+
+  TEST_CASE("length fields take K and M suffixes within their range") {
+    const auto& seq_len = point_field("seq_len");
+    CHECK(seq_len.type == FieldType::Length);
+    CHECK(point_field("decode_tokens").type == FieldType::Length);
+    CHECK(parse_field_text(seq_len, "16K").get<std::int64_t>() == 16384);
+    CHECK(parse_field_text(seq_len, "1m").get<std::int64_t>() == 1048576);
+    for (const char* bad : {"0K", "2097152K", "1.5K", "K", "1KB", "1,2"})
+      CHECK_THROWS_AS(parse_field_text(seq_len, bad), InputError);
+    CHECK(point_field("batch").type == FieldType::Integer);  // a count of sequences takes no suffix
+    CHECK_THROWS_AS(parse_field_text(point_field("batch"), "1K"), InputError);
   }
 
   TEST_CASE("the seed takes the whole unsigned range and nothing else; reals must be finite") {

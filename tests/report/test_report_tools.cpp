@@ -469,8 +469,39 @@ TEST_SUITE("report_tools") {
     CHECK_THROWS_WITH_AS(merge_reports({{"a.json", a}, {"b.json", other_cpu}}), doctest::Contains("cpu_model"),
                          InputError);
     Report other_settings = b;
-    other_settings.settings["batch"] = 32;
-    CHECK_THROWS_WITH_AS(merge_reports({{"a.json", a}, {"b.json", other_settings}}), doctest::Contains("batch"),
+    other_settings.settings["min_reps"] = 32;
+    CHECK_THROWS_WITH_AS(merge_reports({{"a.json", a}, {"b.json", other_settings}}), doctest::Contains("min_reps"),
+                         InputError);
+  }
+
+  TEST_CASE("merge joins reports that differ in what a grid varies; the settings list every value") {
+    Report one = report_of({make_row("vanilla", 64, noisy(1e6))});
+    one.settings.update({{"models", {"vanilla"}}, {"threads", 1}, {"batch", 1}, {"pass", "forward"}});
+    one.context.update({{"threads", 1}, {"fma_peak_gflops", 50.0}});
+    one.results[0].threads = 1;
+    Report two = report_of({make_row("vanilla", 64, noisy(6e5)), make_row("local", 64, noisy(3e5))});
+    two.settings.update({{"models", {"local", "vanilla"}}, {"threads", 2}, {"batch", 1}, {"pass", "forward,train"}});
+    two.context.update({{"threads", 2}, {"fma_peak_gflops", 100.0}});
+    for (auto& row : two.results) row.threads = 2;
+    const Report merged = merge_reports({{"one.json", one}, {"two.json", two}});
+    CHECK(merged.results.size() == 3);
+    CHECK(merged.settings["models"] == nlohmann::json({"vanilla", "local"}));
+    CHECK(merged.settings["threads"] == nlohmann::json({1, 2}));
+    CHECK(merged.settings["batch"] == 1);
+    CHECK(merged.settings["pass"] == "forward,train");
+    CHECK(merged.context["threads"] == 2);
+    CHECK(merged.context["fma_peak_gflops"] == 100.0);
+    CHECK(merged.context["machine_by_threads"]["1"]["fma_peak_gflops"] == 50.0);
+    CHECK(merged.context["machine_by_threads"]["2"]["fma_peak_gflops"] == 100.0);
+    // The same model, length and threads twice is one point measured twice: refused.
+    Report again = one;
+    again.settings["batch"] = 4;
+    CHECK_THROWS_WITH_AS(merge_reports({{"one.json", one}, {"again.json", again}}),
+                         doctest::Contains("duplicate point"), InputError);
+    // Another thread count in the context alone (the settings agree) is another machine setup.
+    Report other_threads = two;
+    other_threads.settings["threads"] = 1;
+    CHECK_THROWS_WITH_AS(merge_reports({{"one.json", one}, {"t.json", other_threads}}), doctest::Contains("threads"),
                          InputError);
   }
 
