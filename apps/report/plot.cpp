@@ -126,26 +126,36 @@ std::string first_class(const ResultRow& row) { return row.classes.empty() ? "un
 
 bool in_range(double v) { return v >= kMinValue && v <= kMaxValue; }
 
-// The point of an ok row: its value for the metric and, for time and GFLOP/s, the values of its
-// slowest and fastest clean samples when it has two or more distinct ones.
+// The q-quantile of `samples` (0 ≤ q ≤ 1), interpolated linearly between order statistics.
+double quantile(std::vector<double> samples, double q) {
+  std::sort(samples.begin(), samples.end());
+  const double position = q * static_cast<double>(samples.size() - 1);
+  const auto below = static_cast<std::size_t>(position);
+  const std::size_t above = std::min(below + 1, samples.size() - 1);
+  return samples[below] + (position - static_cast<double>(below)) * (samples[above] - samples[below]);
+}
+
+// The point of an ok row: its value for the metric and, for time and GFLOP/s, its spread: the
+// values of the 90th and 10th percentile of its clean samples (slow and fast) when it has two or more.
 Point ok_point(const ResultRow& row, const PlotOptions& o, const ResultRow* baseline) {
   Point point{row.seq_len, false, 0, 0, 0, ""};
-  const bool spread = row.samples_ns.size() >= 2 && row.min_ns > 0 && row.max_ns > row.min_ns;
+  const bool spread = row.samples_ns.size() >= 2;
+  const double fast = spread ? quantile(row.samples_ns, 0.1) : 0, slow = spread ? quantile(row.samples_ns, 0.9) : 0;
   switch (o.metric) {
     case PlotMetric::Time: {
       const double scale = row.pass == Pass::Decode ? 1e-3 : 1e-6;
       point.value = row.median_ns * scale;
       if (spread) {
-        point.low = row.min_ns * scale;
-        point.high = row.max_ns * scale;
+        point.low = fast * scale;
+        point.high = slow * scale;
       }
       break;
     }
     case PlotMetric::Gflops:  // a sample's GFLOP/s: the median's scaled by median / sample
       point.value = row.gflops_per_s;
       if (spread) {
-        point.low = finite_ratio(row.gflops_per_s * row.median_ns, row.max_ns).value_or(0);
-        point.high = finite_ratio(row.gflops_per_s * row.median_ns, row.min_ns).value_or(0);
+        point.low = finite_ratio(row.gflops_per_s * row.median_ns, slow).value_or(0);
+        point.high = finite_ratio(row.gflops_per_s * row.median_ns, fast).value_or(0);
       }
       break;
     case PlotMetric::State:

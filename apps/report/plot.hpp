@@ -4,8 +4,8 @@
 // batch, heads, head-dim, decode tokens, d_ff). Each series has its own colour (svg::series_colour,
 // in class-then-registry order over the whole document, so a model keeps its colour in every panel;
 // past the palette's size colours repeat with a dashed line) and its class's marker
-// (svg::class_marker). Time and GFLOP/s series carry a band from the slowest to the fastest clean
-// sample (min–max of samples_ns) where a row has two samples or more. Every panel title names the
+// (svg::class_marker). Time and GFLOP/s series carry a band over the 10th–90th percentile of the
+// clean samples (samples_ns) where a row has two samples or more. Every panel title names the
 // pass ("forward" too); below it a subtitle gives the CPU, threads, dtype and commit. Groups of
 // series every two of which lie within kCoincidePx at every N they share are tagged on the chart
 // ("A ×6") and listed below it. Points that are not ok, and speed-ups without an ok baseline point, are

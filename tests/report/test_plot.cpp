@@ -147,7 +147,7 @@ TEST_SUITE("plot") {
     CHECK(gflops.front() == "Executed GFLOP/s — attention, forward pass, B=1 H=2 D=16");
   }
 
-  TEST_CASE("time and GFLOP/s points carry a band from the slowest to the fastest sample; memory none") {
+  TEST_CASE("time and GFLOP/s points carry a p10-p90 band of their samples; memory none") {
     const Report report = report_of({row("vanilla", 1024, {0.9e6, 1e6, 1.2e6}), row("vanilla", 2048, {4e6, 4.4e6, 5e6}),
                                      row("local", 1024, {2e6}), row("local", 2048, {3e6})});
     const auto time = plot(report);
@@ -156,10 +156,10 @@ TEST_SUITE("plot") {
       REQUIRE(points.size() == 2);
       if (at(series, "data-model") == "vanilla") {
         CHECK(find_all(series, "path", "band").size() == 1);
-        CHECK(at(points[0], "data-low") == "0.9");
+        CHECK(at(points[0], "data-low") == "0.92");  // p10 of 0.9, 1, 1.2 ms
         CHECK(at(points[0], "data-value") == "1");
-        CHECK(at(points[0], "data-high") == "1.2");
-        CHECK(at(points[1], "data-high") == "5");
+        CHECK(at(points[0], "data-high") == "1.16");  // p90
+        CHECK(at(points[1], "data-high") == "4.88");
       } else {  // one sample per point: no spread
         CHECK(find_all(series, "path", "band").empty());
         CHECK(!points[0].attribute("data-low"));
@@ -170,8 +170,8 @@ TEST_SUITE("plot") {
     REQUIRE(at(vanilla, "data-model") == "vanilla");
     const auto point = find_all(vanilla, "path", "point").at(0);
     CHECK(at(point, "data-value") == "1.024");  // 1000·1024 FLOPs in 1 ms: gflops_per_s
-    CHECK(std::stod(at(point, "data-low")) == doctest::Approx(1.024 / 1.2).epsilon(1e-5));
-    CHECK(std::stod(at(point, "data-high")) == doctest::Approx(1.024 / 0.9).epsilon(1e-5));
+    CHECK(std::stod(at(point, "data-low")) == doctest::Approx(1.024 / 1.16).epsilon(1e-5));
+    CHECK(std::stod(at(point, "data-high")) == doctest::Approx(1.024 / 0.92).epsilon(1e-5));
     CHECK(find_all(plot(report, {.metric = PlotMetric::Memory}).document_element(), "path", "band").empty());
   }
 
