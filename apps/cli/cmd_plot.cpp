@@ -1,4 +1,4 @@
-// `xfbench plot FILE.json --metric time|memory|speedup|state --out FILE.svg`: a log-log chart.
+// `xfbench plot FILE.json --metric time|memory|speedup|state|gflops --out FILE.svg`: a log-log chart.
 #include <cstdio>
 
 #include "apps/cli/commands.hpp"
@@ -14,8 +14,8 @@ void add_plot(CLI::App& app, Action& action) {
   auto metric = std::make_shared<std::string>("time");
   auto baseline = std::make_shared<std::string>("vanilla");
   command->add_option("file", *file, "report JSON")->required();
-  command->add_option("--metric", *metric, "time | memory | speedup | state (decode rows)")
-      ->check(CLI::IsMember({"time", "memory", "speedup", "state"}))
+  command->add_option("--metric", *metric, "time | memory | speedup | state (decode rows) | gflops")
+      ->check(CLI::IsMember({"time", "memory", "speedup", "state", "gflops"}))
       ->capture_default_str();
   command->add_option("--baseline", *baseline, "model the speed-up is relative to")->capture_default_str();
   command->add_option("--out,-o", *out, "SVG file to write (.svg; - for standard output)")->required();
@@ -26,11 +26,13 @@ void add_plot(CLI::App& app, Action& action) {
       const bool svg_name = out->size() > 4 && out->compare(out->size() - 4, 4, ".svg") == 0;
       if (*out != "-" && !svg_name)
         throw InputError("--out " + *out +
-                         ": plot writes SVG; give the file the .svg extension (or - for standard output)");
+                         ": plot writes SVG only (no PNG or other format); give the file the .svg extension (or - "
+                         "for standard output)");
       PlotOptions options;
       options.metric = *metric == "memory"    ? PlotMetric::Memory
                        : *metric == "speedup" ? PlotMetric::Speedup
                        : *metric == "state"   ? PlotMetric::State
+                       : *metric == "gflops"  ? PlotMetric::Gflops
                                               : PlotMetric::Time;
       options.baseline = *baseline;
       const Report report = load_nonempty_report(*file);

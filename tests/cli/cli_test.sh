@@ -368,7 +368,7 @@ if command -v xmllint >/dev/null; then
 fi
 expect_error 2 plot "$work/base.json" --out "$work/missing/p.svg"
 expect_error 2 plot "$work/empty.json" --out "$work/p.svg"
-expect_error 2 plot "$work/base.json" --metric gflops --out "$work/p.svg"
+expect_error 2 plot "$work/base.json" --metric nosuch --out "$work/p.svg"
 [ ! -e "$work/p.svg" ] && pass || fail "a failed plot wrote a file"
 "$bin" sweep --models vanilla,exact-tiled --seq-lens 32,64,128 "${few[@]}" --out "$work/fit.json" >/dev/null 2>&1
 "$bin" complexity "$work/fit.json" >"$work/fit.txt" && [ "$(grep -c " match" "$work/fit.txt")" -eq 2 ] \

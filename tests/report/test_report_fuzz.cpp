@@ -273,7 +273,8 @@ const std::vector<Renderer>& renderers() {
       {"other plots",
        [](const Report& r, const Report&) {
          std::string svg;
-         for (PlotMetric metric : {PlotMetric::Memory, PlotMetric::Speedup, PlotMetric::State}) try {
+         for (PlotMetric metric : {PlotMetric::Memory, PlotMetric::Speedup, PlotMetric::State, PlotMetric::Gflops})
+           try {
              svg += render_plot(r, {.metric = metric});
            } catch (const InputError&) {
            }
