@@ -254,12 +254,16 @@ ComplexitySeries analyse_series(const std::vector<const ResultRow*>& rows) {
   return series;
 }
 
-std::vector<ComplexitySeries> analyse_complexity(const Report& report, std::vector<std::string>* skipped) {
+std::vector<ComplexitySeries> analyse_complexity(const Report& report, std::vector<std::string>* skipped,
+                                                 const std::string& baseline) {
   std::map<std::string, std::vector<const ResultRow*>> groups;
   std::vector<std::string> order;
   std::map<std::string, std::set<std::string>> settings_per_model;
-  for (const auto& row : report.results)
+  std::map<std::string, RowsByLength> reference;  // by configuration: the baseline's first row per length
+  for (const auto& row : report.results) {
     settings_per_model[configuration_text(row) + "|" + row.model].insert(row.params.dump());
+    if (row.model == baseline) reference[configuration_text(row)].emplace(row.seq_len, &row);
+  }
   for (const auto& row : report.results) {
     const std::string key = configuration_text(row) + "|" + row.model + "|" + row.params.dump();
     if (!groups.count(key)) order.push_back(key);
@@ -277,6 +281,10 @@ std::vector<ComplexitySeries> analyse_complexity(const Report& report, std::vect
                            " ok sequence length(s), needs 3");
       continue;
     }
+    RowsByLength rows;
+    for (const auto* row : groups[key]) rows[row->seq_len] = row;
+    series.baseline = baseline;
+    series.crossover = crossovers(rows, reference[series.configuration]);
     result.push_back(std::move(series));
   }
   return result;
@@ -314,6 +322,14 @@ std::string expected_text(const ExpectedComplexity& e, bool per_token) {
   return class_text(e.cls, per_token) + (e.ambiguous ? "?" : "");
 }
 
+// The series' crossover against the baseline, null where there is none.
+nlohmann::json crossover_field(const ComplexitySeries& s) {
+  if (!s.crossover) return nullptr;
+  return {{"baseline", s.baseline},
+          {"time", crossover_json(s.crossover->time)},
+          {"memory", crossover_json(s.crossover->memory)}};
+}
+
 }  // namespace
 
 std::string render_complexity(const std::vector<ComplexitySeries>& series, const std::vector<std::string>& skipped,
@@ -334,7 +350,8 @@ std::string render_complexity(const std::vector<ComplexitySeries>& series, const
                                {"time", metric_json(s.time, s.per_token)},
                                {"flops", metric_json(s.flops, s.per_token)},
                                {s.per_token ? "state_bytes" : "workspace_bytes", metric_json(s.workspace, s.per_token)},
-                               {"verdict", verdict_name(s.verdict)}});
+                               {"verdict", verdict_name(s.verdict)},
+                               {"crossover", crossover_field(s)}});
     return out.dump(2) + "\n";
   }
   const bool md = format == ComplexityFormat::Markdown;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "apps/report/crossover.hpp"
 #include "apps/report/report.hpp"
 
 namespace xfb {
@@ -65,11 +66,16 @@ struct ComplexitySeries {
   std::vector<std::int64_t> lengths;
   MetricFit time, flops, workspace;
   ComplexityVerdict verdict = ComplexityVerdict::Unmapped;  // from the FLOP-count fit
+  // Against analyse_complexity's baseline in the same configuration (apps/report/crossover.hpp);
+  // unset for the baseline itself and where it has no row.
+  std::optional<Crossovers> crossover;
+  std::string baseline;
 };
 
-// Series for every (configuration, model, params) with ≥ 3 ok lengths; `skipped` receives one
-// line per series that had fewer.
-std::vector<ComplexitySeries> analyse_complexity(const Report& report, std::vector<std::string>* skipped = nullptr);
+// Series for every (configuration, model, params) with ≥ 3 ok lengths, each with its crossover
+// against `baseline`; `skipped` receives one line per series that had fewer.
+std::vector<ComplexitySeries> analyse_complexity(const Report& report, std::vector<std::string>* skipped = nullptr,
+                                                 const std::string& baseline = "vanilla");
 // Fits one set of rows of the same model and configuration (used by `table --complexity`).
 ComplexitySeries analyse_series(const std::vector<const ResultRow*>& rows);
 

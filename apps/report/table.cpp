@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "apps/report/complexity.hpp"
+#include "apps/report/crossover.hpp"
 #include "lib/core/errors.hpp"
 #include "taxonomy/cards.hpp"
 
@@ -16,31 +17,6 @@ namespace {
 // Rows × lengths of one table: a report of distinct models at distinct lengths must not make
 // the table grow as the square of its size.
 constexpr std::size_t kMaxTableCells = 1'000'000;
-
-struct GroupKey {
-  std::string scope, pass;
-  bool causal;
-  std::int64_t batch, heads, head_dim, d_ff, decode_tokens;
-  int threads;
-  std::uint64_t seed;
-  auto operator<=>(const GroupKey&) const = default;
-};
-
-// What the rows of a report vary in besides the group key's shape: a grid over threads or seeds
-// gives one table per value, titled with it.
-struct ReportVaries {
-  bool threads = false, seed = false;
-};
-
-ReportVaries varies_of(const Report& report) {
-  std::set<int> threads;
-  std::set<std::uint64_t> seeds;
-  for (const auto& row : report.results) {
-    threads.insert(row.threads);
-    seeds.insert(row.seed);
-  }
-  return {.threads = threads.size() > 1, .seed = seeds.size() > 1};
-}
 
 std::string printf_string(const char* format, double value) {
   char text[64];
@@ -63,6 +39,12 @@ std::string metric_title(const TableOptions& o, bool decode) {
       return "executed GFLOP/s (% of measured FMA peak)";
     case TableMetric::State:
       return "decode state kept between steps (MiB; - for other passes)";
+    case TableMetric::Crossover:
+      return "crossover length against " + o.baseline +
+             ": smallest N from which the model is faster (time) or smaller (memory) at every larger compared N";
+    case TableMetric::Front:
+      return decode ? "time–memory front (time per generated token in µs, peak tracked MiB)"
+                    : "time–memory front (median ms, peak tracked MiB)";
   }
   return "";
 }
@@ -86,16 +68,14 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
   if (row.status != Status::Ok) return status_cell(row);
   switch (o.metric) {
     case TableMetric::Time:
-      return (row.pass == Pass::Decode ? printf_string("%.1f", row.median_ns * 1e-3)
-                                       : printf_string("%.3f", row.median_ns * 1e-6)) +
-             (row.unstable ? "~" : "") + (row.contended ? "!" : "");
+      return time_cell(row);
     case TableMetric::Speedup:
       if (baseline == nullptr || baseline->status != Status::Ok) return "-";
       if (const auto ratio = finite_ratio(baseline->median_ns, row.median_ns))
         return printf_string("%.2f×", *ratio) + (row.contended || baseline->contended ? "!" : "");
       return "-";
     case TableMetric::Memory:
-      return printf_string("%.1f", static_cast<double>(row.peak_tensor_bytes) / (1024.0 * 1024.0));
+      return memory_cell(row);
     case TableMetric::MemoryRatio:
       if (baseline == nullptr || baseline->status != Status::Ok) return "-";
       if (const auto ratio = finite_ratio(static_cast<double>(row.peak_tensor_bytes),
@@ -109,6 +89,9 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
     case TableMetric::State:
       return row.pass == Pass::Decode ? printf_string("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0))
                                       : "-";
+    case TableMetric::Crossover:
+    case TableMetric::Front:
+      break;  // whole-group summaries (apps/report/crossover.hpp), not cells per N
   }
   return "";
 }
@@ -127,11 +110,6 @@ std::string row_label(const ResultRow& row, bool with_params) {
   std::string label = row.model;
   if (with_params && !row.params.empty()) label += " (" + params_text(row.params) + ")";
   return label;
-}
-
-std::string first_class(const std::string& model) {
-  const ModelCard* info = find_card(model);
-  return info ? class_name(info->classes.front()) : "unknown";
 }
 
 std::vector<std::string> complexity_cells(const std::vector<const ResultRow*>& rows) {
@@ -159,7 +137,7 @@ std::string render_cells(const std::vector<std::vector<std::string>>& cells, Tab
     for (const auto& line : cells) {
       for (std::size_t i = 0; i < line.size(); ++i) {
         std::string value = line[i];
-        if (value.find_first_of(",\"") != std::string::npos) {
+        if (value.find_first_of(",\"\r\n") != std::string::npos) {
           std::string quoted = "\"";
           for (char c : value) quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
           value = quoted + "\"";
@@ -200,97 +178,148 @@ std::string render_cells(const std::vector<std::vector<std::string>>& cells, Tab
   return out.str();
 }
 
-std::string render_table(const Report& report, const TableOptions& options) {
-  std::map<GroupKey, std::vector<const ResultRow*>> groups;
+std::string first_class(const std::string& model) {
+  const ModelCard* info = find_card(model);
+  return info ? class_name(info->classes.front()) : "unknown";
+}
+
+std::string time_cell(const ResultRow& row) {
+  if (row.status != Status::Ok) return "";
+  return (row.pass == Pass::Decode ? printf_string("%.1f", row.median_ns * 1e-3)
+                                   : printf_string("%.3f", row.median_ns * 1e-6)) +
+         (row.unstable ? "~" : "") + (row.contended ? "!" : "");
+}
+
+std::string memory_cell(const ResultRow& row) {
+  if (row.status != Status::Ok) return "";
+  return printf_string("%.1f", static_cast<double>(row.peak_tensor_bytes) / (1024.0 * 1024.0));
+}
+
+std::vector<TableGroup> table_groups(const Report& report, const std::string& baseline) {
+  std::set<int> threads;
+  std::set<std::uint64_t> seeds;
+  for (const auto& row : report.results) {
+    threads.insert(row.threads);
+    seeds.insert(row.seed);
+  }
+  const bool threads_vary = threads.size() > 1, seeds_vary = seeds.size() > 1;
+  std::map<TableKey, std::vector<const ResultRow*>> by_key;
   for (const auto& row : report.results)
-    groups[{scope_name(row.scope), pass_name(row.pass), row.causal, row.batch, row.heads, row.head_dim, row.d_ff,
-            row.decode_tokens, row.threads, row.seed}]
+    by_key[{scope_name(row.scope), pass_name(row.pass), row.causal, row.batch, row.heads, row.head_dim, row.d_ff,
+            row.decode_tokens, threads_vary ? std::optional<int>(row.threads) : std::nullopt,
+            seeds_vary ? std::optional<std::uint64_t>(row.seed) : std::nullopt}]
         .push_back(&row);
-  const ReportVaries varies = varies_of(report);
-  std::ostringstream out;
-  bool first_group = true;
-  for (const auto& [key, rows] : groups) {
-    std::set<std::int64_t> lengths;
+  std::vector<TableGroup> groups;
+  for (const auto& [key, rows] : by_key) {
+    TableGroup& group = groups.emplace_back();
+    group.key = key;
     std::map<std::string, std::set<std::string>> variants;
     for (const auto* row : rows) {
-      lengths.insert(row->seq_len);
+      group.lengths.insert(row->seq_len);
       variants[row->model].insert(row->params.dump());
     }
-    std::vector<std::string> labels;
-    std::map<std::string, std::map<std::int64_t, const ResultRow*>> grid;
-    std::map<std::string, std::string> label_model;
     for (const auto* row : rows) {
       const std::string label = row_label(*row, variants[row->model].size() > 1);
-      if (!grid.count(label)) labels.push_back(label);
-      grid[label][row->seq_len] = row;
-      label_model[label] = row->model;
+      if (!group.grid.count(label)) group.labels.push_back(label);
+      group.grid[label][row->seq_len] = row;
+      group.label_model[label] = row->model;
+      if (row->model == baseline) group.baseline.emplace(row->seq_len, row);
     }
-    std::stable_sort(labels.begin(), labels.end(), [&](const std::string& a, const std::string& b) {
-      return model_rank(label_model[a]) < model_rank(label_model[b]);
+    std::stable_sort(group.labels.begin(), group.labels.end(), [&](const std::string& a, const std::string& b) {
+      return model_rank(group.label_model[a]) < model_rank(group.label_model[b]);
     });
-    std::map<std::int64_t, const ResultRow*> baseline;
-    for (const auto* row : rows)
-      if (row->model == options.baseline && !baseline.count(row->seq_len)) baseline[row->seq_len] = row;
-
-    if (options.format != TableFormat::Csv) {
-      if (!first_group) out << "\n";
-      out << (options.format == TableFormat::Markdown ? "**" : "") << metric_title(options, key.pass == "decode")
-          << " — scope " << key.scope << (key.pass != "forward" ? ", " + key.pass + " pass" : "")
-          << (key.causal ? ", causal" : "") << ", B=" << key.batch << " H=" << key.heads << " D=" << key.head_dim
-          << (key.pass == "decode" ? ", T=" + std::to_string(key.decode_tokens) : "")
-          << (key.d_ff ? ", d_ff=" + std::to_string(key.d_ff) : "")
-          << (varies.threads ? ", threads=" + std::to_string(key.threads) : "")
-          << (varies.seed ? ", seed=" + std::to_string(key.seed) : "")
-          << (options.format == TableFormat::Markdown ? "**\n\n" : "\n");
-    }
-    if (labels.size() * lengths.size() > kMaxTableCells)
-      throw InputError("a table of this report would have " + std::to_string(labels.size()) + " rows × " +
-                       std::to_string(lengths.size()) + " sequence lengths, more than " +
+    if (group.labels.size() * group.lengths.size() > kMaxTableCells)
+      throw InputError("a table of this report would have " + std::to_string(group.labels.size()) + " rows × " +
+                       std::to_string(group.lengths.size()) + " sequence lengths, more than " +
                        std::to_string(kMaxTableCells) + " cells");
-    std::vector<std::vector<std::string>> cells;
-    std::vector<std::string> header = {"class", "model"};
-    if (options.format == TableFormat::Csv) {
-      header = {"scope", "pass", "causal", "batch", "heads", "head_dim"};
-      if (varies.threads) header.push_back("threads");
-      if (varies.seed) header.push_back("seed");
-      header.insert(header.end(), {"class", "model"});
+  }
+  return groups;
+}
+
+namespace {
+
+std::string heading(const TableKey& key) {
+  return "scope " + key.scope + (key.pass != "forward" ? ", " + key.pass + " pass" : "") +
+         (key.causal ? ", causal" : "") + ", B=" + std::to_string(key.batch) + " H=" + std::to_string(key.heads) +
+         " D=" + std::to_string(key.head_dim) +
+         (key.pass == "decode" ? ", T=" + std::to_string(key.decode_tokens) : "") +
+         (key.d_ff ? ", d_ff=" + std::to_string(key.d_ff) : "") +
+         (key.threads ? ", threads=" + std::to_string(*key.threads) : "") +
+         (key.seed ? ", seed=" + std::to_string(*key.seed) : "");
+}
+
+// Models × lengths of one metric, with the complexity columns when asked for.
+std::vector<std::vector<std::string>> metric_cells(const TableGroup& group, const TableOptions& options,
+                                                   const nlohmann::json& context) {
+  std::vector<std::string> header = {"class", "model"};
+  for (auto n : group.lengths) header.push_back("N=" + std::to_string(n));
+  if (options.complexity) header.insert(header.end(), {"survey", "flops fit", "time"});
+  std::vector<std::vector<std::string>> cells = {header};
+  for (const auto& label : group.labels) {
+    const auto& by_length = group.grid.at(label);
+    std::vector<std::string> line = {first_class(group.label_model.at(label)), label};
+    for (auto n : group.lengths) {
+      auto found = by_length.find(n);
+      auto reference = group.baseline.find(n);
+      line.push_back(found == by_length.end()
+                         ? ""
+                         : cell(*found->second, reference == group.baseline.end() ? nullptr : reference->second,
+                                options, context));
     }
-    for (auto n : lengths) header.push_back("N=" + std::to_string(n));
-    if (options.complexity) header.insert(header.end(), {"survey", "flops fit", "time"});
-    cells.push_back(header);
-    for (const auto& label : labels) {
-      std::vector<std::string> line;
-      if (options.format == TableFormat::Csv) {
-        line = {key.scope,
-                key.pass,
-                key.causal ? "true" : "false",
-                std::to_string(key.batch),
-                std::to_string(key.heads),
-                std::to_string(key.head_dim)};
-        if (varies.threads) line.push_back(std::to_string(key.threads));
-        if (varies.seed) line.push_back(std::to_string(key.seed));
-      }
-      line.push_back(first_class(label_model[label]));
-      line.push_back(label);
-      for (auto n : lengths) {
-        auto found = grid[label].find(n);
-        line.push_back(found == grid[label].end()
-                           ? ""
-                           : cell(*found->second, baseline.count(n) ? baseline[n] : nullptr, options, report.context));
-      }
-      if (options.complexity) {
-        std::vector<const ResultRow*> series;
-        for (const auto& [n, row] : grid[label]) series.push_back(row);
-        const auto extra = complexity_cells(series);
-        line.insert(line.end(), extra.begin(), extra.end());
-      }
-      cells.push_back(line);
+    if (options.complexity) {
+      std::vector<const ResultRow*> series;
+      for (const auto& [n, row] : by_length) series.push_back(row);
+      const auto extra = complexity_cells(series);
+      line.insert(line.end(), extra.begin(), extra.end());
     }
-    if (options.format == TableFormat::Csv && !first_group) cells.erase(cells.begin());
-    out << render_cells(cells, options.format);
+    cells.push_back(line);
+  }
+  return cells;
+}
+
+}  // namespace
+
+std::string render_table(const Report& report, const TableOptions& options) {
+  const bool csv = options.format == TableFormat::Csv;
+  std::ostringstream out;
+  bool first_group = true;
+  for (const TableGroup& group : table_groups(report, options.baseline)) {
+    const TableKey& key = group.key;
+    if (!csv)
+      out << (first_group ? "" : "\n") << (options.format == TableFormat::Markdown ? "**" : "")
+          << metric_title(options, key.pass == "decode") << " — " << heading(key)
+          << (options.format == TableFormat::Markdown ? "**\n\n" : "\n");
+    auto cells = options.metric == TableMetric::Crossover ? crossover_cells(group, options.format)
+                 : options.metric == TableMetric::Front   ? front_cells(group, options.format)
+                                                          : metric_cells(group, options, report.context);
+    if (csv) {
+      std::vector<std::string> columns = {"scope", "pass", "causal", "batch", "heads", "head_dim"};
+      std::vector<std::string> values = {key.scope,
+                                         key.pass,
+                                         key.causal ? "true" : "false",
+                                         std::to_string(key.batch),
+                                         std::to_string(key.heads),
+                                         std::to_string(key.head_dim)};
+      if (key.threads) {
+        columns.push_back("threads");
+        values.push_back(std::to_string(*key.threads));
+      }
+      if (key.seed) {
+        columns.push_back("seed");
+        values.push_back(std::to_string(*key.seed));
+      }
+      cells.front().insert(cells.front().begin(), columns.begin(), columns.end());
+      for (std::size_t r = 1; r < cells.size(); ++r) cells[r].insert(cells[r].begin(), values.begin(), values.end());
+      if (!first_group) cells.erase(cells.begin());
+    }
+    out << render_cells(cells, options.format, options.metric == TableMetric::Front ? 3 : 2);
     first_group = false;
   }
-  if (groups.empty()) out << "(no results)\n";
+  if (first_group) out << "(no results)\n";
+  const std::string note = options.metric == TableMetric::Crossover ? crossover_note()
+                           : options.metric == TableMetric::Front   ? front_note()
+                                                                    : "";
+  if (!first_group && !csv && !note.empty()) out << "\n" << note << "\n";
   return out.str();
 }
 
