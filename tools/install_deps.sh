@@ -3,6 +3,7 @@
 set -euo pipefail
 packages=(g++ cmake ninja-build git libdnnl-dev ocl-icd-opencl-dev libcli11-dev nlohmann-json3-dev
           libspdlog-dev doctest-dev libpugixml-dev python3 clang-format)
+packages+=(chromium)  # headless browser of tests/cli/html_report_test.sh (xfbench report's page)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
