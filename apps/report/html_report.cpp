@@ -260,13 +260,14 @@ std::string metric_table_html(const Report& configuration, const MetricView& vie
   std::vector<std::size_t> kept;
   for (std::size_t i = 0; i < lines.front().size(); ++i)
     if (!configuration_column(lines, i)) kept.push_back(i);
-  const auto model_column = std::find(lines.front().begin(), lines.front().end(), "model") - lines.front().begin();
+  const auto model_column =
+      static_cast<std::size_t>(std::find(lines.front().begin(), lines.front().end(), "model") - lines.front().begin());
   std::vector<std::string> header;
   for (auto i : kept) header.push_back(lines.front()[i]);
   std::vector<Row> rows;
   for (std::size_t r = 1; r < lines.size(); ++r) {
     const auto& line = lines[r];
-    const std::string label = static_cast<std::size_t>(model_column) < line.size() ? line[model_column] : "";
+    const std::string label = model_column < line.size() ? line[model_column] : "";
     const auto points = grid.find(label);
     Row row;
     for (auto i : kept) {
