@@ -29,7 +29,7 @@ struct MetricView {
   std::string heading;
   std::string what;  // units and marks, one sentence
   TableMetric table;
-  std::optional<PlotMetric> plot;
+  std::optional<PlotMetric> plot = std::nullopt;
   bool uses_baseline = false;
   bool decode_only = false;   // shown for decode configurations only
   bool complexity = false;    // with table --complexity's columns (when every model is known)
@@ -136,7 +136,8 @@ std::string point_tooltip(const ResultRow& row) {
                      significant(time_in_unit(row, spread.p10)) + "–" + significant(time_in_unit(row, spread.p90)) +
                      unit + "; min–max " + significant(time_in_unit(row, row.min_ns)) + "–" +
                      significant(time_in_unit(row, row.max_ns)) + unit + "; CV " + printf_text("%.1f%%", 100 * row.cv) +
-                     "; " + std::to_string(row.samples_ns.size()) + " samples";
+                     "; " + std::to_string(row.samples_ns.size()) +
+                     (row.samples_ns.size() == 1 ? " sample" : " samples");
   if (row.contended_samples > 0) text += " (" + std::to_string(row.contended_samples) + " contended left out)";
   if (row.contended) text += "; " + contended_warning(row);
   return text;
@@ -246,8 +247,8 @@ bool configuration_column(const std::vector<std::vector<std::string>>& lines, st
   static const std::set<std::string> names = {"scope", "pass",     "causal", "batch",
                                               "heads", "head_dim", "d_ff",   "decode_tokens"};
   if (!names.count(lines.front()[column])) return false;
-  for (const auto& line : lines)
-    if (column >= line.size() || line[column] != lines[1][column]) return false;
+  for (std::size_t r = 1; r < lines.size(); ++r)
+    if (column >= lines[r].size() || lines[r][column] != lines[1][column]) return false;
   return true;
 }
 
@@ -279,6 +280,7 @@ std::string metric_table_html(const Report& configuration, const MetricView& vie
         if (point != points->second.end()) {
           const ResultRow& p = *point->second;
           cell.tooltip = point_tooltip(p);
+          if (view.table == TableMetric::Time && p.status == Status::Ok) cell.value = time_in_unit(p, p.median_ns);
           if (view.spread_shown && p.status == Status::Ok && p.samples_ns.size() > 1)
             cell.spread = "±" + printf_text("%.1f%%", 100 * p.cv);
         }
@@ -409,7 +411,9 @@ std::string context_html(const nlohmann::json& context) {
 std::vector<Row> warning_rows(const Report& report) {
   std::vector<Row> rows;
   auto add = [&](const ResultRow& r, const std::string& kind, const std::string& reason) {
-    rows.push_back({text_cell(kind), text_cell(label_of(r, true)), text_cell(configuration_text(r)),
+    Cell model = text_cell(r.model);
+    model.tooltip = params_text(r.params);
+    rows.push_back({text_cell(kind), model, text_cell(configuration_text(r)),
                     number_cell(std::to_string(r.seq_len), static_cast<double>(r.seq_len)), text_cell(reason)});
   };
   for (const auto& r : report.results) {
@@ -418,12 +422,20 @@ std::vector<Row> warning_rows(const Report& report) {
       continue;
     }
     if (r.contended) add(r, "contended", contended_warning(r));
-    if (r.unstable) add(r, "unstable", "CV " + printf_text("%.1f%%", 100 * r.cv) + " > 5%: " + point_tooltip(r));
+    if (r.unstable) {
+      const Spread spread = spread_of(r);
+      add(r, "unstable",
+          "CV " + printf_text("%.1f%%", 100 * r.cv) + " > 5% (p10–p90 " + significant(time_in_unit(r, spread.p10)) +
+              "–" + significant(time_in_unit(r, spread.p90)) + " " + time_unit(r) + ")");
+    }
     for (const auto& warning : r.warnings)
       if (warning.rfind("contended:", 0) != 0) add(r, "warning", warning);
   }
   return rows;
 }
+
+// Longer lists of warnings start collapsed, so that the tables stay near the top of the page.
+constexpr std::size_t kOpenWarnings = 10;
 
 std::string warnings_html(const Report& report) {
   const auto rows = warning_rows(report);
@@ -432,10 +444,12 @@ std::string warnings_html(const Report& report) {
   std::ostringstream out;
   out << "<h3>Warnings</h3>\n";
   if (rows.empty()) return out.str() + "<p class=\"xr-ok\">None: every point ran, none contended or unstable.</p>\n";
-  out << "<p class=\"xr-warn\">";
+  out << "<details class=\"xr-details\"" << (rows.size() <= kOpenWarnings ? " open=\"open\"" : "")
+      << "><summary class=\"xr-warn\">";
   for (auto it = counts.begin(); it != counts.end(); ++it)
     out << (it == counts.begin() ? "" : ", ") << it->second << " " << escape(it->first);
-  out << "</p>\n" << table_html("xr-warnings", {"kind", "model", "configuration", "N", "reason"}, rows);
+  out << "</summary>\n"
+      << table_html("xr-warnings", {"kind", "model", "configuration", "N", "reason"}, rows) << "</details>\n";
   return out.str();
 }
 
