@@ -5,6 +5,7 @@ packages=(g++ cmake ninja-build git libdnnl-dev ocl-icd-opencl-dev libcli11-dev 
           libspdlog-dev doctest-dev libpugixml-dev python3 clang-format)
 # The Slurm test (tests/cli/slurm_test.sh, docs/ci.md#shards-and-merge) runs a one-node cluster of its own.
 if [ "${XFBENCH_SLURM_TEST:-}" = 1 ]; then packages+=(slurm-wlm munge); fi
+packages+=(chromium)  # headless browser of tests/cli/html_report_test.sh (xfbench report's page)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

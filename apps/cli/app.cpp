@@ -25,6 +25,7 @@ void build_app(CLI::App& app, Action& action) {
   add_ab(app, action);
   add_merge(app, action);
   add_plot(app, action);
+  add_report(app, action);
   add_complexity(app, action);
   add_taxonomy(app, action);
 }

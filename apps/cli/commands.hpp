@@ -28,6 +28,7 @@ void add_merge(CLI::App& app, Action& action);
 void add_plot(CLI::App& app, Action& action);
 void add_complexity(CLI::App& app, Action& action);
 void add_taxonomy(CLI::App& app, Action& action);
+void add_report(CLI::App& app, Action& action);
 
 // The point options of a command, from the point field table (apps/report/point_fields.hpp):
 // the words as given per field, and the command's defaults (threads: all cores; ab: --min-time 0.1;
