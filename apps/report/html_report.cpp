@@ -67,7 +67,18 @@ std::vector<MetricView> metric_views(const std::string& baseline) {
       {.id = "gflops",
        .heading = "Executed GFLOP/s",
        .what = "GFLOP/s and, in parentheses, the share of the FMA peak the sweep measured",
-       .table = TableMetric::Gflops},
+       .table = TableMetric::Gflops,
+       .plot = PlotMetric::Gflops},
+      {.id = "crossover",
+       .heading = "Crossover with " + baseline,
+       .what = "the smallest N from which the model is faster (and smaller) than " + baseline +
+               " and stays so, interpolated on the log-log lines between the bracketing lengths",
+       .table = TableMetric::Crossover,
+       .uses_baseline = true},
+      {.id = "front",
+       .heading = "Time–memory front",
+       .what = "per N, the models no other model beats in both time and memory",
+       .table = TableMetric::Front},
       {.id = "state",
        .heading = "Decode state",
        .what = "MiB kept between decode steps",
@@ -101,14 +112,6 @@ std::optional<double> leading_number(const std::string& text) {
   return value;
 }
 
-// Linear interpolation between the order statistics of `sorted` (non-empty).
-double quantile(const std::vector<double>& sorted, double q) {
-  const double at = q * static_cast<double>(sorted.size() - 1);
-  const auto below = static_cast<std::size_t>(std::floor(at));
-  const std::size_t above = std::min(below + 1, sorted.size() - 1);
-  return sorted[below] + (at - static_cast<double>(below)) * (sorted[above] - sorted[below]);
-}
-
 // Time figures of a row in its table's unit: µs per generated token for decode rows, else ms.
 double time_in_unit(const ResultRow& row, double ns) { return ns * (row.pass == Pass::Decode ? 1e-3 : 1e-6); }
 std::string time_unit(const ResultRow& row) { return row.pass == Pass::Decode ? "µs" : "ms"; }
@@ -118,9 +121,7 @@ struct Spread {
 };
 Spread spread_of(const ResultRow& row) {
   if (row.samples_ns.empty()) return {row.median_ns, row.median_ns};
-  std::vector<double> sorted = row.samples_ns;
-  std::sort(sorted.begin(), sorted.end());
-  return {quantile(sorted, 0.1), quantile(sorted, 0.9)};
+  return {sample_quantile(row.samples_ns, 0.1), sample_quantile(row.samples_ns, 0.9)};
 }
 
 std::string label_of(const ResultRow& row, bool with_params) {

@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <set>
 #include <sstream>
 
 #include "apps/report/svg.hpp"
 #include "lib/core/errors.hpp"
+#include "lib/core/stats.hpp"
 #include "taxonomy/cards.hpp"
 
 namespace xfb {
@@ -126,21 +128,13 @@ std::string first_class(const ResultRow& row) { return row.classes.empty() ? "un
 
 bool in_range(double v) { return v >= kMinValue && v <= kMaxValue; }
 
-// The q-quantile of `samples` (0 ≤ q ≤ 1), interpolated linearly between order statistics.
-double quantile(std::vector<double> samples, double q) {
-  std::sort(samples.begin(), samples.end());
-  const double position = q * static_cast<double>(samples.size() - 1);
-  const auto below = static_cast<std::size_t>(position);
-  const std::size_t above = std::min(below + 1, samples.size() - 1);
-  return samples[below] + (position - static_cast<double>(below)) * (samples[above] - samples[below]);
-}
-
 // The point of an ok row: its value for the metric and, for time and GFLOP/s, its spread: the
 // values of the 90th and 10th percentile of its clean samples (slow and fast) when it has two or more.
 Point ok_point(const ResultRow& row, const PlotOptions& o, const ResultRow* baseline) {
   Point point{row.seq_len, false, 0, 0, 0, ""};
   const bool spread = row.samples_ns.size() >= 2;
-  const double fast = spread ? quantile(row.samples_ns, 0.1) : 0, slow = spread ? quantile(row.samples_ns, 0.9) : 0;
+  const double fast = spread ? sample_quantile(row.samples_ns, 0.1) : 0,
+               slow = spread ? sample_quantile(row.samples_ns, 0.9) : 0;
   switch (o.metric) {
     case PlotMetric::Time: {
       const double scale = row.pass == Pass::Decode ? 1e-3 : 1e-6;
@@ -179,11 +173,22 @@ Point ok_point(const ResultRow& row, const PlotOptions& o, const ResultRow* base
   return point;
 }
 
+// ", threads=T" and ", seed=S" for the fields the report's rows vary in (a grid): one panel per
+// value, as tables have one table per value.
+std::function<std::string(const ResultRow&)> grid_suffix(const Report& report) {
+  const RowsVary vary = rows_vary(report);
+  return [=](const ResultRow& row) {
+    return (vary.threads ? ", threads=" + std::to_string(row.threads) : "") +
+           (vary.seed ? ", seed=" + std::to_string(row.seed) : "");
+  };
+}
+
 std::vector<Panel> collect(const Report& report, const PlotOptions& o) {
   std::map<std::string, std::vector<const ResultRow*>> groups;
   std::vector<std::string> order;
+  const auto suffix = grid_suffix(report);
   for (const auto& row : report.results) {
-    const std::string configuration = configuration_text(row);
+    const std::string configuration = configuration_text(row) + suffix(row);
     if (!groups.count(configuration)) order.push_back(configuration);
     groups[configuration].push_back(&row);
   }
@@ -192,7 +197,7 @@ std::vector<Panel> collect(const Report& report, const PlotOptions& o) {
     const auto& rows = groups[configuration];
     std::map<std::int64_t, const ResultRow*> baseline;
     std::map<std::string, std::set<std::string>> settings;
-    Panel panel{configuration, panel_title(*rows.front()), {}, {}};
+    Panel panel{configuration, panel_title(*rows.front()) + suffix(*rows.front()), {}, {}};
     for (const auto* row : rows) {
       settings[row->model].insert(row->params.dump());
       if (row->threads > 0) panel.threads.insert(row->threads);

@@ -14,6 +14,15 @@ namespace xfb {
 
 std::string ResultRow::key() const { return point_key(*this); }
 
+RowsVary rows_vary(const Report& report) {
+  RowsVary vary;
+  for (const auto& row : report.results) {
+    vary.threads = vary.threads || row.threads != report.results.front().threads;
+    vary.seed = vary.seed || row.seed != report.results.front().seed;
+  }
+  return vary;
+}
+
 double fma_peak_for_threads(const nlohmann::json& context, int threads) {
   const std::string key = std::to_string(threads);
   if (context.contains("machine_by_threads") && context["machine_by_threads"].contains(key))

@@ -116,6 +116,13 @@ Report load_nonempty_report(const std::string& path);
 void require_known_models(const Report& report, const std::string& path);
 // InputError "OPTION 'model': PATH has no row of that model" unless a row has it.
 void require_model(const Report& report, const std::string& model, const std::string& path, const std::string& option);
+// Whether the rows differ in threads or seed (a grid, or merged runs): tables and plots then split
+// by them, one table or panel per value.
+struct RowsVary {
+  bool threads = false, seed = false;
+};
+RowsVary rows_vary(const Report& report);
+
 // write_file_atomically of the report's JSON.
 void save_report_atomically(const Report& report, const std::string& path);
 

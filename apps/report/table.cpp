@@ -196,18 +196,12 @@ std::string memory_cell(const ResultRow& row) {
 }
 
 std::vector<TableGroup> table_groups(const Report& report, const std::string& baseline) {
-  std::set<int> threads;
-  std::set<std::uint64_t> seeds;
-  for (const auto& row : report.results) {
-    threads.insert(row.threads);
-    seeds.insert(row.seed);
-  }
-  const bool threads_vary = threads.size() > 1, seeds_vary = seeds.size() > 1;
+  const RowsVary vary = rows_vary(report);
   std::map<TableKey, std::vector<const ResultRow*>> by_key;
   for (const auto& row : report.results)
     by_key[{scope_name(row.scope), pass_name(row.pass), row.causal, row.batch, row.heads, row.head_dim, row.d_ff,
-            row.decode_tokens, threads_vary ? std::optional<int>(row.threads) : std::nullopt,
-            seeds_vary ? std::optional<std::uint64_t>(row.seed) : std::nullopt}]
+            row.decode_tokens, vary.threads ? std::optional<int>(row.threads) : std::nullopt,
+            vary.seed ? std::optional<std::uint64_t>(row.seed) : std::nullopt}]
         .push_back(&row);
   std::vector<TableGroup> groups;
   for (const auto& [key, rows] : by_key) {

@@ -8,17 +8,9 @@
 
 #include "apps/report/point_fields.hpp"
 #include "apps/report/table.hpp"
+#include "lib/core/stats.hpp"
 
 namespace xfb {
-
-double sample_quantile(std::vector<double> samples, double p) {
-  if (samples.empty()) return 0;
-  std::sort(samples.begin(), samples.end());
-  const double position = std::clamp(p, 0.0, 1.0) * static_cast<double>(samples.size() - 1);
-  const auto below = static_cast<std::size_t>(std::floor(position));
-  const std::size_t above = std::min(below + 1, samples.size() - 1);
-  return samples[below] + (position - static_cast<double>(below)) * (samples[above] - samples[below]);
-}
 
 namespace {
 

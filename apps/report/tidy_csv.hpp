@@ -24,8 +24,4 @@ namespace xfb {
 std::vector<std::vector<std::string>> tidy_cells(const Report& report);
 std::string tidy_csv(const Report& report);
 
-// The p-quantile (0 ≤ p ≤ 1) of samples, interpolated linearly between order statistics
-// (position p·(n − 1), numpy's default); 0 for no samples.
-double sample_quantile(std::vector<double> samples, double p);
-
 }  // namespace xfb

@@ -14,6 +14,15 @@ double median_of(std::vector<double> values) {
   return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
+double sample_quantile(std::vector<double> samples, double p) {
+  if (samples.empty()) return 0;
+  std::sort(samples.begin(), samples.end());
+  const double position = std::clamp(p, 0.0, 1.0) * static_cast<double>(samples.size() - 1);
+  const auto below = static_cast<std::size_t>(std::floor(position));
+  const std::size_t above = std::min(below + 1, samples.size() - 1);
+  return samples[below] + (position - static_cast<double>(below)) * (samples[above] - samples[below]);
+}
+
 SampleStats summarize(const std::vector<double>& samples) {
   SampleStats s;
   if (samples.empty()) return s;

@@ -15,6 +15,9 @@ struct SampleStats {
 };
 
 double median_of(std::vector<double> values);
+// The p-quantile (p clamped to [0, 1]) of samples, interpolated linearly between order statistics
+// (position p·(n − 1), numpy's default); 0 for no samples.
+double sample_quantile(std::vector<double> samples, double p);
 SampleStats summarize(const std::vector<double>& samples);
 
 inline constexpr double kUnstableCv = 0.05;  // coefficient of variation that flags a point

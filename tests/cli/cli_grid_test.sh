@@ -50,6 +50,9 @@ PY
 [ "$(grep -c 'local (block=16)' "$work/grid.txt")" -eq 2 ] && [ "$(grep -c 'threads=' "$work/grid.txt")" -eq 2 ] && pass \
   || fail "the grid's table splits by threads and labels the parameter sets: $(cat "$work/grid.txt")"
 
+"$bin" plot "$work/grid.json" --out "$work/grid.svg" 2>/dev/null && grep -q "threads=1" "$work/grid.svg" \
+  && grep -q "threads=2" "$work/grid.svg" && pass || fail "the grid's plot has a panel per thread count"
+
 # --- separate runs at different thread counts merge; a differing non-grid setting does not --------
 "$bin" sweep --models vanilla --seq-lens 1K "${tiny[@]}" --threads 1 --out "$work/t1.json" >/dev/null 2>&1
 "$bin" sweep --models vanilla --seq-lens 1K "${tiny[@]}" --threads 2 --out "$work/t2.json" >/dev/null 2>&1

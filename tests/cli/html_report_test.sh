@@ -31,7 +31,18 @@ EOF
 page="$work/page.html"
 "$bin" report "$work/sweep.json" "$work/hostile.json" --out "$page" >"$work/stdout" 2>"$work/stderr"
 [ $? -eq 0 ] && [ ! -s "$work/stdout" ] && pass || fail "report exited non-zero or printed: $(cat "$work/stderr")"
-python3 "$check" page "$page" time speedup memory memory-ratio gflops state && pass || fail "page structure"
+python3 "$check" page "$page" time speedup memory memory-ratio gflops crossover front state && pass || fail "page structure"
+# --csv: the tidy CSV of every row of both reports beside the page, a report column first.
+"$bin" report "$work/sweep.json" "$work/hostile.json" --out "$work/page2.html" --csv "$work/rows.csv" 2>"$work/stderr"
+python3 - "$work/rows.csv" "$work/sweep.json" "$work/hostile.json" <<'PY' && pass || fail "report --csv: $(cat "$work/stderr")"
+import csv, json, sys
+rows = list(csv.DictReader(open(sys.argv[1], newline="")))
+expected = len(json.load(open(sys.argv[2]))["results"]) + len(json.load(open(sys.argv[3]))["results"])
+assert len(rows) == expected, (len(rows), expected)
+assert set(rows[0]) >= {"report", "model", "median_ns", "p10_ns", "p90_ns", "status"}, rows[0].keys()
+assert rows[0]["report"].endswith("sweep.json") and rows[-1]["report"].endswith("hostile.json")
+PY
+expect_refusal 2 "is also --out" report "$valid" --out "$out/r.html" --csv "$out/r.html"
 # Escaped where they appear, never as markup.
 grep -qF '<script>alert' "$page" && fail "a reason's markup reached the page unescaped" || pass
 grep -qF '&lt;script&gt;alert(1)&lt;/script&gt; &amp; &quot;q&quot; https://example.com/x' "$page" \

@@ -105,7 +105,7 @@ TEST_SUITE("html_report") {
   TEST_CASE("one sortable table per metric with the spread, and a plot, per configuration") {
     const std::string page = render_html_report({named("a.json", forward_rows())}, {});
     const auto document = parse(page);
-    for (const std::string metric : {"time", "speedup", "memory", "memory-ratio", "gflops"}) {
+    for (const std::string metric : {"time", "speedup", "memory", "memory-ratio", "gflops", "crossover", "front"}) {
       INFO(metric);
       CHECK(select(document, "//div[@data-metric='" + metric + "']/table[@data-sortable='true']").size() == 1);
     }

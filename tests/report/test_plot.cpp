@@ -125,9 +125,10 @@ TEST_SUITE("plot") {
           std::vector<std::string>{"CPU: Test CPU · threads: 2 · dtype: f32 · commit 0123456789ab"});
     report.settings["dtype"] = "bf16";
     report.context["git_commit"] = "0123456789abcdef0123456789abcdef01234567-dirty";
-    report.results[1].threads = 1;  // a grid over threads
+    report.results[1].threads = 1;  // a grid over threads: a panel per thread count
     CHECK(texts(plot(report), "subtitle") ==
-          std::vector<std::string>{"CPU: Test CPU · threads: 1, 2 · dtype: bf16 · commit 0123456789ab-dirty"});
+          std::vector<std::string>{"CPU: Test CPU · threads: 2 · dtype: bf16 · commit 0123456789ab-dirty",
+                                   "CPU: Test CPU · threads: 1 · dtype: bf16 · commit 0123456789ab-dirty"});
     report.context = nlohmann::json::object();
     for (auto& r : report.results) r.threads = 0;
     report.settings = nlohmann::json::object();

@@ -6,6 +6,7 @@
 
 #include "apps/report/point_fields.hpp"
 #include "apps/report/tidy_csv.hpp"
+#include "lib/core/stats.hpp"
 
 using namespace xfb;
 
