@@ -2,14 +2,15 @@
 # Regenerates results/ from a release build: the reference sweeps of every implemented model
 # (non-causal, and causal for the models that decode), their tables (time, speed-up, memory,
 # GFLOP/s, complexity), plots, the Long Range Arena preset against LRA's published table, and the
-# taxonomy. The CI baseline has its own script: tools/ci_regression.sh --update.
+# taxonomy, and the HTML report of them (results/reference-report.html, with the tidy CSV of its rows).
+# The CI baseline has its own script: tools/ci_regression.sh --update.
 #   tools/reference_results.sh                 run the four sweeps (~30 min on 2 cores), then render
 #   tools/reference_results.sh --render-only   re-render tables and plots from the committed JSON
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install_deps.sh
 cmake --preset release >/dev/null
-cmake --build --preset release
+cmake --build --preset release -j 2
 x=build/release/xfbench
 # "<cpu> (cores, threads; kernel and oneDNN ISAs; FMA peak, triad; commit, date)." from a report's context.
 machine_line() {
@@ -59,7 +60,7 @@ for variant in reference-sweep reference-sweep-causal; do
     echo "Times are medians on a shared machine (ratios are more telling than absolute figures); tracked"
     echo "memory and FLOPs are exact. Models that cannot decode are \`unsupported\` in the causal sweep."
     echo "The exact command line is the JSON's \`context.command_line\`."
-    for metric in time speedup memory gflops; do
+    for metric in time speedup memory gflops crossover front; do
       echo
       $x table "$json" --metric "$metric" --format md
     done
@@ -72,6 +73,10 @@ done
 for metric in time memory speedup; do
   $x plot results/reference-sweep.json --metric "$metric" --out "results/reference-$metric.svg"
 done
+$x plot results/reference-sweep.json --metric gflops --out results/reference-gflops.svg
+# One page people can open: both reference sweeps and the decode sweep, every table, plot and warning.
+$x report results/reference-sweep.json results/reference-sweep-causal.json results/decode-sweep.json \
+  --csv results/reference-rows.csv --out results/reference-report.html
 $x taxonomy --format md >results/taxonomy.md
 $x taxonomy --format svg --out results/taxonomy.svg
 echo "results/ regenerated"
