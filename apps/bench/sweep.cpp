@@ -206,6 +206,12 @@ std::vector<PlannedPoint> points_of_shard(std::vector<PlannedPoint> points, int 
   return mine;
 }
 
+// This shard's points of the sweep, planned and validated (InputError before anything is written).
+std::vector<PlannedPoint> shard_points(const SweepSettings& s) {
+  if (s.shard_index < 1 || s.shard_index > s.shard_count) throw InputError("--shard index out of range");
+  return points_of_shard(plan_points(s), s.shard_index, s.shard_count);
+}
+
 void print_progress(std::size_t index, std::size_t total, std::size_t ran, double elapsed, const PointConfig& c) {
   const double remaining = static_cast<double>(total - index + 1);
   const std::string eta = ran > 0 ? format_duration(elapsed / static_cast<double>(ran) * remaining) : "?";
@@ -284,11 +290,7 @@ nlohmann::json sweep_context(const SweepSettings& s, const std::string& command_
   context["seed"] = s.base.seed;
   if (!s.measure_machine) return context;
   for (const int t : threads) {
-    const auto m = measure_machine(t);
-    const nlohmann::json figures = {{"fma_peak_gflops", m.fma_peak_gflops},
-                                    {"fma_peak_256_gflops", m.fma_peak_256_gflops},
-                                    {"fma_peak_512_gflops", m.fma_peak_512_gflops},
-                                    {"triad_bandwidth_gbs", m.triad_bandwidth_gbs}};
+    const nlohmann::json figures = machine_figures(measure_machine(t));
     if (threads.size() > 1) context["machine_by_threads"][std::to_string(t)] = figures;
     if (t == threads.back()) context.update(figures);
   }
@@ -364,8 +366,7 @@ ResultRow run_point_in_child(const Point& point, const ResultRow& described, dou
 }
 
 std::string render_dry_run(const SweepSettings& s) {
-  if (s.shard_index < 1 || s.shard_index > s.shard_count) throw InputError("--shard index out of range");
-  const std::vector<PlannedPoint> points = points_of_shard(plan_points(s), s.shard_index, s.shard_count);
+  const std::vector<PlannedPoint> points = shard_points(s);
   std::vector<std::string> header = {"#", "model", "N", "pass", "causal"};
   header.insert(header.end(), s.gridded.begin(), s.gridded.end());
   header.insert(header.end(), {"params", "est. MiB", "est. GFLOP", "would"});
@@ -408,8 +409,7 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
   // Validate everything before writing anything.
   if (s.out_path == "-") throw InputError("--out -: a sweep rewrites its report after every point; name a file");
   check_output_path(s.out_path);
-  if (s.shard_index < 1 || s.shard_index > s.shard_count) throw InputError("--shard index out of range");
-  const std::vector<PlannedPoint> points = points_of_shard(plan_points(s), s.shard_index, s.shard_count);
+  const std::vector<PlannedPoint> points = shard_points(s);
 
   Report report;
   report.settings = sweep_settings(s);

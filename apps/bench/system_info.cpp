@@ -163,6 +163,13 @@ nlohmann::json capture_context(int threads) {
   };
 }
 
+nlohmann::json machine_figures(const MachineMeasurement& m) {
+  return {{"fma_peak_gflops", m.fma_peak_gflops},
+          {"fma_peak_256_gflops", m.fma_peak_256_gflops},
+          {"fma_peak_512_gflops", m.fma_peak_512_gflops},
+          {"triad_bandwidth_gbs", m.triad_bandwidth_gbs}};
+}
+
 MachineMeasurement measure_machine(int threads) {
   MachineMeasurement m;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))

@@ -21,5 +21,7 @@ struct MachineMeasurement {
   double triad_bandwidth_gbs = 0;  // STREAM triad a = b + s·c over 3×64 MiB arrays
 };
 MachineMeasurement measure_machine(int threads);
+// The measurement as a context records it (apps/report/report.hpp's kMachineFigureFields).
+nlohmann::json machine_figures(const MachineMeasurement& m);
 
 }  // namespace xfb

@@ -22,13 +22,7 @@ void add_env(CLI::App& app, Action& action) {
       auto& context = DnnlContext::instance();
       context.set_threads(threads);
       auto info = capture_context(context.threads());
-      if (*measure) {
-        const auto m = measure_machine(context.threads());
-        info["fma_peak_gflops"] = m.fma_peak_gflops;
-        info["fma_peak_256_gflops"] = m.fma_peak_256_gflops;
-        info["fma_peak_512_gflops"] = m.fma_peak_512_gflops;
-        info["triad_bandwidth_gbs"] = m.triad_bandwidth_gbs;
-      }
+      if (*measure) info.update(machine_figures(measure_machine(context.threads())));
       if (*json) {
         std::printf("%s\n", info.dump(2).c_str());
       } else {

@@ -32,12 +32,6 @@ std::string point_label(const AbPoint& p) {
          (p.a.pass != Pass::Forward ? " " + pass_name(p.a.pass) : "");
 }
 
-std::string format(const char* pattern, double value) {
-  char text[64];
-  std::snprintf(text, sizeof text, pattern, value);
-  return text;
-}
-
 }  // namespace
 
 nlohmann::json ab_to_json(const AbReport& report) {
@@ -132,12 +126,13 @@ std::string render_ab(const AbReport& report, AbFormat format_kind) {
       b.push_back(r.b_ns);
     }
     const bool interval = p.stats.ci_low > 0 && std::isfinite(p.stats.ci_high);
-    cells.push_back({point_label(p), format("%.3f", median_of(a) * 1e-6), format("%.3f", median_of(b) * 1e-6),
-                     p.stats.rounds ? format("%.3f×", p.stats.ratio) : "-",
-                     interval ? format("%.3f", p.stats.ci_low) + "–" + format("%.3f", p.stats.ci_high) : "-",
-                     p.stats.rounds ? format("%.2g", p.stats.p_value) : "-",
-                     std::to_string(p.usable_rounds) + "/" + std::to_string(p.rounds.size()),
-                     ab_verdict_name(p.verdict), p.reason});
+    cells.push_back(
+        {point_label(p), format_number("%.3f", median_of(a) * 1e-6), format_number("%.3f", median_of(b) * 1e-6),
+         p.stats.rounds ? format_number("%.3f×", p.stats.ratio) : "-",
+         interval ? format_number("%.3f", p.stats.ci_low) + "–" + format_number("%.3f", p.stats.ci_high) : "-",
+         p.stats.rounds ? format_number("%.2g", p.stats.p_value) : "-",
+         std::to_string(p.usable_rounds) + "/" + std::to_string(p.rounds.size()), ab_verdict_name(p.verdict),
+         p.reason});
   }
   std::ostringstream out;
   const std::size_t regressions = ab_regressions(report);

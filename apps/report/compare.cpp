@@ -226,24 +226,18 @@ Comparison compare_reports(const Report& base, const Report& now, const CompareO
 
 namespace {
 
-std::string format(const char* pattern, double value) {
-  char text[64];
-  std::snprintf(text, sizeof text, pattern, value);
-  return text;
-}
-
 std::string signed_count(std::int64_t delta, double base, const char* unit) {
   if (delta == 0) return "0";
   const double magnitude = std::fabs(static_cast<double>(delta));
   std::string amount;
   if (std::string(unit) == "B")
-    amount = magnitude < 1024      ? format("%.0f B", magnitude)
-             : magnitude < 1048576 ? format("%.1f KiB", magnitude / 1024)
-                                   : format("%.1f MiB", magnitude / 1048576);
+    amount = magnitude < 1024      ? format_number("%.0f B", magnitude)
+             : magnitude < 1048576 ? format_number("%.1f KiB", magnitude / 1024)
+                                   : format_number("%.1f MiB", magnitude / 1048576);
   else
-    amount = magnitude < 1e6 ? format("%.0f FLOP", magnitude) : format("%.3g MFLOP", magnitude / 1e6);
+    amount = magnitude < 1e6 ? format_number("%.0f FLOP", magnitude) : format_number("%.3g MFLOP", magnitude / 1e6);
   return (delta > 0 ? "+" : "−") + amount +
-         (base > 0 ? format(" (%+.2f%%)", 100.0 * static_cast<double>(delta) / base) : "");
+         (base > 0 ? format_number(" (%+.2f%%)", 100.0 * static_cast<double>(delta) / base) : "");
 }
 
 // Δ of peak_tensor_bytes where the scratchpad is comparable, else Δ of the owned bytes, marked.
@@ -256,7 +250,7 @@ std::string memory_cell(const PointComparison& p, bool scratchpad_compared) {
 std::string median_cell(const std::optional<ResultRow>& row) {
   if (!row) return "-";
   if (row->status != Status::Ok) return status_name(row->status);
-  return format("%.3f", row->median_ns * 1e-6);
+  return format_number("%.3f", row->median_ns * 1e-6);
 }
 
 std::string regression_cell(const PointComparison& p) {
@@ -347,9 +341,10 @@ nlohmann::json point_json(const PointComparison& p) {
 std::string comparison_summary(const Comparison& c) {
   std::ostringstream out;
   if (c.both_ok > 0 && c.time_geomean > 0)
-    out << "geometric mean over " << c.both_ok << " point(s) measured in both: time " << format("%.3f×", c.time_geomean)
-        << " (new/base, " << format("%+.1f%%", 100 * (c.time_geomean - 1)) << "), peak memory "
-        << format("%.3f×", c.memory_geomean) << "; ";
+    out << "geometric mean over " << c.both_ok << " point(s) measured in both: time "
+        << format_number("%.3f×", c.time_geomean) << " (new/base, "
+        << format_number("%+.1f%%", 100 * (c.time_geomean - 1)) << "), peak memory "
+        << format_number("%.3f×", c.memory_geomean) << "; ";
   else
     out << "no point was measured (ok) in both reports: nothing compared; ";
   out << c.regressions << " regression(s)";
@@ -402,11 +397,12 @@ std::string render_comparison(const Comparison& c, const CompareOptions& o, Comp
   for (std::size_t i = 0; i < c.points.size(); ++i) {
     const auto& p = c.points[i];
     const bool measured = p.base && p.now && p.base->status == Status::Ok && p.now->status == Status::Ok;
-    cells.push_back(
-        {labels[i], median_cell(p.base), median_cell(p.now), p.time_ratio > 0 ? format("%.3f×", p.time_ratio) : "-",
-         measured ? format("%.2g", p.test.p_value) : "-", verdict_name(p.verdict),
-         measured ? memory_cell(p, c.scratchpad_compared) : "-",
-         measured ? signed_count(p.flops_delta, static_cast<double>(p.base->flops), "FLOP") : "-", regression_cell(p)});
+    cells.push_back({labels[i], median_cell(p.base), median_cell(p.now),
+                     p.time_ratio > 0 ? format_number("%.3f×", p.time_ratio) : "-",
+                     measured ? format_number("%.2g", p.test.p_value) : "-", verdict_name(p.verdict),
+                     measured ? memory_cell(p, c.scratchpad_compared) : "-",
+                     measured ? signed_count(p.flops_delta, static_cast<double>(p.base->flops), "FLOP") : "-",
+                     regression_cell(p)});
   }
   std::ostringstream out;
   if (md)

@@ -88,12 +88,6 @@ std::vector<MetricView> metric_views(const std::string& baseline) {
   };
 }
 
-std::string printf_text(const char* pattern, double value) {
-  char text[64];
-  std::snprintf(text, sizeof text, pattern, value);
-  return text;
-}
-
 // `value` with about four significant digits and no exponent: 0.01234, 12.34, 12345.
 std::string significant(double value) {
   const int digits = value > 0 ? static_cast<int>(std::floor(std::log10(value))) : 0;
@@ -136,8 +130,8 @@ std::string point_tooltip(const ResultRow& row) {
   std::string text = "median " + significant(time_in_unit(row, row.median_ns)) + unit + "; p10–p90 " +
                      significant(time_in_unit(row, spread.p10)) + "–" + significant(time_in_unit(row, spread.p90)) +
                      unit + "; min–max " + significant(time_in_unit(row, row.min_ns)) + "–" +
-                     significant(time_in_unit(row, row.max_ns)) + unit + "; CV " + printf_text("%.1f%%", 100 * row.cv) +
-                     "; " + std::to_string(row.samples_ns.size()) +
+                     significant(time_in_unit(row, row.max_ns)) + unit + "; CV " +
+                     format_number("%.1f%%", 100 * row.cv) + "; " + std::to_string(row.samples_ns.size()) +
                      (row.samples_ns.size() == 1 ? " sample" : " samples");
   if (row.contended_samples > 0) text += " (" + std::to_string(row.contended_samples) + " contended left out)";
   if (row.contended) text += "; " + contended_warning(row);
@@ -175,7 +169,7 @@ bool numeric_column(const std::vector<Row>& rows, std::size_t column) {
 std::string cell_html(const char* tag, const Cell& cell, bool numeric) {
   std::string html = std::string("<") + tag;
   if (numeric) html += " class=\"xr-num\"";
-  if (cell.value && numeric) html += " data-value=\"" + printf_text("%.9g", *cell.value) + "\"";
+  if (cell.value && numeric) html += " data-value=\"" + format_number("%.9g", *cell.value) + "\"";
   if (!cell.tooltip.empty()) html += " title=\"" + escape(cell.tooltip) + "\"";
   html += ">" + escape(cell.text);
   if (!cell.spread.empty()) html += " <span class=\"xr-spread\">" + escape(cell.spread) + "</span>";
@@ -283,7 +277,7 @@ std::string metric_table_html(const Report& configuration, const MetricView& vie
           cell.tooltip = point_tooltip(p);
           if (view.table == TableMetric::Time && p.status == Status::Ok) cell.value = time_in_unit(p, p.median_ns);
           if (view.spread_shown && p.status == Status::Ok && p.samples_ns.size() > 1)
-            cell.spread = "±" + printf_text("%.1f%%", 100 * p.cv);
+            cell.spread = "±" + format_number("%.1f%%", 100 * p.cv);
         }
       }
       row.push_back(std::move(cell));
@@ -426,7 +420,7 @@ std::vector<Row> warning_rows(const Report& report) {
     if (r.unstable) {
       const Spread spread = spread_of(r);
       add(r, "unstable",
-          "CV " + printf_text("%.1f%%", 100 * r.cv) + " > 5% (p10–p90 " + significant(time_in_unit(r, spread.p10)) +
+          "CV " + format_number("%.1f%%", 100 * r.cv) + " > 5% (p10–p90 " + significant(time_in_unit(r, spread.p10)) +
               "–" + significant(time_in_unit(r, spread.p90)) + " " + time_unit(r) + ")");
     }
     for (const auto& warning : r.warnings)
@@ -468,12 +462,12 @@ std::string points_html(const Report& report) {
       const Spread spread = spread_of(r);
       for (double ns : {r.median_ns, spread.p10, spread.p90, r.min_ns, r.max_ns})
         row.push_back(number_cell(significant(ns * 1e-6), ns * 1e-6));
-      row.push_back(number_cell(printf_text("%.1f", 100 * r.cv), 100 * r.cv));
+      row.push_back(number_cell(format_number("%.1f", 100 * r.cv), 100 * r.cv));
       row.push_back(number_cell(std::to_string(r.samples_ns.size()), static_cast<double>(r.samples_ns.size())));
       row.push_back(number_cell(std::to_string(r.contended_samples), static_cast<double>(r.contended_samples)));
-      row.push_back(number_cell(printf_text("%.1f", r.gflops_per_s), r.gflops_per_s));
+      row.push_back(number_cell(format_number("%.1f", r.gflops_per_s), r.gflops_per_s));
       const double mib = static_cast<double>(r.peak_tensor_bytes) / 1048576.0;
-      row.push_back(number_cell(printf_text("%.2f", mib), mib));
+      row.push_back(number_cell(format_number("%.2f", mib), mib));
     } else {
       row.resize(row.size() + 10, text_cell(""));
     }

@@ -38,15 +38,9 @@ int lra_column(std::int64_t n) {
   return -1;
 }
 
-std::string number(const char* pattern, double value) {
-  char text[32];
-  std::snprintf(text, sizeof text, pattern, value);
-  return text;
-}
-
 std::string rho_text(const std::vector<double>& ours, const std::vector<double>& theirs) {
   if (ours.size() < 3) return "n/a";
-  return number("%.2f", spearman_rho(ours, theirs));
+  return format_number("%.2f", spearman_rho(ours, theirs));
 }
 
 // Speed-up (vanilla's median over the row's) or memory ratio (the row's peak over vanilla's);
@@ -88,14 +82,14 @@ std::string render_metric(const std::vector<Column>& columns, bool speed, TableF
       const auto ratio = row && row->status == Status::Ok ? our_ratio(*row, *columns[i].vanilla, speed) : std::nullopt;
       if (ratio) {
         const double value = *ratio;
-        mine = number("%.2f×", value);
+        mine = format_number("%.2f×", value);
         if (!(speed && published.doubtful[k])) {
           ours[i].push_back(value);
           theirs[i].push_back(base);
         }
       }
       line.push_back(mine);
-      line.push_back(number("%.2f×", base) + (speed && published.doubtful[k] ? "†" : ""));
+      line.push_back(format_number("%.2f×", base) + (speed && published.doubtful[k] ? "†" : ""));
     }
     cells.push_back(line);
   }

@@ -85,7 +85,7 @@ void check_compatible(const NamedReport& first, const NamedReport& other) {
 nlohmann::json machine_by_threads(const nlohmann::json& context) {
   if (context.contains("machine_by_threads")) return context["machine_by_threads"];
   nlohmann::json figures = nlohmann::json::object();
-  for (const char* field : {"fma_peak_gflops", "fma_peak_256_gflops", "fma_peak_512_gflops", "triad_bandwidth_gbs"})
+  for (const char* field : kMachineFigureFields)
     if (context.contains(field)) figures[field] = context[field];
   nlohmann::json by_threads = nlohmann::json::object();
   if (context.contains("threads") && !figures.empty()) by_threads[context["threads"].dump()] = figures;
@@ -101,8 +101,8 @@ void merge_thread_contexts(const std::vector<NamedReport>& inputs, nlohmann::jso
     if (input.report.context.value("threads", 0) > largest->value("threads", 0)) largest = &input.report.context;
   }
   if (by_threads.size() < 2) return;
-  for (const char* field :
-       {"threads", "fma_peak_gflops", "fma_peak_256_gflops", "fma_peak_512_gflops", "triad_bandwidth_gbs"})
+  if (largest->contains("threads")) context["threads"] = (*largest)["threads"];
+  for (const char* field : kMachineFigureFields)
     if (largest->contains(field)) context[field] = (*largest)[field];
   context["machine_by_threads"] = by_threads;
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <sstream>
 
@@ -44,6 +45,12 @@ std::string params_text(const nlohmann::json& params) {
   std::string text;
   for (const auto& [key, value] : params.items())
     text += (text.empty() ? "" : ",") + key + "=" + (value.is_string() ? value.get<std::string>() : value.dump());
+  return text;
+}
+
+std::string format_number(const char* pattern, double value) {
+  char text[64];
+  std::snprintf(text, sizeof text, pattern, value);
   return text;
 }
 
@@ -191,7 +198,7 @@ void read_work(ResultRow& r, const FieldReader& f) {
 }
 
 void check_machine_figures(const FieldReader& f) {
-  for (const char* field : {"fma_peak_gflops", "fma_peak_256_gflops", "fma_peak_512_gflops", "triad_bandwidth_gbs"})
+  for (const char* field : kMachineFigureFields)
     if (f.has(field)) f.number(field, 0, kMaxFigure);
 }
 

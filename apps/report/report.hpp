@@ -77,9 +77,17 @@ std::string configuration_text(const ResultRow& row);
 // "block_k=512,block_q=64"; empty for no parameters.
 std::string params_text(const nlohmann::json& params);
 
+// One number through a printf pattern ("%.2f×"): how report code spells the figures it prints.
+std::string format_number(const char* pattern, double value);
+
 // numerator / denominator when the denominator is positive and the quotient finite: the one way
 // report code divides figures it prints, so no table or chart shows nan or inf.
 std::optional<double> finite_ratio(double numerator, double denominator);
+
+// The machine figures a context carries when measured (apps/bench/system_info.hpp's
+// MachineMeasurement), top level or per thread count under `machine_by_threads`.
+inline constexpr const char* kMachineFigureFields[] = {"fma_peak_gflops", "fma_peak_256_gflops", "fma_peak_512_gflops",
+                                                       "triad_bandwidth_gbs"};
 
 // The measured FMA peak (GFLOP/s) a row that ran on `threads` threads is quoted against: the
 // context's `machine_by_threads` entry for that count, else `fma_peak_gflops` when the context ran

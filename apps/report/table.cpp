@@ -18,12 +18,6 @@ namespace {
 // the table grow as the square of its size.
 constexpr std::size_t kMaxTableCells = 1'000'000;
 
-std::string printf_string(const char* format, double value) {
-  char text[64];
-  std::snprintf(text, sizeof text, format, value);
-  return text;
-}
-
 std::string metric_title(const TableOptions& o, bool decode) {
   switch (o.metric) {
     case TableMetric::Time:
@@ -72,7 +66,7 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
     case TableMetric::Speedup:
       if (baseline == nullptr || baseline->status != Status::Ok) return "-";
       if (const auto ratio = finite_ratio(baseline->median_ns, row.median_ns))
-        return printf_string("%.2f×", *ratio) + (row.contended || baseline->contended ? "!" : "");
+        return format_number("%.2f×", *ratio) + (row.contended || baseline->contended ? "!" : "");
       return "-";
     case TableMetric::Memory:
       return memory_cell(row);
@@ -80,14 +74,14 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
       if (baseline == nullptr || baseline->status != Status::Ok) return "-";
       if (const auto ratio = finite_ratio(static_cast<double>(row.peak_tensor_bytes),
                                           static_cast<double>(baseline->peak_tensor_bytes)))
-        return printf_string("%.3f×", *ratio);
+        return format_number("%.3f×", *ratio);
       return "-";
     case TableMetric::Gflops: {
       const auto share = finite_ratio(100.0 * row.gflops_per_s, fma_peak_for_threads(context, row.threads));
-      return printf_string("%.1f", row.gflops_per_s) + (share ? printf_string(" (%.0f%%)", *share) : "");
+      return format_number("%.1f", row.gflops_per_s) + (share ? format_number(" (%.0f%%)", *share) : "");
     }
     case TableMetric::State:
-      return row.pass == Pass::Decode ? printf_string("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0))
+      return row.pass == Pass::Decode ? format_number("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0))
                                       : "-";
     case TableMetric::Crossover:
     case TableMetric::Front:
@@ -185,14 +179,14 @@ std::string first_class(const std::string& model) {
 
 std::string time_cell(const ResultRow& row) {
   if (row.status != Status::Ok) return "";
-  return (row.pass == Pass::Decode ? printf_string("%.1f", row.median_ns * 1e-3)
-                                   : printf_string("%.3f", row.median_ns * 1e-6)) +
+  return (row.pass == Pass::Decode ? format_number("%.1f", row.median_ns * 1e-3)
+                                   : format_number("%.3f", row.median_ns * 1e-6)) +
          (row.unstable ? "~" : "") + (row.contended ? "!" : "");
 }
 
 std::string memory_cell(const ResultRow& row) {
   if (row.status != Status::Ok) return "";
-  return printf_string("%.1f", static_cast<double>(row.peak_tensor_bytes) / (1024.0 * 1024.0));
+  return format_number("%.1f", static_cast<double>(row.peak_tensor_bytes) / (1024.0 * 1024.0));
 }
 
 std::vector<TableGroup> table_groups(const Report& report, const std::string& baseline) {
