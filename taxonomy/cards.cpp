@@ -25,6 +25,7 @@ constexpr ClassNames kClassNames[] = {
     {ModelClass::Kernels, "kernels", "KR"},
     {ModelClass::Recurrence, "recurrence", "RC"},
     {ModelClass::Downsampling, "downsampling", "DS"},
+    {ModelClass::Sparse, "sparse_models", "Sparse"},
 };
 }  // namespace
 
@@ -51,8 +52,9 @@ bool parse_class(const std::string& name, ModelClass& out) {
 
 const std::vector<ModelClass>& all_classes() {
   static const std::vector<ModelClass> classes = {
-      ModelClass::Exact,   ModelClass::FixedPatterns, ModelClass::LearnablePatterns, ModelClass::Memory,
-      ModelClass::LowRank, ModelClass::Kernels,       ModelClass::Recurrence,        ModelClass::Downsampling};
+      ModelClass::Exact,      ModelClass::FixedPatterns, ModelClass::LearnablePatterns,
+      ModelClass::Memory,     ModelClass::LowRank,       ModelClass::Kernels,
+      ModelClass::Recurrence, ModelClass::Downsampling,  ModelClass::Sparse};
   return classes;
 }
 

@@ -9,8 +9,19 @@
 
 namespace xfb {
 
-// Survey class tags (the survey's letters; DS, downsampling, is the revision's).
-enum class ModelClass { Exact, FixedPatterns, LearnablePatterns, Memory, LowRank, Kernels, Recurrence, Downsampling };
+// Survey class tags (the survey's letters; DS, downsampling, and the sparse models — conditional computation:
+// α-entmax attention and the mixtures of experts that replace the feed-forward layer — are the revision's).
+enum class ModelClass {
+  Exact,
+  FixedPatterns,
+  LearnablePatterns,
+  Memory,
+  LowRank,
+  Kernels,
+  Recurrence,
+  Downsampling,
+  Sparse
+};
 std::string class_name(ModelClass c);    // "fixed_patterns", …: the folder under taxonomy/
 std::string class_letter(ModelClass c);  // "FP", …; "X" for the exact baselines
 bool parse_class(const std::string& name, ModelClass& out);

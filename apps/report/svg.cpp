@@ -51,6 +51,7 @@ std::string class_colour(const std::string& class_name) {
   if (class_name == "kernels") return "#d62728";
   if (class_name == "recurrence") return "#8c564b";
   if (class_name == "downsampling") return "#17becf";
+  if (class_name == "sparse_models") return "#bcbd22";
   return "#999999";
 }
 
@@ -88,6 +89,8 @@ std::string class_marker(const std::string& class_name) {
       return "M-1.6,-5h3.2v3.4h3.4v3.2h-3.4v3.4h-3.2v-3.4h-3.4v-3.2h3.4Z";
     case ModelClass::Downsampling:  // hexagon
       return "M5,0L2.5,4.33L-2.5,4.33L-5,0L-2.5,-4.33L2.5,-4.33Z";
+    case ModelClass::Sparse:  // four-pointed star
+      return "M0,-5.5L1.5,-1.5L5.5,0L1.5,1.5L0,5.5L-1.5,1.5L-5.5,0L-1.5,-1.5Z";
   }
   return "";
 }

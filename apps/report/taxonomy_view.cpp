@@ -53,7 +53,8 @@ std::string markdown() {
         << (m->decode_note.empty() ? "" : " (" + m->decode_note + ")") << " | " << letters(*m) << " | "
         << (m->has_implementation ? "yes" : "no") << " |\n";
   out << "\nClasses: FP fixed patterns, LP learnable patterns, M memory, LR low rank, KR kernels, RC recurrence, DS "
-         "downsampling (the revision's); X the exact baselines. Decode: the model supports causal (autoregressive) "
+         "downsampling and Sparse the sparse models (conditional computation; both the revision's); X the exact "
+         "baselines. Decode: the model supports causal (autoregressive) "
          "attention.\n";
   return out.str();
 }
@@ -92,7 +93,7 @@ struct Region {
 };
 
 // Figure-2-like layout: FP overlaps M, LP overlaps LR, KR and RC stand alone; the revision's DS
-// overlaps FP and M from above.
+// overlaps FP and M from above; the revision's sparse models stand alone, top right.
 const std::vector<Region>& regions() {
   static const std::vector<Region> layout = {
       {ModelClass::Downsampling, 450, 200, 260, 110, 450, 115},
@@ -102,6 +103,7 @@ const std::vector<Region>& regions() {
       {ModelClass::LearnablePatterns, 300, 710, 200, 130, 240, 630},
       {ModelClass::LowRank, 560, 710, 200, 130, 640, 630},
       {ModelClass::Kernels, 900, 710, 130, 120, 900, 640},
+      {ModelClass::Sparse, 960, 165, 125, 95, 960, 95},
   };
   return layout;
 }
@@ -126,6 +128,7 @@ const std::vector<Anchor>& anchors() {
       {{C::LearnablePatterns, C::LowRank}, 430, 725},
       {{C::LowRank}, 640, 720},
       {{C::Kernels}, 900, 720},
+      {{C::Sparse}, 960, 175},
       {{C::Exact}, 90, 898},
   };
   return list;
