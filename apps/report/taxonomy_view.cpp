@@ -92,18 +92,18 @@ struct Region {
   double label_x, label_y;
 };
 
-// Figure-2-like layout: FP overlaps M, LP overlaps LR, KR and RC stand alone; the revision's DS
-// overlaps FP and M from above; the revision's sparse models stand alone, top right.
+// Figure-2-like layout: FP overlaps M and (for Long-Short) LR from above, LR overlaps LP, KR and RC stand alone;
+// the revision's DS overlaps FP and M from above, its sparse models stand alone, top right.
 const std::vector<Region>& regions() {
   static const std::vector<Region> layout = {
       {ModelClass::Downsampling, 450, 200, 260, 110, 450, 115},
       {ModelClass::FixedPatterns, 300, 400, 230, 170, 190, 340},
       {ModelClass::Memory, 600, 400, 230, 170, 710, 340},
       {ModelClass::Recurrence, 970, 400, 115, 110, 970, 335},
-      {ModelClass::LearnablePatterns, 300, 710, 200, 130, 240, 630},
-      {ModelClass::LowRank, 560, 710, 200, 130, 640, 630},
-      {ModelClass::Kernels, 900, 710, 130, 120, 900, 640},
-      {ModelClass::Sparse, 960, 165, 125, 95, 960, 95},
+      {ModelClass::LowRank, 320, 670, 200, 150, 190, 610},
+      {ModelClass::LearnablePatterns, 600, 720, 200, 130, 690, 645},
+      {ModelClass::Kernels, 950, 720, 120, 120, 950, 650},
+      {ModelClass::Sparse, 960, 165, 125, 95, 960, 120},
   };
   return layout;
 }
@@ -124,24 +124,25 @@ const std::vector<Anchor>& anchors() {
       {{C::FixedPatterns, C::Memory}, 450, 420},
       {{C::Memory}, 700, 410},
       {{C::Recurrence}, 970, 410},
-      {{C::LearnablePatterns}, 240, 720},
-      {{C::LearnablePatterns, C::LowRank}, 430, 725},
-      {{C::LowRank}, 640, 720},
-      {{C::Kernels}, 900, 720},
+      {{C::FixedPatterns, C::LowRank}, 330, 550},
+      {{C::LowRank}, 230, 700},
+      {{C::LearnablePatterns, C::LowRank}, 465, 720},
+      {{C::LearnablePatterns}, 660, 730},
+      {{C::Kernels}, 950, 725},
       {{C::Sparse}, 960, 175},
-      {{C::Exact}, 90, 898},
+      {{C::Exact}, 90, 918},
   };
   return list;
 }
 
 std::string svg_diagram() {
-  constexpr double width = 1100, height = 940, line = 16;
+  constexpr double width = 1100, height = 960, line = 16;
   std::ostringstream out;
   out << svg::open_document(width, height, "Efficient Transformers: a taxonomy (xfbench registry)");
   out << "<text class=\"title\" x=\"20\" y=\"30\">Efficient attention models by class, after Tay et al., "
          "Efficient Transformers: A Survey, Figure 2</text>\n";
   out << "<text class=\"note\" x=\"20\" y=\"50\">from the xfbench registry; bold: implemented in this build; grey: "
-         "not implemented; DS and the models marked \u2020 are the revision's (2022)</text>\n";
+         "not implemented; DS, Sparse and the models marked \u2020 are the revision's (2022)</text>\n";
   for (const auto& r : regions()) {
     const std::string colour = svg::class_colour(class_name(r.cls));
     out << "<ellipse class=\"class-region\" data-class=\"" << class_name(r.cls) << "\" cx=\"" << num(r.cx) << "\" cy=\""
@@ -151,10 +152,10 @@ std::string svg_diagram() {
         << num(r.label_y) << "\" text-anchor=\"middle\" font-size=\"14\" font-weight=\"bold\" style=\"fill:" << colour
         << "\">" << escape(svg::class_title(class_name(r.cls))) << "</text>\n";
   }
-  out << "<rect class=\"class-region\" data-class=\"exact\" x=\"20\" y=\"850\" width=\"500\" height=\"75\" "
+  out << "<rect class=\"class-region\" data-class=\"exact\" x=\"20\" y=\"870\" width=\"500\" height=\"75\" "
          "fill=\"none\" "
          "stroke=\"#404040\" stroke-dasharray=\"6 4\"/>\n<text class=\"class-label\" data-class=\"exact\" x=\"30\" "
-         "y=\"868\" font-size=\"13\" font-weight=\"bold\">exact baselines (not in the survey's taxonomy)</text>\n";
+         "y=\"888\" font-size=\"13\" font-weight=\"bold\">exact baselines (not in the survey's taxonomy)</text>\n";
   std::map<std::vector<ModelClass>, std::vector<const ModelCard*>> placed;
   for (const auto& m : model_cards()) {
     auto classes = m.classes;
@@ -184,7 +185,7 @@ std::string svg_diagram() {
         y += line;
     }
   }
-  out << "<text class=\"note\" x=\"560\" y=\"910\">* in neither version of the survey's Table 1 (LRA's local "
+  out << "<text class=\"note\" x=\"560\" y=\"930\">* in neither version of the survey's Table 1 (LRA's local "
          "attention, the exact baselines)</text>\n";
   out << "</svg>\n";
   return out.str();
