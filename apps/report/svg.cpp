@@ -59,11 +59,13 @@ std::string series_colour(std::size_t index) {
   // Picked greedily from OKLCH colours of lightness 0.4-0.7 at the gamut's chroma (hue in 6° steps):
   // each next colour is the one farthest (in OKLab) from those already taken, the distance being the
   // least of normal vision's and, weighted 3×, simulated protanopia's and deuteranopia's (Machado et
-  // al., 2009). All 28 are ≥ 0.08 apart in OKLab; the first 12 stay ≥ 0.05 apart for either dichromacy.
+  // al., 2009). All 36 are ≥ 0.077 apart by that distance (≥ 0.079 for normal vision alone); the first 12 stay
+  // ≥ 0.05 apart for either dichromacy. The last 8 came from tools/palette.py, which keeps the first 28.
   static const char* const palette[kPaletteSize] = {
-      "#303030", "#f360b4", "#37bc40", "#217bf4", "#af2f00", "#902cab", "#007650", "#9d7c00", "#00b1cf", "#b17eff",
-      "#83004e", "#004885", "#ef7a00", "#6b3900", "#5418a5", "#dc3860", "#4b4cd1", "#009390", "#006d8f", "#c444ac",
-      "#9e56dc", "#005630", "#ff6170", "#b00d6b", "#00b998", "#0089c9", "#00515c", "#d96be3"};
+      "#303030", "#f360b4", "#37bc40", "#217bf4", "#af2f00", "#902cab", "#007650", "#9d7c00", "#00b1cf",
+      "#b17eff", "#83004e", "#004885", "#ef7a00", "#6b3900", "#5418a5", "#dc3860", "#4b4cd1", "#009390",
+      "#006d8f", "#c444ac", "#9e56dc", "#005630", "#ff6170", "#b00d6b", "#00b998", "#0089c9", "#00515c",
+      "#d96be3", "#7e00fb", "#e100f4", "#2500d1", "#685d00", "#96a000", "#f00092", "#009142", "#ec4200"};
   return palette[index % kPaletteSize];
 }
 

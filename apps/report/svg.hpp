@@ -13,7 +13,7 @@ std::string num(double value);
 std::string class_colour(const std::string& class_name);
 // Series colours of a plot: a qualitative palette of kPaletteSize colours for a white background,
 // ordered so that any first k are as far apart as the palette allows; index wraps around.
-inline constexpr std::size_t kPaletteSize = 28;
+inline constexpr std::size_t kPaletteSize = 36;
 std::string series_colour(std::size_t index);
 // The marker of a survey class: an SVG path around the origin (radius about 5), one shape per class
 // and filled, so one marker can be told from another by shape alone; a cross if unknown.
