@@ -1,5 +1,6 @@
 #include "apps/bench/system_info.hpp"
 
+#include <immintrin.h>
 #include <omp.h>
 #include <unistd.h>
 
@@ -120,6 +121,24 @@ __attribute__((target("avx512f,fma"), noinline)) double fma_chains_512(long iter
   return 2.0 * 16 * 12 * static_cast<double>(iterations);
 }
 
+// 12 independent chains of vdpbf16ps (AVX512_BF16): each instruction multiplies 32 bf16 pairs and adds
+// them pairwise into 16 fp32 lanes, 64 FLOPs (a multiply-add counts 2, as everywhere).
+__attribute__((target("avx512f,avx512bf16"), noinline)) double bf16_dot_chains(long iterations, float* sink) {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i) * 1e-3f);
+  const __m512bh one = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3f80));   // bf16 1.0
+  const __m512bh tiny = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3380));  // bf16 2⁻²⁴
+  for (long it = 0; it < iterations; ++it)
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], one, tiny);
+  __m512 total = _mm512_setzero_ps();
+  for (int i = 0; i < 12; ++i) total = _mm512_add_ps(total, acc[i]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, total);
+  *sink = lanes[0];
+  return 64.0 * 12 * static_cast<double>(iterations);
+}
+
 // Best of three: GFLOP/s of `chains` on every thread at once.
 double fma_peak(int threads, double (*chains)(long, float*)) {
   double best = 0;
@@ -167,6 +186,7 @@ nlohmann::json machine_figures(const MachineMeasurement& m) {
   return {{"fma_peak_gflops", m.fma_peak_gflops},
           {"fma_peak_256_gflops", m.fma_peak_256_gflops},
           {"fma_peak_512_gflops", m.fma_peak_512_gflops},
+          {"bf16_dot_peak_gflops", m.bf16_dot_peak_gflops},
           {"triad_bandwidth_gbs", m.triad_bandwidth_gbs}};
 }
 
@@ -176,6 +196,7 @@ MachineMeasurement measure_machine(int threads) {
     m.fma_peak_256_gflops = fma_peak(threads, fma_chains);
   if (__builtin_cpu_supports("avx512f")) m.fma_peak_512_gflops = fma_peak(threads, fma_chains_512);
   m.fma_peak_gflops = std::max(m.fma_peak_256_gflops, m.fma_peak_512_gflops);
+  if (__builtin_cpu_supports("avx512bf16")) m.bf16_dot_peak_gflops = fma_peak(threads, bf16_dot_chains);
   const std::int64_t n = 16 * 1024 * 1024;  // 64 MiB per array
   Tensor a(Shape{n}), b(Shape{n}), c(Shape{n});
   b.fill(1.0f);

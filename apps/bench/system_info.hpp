@@ -1,6 +1,7 @@
 #pragma once
 // The context every report carries: machine, ISA, threads, oneDNN, compiler, build, commit, time.
-// `measure_machine` adds this machine's fp32 FMA peak and memory bandwidth (a few seconds).
+// `measure_machine` adds this machine's fp32 FMA peak, its bf16 dot-product peak and memory bandwidth
+// (a few seconds).
 #include <cstdint>
 #include <string>
 
@@ -18,6 +19,9 @@ struct MachineMeasurement {
   double fma_peak_gflops = 0;      // the highest of the two below: this machine's fp32 FMA peak
   double fma_peak_256_gflops = 0;  // all threads, 12 independent 8-float FMA chains per thread
   double fma_peak_512_gflops = 0;  // the same with 16-float (512-bit) vectors; 0 without AVX-512
+  // All threads, 12 independent vdpbf16ps chains (bf16 products, fp32 sums) per thread: the peak bf16
+  // points are quoted against; 0 without AVX512_BF16.
+  double bf16_dot_peak_gflops = 0;
   double triad_bandwidth_gbs = 0;  // STREAM triad a = b + s·c over 3×64 MiB arrays
 };
 MachineMeasurement measure_machine(int threads);

@@ -87,7 +87,7 @@ std::optional<double> finite_ratio(double numerator, double denominator);
 // The machine figures a context carries when measured (apps/bench/system_info.hpp's
 // MachineMeasurement), top level or per thread count under `machine_by_threads`.
 inline constexpr const char* kMachineFigureFields[] = {"fma_peak_gflops", "fma_peak_256_gflops", "fma_peak_512_gflops",
-                                                       "triad_bandwidth_gbs"};
+                                                       "bf16_dot_peak_gflops", "triad_bandwidth_gbs"};
 
 // The measured FMA peak (GFLOP/s) a row that ran on `threads` threads is quoted against: the
 // context's `machine_by_threads` entry for that count, else `fma_peak_gflops` when the context ran

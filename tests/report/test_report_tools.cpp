@@ -12,6 +12,7 @@
 #include "apps/bench/ab.hpp"
 #include "apps/bench/presets.hpp"
 #include "apps/bench/sweep.hpp"
+#include "apps/bench/system_info.hpp"
 #include "apps/report/compare.hpp"
 #include "apps/report/complexity.hpp"
 #include "apps/report/lra.hpp"
@@ -381,6 +382,22 @@ TEST_SUITE("report_tools") {
     Report other_settings = b;
     other_settings.settings["min_reps"] = 32;
     CHECK_THROWS_WITH_AS(merge_reports({{"a.json", a}, {"b.json", other_settings}}), doctest::Contains("min_reps"),
+                         InputError);
+  }
+
+  TEST_CASE("the machine figures a measurement records are the ones the reader checks and merge carries") {
+    MachineMeasurement m;
+    m.fma_peak_gflops = m.fma_peak_512_gflops = 100;
+    m.bf16_dot_peak_gflops = 180;
+    const nlohmann::json figures = machine_figures(m);
+    std::set<std::string> written, listed(std::begin(kMachineFigureFields), std::end(kMachineFigureFields));
+    for (const auto& [field, value] : figures.items()) written.insert(field);
+    CHECK(written == listed);
+    CHECK(figures["bf16_dot_peak_gflops"] == 180.0);
+    Report report = report_of({make_row("vanilla", 64, noisy(1e6))});
+    report.context.update(figures);
+    report.context["bf16_dot_peak_gflops"] = "fast";
+    CHECK_THROWS_WITH_AS(report_from_json(report_to_json(report)), doctest::Contains("bf16_dot_peak_gflops"),
                          InputError);
   }
 
