@@ -126,35 +126,30 @@ void ClusterFormerAttention::fit_centroids() {
   }
 }
 
-// The thread's affinity block [count, ld(p)]: a = x·μ_cᵀ − ½‖μ_c‖² for `count` ≤ 256 rows x of
-// head index h. Returns the offsets' FLOPs (ops::gemm counts the product).
-std::int64_t ClusterFormerAttention::affinities(const float* rows, std::int64_t count, std::int64_t h, int thread) {
-  const std::int64_t d = p_.head_dim, cl = clusters_;
-  float* a = affinity_.data() + thread * affinity_block(p_.seq_len) * affinity_ld_;
+// nearest[i] = argmax_c (x_i·μ_c − ½‖μ_c‖²) (first maximum wins) for `count` rows x of head index
+// h, a block of ≤ 256 rows at a time: the products x·μᵀ into the thread's affinity block [block,
+// ld(p)] (ops::gemm counts them), then per row the largest score (a vector max) and the first
+// centroid reaching it. Returns the offsets' FLOPs, count·p.
+std::int64_t ClusterFormerAttention::nearest_centroids(const float* rows, std::int64_t count, std::int64_t h,
+                                                       std::int32_t* nearest, int thread) {
+  const std::int64_t d = p_.head_dim, cl = clusters_, block = affinity_block(p_.seq_len);
+  float* a = affinity_.data() + thread * block * affinity_ld_;
   const float* mu = centroids_.data() + h * cl * d;
   const float* offsets = half_norms_.data() + h * cl;
-  ops::gemm(false, true, count, cl, d, 1.0f, rows, d, mu, d, 0.0f, a, affinity_ld_);
-  for (std::int64_t r = 0; r < count; ++r) {
-    float* row = a + r * affinity_ld_;
-#pragma omp simd
-    for (std::int64_t c = 0; c < cl; ++c) row[c] -= offsets[c];
-  }
-  return count * cl;
-}
-
-// nearest[i] = argmax_c (x_i·μ_c − ½‖μ_c‖²) (first maximum wins) for `count` rows of head index h.
-void ClusterFormerAttention::nearest_centroids(const float* rows, std::int64_t count, std::int64_t h,
-                                               std::int32_t* nearest, int thread) {
-  const std::int64_t d = p_.head_dim, block = affinity_block(p_.seq_len);
-  const float* a = affinity_.data() + thread * block * affinity_ld_;
   for (std::int64_t first = 0; first < count; first += block) {
     const std::int64_t size = std::min(block, count - first);
-    affinities(rows + first * d, size, h, thread);
+    ops::gemm(false, true, size, cl, d, 1.0f, rows + first * d, d, mu, d, 0.0f, a, affinity_ld_);
     for (std::int64_t r = 0; r < size; ++r) {
       const float* row = a + r * affinity_ld_;
-      nearest[first + r] = static_cast<std::int32_t>(std::max_element(row, row + clusters_) - row);
+      float peak = row[0] - offsets[0];
+#pragma omp simd reduction(max : peak)
+      for (std::int64_t c = 0; c < cl; ++c) peak = std::max(peak, row[c] - offsets[c]);
+      std::int64_t best = 0;
+      while (best + 1 < cl && row[best] - offsets[best] != peak) ++best;
+      nearest[first + r] = static_cast<std::int32_t>(best);
     }
   }
+  return count * cl;
 }
 
 std::vector<std::int32_t> ClusterFormerAttention::token_clusters(std::int64_t b, std::int64_t h) const {
@@ -173,7 +168,7 @@ std::int64_t ClusterFormerAttention::assign_and_sort(const Tensor& k, std::int64
   std::int32_t* cluster = token_clusters_.data() + head * n;
   std::int32_t* order = order_.data() + head * n;
   std::int32_t* start = counts_.data() + thread * (cl + 1);
-  nearest_centroids(k.data() + head * n * d, n, head % p_.heads, cluster, thread);
+  const std::int64_t flops = nearest_centroids(k.data() + head * n * d, n, head % p_.heads, cluster, thread);
   std::fill(start, start + cl + 1, 0);
   for (std::int64_t i = 0; i < n; ++i) ++start[cluster[i] + 1];
   for (std::int64_t c = 0; c < cl; ++c) start[c + 1] += start[c];
@@ -184,7 +179,7 @@ std::int64_t ClusterFormerAttention::assign_and_sort(const Tensor& k, std::int64
     assigned[i] = static_cast<float>(cluster[i]);
     permuted[i] = static_cast<float>(order[i]);
   }
-  return n * cl;
+  return flops;
 }
 
 void ClusterFormerAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {

@@ -82,8 +82,8 @@ class ClusterFormerAttention final : public Mechanism {
 
  private:
   void fit_centroids();
-  std::int64_t affinities(const float* rows, std::int64_t count, std::int64_t h, int thread);
-  void nearest_centroids(const float* rows, std::int64_t count, std::int64_t h, std::int32_t* nearest, int thread);
+  std::int64_t nearest_centroids(const float* rows, std::int64_t count, std::int64_t h, std::int32_t* nearest,
+                                 int thread);
   std::int64_t assign_and_sort(const Tensor& k, std::int64_t head, int thread);
   void gather_chunk(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head, std::int64_t first,
                     std::int64_t rows, int thread);
