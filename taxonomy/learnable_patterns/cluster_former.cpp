@@ -33,7 +33,8 @@ std::int64_t affinity_block(std::int64_t n) { return std::clamp<std::int64_t>(n,
 // Rows of chunk `chunk` of the sorted order.
 std::int64_t chunk_rows(std::int64_t n, std::int64_t c, std::int64_t chunk) { return std::min(c, n - chunk * c); }
 
-// Float counts of the workspace: kept through prepare, only while fitting, and after fitting.
+// 4-byte element counts (floats and int32) of the workspace: kept through prepare, only while
+// fitting, and after fitting (the peak is kept + the larger of the other two).
 struct ForwardElements {
   std::int64_t kept, fitting, after;
 };
