@@ -22,6 +22,7 @@
 #include "taxonomy/fixed_patterns/sparse_transformer.hpp"
 #include "taxonomy/kernels/linear_transformer.hpp"
 #include "taxonomy/kernels/performer.hpp"
+#include "taxonomy/learnable_patterns/cluster_former.hpp"
 #include "taxonomy/learnable_patterns/reformer.hpp"
 #include "taxonomy/learnable_patterns/routing.hpp"
 #include "taxonomy/learnable_patterns/sinkhorn.hpp"
@@ -271,6 +272,15 @@ void for_each_row(Row&& row) {
                                   .arxiv = "2106.11297",
                                   .year = 2021,
                                   .revision = true});
+  row(model<ClusterFormerConfig>, {.name = "cluster-former",
+                                   .display_name = "Cluster-Former",
+                                   .classes = {C::LearnablePatterns},
+                                   .complexity = "O(N log N)",
+                                   .decode_cost = "",
+                                   .paper = "Wang et al. 2021",
+                                   .arxiv = "2009.06097",
+                                   .year = 2021,
+                                   .revision = true});
 }
 
 }  // namespace xfb
