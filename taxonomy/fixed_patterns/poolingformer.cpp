@@ -111,7 +111,7 @@ class Poolingformer final : public Mechanism {
       pooled_k_ = Tensor::bhnd(p_.batch, p_.heads, l_.pooled, d);
       pooled_v_ = Tensor::bhnd(p_.batch, p_.heads, l_.pooled, d);
     }
-    level_two_ = Tensor(Shape{p_.threads, l_.tile, d});
+    if (l_.both()) level_two_ = Tensor(Shape{p_.threads, l_.tile, d});
     const std::int64_t scores = score_capacity(l_, tasks_);
     kernels_.clear();
     for (std::int64_t t = 0; t < p_.threads; ++t) kernels_.emplace_back(scores, 0, d);
@@ -324,7 +324,8 @@ std::int64_t flops(const Problem& p, const PoolingformerConfig& c) {
 std::int64_t workspace(const Problem& p, const PoolingformerConfig& c) {
   const Layout l(p, c);
   const std::int64_t d = p.head_dim;
-  const std::int64_t floats = (l.pool ? 2 * p.batch * p.heads * l.pooled * d : 0) + p.threads * l.tile * d;
+  const std::int64_t floats =
+      (l.pool ? 2 * p.batch * p.heads * l.pooled * d : 0) + (l.both() ? p.threads * l.tile * d : 0);
   return floats * static_cast<std::int64_t>(sizeof(float)) +
          p.threads * TileAttention::bytes(score_capacity(l, tasks_of(l, p.heads)), 0, d);
 }

@@ -185,6 +185,26 @@ TEST_SUITE("poolingformer") {
     }
   }
 
+  TEST_CASE("every level setting: executed FLOPs equal the formulas and the workspace estimates are exact") {
+    const ModelInfo& info = *find_model("poolingformer");
+    for (const char* levels : {"both", "window", "pooled"})
+      for (std::int64_t n : {1, 37, 100, 300}) {
+        const Case c{.window = 16, .pool_window = 40, .kernel = 5, .stride = 3, .levels = levels, .tile = 16};
+        const Problem p = on_test_threads({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false});
+        const ParamValues values = resolve_params("poolingformer", info.impl.params, c.params());
+        CAPTURE(c.describe(p));
+        for (Pass pass : {Pass::Forward, Pass::Train}) {
+          PointConfig point = counter_point("poolingformer", p, c.params());
+          point.pass = pass;
+          const ResultRow row = run_point(point);
+          REQUIRE(row.status == Status::Ok);
+          const std::int64_t forward = info.impl.flops(p, values);
+          CHECK(row.flops == (pass == Pass::Forward ? forward : forward + info.impl.backward_flops(p, values)));
+          CHECK(row.peak_owned_bytes - point_io_bytes(point) == row.estimated_workspace_bytes);
+        }
+      }
+  }
+
   TEST_CASE("a level-2 window too short to hold a pooled row is a parameter error") {
     const Problem p{.batch = 1, .heads = 2, .seq_len = 64, .head_dim = 8, .causal = false};
     CHECK_THROWS_AS(validate_point(counter_point("poolingformer", p, {"pool_window=5", "stride=4"})), ParamError);
