@@ -27,6 +27,7 @@ struct Layout {
   std::int64_t pooled = 0;          // M = ⌈N/ξ⌉
   std::int64_t tile = 0;            // query rows per tile
   bool window = true, pool = true;  // which levels run
+  bool stacked = false;             // level 2's query is level 1's output y (pooled_query=window_output)
 
   Layout(const Problem& p, const PoolingformerConfig& c)
       : tokens(p.seq_len),
@@ -37,7 +38,8 @@ struct Layout {
         pooled((p.seq_len + c.stride - 1) / c.stride),
         tile(c.tile),
         window(c.levels != "pooled"),
-        pool(c.levels != "window") {}
+        pool(c.levels != "window"),
+        stacked(c.pooled_query == "window_output") {}
 
   bool both() const { return window && pool; }
   // c_m, the tokens averaged into pooled row m (≥ 1: m·ξ < N).
@@ -137,8 +139,8 @@ class Poolingformer final : public Mechanism {
           }
           if (l_.pool) {
             plan_pooled(l_, task, tile);
-            flops += kernel.run(tile, query, d, pooled_k_.head(b, task.head), pooled_v_.head(b, task.head), z, d, false,
-                                lse_at(lse_pooled_, head, task));
+            flops += kernel.run(tile, l_.stacked ? y : query, d, pooled_k_.head(b, task.head),
+                                pooled_v_.head(b, task.head), z, d, false, lse_at(lse_pooled_, head, task));
           }
           if (l_.both()) {
             const std::int64_t count = task.rows * d;
@@ -161,6 +163,7 @@ class Poolingformer final : public Mechanism {
       pooled_grads_ = Tensor(Shape{p_.threads, 2, l_.pooled, d});
     }
     if (l_.both()) saved_y_ = Tensor::bhnd(p_.batch, p_.heads, n, d);
+    if (l_.stacked) window_grads_ = Tensor(Shape{p_.threads, l_.tile, d});
     deltas_ = Tensor(Shape{p_.threads, 2, n});
     ranges_ = fixed::task_ranges_by_head(tasks_, p_.heads);
   }
@@ -197,6 +200,21 @@ class Poolingformer final : public Mechanism {
                                .dout = g.dout + task.start * d,
                                .dq = g.dq + task.start * d,
                                .ld = d};
+        if (l_.pool) {
+          plan_pooled(l_, task, tile);
+          fixed::TileGrads pooled = grads;
+          pooled.lse = lse_pooled_.data() + head * n + task.start;
+          pooled.delta = delta + task.start;
+          pooled.dk = dk_pooled;
+          pooled.dv = dv_pooled;
+          if (l_.stacked) {  // the query is y: its gradient joins dO as level 1's output gradient
+            pooled.q = saved_y_.data() + offset + task.start * d;
+            pooled.dq = window_grads_.data() + thread * l_.tile * d;
+            std::fill_n(pooled.dq, task.rows * d, 0.0f);
+          }
+          flops += kernel.backward(tile, pooled, pooled_k_.head(b, h), pooled_v_.head(b, h), false);
+          if (l_.stacked) flops += window_output_grads(task, pooled.dq, grads, delta_window, offset);
+        }
         if (l_.window) {
           plan_window(l_, task, tile);
           grads.lse = lse_window_.data() + head * n + task.start;
@@ -204,14 +222,6 @@ class Poolingformer final : public Mechanism {
           grads.dk = g.dk;
           grads.dv = g.dv;
           flops += kernel.backward(tile, grads, k.data() + offset, v.data() + offset, false);
-        }
-        if (l_.pool) {
-          plan_pooled(l_, task, tile);
-          grads.lse = lse_pooled_.data() + head * n + task.start;
-          grads.delta = delta + task.start;
-          grads.dk = dk_pooled;
-          grads.dv = dv_pooled;
-          flops += kernel.backward(tile, grads, pooled_k_.head(b, h), pooled_v_.head(b, h), false);
         }
       }
       if (l_.pool) flops += unpool(dk_pooled, g.dk) + unpool(dv_pooled, g.dv);
@@ -235,6 +245,19 @@ class Poolingformer final : public Mechanism {
  private:
   float* lse_at(Tensor& lse, std::int64_t head, const Task& task) const {
     return lse.empty() ? nullptr : lse.data() + head * p_.seq_len + task.start;
+  }
+
+  // Stacked levels: level 1's output gradient for a tile's rows is dY = dO + dq₂ (written into dq2,
+  // which `grads` then reads as its dout) and δ₁ = dY·y. Returns the FLOPs (3·rows·D).
+  std::int64_t window_output_grads(const Task& task, float* dq2, fixed::TileGrads& grads, float* delta_window,
+                                   std::int64_t offset) const {
+    const std::int64_t d = p_.head_dim, count = task.rows * d;
+    const float* dout = grads.dout;
+#pragma omp simd
+    for (std::int64_t e = 0; e < count; ++e) dq2[e] += dout[e];
+    grads.dout = dq2;
+    return count + block_sparse::row_dots(dq2, saved_y_.data() + offset + task.start * d, task.rows, d,
+                                          delta_window + task.start);
   }
 
   // K̄, V̄ of every head: row m = (1/c_m)·Σ of the token rows [m·ξ, m·ξ + c_m). 2·D·Σ c_m FLOPs per head.
@@ -281,12 +304,15 @@ class Poolingformer final : public Mechanism {
   std::vector<TileAttention> kernels_;
   // Training only (prepare_backward).
   Tensor lse_window_, lse_pooled_, saved_y_, deltas_, pooled_grads_;
+  Tensor window_grads_;  // stacked: dY of a tile per thread [threads, tile, D]
   std::vector<std::size_t> ranges_;
 };
 
 }  // namespace
 
 void validate(const Problem&, const PoolingformerConfig& c) {
+  if (c.pooled_query == "window_output" && c.levels != "both")
+    throw ParamError("poolingformer: pooled_query=window_output needs levels=both (level 2 reads level 1's output)");
   if (c.levels != "window" && c.pool_window / 2 + 1 < c.stride)
     throw ParamError(
         "poolingformer: pool_window/2 + 1 must be at least the stride (" + std::to_string(c.stride) +
@@ -336,6 +362,7 @@ std::int64_t backward_flops(const Problem& p, const PoolingformerConfig& c) {
   std::int64_t total = p.heads * 2 * n * d;                       // δ = dO·out
   if (l.both()) total += p.heads * (2 * n * d + n);               // δ₁ = dO·y, δ₂ = δ − δ₁
   if (l.pool) total += p.heads * 2 * 2 * d * l.pooled_members();  // spreading dK̄, dV̄ back
+  if (l.stacked) total += p.heads * 3 * n * d;                    // dY = dO + dq₂, δ₁ = dY·y
   TilePattern tile;
   const auto tasks = tasks_of(l, p.heads);
   for_each_level(l, [&](auto plan) {
@@ -354,6 +381,7 @@ std::int64_t backward_workspace(const Problem& p, const PoolingformerConfig& c) 
   if (l.window) floats += heads * n;
   if (l.pool) floats += heads * n + threads * 2 * l.pooled * d;
   if (l.both()) floats += heads * n * d;
+  if (l.stacked) floats += threads * l.tile * d;
   return floats * static_cast<std::int64_t>(sizeof(float)) +
          threads * TileAttention::backward_bytes(score_capacity(l, tasks_of(l, p.heads)), 0, d);
 }
@@ -368,6 +396,9 @@ FieldTable<PoolingformerConfig> config_fields(const PoolingformerConfig*) {
           choice_field("levels", &PoolingformerConfig::levels,
                        {{"both", "both"}, {"window", "window"}, {"pooled", "pooled"}},
                        "levels summed: both, the window alone or the pooled level alone"),
+          choice_field("pooled_query", &PoolingformerConfig::pooled_query,
+                       {{"input", "input"}, {"window_output", "window_output"}},
+                       "level-2 query: the input q (levels in parallel) or level 1's output y (stacked)"),
           int_field("tile", &PoolingformerConfig::tile, 1, 1024, "query rows per computed tile (implementation)")};
 }
 

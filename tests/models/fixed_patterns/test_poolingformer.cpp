@@ -28,12 +28,14 @@ struct Case {
   std::int64_t window = 128, pool_window = 512, kernel = 5, stride = 4;
   std::string levels = "both";
   std::int64_t tile = 64;
+  std::string pooled_query = "input";
   std::vector<std::string> params() const {
     return {"window=" + std::to_string(window),
             "pool_window=" + std::to_string(pool_window),
             "kernel=" + std::to_string(kernel),
             "stride=" + std::to_string(stride),
             "levels=" + levels,
+            "pooled_query=" + pooled_query,
             "tile=" + std::to_string(tile)};
   }
   std::string describe(const Problem& p) const {
@@ -68,15 +70,17 @@ ModelReference reference(const Problem& p, const Case& c) {
       const double *q = x.at("q").data() + head * n * d, *k = x.at("k").data() + head * n * d,
                    *v = x.at("v").data() + head * n * d;
       double* o = out.data() + head * n * d;
+      std::vector<double> y;
       if (c.levels != "pooled") {
-        const auto y = reference_attention(
-            q, k, v, n, n, d, scale, [&](std::int64_t i, std::int64_t j) { return std::abs(i - j) <= c.window / 2; });
+        y = reference_attention(q, k, v, n, n, d, scale,
+                                [&](std::int64_t i, std::int64_t j) { return std::abs(i - j) <= c.window / 2; });
         for (std::size_t e = 0; e < y.size(); ++e) o[e] += y[e];
       }
       if (c.levels != "window") {
         const auto keys = mean_pooled(k, n, d, c), values = mean_pooled(v, n, d, c);
+        const double* query = c.pooled_query == "window_output" ? y.data() : q;
         const auto z = reference_attention(
-            q, keys.data(), values.data(), n, pooled_rows, d, scale,
+            query, keys.data(), values.data(), n, pooled_rows, d, scale,
             [&](std::int64_t i, std::int64_t m) { return std::abs(m * c.stride - i) <= c.pool_window / 2; });
         for (std::size_t e = 0; e < z.size(); ++e) o[e] += z[e];
       }
@@ -94,6 +98,28 @@ NamedValues widened_inputs(const AttentionInputs& in) {
 // Every element of every head against the reference. Tolerance: the fp32 attention tolerance of the
 // head's raw q, k, v per level summed. A pooled row is a convex combination of raw rows, so its
 // scores and values are bounded by the raw ones; its κ-term sums add κ·eps relative to max|v|.
+// Stacked, level 2 has its own tolerance on the query y, plus level 1's error e_y carried through:
+// |∂z_f/∂y|₁ ≤ scale·2·max|V̄|·2·max_m ‖K̄_m‖₁, so it adds e_y·4·scale·max|v|·max_t ‖k_t‖₁.
+double stacked_tolerance(const float* q, const float* k, const float* v, const Problem& p, const Case& c,
+                         double window_tolerance) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, pooled_rows = (n + c.stride - 1) / c.stride;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const auto wide_k = widened(k, n * d), wide_v = widened(v, n * d);
+  const auto y = reference_attention(q, k, v, n, n, d, scale,
+                                     [&](std::int64_t i, std::int64_t j) { return std::abs(i - j) <= c.window / 2; });
+  const auto keys = mean_pooled(wide_k.data(), n, d, c), values = mean_pooled(wide_v.data(), n, d, c);
+  const std::vector<float> y_f(y.begin(), y.end()), keys_f(keys.begin(), keys.end()),
+      values_f(values.begin(), values.end());
+  double key_norm = 0.0;
+  for (std::int64_t t = 0; t < n; ++t) {
+    double norm = 0.0;
+    for (std::int64_t f = 0; f < d; ++f) norm += std::fabs(static_cast<double>(k[t * d + f]));
+    key_norm = std::max(key_norm, norm);
+  }
+  return attention_tolerance(y_f.data(), keys_f.data(), values_f.data(), n, pooled_rows, d, scale) +
+         window_tolerance * 4.0 * scale * max_abs(v, n * d) * key_norm;
+}
+
 void check_case(const Problem& p, const Case& c, std::uint64_t seed) {
   const auto in = random_inputs(p, seed);
   const ModelInfo* info = find_model("poolingformer");
@@ -111,8 +137,10 @@ void check_case(const Problem& p, const Case& c, std::uint64_t seed) {
   for (std::int64_t head = 0; head < p.batch * p.heads; ++head) {
     const float *q = in.q.data() + head * per_head, *k = in.k.data() + head * per_head,
                 *v = in.v.data() + head * per_head;
-    const double tolerance = levels * attention_tolerance(q, k, v, n, n, d, scale) +
-                             static_cast<double>(c.kernel) * eps * max_abs(v, per_head);
+    const double raw = attention_tolerance(q, k, v, n, n, d, scale);
+    const double tolerance =
+        (c.pooled_query == "window_output" ? raw + stacked_tolerance(q, k, v, p, c, raw) : levels * raw) +
+        static_cast<double>(c.kernel) * eps * max_abs(v, per_head);
     std::int64_t failures = 0;
     for (std::int64_t e = 0; e < per_head; ++e) {
       const double got = out.data()[head * per_head + e],
@@ -150,6 +178,18 @@ TEST_SUITE("poolingformer") {
           const Case c{.window = 8, .pool_window = 16, .kernel = kernel, .stride = stride, .levels = levels, .tile = 8};
           check_case(p, c, static_cast<std::uint64_t>(n * 31 + kernel * 7 + stride));
         }
+    // Stacked: level 2's query is level 1's output.
+    for (std::int64_t n : {1, 4, 5, 9, 16, 17, 70})
+      for (const auto& [kernel, stride] : std::vector<std::pair<std::int64_t, std::int64_t>>{{5, 4}, {3, 4}, {1, 1}}) {
+        const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 8, .causal = false};
+        const Case c{.window = 8,
+                     .pool_window = 16,
+                     .kernel = kernel,
+                     .stride = stride,
+                     .tile = 8,
+                     .pooled_query = "window_output"};
+        check_case(p, c, static_cast<std::uint64_t>(n * 17 + kernel));
+      }
     // The windows one below and above: odd widths share the reach of the even one below.
     for (std::int64_t window : {7, 9, 0})
       for (std::int64_t pool_window : {15, 17, 6})
@@ -165,6 +205,7 @@ TEST_SUITE("poolingformer") {
       const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false};
       check_case(p, Case{}, static_cast<std::uint64_t>(n));
       check_case(p, Case{.tile = 48}, static_cast<std::uint64_t>(n + 1));
+      check_case(p, Case{.pooled_query = "window_output"}, static_cast<std::uint64_t>(n + 2));
     }
   }
 
@@ -185,11 +226,30 @@ TEST_SUITE("poolingformer") {
     }
   }
 
+  TEST_CASE("stacked levels: gradients through level 1's output as level 2's query") {
+    const Case tiny{
+        .window = 4, .pool_window = 6, .kernel = 3, .stride = 2, .tile = 4, .pooled_query = "window_output"};
+    for (std::int64_t n : {1, 2, 5, 9}) {
+      const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 4, .causal = false};
+      check_composite_gradients("poolingformer", p, tiny.params(), reference(p, tiny), true);
+    }
+    const Case c{.window = 16, .pool_window = 40, .kernel = 5, .stride = 4, .tile = 8, .pooled_query = "window_output"};
+    const Problem p{.batch = 2, .heads = 2, .seq_len = 70, .head_dim = 8, .causal = false};
+    check_composite_gradients("poolingformer", p, c.params(), reference(p, c), false);
+  }
+
   TEST_CASE("every level setting: executed FLOPs equal the formulas and the workspace estimates are exact") {
     const ModelInfo& info = *find_model("poolingformer");
-    for (const char* levels : {"both", "window", "pooled"})
+    for (const auto& [levels, query] : std::vector<std::pair<std::string, std::string>>{
+             {"both", "input"}, {"window", "input"}, {"pooled", "input"}, {"both", "window_output"}})
       for (std::int64_t n : {1, 37, 100, 300}) {
-        const Case c{.window = 16, .pool_window = 40, .kernel = 5, .stride = 3, .levels = levels, .tile = 16};
+        const Case c{.window = 16,
+                     .pool_window = 40,
+                     .kernel = 5,
+                     .stride = 3,
+                     .levels = levels,
+                     .tile = 16,
+                     .pooled_query = query};
         const Problem p = on_test_threads({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false});
         const ParamValues values = resolve_params("poolingformer", info.impl.params, c.params());
         CAPTURE(c.describe(p));
@@ -210,6 +270,8 @@ TEST_SUITE("poolingformer") {
     CHECK_THROWS_AS(validate_point(counter_point("poolingformer", p, {"pool_window=5", "stride=4"})), ParamError);
     CHECK_NOTHROW(validate_point(counter_point("poolingformer", p, {"pool_window=6", "stride=4"})));
     CHECK_NOTHROW(validate_point(counter_point("poolingformer", p, {"pool_window=0", "stride=4", "levels=window"})));
+    CHECK_THROWS_AS(validate_point(counter_point("poolingformer", p, {"levels=pooled", "pooled_query=window_output"})),
+                    ParamError);
   }
 
   TEST_CASE("FLOP and memory counters are linear in N, as O(N·(w1 + w2/ξ)·D)") {
