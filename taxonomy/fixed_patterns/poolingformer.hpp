@@ -21,8 +21,8 @@
 // implemented); by default both levels read the same q, k, v and are summed in parallel (the
 // issue's and the survey sheet's "summed"); whether the paper's level 2 reads level 1's output is
 // unconfirmed, so that reading is the pooled_query option, without any level-2 projection; no
-// parameters. Not causal (no incremental form in the
-// paper; the survey marks it as not decoding): a causal point is `unsupported`.
+// parameters. Not causal (no incremental form in the paper; the survey marks it as not decoding):
+// a causal point is `unsupported`.
 // Computation: K̄ and V̄ once per head per forward ([B, H, M, D], tracked); then tiles of `tile`
 // query rows, both levels of a tile in one task on the gathered-attention kernel
 // (engines/gathered_attention.hpp), each level a band of one run.
