@@ -19,6 +19,7 @@
 #include "taxonomy/fixed_patterns/local.hpp"
 #include "taxonomy/fixed_patterns/longformer.hpp"
 #include "taxonomy/fixed_patterns/memory_compressed.hpp"
+#include "taxonomy/fixed_patterns/poolingformer.hpp"
 #include "taxonomy/fixed_patterns/sparse_transformer.hpp"
 #include "taxonomy/kernels/linear_transformer.hpp"
 #include "taxonomy/kernels/performer.hpp"
@@ -272,6 +273,15 @@ void for_each_row(Row&& row) {
                                   .arxiv = "2106.11297",
                                   .year = 2021,
                                   .revision = true});
+  row(model<PoolingformerConfig>, {.name = "poolingformer",
+                                   .display_name = "Poolingformer",
+                                   .classes = {C::FixedPatterns, C::Memory},
+                                   .complexity = "O(N)",
+                                   .decode_cost = "",
+                                   .paper = "Zhang et al. 2021",
+                                   .arxiv = "2105.04371",
+                                   .year = 2021,
+                                   .revision = true});
   row(model<ClusterFormerConfig>, {.name = "cluster-former",
                                    .display_name = "Cluster-Former",
                                    .classes = {C::LearnablePatterns},

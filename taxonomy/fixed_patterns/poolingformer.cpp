@@ -1,0 +1,410 @@
+#include "taxonomy/fixed_patterns/poolingformer.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <string>
+
+#include "lib/core/config_table.hpp"
+#include "lib/core/flop_counter.hpp"
+#include "taxonomy/engines/block_sparse.hpp"
+#include "taxonomy/engines/gathered_attention.hpp"
+
+namespace xfb {
+namespace {
+
+using fixed::ColumnRange;
+using fixed::TileAttention;
+using fixed::TilePattern;
+
+// The sizes shared by the mechanism, flops() and workspace().
+struct Layout {
+  std::int64_t tokens = 0;          // N
+  std::int64_t reach = 0;           // s₁ = ⌊w₁/2⌋
+  std::int64_t pool_reach = 0;      // s₂ = ⌊w₂/2⌋
+  std::int64_t kernel = 0;          // κ
+  std::int64_t stride = 0;          // ξ
+  std::int64_t pooled = 0;          // M = ⌈N/ξ⌉
+  std::int64_t tile = 0;            // query rows per tile
+  bool window = true, pool = true;  // which levels run
+  bool stacked = false;             // level 2's query is level 1's output y (pooled_query=window_output)
+
+  Layout(const Problem& p, const PoolingformerConfig& c)
+      : tokens(p.seq_len),
+        reach(c.window / 2),
+        pool_reach(c.pool_window / 2),
+        kernel(c.kernel),
+        stride(c.stride),
+        pooled((p.seq_len + c.stride - 1) / c.stride),
+        tile(c.tile),
+        window(c.levels != "pooled"),
+        pool(c.levels != "window"),
+        stacked(c.pooled_query == "window_output") {}
+
+  bool both() const { return window && pool; }
+  // c_m, the tokens averaged into pooled row m (≥ 1: m·ξ < N).
+  std::int64_t members(std::int64_t m) const { return std::min(kernel, tokens - m * stride); }
+  // Σ_m c_m, the token rows the pooling reads per head and tensor.
+  std::int64_t pooled_members() const {
+    std::int64_t total = 0;
+    for (std::int64_t m = 0; m < pooled; ++m) total += members(m);
+    return total;
+  }
+  // Query i's level-1 keys [i − s₁, i + s₁] ∩ [0, N).
+  ColumnRange window_keys(std::int64_t i) const {
+    return {std::max<std::int64_t>(i - reach, 0), std::min(i + reach + 1, tokens)};
+  }
+  // Query i's level-2 band: the pooled rows m with m·ξ ∈ [i − s₂, i + s₂], within [0, M).
+  ColumnRange pooled_keys(std::int64_t i) const {
+    const std::int64_t first = std::max<std::int64_t>(i - pool_reach, 0);
+    return {(first + stride - 1) / stride, std::min((i + pool_reach) / stride + 1, pooled)};
+  }
+};
+
+// One tile of query rows [start, start + rows) of one head (both levels).
+struct Task {
+  std::int64_t head = 0;
+  std::int64_t start = 0, rows = 0;
+};
+
+std::vector<Task> tasks_of(const Layout& l, std::int64_t heads) {
+  std::vector<Task> tasks;
+  for (std::int64_t h = 0; h < heads; ++h)
+    for (std::int64_t i = 0; i < l.tokens; i += l.tile) tasks.push_back({h, i, std::min(l.tile, l.tokens - i)});
+  return tasks;
+}
+
+// Level 1: one run over the head's N key rows. Level 2: one run over its M pooled rows.
+void plan_window(const Layout& l, const Task& t, TilePattern& tile) {
+  tile.reset(t.rows);
+  const std::size_t run = tile.add_run({.first = 0, .step = 1, .count = l.tokens});
+  for (std::int64_t r = 0; r < t.rows; ++r) tile.visible(r, run) = l.window_keys(t.start + r);
+}
+
+void plan_pooled(const Layout& l, const Task& t, TilePattern& tile) {
+  tile.reset(t.rows);
+  const std::size_t run = tile.add_run({.first = 0, .step = 1, .count = l.pooled});
+  for (std::int64_t r = 0; r < t.rows; ++r) tile.visible(r, run) = l.pooled_keys(t.start + r);
+}
+
+// Calls level(plan) for each level that runs, with its planner.
+template <class Level>
+void for_each_level(const Layout& l, Level&& level) {
+  if (l.window) level(plan_window);
+  if (l.pool) level(plan_pooled);
+}
+
+std::int64_t score_capacity(const Layout& l, const std::vector<Task>& tasks) {
+  std::int64_t most = 0;
+  for_each_level(l, [&](auto plan) {
+    most = std::max(most, fixed::most_score_floats(tasks, [&](const Task& t, TilePattern& tile) { plan(l, t, tile); }));
+  });
+  return most;
+}
+
+class Poolingformer final : public Mechanism {
+ public:
+  Poolingformer(const Problem& problem, const Layout& layout)
+      : p_(problem), l_(layout), tasks_(tasks_of(layout, problem.heads)) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    const std::int64_t d = p_.head_dim;
+    if (l_.pool) {
+      pooled_k_ = Tensor::bhnd(p_.batch, p_.heads, l_.pooled, d);
+      pooled_v_ = Tensor::bhnd(p_.batch, p_.heads, l_.pooled, d);
+    }
+    if (l_.both()) level_two_ = Tensor(Shape{p_.threads, l_.tile, d});
+    const std::int64_t scores = score_capacity(l_, tasks_);
+    kernels_.clear();
+    for (std::int64_t t = 0; t < p_.threads; ++t) kernels_.emplace_back(scores, 0, d);
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    if (l_.pool) pool(k, v);
+    const std::int64_t d = p_.head_dim, n = p_.seq_len;
+    fixed::run_tile_tasks(
+        p_.batch, tasks_, kernels_, [&](std::int64_t b, const Task& task, TileAttention& kernel, TilePattern& tile) {
+          const std::int64_t head = b * p_.heads + task.head, rows = task.start * d;
+          const float* query = q.head(b, task.head) + rows;
+          float* result = out.head(b, task.head) + rows;
+          // levels=both: y to the saved copy (training) or to out, z to the thread's buffer.
+          const bool training = !lse_window_.empty();
+          float* y = l_.both() && training ? saved_y_.data() + head * n * d + rows : result;
+          float* z = l_.both() ? level_two_.data() + omp_get_thread_num() * l_.tile * d : result;
+          std::int64_t flops = 0;
+          if (l_.window) {
+            plan_window(l_, task, tile);
+            flops += kernel.run(tile, query, d, k.head(b, task.head), v.head(b, task.head), y, d, false,
+                                lse_at(lse_window_, head, task));
+          }
+          if (l_.pool) {
+            plan_pooled(l_, task, tile);
+            flops += kernel.run(tile, l_.stacked ? y : query, d, pooled_k_.head(b, task.head),
+                                pooled_v_.head(b, task.head), z, d, false, lse_at(lse_pooled_, head, task));
+          }
+          if (l_.both()) {
+            const std::int64_t count = task.rows * d;
+#pragma omp simd
+            for (std::int64_t e = 0; e < count; ++e) result[e] = y[e] + z[e];
+            flops += count;
+          }
+          return flops;
+        });
+  }
+
+  std::vector<NamedTensor> parameters() const override { return {}; }
+
+  void prepare_backward() override {
+    const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+    for (auto& kernel : kernels_) kernel.enable_backward();
+    if (l_.window) lse_window_ = Tensor(Shape{heads, n});
+    if (l_.pool) {
+      lse_pooled_ = Tensor(Shape{heads, n});
+      pooled_grads_ = Tensor(Shape{p_.threads, 2, l_.pooled, d});
+    }
+    if (l_.both()) saved_y_ = Tensor::bhnd(p_.batch, p_.heads, n, d);
+    if (l_.stacked) window_grads_ = Tensor(Shape{p_.threads, l_.tile, d});
+    deltas_ = Tensor(Shape{p_.threads, 2, n});
+    ranges_ = fixed::task_ranges_by_head(tasks_, p_.heads);
+  }
+
+  // One task per (batch, head): a head's tiles write overlapping dK, dV (and dK̄, dV̄) rows.
+  // δ = dO·out; with both levels δ₁ = dO·y and δ₂ = δ − δ₁ (= dO·z).
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    block_sparse::run_heads(p_.batch * p_.heads, p_.threads, [&](std::int64_t head, int thread) {
+      const std::int64_t b = head / p_.heads, h = head % p_.heads, offset = head * n * d;
+      float* delta = deltas_.data() + thread * 2 * n;
+      float* delta_window = l_.both() ? delta + n : delta;
+      const block_sparse::HeadGrads g{.out = out.data() + offset,
+                                      .dout = dout.data() + offset,
+                                      .delta = delta,
+                                      .dq = dq.data() + offset,
+                                      .dk = dk.data() + offset,
+                                      .dv = dv.data() + offset,
+                                      .d = d};
+      std::int64_t flops = block_sparse::begin_head(g, n, n);
+      if (l_.both()) {
+        flops += block_sparse::row_dots(g.dout, saved_y_.data() + offset, n, d, delta_window) + n;
+        for (std::int64_t i = 0; i < n; ++i) delta[i] -= delta_window[i];
+      }
+      TileAttention& kernel = kernels_[static_cast<std::size_t>(thread)];
+      float* dk_pooled = l_.pool ? pooled_grads_.data() + thread * 2 * l_.pooled * d : nullptr;
+      float* dv_pooled = l_.pool ? dk_pooled + l_.pooled * d : nullptr;
+      if (l_.pool) std::fill_n(dk_pooled, 2 * l_.pooled * d, 0.0f);
+      TilePattern tile;
+      for (std::size_t t = ranges_[static_cast<std::size_t>(h)]; t < ranges_[static_cast<std::size_t>(h + 1)]; ++t) {
+        const Task& task = tasks_[t];
+        fixed::TileGrads grads{.q = q.data() + offset + task.start * d,
+                               .dout = g.dout + task.start * d,
+                               .dq = g.dq + task.start * d,
+                               .ld = d};
+        if (l_.pool) {
+          plan_pooled(l_, task, tile);
+          fixed::TileGrads pooled = grads;
+          pooled.lse = lse_pooled_.data() + head * n + task.start;
+          pooled.delta = delta + task.start;
+          pooled.dk = dk_pooled;
+          pooled.dv = dv_pooled;
+          if (l_.stacked) {  // the query is y: its gradient joins dO as level 1's output gradient
+            pooled.q = saved_y_.data() + offset + task.start * d;
+            pooled.dq = window_grads_.data() + thread * l_.tile * d;
+            std::fill_n(pooled.dq, task.rows * d, 0.0f);
+          }
+          flops += kernel.backward(tile, pooled, pooled_k_.head(b, h), pooled_v_.head(b, h), false);
+          if (l_.stacked) flops += window_output_grads(task, pooled.dq, grads, delta_window, offset);
+        }
+        if (l_.window) {
+          plan_window(l_, task, tile);
+          grads.lse = lse_window_.data() + head * n + task.start;
+          grads.delta = delta_window + task.start;
+          grads.dk = g.dk;
+          grads.dv = g.dv;
+          flops += kernel.backward(tile, grads, k.data() + offset, v.data() + offset, false);
+        }
+      }
+      if (l_.pool) flops += unpool(dk_pooled, g.dk) + unpool(dv_pooled, g.dv);
+      return flops;
+    });
+  }
+
+  std::vector<NamedTensor> saved() const override {
+    std::vector<NamedTensor> kept;
+    if (l_.window) kept.push_back({"window_log_sum_exp", &lse_window_});
+    if (l_.pool) {
+      kept.push_back({"pooled_log_sum_exp", &lse_pooled_});
+      kept.push_back({"pooled_keys", &pooled_k_});
+      kept.push_back({"pooled_values", &pooled_v_});
+    }
+    if (l_.both()) kept.push_back({"window_output", &saved_y_});
+    return kept;
+  }
+  std::vector<NamedTensor> parameter_gradients() const override { return {}; }
+
+ private:
+  float* lse_at(Tensor& lse, std::int64_t head, const Task& task) const {
+    return lse.empty() ? nullptr : lse.data() + head * p_.seq_len + task.start;
+  }
+
+  // Stacked levels: level 1's output gradient for a tile's rows is dY = dO + dq₂ (written into dq2,
+  // which `grads` then reads as its dout) and δ₁ = dY·y. Returns the FLOPs (3·rows·D).
+  std::int64_t window_output_grads(const Task& task, float* dq2, fixed::TileGrads& grads, float* delta_window,
+                                   std::int64_t offset) const {
+    const std::int64_t d = p_.head_dim, count = task.rows * d;
+    const float* dout = grads.dout;
+#pragma omp simd
+    for (std::int64_t e = 0; e < count; ++e) dq2[e] += dout[e];
+    grads.dout = dq2;
+    return count + block_sparse::row_dots(dq2, saved_y_.data() + offset + task.start * d, task.rows, d,
+                                          delta_window + task.start);
+  }
+
+  // K̄, V̄ of every head: row m = (1/c_m)·Σ of the token rows [m·ξ, m·ξ + c_m). 2·D·Σ c_m FLOPs per head.
+  void pool(const Tensor& k, const Tensor& v) {
+    const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim, rows = l_.pooled;
+#pragma omp parallel for num_threads(p_.threads) schedule(static) collapse(2)
+    for (std::int64_t head = 0; head < heads; ++head)
+      for (std::int64_t m = 0; m < rows; ++m)
+        for (int which = 0; which < 2; ++which) {
+          const float* x = (which == 0 ? k : v).data() + (head * n + m * l_.stride) * d;
+          float* row = (which == 0 ? pooled_k_ : pooled_v_).data() + (head * rows + m) * d;
+          const std::int64_t count = l_.members(m);
+          std::copy_n(x, d, row);
+          for (std::int64_t t = 1; t < count; ++t) add_rows(row, x + t * d, 1.0f, d);
+          const float scale = 1.0f / static_cast<float>(count);
+#pragma omp simd
+          for (std::int64_t c = 0; c < d; ++c) row[c] *= scale;
+        }
+    FlopCounter::add(heads * 2 * d * l_.pooled_members());
+  }
+
+  // dx_t += dX̄_m / c_m for every token t of every pooled row m of one head. Returns 2·D·Σ c_m.
+  std::int64_t unpool(const float* pooled_grads, float* grads) const {
+    const std::int64_t d = p_.head_dim;
+    for (std::int64_t m = 0; m < l_.pooled; ++m) {
+      const std::int64_t count = l_.members(m);
+      const float scale = 1.0f / static_cast<float>(count);
+      for (std::int64_t t = 0; t < count; ++t)
+        add_rows(grads + (m * l_.stride + t) * d, pooled_grads + m * d, scale, d);
+    }
+    return 2 * d * l_.pooled_members();
+  }
+
+  // dst += factor·src over d values.
+  static void add_rows(float* dst, const float* src, float factor, std::int64_t d) {
+#pragma omp simd
+    for (std::int64_t c = 0; c < d; ++c) dst[c] += factor * src[c];
+  }
+
+  Problem p_;
+  Layout l_;
+  std::vector<Task> tasks_;
+  Tensor pooled_k_, pooled_v_, level_two_;  // K̄, V̄ [B, H, M, D]; z of a tile per thread [threads, tile, D]
+  std::vector<TileAttention> kernels_;
+  // Training only (prepare_backward).
+  Tensor lse_window_, lse_pooled_, saved_y_, deltas_, pooled_grads_;
+  Tensor window_grads_;  // stacked: dY of a tile per thread [threads, tile, D]
+  std::vector<std::size_t> ranges_;
+};
+
+}  // namespace
+
+void validate(const Problem&, const PoolingformerConfig& c) {
+  if (c.pooled_query == "window_output" && c.levels != "both")
+    throw ParamError("poolingformer: pooled_query=window_output needs levels=both (level 2 reads level 1's output)");
+  if (c.levels != "window" && c.pool_window / 2 + 1 < c.stride)
+    throw ParamError(
+        "poolingformer: pool_window/2 + 1 must be at least the stride (" + std::to_string(c.stride) +
+        ") so every query's level-2 window holds a pooled row, got pool_window=" + std::to_string(c.pool_window));
+}
+
+std::string unsupported(const Problem& p, const PoolingformerConfig&) {
+  if (p.causal)
+    return "Poolingformer has no causal form (its paper is an encoder for long-document QA and summarisation; the "
+           "survey marks it as not decoding): both windows are two-sided and a pooled row averages later tokens";
+  return "";
+}
+
+std::unique_ptr<Mechanism> create(const Problem& problem, const PoolingformerConfig& c, std::uint64_t) {
+  return std::make_unique<Poolingformer>(problem, Layout(problem, c));
+}
+
+std::int64_t flops(const Problem& p, const PoolingformerConfig& c) {
+  const Layout l(p, c);
+  const std::int64_t d = p.head_dim;
+  std::int64_t total = 0;
+  TilePattern tile;
+  const auto tasks = tasks_of(l, p.heads);
+  for_each_level(l, [&](auto plan) {
+    for (const auto& task : tasks) {
+      plan(l, task, tile);
+      total += fixed::tile_flops(tile, d);
+    }
+  });
+  if (l.pool) total += p.heads * 2 * d * l.pooled_members();
+  if (l.both()) total += p.heads * p.seq_len * d;
+  return p.batch * total;
+}
+
+std::int64_t workspace(const Problem& p, const PoolingformerConfig& c) {
+  const Layout l(p, c);
+  const std::int64_t d = p.head_dim;
+  const std::int64_t floats =
+      (l.pool ? 2 * p.batch * p.heads * l.pooled * d : 0) + (l.both() ? p.threads * l.tile * d : 0);
+  return floats * static_cast<std::int64_t>(sizeof(float)) +
+         p.threads * TileAttention::bytes(score_capacity(l, tasks_of(l, p.heads)), 0, d);
+}
+
+std::int64_t backward_flops(const Problem& p, const PoolingformerConfig& c) {
+  const Layout l(p, c);
+  const std::int64_t d = p.head_dim, n = p.seq_len;
+  std::int64_t total = p.heads * 2 * n * d;                       // δ = dO·out
+  if (l.both()) total += p.heads * (2 * n * d + n);               // δ₁ = dO·y, δ₂ = δ − δ₁
+  if (l.pool) total += p.heads * 2 * 2 * d * l.pooled_members();  // spreading dK̄, dV̄ back
+  if (l.stacked) total += p.heads * 3 * n * d;                    // dY = dO + dq₂, δ₁ = dY·y
+  TilePattern tile;
+  const auto tasks = tasks_of(l, p.heads);
+  for_each_level(l, [&](auto plan) {
+    for (const auto& task : tasks) {
+      plan(l, task, tile);
+      total += fixed::tile_backward_flops(tile, d, false);
+    }
+  });
+  return p.batch * total;
+}
+
+std::int64_t backward_workspace(const Problem& p, const PoolingformerConfig& c) {
+  const Layout l(p, c);
+  const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, threads = p.threads;
+  std::int64_t floats = threads * 2 * n;
+  if (l.window) floats += heads * n;
+  if (l.pool) floats += heads * n + threads * 2 * l.pooled * d;
+  if (l.both()) floats += heads * n * d;
+  if (l.stacked) floats += threads * l.tile * d;
+  return floats * static_cast<std::int64_t>(sizeof(float)) +
+         threads * TileAttention::backward_bytes(score_capacity(l, tasks_of(l, p.heads)), 0, d);
+}
+
+FieldTable<PoolingformerConfig> config_fields(const PoolingformerConfig*) {
+  return {int_field("window", &PoolingformerConfig::window, 0, 1 << 20,
+                    "level-1 sliding window w1, tokens: w1/2 keys on each side"),
+          int_field("pool_window", &PoolingformerConfig::pool_window, 0, 1 << 20,
+                    "level-2 window w2, tokens: pooled rows starting within w2/2 on each side"),
+          int_field("kernel", &PoolingformerConfig::kernel, 1, 1 << 16, "pooling kernel, tokens averaged per row"),
+          int_field("stride", &PoolingformerConfig::stride, 1, 1 << 16, "pooling stride, tokens between rows"),
+          choice_field("levels", &PoolingformerConfig::levels,
+                       {{"both", "both"}, {"window", "window"}, {"pooled", "pooled"}},
+                       "levels summed: both, the window alone or the pooled level alone"),
+          choice_field("pooled_query", &PoolingformerConfig::pooled_query,
+                       {{"input", "input"}, {"window_output", "window_output"}},
+                       "level-2 query: the input q (levels in parallel) or level 1's output y (stacked)"),
+          int_field("tile", &PoolingformerConfig::tile, 1, 1024, "query rows per computed tile (implementation)")};
+}
+
+template <>
+Implementation implementation<PoolingformerConfig>() {
+  return implement<PoolingformerConfig>();
+}
+
+}  // namespace xfb
