@@ -53,6 +53,22 @@ Tile tile_of(const Geometry& g, std::int64_t index) {
   return {q0, rows, g.rank, std::max<std::int64_t>(0, q0 - extension), std::min(g.n, q0 + g.window + extension)};
 }
 
+// Consecutive tiles that see the same compressed rows, whose compressed columns run as one product:
+// every tile when non-causal, one tile (one chunk) when causal.
+struct Span {
+  std::int64_t first, last;  // tiles [first, last)
+  std::int64_t q0(const Geometry& g) const { return tile_of(g, first).q0; }
+  std::int64_t comp(const Geometry& g) const { return tile_of(g, first).comp; }
+  std::int64_t rows(const Geometry& g) const {
+    const Tile end = tile_of(g, last - 1);
+    return end.q0 + end.rows - q0(g);
+  }
+};
+std::int64_t spans(const Geometry& g) { return g.causal ? g.tiles() : 1; }
+Span span_of(const Geometry& g, std::int64_t index) { return g.causal ? Span{index, index + 1} : Span{0, g.tiles()}; }
+// The rows of a span's score buffer.
+std::int64_t span_rows(const Geometry& g) { return g.causal ? g.block : g.n; }
+
 std::int64_t widest_tile(const Geometry& g) {
   std::int64_t widest = 1;
   for (std::int64_t t = 0; t < g.tiles(); ++t) widest = std::max(widest, tile_of(g, t).width());
@@ -92,7 +108,7 @@ struct ThreadFloats {
 };
 ThreadFloats thread_floats(const Geometry& g) {
   return {g.rank * std::max<std::int64_t>(g.grouped(), 1), 2 * std::max<std::int64_t>(g.compressed(), 1) * g.d,
-          2 * g.n * g.d, g.block * ops::padded_ld(widest_tile(g)), g.n};
+          2 * g.n * g.d, span_rows(g) * ops::padded_ld(widest_tile(g)), g.n};
 }
 
 // dst = LN(x) over `rows` rows of d features (gain, shift). Counts nothing (the caller does).
@@ -164,8 +180,8 @@ class LongShort final : public Mechanism {
       const std::int64_t at = bh * nd;
       flops += prepare_keys(bh % p_.heads, k.data() + at, v.data() + at, thread);
       float* lse = saved_lse_.empty() ? lse_.data() + thread * p_.seq_len : saved_lse_.data() + bh * p_.seq_len;
-      for (std::int64_t t = 0; t < g_.tiles(); ++t)
-        flops += attend_tile(tile_of(g_, t), q.data() + at, out.data() + at, lse, thread);
+      for (std::int64_t i = 0; i < spans(g_); ++i)
+        flops += attend_span(span_of(g_, i), q.data() + at, out.data() + at, lse, thread);
       if (!decode_comp_k_.empty()) load_decode_state(bh, k.data() + at, v.data() + at, thread);
     }
     if (!decode_comp_k_.empty()) length_ = p_.seq_len;
@@ -192,7 +208,7 @@ class LongShort final : public Mechanism {
     d_compressed_ = Tensor(Shape{p_.threads, f.compressed});
     d_window_ = Tensor(Shape{p_.threads, f.window});
     d_tile_ = Tensor(Shape{p_.threads, f.tile});
-    delta_ = Tensor(Shape{p_.threads, g_.block});
+    delta_ = Tensor(Shape{p_.threads, span_rows(g_)});
   }
 
   std::vector<NamedTensor> saved() const override { return {{"log_sum_exp", &saved_lse_}}; }
@@ -335,49 +351,64 @@ class LongShort final : public Mechanism {
     return kSoftmaxFlopsPerElement * r * np + kLayerNormFlopsPerElement * 2 * (c + n) * d;
   }
 
-  // Scores c·Q_t·[K̄ | K_s,win]ᵀ of tile t into `scores` ([rows, ld]), the causal band masked to −∞.
-  void tile_scores(const Tile& t, const float* q, float* scores, int thread) {
-    const std::int64_t d = p_.head_dim;
-    const float* q_tile = q + t.q0 * d;
-    if (t.comp > 0) ops::gemm(false, true, t.rows, t.comp, d, scale(), q_tile, d, normed(thread), d, 0.0f, scores, ld_);
-    ops::gemm(false, true, t.rows, t.k1 - t.k0, d, scale(), q_tile, d, window(thread) + t.k0 * d, d, 0.0f,
-              scores + t.comp, ld_);
-    if (!g_.causal) return;
-    constexpr float kMasked = -std::numeric_limits<float>::infinity();
-    for (std::int64_t row = 0; row < t.rows; ++row) {
-      const std::int64_t i = t.q0 + row;
-      float* s = scores + row * ld_ + t.comp;
-      for (std::int64_t key = t.k0; key < t.k1; ++key)
-        if (key > i || key < i - g_.window + 1) s[key - t.k0] = kMasked;
+  // The span's scores c·Q·[K̄ | K_s,win]ᵀ into `scores` ([rows, ld], row 0 its first query): the
+  // compressed columns of every row by one product, each tile's window columns by its own; the causal
+  // band masked to −∞.
+  void span_scores(const Span& span, const float* q, float* scores, int thread) {
+    const std::int64_t d = p_.head_dim, q0 = span.q0(g_), comp = span.comp(g_);
+    if (comp > 0)
+      ops::gemm(false, true, span.rows(g_), comp, d, scale(), q + q0 * d, d, normed(thread), d, 0.0f, scores, ld_);
+    for (std::int64_t index = span.first; index < span.last; ++index) {
+      const Tile t = tile_of(g_, index);
+      float* tile_scores = scores + (t.q0 - q0) * ld_ + comp;
+      ops::gemm(false, true, t.rows, t.k1 - t.k0, d, scale(), q + t.q0 * d, d, window(thread) + t.k0 * d, d, 0.0f,
+                tile_scores, ld_);
+      if (!g_.causal) continue;
+      constexpr float kMasked = -std::numeric_limits<float>::infinity();
+      for (std::int64_t row = 0; row < t.rows; ++row) {
+        const std::int64_t i = t.q0 + row;
+        for (std::int64_t key = t.k0; key < t.k1; ++key)
+          if (key > i || key < i - g_.window + 1) tile_scores[row * ld_ + key - t.k0] = kMasked;
+      }
     }
   }
 
-  // out_t = A·[V̄ | V_s,win] for A = probabilities [rows, ld].
-  void tile_values(const Tile& t, const float* probs, float* out, int thread) {
-    const std::int64_t d = p_.head_dim;
-    float* out_tile = out + t.q0 * d;
-    if (t.comp > 0)
-      ops::gemm(false, false, t.rows, d, t.comp, 1.0f, probs, ld_, normed(thread) + values_at(), d, 0.0f, out_tile, d);
-    ops::gemm(false, false, t.rows, d, t.k1 - t.k0, 1.0f, probs + t.comp, ld_, window(thread) + (p_.seq_len + t.k0) * d,
-              d, t.comp > 0 ? 1.0f : 0.0f, out_tile, d);
+  // out = A·[V̄ | V_s,win] over the span's rows, A = probabilities as span_scores lays them out.
+  void span_values(const Span& span, const float* probs, float* out, int thread) {
+    const std::int64_t d = p_.head_dim, q0 = span.q0(g_), comp = span.comp(g_);
+    if (comp > 0)
+      ops::gemm(false, false, span.rows(g_), d, comp, 1.0f, probs, ld_, normed(thread) + values_at(), d, 0.0f,
+                out + q0 * d, d);
+    for (std::int64_t index = span.first; index < span.last; ++index) {
+      const Tile t = tile_of(g_, index);
+      ops::gemm(false, false, t.rows, d, t.k1 - t.k0, 1.0f, probs + (t.q0 - q0) * ld_ + comp, ld_,
+                window(thread) + (p_.seq_len + t.k0) * d, d, comp > 0 ? 1.0f : 0.0f, out + t.q0 * d, d);
+    }
   }
 
-  // The forward of one tile: joint softmax, each row's log-sum-exp into lse. FLOPs outside ops::gemm.
-  std::int64_t attend_tile(const Tile& t, const float* q, float* out, float* lse, int thread) {
+  // The forward of one span: the joint softmax of each row over its tile's width, its log-sum-exp into
+  // lse. Returns the FLOPs outside ops::gemm.
+  std::int64_t attend_span(const Span& span, const float* q, float* out, float* lse, int thread) {
     float* scores = tile_.data() + thread * tile_.dim(1);
-    tile_scores(t, q, scores, thread);
-    const std::int64_t width = t.width();
-    for (std::int64_t row = 0; row < t.rows; ++row) {
-      float* s = scores + row * ld_;
-      const float peak = ops::row_max(s, width, s[0]);
-      const float sum = ops::exp_and_sum(s, width, peak);
-      const float inverse = 1.0f / sum;
+    span_scores(span, q, scores, thread);
+    const std::int64_t q0 = span.q0(g_);
+    std::int64_t flops = 0;
+    for (std::int64_t index = span.first; index < span.last; ++index) {
+      const Tile t = tile_of(g_, index);
+      const std::int64_t width = t.width();
+      for (std::int64_t row = 0; row < t.rows; ++row) {
+        float* s = scores + (t.q0 - q0 + row) * ld_;
+        const float peak = ops::row_max(s, width, s[0]);
+        const float sum = ops::exp_and_sum(s, width, peak);
+        const float inverse = 1.0f / sum;
 #pragma omp simd
-      for (std::int64_t j = 0; j < width; ++j) s[j] *= inverse;
-      lse[t.q0 + row] = peak + std::log(sum);
+        for (std::int64_t j = 0; j < width; ++j) s[j] *= inverse;
+        lse[t.q0 + row] = peak + std::log(sum);
+      }
+      flops += kSoftmaxFlopsPerElement * t.rows * width + 2 * t.rows;
     }
-    tile_values(t, scores, out, thread);
-    return kSoftmaxFlopsPerElement * t.rows * width + 2 * t.rows;
+    span_values(span, scores, out, thread);
+    return flops;
   }
 
   // The backward of one (batch, head). dq, dk, dv: its [N, D] rows.
@@ -390,7 +421,7 @@ class LongShort final : public Mechanism {
     std::fill(d_comp_k, d_comp_k + d_compressed_.dim(1), 0.0f);
     std::fill(d_win_k, d_win_k + 2 * n * d, 0.0f);
     const float* lse = saved_lse_.data() + bh * n;
-    for (std::int64_t t = 0; t < g_.tiles(); ++t) flops += tile_backward(tile_of(g_, t), x, lse, dq, thread);
+    for (std::int64_t i = 0; i < spans(g_); ++i) flops += span_backward(span_of(g_, i), x, lse, dq, thread);
     // LayerNorms' backward: the window's into dk, dv (written); the compressed rows' in place.
     ln_backward_rows(x.k, d_win_k, dk, n, d, short_gain_.data() + head * d, grads.short_gain, grads.short_shift);
     ln_backward_rows(x.v, d_win_v, dv, n, d, short_gain_.data() + head * d, grads.short_gain, grads.short_shift);
@@ -402,46 +433,62 @@ class LongShort final : public Mechanism {
     return flops;
   }
 
-  // Tile t's backward from the saved log-sum-exp: dq rows written; the thread's dK̄, dV̄, dK_s, dV_s
+  // A span's backward from the saved log-sum-exp: its dq rows written; the thread's dK̄, dV̄, dK_s, dV_s
   // accumulated. Returns the FLOPs outside ops::gemm.
-  std::int64_t tile_backward(const Tile& t, const Rows& x, const float* lse, float* dq, int thread) {
-    const std::int64_t d = p_.head_dim, n = p_.seq_len, width = t.width(), win = t.k1 - t.k0;
+  std::int64_t span_backward(const Span& span, const Rows& x, const float* lse, float* dq, int thread) {
+    const std::int64_t d = p_.head_dim, n = p_.seq_len, q0 = span.q0(g_), comp = span.comp(g_), rows = span.rows(g_);
     float* probs = tile_.data() + thread * tile_.dim(1);
     float* grads = d_tile_.data() + thread * d_tile_.dim(1);
-    float* delta = delta_.data() + thread * g_.block;
-    tile_scores(t, x.q, probs, thread);
-    const float *dout = x.dout + t.q0 * d, *q_tile = x.q + t.q0 * d;
-    for (std::int64_t row = 0; row < t.rows; ++row) {
-      float* s = probs + row * ld_;
-      const float shift = lse[t.q0 + row];
-      for (std::int64_t j = 0; j < width; ++j) s[j] = ops::fast_exp(s[j] - shift);
-      float dot = 0.0f;
-      for (std::int64_t f = 0; f < d; ++f) dot += dout[row * d + f] * x.out[(t.q0 + row) * d + f];
-      delta[row] = dot;
+    float* delta = delta_.data() + thread * delta_.dim(1);
+    span_scores(span, x.q, probs, thread);
+    const float *dout = x.dout + q0 * d, *q_span = x.q + q0 * d;
+    std::int64_t flops = 0;
+    for (std::int64_t index = span.first; index < span.last; ++index) {
+      const Tile t = tile_of(g_, index);
+      for (std::int64_t row = t.q0 - q0; row < t.q0 - q0 + t.rows; ++row) {
+        float* s = probs + row * ld_;
+        const float shift = lse[q0 + row];
+        for (std::int64_t j = 0; j < t.width(); ++j) s[j] = ops::fast_exp(s[j] - shift);
+        float dot = 0.0f;
+        for (std::int64_t f = 0; f < d; ++f) dot += dout[row * d + f] * x.out[(q0 + row) * d + f];
+        delta[row] = dot;
+      }
+      flops += 4 * t.rows * t.width() + 2 * t.rows * d;
     }
     float *comp_k = normed(thread), *comp_v = comp_k + values_at();
-    float *win_k = window(thread) + t.k0 * d, *win_v = window(thread) + (n + t.k0) * d;
     float *d_comp_k = d_compressed_.data() + thread * d_compressed_.dim(1), *d_comp_v = d_comp_k + values_at();
-    float *d_win_k = d_window_.data() + thread * d_window_.dim(1) + t.k0 * d, *d_win_v = d_win_k + n * d;
-    if (t.comp > 0) ops::gemm(false, true, t.rows, t.comp, d, 1.0f, dout, d, comp_v, d, 0.0f, grads, ld_);
-    ops::gemm(false, true, t.rows, win, d, 1.0f, dout, d, win_v, d, 0.0f, grads + t.comp, ld_);
-    for (std::int64_t row = 0; row < t.rows; ++row) {
-      const float* p = probs + row * ld_;
-      float* gr = grads + row * ld_;
+    float* d_window = d_window_.data() + thread * d_window_.dim(1);
+    const float* win = window(thread);
+    if (comp > 0) ops::gemm(false, true, rows, comp, d, 1.0f, dout, d, comp_v, d, 0.0f, grads, ld_);
+    for (std::int64_t index = span.first; index < span.last; ++index) {
+      const Tile t = tile_of(g_, index);
+      const std::int64_t at = (t.q0 - q0) * ld_ + comp;
+      ops::gemm(false, true, t.rows, t.k1 - t.k0, d, 1.0f, x.dout + t.q0 * d, d, win + (n + t.k0) * d, d, 0.0f,
+                grads + at, ld_);
+      for (std::int64_t row = t.q0 - q0; row < t.q0 - q0 + t.rows; ++row) {
+        const float* p = probs + row * ld_;
+        float* gr = grads + row * ld_;
+        const float shift = delta[row];
 #pragma omp simd
-      for (std::int64_t j = 0; j < width; ++j) gr[j] = p[j] * (gr[j] - delta[row]);
+        for (std::int64_t j = 0; j < t.width(); ++j) gr[j] = p[j] * (gr[j] - shift);
+      }
     }
-    float* dq_tile = dq + t.q0 * d;
     const float c = scale();
-    if (t.comp > 0) {
-      ops::gemm(false, false, t.rows, d, t.comp, c, grads, ld_, comp_k, d, 0.0f, dq_tile, d);
-      ops::gemm(true, false, t.comp, d, t.rows, c, grads, ld_, q_tile, d, 1.0f, d_comp_k, d);
-      ops::gemm(true, false, t.comp, d, t.rows, 1.0f, probs, ld_, dout, d, 1.0f, d_comp_v, d);
+    if (comp > 0) {
+      ops::gemm(false, false, rows, d, comp, c, grads, ld_, comp_k, d, 0.0f, dq + q0 * d, d);
+      ops::gemm(true, false, comp, d, rows, c, grads, ld_, q_span, d, 1.0f, d_comp_k, d);
+      ops::gemm(true, false, comp, d, rows, 1.0f, probs, ld_, dout, d, 1.0f, d_comp_v, d);
     }
-    ops::gemm(false, false, t.rows, d, win, c, grads + t.comp, ld_, win_k, d, t.comp > 0 ? 1.0f : 0.0f, dq_tile, d);
-    ops::gemm(true, false, win, d, t.rows, c, grads + t.comp, ld_, q_tile, d, 1.0f, d_win_k, d);
-    ops::gemm(true, false, win, d, t.rows, 1.0f, probs + t.comp, ld_, dout, d, 1.0f, d_win_v, d);
-    return 4 * t.rows * width + 2 * t.rows * d;
+    for (std::int64_t index = span.first; index < span.last; ++index) {
+      const Tile t = tile_of(g_, index);
+      const std::int64_t at = (t.q0 - q0) * ld_ + comp, keys = t.k1 - t.k0;
+      ops::gemm(false, false, t.rows, d, keys, c, grads + at, ld_, win + t.k0 * d, d, comp > 0 ? 1.0f : 0.0f,
+                dq + t.q0 * d, d);
+      ops::gemm(true, false, keys, d, t.rows, c, grads + at, ld_, x.q + t.q0 * d, d, 1.0f, d_window + t.k0 * d, d);
+      ops::gemm(true, false, keys, d, t.rows, 1.0f, probs + at, ld_, x.dout + t.q0 * d, d, 1.0f,
+                d_window + (n + t.k0) * d, d);
+    }
+    return flops;
   }
 
   // The projection's backward: dPᵀ per group from the compressed rows' input gradients, the softmax
@@ -554,7 +601,7 @@ std::int64_t backward_workspace(const Problem& p, const LongShortConfig& c) {
   const Geometry g = geometry(p, c);
   const ThreadFloats f = thread_floats(g);
   return (heads_of(p) * p.seq_len + parameter_floats(p, g) +
-          p.threads * (f.projection + f.compressed + f.window + f.tile + g.block)) *
+          p.threads * (f.projection + f.compressed + f.window + f.tile + span_rows(g))) *
          kFloat;
 }
 

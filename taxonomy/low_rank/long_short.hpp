@@ -18,7 +18,8 @@
 // columns over the N tokens). Segments of w = `segment` queries; a query of segment s sees every
 // compressed row and the window keys [s·w − e, s·w + w + e) ∩ [0, N), e = max(⌊w/2⌋, 1) (the code's
 // ext_len); the last segment may be shorter (N not a multiple of w). Every query of a segment sees the
-// same keys, so a segment is one dense tile [rows, R + window] with no mask.
+// same keys, so there is no mask: the compressed scores of all N queries are one product [N, R], each
+// segment's window scores one tile [rows, window], into one score row per query.
 // Causal (the enwik8 model): groups are chunks of l = `chunk` tokens, each compressed to R =
 // `chunk_rank` rows (the softmax within the chunk); the incomplete last chunk is not compressed. A
 // query in chunk g sees the compressed rows of chunks 0 … g−1 (the previous complete ones: the code's
@@ -42,12 +43,21 @@
 // saved log-sum-exp (Δ_i = dO_i·O_i), then the LayerNorms' backward and the projection's (the
 // softmax over each group's tokens, W_P).
 //
-// FLOPs (exact; per (batch, head); G groups of L tokens, C = G·R compressed rows, tiles of `rows`
-// queries and `width` = compressed + window columns):
-//   forward  2·G·L·R·D (K·W_P) + 5·G·L·R (softmaxes) + 4·C·R... see long_short.cpp (prep_flops,
-//            tile_flops); non-causal ≈ 4·N·(R + 2w + 1)·D, the survey's 4N(r + 2w)D plus the projection.
-// Workspace: the parameters and per thread P [N, R], the compressed rows raw and LN'd (4·C·D), the
-// window keys and values LN'd (2·N·D), one tile and N log-sum-exps: linear in N.
+// FLOPs (exact) per (batch, head), with N' = G·L grouped tokens, C = G·R compressed rows and, per
+// tile, `rows` queries and width = its compressed + window columns:
+//   forward   2·R·N'·D (K·W_P) + 5·R·N' (softmaxes) + 4·R·N'·D (Pᵀ·K, Pᵀ·V) + 14·(C + N)·D (four LNs)
+//             + Σ_tiles (4·rows·width·D + 5·rows·width + 2·rows)       (scores, softmax + lse, values)
+//   backward  the forward's first line again + 12·R·N'·D + 4·R·N' + 34·(C + N)·D
+//             + Σ_tiles (10·rows·width·D + 4·rows·width + 2·rows·D)
+// Non-causal, width = R + w + 2e inside the sequence: ≈ 4·N·(r + 2w)·D (the survey's formula at even
+// w) + 6·N·r·D for the projection. Causal, tile g's width = g·R + (window keys ≤ w + l − 1).
+// Decode step per head: 14·D (LN of k, v) + the online softmax over ⌊t/l⌋·R + min(w, t + 1) rows
+// (decode_common's counts), and on a completed chunk 6·R·l·D + 5·R·l + 14·R·D.
+// Workspace: the parameters and per thread Pᵀ [R, N'], the compressed rows raw and LN'd (4·C·D), the
+// window's LN'd keys and values (2·N·D), the score rows of one span (non-causal all N queries,
+// causal one chunk; R + w + 2e or C + w + l − 1 columns) and N log-sum-exps: linear in N.
+// Backward adds the saved log-sum-exps, the parameter gradients and per thread dPᵀ, dK̄|dV̄, dK_s|dV_s,
+// a tile of dP and the tile's Δ. Decoding adds the state above and the step's buffers.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
