@@ -36,8 +36,24 @@ struct Geometry {
 };
 
 Geometry geometry(const Problem& p, const LongShortConfig& c) {
-  if (p.causal) return {p.seq_len, p.head_dim, true, c.chunk_rank, c.chunk, p.seq_len / c.chunk, c.window, c.chunk};
-  return {p.seq_len, p.head_dim, false, c.rank, p.seq_len, 1, c.segment, c.segment};
+  // A causal tile is one chunk; a chunk longer than N is one tile of N queries (no chunk completes).
+  if (p.causal)
+    return {.n = p.seq_len,
+            .d = p.head_dim,
+            .causal = true,
+            .rank = c.chunk_rank,
+            .group_len = c.chunk,
+            .groups = p.seq_len / c.chunk,
+            .window = c.window,
+            .block = std::min(c.chunk, p.seq_len)};
+  return {.n = p.seq_len,
+          .d = p.head_dim,
+          .causal = false,
+          .rank = c.rank,
+          .group_len = p.seq_len,
+          .groups = 1,
+          .window = c.segment,
+          .block = c.segment};
 }
 
 // One query tile: queries [q0, q0 + rows), compressed rows [0, comp), window keys [k0, k1).

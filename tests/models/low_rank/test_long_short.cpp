@@ -275,6 +275,9 @@ TEST_SUITE("long_short") {
                   {"window=3", "chunk=7", "chunk_rank=3"});
     check_forward({.batch = 1, .heads = 2, .seq_len = 70, .head_dim = 16, .causal = true},
                   {"window=32", "chunk=16", "chunk_rank=4"});
+    // A chunk longer than N: no chunk completes, the window alone.
+    check_forward({.batch = 1, .heads = 2, .seq_len = 20, .head_dim = 8, .causal = true},
+                  {"window=8", "chunk=64", "chunk_rank=2"});
   }
 
   TEST_CASE("long-short gradients of q, k, v, W_P and the DualLN gains and shifts, both forms") {
