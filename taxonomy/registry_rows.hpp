@@ -28,6 +28,7 @@
 #include "taxonomy/learnable_patterns/routing.hpp"
 #include "taxonomy/learnable_patterns/sinkhorn.hpp"
 #include "taxonomy/low_rank/linformer.hpp"
+#include "taxonomy/low_rank/long_short.hpp"
 #include "taxonomy/low_rank/synthesizer.hpp"
 #include "taxonomy/memory/luna.hpp"
 #include "taxonomy/memory/nystromformer.hpp"
@@ -273,6 +274,15 @@ void for_each_row(Row&& row) {
                                   .arxiv = "2106.11297",
                                   .year = 2021,
                                   .revision = true});
+  row(model<LongShortConfig>, {.name = "long-short",
+                               .display_name = "Long-Short Transformer",
+                               .classes = {C::FixedPatterns, C::LowRank},
+                               .complexity = "O(kN)",
+                               .decode_cost = "O(rN/l + w)",
+                               .paper = "Zhu et al. 2021",
+                               .arxiv = "2107.02192",
+                               .year = 2021,
+                               .revision = true});
   row(model<PoolingformerConfig>, {.name = "poolingformer",
                                    .display_name = "Poolingformer",
                                    .classes = {C::FixedPatterns, C::Memory},

@@ -146,6 +146,9 @@ const std::vector<DecodeCase>& decode_cases() {
       {"linear-transformer", {"chunk=8"}, {1, 7, 8, 9, 20}, 19},
       {"performer", {"features=48", "chunk=8"}, {1, 7, 8, 9, 20}, 19},
       {"performer", {"features=40", "chunk=8", "kernel=relu"}, {9}, 12},
+      // Long-Short: contexts one below, at and above the chunk l and the window w.
+      {"long-short", {"window=6", "chunk=4", "chunk_rank=2"}, {3, 4, 5, 6, 7, 11}, 13},
+      {"long-short", {"window=16", "chunk=16"}, {15, 16, 17}, 18},
       // Perceiver AR: contexts below, at and above the latents (M = min(latents, N) grows as tokens arrive).
       {"perceiver", {"latents=6", "block_rows=4", "block_keys=5"}, {1, 5, 6, 7, 13}, 9},
       {"perceiver", {"latents=6", "block_rows=4", "block_keys=5", "cross_window=4"}, {1, 5, 6, 7, 13}, 9},
