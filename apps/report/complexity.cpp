@@ -161,6 +161,9 @@ constexpr Mapping kDecodeMappings[] = {
      "only where the mixing dominates"},
     {"O(N_r·m)", BigO::N, false, "hash rounds n_r and chunk length m fixed"},
     {"O(N/k)", BigO::NSquared, true, "N when the cluster count k is fixed, √N when k grows as √N"},
+    {"O(rN/l+w)", BigO::NSquared, true,
+     "Long-Short: r compressed rows per complete chunk of l (growing with N) plus the fixed window w: N only once rN/l "
+     "outweighs w (past 8K tokens at the defaults)"},
 };
 
 ExpectedComplexity lookup(const std::string& printed, const Mapping* begin, const Mapping* end) {
