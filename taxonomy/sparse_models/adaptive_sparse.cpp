@@ -25,21 +25,15 @@ constexpr int kSortNarrowingSteps = 8;
 constexpr double kBracketWidth = 1e-14;
 constexpr double kNewtonStep = 1e-15;
 
-// Σ_j [x_j − τ]₊^(1/a) over x[0..n) (x in the library's units, a = α − 1).
+// t^(1/a) for t > 0: a square at α = 1.5, t itself at α = 2, else pow.
+inline double power(double t, double a) { return a == 0.5 ? t * t : a == 1.0 ? t : std::pow(t, 1.0 / a); }
+
+// Σ_j [a·y_j − τ]₊^(1/a) over y[0..n) (a·y in the library's units, a = α − 1).
 double mass(const float* y, std::int64_t n, double a, double tau) {
   double sum = 0;
-  if (a == 0.5) {
-    for (std::int64_t j = 0; j < n; ++j) {
-      const double t = a * y[j] - tau;
-      if (t > 0) sum += t * t;
-    }
-  } else if (a == 1.0) {
-    for (std::int64_t j = 0; j < n; ++j) sum += std::max(0.0, y[j] - tau);
-  } else {
-    for (std::int64_t j = 0; j < n; ++j) {
-      const double t = a * y[j] - tau;
-      if (t > 0) sum += std::pow(t, 1.0 / a);
-    }
+  for (std::int64_t j = 0; j < n; ++j) {
+    const double t = a * y[j] - tau;
+    if (t > 0) sum += power(t, a);
   }
   return sum;
 }
@@ -109,7 +103,7 @@ double bisect_threshold(float* y, std::int64_t n, double a, double lo, double hi
     for (std::int64_t j = 0; j < n; ++j) {
       const double t = a * y[j] - tau;
       if (t <= 0) continue;
-      const double p = std::pow(t, inverse);
+      const double p = power(t, a);
       f += p;
       slope += p / t;
     }
@@ -210,6 +204,7 @@ class AdaptiveSparse final : public Mechanism {
     } else {
       alpha_.fill(static_cast<float>(c_.alpha));
     }
+    update_alphas();
     ld_ = ops::padded_ld(p_.seq_len);
     scores_ = Tensor(Shape{p_.threads, c_.block_q, ld_});
     candidates_ = Tensor(Shape{p_.threads, p_.seq_len});
