@@ -36,6 +36,7 @@
 #include "taxonomy/memory/set_transformer.hpp"
 #include "taxonomy/recurrence/compressive.hpp"
 #include "taxonomy/recurrence/transformer_xl.hpp"
+#include "taxonomy/sparse_models/adaptive_sparse.hpp"
 
 namespace xfb {
 
@@ -301,6 +302,15 @@ void for_each_row(Row&& row) {
                                    .arxiv = "2009.06097",
                                    .year = 2021,
                                    .revision = true});
+  row(model<AdaptiveSparseConfig>, {.name = "adaptive-sparse",
+                                    .display_name = "Adaptively Sparse Transformer",
+                                    .classes = {C::Sparse},
+                                    .complexity = "O(N²)",
+                                    .decode_cost = "O(N)",
+                                    .paper = "Correia et al. 2019",
+                                    .arxiv = "1909.00015",
+                                    .year = 2019,
+                                    .revision = true});
 }
 
 }  // namespace xfb

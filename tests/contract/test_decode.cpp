@@ -97,6 +97,10 @@ struct DecodeCase {
 const std::vector<DecodeCase>& decode_cases() {
   static const std::vector<DecodeCase> cases = {
       {"vanilla", {}, {1, 16, 33}, 20},
+      // adaptive-sparse: contexts one below, at and above its query block; the bisection's α and a learned α.
+      {"adaptive-sparse", {"block_q=8"}, {1, 7, 8, 9, 21}, 12},
+      {"adaptive-sparse", {"block_q=8", "alpha=1.3"}, {8, 9}, 9},
+      {"adaptive-sparse", {"learn_alpha=true", "alpha=1.7", "block_q=5"}, {4, 5, 6}, 7},
       {"exact-tiled", {"block_q=16", "block_k=16"}, {1, 15, 16, 17, 40}, 20},
       {"exact-tiled", {}, {3, 70}, 9},
       {"local", {"block=8"}, {7, 8, 9, 21}, 19},
