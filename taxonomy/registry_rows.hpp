@@ -22,6 +22,7 @@
 #include "taxonomy/fixed_patterns/sparse_transformer.hpp"
 #include "taxonomy/kernels/linear_transformer.hpp"
 #include "taxonomy/kernels/performer.hpp"
+#include "taxonomy/kernels/rfa.hpp"
 #include "taxonomy/learnable_patterns/reformer.hpp"
 #include "taxonomy/learnable_patterns/routing.hpp"
 #include "taxonomy/learnable_patterns/sinkhorn.hpp"
@@ -271,6 +272,15 @@ void for_each_row(Row&& row) {
                                   .arxiv = "2106.11297",
                                   .year = 2021,
                                   .revision = true});
+  row(model<RfaConfig>, {.name = "rfa",
+                         .display_name = "Random Feature Attention",
+                         .classes = {C::Kernels},
+                         .complexity = "O(N)",
+                         .decode_cost = "O(1)",
+                         .paper = "Peng et al. 2021",
+                         .arxiv = "2103.02143",
+                         .year = 2021,
+                         .revision = true});
 }
 
 }  // namespace xfb

@@ -146,6 +146,10 @@ const std::vector<DecodeCase>& decode_cases() {
       {"linear-transformer", {"chunk=8"}, {1, 7, 8, 9, 20}, 19},
       {"performer", {"features=48", "chunk=8"}, {1, 7, 8, 9, 20}, 19},
       {"performer", {"features=40", "chunk=8", "kernel=relu"}, {9}, 12},
+      // RFA: signed sin/cos features, the denominator clamped below (floor=1: the authors' causal clamp).
+      {"rfa", {"chunk=8"}, {1, 7, 8, 9, 20}, 19},
+      {"rfa", {"chunk=8", "gate=1"}, {1, 7, 8, 9, 20}, 19},
+      {"rfa", {"features=16", "chunk=5", "gate=1", "floor=1"}, {4, 5, 6}, 9},
       // Perceiver AR: contexts below, at and above the latents (M = min(latents, N) grows as tokens arrive).
       {"perceiver", {"latents=6", "block_rows=4", "block_keys=5"}, {1, 5, 6, 7, 13}, 9},
       {"perceiver", {"latents=6", "block_rows=4", "block_keys=5", "cross_window=4"}, {1, 5, 6, 7, 13}, 9},
