@@ -138,7 +138,7 @@ RfaReference check_rfa(const Problem& p, const RfaCase& c, std::uint64_t seed, f
   const auto run = run_keeping("rfa", p, in, c.params());
   const RfaReference ref = rfa_reference(p, c, widen(run.parameter("random_features")), named_inputs(in, run, c.gate));
   const double factor =
-      16 * kFloatEps *
+      4 * kFloatEps *
       (std::log2(static_cast<double>(std::max<std::int64_t>(p.seq_len, 2))) + static_cast<double>(p.head_dim) + 8);
   std::int64_t failures = 0;
   const std::string label = describe(p, c);
