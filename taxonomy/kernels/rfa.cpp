@@ -17,10 +17,11 @@ namespace {
 
 inline constexpr float kMinNorm = 1e-12f;
 inline constexpr std::int64_t kSigmoidFlops = 3;  // exp, add, divide
+inline constexpr float kMinDecay = 1e-30f;        // gates below this decay as if they were it (log stays finite)
 
 // The sizes every function below shares.
 struct Dims {
-  std::int64_t n, d, r, m, c, ld_m, ld_v, chunks;
+  std::int64_t n, d, r, m, c, ld_m, ld_v, ld_c, chunks;
 };
 
 Dims dims(const Problem& p, const RfaConfig& cfg) {
@@ -32,6 +33,7 @@ Dims dims(const Problem& p, const RfaConfig& cfg) {
           c,
           ops::padded_ld(2 * cfg.features),
           ops::padded_ld(p.head_dim + 1),
+          ops::padded_ld(c),
           (p.seq_len + c - 1) / c};
 }
 
@@ -43,6 +45,18 @@ std::int64_t step_flops(const Dims& s, bool gated) {
   const std::int64_t cells = s.m * (s.d + 1);
   return gated ? 3 * cells + s.m + 2 * cells : 4 * cells;
 }
+// Per token: the features of its q and k rows and (gated) its gate.
+std::int64_t token_input_flops(const Dims& s, bool gated) {
+  return 2 * feature_row_flops(s) + (gated ? gate_row_flops(s) : 0);
+}
+// The gated chunk's decays of `rows` rows (see apply_decays).
+std::int64_t decay_flops(const Dims& s, std::int64_t rows) {
+  return rows * (2 + s.d + 2 + 3 + s.m) + 2 * rows * (rows + 1) + s.m * (s.d + 1);
+}
+// The causal chunk's gemms: φ(Q)·φ(K)ᵀ, φ(Q)·S, A·[V | 1], the state update.
+std::int64_t causal_chunk_flops(const Dims& s, std::int64_t rows) {
+  return matmul_flops(rows, rows, s.m) + 2 * matmul_flops(rows, s.d + 1, s.m) + matmul_flops(rows, s.d + 1, rows);
+}
 // The gradient of one row's features given dφ: dp (3·R), dx̃ = dp·W̃ (gemm), then 8·D (see below).
 std::int64_t feature_gradient_row_flops(const Dims& s) { return 3 * s.r + matmul_flops(1, s.d, s.r) + 8 * s.d; }
 
@@ -52,8 +66,9 @@ struct Buffers {
   float *inv_q, *inv_k;             // [C]: 1/‖x‖
   float *phi_q, *phi_k;             // [C, ld_m]
   float *values, *numerators;       // [C, ld_v]: [v | 1]; out' (non-causal)
-  float *decay, *input;             // [C]: a_t, b_t
+  float *decay, *input;             // [C]: a_t, b_t (the causal forward turns a_t into L_t)
   float* state;                     // [M, ld_v]: [S | z]
+  float* scores;                    // [C, ld_c]: A (causal)
 };
 
 struct GradBuffers {
@@ -94,6 +109,7 @@ class Rfa final : public Mechanism {
     decay_ = Tensor(Shape{t, c});
     input_ = Tensor(Shape{t, c});
     state_ = Tensor(Shape{t, s_.m, s_.ld_v});
+    if (p_.causal) scores_ = Tensor(Shape{t, c, s_.ld_c});
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
@@ -106,7 +122,7 @@ class Rfa final : public Mechanism {
       for (std::int64_t task = 0; task < tasks; ++task) {
         const std::int64_t o = task * head_size, h = task % p_.heads;
         flops += p_.causal ? head_causal(h, q.data() + o, k.data() + o, v.data() + o, out.data() + o, task, b)
-                           : head_full(h, q.data() + o, k.data() + o, v.data() + o, out.data() + o, b);
+                           : head_full(h, q.data() + o, k.data() + o, v.data() + o, out.data() + o, task, b);
       }
     }
     FlopCounter::add(flops);
@@ -114,7 +130,7 @@ class Rfa final : public Mechanism {
 
   void prepare_backward() override {
     const std::int64_t t = p_.threads, c = s_.c, d = s_.d, tasks = p_.batch * p_.heads;
-    if (p_.causal) checkpoints_ = Tensor(Shape{tasks, s_.chunks, s_.m, s_.ld_v});
+    checkpoints_ = Tensor(Shape{tasks, p_.causal ? s_.chunks : 1, s_.m, s_.ld_v});
     dphi_q_ = Tensor(Shape{t, c, s_.ld_m});
     dphi_k_ = Tensor(Shape{t, c, s_.ld_m});
     output_grads_ = Tensor(Shape{t, c, s_.ld_v});
@@ -157,7 +173,7 @@ class Rfa final : public Mechanism {
 
   std::vector<NamedTensor> saved() const override {
     if (checkpoints_.empty()) return {};
-    return {{"chunk_states", &checkpoints_}};
+    return {{p_.causal ? "chunk_states" : "summary", &checkpoints_}};
   }
   std::vector<NamedTensor> parameter_gradients() const override {
     std::vector<NamedTensor> grads{{"dsigma", &dsigma_}};
@@ -207,7 +223,8 @@ class Rfa final : public Mechanism {
             at(numerators_, c * s_.ld_v),
             at(decay_, c),
             at(input_, c),
-            at(state_, s_.m * s_.ld_v)};
+            at(state_, s_.m * s_.ld_v),
+            scores_.empty() ? nullptr : at(scores_, c * s_.ld_c)};
   }
 
   GradBuffers grad_buffers(int t) {
@@ -338,20 +355,12 @@ class Rfa final : public Mechanism {
     return step_flops(s_, c_.gate) + normalise(scratch, 1, out);
   }
 
-  std::int64_t head_full(std::int64_t h, const float* q, const float* k, const float* v, float* out,
-                         const Buffers& b) const {
-    const std::int64_t d = s_.d, cols = d + 1;
-    std::int64_t flops = 0;
-    for (std::int64_t c0 = 0; c0 < s_.n; c0 += s_.c) {
-      const std::int64_t rows = std::min(s_.c, s_.n - c0);
-      flops += features(h, k + c0 * d, rows, b.xhat_k, b.inv_k, b.scaled, b.phi_k);
-      for (std::int64_t i = 0; i < rows; ++i) {
-        std::copy(v + (c0 + i) * d, v + (c0 + i + 1) * d, b.values + i * s_.ld_v);
-        b.values[i * s_.ld_v + d] = 1.0f;
-      }
-      ops::gemm(true, false, s_.m, cols, rows, 1.0f, b.phi_k, s_.ld_m, b.values, s_.ld_v, c0 > 0 ? 1.0f : 0.0f, b.state,
-                s_.ld_v);
-    }
+  // Saves S per head (training).
+  std::int64_t head_full(std::int64_t h, const float* q, const float* k, const float* v, float* out, std::int64_t task,
+                         const Buffers& b) {
+    const std::int64_t d = s_.d, cols = d + 1, cells = s_.m * s_.ld_v;
+    std::int64_t flops = head_full_state(h, k, v, b);
+    if (!checkpoints_.empty()) std::copy(b.state, b.state + cells, checkpoints_.data() + task * cells);
     for (std::int64_t c0 = 0; c0 < s_.n; c0 += s_.c) {
       const std::int64_t rows = std::min(s_.c, s_.n - c0);
       flops += features(h, q + c0 * d, rows, b.xhat_q, b.inv_q, b.scaled, b.phi_q);
@@ -361,11 +370,14 @@ class Rfa final : public Mechanism {
     return flops;
   }
 
-  // The recurrence over the head's tokens; saves the state at each chunk start (training) and
-  // leaves the final state for decoding.
+  // The causal walk in chunks of C rows (the chunkwise form of the recurrence), every product one
+  // ops::gemm. With L_i = Σ_{l≤i} log a_l inside the chunk (0 ungated) and S the state before it:
+  //   A = tril(φ(Q)·φ(K)ᵀ) ⊙ [b_j·exp(L_i − L_j)],  out'_c = A·[V | 1] + diag(exp(L))·φ(Q)·S,
+  //   S ← exp(L_last)·S + (diag(b_j·exp(L_last − L_j))·φ(K))ᵀ·[V | 1].
+  // Every exponent is ≤ 0. Saves S at each chunk start (training); leaves the final S for decoding.
   std::int64_t head_causal(std::int64_t h, const float* q, const float* k, const float* v, float* out,
                            std::int64_t task, const Buffers& b) {
-    const std::int64_t d = s_.d, cells = s_.m * s_.ld_v;
+    const std::int64_t d = s_.d, cols = d + 1, cells = s_.m * s_.ld_v;
     float* state = decode_states_.empty() ? b.state : decode_states_.data() + task * cells;
     std::fill_n(state, cells, 0.0f);
     std::int64_t flops = 0;
@@ -374,11 +386,53 @@ class Rfa final : public Mechanism {
       if (!checkpoints_.empty())
         std::copy(state, state + cells, checkpoints_.data() + (task * s_.chunks + c0 / s_.c) * cells);
       flops += load_chunk(h, q + c0 * d, k + c0 * d, v + c0 * d, rows, b);
-      for (std::int64_t i = 0; i < rows; ++i)
-        flops += step(b.phi_q + i * s_.ld_m, b.phi_k + i * s_.ld_m, b.values + i * s_.ld_v, b.decay[i], b.input[i],
-                      state, b.numerators, out + (c0 + i) * d);
+      ops::gemm(false, true, rows, rows, s_.m, 1.0f, b.phi_q, s_.ld_m, b.phi_k, s_.ld_m, 0.0f, b.scores, s_.ld_c);
+      ops::gemm(false, false, rows, cols, s_.m, 1.0f, b.phi_q, s_.ld_m, state, s_.ld_v, 0.0f, b.numerators, s_.ld_v);
+      if (c_.gate) flops += apply_decays(rows, b, state);
+      for (std::int64_t i = 0; i + 1 < rows; ++i)
+        std::fill(b.scores + i * s_.ld_c + i + 1, b.scores + i * s_.ld_c + rows, 0.0f);
+      ops::gemm(false, false, rows, cols, rows, 1.0f, b.scores, s_.ld_c, b.values, s_.ld_v, 1.0f, b.numerators,
+                s_.ld_v);
+      ops::gemm(true, false, s_.m, cols, rows, 1.0f, b.phi_k, s_.ld_m, b.values, s_.ld_v, 1.0f, state, s_.ld_v);
+      flops += normalise(b.numerators, rows, out + c0 * d);
     }
     return flops;
+  }
+
+  // The gated chunk's decays (see head_causal), before A·[V | 1] and the state update: L_i into
+  // b.decay (log a, running sum: 2 per row); A_ij ⊙= b_j·exp(L_i − L_j) for j ≤ i (4 per entry);
+  // out'_i ⊙= exp(L_i) (1 + D + 1 per row); φ(K)_j ⊙= b_j·exp(L_last − L_j) (3 + M per row);
+  // S ⊙= exp(L_last) (M·(D+1)).
+  std::int64_t apply_decays(std::int64_t rows, const Buffers& b, float* state) const {
+    const std::int64_t cols = s_.d + 1;
+    float running = 0.0f;
+    for (std::int64_t i = 0; i < rows; ++i) {
+      running += std::log(std::max(b.decay[i], kMinDecay));
+      b.decay[i] = running;
+    }
+    for (std::int64_t i = 0; i < rows; ++i) {
+      float* row = b.scores + i * s_.ld_c;
+      const float li = b.decay[i];
+      for (std::int64_t j = 0; j <= i; ++j) row[j] *= b.input[j] * std::exp(li - b.decay[j]);
+      const float scale = std::exp(li);
+      float* numerator = b.numerators + i * s_.ld_v;
+#pragma omp simd
+      for (std::int64_t e = 0; e < cols; ++e) numerator[e] *= scale;
+    }
+    const float last = b.decay[rows - 1];
+    for (std::int64_t j = 0; j < rows; ++j) {
+      const float weight = b.input[j] * std::exp(last - b.decay[j]);
+      float* key = b.phi_k + j * s_.ld_m;
+#pragma omp simd
+      for (std::int64_t m = 0; m < s_.m; ++m) key[m] *= weight;
+    }
+    const float carry = std::exp(last);
+    for (std::int64_t m = 0; m < s_.m; ++m) {
+      float* row = state + m * s_.ld_v;
+#pragma omp simd
+      for (std::int64_t e = 0; e < cols; ++e) row[e] *= carry;
+    }
+    return decay_flops(s_, rows);
   }
 
   // G rows [rows, ld_v] of the chunk from its numerators' z column (z[i] = numerators[i·ld_v + D]):
@@ -407,7 +461,9 @@ class Rfa final : public Mechanism {
     const std::int64_t h = task % p_.heads, d = s_.d, cols = d + 1;
     float* dsigma = sigma_parts_.data() + task * d;
     std::fill_n(dsigma, d, 0.0f);
-    std::int64_t flops = head_full_state(h, in[1], in[2], b);
+    const float* summary = checkpoints_.data() + task * s_.m * s_.ld_v;
+    std::copy(summary, summary + s_.m * s_.ld_v, b.state);
+    std::int64_t flops = 0;
     for (std::int64_t c0 = 0; c0 < s_.n; c0 += s_.c) {  // G, dφ(Q), dS
       const std::int64_t rows = std::min(s_.c, s_.n - c0);
       flops += features(h, in[0] + c0 * d, rows, b.xhat_q, b.inv_q, b.scaled, b.phi_q);
@@ -561,7 +617,8 @@ class Rfa final : public Mechanism {
   Dims s_;
   std::uint64_t seed_;
   Tensor features_, sigma_, gate_weight_, gate_bias_;
-  Tensor xhat_q_, xhat_k_, scaled_, inv_q_, inv_k_, phi_q_, phi_k_, values_, numerators_, decay_, input_, state_;
+  Tensor xhat_q_, xhat_k_, scaled_, inv_q_, inv_k_, phi_q_, phi_k_, values_, numerators_, decay_, input_, state_,
+      scores_;
   Tensor checkpoints_, dphi_q_, dphi_k_, output_grads_, adjoint_, dscaled_, gate_grads_, states_;  // training
   Tensor sigma_parts_, gate_weight_parts_, gate_bias_parts_;                                       // training
   Tensor dsigma_, dgate_weight_, dgate_bias_;                                                      // training
@@ -586,17 +643,19 @@ std::string unsupported(const Problem& p, const RfaConfig& c) {
 
 std::int64_t flops(const Problem& p, const RfaConfig& c) {
   const Dims s = dims(p, c);
-  std::int64_t per_head = 2 * s.n * feature_row_flops(s) + s.n * s.d;
-  if (p.causal)
-    per_head += s.n * step_flops(s, c.gate) + (c.gate ? s.n * gate_row_flops(s) : 0);
-  else
-    per_head += 2 * matmul_flops(s.n, s.m, s.d + 1);
+  std::int64_t per_head = s.n * token_input_flops(s, c.gate && p.causal) + s.n * s.d;
+  if (!p.causal) return p.batch * p.heads * (per_head + 2 * matmul_flops(s.n, s.m, s.d + 1));
+  for (std::int64_t c0 = 0; c0 < s.n; c0 += s.c) {
+    const std::int64_t rows = std::min(s.c, s.n - c0);
+    per_head += causal_chunk_flops(s, rows) + (c.gate ? decay_flops(s, rows) : 0);
+  }
   return p.batch * p.heads * per_head;
 }
 
 std::int64_t workspace(const Problem& p, const RfaConfig& c) {
   const Dims s = dims(p, c);
-  const std::int64_t per_thread = 3 * s.c * s.d + 4 * s.c + 2 * s.c * s.ld_m + 2 * s.c * s.ld_v + s.m * s.ld_v;
+  std::int64_t per_thread = 3 * s.c * s.d + 4 * s.c + 2 * s.c * s.ld_m + 2 * s.c * s.ld_v + s.m * s.ld_v;
+  if (p.causal) per_thread += s.c * s.ld_c;
   return (parameter_floats(p, c) + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
@@ -606,12 +665,12 @@ std::int64_t backward_flops(const Problem& p, const RfaConfig& c) {
   const std::int64_t grads = n * 3 * d + 2 * n * feature_gradient_row_flops(s);
   std::int64_t per_head = 0;
   if (!p.causal) {
-    // S (keys' features, gemm), then per query: features, out', G, dφ(Q), dS; per key: features, dφ(K), dV.
-    per_head = 2 * n * feature_row_flops(s) + n * feature_row_flops(s) + grads + 5 * matmul_flops(n, s.m, cols) +
-               matmul_flops(n, d, s.m);
+    // S saved; per query: features, out', G, dφ(Q), dS; per key: features, dφ(K), dV.
+    per_head = 2 * n * feature_row_flops(s) + grads + 4 * matmul_flops(n, s.m, cols) + matmul_flops(n, d, s.m);
   } else {
-    // Features and states recomputed (a forward without its normalisation), then the adjoint walk.
-    per_head = flops(Problem{1, 1, p.seq_len, p.head_dim, true, 1}, c) + grads + n * s.m * (6 * cols + 2 * d) +
+    // Features and states recomputed token by token (the decode step, normalisation included), then
+    // the adjoint walk.
+    per_head = n * (token_input_flops(s, c.gate) + step_flops(s, c.gate) + d) + grads + n * s.m * (6 * cols + 2 * d) +
                (c.gate ? n * (s.m * 3 * cols + 3 * s.m + d + 3 + 4 * d + 1) : 0);
   }
   std::int64_t reduce = tasks * d + (c.gate ? tasks * (d + 1) : 0);
@@ -623,7 +682,8 @@ std::int64_t backward_workspace(const Problem& p, const RfaConfig& c) {
   const std::int64_t tasks = p.batch * p.heads, cells = s.m * s.ld_v;
   std::int64_t per_thread = 2 * s.c * s.ld_m + s.c * s.ld_v + cells + s.c * s.d + s.c;
   std::int64_t shared = tasks * s.d + p.heads * s.d + (c.gate ? tasks * (s.d + 1) + p.heads * (s.d + 1) : 0);
-  if (p.causal) per_thread += (s.c + 1) * cells, shared += tasks * s.chunks * cells;
+  shared += tasks * (p.causal ? s.chunks : 1) * cells;
+  if (p.causal) per_thread += (s.c + 1) * cells;
   return (shared + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
