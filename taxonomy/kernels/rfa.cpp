@@ -37,10 +37,12 @@ Dims dims(const Problem& p, const RfaConfig& cfg) {
           (p.seq_len + c - 1) / c};
 }
 
-// FLOPs per row outside nothing: the features' gemm, the normalisation and sin/cos (see rfa.hpp).
+// FLOPs of one row's features: the gemm, the normalisation and sin/cos (see rfa.hpp).
 std::int64_t feature_row_flops(const Dims& s) { return matmul_flops(1, s.r, s.d) + 4 * s.d + 4 * s.r; }
+// One key row's gate: w_g·k (2·D), + b_g, the sigmoid, 1 − g.
 std::int64_t gate_row_flops(const Dims& s) { return 2 * s.d + 1 + kSigmoidFlops + 1; }
-// One causal step's state update and output, without features, gate and normalisation.
+// One token of the recurrence (decode step, backward recompute): the state update (gated a·S + (b·φ(k))v')
+// and the output stateᵀφ(q); without features, gate and normalisation.
 std::int64_t step_flops(const Dims& s, bool gated) {
   const std::int64_t cells = s.m * (s.d + 1);
   return gated ? 3 * cells + s.m + 2 * cells : 4 * cells;
@@ -65,7 +67,7 @@ struct Buffers {
   float *xhat_q, *xhat_k, *scaled;  // [C, D]: x̂ of the chunk's q and k rows; x̃ scratch
   float *inv_q, *inv_k;             // [C]: 1/‖x‖
   float *phi_q, *phi_k;             // [C, ld_m]
-  float *values, *numerators;       // [C, ld_v]: [v | 1]; out' (non-causal)
+  float *values, *numerators;       // [C, ld_v]: [v | 1]; out' = [numerator | z]
   float *decay, *input;             // [C]: a_t, b_t (the causal forward turns a_t into L_t)
   float* state;                     // [M, ld_v]: [S | z]
   float* scores;                    // [C, ld_c]: A (causal)
