@@ -60,7 +60,7 @@ Dims dims(const Problem& p, const RfaConfig& cfg) {
 std::int64_t feature_row_flops(const Dims& s) { return matmul_flops(1, s.r, s.d) + 4 * s.d + 4 * s.r; }
 // One key row's gate: w_g·k (2·D), + b_g, the sigmoid, 1 − g.
 std::int64_t gate_row_flops(const Dims& s) { return 2 * s.d + 1 + kSigmoidFlops + 1; }
-// One token of the recurrence (decode step, backward recompute): the state update (gated a·S + (b·φ(k))v')
+// One token of the recurrence (the decode step): the state update (gated a·S + (b·φ(k))v')
 // and the output stateᵀφ(q); without features, gate and normalisation.
 std::int64_t step_flops(const Dims& s, bool gated) {
   const std::int64_t cells = s.m * (s.d + 1);
@@ -77,6 +77,21 @@ std::int64_t decay_flops(const Dims& s, std::int64_t rows) {
 // The causal chunk's gemms: φ(Q)·φ(K)ᵀ, φ(Q)·S, A·[V | 1], the state update.
 std::int64_t causal_chunk_flops(const Dims& s, std::int64_t rows) {
   return matmul_flops(rows, rows, s.m) + 2 * matmul_flops(rows, s.d + 1, s.m) + matmul_flops(rows, s.d + 1, rows);
+}
+// The causal backward of one chunk of r rows (head_backward_causal), without output and feature
+// gradients.
+std::int64_t causal_backward_chunk_flops(const Dims& s, std::int64_t r, bool gated) {
+  const std::int64_t m = s.m, d = s.d, cols = s.d + 1;
+  std::int64_t f = r * token_input_flops(s, gated) + 3 * matmul_flops(r, r, m) + 2 * matmul_flops(r, r, cols) +
+                   4 * matmul_flops(r, m, cols) + matmul_flops(r, d, r) + matmul_flops(r, d, m);
+  if (!gated) return f + r * m;
+  f += 2 * r;                              // cumulative logs
+  f += 2 * r * (r + 1) + r * (d + 2);      // decayed scores
+  f += 11 * r * (r + 1) / 2;               // T sums, P ⊙ W
+  f += r * (3 * m + 4) + r * (5 * m + 3);  // query-state and carried key terms
+  f += 2 * m * cols + 2 + 10 * r;          // gate chunk terms
+  f += m * cols + r * (1 + m);             // decayed adjoint
+  return f + r * (4 * d + 1);              // gate_gradient
 }
 // The gradient of one row's features given dφ: dp (3·R), dx̃ = dp·W̃ (gemm), then 8·D (see below).
 std::int64_t feature_gradient_row_flops(const Dims& s) { return 3 * s.r + matmul_flops(1, s.d, s.r) + 8 * s.d; }
@@ -98,7 +113,10 @@ struct GradBuffers {
   float* adjoint;          // dS (non-causal) or the running a_{t+1}·dS_{t+1} (causal) [M, ld_v]
   float* dscaled;          // dx̃ [C, D]
   float* gate_grads;       // du_t [C] (gated)
-  float* states;           // S_t of the chunk, [C + 1, M, ld_v] (causal)
+  float* masked;           // P, then P ⊙ W [C, ld_c] (causal)
+  float* carried;          // Y = [V|1]·Rᵀ, then diag(β)·φ(K), then diag(e^L)·φ(Q) [C, ld_m] (causal)
+  // [C] each (causal): L, dL, the row and column sums of T, dβ·β.
+  float *logs = nullptr, *log_grads = nullptr, *row_sums = nullptr, *col_sums = nullptr, *beta_grads = nullptr;
 };
 
 class Rfa final : public Mechanism {
@@ -158,7 +176,11 @@ class Rfa final : public Mechanism {
     adjoint_ = Tensor(Shape{t, s_.m, s_.ld_v});
     dscaled_ = Tensor(Shape{t, c, d});
     gate_grads_ = Tensor(Shape{t, c});
-    if (p_.causal) states_ = Tensor(Shape{t, c + 1, s_.m, s_.ld_v});
+    if (p_.causal) {
+      masked_ = Tensor(Shape{t, c, s_.ld_c});
+      carried_ = Tensor(Shape{t, c, s_.ld_m});
+      chunk_scalars_ = Tensor(Shape{t, 5, c});
+    }
     sigma_parts_ = Tensor(Shape{tasks, d});
     dsigma_ = Tensor(Shape{p_.heads, d});
     if (c_.gate) {
@@ -251,8 +273,18 @@ class Rfa final : public Mechanism {
   GradBuffers grad_buffers(int t) {
     const std::int64_t c = s_.c, cells = s_.m * s_.ld_v;
     auto at = [t](Tensor& x, std::int64_t per) { return x.empty() ? nullptr : x.data() + t * per; };
-    return {at(dphi_q_, c * s_.ld_m), at(dphi_k_, c * s_.ld_m), at(output_grads_, c * s_.ld_v), at(adjoint_, cells),
-            at(dscaled_, c * s_.d),   at(gate_grads_, c),       at(states_, (c + 1) * cells)};
+    GradBuffers g{at(dphi_q_, c * s_.ld_m), at(dphi_k_, c * s_.ld_m), at(output_grads_, c * s_.ld_v),
+                  at(adjoint_, cells),      at(dscaled_, c * s_.d),   at(gate_grads_, c),
+                  at(masked_, c * s_.ld_c), at(carried_, c * s_.ld_m)};
+    float* scalars = at(chunk_scalars_, 5 * c);
+    if (scalars != nullptr) {
+      g.logs = scalars;
+      g.log_grads = scalars + c;
+      g.row_sums = scalars + 2 * c;
+      g.col_sums = scalars + 3 * c;
+      g.beta_grads = scalars + 4 * c;
+    }
+    return g;
   }
 
   // φ of `rows` rows x [rows, D] of head h into phi [rows, ld_m]; x̂ and 1/‖x‖ into xhat, inv.
@@ -530,9 +562,18 @@ class Rfa final : public Mechanism {
     return flops;
   }
 
+  // The causal backward, chunks in reverse, R = dS_end (the adjoint of the state after the chunk)
+  // carried from the later chunks. Per chunk, with S0 its saved start state, L, W_ij = b_j·e^{L_i − L_j},
+  // A = tril(φ(Q)φ(K)ᵀ) ⊙ W, β_j = b_j·e^{L_last − L_j} (ungated L = 0, W = β = 1):
+  //   out' recomputed (A·[V|1] + diag(e^L)·φ(Q)·S0), G from it;  P = tril(G·[V|1]ᵀ);
+  //   dφ(Q) = diag(e^L)·G·S0ᵀ + (P ⊙ W)·φ(K);   dφ(K) = (P ⊙ W)ᵀ·φ(Q) + diag(β)·Y,  Y = [V|1]·Rᵀ;
+  //   dV = Aᵀ·G[:, :D] + diag(β)·φ(K)·R[:, :D];  R ← e^{L_last}·R + (diag(e^L)·φ(Q))ᵀ·G.
+  // Gated, with T = P ⊙ A (row sums r_i, column sums c_j) and dβ_j = φ(k_j)·Y_j:
+  //   dL_i = r_i − c_i + e^{L_i}·φ(q_i)·(G·S0ᵀ)_i − dβ_i·β_i + [i = last](Σ_j dβ_j·β_j + e^{L_last}·⟨R, S0⟩),
+  //   b_j·db_j = c_j + dβ_j·β_j,  d(log a_l) = Σ_{i ≥ l} dL_i,  du_l = b_l·d(log a_l) − a_l·(b_l·db_l).
   std::int64_t head_backward_causal(std::int64_t task, const float* const* in, float* const* grads, const Buffers& b,
                                     const GradBuffers& g) {
-    const std::int64_t h = task % p_.heads, d = s_.d, cells = s_.m * s_.ld_v;
+    const std::int64_t h = task % p_.heads, d = s_.d, cols = d + 1, cells = s_.m * s_.ld_v;
     float* dsigma = sigma_parts_.data() + task * d;
     std::fill_n(dsigma, d, 0.0f);
     float* dgate_w = c_.gate ? gate_weight_parts_.data() + task * d : nullptr;
@@ -545,18 +586,37 @@ class Rfa final : public Mechanism {
     std::int64_t flops = 0;
     for (std::int64_t chunk = s_.chunks - 1; chunk >= 0; --chunk) {
       const std::int64_t c0 = chunk * s_.c, rows = std::min(s_.c, s_.n - c0);
-      flops += load_chunk(h, in[0] + c0 * d, in[1] + c0 * d, in[2] + c0 * d, rows, b);
-      // The chunk's states S_0 (the checkpoint) … S_rows, and each row's z = φ(q)·z_t.
       const float* start = checkpoints_.data() + (task * s_.chunks + chunk) * cells;
-      std::copy(start, start + cells, g.states);
-      for (std::int64_t i = 0; i < rows; ++i) {
-        float* next = g.states + (i + 1) * cells;
-        std::copy(g.states + i * cells, g.states + (i + 1) * cells, next);
-        flops += step(b.phi_q + i * s_.ld_m, b.phi_k + i * s_.ld_m, b.values + i * s_.ld_v, b.decay[i], b.input[i],
-                      next, b.numerators + i * s_.ld_v, b.scaled);  // out' row i; b.scaled takes the unused output
-      }
+      flops += load_chunk(h, in[0] + c0 * d, in[1] + c0 * d, in[2] + c0 * d, rows, b);
+      if (c_.gate) flops += cumulative_logs(rows, b.decay, g.logs);
+      // out' of the chunk again, then G and P.
+      ops::gemm(false, true, rows, rows, s_.m, 1.0f, b.phi_q, s_.ld_m, b.phi_k, s_.ld_m, 0.0f, b.scores, s_.ld_c);
+      mask_upper(b.scores, rows);
+      ops::gemm(false, false, rows, cols, s_.m, 1.0f, b.phi_q, s_.ld_m, start, s_.ld_v, 0.0f, b.numerators, s_.ld_v);
+      if (c_.gate) flops += decay_scores(rows, b, g.logs);
+      ops::gemm(false, false, rows, cols, rows, 1.0f, b.scores, s_.ld_c, b.values, s_.ld_v, 1.0f, b.numerators,
+                s_.ld_v);
       flops += output_grads(b.numerators + d, s_.ld_v, in[3] + c0 * d, in[4] + c0 * d, rows, g.output_grads);
-      for (std::int64_t i = rows - 1; i >= 0; --i) flops += adjoint_step(i, b, g, grads[2] + (c0 + i) * d);
+      ops::gemm(false, true, rows, rows, cols, 1.0f, g.output_grads, s_.ld_v, b.values, s_.ld_v, 0.0f, g.masked,
+                s_.ld_c);
+      mask_upper(g.masked, rows);
+      if (c_.gate) flops += weight_score_grads(rows, b, g);
+      // dφ(Q), dφ(K), dV.
+      ops::gemm(false, true, rows, s_.m, cols, 1.0f, g.output_grads, s_.ld_v, start, s_.ld_v, 0.0f, g.dphi_q, s_.ld_m);
+      if (c_.gate) flops += query_state_grads(rows, b, g);
+      ops::gemm(false, false, rows, s_.m, rows, 1.0f, g.masked, s_.ld_c, b.phi_k, s_.ld_m, 1.0f, g.dphi_q, s_.ld_m);
+      ops::gemm(true, false, rows, s_.m, rows, 1.0f, g.masked, s_.ld_c, b.phi_q, s_.ld_m, 0.0f, g.dphi_k, s_.ld_m);
+      ops::gemm(false, true, rows, s_.m, cols, 1.0f, b.values, s_.ld_v, g.adjoint, s_.ld_v, 0.0f, g.carried, s_.ld_m);
+      flops += carried_key_grads(rows, b, g);
+      ops::gemm(true, false, rows, d, rows, 1.0f, b.scores, s_.ld_c, g.output_grads, s_.ld_v, 0.0f, grads[2] + c0 * d,
+                d);
+      ops::gemm(false, false, rows, d, s_.m, 1.0f, c_.gate ? g.carried : b.phi_k, s_.ld_m, g.adjoint, s_.ld_v, 1.0f,
+                grads[2] + c0 * d, d);
+      if (c_.gate) flops += gate_chunk_grads(rows, b, g, start);
+      // R for the chunk before: e^{L_last}·R + (diag(e^L)·φ(Q))ᵀ·G.
+      if (c_.gate) flops += decay_adjoint(rows, b, g);
+      ops::gemm(true, false, s_.m, cols, rows, 1.0f, c_.gate ? g.carried : b.phi_q, s_.ld_m, g.output_grads, s_.ld_v,
+                1.0f, g.adjoint, s_.ld_v);
       flops += feature_gradient(h, rows, b.phi_q, g.dphi_q, b.xhat_q, b.inv_q, g.dscaled, grads[0] + c0 * d, dsigma);
       flops += feature_gradient(h, rows, b.phi_k, g.dphi_k, b.xhat_k, b.inv_k, g.dscaled, grads[1] + c0 * d, dsigma);
       if (c_.gate) flops += gate_gradient(h, in[1] + c0 * d, rows, g.gate_grads, grads[1] + c0 * d, dgate_w, dgate_b);
@@ -564,51 +624,134 @@ class Rfa final : public Mechanism {
     return flops;
   }
 
-  // Row i of the chunk, in reverse: dS_i = φ(q_i)G_iᵀ + R (R = a_{i+1}·dS_{i+1}, kept in
-  // g.adjoint); dφ(q_i) = S_i G_i; dφ(k_i) = b_i·dS_i[v_i|1]; dv_i = b_i·dS_i[:, :D]ᵀφ(k_i);
-  // gated du_i = (⟨dS_i, S_{i−1}⟩ − φ(k_i)ᵀdS_i[v_i|1])·g(1 − g); then R = a_i·dS_i.
-  // FLOPs per state cell: 2 (dS) + 2 (dφ(q)) + 2 (dφ(k)) + 2 (dv, D columns) + gated 2 (⟨dS, S⟩)
-  // + 1 (a·dS); gated per row also b·dφ(k) (M), b·dv (D), φ(k)·(dS v') (2·M) and 3 for du.
-  std::int64_t adjoint_step(std::int64_t i, const Buffers& b, const GradBuffers& g, float* dv) const {
-    const std::int64_t d = s_.d, cols = d + 1, cells = s_.m * s_.ld_v;
-    const float* grad = g.output_grads + i * s_.ld_v;
-    const float *fq = b.phi_q + i * s_.ld_m, *fk = b.phi_k + i * s_.ld_m, *values = b.values + i * s_.ld_v;
-    const float *current = g.states + (i + 1) * cells, *previous = g.states + i * cells;
-    float *dq = g.dphi_q + i * s_.ld_m, *dk = g.dphi_k + i * s_.ld_m;
-    const float a = b.decay[i], in = b.input[i];
-    std::fill_n(dv, d, 0.0f);
-    float decay_grad = 0.0f, input_grad = 0.0f;
-    for (std::int64_t m = 0; m < s_.m; ++m) {
-      float* adj = g.adjoint + m * s_.ld_v;
-      const float *row = current + m * s_.ld_v, *prev = previous + m * s_.ld_v;
-      const float query = fq[m], key = fk[m];
-      float to_query = 0.0f, to_key = 0.0f, to_decay = 0.0f;
-#pragma omp simd reduction(+ : to_query, to_key)
-      for (std::int64_t e = 0; e < cols; ++e) {
-        adj[e] += query * grad[e];
-        to_query += row[e] * grad[e];
-        to_key += adj[e] * values[e];
-      }
-#pragma omp simd
-      for (std::int64_t e = 0; e < d; ++e) dv[e] += adj[e] * key;
-      if (c_.gate) {
-#pragma omp simd reduction(+ : to_decay)
-        for (std::int64_t e = 0; e < cols; ++e) {
-          to_decay += adj[e] * prev[e];
-          adj[e] *= a;
-        }
-        decay_grad += to_decay;
-        input_grad += key * to_key;
-      }
-      dq[m] = to_query;
-      dk[m] = c_.gate ? in * to_key : to_key;
+  void mask_upper(float* scores, std::int64_t rows) const {
+    for (std::int64_t i = 0; i + 1 < rows; ++i)
+      std::fill(scores + i * s_.ld_c + i + 1, scores + i * s_.ld_c + rows, 0.0f);
+  }
+
+  // logs[i] = L_i = Σ_{l≤i} log a_l (a_l in decay). FLOPs 2 per row.
+  std::int64_t cumulative_logs(std::int64_t rows, const float* decay, float* logs) const {
+    float running = 0.0f;
+    for (std::int64_t i = 0; i < rows; ++i) {
+      running += std::log(std::max(decay[i], kMinDecay));
+      logs[i] = running;
     }
-    std::int64_t flops = s_.m * (6 * cols + 2 * d);
-    if (!c_.gate) return flops;
+    return 2 * rows;
+  }
+
+  // scores ⊙= W (4 per lower entry); numerators (φ(Q)·S0) rows ⊙= e^{L_i} (1 + D + 1 per row).
+  std::int64_t decay_scores(std::int64_t rows, const Buffers& b, const float* logs) const {
+    for (std::int64_t i = 0; i < rows; ++i) {
+      float* row = b.scores + i * s_.ld_c;
+      for (std::int64_t j = 0; j <= i; ++j) row[j] *= b.input[j] * std::exp(logs[i] - logs[j]);
+      const float scale = std::exp(logs[i]);
+      float* numerator = b.numerators + i * s_.ld_v;
 #pragma omp simd
-    for (std::int64_t e = 0; e < d; ++e) dv[e] *= in;
-    g.gate_grads[i] = (decay_grad - input_grad) * a * in;
-    return flops + s_.m * 3 * cols + 3 * s_.m + d + 3;
+      for (std::int64_t e = 0; e <= s_.d; ++e) numerator[e] *= scale;
+    }
+    return 2 * rows * (rows + 1) + rows * (s_.d + 2);
+  }
+
+  // T = P ⊙ A into its row and column sums; then P ⊙= W. 11 per lower entry (T 3, W and P ⊙ W 4,
+  // counted with the recomputed weight 4).
+  std::int64_t weight_score_grads(std::int64_t rows, const Buffers& b, const GradBuffers& g) const {
+    std::fill_n(g.row_sums, rows, 0.0f);
+    std::fill_n(g.col_sums, rows, 0.0f);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      float* p = g.masked + i * s_.ld_c;
+      const float* a = b.scores + i * s_.ld_c;
+      for (std::int64_t j = 0; j <= i; ++j) {
+        const float t = p[j] * a[j];
+        g.row_sums[i] += t;
+        g.col_sums[j] += t;
+        p[j] *= b.input[j] * std::exp(g.logs[i] - g.logs[j]);
+      }
+    }
+    return 11 * rows * (rows + 1) / 2;
+  }
+
+  // dL_i starts at r_i − c_i + e^{L_i}·φ(q_i)·(G·S0ᵀ)_i; then (G·S0ᵀ)_i ⊙= e^{L_i}. 3·M + 4 per row.
+  std::int64_t query_state_grads(std::int64_t rows, const Buffers& b, const GradBuffers& g) const {
+    for (std::int64_t i = 0; i < rows; ++i) {
+      float* dq = g.dphi_q + i * s_.ld_m;
+      const float* fq = b.phi_q + i * s_.ld_m;
+      const float scale = std::exp(g.logs[i]);
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (std::int64_t m = 0; m < s_.m; ++m) dot += fq[m] * dq[m];
+#pragma omp simd
+      for (std::int64_t m = 0; m < s_.m; ++m) dq[m] *= scale;
+      g.log_grads[i] = g.row_sums[i] - g.col_sums[i] + scale * dot;
+    }
+    return rows * (3 * s_.m + 4);
+  }
+
+  // dφ(K) += diag(β)·Y with Y = [V|1]·Rᵀ in g.carried; gated: dβ_j = φ(k_j)·Y_j into beta_grads, β
+  // into b.input's place is not needed: carried ← diag(β)·φ(K) for dV. Ungated M per row; gated
+  // 5·M + 3 per row.
+  std::int64_t carried_key_grads(std::int64_t rows, const Buffers& b, const GradBuffers& g) const {
+    for (std::int64_t j = 0; j < rows; ++j) {
+      float* dk = g.dphi_k + j * s_.ld_m;
+      float* y = g.carried + j * s_.ld_m;
+      const float* fk = b.phi_k + j * s_.ld_m;
+      if (!c_.gate) {
+#pragma omp simd
+        for (std::int64_t m = 0; m < s_.m; ++m) dk[m] += y[m];
+        continue;
+      }
+      const float beta = b.input[j] * std::exp(g.logs[rows - 1] - g.logs[j]);
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (std::int64_t m = 0; m < s_.m; ++m) {
+        dot += fk[m] * y[m];
+        dk[m] += beta * y[m];
+        y[m] = beta * fk[m];
+      }
+      g.beta_grads[j] = dot * beta;  // dβ_j·β_j
+    }
+    return c_.gate ? rows * (5 * s_.m + 3) : rows * s_.m;
+  }
+
+  // The gate's chunk terms (see head_backward_causal) into g.gate_grads (du). 2·M·(D+1) + 2 per
+  // chunk (⟨R, S0⟩), 10 per row.
+  std::int64_t gate_chunk_grads(std::int64_t rows, const Buffers& b, const GradBuffers& g, const float* start) const {
+    float carry = 0.0f;
+    for (std::int64_t m = 0; m < s_.m; ++m) {
+      const float *r = g.adjoint + m * s_.ld_v, *s0 = start + m * s_.ld_v;
+#pragma omp simd reduction(+ : carry)
+      for (std::int64_t e = 0; e <= s_.d; ++e) carry += r[e] * s0[e];
+    }
+    float beta_total = 0.0f;
+    for (std::int64_t j = 0; j < rows; ++j) {
+      beta_total += g.beta_grads[j];
+      g.log_grads[j] -= g.beta_grads[j];
+    }
+    g.log_grads[rows - 1] += beta_total + std::exp(g.logs[rows - 1]) * carry;
+    float suffix = 0.0f;
+    for (std::int64_t l = rows - 1; l >= 0; --l) {
+      suffix += g.log_grads[l];
+      const float input_grad = g.col_sums[l] + g.beta_grads[l];  // b_l·db_l
+      g.gate_grads[l] = b.input[l] * suffix - b.decay[l] * input_grad;
+    }
+    return 2 * s_.m * (s_.d + 1) + 2 + 10 * rows;
+  }
+
+  // R ⊙= e^{L_last} (M·(D+1)); carried ← diag(e^L)·φ(Q) (1 + M per row).
+  std::int64_t decay_adjoint(std::int64_t rows, const Buffers& b, const GradBuffers& g) const {
+    const float carry = std::exp(g.logs[rows - 1]);
+    for (std::int64_t m = 0; m < s_.m; ++m) {
+      float* r = g.adjoint + m * s_.ld_v;
+#pragma omp simd
+      for (std::int64_t e = 0; e <= s_.d; ++e) r[e] *= carry;
+    }
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const float scale = std::exp(g.logs[i]);
+      const float* fq = b.phi_q + i * s_.ld_m;
+      float* y = g.carried + i * s_.ld_m;
+#pragma omp simd
+      for (std::int64_t m = 0; m < s_.m; ++m) y[m] = scale * fq[m];
+    }
+    return s_.m * (s_.d + 1) + rows * (1 + s_.m);
   }
 
   // dk += du·w_g, dw_g += du·k, db_g += du for the chunk's rows. FLOPs 4·D + 1 per row.
@@ -642,10 +785,11 @@ class Rfa final : public Mechanism {
   Tensor features_, sigma_, gate_weight_, gate_bias_;
   Tensor xhat_q_, xhat_k_, scaled_, inv_q_, inv_k_, phi_q_, phi_k_, values_, numerators_, decay_, input_, state_,
       scores_;
-  Tensor checkpoints_, dphi_q_, dphi_k_, output_grads_, adjoint_, dscaled_, gate_grads_, states_;  // training
-  Tensor sigma_parts_, gate_weight_parts_, gate_bias_parts_;                                       // training
-  Tensor dsigma_, dgate_weight_, dgate_bias_;                                                      // training
-  Tensor decode_states_;                                                                           // decoding
+  Tensor checkpoints_, dphi_q_, dphi_k_, output_grads_, adjoint_, dscaled_, gate_grads_;  // training
+  Tensor masked_, carried_, chunk_scalars_;                                               // training, causal
+  Tensor sigma_parts_, gate_weight_parts_, gate_bias_parts_;                              // training
+  Tensor dsigma_, dgate_weight_, dgate_bias_;                                             // training
+  Tensor decode_states_;                                                                  // decoding
 };
 
 std::int64_t parameter_floats(const Problem& p, const RfaConfig& c) {
@@ -691,10 +835,9 @@ std::int64_t backward_flops(const Problem& p, const RfaConfig& c) {
     // S saved; per query: features, out', G, dφ(Q), dS; per key: features, dφ(K), dV.
     per_head = 2 * n * feature_row_flops(s) + grads + 4 * matmul_flops(n, s.m, cols) + matmul_flops(n, d, s.m);
   } else {
-    // Features and states recomputed token by token (the decode step, normalisation included), then
-    // the adjoint walk.
-    per_head = n * (token_input_flops(s, c.gate) + step_flops(s, c.gate) + d) + grads + n * s.m * (6 * cols + 2 * d) +
-               (c.gate ? n * (s.m * 3 * cols + 3 * s.m + d + 3 + 4 * d + 1) : 0);
+    for (std::int64_t c0 = 0; c0 < n; c0 += s.c)
+      per_head += causal_backward_chunk_flops(s, std::min(s.c, n - c0), c.gate);
+    per_head += grads;
   }
   std::int64_t reduce = tasks * d + (c.gate ? tasks * (d + 1) : 0);
   return tasks * per_head + reduce;
@@ -706,7 +849,7 @@ std::int64_t backward_workspace(const Problem& p, const RfaConfig& c) {
   std::int64_t per_thread = 2 * s.c * s.ld_m + s.c * s.ld_v + cells + s.c * s.d + s.c;
   std::int64_t shared = tasks * s.d + p.heads * s.d + (c.gate ? tasks * (s.d + 1) + p.heads * (s.d + 1) : 0);
   shared += tasks * (p.causal ? s.chunks : 1) * cells;
-  if (p.causal) per_thread += (s.c + 1) * cells;
+  if (p.causal) per_thread += s.c * s.ld_c + s.c * s.ld_m + 5 * s.c;
   return (shared + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 

@@ -27,8 +27,8 @@
 // L_i = Σ_{l≤i} log a_l inside the chunk (0 ungated) and S the state before it:
 //   A = tril(φ(Q)φ(K)ᵀ) ⊙ [b_j·exp(L_i − L_j)],  out'_c = A·[V | 1] + diag(exp(L))·φ(Q)·S,
 //   S ← exp(L_last)·S + (diag(b_j·exp(L_last − L_j))·φ(K))ᵀ·[V | 1]     (every exponent ≤ 0).
-// A decode step (and the backward's recompute) is the token recurrence itself, one rank-one update
-// of the [M, D+1] state [S | z]; it equals the chunked forward up to rounding.
+// A decode step is the token recurrence itself, one rank-one update of the [M, D+1] state [S | z];
+// it equals the chunked forward up to rounding.
 //
 // FLOPs per head, n = N, features per row F = 2·R·D (the gemm) + 4·D (norm, x̂, x̃) + 4·R (sin,
 // cos, two scales); gate per key row Gt = 2·D + 5 (dot, bias, sigmoid 3, 1 − g):
@@ -40,13 +40,11 @@
 // and x̃ [C, D] each, 1/‖x‖ [C] ×2, φ(Q), φ(K) [C, ld(M)], [V | 1] and the numerators
 // [C, ld(D+1)], a_t, b_t [C], the state [M, ld(D+1)], causal A [C, ld(C)]: independent of N.
 // Backward (σ and, gated, w_g, b_g learned; W̃ fixed): causal saves the state at each chunk start
-// (B·H·⌈N/C⌉·M·ld(D+1) floats: O(N)); the backward walks the chunks in reverse, recomputes the
-// chunk's features and its C + 1 states from the checkpoint, and runs the adjoint recurrence
-//   dS_t = φ(q_t) G_tᵀ + a_{t+1}·dS_{t+1},  G_t = [dout_t/den, −(dout_t·out_t)/den] (0 in the z
-//   column when clamped),  dφ(q_t) = S_t G_t,  dφ(k_t) = b_t·dS_t [v_t|1],  dv_t = b_t·dS_tᵀφ(k_t),
-//   gated: dg_t = ⟨dS_t, S_{t−1}⟩ − φ(k_t)ᵀ dS_t [v_t|1].
-// Non-causal saves S per head (B·H·M·ld(D+1) floats) and recomputes the features. FLOPs:
-// backward_flops in rfa.cpp.
+// (B·H·⌈N/C⌉·M·ld(D+1) floats: O(N)); the backward walks the chunks in reverse with the state's
+// adjoint R carried, recomputes the chunk's features and out', and differentiates the chunkwise
+// form above with gemms only (the gate through L, W and the carried decays; the formulas are at
+// head_backward_causal in rfa.cpp). Non-causal saves S per head (B·H·M·ld(D+1) floats) and
+// recomputes the features. A clamped row's z gets no gradient. FLOPs: backward_flops in rfa.cpp.
 // Decode: the state [S | z] per head, [M, D+1] (2·R·(D+1) values; ld(D+1) floats a row): O(1) per
 // token, constant in N; a step is one token of the recurrence: features 2·F, gated Gt, the update
 // 2·M·(D+1) (gated 3·M·(D+1) + M), the output 2·M·(D+1), D to normalise.
