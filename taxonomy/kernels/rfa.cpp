@@ -87,9 +87,9 @@ std::int64_t causal_backward_chunk_flops(const Dims& s, std::int64_t r, bool gat
   if (!gated) return f + r * m;
   f += 2 * r;                              // cumulative logs
   f += 2 * r * (r + 1) + r * (d + 2);      // decayed scores
-  f += 11 * r * (r + 1) / 2;               // T sums, P ⊙ W
-  f += r * (3 * m + 4) + r * (5 * m + 3);  // query-state and carried key terms
-  f += 2 * m * cols + 2 + 10 * r;          // gate chunk terms
+  f += 7 * r * (r + 1) / 2;                // T sums, P ⊙ W
+  f += r * (3 * m + 4) + r * (5 * m + 4);  // query-state and carried key terms
+  f += 2 * m * cols + 4 + 7 * r;           // gate chunk terms
   f += m * cols + r * (1 + m);             // decayed adjoint
   return f + r * (4 * d + 1);              // gate_gradient
 }
@@ -652,8 +652,8 @@ class Rfa final : public Mechanism {
     return 2 * rows * (rows + 1) + rows * (s_.d + 2);
   }
 
-  // T = P ⊙ A into its row and column sums; then P ⊙= W. 11 per lower entry (T 3, W and P ⊙ W 4,
-  // counted with the recomputed weight 4).
+  // T = P ⊙ A into its row and column sums (3 per lower entry); then P ⊙= W, the weight
+  // recomputed (4 per lower entry).
   std::int64_t weight_score_grads(std::int64_t rows, const Buffers& b, const GradBuffers& g) const {
     std::fill_n(g.row_sums, rows, 0.0f);
     std::fill_n(g.col_sums, rows, 0.0f);
@@ -667,7 +667,7 @@ class Rfa final : public Mechanism {
         p[j] *= b.input[j] * std::exp(g.logs[i] - g.logs[j]);
       }
     }
-    return 11 * rows * (rows + 1) / 2;
+    return 7 * rows * (rows + 1) / 2;
   }
 
   // dL_i starts at r_i − c_i + e^{L_i}·φ(q_i)·(G·S0ᵀ)_i; then (G·S0ᵀ)_i ⊙= e^{L_i}. 3·M + 4 per row.
@@ -686,9 +686,8 @@ class Rfa final : public Mechanism {
     return rows * (3 * s_.m + 4);
   }
 
-  // dφ(K) += diag(β)·Y with Y = [V|1]·Rᵀ in g.carried; gated: dβ_j = φ(k_j)·Y_j into beta_grads, β
-  // into b.input's place is not needed: carried ← diag(β)·φ(K) for dV. Ungated M per row; gated
-  // 5·M + 3 per row.
+  // dφ(K) += diag(β)·Y with Y = [V|1]·Rᵀ in g.carried; gated also dβ_j·β_j = (φ(k_j)·Y_j)·β_j
+  // into beta_grads and carried ← diag(β)·φ(K) (for dV). FLOPs per row: ungated M; gated 5·M + 4.
   std::int64_t carried_key_grads(std::int64_t rows, const Buffers& b, const GradBuffers& g) const {
     for (std::int64_t j = 0; j < rows; ++j) {
       float* dk = g.dphi_k + j * s_.ld_m;
@@ -709,11 +708,11 @@ class Rfa final : public Mechanism {
       }
       g.beta_grads[j] = dot * beta;  // dβ_j·β_j
     }
-    return c_.gate ? rows * (5 * s_.m + 3) : rows * s_.m;
+    return c_.gate ? rows * (5 * s_.m + 4) : rows * s_.m;
   }
 
-  // The gate's chunk terms (see head_backward_causal) into g.gate_grads (du). 2·M·(D+1) + 2 per
-  // chunk (⟨R, S0⟩), 10 per row.
+  // The gate's chunk terms (see head_backward_causal) into g.gate_grads (du). FLOPs per chunk
+  // 2·M·(D+1) (⟨R, S0⟩) + 4 (dL_last), per row 7 (the β sums, the suffix sum, b·db, du).
   std::int64_t gate_chunk_grads(std::int64_t rows, const Buffers& b, const GradBuffers& g, const float* start) const {
     float carry = 0.0f;
     for (std::int64_t m = 0; m < s_.m; ++m) {
@@ -733,7 +732,7 @@ class Rfa final : public Mechanism {
       const float input_grad = g.col_sums[l] + g.beta_grads[l];  // b_l·db_l
       g.gate_grads[l] = b.input[l] * suffix - b.decay[l] * input_grad;
     }
-    return 2 * s_.m * (s_.d + 1) + 2 + 10 * rows;
+    return 2 * s_.m * (s_.d + 1) + 4 + 7 * rows;
   }
 
   // R ⊙= e^{L_last} (M·(D+1)); carried ← diag(e^L)·φ(Q) (1 + M per row).
