@@ -207,6 +207,45 @@ TEST_SUITE("rfa") {
                 {.features = 2, .gate = true, .chunk = 4}, static_cast<std::uint64_t>(n + 50));
   }
 
+  TEST_CASE("rfa's error against softmax attention on the normalised q, k falls as the feature count grows") {
+    // With σ = 1: E[φ(q)·φ(k)] = exp(−‖q̂ − k̂‖²/2) = exp(q̂·k̂ − 1), so RFA estimates softmax(q̂·k̂ᵀ)·V.
+    const Problem p{.batch = 1, .heads = 2, .seq_len = 128, .head_dim = 16, .causal = false};
+    const auto in = random_inputs(p, 78);
+    std::vector<std::vector<double>> exact;
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      std::vector<double> q = widened(in.q.head(0, h), p.seq_len * p.head_dim),
+                          k = widened(in.k.head(0, h), p.seq_len * p.head_dim);
+      for (auto* rows : {&q, &k})
+        for (std::int64_t i = 0; i < p.seq_len; ++i) {
+          double norm = 0;
+          for (std::int64_t c = 0; c < p.head_dim; ++c)
+            norm += (*rows)[i * p.head_dim + c] * (*rows)[i * p.head_dim + c];
+          for (std::int64_t c = 0; c < p.head_dim; ++c) (*rows)[i * p.head_dim + c] /= std::sqrt(norm);
+        }
+      const std::vector<double> v = widened(in.v.head(0, h), p.seq_len * p.head_dim);
+      exact.push_back(reference_attention(q.data(), k.data(), v.data(), p.seq_len, p.seq_len, p.head_dim, 1.0,
+                                          [](std::int64_t, std::int64_t) { return true; }));
+    }
+    std::vector<double> errors;
+    for (std::int64_t r : {16, 64, 256, 1024}) {
+      double total = 0;
+      for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+        const auto run = run_keeping("rfa", p, in, {"features=" + std::to_string(r)}, seed);
+        for (std::int64_t h = 0; h < p.heads; ++h)
+          for (std::int64_t e = 0; e < p.seq_len * p.head_dim; ++e)
+            total += std::fabs(run.out.head(0, h)[e] - exact[static_cast<std::size_t>(h)][static_cast<std::size_t>(e)]);
+      }
+      errors.push_back(total / (4.0 * p.heads * p.seq_len * p.head_dim));
+    }
+    CAPTURE(errors[0]);
+    CAPTURE(errors[1]);
+    CAPTURE(errors[2]);
+    CAPTURE(errors[3]);
+    // Monte-Carlo error ~ 1/√R: each fourfold R should roughly halve it.
+    for (std::size_t i = 1; i < errors.size(); ++i) CHECK(errors[i] < 0.8 * errors[i - 1]);
+    CHECK(errors.back() < 0.35 * errors.front());
+  }
+
   TEST_CASE("rfa: parameters per head, σ initialised to 1, the gate's tensors only with gate=1") {
     const Problem p{.batch = 1, .heads = 3, .seq_len = 5, .head_dim = 4, .causal = true};
     const auto in = random_inputs(p, 3);
