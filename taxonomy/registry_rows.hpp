@@ -23,6 +23,7 @@
 #include "taxonomy/fixed_patterns/sparse_transformer.hpp"
 #include "taxonomy/kernels/linear_transformer.hpp"
 #include "taxonomy/kernels/performer.hpp"
+#include "taxonomy/kernels/rfa.hpp"
 #include "taxonomy/learnable_patterns/cluster_former.hpp"
 #include "taxonomy/learnable_patterns/reformer.hpp"
 #include "taxonomy/learnable_patterns/routing.hpp"
@@ -275,6 +276,15 @@ void for_each_row(Row&& row) {
                                   .arxiv = "2106.11297",
                                   .year = 2021,
                                   .revision = true});
+  row(model<RfaConfig>, {.name = "rfa",
+                         .display_name = "Random Feature Attention",
+                         .classes = {C::Kernels},
+                         .complexity = "O(N)",
+                         .decode_cost = "O(1)",
+                         .paper = "Peng et al. 2021",
+                         .arxiv = "2103.02143",
+                         .year = 2021,
+                         .revision = true});
   row(model<LongShortConfig>, {.name = "long-short",
                                .display_name = "Long-Short Transformer",
                                .classes = {C::FixedPatterns, C::LowRank},

@@ -150,6 +150,10 @@ const std::vector<DecodeCase>& decode_cases() {
       {"linear-transformer", {"chunk=8"}, {1, 7, 8, 9, 20}, 19},
       {"performer", {"features=48", "chunk=8"}, {1, 7, 8, 9, 20}, 19},
       {"performer", {"features=40", "chunk=8", "kernel=relu"}, {9}, 12},
+      // RFA: signed sin/cos features, the denominator clamped below (floor=1: the authors' causal clamp).
+      {"rfa", {"chunk=8"}, {1, 7, 8, 9, 20}, 19},
+      {"rfa", {"chunk=8", "gate=1"}, {1, 7, 8, 9, 20}, 19},
+      {"rfa", {"features=16", "chunk=5", "gate=1", "floor=1"}, {4, 5, 6}, 9},
       // Long-Short: contexts one below, at and above the chunk l and the window w.
       {"long-short", {"window=6", "chunk=4", "chunk_rank=2"}, {3, 4, 5, 6, 7, 11}, 13},
       {"long-short", {"window=16", "chunk=16"}, {15, 16, 17}, 18},
