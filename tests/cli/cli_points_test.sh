@@ -33,6 +33,9 @@ cases=(
   'exceeds the limit|--heads 65536 --head-dim 65536'
   'exceeds the limit|--batch 1048576 --heads 1048576'
   'exceeds the limit|--scope layer --heads 1024 --head-dim 1024 --d-ff 2147483647'
+  '--ffn|--ffn bogus' '--ffn|--ffn switch' '--experts|--scope layer --ffn switch --experts 0'
+  '--experts|--scope layer --ffn gshard --experts 1' '--capacity-factor|--scope layer --ffn switch --capacity-factor 0'
+  '--capacity-factor|--scope layer --ffn gshard --capacity-factor -0.5' '--group-size|--scope layer --ffn switch --group-size -1'
 )
 for entry in "${cases[@]}"; do
   needle=${entry%%|*}
