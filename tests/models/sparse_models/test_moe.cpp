@@ -18,7 +18,9 @@
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/memory_tracker.hpp"
 #include "lib/core/rng.hpp"
+#include "taxonomy/layer/encoder_layer.hpp"
 #include "taxonomy/layer/moe_ffn.hpp"
+#include "taxonomy/registry.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -425,6 +427,48 @@ TEST_SUITE("moe") {
         // Buffers linear in T: the slots are ≈ k·cf·T per expert set.
         CHECK(MoeFfn::slots(s, t) * s.experts <=
               static_cast<std::int64_t>(ffn_top_k(s.kind) * 1.25 * t) + 4 * s.experts * MoeFfn::groups(s, t));
+      }
+  }
+
+  TEST_CASE(
+      "moe: the layer's executed FLOPs and bytes: the attention sublayer's, the mechanism's and the routed experts'") {
+    for (FfnKind kind : {FfnKind::Switch, FfnKind::Gshard})
+      for (std::int64_t n : {31, 64}) {
+        CAPTURE(ffn_name(kind));
+        CAPTURE(n);
+        const MoeSettings s = settings(kind, 4, 1.0, 24);
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8, .threads = kTestThreads};
+        const std::int64_t f = 24;
+        const ModelInfo& info = *find_model("performer");
+        const ParamValues params = resolve_params("performer", info.impl.params, {});
+        auto& tracker = MemoryTracker::instance();
+        Tensor x(Shape{2, n, 16}), y(Shape{2, n, 16}), dy(Shape{2, n, 16}), dx(Shape{2, n, 16});
+        CounterRng(5, "x").fill_normal(x);
+        CounterRng(5, "dy").fill_normal(dy);
+        const std::int64_t before = tracker.owned_current_bytes();
+        auto mechanism = info.impl.create(p, params, 5);
+        EncoderLayer layer(p, f, n, true, 5, s);
+        layer.prepare_training();
+        layer.prepare(*mechanism, x);
+        layer.prepare_backward(*mechanism);
+        CHECK(tracker.owned_current_bytes() - before ==
+              EncoderLayer::workspace_bytes(p, f, n, s) + EncoderLayer::backward_workspace_bytes(p, f, n, s) +
+                  info.impl.workspace_bytes(p, params) + info.impl.backward_workspace_bytes(p, params));
+        FlopCounter::reset();
+        layer.forward(*mechanism, x, y);
+        const std::int64_t routed = layer.moe()->routed_pairs();
+        CHECK(FlopCounter::total() ==
+              info.impl.flops(p, params) + EncoderLayer::flops_outside_mechanism(p, f, n, s, routed));
+        FlopCounter::reset();
+        layer.backward(*mechanism, x, dy, dx);
+        CHECK(FlopCounter::total() ==
+              info.impl.backward_flops(p, params) + EncoderLayer::backward_flops_outside_mechanism(p, f, n, s, routed));
+        // The FFN's share is the routed rows' work: below the dense FFN's at k = 1 plus the router.
+        const std::int64_t dense_ffn =
+            EncoderLayer::flops_outside_mechanism(p, f, n) - EncoderLayer::flops_outside_mechanism(p, 0, n);
+        const std::int64_t moe_ffn =
+            EncoderLayer::flops_outside_mechanism(p, f, n, s, routed) - EncoderLayer::flops_outside_mechanism(p, 0, n);
+        CHECK(moe_ffn <= ffn_top_k(kind) * (dense_ffn + 2 * n * 2 * 16 * 2) + 2 * 2 * n * 16 * 4 + 8 * 2 * n * 4);
       }
   }
 
