@@ -142,10 +142,7 @@ void moe_fields(std::vector<PointField>& fields) {
   capacity.set = [](PointConfig& c, const json& v) { c.ffn.capacity_factor = v.get<double>(); };
   capacity.to_row = [](ResultRow& r, const json& v) { r.capacity_factor = v.get<double>(); };
   capacity.from_row = [](const ResultRow& r) { return json(r.capacity_factor); };
-  moe_only(capacity, [](const PointConfig& c) { return json(c.ffn.capacity_factor); });
-  capacity.words = [](const PointConfig& c) {
-    return c.ffn.kind == FfnKind::Dense ? Words{} : Words{"--capacity-factor", real_text(c.ffn.capacity_factor)};
-  };
+  moe_only(capacity, capacity.get);
   fields.push_back(capacity);
 
   PointField group = integer(
