@@ -47,6 +47,10 @@ struct ModelCard {
   // Added by the survey's revision (arXiv 2009.06732v3, ACM Computing Surveys 2022): in its Table 1,
   // not in v1's.
   bool revision = false;
+  // A feed-forward model (the sparse class's mixtures of experts): the layer FFN it selects, "switch" or
+  // "gshard" (docs/layer.md#mixture-of-experts). Its attention is its row's config type's; it runs in
+  // layer scope only. "" for an attention model.
+  std::string ffn = "";
   bool has_implementation = false;  // derived from the row (it names a config type); not written in it
 
   bool has_class(ModelClass c) const;

@@ -321,6 +321,29 @@ void for_each_row(Row&& row) {
                                     .arxiv = "1909.00015",
                                     .year = 2019,
                                     .revision = true});
+  // The sparse class's mixtures of experts replace the layer's FFN, not attention: each card is the encoder
+  // layer with vanilla attention (its config type) and its FFN (`.ffn`, taxonomy/layer/moe_ffn.hpp); layer
+  // scope only. Any attention model takes the same FFN with --ffn switch|gshard.
+  row(model<VanillaConfig>, {.name = "switch",
+                             .display_name = "Switch Transformer (top-1 mixture of experts)",
+                             .classes = {C::Sparse},
+                             .complexity = "O(N²)",
+                             .decode_cost = "O(N)",
+                             .paper = "Fedus et al. 2021",
+                             .arxiv = "2101.03961",
+                             .year = 2021,
+                             .revision = true,
+                             .ffn = "switch"});
+  row(model<VanillaConfig>, {.name = "gshard",
+                             .display_name = "GShard (top-2 mixture of experts)",
+                             .classes = {C::Sparse},
+                             .complexity = "O(N²)",
+                             .decode_cost = "O(N)",
+                             .paper = "Lepikhin et al. 2020",
+                             .arxiv = "2006.16668",
+                             .year = 2020,
+                             .revision = true,
+                             .ffn = "gshard"});
 }
 
 }  // namespace xfb

@@ -242,6 +242,14 @@ Point resolve_point(const PointConfig& config) {
   point.model = &model;
   point.config = config;
   if (config.pass == Pass::Decode) point.config.problem.causal = true;  // decoding is causal by definition
+  if (!model.ffn.empty() && config.scope == Scope::Layer) {             // a feed-forward card selects its FFN
+    const FfnKind card_ffn = parse_ffn(model.ffn);
+    if (config.ffn.kind != FfnKind::Dense && config.ffn.kind != card_ffn)
+      throw InputError("model " + model.name + " is the layer with --ffn " + model.ffn + "; got --ffn " +
+                       ffn_name(config.ffn.kind));
+    point.config.ffn.kind = card_ffn;
+    check_point_config(point.config);
+  }
   point.requested = resolve_params(config.model, model.impl.params, config.params);
   if (model.impl.validate) model.impl.validate(point.config.problem, point.requested);
   point.running = model.impl.resolved(point.config.problem, point.requested);
@@ -277,9 +285,9 @@ std::int64_t estimated_point_bytes(const Point& point) {
   else if (c.pass != Pass::Forward)
     bytes += point.model->impl.backward_workspace_bytes(c.problem, point.requested);
   const std::int64_t rows = point_output_rows(point);
-  if (c.scope == Scope::Layer) bytes += EncoderLayer::workspace_bytes(c.problem, c.effective_d_ff(), rows);
+  if (c.scope == Scope::Layer) bytes += EncoderLayer::workspace_bytes(c.problem, c.effective_d_ff(), rows, c.ffn);
   if (c.scope == Scope::Layer && c.pass != Pass::Forward)
-    bytes += EncoderLayer::backward_workspace_bytes(c.problem, c.effective_d_ff(), rows);
+    bytes += EncoderLayer::backward_workspace_bytes(c.problem, c.effective_d_ff(), rows, c.ffn);
   return bytes;
 }
 
@@ -287,6 +295,7 @@ std::optional<std::int64_t> estimated_point_flops(const Point& point) {
   const PointConfig& c = point.config;
   const Implementation& impl = point.model->impl;
   if (c.pass == Pass::Decode || (c.pass != Pass::Forward && !impl.has_backward())) return std::nullopt;
+  if (c.scope == Scope::Layer && c.ffn.kind != FfnKind::Dense) return std::nullopt;  // the routing decides
   const std::int64_t rows = point_output_rows(point), d_ff = c.effective_d_ff();
   const bool layer = c.scope == Scope::Layer;
   std::int64_t flops = 0;
@@ -318,7 +327,11 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
   row.kernel_isa = kernel_isa_name(kernel_isa());
   row.reproducer = reproducer_command(point);
   const std::string why = model.impl.unsupported ? model.impl.unsupported(config.problem, point.requested) : "";
-  if (config.problem.causal && !model.decodes()) {
+  if (!model.ffn.empty() && config.scope == Scope::Attention) {
+    row.status = Status::Unsupported;
+    row.reason = model.display_name + ": a feed-forward layer: run with --scope layer, or --ffn " + model.ffn +
+                 " with any attention model";
+  } else if (config.problem.causal && !model.decodes()) {
     row.status = Status::Unsupported;
     const std::string why_not = model.decode_note.empty() ? "survey Table 1: Decode = no" : model.decode_note;
     row.reason = model.display_name + " cannot decode (" + why_not + "), so it has " +
@@ -371,6 +384,10 @@ ResultRow run_point(const Point& point, const std::optional<std::string>& dump_d
   body();
   row.flops = FlopCounter::total();
   row.saved_bytes = workload->saved_bytes();
+  if (const MoeFfn* moe = workload->moe()) {
+    row.tokens_dropped = moe->tokens_dropped();
+    row.expert_load = moe->expert_load();
+  }
   if (config.pass != Pass::Forward) row.gradient_note = workload->mechanism().gradient_note();
 
   TimingSettings timing = config.timing;

@@ -53,7 +53,8 @@ std::int64_t point_io_bytes(const PointConfig& config);  // of resolve_point(con
 std::int64_t estimated_point_bytes(const Point& point);
 // Analytic FLOPs of one timed call, as the row's `flops` counts them: the mechanism's forward
 // (and backward: train and backward passes) plus, in layer scope, the layer's own work. nullopt for
-// the decode pass (its steps have no analytic count) and for a point that cannot run.
+// the decode pass (its steps have no analytic count), a mixture-of-experts layer (its count depends on the
+// routing: EncoderLayer::flops_outside_mechanism with the routed pairs) and a point that cannot run.
 std::optional<std::int64_t> estimated_point_flops(const Point& point);
 
 // Runs the point here. `dump_dir`, when set, receives inputs, output, parameters and a manifest

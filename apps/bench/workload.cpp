@@ -72,7 +72,8 @@ class LayerWorkload final : public Workload {
       dx_ = Tensor(shape);
     }
     mechanism_ = point.model->impl.create(p, point.requested, c.seed);
-    layer_ = std::make_unique<EncoderLayer>(p, c.effective_d_ff(), rows, !point.model->impl.downsamples(), c.seed);
+    layer_ =
+        std::make_unique<EncoderLayer>(p, c.effective_d_ff(), rows, !point.model->impl.downsamples(), c.seed, c.ffn);
     if (training_) layer_->prepare_training();  // the layer's own buffers, before the mechanism's setup
     layer_->prepare(*mechanism_, x_);
     if (training_) layer_->prepare_backward(*mechanism_);
@@ -83,6 +84,7 @@ class LayerWorkload final : public Workload {
     return training_ ? mechanism_->saved_bytes() + total_bytes(layer_->saved()) : 0;
   }
   bool whole_layer() const override { return true; }
+  const MoeFfn* moe() const override { return layer_->moe(); }
   DumpFiles dump_files() const override {
     DumpFiles files = {{"x", &x_},
                        {"q", &layer_->q()},

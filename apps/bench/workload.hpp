@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "apps/bench/point.hpp"
+#include "taxonomy/layer/moe_ffn.hpp"
 
 namespace xfb {
 
@@ -30,6 +31,8 @@ class Workload {
   // A layer's forward and backward are its stages: the mechanism's own stages are not timed apart.
   virtual bool whole_layer() const = 0;
   Mechanism& mechanism() { return *mechanism_; }
+  // The layer's mixture of experts (its routing counts after a forward); nullptr for a dense FFN or attention scope.
+  virtual const MoeFfn* moe() const { return nullptr; }
 
  protected:
   std::unique_ptr<Mechanism> mechanism_;

@@ -97,6 +97,62 @@ void identity_fields(std::vector<PointField>& fields) {
   fields.push_back(head_dim);
 }
 
+// Words of a mixture-of-experts field: spelled only when the FFN is one.
+std::function<Words(const PointConfig&)> moe_words(std::string flag, std::function<json(const PointConfig&)> value) {
+  return [flag = std::move(flag), value = std::move(value)](const PointConfig& c) {
+    return c.ffn.kind == FfnKind::Dense ? Words{} : always_words(flag, value(c));
+  };
+}
+
+// The layer's FFN sublayer: dense, or a mixture of experts and its settings (recorded as 0 for dense).
+void moe_fields(std::vector<PointField>& fields) {
+  PointField ffn;
+  ffn.key = "ffn";
+  ffn.flags = "--ffn";
+  ffn.type = FieldType::Choice;
+  ffn.choices = {"dense", "switch", "gshard"};
+  ffn.help =
+      "layer scope FFN sublayer: dense, switch (top-1 mixture of experts) or gshard (top-2), with any attention "
+      "model (docs/layer.md#mixture-of-experts)";
+  ffn.get = [](const PointConfig& c) { return json(ffn_name(c.ffn.kind)); };
+  ffn.set = [](PointConfig& c, const json& v) { c.ffn.kind = parse_ffn(v.get<std::string>()); };
+  ffn.words = moe_words("--ffn", ffn.get);
+  ffn.to_row = [](ResultRow& r, const json& v) { r.ffn = v.get<std::string>(); };
+  ffn.from_row = [](const ResultRow& r) { return json(r.ffn); };
+  fields.push_back(ffn);
+
+  auto moe_only = [](PointField& f, std::function<json(const PointConfig&)> value) {
+    f.recorded = [value](const PointConfig& c) { return c.ffn.kind == FfnKind::Dense ? json(0) : value(c); };
+    f.words = moe_words(f.long_flag(), value);
+  };
+  PointField experts = integer(
+      "experts", "--experts", 1, 1 << 16, "mixture of experts: experts X (gshard: at least 2)",
+      [](PointConfig& c) -> std::int64_t& { return c.ffn.experts; }, &ResultRow::experts);
+  moe_only(experts, experts.get);
+  fields.push_back(experts);
+
+  PointField capacity;
+  capacity.key = "capacity_factor";
+  capacity.flags = "--capacity-factor";
+  capacity.type = FieldType::Real;
+  capacity.real_min = 0;
+  capacity.real_max = 1 << 16;
+  capacity.help = "mixture of experts: expert capacity as a multiple of a group's even share k·S/X (> 0)";
+  capacity.get = [](const PointConfig& c) { return json(c.ffn.capacity_factor); };
+  capacity.set = [](PointConfig& c, const json& v) { c.ffn.capacity_factor = v.get<double>(); };
+  capacity.to_row = [](ResultRow& r, const json& v) { r.capacity_factor = v.get<double>(); };
+  capacity.from_row = [](const ResultRow& r) { return json(r.capacity_factor); };
+  moe_only(capacity, capacity.get);
+  fields.push_back(capacity);
+
+  PointField group = integer(
+      "group_size", "--group-size", 0, kMaxInt32,
+      "mixture of experts: tokens S per routing group, consecutive rows (0: all batch·seq-len rows)",
+      [](PointConfig& c) -> std::int64_t& { return c.ffn.group_size; }, &ResultRow::group_size);
+  moe_only(group, group.get);
+  fields.push_back(group);
+}
+
 // What is timed: scope, pass, decode tokens, causality, the layer's FFN width.
 void pass_fields(std::vector<PointField>& fields) {
   PointField scope;
@@ -159,6 +215,7 @@ void pass_fields(std::vector<PointField>& fields) {
     return c.scope == Scope::Layer ? Words{"--d-ff", std::to_string(c.effective_d_ff())} : Words{};
   };
   fields.push_back(d_ff);
+  moe_fields(fields);
 }
 
 // How it runs: threads, seed, the mechanism's parameters.
@@ -423,6 +480,14 @@ void check_point_config(const PointConfig& c) {
               "one [--batch, --heads, --seq-len + --decode-tokens, --head-dim] tensor's element count");
   check_limit({p.batch, p.heads, tokens, tokens, p.head_dim}, kMaxQuadraticWork,
               "--batch × --heads × (--seq-len + --decode-tokens)² × --head-dim");
+  if (c.ffn.kind != FfnKind::Dense) {
+    const std::string ffn = "--ffn " + ffn_name(c.ffn.kind);
+    if (c.scope != Scope::Layer) throw InputError(ffn + " runs in layer scope only (--scope layer)");
+    if (!(c.ffn.capacity_factor > 0)) throw InputError("--capacity-factor must be > 0, got 0");
+    if (c.ffn.kind == FfnKind::Gshard && c.ffn.experts < 2)
+      throw InputError(ffn + " routes to two experts: --experts must be at least 2, got 1");
+    check_limit({p.batch, p.seq_len}, std::int64_t{1} << 24, ffn + ": --batch × --seq-len (routed rows)");
+  }
   if (c.scope == Scope::Layer) {
     check_limit({p.heads, p.head_dim, c.effective_d_ff()}, kMaxTensorElements,
                 "a layer's --heads × --head-dim × --d-ff");

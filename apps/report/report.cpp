@@ -38,6 +38,8 @@ std::string configuration_text(const ResultRow& row) {
       << (row.causal ? ", causal" : "") << ", B=" << row.batch << " H=" << row.heads << " D=" << row.head_dim;
   if (row.pass == Pass::Decode) out << ", T=" << row.decode_tokens;
   if (row.d_ff) out << ", d_ff=" << row.d_ff;
+  if (row.ffn != "dense")
+    out << ", ffn=" << row.ffn << " X=" << row.experts << " cf=" << row.capacity_factor << " S=" << row.group_size;
   return out.str();
 }
 
@@ -79,6 +81,10 @@ void to_json(nlohmann::json& j, const ResultRow& r) {
                      {"out_len", r.out_len > 0 ? r.out_len : r.seq_len},
                      {"head_dim", r.head_dim},
                      {"d_ff", r.d_ff},
+                     {"ffn", r.ffn},
+                     {"experts", r.experts},
+                     {"capacity_factor", r.capacity_factor},
+                     {"group_size", r.group_size},
                      {"params", r.params},
                      {"threads", r.threads},
                      {"kernel_isa", r.kernel_isa},
@@ -106,6 +112,8 @@ void to_json(nlohmann::json& j, const ResultRow& r) {
                      {"peak_owned_bytes", r.peak_owned_bytes},
                      {"workspace_bytes", r.workspace_bytes},
                      {"saved_bytes", r.saved_bytes},
+                     {"tokens_dropped", r.tokens_dropped},
+                     {"expert_load", r.expert_load},
                      {"gradient_note", r.gradient_note},
                      {"decode_tokens", r.decode_tokens},
                      {"prefill_ns", r.prefill_ns},
@@ -153,6 +161,10 @@ void read_identity(ResultRow& r, const FieldReader& f) {
   check_sizes(r, f);
   r.out_len = f.integer("out_len", 1, r.seq_len, r.seq_len);
   r.d_ff = f.integer("d_ff", 0, kMaxSize, 0);
+  r.ffn = f.choice("ffn", {"dense", "switch", "gshard"}, "dense");
+  r.experts = f.integer("experts", 0, kMaxSize, 0);
+  r.capacity_factor = f.number("capacity_factor", 0, kMaxFigure, 0.0);
+  r.group_size = f.integer("group_size", 0, kMaxSize, 0);
   r.params = f.scalar_object("params");
   r.threads = static_cast<int>(f.integer("threads", 0, 1 << 20, 0));
   r.kernel_isa = f.text("kernel_isa", "");
@@ -187,6 +199,8 @@ void read_work(ResultRow& r, const FieldReader& f) {
   r.peak_owned_bytes = f.integer("peak_owned_bytes", -1, kMaxCount, -1);
   r.workspace_bytes = f.integer("workspace_bytes", 0, kMaxCount);
   r.saved_bytes = f.integer("saved_bytes", 0, kMaxCount, 0);
+  r.tokens_dropped = f.integer("tokens_dropped", 0, kMaxCount, 0);
+  r.expert_load = f.number("expert_load", 0, kMaxFigure, 0.0);
   r.gradient_note = f.text("gradient_note", "");
   r.decode_tokens = f.integer("decode_tokens", 0, kMaxSize, 0);
   r.prefill_ns = f.number("prefill_ns", 0, kMaxNs, 0.0);

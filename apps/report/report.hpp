@@ -26,7 +26,15 @@ struct ResultRow {
   std::int64_t batch = 0, heads = 0, seq_len = 0, head_dim = 0;
   // M, output rows per (batch, head): seq_len but for a downsampling model (0, unset, is written as seq_len).
   std::int64_t out_len = 0;
-  std::int64_t d_ff = 0;                             // layer scope only; 0 otherwise
+  std::int64_t d_ff = 0;  // layer scope only; 0 otherwise
+  // The layer's FFN (docs/layer.md#mixture-of-experts): "dense", "switch" or "gshard"; a mixture's settings
+  // (0 for dense) and, once run, its routing: rows whose every choice was dropped past capacity, and the
+  // experts' load, max over mean of the token-expert pairs each expert ran (1 = balanced; 0 for dense).
+  std::string ffn = "dense";
+  std::int64_t experts = 0, group_size = 0;
+  double capacity_factor = 0;
+  std::int64_t tokens_dropped = 0;
+  double expert_load = 0;
   nlohmann::json params = nlohmann::json::object();  // resolved mechanism parameters
   int threads = 0;
   std::string kernel_isa;  // vector ISA of the project's kernels that ran (lib/core/cpu_isa.hpp)

@@ -102,6 +102,9 @@ int model_rank(const std::string& name) {
 
 std::string row_label(const ResultRow& row, bool with_params) {
   std::string label = row.model;
+  const ModelCard* card = find_card(row.model);
+  // An attention model run with a mixture-of-experts FFN: "performer+switch" (a feed-forward card is its FFN).
+  if (row.ffn != "dense" && (card == nullptr || card->ffn != row.ffn)) label += "+" + row.ffn;
   if (with_params && !row.params.empty()) label += " (" + params_text(row.params) + ")";
   return label;
 }

@@ -5,7 +5,7 @@
 //   - model, class (the first of the row's classes), classes (all, joined by '+');
 //   - every identity field of a row from the point's field table (apps/report/point_fields.hpp),
 //     in its order: seq_len, batch, heads, head_dim, scope, pass, decode_tokens, causal, d_ff,
-//     threads, seed;
+//     ffn, experts, capacity_factor, group_size, threads, seed;
 //   - params (the resolved parameters, "key=value,…") and a param_<key> column for every key
 //     whose value differs between two rows of one model (a parameter grid);
 //   - status, reason, then the measurement (empty for a row that is not ok): samples, median_ns,

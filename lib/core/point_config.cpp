@@ -14,6 +14,26 @@ Scope parse_scope(const std::string& name) {
   throw InputError("unknown --scope '" + name + "' (known: attention, layer)");
 }
 
+std::string ffn_name(FfnKind kind) {
+  switch (kind) {
+    case FfnKind::Dense:
+      return "dense";
+    case FfnKind::Switch:
+      return "switch";
+    case FfnKind::Gshard:
+      return "gshard";
+  }
+  return "dense";
+}
+
+FfnKind parse_ffn(const std::string& name) {
+  for (FfnKind kind : {FfnKind::Dense, FfnKind::Switch, FfnKind::Gshard})
+    if (ffn_name(kind) == name) return kind;
+  throw InputError("unknown --ffn '" + name + "' (known: dense, switch, gshard)");
+}
+
+int ffn_top_k(FfnKind kind) { return kind == FfnKind::Dense ? 0 : kind == FfnKind::Switch ? 1 : 2; }
+
 std::string status_name(Status s) {
   switch (s) {
     case Status::Ok:

@@ -35,6 +35,20 @@ enum class Status { Ok, Skipped, Unsupported, Error };
 std::string status_name(Status s);
 Status parse_status(const std::string& name);  // InputError on an unknown name
 
+// The layer's feed-forward sublayer (layer scope): the dense FFN, or a mixture of experts replacing it,
+// routed top-1 (Switch) or top-2 (GShard): taxonomy/layer/moe_ffn.hpp, docs/layer.md#mixture-of-experts.
+enum class FfnKind { Dense, Switch, Gshard };
+std::string ffn_name(FfnKind kind);          // "dense", "switch", "gshard"
+FfnKind parse_ffn(const std::string& name);  // InputError on an unknown name
+int ffn_top_k(FfnKind kind);                 // experts per token: 0 dense, 1 Switch, 2 GShard
+
+struct MoeSettings {
+  FfnKind kind = FfnKind::Dense;
+  std::int64_t experts = 8;       // experts X (the targets' 8; Mesh-TF's default is 16)
+  double capacity_factor = 1.25;  // capacity as a multiple of a group's even share k·S/X (Mesh-TF's training value)
+  std::int64_t group_size = 0;    // tokens S per routing group, consecutive rows; 0: all B·N rows of the call
+};
+
 struct PointConfig {
   std::string model;
   Problem problem;
@@ -42,6 +56,7 @@ struct PointConfig {
   Pass pass = Pass::Forward;
   std::int64_t d_ff = 0;            // layer scope FFN width; 0 means 4·H·D
   std::int64_t decode_tokens = 64;  // decode pass: tokens generated after the context
+  MoeSettings ffn;                  // layer scope: the FFN sublayer (dense unless --ffn or a feed-forward card)
   std::uint64_t seed = 42;
   std::vector<std::string> params;  // `key=value` assignments
   TimingSettings timing;

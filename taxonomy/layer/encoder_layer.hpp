@@ -20,10 +20,17 @@
 //   dW_qkv = a₁ᵀ·[dq|dk|dv];  dx = dh + LN₁ᵀ([dq|dk|dv]·W_qkvᵀ);  LN gains and shifts likewise.
 // Backward FLOPs beyond the mechanism: twice the forward's products + 19·B·(N + M)·E (LN backward) +
 // 11·B·M·F (GELU backward); M = N but for a downsampling mechanism.
+//
+// With a mixture of experts (`ffn` Switch or GShard, taxonomy/layer/moe_ffn.hpp) the FFN sublayer is
+// y = h + moe(LN₂(h)): W₁, W₂, z and GELU(z) are the experts' own, and the FFN's FLOPs are MoeFfn's,
+// which depend on the routing (R, the kept token-expert pairs, known after the forward).
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "lib/core/mechanism.hpp"
+#include "lib/core/point_config.hpp"
+#include "taxonomy/layer/moe_ffn.hpp"
 
 namespace xfb {
 
@@ -31,7 +38,8 @@ class EncoderLayer {
  public:
   // out_rows: M, the mechanism's output rows (N unless it downsamples); residual: h = x + merge(o)·W_o
   // (false for a downsampling mechanism: h = merge(o)·W_o).
-  EncoderLayer(const Problem& problem, std::int64_t d_ff, std::int64_t out_rows, bool residual, std::uint64_t seed);
+  EncoderLayer(const Problem& problem, std::int64_t d_ff, std::int64_t out_rows, bool residual, std::uint64_t seed,
+               const MoeSettings& ffn = {});
 
   // Untimed: computes q, k, v for x once and prepares the mechanism with them.
   void prepare(Mechanism& mechanism, const Tensor& x);
@@ -58,21 +66,29 @@ class EncoderLayer {
   const Tensor& k() const { return k_; }
   const Tensor& v() const { return v_; }
   const Tensor& attention_output() const { return o_; }
+  // The mixture of experts, nullptr for the dense FFN.
+  const MoeFfn* moe() const { return moe_.get(); }
 
-  static std::int64_t flops_outside_mechanism(const Problem& p, std::int64_t d_ff, std::int64_t out_rows);
-  static std::int64_t workspace_bytes(const Problem& p, std::int64_t d_ff, std::int64_t out_rows);
-  static std::int64_t backward_flops_outside_mechanism(const Problem& p, std::int64_t d_ff, std::int64_t out_rows);
+  // routed: R of a mixture of experts' forward (ignored for the dense FFN).
+  static std::int64_t flops_outside_mechanism(const Problem& p, std::int64_t d_ff, std::int64_t out_rows,
+                                              const MoeSettings& ffn = {}, std::int64_t routed = 0);
+  static std::int64_t workspace_bytes(const Problem& p, std::int64_t d_ff, std::int64_t out_rows,
+                                      const MoeSettings& ffn = {});
+  static std::int64_t backward_flops_outside_mechanism(const Problem& p, std::int64_t d_ff, std::int64_t out_rows,
+                                                       const MoeSettings& ffn = {}, std::int64_t routed = 0);
   // Tracked bytes prepare_backward adds (the mechanism's own backward workspace not included).
-  static std::int64_t backward_workspace_bytes(const Problem& p, std::int64_t d_ff, std::int64_t out_rows);
+  static std::int64_t backward_workspace_bytes(const Problem& p, std::int64_t d_ff, std::int64_t out_rows,
+                                               const MoeSettings& ffn = {});
 
  private:
   void project_qkv(const Tensor& x);
-  bool training() const { return !ffn_pre_.empty(); }
+  bool training() const { return training_; }
   const Tensor& first_normed() const { return training() ? first_normed_ : normed_; }
 
   Problem p_;
   std::int64_t e_, f_, m_;  // E = H·D, F = d_ff, M output rows
-  bool residual_;
+  bool residual_, training_ = false;
+  std::unique_ptr<MoeFfn> moe_;
   Tensor w_qkv_, w_o_, w_1_, w_2_, ln1_gain_, ln1_shift_, ln2_gain_, ln2_shift_;
   Tensor normed_, qkv_, q_, k_, v_, o_, merged_, hidden_, ffn_;
   // Training only: saved activations, gradients of activations and of the weights.

@@ -33,6 +33,9 @@ cases=(
   'exceeds the limit|--heads 65536 --head-dim 65536'
   'exceeds the limit|--batch 1048576 --heads 1048576'
   'exceeds the limit|--scope layer --heads 1024 --head-dim 1024 --d-ff 2147483647'
+  '--ffn|--ffn bogus' '--ffn|--ffn switch' '--experts|--scope layer --ffn switch --experts 0'
+  '--experts|--scope layer --ffn gshard --experts 1' '--capacity-factor|--scope layer --ffn switch --capacity-factor 0'
+  '--capacity-factor|--scope layer --ffn gshard --capacity-factor -0.5' '--group-size|--scope layer --ffn switch --group-size -1'
 )
 for entry in "${cases[@]}"; do
   needle=${entry%%|*}
@@ -64,7 +67,8 @@ expect_refusal 2 "--point" run --point '{}' --batch 2
 point_json=$(python3 - <<'PY'
 import json
 fields = {"model": "local", "seq_len": 64, "batch": 1, "heads": 2, "head_dim": 16, "scope": "attention",
-          "pass": "forward", "decode_tokens": 64, "causal": False, "d_ff": 0, "threads": 1, "seed": 42,
+          "pass": "forward", "decode_tokens": 64, "causal": False, "d_ff": 0, "ffn": "dense", "experts": 8,
+          "capacity_factor": 1.25, "group_size": 0, "threads": 1, "seed": 42,
           "params": [], "warmup": 1, "min_reps": 2, "min_time_s": 0.0, "max_reps": 1000}
 print(json.dumps(fields))
 bad = dict(fields, seq_len=0)

@@ -103,6 +103,34 @@ grep -q '"status":"unsupported"' "$work/causal.json" && pass || fail "causal non
   && [ -f "$work/dump/manifest.json" ] && [ -f "$work/dump/q.npy" ] && [ -f "$work/dump/out.npy" ] \
   && [ -f "$work/dump/layer_w_qkv.npy" ] && pass || fail "--dump files missing"
 
+# --- mixture-of-experts FFN (docs/layer.md#mixture-of-experts) ------------------------------------
+"$bin" run --model performer --seq-len 64 "${quick[@]}" --scope layer --ffn switch --experts 4 --json \
+  >"$work/moe.json" 2>/dev/null &&
+  python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+assert r["status"] == "ok" and r["model"] == "performer" and r["ffn"] == "switch" and r["experts"] == 4, r
+assert r["capacity_factor"] == 1.25 and r["tokens_dropped"] >= 0 and r["expert_load"] >= 1, r
+assert "--ffn switch --experts 4 --capacity-factor 1.25 --group-size 0" in r["reproducer"], r' "$work/moe.json" \
+  && pass || fail "run --ffn switch with performer: row fields and reproducer"
+"$bin" run --model switch --seq-len 64 "${quick[@]}" --json >"$work/moe-attention.json" 2>/dev/null &&
+  python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+assert r["status"] == "unsupported" and "run with --scope layer, or --ffn switch" in r["reason"], r' \
+    "$work/moe-attention.json" && pass || fail "-m switch in attention scope is not an unsupported row with the reason"
+expect_error 2 run --model vanilla --seq-len 64 --ffn switch
+expect_error 2 run --model vanilla --seq-len 64 --scope layer --ffn switch --experts 0
+expect_error 2 run --model vanilla --seq-len 64 --scope layer --ffn gshard --capacity-factor 0
+expect_error 2 run --model vanilla --seq-len 64 --scope layer --ffn gshard --capacity-factor -1
+expect_error 2 run --model gshard --seq-len 64 --scope layer --ffn switch
+# Mixture-of-experts layer dumps recomputed in float64 (routing, capacity, gates, out), as docs/layer.md says:
+# GShard in groups of 16 rows, Switch at a capacity that drops tokens.
+for spec in "gshard --group-size 16 --capacity-factor 0.75" "switch --batch 2 --experts 3 --capacity-factor 0.5"; do
+  read -r model settings <<<"$spec"
+  rm -rf "$work/moe-dump"
+  # shellcheck disable=SC2086
+  "$bin" run --model "$model" --seq-len 37 "${quick[@]}" --scope layer $settings --dump "$work/moe-dump" \
+    >/dev/null 2>&1 && python3 "$src/tools/check_moe_dump.py" "$work/moe-dump" >"$work/moe-dump.txt" 2>&1 \
+    && pass || fail "$model layer dump does not recompute: $(cat "$work/moe-dump.txt")"
+done
+
 # --- training passes -------------------------------------------------------------------------------
 expect_error 2 run --model vanilla --seq-len 64 --pass nosuch
 # A train dump holds dO and the gradients; recomputed in float64 outside the project.

@@ -34,7 +34,7 @@ ResultRow pass_row(const std::string& model, const Problem& p, Pass pass, std::v
 // Implemented models with a backward pass and a causal mode.
 std::vector<std::string> decoders_with_backward() {
   std::vector<std::string> names;
-  for (const auto& model : registry())
+  for (const auto& model : attention_models())
     if (model.implemented() && model.impl.has_backward() && model.decodes()) names.push_back(model.name);
   return names;
 }
@@ -223,7 +223,7 @@ TEST_SUITE("backward") {
   }
 
   TEST_CASE("a backward leaves the saved state unchanged: repeating it gives the same gradients, parameters' too") {
-    for (const auto& model : registry()) {
+    for (const auto& model : attention_models()) {
       if (!model.implemented() || !model.impl.has_backward()) continue;
       const Problem p{.batch = 2, .heads = 3, .seq_len = 130, .head_dim = 16, .causal = model.decodes()};
       const auto in = random_inputs(p, 4);
@@ -241,7 +241,7 @@ TEST_SUITE("backward") {
   }
 
   TEST_CASE("backward and train FLOP counters equal the formulas; train = forward + backward") {
-    for (const auto& model : registry()) {
+    for (const auto& model : attention_models()) {
       if (!model.implemented() || !model.impl.has_backward()) continue;
       for (bool causal : {false, true})
         for (std::int64_t n : {1, 37, 100, 300}) {
@@ -290,7 +290,7 @@ TEST_SUITE("backward") {
   }
 
   TEST_CASE("training memory: tracked owned peak equals the estimate; saved bytes as the model says") {
-    for (const auto& model : registry()) {
+    for (const auto& model : attention_models()) {
       if (!model.implemented() || !model.impl.has_backward()) continue;
       for (bool causal : {false, true})
         for (std::int64_t n : {100, 300}) {
@@ -381,7 +381,7 @@ TEST_SUITE("backward") {
   }
 
   TEST_CASE("saved bytes and the training step's tracked peak grow linearly in N for every sub-quadratic model") {
-    for (const auto& model : registry()) {
+    for (const auto& model : attention_models()) {
       // Skipped: vanilla and synthesizer keep N² per head by design; exact-tiled's saved bytes are
       // checked exactly in the test above. (Transformer-XL and compressive, O(N²) in the survey for
       // their span, save a row log-sum-exp and replay fixed-size windows: linear, checked here.)
@@ -411,7 +411,7 @@ TEST_SUITE("backward") {
   TEST_CASE("every implemented model of the registry has a backward pass (Table 1's training steps)") {
     // A model registered without one would give `unsupported` backward and train rows
     // (point.cpp); none is left, and a new one should not arrive without its training step.
-    for (const auto& model : registry()) {
+    for (const auto& model : attention_models()) {
       CAPTURE(model.name);
       CHECK((!model.implemented() || model.impl.has_backward()));
     }

@@ -16,6 +16,7 @@
 #include "lib/core/errors.hpp"
 #include "lib/core/memory_tracker.hpp"
 #include "taxonomy/registry.hpp"
+#include "tests/support/counter_point.hpp"
 #include "tests/support/reference.hpp"
 
 namespace xfb::test {
@@ -258,7 +259,7 @@ DecodeCase generic_decode_case(const std::string& model) {
 
 TEST_SUITE("decode") {
   TEST_CASE("every registered incremental form, at its defaults, reproduces the causal forward over N + T") {
-    for (const auto& model : registry())
+    for (const auto& model : attention_models())
       if (model.implemented() && model.impl.has_decode()) check_decode_case(generic_decode_case(model.name));
   }
 
@@ -267,7 +268,7 @@ TEST_SUITE("decode") {
   }
 
   TEST_CASE("a model without an incremental form gives unsupported decode rows with a reason") {
-    for (const auto& model : registry()) {
+    for (const auto& model : attention_models()) {
       if (model.impl.has_decode()) CHECK(model.decodes());
       PointConfig config;
       config.model = model.name;
@@ -479,7 +480,7 @@ TEST_SUITE("decode") {
     CHECK(performer_short.state_bytes == performer_long.state_bytes);
     // Every incremental form: the harness's tracked workspace (state and step buffers, the
     // prefill's peak included) is the registry's estimate, and the state is reported.
-    for (const auto& model : registry()) {
+    for (const auto& model : attention_models()) {
       if (!model.impl.has_decode()) continue;
       CAPTURE(model.name);
       const ResultRow row = decode_row(model.name, 100);

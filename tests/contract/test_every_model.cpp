@@ -26,7 +26,7 @@ using namespace xfb::test;
 
 TEST_SUITE("every_model") {
   TEST_CASE("the executed FLOP count equals the registry's analytic formula for every implemented model") {
-    for (const auto& model : registry()) {
+    for (const auto& model : attention_models()) {
       for (std::int64_t n : {1, 100, 257})
         for (bool causal : {false, true})
           for (Scope scope : {Scope::Attention, Scope::Layer}) {
@@ -51,7 +51,7 @@ TEST_SUITE("every_model") {
   }
 
   TEST_CASE("analytic workspace estimates track the measured tracked bytes") {
-    for (const auto& model : registry()) {
+    for (const auto& model : attention_models()) {
       for (std::int64_t n : {512, 2048}) {
         DnnlContext::instance().clear_cache();
         const ResultRow row = run_point(quick_point(model.name, n, false));
@@ -68,7 +68,7 @@ TEST_SUITE("every_model") {
   TEST_CASE("resolved parameter values run as the requested ones, and resolving them again changes nothing") {
     // Resolution computes derived defaults (0 = from N) and clamps blocks to N: the values a dump
     // records must describe the same computation.
-    for (const auto& model : registry())
+    for (const auto& model : attention_models())
       for (std::int64_t n : {1, 37, 100, 1000})
         for (bool causal : {false, true}) {
           if (causal && !model.decodes()) continue;
@@ -87,7 +87,7 @@ TEST_SUITE("every_model") {
   TEST_CASE("workspace estimates equal the tracked owned bytes at 1 and 2 threads") {
     // The estimate is what --memory-limit and estimated_workspace_bytes use; oneDNN's scratchpad
     // is outside it (library pool), so the owned pool is the one to match exactly.
-    for (const auto& model : registry())
+    for (const auto& model : attention_models())
       for (int threads : {1, 2})
         for (bool causal : {false, true}) {
           if (causal && !model.decodes()) continue;
@@ -105,7 +105,7 @@ TEST_SUITE("every_model") {
   }
 
   TEST_CASE("causal runs of models that cannot decode are unsupported rows with the reason") {
-    for (const auto& model : registry()) {
+    for (const auto& model : attention_models()) {
       if (model.decodes()) continue;
       const ResultRow row = describe_point(quick_point(model.name, 64, true));
       CAPTURE(model.name);

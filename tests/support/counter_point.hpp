@@ -28,4 +28,18 @@ inline PointConfig quick_point(const std::string& model, std::int64_t n, bool ca
                        std::move(params), scope);
 }
 
+// The registered models whose attention the contract tests (tests/contract/) check: every one but the
+// feed-forward cards (`switch`, `gshard`: ModelCard::ffn), whose attention is vanilla's, checked under its
+// own name, and whose FFN's FLOPs depend on the routing; tests/models/sparse_models/test_moe.cpp checks
+// their layer (FLOPs, bytes, gradients) and their attention-scope rows.
+inline const std::vector<ModelInfo>& attention_models() {
+  static const std::vector<ModelInfo> models = [] {
+    std::vector<ModelInfo> all;
+    for (const auto& model : registry())
+      if (model.ffn.empty()) all.push_back(model);
+    return all;
+  }();
+  return models;
+}
+
 }  // namespace xfb::test
