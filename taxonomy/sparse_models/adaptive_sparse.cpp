@@ -346,8 +346,10 @@ class AdaptiveSparse final : public Mechanism {
     if (length_ >= cache_.capacity()) throw std::logic_error("adaptive-sparse: decode step past the prepared capacity");
     const std::int64_t d = p_.head_dim, keys = length_ + 1, ld = step_scores_.dim(1);
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    // The step reads every head's cached K and V once; below kParallelStepFloats a team costs more than it saves.
+    const bool parallel = 2 * p_.batch * p_.heads * keys * d >= kParallelStepFloats;
     std::int64_t flops = 0;
-#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops) if (parallel)
     for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
       cache_.store(head, length_, k.data() + head * d, v.data() + head * d, 1);
       const double alpha = alpha_[head % p_.heads];
