@@ -13,6 +13,13 @@
 // is of the head's keys: W_P [D, R] per head, learned. DualLN as the autoregressive code and the
 // paper: LN_long after the compression (the code's dual_ln_dproj), LN_short on the window's keys and
 // values (dual_ln_win); queries are not normalised.
+// Choices against the official codes (state them in any comparison): both codes LayerNorm over
+// d_model = H·D, across the heads; xfbench's per-head LN over D is the attention-scope choice. The
+// LRA code normalises K, V first and compresses the normalised rows, K̄ = LN_s(Pᵀ·LN_l(K)), with the
+// window on LN_l(K); xfbench uses the autoregressive code's order (compress the raw K, V, then LN)
+// for both forms. Left out: the autoregressive code's Transformer-XL relative-position terms
+// (r_w_bias, r_r_bias and the positional projections of window and chunks) and the LRA code's
+// optional depthwise convolution over V (conv_kernel_size).
 //
 // Non-causal (the LRA model): one group of all N tokens (P's softmax down each of its R = `rank`
 // columns over the N tokens). Segments of w = `segment` queries; a query of segment s sees every
