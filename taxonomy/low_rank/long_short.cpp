@@ -18,9 +18,15 @@ namespace {
 
 constexpr std::int64_t kFloat = static_cast<std::int64_t>(sizeof(float));
 constexpr float kLayerNormEps = 1e-5f;  // torch's and fairseq's LayerNorm default
-// ln_backward_rows per element: moments again (4), x̂ (2), dx̂ = dy·g (1), Σdx̂ and Σdx̂·x̂ (3),
-// dx (4), dgain += dy·x̂ (2), dshift += dy (1).
-constexpr std::int64_t kLnBackwardFlopsPerElement = 17;
+// ln_backward_rows per element, as executed: moments again (4), x̂ (2), dx̂ = dy·g (1), Σdx̂ and
+// Σdx̂·x̂ (3), dgain += dy·x̂ (2), dshift += dy (1); then dx = rstd·(dx̂ − mean(dx̂) − x̂·mean(dx̂·x̂))
+// with x̂ and dx̂ recomputed (3), two subtracts and two multiplies (4). Not the shared
+// kLayerNormBackwardFlopsPerElement (19) of ops::layer_norm_backward, whose work differs: that kernel
+// keeps x̂ in a scratch [rows, cols] (no recomputation, −2) and adds dx into its output (+1); this
+// one runs on one head's rows inside the caller's parallel tasks, may write dx over dy and adds
+// into dgain, dshift (shared by K and V), where ops::layer_norm_backward forks its own parallel
+// regions and overwrites dgamma, dbeta.
+constexpr std::int64_t kLnBackwardFlopsPerElement = 20;
 
 // The shape of one problem's computation (see the header): G groups of L tokens compressed to R rows
 // each (N' = G·L tokens compressed, C = G·R rows), and query tiles of `block` queries.

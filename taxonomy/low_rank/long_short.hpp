@@ -54,7 +54,7 @@
 // tile, `rows` queries and width = its compressed + window columns:
 //   forward   2·R·N'·D (K·W_P) + 5·R·N' (softmaxes) + 4·R·N'·D (Pᵀ·K, Pᵀ·V) + 14·(C + N)·D (four LNs)
 //             + Σ_tiles (4·rows·width·D + 5·rows·width + 2·rows)       (scores, softmax + lse, values)
-//   backward  the forward's first line again + 12·R·N'·D + 4·R·N' + 34·(C + N)·D
+//   backward  the forward's first line again + 12·R·N'·D + 4·R·N' + 40·(C + N)·D
 //             + Σ_tiles (10·rows·width·D + 4·rows·width + 2·rows·D)
 // Non-causal, width = R + w + 2e inside the sequence: ≈ 4·N·(r + 2w)·D (the survey's formula at even
 // w) + 6·N·r·D for the projection. Causal, tile g's width = g·R + (window keys ≤ w + l − 1).
