@@ -59,12 +59,14 @@
 // Non-causal, width = R + w + 2e inside the sequence: ≈ 4·N·(r + 2w)·D (the survey's formula at even
 // w) + 6·N·r·D for the projection. Causal, tile g's width = g·R + (window keys ≤ w + l − 1).
 // Decode step per head: 14·D (LN of k, v) + the online softmax over ⌊t/l⌋·R + min(w, t + 1) rows
-// (decode_common's counts), and on a completed chunk 6·R·l·D + 5·R·l + 14·R·D.
+// (decode_common's counts; from 128 compressed rows those are one attend_block: 4·rows·D in its two
+// sgemm calls + 4·rows + D + 2), and on a completed chunk 6·R·l·D + 5·R·l + 14·R·D.
 // Workspace: the parameters and per thread Pᵀ [R, N'], the compressed rows raw and LN'd (4·C·D), the
 // window's LN'd keys and values (2·N·D), the score rows of one span (non-causal all N queries,
 // causal one chunk; R + w + 2e or C + w + l − 1 columns) and N log-sum-exps: linear in N.
 // Backward adds the saved log-sum-exps, the parameter gradients and per thread dPᵀ, dK̄|dV̄, dK_s|dV_s,
-// a tile of dP and the tile's Δ. Decoding adds the state above and the step's buffers.
+// a tile of dP and the tile's Δ. Decoding adds the state above and the step's buffers (per head the
+// query and accumulator [2, D] and the compressed rows' scores [⌊(N+T)/l⌋·R], per thread R·l chunk scores).
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
