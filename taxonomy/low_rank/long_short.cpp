@@ -18,9 +18,18 @@ namespace {
 
 constexpr std::int64_t kFloat = static_cast<std::int64_t>(sizeof(float));
 constexpr float kLayerNormEps = 1e-5f;  // torch's and fairseq's LayerNorm default
-// ln_backward_rows per element: moments again (4), x̂ (2), dx̂ = dy·g (1), Σdx̂ and Σdx̂·x̂ (3),
-// dx (4), dgain += dy·x̂ (2), dshift += dy (1).
-constexpr std::int64_t kLnBackwardFlopsPerElement = 17;
+// ln_backward_rows per element, as executed: moments again (4), x̂ (2), dx̂ = dy·g (1), Σdx̂ and
+// Σdx̂·x̂ (3), dgain += dy·x̂ (2), dshift += dy (1); then dx = rstd·(dx̂ − mean(dx̂) − x̂·mean(dx̂·x̂))
+// with x̂ and dx̂ recomputed (3), two subtracts and two multiplies (4). Not the shared
+// kLayerNormBackwardFlopsPerElement (19) of ops::layer_norm_backward, whose work differs: that kernel
+// keeps x̂ in a scratch [rows, cols] (no recomputation, −2) and adds dx into its output (+1); this
+// one runs on one head's rows inside the caller's parallel tasks, may write dx over dy and adds
+// into dgain, dshift (shared by K and V), where ops::layer_norm_backward forks its own parallel
+// regions and overwrites dgamma, dbeta.
+constexpr std::int64_t kLnBackwardFlopsPerElement = 20;
+// Compressed rows from which a decode step attends to them as one block (attend_block: two sgemm
+// calls, their overhead amortised) rather than by attend_rows' online-softmax chunks.
+constexpr std::int64_t kBlockStepRows = kDecodeChunk;
 
 // The shape of one problem's computation (see the header): G groups of L tokens compressed to R rows
 // each (N' = G·L tokens compressed, C = G·R rows), and query tiles of `block` queries.
@@ -271,6 +280,7 @@ class LongShort final : public Mechanism {
     chunk_v_ = Tensor(Shape{heads, c_.chunk, d});
     step_buffers_ = Tensor(Shape{heads, 2, d});
     step_scores_ = Tensor(Shape{p_.threads, g_.rank * c_.chunk});
+    compressed_scores_ = Tensor(Shape{heads, rows});
   }
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
@@ -295,8 +305,12 @@ class LongShort final : public Mechanism {
         q, out, step_buffers_, p_.threads,
         [&](std::int64_t bh, RowSoftmax& row, const float* query) {
           const std::int64_t rows_at = bh * decode_comp_k_.dim(1) * d;
-          return attend_rows(row, query, decode_comp_k_.data() + rows_at, decode_comp_v_.data() + rows_at, comp_rows) +
-                 attend_ring(row, query, ring_.keys(bh), ring_.values(bh), cap, first, pos - first + 1);
+          const float *comp_k = decode_comp_k_.data() + rows_at, *comp_v = decode_comp_v_.data() + rows_at;
+          const std::int64_t compressed = comp_rows >= kBlockStepRows
+                                              ? attend_block(row, query, comp_k, comp_v, comp_rows,
+                                                             compressed_scores_.data() + bh * compressed_scores_.dim(1))
+                                              : attend_rows(row, query, comp_k, comp_v, comp_rows);
+          return compressed + attend_ring(row, query, ring_.keys(bh), ring_.values(bh), cap, first, pos - first + 1);
         },
         parallel);
     if ((pos + 1) % l == 0) compress_decoded_chunk((pos + 1) / l - 1, parallel);
@@ -579,6 +593,7 @@ class LongShort final : public Mechanism {
   Tensor d_projected_, d_compressed_, d_window_, d_tile_, delta_;
   // Decoding: compressed rows, the window ring, the incomplete chunk's raw rows, step buffers.
   Tensor decode_comp_k_, decode_comp_v_, chunk_k_, chunk_v_, step_buffers_, step_scores_;
+  Tensor compressed_scores_;  // per head a step's scores over the compressed rows [heads, rows] (attend_block)
   KvCache ring_;
   std::int64_t length_ = 0;
 };
@@ -625,7 +640,9 @@ std::int64_t decode_workspace(const Problem& p, const LongShortConfig& c, std::i
   const std::int64_t heads = heads_of(p), d = p.head_dim, total = p.seq_len + tokens;
   const std::int64_t rows = std::max<std::int64_t>(total / c.chunk * c.chunk_rank, 1);
   return KvCache::bytes(heads, std::min(c.window, total), d) +
-         (2 * heads * rows * d + 2 * heads * c.chunk * d + 2 * heads * d + p.threads * c.chunk_rank * c.chunk) * kFloat;
+         (2 * heads * rows * d + 2 * heads * c.chunk * d + 2 * heads * d + p.threads * c.chunk_rank * c.chunk +
+          heads * rows) *
+             kFloat;
 }
 
 FieldTable<LongShortConfig> config_fields(const LongShortConfig*) {

@@ -13,6 +13,13 @@
 // is of the head's keys: W_P [D, R] per head, learned. DualLN as the autoregressive code and the
 // paper: LN_long after the compression (the code's dual_ln_dproj), LN_short on the window's keys and
 // values (dual_ln_win); queries are not normalised.
+// Choices against the official codes (state them in any comparison): both codes LayerNorm over
+// d_model = H·D, across the heads; xfbench's per-head LN over D is the attention-scope choice. The
+// LRA code normalises K, V first and compresses the normalised rows, K̄ = LN_s(Pᵀ·LN_l(K)), with the
+// window on LN_l(K); xfbench uses the autoregressive code's order (compress the raw K, V, then LN)
+// for both forms. Left out: the autoregressive code's Transformer-XL relative-position terms
+// (r_w_bias, r_r_bias and the positional projections of window and chunks) and the LRA code's
+// optional depthwise convolution over V (conv_kernel_size).
 //
 // Non-causal (the LRA model): one group of all N tokens (P's softmax down each of its R = `rank`
 // columns over the N tokens). Segments of w = `segment` queries; a query of segment s sees every
@@ -47,17 +54,19 @@
 // tile, `rows` queries and width = its compressed + window columns:
 //   forward   2·R·N'·D (K·W_P) + 5·R·N' (softmaxes) + 4·R·N'·D (Pᵀ·K, Pᵀ·V) + 14·(C + N)·D (four LNs)
 //             + Σ_tiles (4·rows·width·D + 5·rows·width + 2·rows)       (scores, softmax + lse, values)
-//   backward  the forward's first line again + 12·R·N'·D + 4·R·N' + 34·(C + N)·D
+//   backward  the forward's first line again + 12·R·N'·D + 4·R·N' + 40·(C + N)·D
 //             + Σ_tiles (10·rows·width·D + 4·rows·width + 2·rows·D)
 // Non-causal, width = R + w + 2e inside the sequence: ≈ 4·N·(r + 2w)·D (the survey's formula at even
 // w) + 6·N·r·D for the projection. Causal, tile g's width = g·R + (window keys ≤ w + l − 1).
 // Decode step per head: 14·D (LN of k, v) + the online softmax over ⌊t/l⌋·R + min(w, t + 1) rows
-// (decode_common's counts), and on a completed chunk 6·R·l·D + 5·R·l + 14·R·D.
+// (decode_common's counts; from 128 compressed rows those are one attend_block: 4·rows·D in its two
+// sgemm calls + 4·rows + D + 2), and on a completed chunk 6·R·l·D + 5·R·l + 14·R·D.
 // Workspace: the parameters and per thread Pᵀ [R, N'], the compressed rows raw and LN'd (4·C·D), the
 // window's LN'd keys and values (2·N·D), the score rows of one span (non-causal all N queries,
 // causal one chunk; R + w + 2e or C + w + l − 1 columns) and N log-sum-exps: linear in N.
 // Backward adds the saved log-sum-exps, the parameter gradients and per thread dPᵀ, dK̄|dV̄, dK_s|dV_s,
-// a tile of dP and the tile's Δ. Decoding adds the state above and the step's buffers.
+// a tile of dP and the tile's Δ. Decoding adds the state above and the step's buffers (per head the
+// query and accumulator [2, D] and the compressed rows' scores [⌊(N+T)/l⌋·R], per thread R·l chunk scores).
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 

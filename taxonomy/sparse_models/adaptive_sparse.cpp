@@ -173,15 +173,15 @@ double bisect_threshold(float* y, std::int64_t n, double a, double lo, double hi
 
 float entmax_threshold(const float* z, std::int64_t n, double alpha, bool sort, float* scratch) {
   const double a = alpha - 1.0;
-  float peak = z[0];
-  for (std::int64_t j = 1; j < n; ++j) peak = std::max(peak, z[j]);
+  const float peak = ops::row_max(z, n, z[0]);
   // τ ≥ −1 in the library's units: keys with (α−1)(z − max) ≤ −1 have p = 0. The cut is widened by
   // 1e-6 relative, so no key is lost to float rounding (a superset is as exact).
   const float cut = static_cast<float>(-(1.0 + 1e-6) / a);
   std::int64_t count = 0;
-  for (std::int64_t j = 0; j < n; ++j) {
+  for (std::int64_t j = 0; j < n; ++j) {  // branch-free: each y written, kept if above the cut
     const float y = z[j] - peak;
-    if (y > cut) scratch[count++] = y;
+    scratch[count] = y;
+    count += y > cut ? 1 : 0;
   }
   const double lo = -1.0, hi = -std::pow(1.0 / static_cast<double>(n), a);
   const double tau = sort ? sort_threshold(scratch, count, a, lo, hi) : bisect_threshold(scratch, count, a, lo, hi);
@@ -346,8 +346,10 @@ class AdaptiveSparse final : public Mechanism {
     if (length_ >= cache_.capacity()) throw std::logic_error("adaptive-sparse: decode step past the prepared capacity");
     const std::int64_t d = p_.head_dim, keys = length_ + 1, ld = step_scores_.dim(1);
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    // The step reads every head's cached K and V once; below kParallelStepFloats a team costs more than it saves.
+    const bool parallel = 2 * p_.batch * p_.heads * keys * d >= kParallelStepFloats;
     std::int64_t flops = 0;
-#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops) if (parallel)
     for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
       cache_.store(head, length_, k.data() + head * d, v.data() + head * d, 1);
       const double alpha = alpha_[head % p_.heads];

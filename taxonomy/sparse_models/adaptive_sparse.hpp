@@ -28,8 +28,10 @@
 // Beside a row's products (4·N·D FLOPs at sgemm speed) this is small at α ≥ 1.5 and comparable to
 // them or larger near α = 1.
 //
-// α per head: fixed (`alpha`), or learned (`learn_alpha`): α = clamp(1 + sigmoid(a), 1.01, 2) as
-// the paper's AlphaChooser, a [H] initialised to logit(alpha − 1) (0 for α = 1.5).
+// α per head: fixed (`alpha`: one value, the same for every head), or learned (`learn_alpha`):
+// α = clamp(1 + sigmoid(a), 1.01, 2) as the paper's AlphaChooser, where the per-head parameter is
+// the learned a [H], every head starting at the same `alpha` (a initialised to logit(alpha − 1),
+// 0 for α = 1.5).
 // Parameters (--dump): "alpha" [H] (the α each head ran), and with learn_alpha "alpha_logit" [H].
 //
 // Work: row blocks of block_q query rows per (batch, head) task; the block's scores [rows, cols]

@@ -333,6 +333,8 @@ TEST_SUITE("long_short") {
     for (std::int64_t n : {1, 3, 4, 5, 6, 7, 8, 9}) check_decode(n, 13, small);
     for (std::int64_t n : {15, 16, 17}) check_decode(n, 20, {});
     check_decode(2, 9, {"window=1", "chunk=1", "chunk_rank=3"});
+    // Compressed rows one below, at and above 128, where a step attends to them as one block.
+    for (std::int64_t n : {126, 129}) check_decode(n, 4, {"window=4", "chunk=1"});
   }
 
   TEST_CASE("long-short: executed FLOPs equal the analytic count at non-default settings, forward and backward") {
