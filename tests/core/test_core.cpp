@@ -149,6 +149,46 @@ TEST_SUITE("core") {
     CHECK(find_card("nosuch") == nullptr);
   }
 
+  TEST_CASE("registry: the revision's models with its Table 1's classes, complexity and decode column") {
+    struct Expect {
+      const char* name;
+      const char* complexity;
+      bool survey_decodes;  // the revision's Decode mark
+      std::vector<ModelClass> classes;
+    };
+    using C = ModelClass;
+    // arXiv 2009.06732v3, Table 1 (../shared/SURVEY.md, "Added in the revision").
+    const Expect expected[] = {
+        {"funnel", "O(N²)", true, {C::FixedPatterns, C::Downsampling}},
+        {"rfa", "O(N)", true, {C::Kernels}},
+        {"long-short", "O(kN)", true, {C::FixedPatterns, C::LowRank}},
+        {"poolingformer", "O(N)", false, {C::FixedPatterns, C::Memory}},
+        {"nystromformer", "O(kN)", false, {C::Memory, C::Downsampling}},
+        {"perceiver", "O(kN)", true, {C::Memory, C::Downsampling}},
+        {"cluster-former", "O(N log N)", false, {C::LearnablePatterns}},
+        {"luna", "O(kN)", true, {C::Memory}},
+        {"tokenlearner", "O(k²)", false, {C::Downsampling}},
+        {"adaptive-sparse", "O(N²)", true, {C::Sparse}},
+        {"switch", "O(N²)", true, {C::Sparse}},
+        {"gshard", "O(N²)", true, {C::Sparse}},
+    };
+    int revision_models = 0;
+    for (const auto& m : registry()) revision_models += m.revision ? 1 : 0;
+    CHECK(revision_models == static_cast<int>(std::size(expected)));
+    for (const auto& e : expected) {
+      CAPTURE(e.name);
+      const ModelInfo* m = find_model(e.name);
+      REQUIRE(m != nullptr);
+      CHECK(m->revision);
+      CHECK(m->survey_row == 0);
+      CHECK(m->complexity == e.complexity);
+      CHECK(m->classes == e.classes);
+      CHECK(m->implemented());
+      // Where xfbench's decode differs from the mark, the card says why (Funnel).
+      CHECK((m->decodes() == e.survey_decodes || !m->decode_note.empty()));
+    }
+  }
+
   TEST_CASE("registry: the survey's Table 1 with its classes, complexity and decode column") {
     std::set<int> rows;
     for (const auto& m : registry())
