@@ -14,6 +14,7 @@
 #include "taxonomy/registry.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/gradient_check.hpp"
+#include "tests/support/layer_reference.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -37,65 +38,6 @@ std::vector<std::string> decoders_with_backward() {
   for (const auto& model : attention_models())
     if (model.implemented() && model.impl.has_backward() && model.decodes()) names.push_back(model.name);
   return names;
-}
-
-// The pre-LN encoder layer (taxonomy/layer/encoder_layer.hpp) in double, with exact softmax attention;
-// `pooled`: Funnel's pooled-query attention (mean of query rows 2i, 2i + 1; M = ⌈N/2⌉ output rows),
-// after which the layer runs on M rows without the attention residual.
-std::vector<double> layer_reference(const Problem& p, std::int64_t f, const NamedValues& x, bool pooled = false) {
-  const std::int64_t b = p.batch, n = p.seq_len, h = p.heads, d = p.head_dim, e = h * d;
-  const std::int64_t m = pooled ? (n + 1) / 2 : n;
-  auto layer_norm = [&](const std::vector<double>& in, std::int64_t rows, const std::string& gain,
-                        const std::string& shift) {
-    std::vector<double> out(in.size());
-    for (std::int64_t t = 0; t < rows; ++t) {
-      double mean = 0, var = 0;
-      for (std::int64_t c = 0; c < e; ++c) mean += in[t * e + c] / e;
-      for (std::int64_t c = 0; c < e; ++c) var += (in[t * e + c] - mean) * (in[t * e + c] - mean) / e;
-      for (std::int64_t c = 0; c < e; ++c)
-        out[t * e + c] = (in[t * e + c] - mean) / std::sqrt(var + 1e-5) * x.at(gain)[c] + x.at(shift)[c];
-    }
-    return out;
-  };
-  auto product = [&](const std::vector<double>& a, std::int64_t rows, const std::string& w, std::int64_t inner,
-                     std::int64_t cols) {
-    std::vector<double> out(static_cast<std::size_t>(rows * cols), 0.0);
-    for (std::int64_t r = 0; r < rows; ++r)
-      for (std::int64_t k = 0; k < inner; ++k)
-        for (std::int64_t c = 0; c < cols; ++c) out[r * cols + c] += a[r * inner + k] * x.at(w)[k * cols + c];
-    return out;
-  };
-  const auto qkv =
-      product(layer_norm(x.at("x"), b * n, "layer_ln1_gain", "layer_ln1_shift"), b * n, "layer_w_qkv", e, 3 * e);
-  std::vector<double> attention(static_cast<std::size_t>(b * m * e));
-  for (std::int64_t bi = 0; bi < b; ++bi)
-    for (std::int64_t head = 0; head < h; ++head) {
-      std::vector<double> q(n * d), k(n * d), v(n * d), queries(m * d, 0.0);
-      for (std::int64_t t = 0; t < n; ++t)
-        for (std::int64_t c = 0; c < d; ++c) {
-          const std::int64_t base = (bi * n + t) * 3 * e + head * d + c;
-          q[t * d + c] = qkv[base];
-          k[t * d + c] = qkv[base + e];
-          v[t * d + c] = qkv[base + 2 * e];
-        }
-      for (std::int64_t i = 0; i < m; ++i) {
-        const std::int64_t first = pooled ? 2 * i : i, count = pooled ? std::min<std::int64_t>(2, n - first) : 1;
-        for (std::int64_t t = first; t < first + count; ++t)
-          for (std::int64_t c = 0; c < d; ++c) queries[i * d + c] += q[t * d + c] / static_cast<double>(count);
-      }
-      const auto o = reference_attention(queries.data(), k.data(), v.data(), m, n, d, 1.0 / std::sqrt(double(d)),
-                                         p.causal ? MaskFn(causal_mask) : MaskFn(full_mask));
-      for (std::int64_t t = 0; t < m; ++t)
-        for (std::int64_t c = 0; c < d; ++c) attention[(bi * m + t) * e + head * d + c] = o[t * d + c];
-    }
-  std::vector<double> hidden = product(attention, b * m, "layer_w_o", e, e);
-  if (!pooled)
-    for (std::size_t i = 0; i < hidden.size(); ++i) hidden[i] += x.at("x")[i];
-  auto ffn = product(layer_norm(hidden, b * m, "layer_ln2_gain", "layer_ln2_shift"), b * m, "layer_w_1", e, f);
-  for (auto& z : ffn) z = 0.5 * z * (1 + std::erf(z / std::sqrt(2.0)));
-  auto y = product(ffn, b * m, "layer_w_2", f, e);
-  for (std::size_t i = 0; i < y.size(); ++i) y[i] += hidden[i];
-  return y;
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 // routing against an independent recomputation (capacity in row order, first choices before second
 // ones, drops), the output against a double reference with the same routing, capacity edge cases
 // (exactly full, one over, everything to one expert), GShard's renormalised gates and priority, the
-// aux loss and every gradient by central differences with the routing held fixed, the executed
+// aux loss and every gradient by central differences with the routing held fixed, the whole encoder
+// layer's gradients with the MoE in place (against a double layer with the same routing), the executed
 // FLOPs and tracked bytes against the formulas, and the layer points (rows, unsupported, errors).
 #include <doctest/doctest.h>
 
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -21,6 +23,8 @@
 #include "taxonomy/layer/encoder_layer.hpp"
 #include "taxonomy/layer/moe_ffn.hpp"
 #include "taxonomy/registry.hpp"
+#include "tests/support/gradient_check.hpp"
+#include "tests/support/layer_reference.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -71,7 +75,7 @@ struct Reference {
   std::int64_t t, d, f, x, k;
   std::vector<double> w_router, w_1, w_2, draw;
 
-  Reference(const MoeSettings& settings_, MoeFfn& moe, std::int64_t rows, std::int64_t width, std::int64_t d_ff)
+  Reference(const MoeSettings& settings_, const MoeFfn& moe, std::int64_t rows, std::int64_t width, std::int64_t d_ff)
       : s(settings_), t(rows), d(width), f(d_ff), x(settings_.experts), k(ffn_top_k(settings_.kind)) {
     auto doubles = [&](const std::string& name) {
       const Tensor& w = named(moe.parameters(), name);
@@ -120,6 +124,28 @@ struct Reference {
         }
     }
     return slot;
+  }
+
+  // The routing exact arithmetic gives from probabilities p: the choices (the largest, ties to the lower
+  // index), the capacity pass's slots; `gate` holds the gates before capacity.
+  Routing routing(const std::vector<double>& p) const {
+    Routing r{std::vector<std::int64_t>(t * k), {}, std::vector<double>(t * k)};
+    for (std::int64_t row = 0; row < t; ++row) {
+      const double* q = &p[row * x];
+      std::int64_t first = 0, second = -1;
+      for (std::int64_t e = 1; e < x; ++e)
+        if (q[e] > q[first]) first = e;
+      for (std::int64_t e = 0; e < x && k == 2; ++e)
+        if (e != first && (second < 0 || q[e] > q[second])) second = e;
+      r.choice[row * k] = first;
+      r.gate[row * k] = k == 1 ? q[first] : q[first] / (q[first] + q[second]);
+      if (k == 2) {
+        r.choice[row * k + 1] = second;
+        r.gate[row * k + 1] = q[second] / (q[first] + q[second]);
+      }
+    }
+    r.slot = slots(r.choice, r.gate);
+    return r;
   }
 
   // The gates of the given routing from probabilities p (dropped: 0).
@@ -395,6 +421,110 @@ TEST_SUITE("moe") {
       double norm = 0;
       for (float v : named(run.moe.parameter_gradients(), "dmoe_w_router").values()) norm += std::abs(v);
       CHECK(norm > 0);
+    }
+  }
+
+  TEST_CASE(
+      "moe: the whole layer's gradients (dx, W_qkv, W_o, both LayerNorms, router, experts) against central "
+      "differences of ⟨dy, y⟩ + L of the double layer, the routing held fixed") {
+    // Vanilla attention (the switch and gshard cards' layer); E = 8, F = 6. A tight capacity that must drop
+    // (pigeonhole: fewer slots than first choices) and a roomy one with groups (5, 5, 3) that drops none.
+    struct Case {
+      MoeSettings s;
+      std::int64_t batch, n;
+      bool drops;
+    };
+    const Case cases[] = {
+        {settings(FfnKind::Switch, 4, 0.5), 2, 10, true},      // C = 4: 16 slots for 20 rows
+        {settings(FfnKind::Gshard, 3, 0.5), 2, 10, true},      // C = 6: 18 slots for 20 first choices
+        {settings(FfnKind::Switch, 4, 4.0, 5), 1, 13, false},  // C = S_g: room for every row
+        {settings(FfnKind::Gshard, 3, 4.0, 5), 1, 13, false},
+    };
+    const std::int64_t f = 6, e = 8;
+    for (const Case& c : cases) {
+      const MoeSettings& s = c.s;
+      const std::int64_t n = c.n, t = c.batch * n, k = ffn_top_k(s.kind);
+      const std::string label = std::string(ffn_name(s.kind)) + " cf=" + std::to_string(s.capacity_factor) +
+                                " B=" + std::to_string(c.batch) + " N=" + std::to_string(n);
+      CAPTURE(label);
+      const Problem p{.batch = c.batch, .heads = 2, .seq_len = n, .head_dim = 4, .threads = kTestThreads};
+      const ModelInfo& info = *find_model("vanilla");
+      auto mechanism = info.impl.create(p, resolve_params("vanilla", info.impl.params, {}), 5);
+      EncoderLayer layer(p, f, n, true, 5, s);
+      Tensor x(Shape{c.batch, n, e}), dy(Shape{c.batch, n, e}), y(Shape{c.batch, n, e}), dx(Shape{c.batch, n, e});
+      CounterRng(5, "x").fill_normal(x);
+      CounterRng(5, "dy").fill_normal(dy);
+      // γ = 1, β = 0 at the start; other values make their gradients' factors visible (as the dense check).
+      for (const auto& parameter : layer.parameters())
+        if (parameter.name.find("_ln") != std::string::npos)
+          CounterRng(5, parameter.name).fill_normal(*const_cast<Tensor*>(parameter.tensor), 1.0f, 0.5f);
+      layer.prepare(*mechanism, x);
+      layer.prepare_backward(*mechanism);
+      layer.forward(*mechanism, x, y);
+      REQUIRE(layer.moe() != nullptr);
+      const MoeFfn& moe = *layer.moe();
+      const Routing route = routing_of(moe);
+      std::int64_t firsts_dropped = 0;
+      for (std::int64_t r = 0; r < t; ++r) firsts_dropped += route.slot[r * k] < 0 ? 1 : 0;
+      if (c.drops) {
+        REQUIRE(firsts_dropped > 0);
+      } else {
+        REQUIRE(firsts_dropped == 0);
+        REQUIRE(moe.tokens_dropped() == 0);
+      }
+      NamedValues inputs{{"x", std::vector<double>(x.data(), x.data() + x.size())}};
+      std::map<std::string, const Tensor*> grads{{"x", &dx}};
+      for (const auto& parameter : layer.parameters())
+        for (const auto& gradient : layer.parameter_gradients())
+          if (gradient.name == "d" + parameter.name) {
+            inputs[parameter.name] = doubles(*parameter.tensor);
+            grads[parameter.name] = gradient.tensor;
+          }
+      CHECK(grads.size() == 10);  // x, W_qkv, W_o, γ₁, β₁, γ₂, β₂, W_r, W₁, W₂
+      // The layer in double with the forward's routing (choices, slots) held fixed, the gates recomputed;
+      // L appended as one more output, so ⟨(dy, 1), (y, L)⟩ is the objective the backward differentiates.
+      // `flips` counts the evaluations at which exact arithmetic would route otherwise.
+      const Reference base(s, moe, t, e, f);
+      std::int64_t flips = 0;
+      const ModelReference reference = [&](const NamedValues& values) {
+        Reference experts = base;
+        experts.w_router = values.at("moe_w_router");
+        experts.w_1 = values.at("moe_w_1");
+        experts.w_2 = values.at("moe_w_2");
+        double loss = 0;
+        auto out = layer_reference(p, f, values, false, [&](const std::vector<double>& a, std::int64_t rows) {
+          REQUIRE(rows == t);
+          const Routing exact = experts.routing(experts.probabilities(a));
+          flips += exact.choice != route.choice || exact.slot != route.slot ? 1 : 0;
+          loss = experts.aux_loss(a, route);
+          return experts.output(a, route);
+        });
+        out.push_back(loss);
+        return out;
+      };
+      // Tolerance factors: the dense layer check's log2(N + 1) plus the MoE's own E + F.
+      const double factor = std::log2(static_cast<double>(n) + 1) + static_cast<double>(e + f);
+      // The fp32 routing is the exact one here (else the seed sits on a near tie), and the forward agrees.
+      const auto want = reference(inputs);
+      REQUIRE_MESSAGE(flips == 0, label << ": the fp32 routing differs from the exact one (a near tie)");
+      double scale = 0;
+      for (std::int64_t i = 0; i < t * e; ++i) scale = std::max(scale, std::abs(want[i]));
+      for (std::int64_t i = 0; i < t * e; ++i)
+        REQUIRE(std::abs(y[i] - want[i]) <= 8 * kEps * factor * std::max(1.0, scale));
+      CHECK(moe.aux_loss() == doctest::Approx(want.back()).epsilon(8 * kEps * factor));
+      // ⟨dy, y⟩ + L, and L alone (dy = 0): the aux loss's gradient is ~0.01 of the rest, below the first
+      // check's tolerance, so the second checks it through the router, LN₂, attention and LN₁ by itself.
+      Tensor weights(Shape{t * e + 1}), aux_only(Shape{t * e + 1}), zero(Shape{c.batch, n, e});
+      std::copy(dy.data(), dy.data() + dy.size(), weights.data());
+      weights[t * e] = 1.0f;
+      aux_only[t * e] = 1.0f;
+      layer.backward(*mechanism, x, dy, dx);
+      check_against_differences(label + " <dy, y> + L", inputs, grads, weights, reference, factor, true);
+      layer.backward(*mechanism, x, zero, dx);
+      check_against_differences(label + " L alone", inputs, grads, aux_only, reference, factor, true);
+      // No perturbation of either check changed the exact routing: the fixed-routing derivative checked is
+      // the layer's own there.
+      CHECK_MESSAGE(flips == 0, label << ": " << flips << " perturbed evaluations route otherwise (a near tie)");
     }
   }
 
