@@ -64,7 +64,8 @@ expect_refusal 2 "--point" run --point '{}' --batch 2
 point_json=$(python3 - <<'PY'
 import json
 fields = {"model": "local", "seq_len": 64, "batch": 1, "heads": 2, "head_dim": 16, "scope": "attention",
-          "pass": "forward", "decode_tokens": 64, "causal": False, "d_ff": 0, "threads": 1, "seed": 42,
+          "pass": "forward", "decode_tokens": 64, "causal": False, "d_ff": 0, "dtype": "f32", "threads": 1,
+          "seed": 42,
           "params": [], "warmup": 1, "min_reps": 2, "min_time_s": 0.0, "max_reps": 1000}
 print(json.dumps(fields))
 bad = dict(fields, seq_len=0)
