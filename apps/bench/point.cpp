@@ -61,8 +61,8 @@ nlohmann::json dump_manifest(const Point& point, const ResultRow& row,
       "attention tensors are [B, H, N, D] (out and dout [B, H, M, D], M = out_len); little-endian float32, C order";
   if (point.config.problem.dtype == DType::BF16)
     manifest["dtype_note"] =
-        "dtype bf16: q, k, v, out and state_* hold bf16 values, written as the float32 values exactly equal to "
-        "them (bf16 widens exactly); parameters are float32 as the model holds them";
+        "dtype bf16: q, k, v, out, dout, dq, dk, dv and state_* hold bf16 values, written as the float32 values "
+        "exactly equal to them (bf16 widens exactly); parameters are float32 as the model holds them";
   if (point.config.pass == Pass::Decode)
     manifest["decode"] = "q, k, v hold the " + std::to_string(point.config.problem.seq_len) +
                          " context rows and out the " + std::to_string(row.out_len) +
@@ -160,8 +160,8 @@ struct DecodeInputs {
     static volatile unsigned sink = 0;
     unsigned sum = 0;
     for (const Tensor* tensor : {&steps[t][0], &steps[t][1], &steps[t][2], &step_out[t]}) {
-      const auto* bytes = static_cast<const unsigned char*>(tensor->raw_data());
-      for (std::int64_t i = 0; i < tensor->bytes(); i += 4) sum += bytes[i];
+      const auto* bytes = static_cast<const unsigned char*>(tensor->raw_data());  // f32 or bf16 alike
+      for (std::int64_t i = 0; i < tensor->bytes(); i += 16) sum += bytes[i];     // every cache line (and more)
     }
     sink = sink + sum;
   }

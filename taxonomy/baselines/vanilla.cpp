@@ -124,18 +124,21 @@ void score_rows(const bf16* q, const bf16* k, std::int64_t n, std::int64_t d, fl
   }
 }
 
-// out[c] = Σ_{j < keys} p[j]·v[j, c] for c < d, fp32 accumulation in blocks of kBlock columns,
-// rounded to bf16. p: fp32 values that are bf16-representable; v: [keys, d] bf16.
-template <class Probability>
-void weighted_values(const Probability* p, const bf16* v, std::int64_t keys, std::int64_t d, bf16* out) {
+// out[c] = scale·Σ_{j < keys} p[j·stride]·v[j, c] for c < d, fp32 accumulation in blocks of kBlock
+// columns, rounded to bf16. p: weights (bf16, or fp32 values that are bf16-representable) with
+// stride 1 (a row of P) or the row stride (a column of P, for Pᵀ·x); v: [keys, d] bf16.
+template <class Weight>
+void weighted_values(const Weight* p, const bf16* v, std::int64_t keys, std::int64_t d, bf16* out,
+                     std::int64_t stride = 1, float scale = 1.0f) {
   for (std::int64_t c0 = 0; c0 < d; c0 += kBlock) {
     const std::int64_t width = std::min(kBlock, d - c0);
     float acc[kBlock] = {};
     for (std::int64_t j = 0; j < keys; ++j) {
-      const float weight = to_float_value(p[j]);
+      const float weight = to_float_value(p[j * stride]);
 #pragma omp simd
       for (std::int64_t c = 0; c < width; ++c) acc[c] += weight * to_float(v[j * d + c0 + c]);
     }
+    for (std::int64_t c = 0; c < width; ++c) acc[c] *= scale;
     narrow(acc, out + c0, width);
   }
 }
@@ -158,12 +161,32 @@ void softmax_row_to_bf16(float* row, std::int64_t cols, std::int64_t valid) {
   }
 }
 
+// The softmax backward of one row in bf16: p the row's bf16 probabilities, grad its fp32 dP on
+// entry; dS = P·(dP − Σ_valid P·dP) in fp32 for the first `valid` of `cols` entries (0 beyond),
+// rounded to bf16 over the row's own first 2·cols bytes (softmax_row_to_bf16's in-place blocks).
+void softmax_backward_row_to_bf16(const bf16* p, float* grad, std::int64_t cols, std::int64_t valid) {
+  float delta = 0.0f;
+  for (std::int64_t j = 0; j < valid; ++j) delta += to_float(p[j]) * grad[j];
+  auto* bytes = reinterpret_cast<unsigned char*>(grad);
+  for (std::int64_t j0 = 0; j0 < cols; j0 += kBlock) {
+    const std::int64_t count = std::min(kBlock, cols - j0);
+    float block[kBlock];
+    bf16 rounded[kBlock];
+    std::memcpy(block, bytes + 4 * j0, static_cast<std::size_t>(count) * 4);
+    for (std::int64_t j = 0; j < count; ++j)
+      rounded[j] = to_bf16(j0 + j < valid ? to_float(p[j0 + j]) * (block[j] - delta) : 0.0f);
+    std::memcpy(bytes + 2 * j0, rounded, static_cast<std::size_t>(count) * 2);
+  }
+}
+
 // Vanilla in bf16: q, k, v, out and the KV cache bf16 ([B, H, ·, D]); S = QKᵀ/√D in fp32 (a
 // dense score buffer [B·H, N, N], score_ld) on oneDNN's bf16 matmul; softmax in fp32; P rounded to
 // bf16 in place (softmax_row_to_bf16: [B·H, N, 2·N] bf16 over the same bytes); O = P·V on the
 // bf16 matmul, fp32 accumulation, rounded to bf16. Where oneDNN has no bf16 matmul (AVX2 cap),
 // the same products on convert-and-FMA loops. FLOPs are the fp32 form's; the decode state is
-// half its bytes. No backward yet (the harness refuses bf16 training).
+// half its bytes. Backward: the saved P (bf16, in the score buffer), dV = Pᵀ·dO, dP = dO·Vᵀ in
+// fp32 (a second dense [B·H, N, N] fp32 buffer), dS = P·(dP − Σ P·dP) in fp32 rounded to bf16 in
+// place, dQ = dS·K/√D, dK = dSᵀ·Q/√D: bf16 operands, fp32 accumulation, dq, dk, dv stored bf16.
 class VanillaBf16 final : public Mechanism {
  public:
   explicit VanillaBf16(const Problem& problem) : p_(problem) {}
@@ -239,7 +262,94 @@ class VanillaBf16 final : public Mechanism {
 
   std::vector<NamedTensor> decode_state() const override { return {{"key_cache", &keys_}, {"value_cache", &values_}}; }
 
+  void prepare_backward() override {
+    score_grads_ = Tensor(scores_.shape());
+    if (!onednn_) return;
+    for (const auto& shape : {value_grad_shape(), query_grad_shape(), key_grad_shape()})
+      ops::prepare_bf16_matmul(shape, true);
+    ops::prepare_bf16_matmul(probability_grad_shape(), false);
+  }
+
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t bh = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+    const auto* probabilities = reinterpret_cast<const bf16*>(scores_.data());     // row stride 2·N
+    const auto* score_grads = reinterpret_cast<const bf16*>(score_grads_.data());  // dS after the softmax backward
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    if (onednn_) {
+      ops::matmul(value_grad_shape(), probabilities, dout.bf16_data(), dv.bf16_data());
+      ops::matmul(probability_grad_shape(), dout.bf16_data(), v.bf16_data(), score_grads_.data());
+    } else {
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+      for (std::int64_t index = 0; index < bh * n; ++index) {
+        const std::int64_t head = index / n, i = index % n;
+        weighted_values(probabilities + head * n * 2 * n + i, dout.bf16_data() + head * n * d, n, d,
+                        dv.bf16_data() + index * d, 2 * n);
+        score_rows(dout.bf16_data() + head * n * d, v.bf16_data() + head * n * d, n, d, 1.0f,
+                   score_grads_.data() + head * n * n, n, i);
+      }
+      FlopCounter::add(2 * bh * matmul_flops(n, n, d));
+    }
+    std::int64_t entries = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 16) reduction(+ : entries)
+    for (std::int64_t index = 0; index < bh * n; ++index) {
+      const std::int64_t valid = p_.causal ? index % n + 1 : n;
+      softmax_backward_row_to_bf16(probabilities + index * 2 * n, score_grads_.data() + index * n, n, valid);
+      entries += valid;
+    }
+    FlopCounter::add(kSoftmaxBackwardFlopsPerElement * entries);
+    if (onednn_) {
+      ops::matmul(query_grad_shape(), score_grads, k.bf16_data(), dq.bf16_data());
+      ops::matmul(key_grad_shape(), score_grads, q.bf16_data(), dk.bf16_data());
+      return;
+    }
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t index = 0; index < bh * n; ++index) {
+      const std::int64_t head = index / n, i = index % n;
+      weighted_values(score_grads + index * 2 * n, k.bf16_data() + head * n * d, n, d, dq.bf16_data() + index * d, 1,
+                      scale);
+      weighted_values(score_grads + head * n * 2 * n + i, q.bf16_data() + head * n * d, n, d,
+                      dk.bf16_data() + index * d, 2 * n, scale);
+    }
+    FlopCounter::add(2 * bh * matmul_flops(n, n, d));
+  }
+
+  // The score buffer: after the forward, P in bf16 over each row's first half.
+  std::vector<NamedTensor> saved() const override { return {{"probabilities", &scores_}}; }
+
  private:
+  // The backward's products: dV = Pᵀ·dO, dP = dO·Vᵀ (fp32, dense rows), dQ = dS·K/√D, dK = dSᵀ·Q/√D,
+  // P and dS bf16 with row stride 2·N.
+  ops::MatmulShape value_grad_shape() const {
+    const std::int64_t n = p_.seq_len;
+    return {.batch = p_.batch * p_.heads,
+            .m = n,
+            .n = p_.head_dim,
+            .k = n,
+            .trans_a = true,
+            .lda = 2 * n,
+            .stride_a = 2 * n * n};
+  }
+  ops::MatmulShape probability_grad_shape() const {
+    const std::int64_t n = p_.seq_len;
+    return {.batch = p_.batch * p_.heads, .m = n, .n = n, .k = p_.head_dim, .trans_b = true, .ldc = n};
+  }
+  ops::MatmulShape query_grad_shape() const {
+    const std::int64_t n = p_.seq_len;
+    return {.batch = p_.batch * p_.heads,
+            .m = n,
+            .n = p_.head_dim,
+            .k = n,
+            .lda = 2 * n,
+            .stride_a = 2 * n * n,
+            .alpha = 1.0f / std::sqrt(static_cast<float>(p_.head_dim))};
+  }
+  ops::MatmulShape key_grad_shape() const {
+    ops::MatmulShape shape = query_grad_shape();
+    shape.trans_a = true;
+    return shape;
+  }
+
   // S = QKᵀ/√D into the fp32 score rows; O = P·V from the bf16 probabilities (row stride 2·ld).
   ops::MatmulShape scores_shape() const {
     const std::int64_t n = p_.seq_len, d = p_.head_dim;
@@ -268,7 +378,8 @@ class VanillaBf16 final : public Mechanism {
   }
 
   Problem p_;
-  Tensor scores_;              // fp32 S [B·H, N, ld]; after the softmax, bf16 P over each row's first half
+  Tensor scores_;              // fp32 S [B·H, N, N]; after the softmax, bf16 P over each row's first half
+  Tensor score_grads_;         // backward: fp32 dP [B·H, N, N]; after the softmax backward, bf16 dS likewise
   bool onednn_ = false;        // oneDNN's bf16 matmul, else the convert-and-FMA loops
   std::int64_t capacity_ = 0;  // decode: N + T
   Tensor keys_, values_;       // decode: bf16 caches [B·H, N + T, D]
@@ -310,7 +421,8 @@ std::int64_t decode_workspace(const Problem& p, const VanillaConfig&, std::int64
 template <>
 Implementation implementation<VanillaConfig>() {
   Implementation impl = implement<VanillaConfig>();
-  impl.bf16_forward = true;  // forward and decode; the backward is fp32 only
+  impl.bf16_forward = true;  // forward and decode
+  impl.bf16_backward = true;
   return impl;
 }
 

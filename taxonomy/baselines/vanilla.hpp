@@ -13,7 +13,9 @@
 // S on oneDNN's bf16 matmul with fp32 output into the same score buffer, softmax in fp32, P rounded
 // to bf16 in place over each score row's first half, P·V on the bf16 matmul (fp32 accumulation,
 // output rounded to bf16); the decode step on convert-and-FMA loops, P rounded as the forward does.
-// FLOPs and the forward's workspace are the fp32 form's. No bf16 backward yet.
+// The backward likewise: dS = P·(dP − Σ P·dP) in fp32 from the saved bf16 P, rounded to bf16 for
+// dQ and dK; dq, dk, dv stored bf16. FLOPs are the fp32 form's; the score buffers are dense rows
+// of N in bf16 (oneDNN's bf16 kernels take no padded output).
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 

@@ -161,6 +161,10 @@ expect_error 2 sweep --models vanilla --seq-lens 64 --dtype fp8 --out "$work/r.j
 assert r["status"] == "ok" and r["dtype"] == "bf16" and "--dtype bf16" in r["reproducer"], r
 assert r["state_bytes"] == 2 * 2 * (64 + 4) * 16 * 2, r' "$work/bf16.json" \
   && pass || fail "run --dtype bf16: a vanilla decode row in bf16 with a bf16 KV cache"
+rm -rf "$work/bf16-train"
+"$bin" run --model vanilla --seq-len 37 --causal --pass train --dtype bf16 "${quick[@]}" --dump "$work/bf16-train" \
+  >/dev/null && grep -q '"dtype": "bf16"' "$work/bf16-train/manifest.json" && [ -s "$work/bf16-train/dq.npy" ] \
+  && pass || fail "run --pass train --dtype bf16 --dump: a vanilla training step in bf16"
 "$bin" run --model local --seq-len 64 --dtype bf16 "${quick[@]}" --json >"$work/bf16-local.json" \
   && python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
 assert r["status"] == "unsupported" and "no bf16 form yet" in r["reason"], r' "$work/bf16-local.json" \

@@ -26,6 +26,7 @@
 #include "lib/core/errors.hpp"
 #include "lib/core/npy.hpp"
 #include "lib/core/ops.hpp"
+#include "lib/core/rng.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/reference.hpp"
@@ -202,6 +203,70 @@ TEST_SUITE("bf16") {
     }
   }
 
+  TEST_CASE("vanilla's bf16 gradients equal the float64 reference's within the bf16 bound, causal and not") {
+    // Per element with terms T (reference_attention_backward's *_terms): rounding P perturbs dV's
+    // terms and dS's (P·(|dP| + Σ P·|dP|)) by ≤ u·T, rounding dS to bf16 by ≤ u·T more, rounding
+    // the gradient by ≤ u·|g| ≤ u·T: |g − g_ref| ≤ 3u(1 + u)·T + the fp32 factor·T.
+    for (std::int64_t n : {1, 7, 33, 64, 65, 129})
+      for (bool causal : {false, true}) {
+        Problem p = on_test_threads(Problem{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal});
+        p.dtype = DType::BF16;
+        const auto in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 5);
+        Tensor dout32 = Tensor::bhnd(1, 2, n, 16);
+        CounterRng(9, "dout").fill_normal(dout32);
+        const Tensor dout = to_bf16(dout32), dout_widened = to_f32(dout);
+        const ModelInfo* info = find_model("vanilla");
+        auto mechanism = info->impl.create(p, resolve_params("vanilla", info->impl.params, {}), 42);
+        Tensor out = Tensor::bhnd(1, 2, n, 16, DType::BF16), dq = Tensor::bhnd(1, 2, n, 16, DType::BF16),
+               dk = Tensor::bhnd(1, 2, n, 16, DType::BF16), dv = Tensor::bhnd(1, 2, n, 16, DType::BF16);
+        mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
+        mechanism->prepare_backward();
+        mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
+        mechanism->backward(in.bf16.q, in.bf16.k, in.bf16.v, out, dout, dq, dk, dv);
+        const Tensor got[3] = {to_f32(dq), to_f32(dk), to_f32(dv)};
+        const double scale = 0.25;  // 1/√16
+        for (std::int64_t h = 0; h < 2; ++h) {
+          const float *q = in.widened.q.head(0, h), *k = in.widened.k.head(0, h), *v = in.widened.v.head(0, h);
+          const auto ref = reference_attention_backward(q, k, v, dout_widened.head(0, h), n, n, 16, scale,
+                                                        causal ? MaskFn(causal_mask) : MaskFn(full_mask));
+          const double factor = 3 * kBf16Roundoff * (1 + kBf16Roundoff) + gradient_error_factor(q, k, n, n, 16, scale);
+          const std::vector<double>* want[3] = {&ref.dq, &ref.dk, &ref.dv};
+          const std::vector<double>* terms[3] = {&ref.dq_terms, &ref.dk_terms, &ref.dv_terms};
+          for (int g = 0; g < 3; ++g) {
+            std::int64_t failures = 0;
+            for (std::int64_t e = 0; e < n * 16; ++e) {
+              const auto i = static_cast<std::size_t>(e);
+              const double error = std::fabs(got[g].head(0, h)[e] - (*want[g])[i]);
+              if (!(error <= factor * (*terms[g])[i] + 1e-30) && failures++ < 3)
+                FAIL_CHECK("d"
+                           << "qkv"[g] << " N=" << n << (causal ? " causal" : "") << " h=" << h << " element " << e
+                           << ": got " << got[g].head(0, h)[e] << ", want " << (*want[g])[i] << " (bound "
+                           << factor * (*terms[g])[i] << ")");
+            }
+            CHECK_MESSAGE(failures == 0, "d"
+                                             << "qkv"[g] << " N=" << n << ": " << failures << " out of the bound");
+          }
+        }
+      }
+  }
+
+  TEST_CASE("vanilla's bf16 backward and train rows: FLOPs as fp32's, bf16 gradients, the estimate exact") {
+    for (Pass pass : {Pass::Backward, Pass::Train})
+      for (bool causal : {false, true}) {
+        PointConfig f32 = quick_point("vanilla", 100, causal);
+        f32.pass = pass;
+        const PointConfig bf16 = bf16_point("vanilla", 100, causal, pass);
+        const ResultRow a = run_point(f32), b = run_point(bf16);
+        CAPTURE(pass_name(pass));
+        REQUIRE(a.status == Status::Ok);
+        REQUIRE(b.status == Status::Ok);
+        CHECK(b.flops == a.flops);
+        CHECK(2 * point_io_bytes(bf16) == point_io_bytes(f32));  // q, k, v, out, dout, dq, dk, dv
+        CHECK(b.saved_bytes == 2 * 100 * 100 * 4);               // the dense fp32 score buffer holding bf16 P
+        CHECK(b.peak_owned_bytes - point_io_bytes(bf16) == b.estimated_workspace_bytes);
+      }
+  }
+
   TEST_CASE("bf16 halves q, k, v, out and the KV cache, keeps the FLOPs, and the estimate stays exact") {
     for (bool causal : {false, true}) {
       for (std::int64_t n : {100, 257}) {
@@ -252,12 +317,7 @@ TEST_SUITE("bf16") {
       CHECK(row.reason.find("no bf16 form yet") != std::string::npos);
       CHECK(row.dtype == DType::BF16);
     }
-    // vanilla: no bf16 backward and no bf16 encoder layer yet.
-    for (Pass pass : {Pass::Backward, Pass::Train}) {
-      const ResultRow row = run_point(bf16_point("vanilla", 64, false, pass));
-      CHECK(row.status == Status::Unsupported);
-      CHECK(row.reason.find("no bf16 backward yet") != std::string::npos);
-    }
+    // vanilla: no bf16 encoder layer yet.
     PointConfig layer = bf16_point("vanilla", 64, false);
     layer.scope = Scope::Layer;
     const ResultRow row = run_point(layer);
