@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -58,6 +59,10 @@ nlohmann::json dump_manifest(const Point& point, const ResultRow& row,
   manifest["requested_params"] = row.params;
   manifest["layout"] =
       "attention tensors are [B, H, N, D] (out and dout [B, H, M, D], M = out_len); little-endian float32, C order";
+  if (point.config.problem.dtype == DType::BF16)
+    manifest["dtype_note"] =
+        "dtype bf16: q, k, v, out, dout, dq, dk, dv and state_* hold bf16 values, written as the float32 values "
+        "exactly equal to them (bf16 widens exactly); parameters are float32 as the model holds them";
   if (point.config.pass == Pass::Decode)
     manifest["decode"] = "q, k, v hold the " + std::to_string(point.config.problem.seq_len) +
                          " context rows and out the " + std::to_string(row.out_len) +
@@ -134,28 +139,30 @@ struct DecodeInputs {
     constexpr std::array<const char*, 3> kStreams = {"input/q", "input/k", "input/v"};
     const std::int64_t total = p.seq_len + tokens;
     for (std::size_t i = 0; i < 3; ++i) {
-      context[i] = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim);
+      context[i] = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, p.dtype);
       CounterRng(seed, kStreams[i]).fill_normal_rows(context[i], total, 0);
     }
-    out = Tensor::bhnd(p.batch, p.heads, out_rows, p.head_dim);
+    out = Tensor::bhnd(p.batch, p.heads, out_rows, p.head_dim, p.dtype);
     steps.resize(static_cast<std::size_t>(tokens));
     step_out.resize(static_cast<std::size_t>(tokens));
     for (std::int64_t t = 0; t < tokens; ++t) {
       for (std::size_t i = 0; i < 3; ++i) {
-        steps[t][i] = Tensor::bhnd(p.batch, p.heads, 1, p.head_dim);
+        steps[t][i] = Tensor::bhnd(p.batch, p.heads, 1, p.head_dim, p.dtype);
         CounterRng(seed, kStreams[i]).fill_normal_rows(steps[t][i], total, p.seq_len + t);
       }
-      step_out[t] = Tensor::bhnd(p.batch, p.heads, 1, p.head_dim);
+      step_out[t] = Tensor::bhnd(p.batch, p.heads, 1, p.head_dim, p.dtype);
     }
   }
 
   // Reads step t's q, k, v and output row untimed: a step's token arrives in cache, as a decoder's
   // projection would leave it (after a long prefill they would otherwise come from memory).
   void bring_to_cache(std::int64_t t) const {
-    static volatile float sink = 0;
-    float sum = 0;
-    for (const Tensor* tensor : {&steps[t][0], &steps[t][1], &steps[t][2], &step_out[t]})
-      for (std::int64_t i = 0; i < tensor->size(); ++i) sum += (*tensor)[i];
+    static volatile unsigned sink = 0;
+    unsigned sum = 0;
+    for (const Tensor* tensor : {&steps[t][0], &steps[t][1], &steps[t][2], &step_out[t]}) {
+      const auto* bytes = static_cast<const unsigned char*>(tensor->raw_data());  // f32 or bf16 alike
+      for (std::int64_t i = 0; i < tensor->bytes(); i += 16) sum += bytes[i];     // every cache line (and more)
+    }
     sink = sink + sum;
   }
 
@@ -165,13 +172,17 @@ struct DecodeInputs {
     const Tensor& head_rows = i < 3 ? context[i] : out;
     const std::int64_t b_count = head_rows.dim(0), h_count = head_rows.dim(1), n = head_rows.dim(2),
                        d = head_rows.dim(3), tokens = static_cast<std::int64_t>(steps.size());
-    Tensor whole = Tensor::bhnd(b_count, h_count, n + tokens, d);
+    Tensor whole = Tensor::bhnd(b_count, h_count, n + tokens, d, head_rows.dtype());
+    const auto row_bytes = static_cast<std::size_t>(d * element_bytes(head_rows.dtype()));
+    auto head_of = [&](const Tensor& tensor, std::int64_t b, std::int64_t h, std::int64_t rows) {
+      return static_cast<const unsigned char*>(tensor.raw_data()) + (b * h_count + h) * rows * row_bytes;
+    };
     for (std::int64_t b = 0; b < b_count; ++b)
       for (std::int64_t h = 0; h < h_count; ++h) {
-        float* dst = whole.head(b, h);
-        std::copy_n(head_rows.head(b, h), n * d, dst);
+        auto* dst = static_cast<unsigned char*>(whole.raw_data()) + (b * h_count + h) * (n + tokens) * row_bytes;
+        std::memcpy(dst, head_of(head_rows, b, h, n), n * row_bytes);
         for (std::int64_t t = 0; t < tokens; ++t)
-          std::copy_n((i < 3 ? steps[t][i] : step_out[t]).head(b, h), d, dst + (n + t) * d);
+          std::memcpy(dst + (n + t) * row_bytes, head_of(i < 3 ? steps[t][i] : step_out[t], b, h, 1), row_bytes);
       }
     return whole;
   }
@@ -232,6 +243,18 @@ ResultRow run_decode_point(const Point& point, ResultRow row, const std::optiona
   return row;
 }
 
+// Why a bf16 point cannot run ("" when it can, or the point is f32): the one place the harness
+// checks the Implementation's bf16 flags, so no model computes a bf16 point in fp32 silently.
+std::string bf16_unsupported(const ModelInfo& model, const PointConfig& config) {
+  if (config.problem.dtype != DType::BF16) return "";
+  const std::string name = model.display_name;
+  if (!model.impl.bf16_forward) return name + " has no bf16 form yet (issue 31: vanilla only so far), so no bf16 point";
+  if (config.scope == Scope::Layer) return "the encoder layer has no bf16 form yet, so no bf16 point in layer scope";
+  if ((config.pass == Pass::Backward || config.pass == Pass::Train) && !model.impl.bf16_backward)
+    return name + " has no bf16 backward yet, so no bf16 " + pass_name(config.pass) + " pass";
+  return "";
+}
+
 }  // namespace
 
 Point resolve_point(const PointConfig& config) {
@@ -265,7 +288,7 @@ std::int64_t point_output_rows(const Point& point) {
 std::int64_t point_io_bytes(const Point& point) {
   const PointConfig& config = point.config;
   const Problem& p = config.problem;
-  const std::int64_t row = p.batch * p.heads * p.head_dim * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t row = p.batch * p.heads * p.head_dim * element_bytes(p.dtype);
   const std::int64_t inputs = p.seq_len * row, outputs = point_output_rows(point) * row;
   if (config.pass == Pass::Decode)  // the context's q, k, v, out and every step's
     return 3 * inputs + outputs + 4 * config.decode_tokens * row;
@@ -331,6 +354,9 @@ ResultRow describe_point(const Point& point, std::int64_t memory_limit_bytes) {
     row.status = Status::Unsupported;
     row.reason = model.display_name + ": a feed-forward layer: run with --scope layer, or --ffn " + model.ffn +
                  " with any attention model";
+  } else if (const std::string bf16_why = bf16_unsupported(model, config); !bf16_why.empty()) {
+    row.status = Status::Unsupported;
+    row.reason = bf16_why;
   } else if (config.problem.causal && !model.decodes()) {
     row.status = Status::Unsupported;
     const std::string why_not = model.decode_note.empty() ? "survey Table 1: Decode = no" : model.decode_note;

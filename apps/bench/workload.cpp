@@ -26,8 +26,8 @@ class AttentionWorkload final : public Workload {
   explicit AttentionWorkload(const Point& point) : training_(trains(point.config.pass)) {
     const PointConfig& c = point.config;
     const Problem& p = c.problem;
-    auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim); };
-    auto outputs = [&] { return Tensor::bhnd(p.batch, p.heads, point_output_rows(point), p.head_dim); };
+    auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, p.dtype); };
+    auto outputs = [&] { return Tensor::bhnd(p.batch, p.heads, point_output_rows(point), p.head_dim, p.dtype); };
     q_ = seeded(bhnd(), c.seed, "input/q");
     k_ = seeded(bhnd(), c.seed, "input/k");
     v_ = seeded(bhnd(), c.seed, "input/v");

@@ -301,6 +301,7 @@ nlohmann::json point_json(const PointComparison& p) {
                       {"scope", scope_name(row.scope)},
                       {"pass", pass_name(row.pass)},
                       {"causal", row.causal},
+                      {"dtype", dtype_name(row.dtype)},
                       {"batch", row.batch},
                       {"heads", row.heads},
                       {"seq_len", row.seq_len},

@@ -239,7 +239,7 @@ PointGrid point_grid(const Report& configuration) {
 
 // The columns of a table's CSV that repeat the configuration the section's heading names.
 bool configuration_column(const std::vector<std::vector<std::string>>& lines, std::size_t column) {
-  static const std::set<std::string> names = {"scope", "pass",     "causal", "batch",
+  static const std::set<std::string> names = {"scope", "pass",     "causal", "dtype",        "batch",
                                               "heads", "head_dim", "d_ff",   "decode_tokens"};
   if (!names.count(lines.front()[column])) return false;
   for (std::size_t r = 1; r < lines.size(); ++r)

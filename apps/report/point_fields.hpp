@@ -91,7 +91,7 @@ PointConfig point_from_json(const nlohmann::json& json);
 std::vector<std::string> point_arguments(const PointConfig& config);
 // The settings a point contributes to a report: every in_settings field as recorded.
 nlohmann::json point_settings(const PointConfig& config);
-// The row's identity fields (model, scope, pass, shape, d_ff, decode_tokens, threads, seed).
+// The row's identity fields (model, scope, pass, shape, d_ff, decode_tokens, dtype, threads, seed).
 void set_row_identity(ResultRow& row, const PointConfig& config);
 // The key rows are matched by across reports: the in_key fields and the resolved params.
 std::string point_key(const ResultRow& row);

@@ -24,18 +24,33 @@ RowsVary rows_vary(const Report& report) {
   return vary;
 }
 
-double fma_peak_for_threads(const nlohmann::json& context, int threads) {
+namespace {
+
+// The machine figure `field` measured on `threads` threads (see fma_peak_for_threads); 0 when absent.
+double machine_figure_for_threads(const nlohmann::json& context, int threads, const char* field) {
   const std::string key = std::to_string(threads);
   if (context.contains("machine_by_threads") && context["machine_by_threads"].contains(key))
-    return context["machine_by_threads"][key].value("fma_peak_gflops", 0.0);
-  if (threads == 0 || context.value("threads", 0) == threads) return context.value("fma_peak_gflops", 0.0);
+    return context["machine_by_threads"][key].value(field, 0.0);
+  if (threads == 0 || context.value("threads", 0) == threads) return context.value(field, 0.0);
   return 0;
+}
+
+}  // namespace
+
+double fma_peak_for_threads(const nlohmann::json& context, int threads) {
+  return machine_figure_for_threads(context, threads, "fma_peak_gflops");
+}
+
+double dot_peak_for_row(const nlohmann::json& context, const ResultRow& row) {
+  if (row.dtype == DType::BF16) return machine_figure_for_threads(context, row.threads, "bf16_dot_peak_gflops");
+  return fma_peak_for_threads(context, row.threads);
 }
 
 std::string configuration_text(const ResultRow& row) {
   std::ostringstream out;
   out << scope_name(row.scope) << (row.pass != Pass::Forward ? ", " + pass_name(row.pass) + " pass" : "")
-      << (row.causal ? ", causal" : "") << ", B=" << row.batch << " H=" << row.heads << " D=" << row.head_dim;
+      << (row.causal ? ", causal" : "") << (row.dtype == DType::BF16 ? ", bf16" : "") << ", B=" << row.batch
+      << " H=" << row.heads << " D=" << row.head_dim;
   if (row.pass == Pass::Decode) out << ", T=" << row.decode_tokens;
   if (row.d_ff) out << ", d_ff=" << row.d_ff;
   if (row.ffn != "dense")
@@ -75,6 +90,7 @@ void to_json(nlohmann::json& j, const ResultRow& r) {
                      {"scope", scope_name(r.scope)},
                      {"pass", pass_name(r.pass)},
                      {"causal", r.causal},
+                     {"dtype", dtype_name(r.dtype)},
                      {"batch", r.batch},
                      {"heads", r.heads},
                      {"seq_len", r.seq_len},
@@ -154,6 +170,7 @@ void read_identity(ResultRow& r, const FieldReader& f) {
   r.scope = parse_scope(f.choice("scope", {"attention", "layer"}));
   r.pass = parse_pass(f.choice("pass", {"forward", "backward", "train", "decode"}, "forward"));
   r.causal = f.flag("causal");
+  r.dtype = parse_dtype(f.choice("dtype", {"f32", "bf16"}, "f32"));
   r.batch = f.integer("batch", 1, kMaxSize);
   r.heads = f.integer("heads", 1, kMaxSize);
   r.seq_len = f.integer("seq_len", 1, kMaxSize);

@@ -23,6 +23,7 @@ struct ResultRow {
   Scope scope = Scope::Attention;
   Pass pass = Pass::Forward;  // what was timed
   bool causal = false;
+  DType dtype = DType::F32;  // element type of q, k, v, out and the decode state; f32 in reports that predate it
   std::int64_t batch = 0, heads = 0, seq_len = 0, head_dim = 0;
   // M, output rows per (batch, head): seq_len but for a downsampling model (0, unset, is written as seq_len).
   std::int64_t out_len = 0;
@@ -79,7 +80,7 @@ struct ResultRow {
   std::string key() const;
 };
 
-// "attention, B=1 H=8 D=64" (+ ", train pass", ", causal", ", T=…", ", d_ff=…"): everything of the key but
+// "attention, B=1 H=8 D=64" (+ ", train pass", ", causal", ", bf16", ", T=…", ", d_ff=…"): everything of the key but
 // model, N, params.
 std::string configuration_text(const ResultRow& row);
 // "block_k=512,block_q=64"; empty for no parameters.
@@ -101,6 +102,10 @@ inline constexpr const char* kMachineFigureFields[] = {"fma_peak_gflops", "fma_p
 // context's `machine_by_threads` entry for that count, else `fma_peak_gflops` when the context ran
 // that count (or the row predates the field, threads 0); 0 when not measured for it.
 double fma_peak_for_threads(const nlohmann::json& context, int threads);
+// The peak a row's GFLOP/s is quoted against, by its dtype: fma_peak_for_threads for an f32 row,
+// the context's `bf16_dot_peak_gflops` (top level or per thread count, as above) for a bf16 row;
+// 0 when that figure is not measured (the caller says so rather than using the fp32 peak).
+double dot_peak_for_row(const nlohmann::json& context, const ResultRow& row);
 
 // The row's contention warning (the one in `warnings` that starts "contended:"), or a summary.
 std::string contended_warning(const ResultRow& row);

@@ -77,8 +77,12 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
         return format_number("%.3f×", *ratio);
       return "-";
     case TableMetric::Gflops: {
-      const auto share = finite_ratio(100.0 * row.gflops_per_s, fma_peak_for_threads(context, row.threads));
-      return format_number("%.1f", row.gflops_per_s) + (share ? format_number(" (%.0f%%)", *share) : "");
+      // A bf16 row against the bf16 dot-product peak; without that figure, no share (never the fp32 peak).
+      const double peak = dot_peak_for_row(context, row);
+      const auto share = finite_ratio(100.0 * row.gflops_per_s, peak);
+      const std::string figure = format_number("%.1f", row.gflops_per_s);
+      if (row.dtype == DType::BF16 && !(peak > 0)) return figure + " (no bf16 peak)";
+      return figure + (share ? format_number(" (%.0f%%)", *share) : "");
     }
     case TableMetric::State:
       return row.pass == Pass::Decode ? format_number("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0))
@@ -197,7 +201,7 @@ std::vector<TableGroup> table_groups(const Report& report, const std::string& ba
   std::map<TableKey, std::vector<const ResultRow*>> by_key;
   for (const auto& row : report.results)
     by_key[{scope_name(row.scope), pass_name(row.pass), row.causal, row.batch, row.heads, row.head_dim, row.d_ff,
-            row.decode_tokens, vary.threads ? std::optional<int>(row.threads) : std::nullopt,
+            row.decode_tokens, dtype_name(row.dtype), vary.threads ? std::optional<int>(row.threads) : std::nullopt,
             vary.seed ? std::optional<std::uint64_t>(row.seed) : std::nullopt}]
         .push_back(&row);
   std::vector<TableGroup> groups;
@@ -234,7 +238,7 @@ std::string heading(const TableKey& key) {
          (key.causal ? ", causal" : "") + ", B=" + std::to_string(key.batch) + " H=" + std::to_string(key.heads) +
          " D=" + std::to_string(key.head_dim) +
          (key.pass == "decode" ? ", T=" + std::to_string(key.decode_tokens) : "") +
-         (key.d_ff ? ", d_ff=" + std::to_string(key.d_ff) : "") +
+         (key.d_ff ? ", d_ff=" + std::to_string(key.d_ff) : "") + (key.dtype != "f32" ? ", " + key.dtype : "") +
          (key.threads ? ", threads=" + std::to_string(*key.threads) : "") +
          (key.seed ? ", seed=" + std::to_string(*key.seed) : "");
 }
@@ -274,6 +278,9 @@ std::string render_table(const Report& report, const TableOptions& options) {
   const bool csv = options.format == TableFormat::Csv;
   std::ostringstream out;
   bool first_group = true;
+  // CSV: one header for every group, so a dtype column when any row is not f32.
+  const bool dtype_column = std::any_of(report.results.begin(), report.results.end(),
+                                        [](const ResultRow& r) { return r.dtype != DType::F32; });
   for (const TableGroup& group : table_groups(report, options.baseline)) {
     const TableKey& key = group.key;
     if (!csv)
@@ -291,6 +298,10 @@ std::string render_table(const Report& report, const TableOptions& options) {
                                          std::to_string(key.batch),
                                          std::to_string(key.heads),
                                          std::to_string(key.head_dim)};
+      if (dtype_column) {
+        columns.push_back("dtype");
+        values.push_back(key.dtype);
+      }
       if (key.threads) {
         columns.push_back("threads");
         values.push_back(std::to_string(*key.threads));

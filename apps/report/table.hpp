@@ -37,6 +37,7 @@ struct TableKey {
   std::string scope, pass;
   bool causal = false;
   std::int64_t batch = 0, heads = 0, head_dim = 0, d_ff = 0, decode_tokens = 0;
+  std::string dtype = "f32";  // a bf16 and an f32 row of one point are in different tables
   // Set only when the report's rows vary in them (a grid): one table per thread count or seed.
   std::optional<int> threads;
   std::optional<std::uint64_t> seed;

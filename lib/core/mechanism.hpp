@@ -45,6 +45,8 @@ struct Problem {
   bool causal = false;          // token i attends only to j <= i
   int threads = 1;              // OpenMP threads the mechanism runs on; per-thread buffers are sized
                                 // for exactly this many (the harness sets the OpenMP team to match)
+  DType dtype = DType::F32;     // element type of q, k, v, out, the saved tensors and the decode state;
+                                // bf16 (issue 31): products accumulate and softmax statistics stay fp32
 };
 
 struct NamedTensor {
@@ -151,6 +153,12 @@ struct Implementation {
   // the problem (1 ≤ M ≤ N); absent means M = N.
   std::function<std::int64_t(const Problem&, const ParamValues&)> output_rows;
   bool downsamples() const { return static_cast<bool>(output_rows); }
+  // The element types the mechanism computes in (Problem::dtype): fp32 always; bf16 only when the
+  // model has a bf16 form: its forward and, when it decodes, its decode (bf16_forward), its backward
+  // (bf16_backward). The harness makes every other bf16 point an `unsupported` row (apps/bench/
+  // point.cpp), so no model computes a bf16 point in fp32 silently.
+  bool bf16_forward = false;
+  bool bf16_backward = false;
 };
 
 // M, the rows of the model's output per (batch, head) on the problem.

@@ -1,8 +1,10 @@
 #include "lib/core/npy.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <stdexcept>
+#include <vector>
 
 namespace xfb {
 
@@ -24,7 +26,17 @@ void write_npy(const std::string& path, const Tensor& tensor) {
   const char length_bytes[2] = {static_cast<char>(length & 0xff), static_cast<char>(length >> 8)};
   out.write(length_bytes, 2);
   out.write(header.data(), static_cast<std::streamsize>(header.size()));
-  out.write(reinterpret_cast<const char*>(tensor.data()), tensor.bytes());
+  if (tensor.dtype() == DType::F32) {
+    out.write(reinterpret_cast<const char*>(tensor.data()), tensor.bytes());
+  } else {  // bf16 widened exactly to float32, a chunk at a time (untracked: written after the measurement)
+    constexpr std::int64_t kChunk = 1 << 16;
+    std::vector<float> widened(static_cast<std::size_t>(std::min<std::int64_t>(kChunk, tensor.size())));
+    for (std::int64_t first = 0; first < tensor.size(); first += kChunk) {
+      const std::int64_t count = std::min(kChunk, tensor.size() - first);
+      widen(tensor.bf16_data() + first, widened.data(), count);
+      out.write(reinterpret_cast<const char*>(widened.data()), count * static_cast<std::int64_t>(sizeof(float)));
+    }
+  }
   out.close();  // a full disk may show only here
   if (!out) throw std::runtime_error("failed writing " + path);
 }

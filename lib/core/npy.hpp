@@ -1,5 +1,7 @@
 #pragma once
-// NumPy .npy (format 1.0) writer and reader for little-endian float32 arrays in C order.
+// NumPy .npy (format 1.0) writer and reader for little-endian float32 arrays in C order. A bf16
+// tensor is written as float32 values exactly equal to its bf16 ones (widening is exact; the dump's
+// manifest says dtype bf16); read_npy always gives fp32.
 #include <string>
 
 #include "lib/core/tensor.hpp"

@@ -39,7 +39,17 @@ memory::desc dense_1d(std::int64_t n) { return memory::desc({n}, dt::f32, tag::a
 
 }  // namespace
 
-void matmul(const MatmulShape& s, const float* a, const float* b, float* c) {
+namespace {
+
+// The memory descriptors and cache key of the matmul of `s` on operands of the given element types
+// (C accumulates in fp32 whatever its storage). The f32 key is the one the fp32 matmul always had;
+// other types append theirs.
+struct MatmulPlan {
+  memory::desc a, b, c;
+  std::string key;
+};
+
+MatmulPlan plan_matmul(const MatmulShape& s, dt a_type, dt b_type, dt c_type) {
   if (s.batch <= 0 || s.m <= 0 || s.n <= 0 || s.k <= 0) throw std::invalid_argument("matmul: empty shape");
   const std::int64_t lda = s.lda ? s.lda : (s.trans_a ? s.m : s.k);
   const std::int64_t ldb = s.ldb ? s.ldb : (s.trans_b ? s.k : s.n);
@@ -55,14 +65,21 @@ void matmul(const MatmulShape& s, const float* a, const float* b, float* c) {
   const memory::dims a_strides = s.trans_a ? memory::dims{stride_a, 1, lda} : memory::dims{stride_a, lda, 1};
   const memory::dims b_strides = s.trans_b ? memory::dims{stride_b, 1, ldb} : memory::dims{stride_b, ldb, 1};
   const memory::dims c_strides{stride_c, ldc, 1};
-  const memory::desc a_desc(a_dims, dt::f32, a_strides), b_desc(b_dims, dt::f32, b_strides),
-      c_desc(c_dims, dt::f32, c_strides);
-
-  auto& context = DnnlContext::instance();
-  const auto key =
+  MatmulPlan plan{
+      memory::desc(a_dims, a_type, a_strides), memory::desc(b_dims, b_type, b_strides),
+      memory::desc(c_dims, c_type, c_strides),
       key_of("matmul", {s.batch, s.m, s.n, s.k, s.trans_a, s.trans_b, lda, ldb, ldc, stride_a, stride_b, stride_c,
-                        static_cast<std::int64_t>(std::bit_cast<std::uint32_t>(s.alpha)), s.accumulate});
-  const auto& cached = context.primitive(key, [&] {
+                        static_cast<std::int64_t>(std::bit_cast<std::uint32_t>(s.alpha)), s.accumulate})};
+  if (a_type != dt::f32 || b_type != dt::f32 || c_type != dt::f32)
+    plan.key += key_of(":types", {static_cast<std::int64_t>(a_type), static_cast<std::int64_t>(b_type),
+                                  static_cast<std::int64_t>(c_type)});
+  return plan;
+}
+
+// The plan's primitive, created on first use.
+const DnnlContext::CachedPrimitive& matmul_primitive(const MatmulShape& s, const MatmulPlan& plan) {
+  auto& context = DnnlContext::instance();
+  return context.primitive(plan.key, [&] {
     auto attr = user_scratchpad_attr();
     if (s.alpha != 1.0f) attr.set_output_scales(0, {s.alpha});
     if (s.accumulate) {
@@ -70,14 +87,50 @@ void matmul(const MatmulShape& s, const float* a, const float* b, float* c) {
       post.append_sum(1.0f);
       attr.set_post_ops(post);
     }
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_desc, b_desc, c_desc), attr, context.engine());
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(plan.a, plan.b, plan.c), attr, context.engine());
     return std::make_pair(dnnl::primitive(dnnl::matmul(pd)), pd.scratchpad_desc());
   });
-  auto& engine = context.engine();
-  execute(cached, {{DNNL_ARG_SRC, memory(a_desc, engine, const_cast<float*>(a))},
-                   {DNNL_ARG_WEIGHTS, memory(b_desc, engine, const_cast<float*>(b))},
-                   {DNNL_ARG_DST, memory(c_desc, engine, c)}});
+}
+
+void typed_matmul(const MatmulShape& s, dt a_type, dt b_type, dt c_type, const void* a, const void* b, void* c) {
+  const MatmulPlan plan = plan_matmul(s, a_type, b_type, c_type);
+  const auto& cached = matmul_primitive(s, plan);
+  auto& engine = DnnlContext::instance().engine();
+  execute(cached, {{DNNL_ARG_SRC, memory(plan.a, engine, const_cast<void*>(a))},
+                   {DNNL_ARG_WEIGHTS, memory(plan.b, engine, const_cast<void*>(b))},
+                   {DNNL_ARG_DST, memory(plan.c, engine, c)}});
   FlopCounter::add(s.batch * matmul_flops(s.m, s.n, s.k));
+}
+
+}  // namespace
+
+void matmul(const MatmulShape& s, const float* a, const float* b, float* c) {
+  typed_matmul(s, dt::f32, dt::f32, dt::f32, a, b, c);
+}
+
+void matmul(const MatmulShape& s, const bf16* a, const bf16* b, float* c) {
+  typed_matmul(s, dt::bf16, dt::bf16, dt::f32, a, b, c);
+}
+
+void matmul(const MatmulShape& s, const bf16* a, const bf16* b, bf16* c) {
+  typed_matmul(s, dt::bf16, dt::bf16, dt::bf16, a, b, c);
+}
+
+void prepare_bf16_matmul(const MatmulShape& s, bool bf16_output) {
+  matmul_primitive(s, plan_matmul(s, dt::bf16, dt::bf16, bf16_output ? dt::bf16 : dt::f32));
+}
+
+bool bf16_matmul_available() {
+  static const bool available = [] {
+    try {
+      const memory::desc desc({1, 16, 16}, dt::bf16, tag::abc), out({1, 16, 16}, dt::f32, tag::abc);
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(desc, desc, out), DnnlContext::instance().engine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return available;
 }
 
 void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,

@@ -4,6 +4,7 @@
 // first call with a given shape; later calls reuse it.
 #include <cstdint>
 
+#include "lib/core/bf16.hpp"
 #include "lib/core/exp_polynomial.hpp"
 #include "lib/core/tile_kernels.hpp"
 
@@ -22,6 +23,16 @@ struct MatmulShape {
   bool accumulate = false;
 };
 void matmul(const MatmulShape& shape, const float* a, const float* b, float* c);
+// The same product on bf16 operands, accumulated in fp32 and stored in fp32 or rounded to bf16
+// (oneDNN picks AMX, AVX512_BF16 or AVX-512 conversions itself). Needs bf16_matmul_available().
+void matmul(const MatmulShape& shape, const bf16* a, const bf16* b, float* c);
+void matmul(const MatmulShape& shape, const bf16* a, const bf16* b, bf16* c);
+// Creates the primitive of that bf16 product (fp32 or bf16 output) without running it: for a
+// mechanism's untimed prepare, so the timed forward creates nothing.
+void prepare_bf16_matmul(const MatmulShape& shape, bool bf16_output);
+// Whether oneDNN implements bf16 matmul on this CPU under its ISA cap (oneDNN 2.6: AVX-512 and up;
+// not under ONEDNN_MAX_CPU_ISA=AVX2). Decided once per process.
+bool bf16_matmul_available();
 
 // Single-matrix product for use inside the project's own OpenMP loops (runs on the calling
 // thread): C = alpha · op(A) · op(B) + beta · C. oneDNN's sgemm (the same JIT kernels as matmul).

@@ -32,23 +32,37 @@ double CounterRng::normal(std::uint64_t index) const {
   return (index % 2 == 0) ? radius * std::cos(angle) : radius * std::sin(angle);
 }
 
-void CounterRng::fill_normal(Tensor& t, float mean, float stddev) const {
-  float* out = t.data();
+namespace {
+
+// t[i] := value(i) for every element, in fp32 or rounded to bf16 (the same fp32 draw either way).
+template <class Value>
+void fill_each(Tensor& t, const Value& value) {
   const std::int64_t n = t.size();
+  if (t.dtype() == DType::BF16) {
+    bf16* out = t.bf16_data();
 #pragma omp parallel for schedule(static)
-  for (std::int64_t i = 0; i < n; ++i)
-    out[i] = static_cast<float>(mean + stddev * normal(static_cast<std::uint64_t>(i)));
+    for (std::int64_t i = 0; i < n; ++i) out[i] = to_bf16(value(i));
+    return;
+  }
+  float* out = t.data();
+#pragma omp parallel for schedule(static)
+  for (std::int64_t i = 0; i < n; ++i) out[i] = value(i);
+}
+
+}  // namespace
+
+void CounterRng::fill_normal(Tensor& t, float mean, float stddev) const {
+  fill_each(t,
+            [&](std::int64_t i) { return static_cast<float>(mean + stddev * normal(static_cast<std::uint64_t>(i))); });
 }
 
 void CounterRng::fill_normal_rows(Tensor& t, std::int64_t total_rows, std::int64_t first_row) const {
   const std::int64_t rows = t.dim(2), dim = t.dim(3);
-  float* out = t.data();
-#pragma omp parallel for schedule(static)
-  for (std::int64_t i = 0; i < t.size(); ++i) {
+  fill_each(t, [&](std::int64_t i) {
     const std::int64_t head = i / (rows * dim), row = i / dim % rows, col = i % dim;
     const auto index = static_cast<std::uint64_t>((head * total_rows + first_row + row) * dim + col);
-    out[i] = static_cast<float>(normal(index));
-  }
+    return static_cast<float>(normal(index));
+  });
 }
 
 void CounterRng::fill_uniform(Tensor& t, float lo, float hi) const {

@@ -31,6 +31,8 @@ class CounterRng {
                   static_cast<std::uint64_t>(b));
   }
 
+  // fill_normal and fill_normal_rows fill fp32 or bf16 tensors: a bf16 one holds the fp32 draws
+  // rounded to nearest even, so both types of a tensor see the same numbers.
   void fill_normal(Tensor& t, float mean = 0.0f, float stddev = 1.0f) const;
   // t: [B, H, R, D], rows first_row … first_row + R − 1 of the [B, H, total_rows, D] tensor that
   // fill_normal would fill (so a sequence's tokens can be drawn in pieces, bit-identically).

@@ -1,6 +1,8 @@
 #include "taxonomy/baselines/vanilla.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 #include "lib/core/config_table.hpp"
@@ -98,9 +100,297 @@ class Vanilla final : public Mechanism {
   std::int64_t length_ = 0;  // decode: tokens in the cache
 };
 
+// --- bf16 (issue 31) ---------------------------------------------------------------------------
+
+// The score rows' stride: padded against cache conflicts in fp32 (ops::padded_ld); dense (N) in
+// bf16, where oneDNN 2.6 runs QKᵀ on its AMX/AVX512_BF16 brgemm kernels only into dense rows (a
+// padded fp32 output falls back to a generic gemm about 6× slower at N = 4096).
+std::int64_t score_ld(const Problem& p) { return p.dtype == DType::BF16 ? p.seq_len : ops::padded_ld(p.seq_len); }
+
+constexpr std::int64_t kBlock = 32;  // values per block of the in-place rounding and the P·V columns
+
+inline float to_float_value(float x) { return x; }
+inline float to_float_value(bf16 x) { return to_float(x); }
+
+// Row i of one head's scores S [n, ld] (fp32): S[i, j] = scale·⟨q_i, k_j⟩ for j < n, bf16 rows of
+// q and k [n, d], fp32 accumulation. The convert-and-FMA form where oneDNN has no bf16 matmul.
+void score_rows(const bf16* q, const bf16* k, std::int64_t n, std::int64_t d, float scale, float* scores,
+                std::int64_t ld, std::int64_t i) {
+  for (std::int64_t j = 0; j < n; ++j) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (std::int64_t c = 0; c < d; ++c) sum += to_float(q[i * d + c]) * to_float(k[j * d + c]);
+    scores[i * ld + j] = scale * sum;
+  }
+}
+
+// out[c] = scale·Σ_{j < keys} p[j·stride]·v[j, c] for c < d, fp32 accumulation in blocks of kBlock
+// columns, rounded to bf16. p: weights (bf16, or fp32 values that are bf16-representable) with
+// stride 1 (a row of P) or the row stride (a column of P, for Pᵀ·x); v: [keys, d] bf16.
+template <class Weight>
+void weighted_values(const Weight* p, const bf16* v, std::int64_t keys, std::int64_t d, bf16* out,
+                     std::int64_t stride = 1, float scale = 1.0f) {
+  for (std::int64_t c0 = 0; c0 < d; c0 += kBlock) {
+    const std::int64_t width = std::min(kBlock, d - c0);
+    float acc[kBlock] = {};
+    for (std::int64_t j = 0; j < keys; ++j) {
+      const float weight = to_float_value(p[j * stride]);
+#pragma omp simd
+      for (std::int64_t c = 0; c < width; ++c) acc[c] += weight * to_float(v[j * d + c0 + c]);
+    }
+    for (std::int64_t c = 0; c < width; ++c) acc[c] *= scale;
+    narrow(acc, out + c0, width);
+  }
+}
+
+// Softmax over the first `valid` of `cols` scores of a row (fp32 statistics), the probabilities
+// rounded to bf16 and written over the row's own first 2·cols bytes (the bf16 row has stride
+// 2·ld in the score buffer), zeros beyond `valid`. Block b's kBlock bf16 values land on fp32
+// values [kBlock·b/2, kBlock·b/2 + kBlock/2), which block b itself has already read: in place.
+void softmax_row_to_bf16(float* row, std::int64_t cols, std::int64_t valid) {
+  const float inverse = 1.0f / ops::exp_and_sum(row, valid, ops::row_max(row, valid, row[0]));
+  std::fill(row + valid, row + cols, 0.0f);
+  auto* bytes = reinterpret_cast<unsigned char*>(row);
+  for (std::int64_t j0 = 0; j0 < cols; j0 += kBlock) {
+    const std::int64_t count = std::min(kBlock, cols - j0);
+    float block[kBlock];
+    bf16 rounded[kBlock];
+    std::memcpy(block, bytes + 4 * j0, static_cast<std::size_t>(count) * 4);
+    for (std::int64_t j = 0; j < count; ++j) rounded[j] = to_bf16(block[j] * inverse);
+    std::memcpy(bytes + 2 * j0, rounded, static_cast<std::size_t>(count) * 2);
+  }
+}
+
+// The softmax backward of one row in bf16: p the row's bf16 probabilities, grad its fp32 dP on
+// entry; dS = P·(dP − Σ_valid P·dP) in fp32 for the first `valid` of `cols` entries (0 beyond),
+// rounded to bf16 over the row's own first 2·cols bytes (softmax_row_to_bf16's in-place blocks).
+void softmax_backward_row_to_bf16(const bf16* p, float* grad, std::int64_t cols, std::int64_t valid) {
+  float delta = 0.0f;
+  for (std::int64_t j = 0; j < valid; ++j) delta += to_float(p[j]) * grad[j];
+  auto* bytes = reinterpret_cast<unsigned char*>(grad);
+  for (std::int64_t j0 = 0; j0 < cols; j0 += kBlock) {
+    const std::int64_t count = std::min(kBlock, cols - j0);
+    float block[kBlock];
+    bf16 rounded[kBlock];
+    std::memcpy(block, bytes + 4 * j0, static_cast<std::size_t>(count) * 4);
+    for (std::int64_t j = 0; j < count; ++j)
+      rounded[j] = to_bf16(j0 + j < valid ? to_float(p[j0 + j]) * (block[j] - delta) : 0.0f);
+    std::memcpy(bytes + 2 * j0, rounded, static_cast<std::size_t>(count) * 2);
+  }
+}
+
+// Vanilla in bf16: q, k, v, out and the KV cache bf16 ([B, H, ·, D]); S = QKᵀ/√D in fp32 (a
+// dense score buffer [B·H, N, N], score_ld) on oneDNN's bf16 matmul; softmax in fp32; P rounded to
+// bf16 in place (softmax_row_to_bf16: [B·H, N, 2·N] bf16 over the same bytes); O = P·V on the
+// bf16 matmul, fp32 accumulation, rounded to bf16. Where oneDNN has no bf16 matmul (AVX2 cap),
+// the same products on convert-and-FMA loops. FLOPs are the fp32 form's; the decode state is
+// half its bytes. Backward: the saved P (bf16, in the score buffer), dV = Pᵀ·dO, dP = dO·Vᵀ in
+// fp32 (a second dense [B·H, N, N] fp32 buffer), dS = P·(dP − Σ P·dP) in fp32 rounded to bf16 in
+// place, dQ = dS·K/√D, dK = dSᵀ·Q/√D: bf16 operands, fp32 accumulation, dq, dk, dv stored bf16.
+class VanillaBf16 final : public Mechanism {
+ public:
+  explicit VanillaBf16(const Problem& problem) : p_(problem) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    scores_ = Tensor(Shape{p_.batch * p_.heads, p_.seq_len, score_ld(p_)});
+    onednn_ = ops::bf16_matmul_available();
+    if (!onednn_) return;
+    ops::prepare_bf16_matmul(scores_shape(), false);
+    ops::prepare_bf16_matmul(output_shape(), true);
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t bh = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim, ld = scores_.dim(2);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    if (onednn_) ops::matmul(scores_shape(), q.bf16_data(), k.bf16_data(), scores_.data());
+    std::int64_t entries = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 16) reduction(+ : entries)
+    for (std::int64_t index = 0; index < bh * n; ++index) {
+      const std::int64_t head = index / n, i = index % n;
+      float* head_scores = scores_.data() + head * n * ld;
+      if (!onednn_)
+        score_rows(q.bf16_data() + head * n * d, k.bf16_data() + head * n * d, n, d, scale, head_scores, ld, i);
+      const std::int64_t valid = p_.causal ? i + 1 : n;
+      softmax_row_to_bf16(head_scores + i * ld, n, valid);
+      entries += valid;
+    }
+    FlopCounter::add(kSoftmaxFlopsPerElement * entries);
+    const bf16* probabilities = reinterpret_cast<const bf16*>(scores_.data());  // row stride 2·ld
+    if (onednn_) {
+      ops::matmul(output_shape(), probabilities, v.bf16_data(), out.bf16_data());
+    } else {
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+      for (std::int64_t index = 0; index < bh * n; ++index) {
+        const std::int64_t head = index / n, i = index % n;
+        weighted_values(probabilities + (head * n + i) * 2 * ld, v.bf16_data() + head * n * d, n, d,
+                        out.bf16_data() + index * d);
+      }
+      FlopCounter::add(2 * bh * matmul_flops(n, n, d));  // both products of the convert-and-FMA path
+    }
+    if (capacity_ > 0) load_context(k, v);
+  }
+
+  void prepare_decode(std::int64_t tokens) override {
+    capacity_ = p_.seq_len + tokens;
+    keys_ = Tensor(Shape{p_.batch * p_.heads, capacity_, p_.head_dim}, DType::BF16);
+    values_ = Tensor(Shape{p_.batch * p_.heads, capacity_, p_.head_dim}, DType::BF16);
+    step_scores_ = Tensor(Shape{p_.batch * p_.heads, ops::padded_ld(capacity_)});
+  }
+
+  // One token: its key and value appended to the bf16 cache, its score row against the cached keys
+  // (fp32 accumulation), softmax in fp32, the probabilities rounded to bf16 as the forward rounds
+  // them, P·V accumulated in fp32 and rounded to bf16. 4·n·D + 5·n FLOPs per head, as in fp32.
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    if (length_ >= capacity_) throw std::logic_error("vanilla: decode step past the prepared capacity");
+    const std::int64_t d = p_.head_dim, keys = length_ + 1, ld = step_scores_.dim(1);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      bf16* cached_keys = keys_.bf16_data() + head * capacity_ * d;
+      bf16* cached_values = values_.bf16_data() + head * capacity_ * d;
+      std::copy_n(k.bf16_data() + head * d, d, cached_keys + length_ * d);
+      std::copy_n(v.bf16_data() + head * d, d, cached_values + length_ * d);
+      float* scores = step_scores_.data() + head * ld;
+      score_rows(q.bf16_data() + head * d, cached_keys, keys, d, scale, scores, ld, 0);
+      const float inverse = 1.0f / ops::exp_and_sum(scores, keys, ops::row_max(scores, keys, scores[0]));
+      for (std::int64_t j = 0; j < keys; ++j) scores[j] = round_to_bf16(scores[j] * inverse);
+      weighted_values(scores, cached_values, keys, d, out.bf16_data() + head * d);
+    }
+    FlopCounter::add(p_.batch * p_.heads * (2 * matmul_flops(1, keys, d) + kSoftmaxFlopsPerElement * keys));
+    ++length_;
+  }
+
+  std::vector<NamedTensor> decode_state() const override { return {{"key_cache", &keys_}, {"value_cache", &values_}}; }
+
+  void prepare_backward() override {
+    score_grads_ = Tensor(scores_.shape());
+    if (!onednn_) return;
+    for (const auto& shape : {value_grad_shape(), query_grad_shape(), key_grad_shape()})
+      ops::prepare_bf16_matmul(shape, true);
+    ops::prepare_bf16_matmul(probability_grad_shape(), false);
+  }
+
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t bh = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+    const auto* probabilities = reinterpret_cast<const bf16*>(scores_.data());     // row stride 2·N
+    const auto* score_grads = reinterpret_cast<const bf16*>(score_grads_.data());  // dS after the softmax backward
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    if (onednn_) {
+      ops::matmul(value_grad_shape(), probabilities, dout.bf16_data(), dv.bf16_data());
+      ops::matmul(probability_grad_shape(), dout.bf16_data(), v.bf16_data(), score_grads_.data());
+    } else {
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+      for (std::int64_t index = 0; index < bh * n; ++index) {
+        const std::int64_t head = index / n, i = index % n;
+        weighted_values(probabilities + head * n * 2 * n + i, dout.bf16_data() + head * n * d, n, d,
+                        dv.bf16_data() + index * d, 2 * n);
+        score_rows(dout.bf16_data() + head * n * d, v.bf16_data() + head * n * d, n, d, 1.0f,
+                   score_grads_.data() + head * n * n, n, i);
+      }
+      FlopCounter::add(2 * bh * matmul_flops(n, n, d));
+    }
+    std::int64_t entries = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 16) reduction(+ : entries)
+    for (std::int64_t index = 0; index < bh * n; ++index) {
+      const std::int64_t valid = p_.causal ? index % n + 1 : n;
+      softmax_backward_row_to_bf16(probabilities + index * 2 * n, score_grads_.data() + index * n, n, valid);
+      entries += valid;
+    }
+    FlopCounter::add(kSoftmaxBackwardFlopsPerElement * entries);
+    if (onednn_) {
+      ops::matmul(query_grad_shape(), score_grads, k.bf16_data(), dq.bf16_data());
+      ops::matmul(key_grad_shape(), score_grads, q.bf16_data(), dk.bf16_data());
+      return;
+    }
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t index = 0; index < bh * n; ++index) {
+      const std::int64_t head = index / n, i = index % n;
+      weighted_values(score_grads + index * 2 * n, k.bf16_data() + head * n * d, n, d, dq.bf16_data() + index * d, 1,
+                      scale);
+      weighted_values(score_grads + head * n * 2 * n + i, q.bf16_data() + head * n * d, n, d,
+                      dk.bf16_data() + index * d, 2 * n, scale);
+    }
+    FlopCounter::add(2 * bh * matmul_flops(n, n, d));
+  }
+
+  // The score buffer: after the forward, P in bf16 over each row's first half.
+  std::vector<NamedTensor> saved() const override { return {{"probabilities", &scores_}}; }
+
+ private:
+  // The backward's products: dV = Pᵀ·dO, dP = dO·Vᵀ (fp32, dense rows), dQ = dS·K/√D, dK = dSᵀ·Q/√D,
+  // P and dS bf16 with row stride 2·N.
+  ops::MatmulShape value_grad_shape() const {
+    const std::int64_t n = p_.seq_len;
+    return {.batch = p_.batch * p_.heads,
+            .m = n,
+            .n = p_.head_dim,
+            .k = n,
+            .trans_a = true,
+            .lda = 2 * n,
+            .stride_a = 2 * n * n};
+  }
+  ops::MatmulShape probability_grad_shape() const {
+    const std::int64_t n = p_.seq_len;
+    return {.batch = p_.batch * p_.heads, .m = n, .n = n, .k = p_.head_dim, .trans_b = true, .ldc = n};
+  }
+  ops::MatmulShape query_grad_shape() const {
+    const std::int64_t n = p_.seq_len;
+    return {.batch = p_.batch * p_.heads,
+            .m = n,
+            .n = p_.head_dim,
+            .k = n,
+            .lda = 2 * n,
+            .stride_a = 2 * n * n,
+            .alpha = 1.0f / std::sqrt(static_cast<float>(p_.head_dim))};
+  }
+  ops::MatmulShape key_grad_shape() const {
+    ops::MatmulShape shape = query_grad_shape();
+    shape.trans_a = true;
+    return shape;
+  }
+
+  // S = QKᵀ/√D into the fp32 score rows; O = P·V from the bf16 probabilities (row stride 2·ld).
+  ops::MatmulShape scores_shape() const {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    return {.batch = p_.batch * p_.heads,
+            .m = n,
+            .n = n,
+            .k = d,
+            .trans_b = true,
+            .ldc = scores_.dim(2),
+            .alpha = 1.0f / std::sqrt(static_cast<float>(d))};
+  }
+  ops::MatmulShape output_shape() const {
+    const std::int64_t n = p_.seq_len, ld = scores_.dim(2);
+    return {.batch = p_.batch * p_.heads, .m = n, .n = p_.head_dim, .k = n, .lda = 2 * ld, .stride_a = 2 * n * ld};
+  }
+
+  // The prefill: every head's N context keys and values into the first N slots of the cache.
+  void load_context(const Tensor& k, const Tensor& v) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      std::copy_n(k.bf16_data() + head * n * d, n * d, keys_.bf16_data() + head * capacity_ * d);
+      std::copy_n(v.bf16_data() + head * n * d, n * d, values_.bf16_data() + head * capacity_ * d);
+    }
+    length_ = n;
+  }
+
+  Problem p_;
+  Tensor scores_;              // fp32 S [B·H, N, N]; after the softmax, bf16 P over each row's first half
+  Tensor score_grads_;         // backward: fp32 dP [B·H, N, N]; after the softmax backward, bf16 dS likewise
+  bool onednn_ = false;        // oneDNN's bf16 matmul, else the convert-and-FMA loops
+  std::int64_t capacity_ = 0;  // decode: N + T
+  Tensor keys_, values_;       // decode: bf16 caches [B·H, N + T, D]
+  Tensor step_scores_;         // decode: one fp32 score row per head, [B·H, padded(N + T)]
+  std::int64_t length_ = 0;    // decode: tokens in the cache
+};
+
 }  // namespace
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const VanillaConfig&, std::uint64_t) {
+  if (problem.dtype == DType::BF16) return std::make_unique<VanillaBf16>(problem);
   return std::make_unique<Vanilla>(problem);
 }
 
@@ -110,7 +400,7 @@ std::int64_t flops(const Problem& p, const VanillaConfig&) {
 }
 
 std::int64_t workspace(const Problem& p, const VanillaConfig&) {
-  return p.batch * p.heads * p.seq_len * ops::padded_ld(p.seq_len) * static_cast<std::int64_t>(sizeof(float));
+  return p.batch * p.heads * p.seq_len * score_ld(p) * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t backward_flops(const Problem& p, const VanillaConfig&) {
@@ -124,13 +414,16 @@ std::int64_t backward_workspace(const Problem& p, const VanillaConfig& c) { retu
 
 std::int64_t decode_workspace(const Problem& p, const VanillaConfig&, std::int64_t tokens) {
   const std::int64_t bh = p.batch * p.heads, capacity = p.seq_len + tokens;
-  return KvCache::bytes(bh, capacity, p.head_dim) +
+  return 2 * bh * capacity * p.head_dim * element_bytes(p.dtype) +  // the key and value caches
          bh * ops::padded_ld(capacity) * static_cast<std::int64_t>(sizeof(float));
 }
 
 template <>
 Implementation implementation<VanillaConfig>() {
-  return implement<VanillaConfig>();
+  Implementation impl = implement<VanillaConfig>();
+  impl.bf16_forward = true;  // forward and decode
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

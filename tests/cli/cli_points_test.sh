@@ -68,7 +68,7 @@ point_json=$(python3 - <<'PY'
 import json
 fields = {"model": "local", "seq_len": 64, "batch": 1, "heads": 2, "head_dim": 16, "scope": "attention",
           "pass": "forward", "decode_tokens": 64, "causal": False, "d_ff": 0, "ffn": "dense", "experts": 8,
-          "capacity_factor": 1.25, "group_size": 0, "threads": 1, "seed": 42,
+          "capacity_factor": 1.25, "group_size": 0, "dtype": "f32", "threads": 1, "seed": 42,
           "params": [], "warmup": 1, "min_reps": 2, "min_time_s": 0.0, "max_reps": 1000}
 print(json.dumps(fields))
 bad = dict(fields, seq_len=0)

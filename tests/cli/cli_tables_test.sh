@@ -47,6 +47,7 @@ for line, row in zip(lines, report["results"]):
     for key in ["seq_len", "batch", "heads", "head_dim", "d_ff", "decode_tokens", "threads", "seed"]:
         assert int(line[key]) == row[key], (key, line[key], row[key])
     assert line["causal"] == ("true" if row["causal"] else "false")
+    assert line["dtype"] == row.get("dtype", "f32"), (line["dtype"], row.get("dtype"))
     assert line["class"] == row["classes"][0]
     if row["status"] != "ok":
         assert line["median_ns"] == line["peak_tensor_bytes"] == "", line

@@ -181,6 +181,31 @@ done
 expect_error 2 run --model vanilla --seq-len 64 --pass decode --scope layer
 expect_error 2 run --model vanilla --seq-len 64 --pass decode --decode-tokens 0
 
+# --- --dtype bf16 ----------------------------------------------------------------------------------
+expect_error 2 run --model vanilla --seq-len 64 --dtype f16
+expect_error 2 sweep --models vanilla --seq-lens 64 --dtype fp8 --out "$work/r.json"
+"$bin" run --model vanilla --seq-len 64 --dtype bf16 --pass decode --decode-tokens 4 "${quick[@]}" --json \
+  >"$work/bf16.json" && python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+assert r["status"] == "ok" and r["dtype"] == "bf16" and "--dtype bf16" in r["reproducer"], r
+assert r["state_bytes"] == 2 * 2 * (64 + 4) * 16 * 2, r' "$work/bf16.json" \
+  && pass || fail "run --dtype bf16: a vanilla decode row in bf16 with a bf16 KV cache"
+rm -rf "$work/bf16-train"
+"$bin" run --model vanilla --seq-len 37 --causal --pass train --dtype bf16 "${quick[@]}" --dump "$work/bf16-train" \
+  >/dev/null && grep -q '"dtype": "bf16"' "$work/bf16-train/manifest.json" && [ -s "$work/bf16-train/dq.npy" ] \
+  && pass || fail "run --pass train --dtype bf16 --dump: a vanilla training step in bf16"
+"$bin" run --model local --seq-len 64 --dtype bf16 "${quick[@]}" --json >"$work/bf16-local.json" \
+  && python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+assert r["status"] == "unsupported" and "no bf16 form yet" in r["reason"], r' "$work/bf16-local.json" \
+  && pass || fail "run --dtype bf16: a model without a bf16 form gives an unsupported row"
+"$bin" sweep --models vanilla --seq-lens 64 --dtype f32,bf16 "${quick[@]}" --no-measure \
+  --out "$work/bf16-grid.json" >"$work/bf16-grid.txt" 2>/dev/null \
+  && python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+assert sorted(row["dtype"] for row in r["results"]) == ["bf16", "f32"], r["results"]
+assert r["settings"]["dtype"] == ["f32", "bf16"], r["settings"]
+assert all(("--dtype" in row["reproducer"]) == (row["dtype"] == "bf16") for row in r["results"])' \
+    "$work/bf16-grid.json" && grep -q "bf16" "$work/bf16-grid.txt" \
+  && pass || fail "sweep --dtype f32,bf16: a row per dtype, settings and tables apart"
+
 # --- sweep: report, table, progress, resume, memory limit, child isolation ----------------------
 # Causal: linformer cannot decode, so its rows are unsupported whatever is implemented.
 "$bin" sweep --models vanilla,exact-tiled,linformer --seq-lens 64,100 "${quick[@]}" --causal --no-measure \
@@ -221,8 +246,9 @@ registry_rows=$(grep -c '^  row(model<' "$(dirname "$0")/../../taxonomy/registry
 "$bin" list --implemented | grep -q "^exact-tiled" && pass || fail "list --implemented"
 "$bin" list --format json | python3 -c 'import json, sys; m = {r["name"]: r for r in json.load(sys.stdin)}
 assert all(r["backward"] for r in m.values() if r["implemented"]), m
-assert all(r["incremental"] == r["decodes"] and bool(r["decode_cost"]) == r["decodes"] for r in m.values()), m' \
-  && pass || fail "list --format json: backward, incremental form and decode cost"
+assert all(r["incremental"] == r["decodes"] and bool(r["decode_cost"]) == r["decodes"] for r in m.values()), m
+assert [n for n, r in m.items() if "bf16" in r["dtypes"]] == ["vanilla"], m' \
+  && pass || fail "list --format json: backward, incremental form, decode cost and dtypes"
 "$bin" list --class kernels --format md | grep -q "Performer" && pass || fail "list --class kernels"
 "$bin" env --json | grep -q '"onednn_version"' && pass || fail "env"
 

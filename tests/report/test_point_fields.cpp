@@ -160,6 +160,7 @@ TEST_SUITE("point_fields") {
                                                            {"min_time_s", -1.0},
                                                            {"scope", "bogus"},
                                                            {"causal", 1},
+                                                           {"dtype", "f16"},
                                                            {"params", "block=8"},
                                                            {"params", {1}},
                                                            {"model", ""},

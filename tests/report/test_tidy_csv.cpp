@@ -61,22 +61,24 @@ TEST_SUITE("tidy_csv") {
       if (field.from_row && field.key != "model") identity.push_back(field.key);
     CHECK(identity == std::vector<std::string>{"seq_len", "batch", "heads", "head_dim", "scope", "pass",
                                                "decode_tokens", "causal", "d_ff", "ffn", "experts", "capacity_factor",
-                                               "group_size", "threads", "seed"});
+                                               "group_size", "dtype", "threads", "seed"});
     const std::string csv = tidy_csv(report);
     CHECK(csv.substr(0, csv.find('\n')) ==
           "model,class,classes,seq_len,batch,heads,head_dim,scope,pass,decode_tokens,causal,d_ff,ffn,experts,"
-          "capacity_factor,group_size,threads,seed,"
+          "capacity_factor,group_size,dtype,threads,seed,"
           "params,param_block,status,reason,samples,median_ns,p10_ns,p90_ns,min_ns,max_ns,cv,unstable,contended,"
           "contended_samples,prefill_ns,peak_tensor_bytes,peak_owned_bytes,workspace_bytes,saved_bytes,state_bytes,"
           "flops,gflops_per_s,tokens_per_s");
     const auto first_line = csv.find('\n') + 1;
     CHECK(csv.substr(first_line, csv.find('\n', first_line) - first_line) ==
-          "local,fixed_patterns,fixed_patterns,64,1,2,16,attention,forward,0,false,0,dense,0,0.0,0,2,42,"
+          "local,fixed_patterns,fixed_patterns,64,1,2,16,attention,forward,0,false,0,dense,0,0.0,0,f32,2,42,"
           "\"block=32,look_back=1\",32,ok,"
           ",5,300.0,140.0,460.0,100.0,500.0,0.0,false,false,0,0.0,4096,4096,0,0,0,1000,0.5,0.0");
     // A row that is not ok keeps its identity, status and reason; its measurement cells are empty.
-    CHECK(cells[2][20] == "skipped");
-    for (std::size_t i = 22; i < cells[2].size(); ++i) CHECK(cells[2][i].empty());
+    const auto status =
+        static_cast<std::size_t>(std::find(cells[0].begin(), cells[0].end(), "status") - cells[0].begin());
+    CHECK(cells[2][status] == "skipped");
+    for (std::size_t i = status + 2; i < cells[2].size(); ++i) CHECK(cells[2][i].empty());
     CHECK(csv.find(",skipped,\"estimated memory 5 GiB exceeds \"\"--memory-limit\"\", see docs/cli.md\nsecond "
                    "line\",,,") != std::string::npos);
     CHECK(csv.find(",\"block=64,look_back=1\",64,") != std::string::npos);
