@@ -147,18 +147,25 @@ void weighted_values(const Weight* p, const bf16* v, std::int64_t keys, std::int
 // rounded to bf16 and written over the row's own first 2·cols bytes (the bf16 row has stride
 // 2·ld in the score buffer), zeros beyond `valid`. Block b's kBlock bf16 values land on fp32
 // values [kBlock·b/2, kBlock·b/2 + kBlock/2), which block b itself has already read: in place.
-void softmax_row_to_bf16(float* row, std::int64_t cols, std::int64_t valid) {
-  const float inverse = 1.0f / ops::exp_and_sum(row, valid, ops::row_max(row, valid, row[0]));
-  std::fill(row + valid, row + cols, 0.0f);
+// Rounds value(j, row[j]) to bf16 for the row's `cols` entries, written over its own first 2·cols bytes:
+// each block is read whole before its bf16 half is written, which never reaches past that block.
+template <class Value>
+void round_row_in_place(float* row, std::int64_t cols, Value&& value) {
   auto* bytes = reinterpret_cast<unsigned char*>(row);
   for (std::int64_t j0 = 0; j0 < cols; j0 += kBlock) {
     const std::int64_t count = std::min(kBlock, cols - j0);
     float block[kBlock];
     bf16 rounded[kBlock];
     std::memcpy(block, bytes + 4 * j0, static_cast<std::size_t>(count) * 4);
-    for (std::int64_t j = 0; j < count; ++j) rounded[j] = to_bf16(block[j] * inverse);
+    for (std::int64_t j = 0; j < count; ++j) rounded[j] = to_bf16(value(j0 + j, block[j]));
     std::memcpy(bytes + 2 * j0, rounded, static_cast<std::size_t>(count) * 2);
   }
+}
+
+void softmax_row_to_bf16(float* row, std::int64_t cols, std::int64_t valid) {
+  const float inverse = 1.0f / ops::exp_and_sum(row, valid, ops::row_max(row, valid, row[0]));
+  std::fill(row + valid, row + cols, 0.0f);
+  round_row_in_place(row, cols, [inverse](std::int64_t, float x) { return x * inverse; });
 }
 
 // The softmax backward of one row in bf16: p the row's bf16 probabilities, grad its fp32 dP on
@@ -167,16 +174,8 @@ void softmax_row_to_bf16(float* row, std::int64_t cols, std::int64_t valid) {
 void softmax_backward_row_to_bf16(const bf16* p, float* grad, std::int64_t cols, std::int64_t valid) {
   float delta = 0.0f;
   for (std::int64_t j = 0; j < valid; ++j) delta += to_float(p[j]) * grad[j];
-  auto* bytes = reinterpret_cast<unsigned char*>(grad);
-  for (std::int64_t j0 = 0; j0 < cols; j0 += kBlock) {
-    const std::int64_t count = std::min(kBlock, cols - j0);
-    float block[kBlock];
-    bf16 rounded[kBlock];
-    std::memcpy(block, bytes + 4 * j0, static_cast<std::size_t>(count) * 4);
-    for (std::int64_t j = 0; j < count; ++j)
-      rounded[j] = to_bf16(j0 + j < valid ? to_float(p[j0 + j]) * (block[j] - delta) : 0.0f);
-    std::memcpy(bytes + 2 * j0, rounded, static_cast<std::size_t>(count) * 2);
-  }
+  round_row_in_place(grad, cols,
+                     [&](std::int64_t j, float x) { return j < valid ? to_float(p[j]) * (x - delta) : 0.0f; });
 }
 
 // Vanilla in bf16: q, k, v, out and the KV cache bf16 ([B, H, ·, D]); S = QKᵀ/√D in fp32 (a

@@ -61,10 +61,7 @@ TEST_SUITE("backward") {
           Tensor x(Shape{2, n, 8}), dy(Shape{2, m, 8}), y(Shape{2, m, 8}), dx(Shape{2, n, 8});
           CounterRng(5, "x").fill_normal(x);
           CounterRng(5, "dy").fill_normal(dy);
-          // The layer starts with γ = 1, β = 0; other values make their gradients' factors visible.
-          for (const auto& parameter : layer.parameters())
-            if (parameter.name.find("_ln") != std::string::npos)
-              CounterRng(5, parameter.name).fill_normal(*const_cast<Tensor*>(parameter.tensor), 1.0f, 0.5f);
+          randomise_layer_norms(layer);
           layer.prepare(*mechanism, x);
           layer.prepare_backward(*mechanism);
           layer.forward(*mechanism, x, y);

@@ -9,12 +9,22 @@
 #include <string>
 #include <vector>
 
+#include "lib/core/rng.hpp"
+#include "taxonomy/layer/encoder_layer.hpp"
 #include "tests/support/gradient_check.hpp"
 #include "tests/support/reference.hpp"
 
 namespace xfb::test {
 
 // The FFN sublayer's output (without the residual) on `rows` rows of a = LN₂(h), [rows, E] row-major.
+// The layer starts with γ = 1, β = 0; seeded N(1, 0.5²) gains and shifts make their gradients' factors
+// visible.
+inline void randomise_layer_norms(EncoderLayer& layer) {
+  for (const auto& parameter : layer.parameters())
+    if (parameter.name.find("_ln") != std::string::npos)
+      CounterRng(5, parameter.name).fill_normal(*const_cast<Tensor*>(parameter.tensor), 1.0f, 0.5f);
+}
+
 using FfnReference = std::function<std::vector<double>(const std::vector<double>& a, std::int64_t rows)>;
 
 // y of the layer from the named inputs "x" [B, N, E] and the layer's weights ("layer_w_qkv", "layer_w_o",

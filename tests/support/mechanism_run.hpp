@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "apps/bench/point.hpp"
+#include "lib/core/memory_tracker.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/support/reference.hpp"
 
@@ -68,6 +69,56 @@ inline ResultRow quick_row(const std::string& model, std::int64_t n, bool causal
   const ResultRow row = run_point(c);
   REQUIRE(row.status == Status::Ok);
   return row;
+}
+
+// Prefill of the context (whole's first context.seq_len rows) and one decode step per later row of whole,
+// twice (a new forward restarts the state), against want, the causal forward over all of whole
+// ([B, H, N + tokens, D]), within tolerance; the decode workspace estimate exact. Returns the mechanism.
+inline std::unique_ptr<Mechanism> check_decode_steps(const ModelInfo& info, const Problem& context,
+                                                     const ParamValues& values, const AttentionInputs& whole,
+                                                     const Tensor& want, std::int64_t tokens, double tolerance) {
+  const std::int64_t n = context.seq_len, d = context.head_dim, heads = context.batch * context.heads;
+  auto mechanism = info.impl.create(context, values, 42);
+  const Tensor q = rows_of(whole.q, 0, n), k = rows_of(whole.k, 0, n), v = rows_of(whole.v, 0, n);
+  mechanism->prepare(q, k, v);
+  const std::int64_t before = MemoryTracker::instance().current_bytes();
+  mechanism->prepare_decode(tokens);
+  CHECK(MemoryTracker::instance().current_bytes() - before ==
+        info.impl.decode_workspace_bytes(context, values, tokens));
+  Tensor context_out = Tensor::bhnd(context.batch, context.heads, n, d);
+  for (int run = 0; run < 2; ++run) {  // a new forward restarts the state
+    mechanism->forward(q, k, v, context_out);
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      Tensor out = Tensor::bhnd(context.batch, context.heads, 1, d);
+      out.fill(std::nanf(""));
+      mechanism->decode_step(rows_of(whole.q, n + t, 1), rows_of(whole.k, n + t, 1), rows_of(whole.v, n + t, 1), out);
+      for (std::int64_t bh = 0; bh < heads; ++bh)
+        for (std::int64_t f = 0; f < d; ++f) {
+          const double error = std::fabs(out.data()[bh * d + f] - want.data()[(bh * (n + tokens) + n + t) * d + f]);
+          CHECK_MESSAGE(error <= tolerance, "N=" << n << " step " << t << " bh=" << bh << " f=" << f << ": error "
+                                                 << error << " (tolerance " << tolerance << ")");
+        }
+    }
+  }
+  for (std::int64_t bh = 0; bh < heads; ++bh)
+    for (std::int64_t e = 0; e < n * d; ++e)
+      CHECK(std::fabs(context_out.data()[bh * n * d + e] - want.data()[bh * (n + tokens) * d + e]) <= tolerance);
+  return mechanism;
+}
+
+// A linear-attention model's counters at N = 1K, 2K, 4K: executed FLOPs double with N, the workspace
+// does not depend on N (the peak is inputs and output plus a constant), the peak grows under 2×.
+inline void check_linear_counters(const std::string& model, bool causal, const std::vector<std::string>& params = {}) {
+  const auto small = quick_row(model, 1024, causal, params), mid = quick_row(model, 2048, causal, params),
+             large = quick_row(model, 4096, causal, params);
+  const double flops_ratio = static_cast<double>(large.flops) / static_cast<double>(mid.flops);
+  CHECK(flops_ratio > 1.95);
+  CHECK(flops_ratio < 2.05);
+  CHECK(static_cast<double>(mid.flops) / static_cast<double>(small.flops) < 2.05);
+  CHECK(large.workspace_bytes == mid.workspace_bytes);
+  const double peak_ratio = static_cast<double>(large.peak_tensor_bytes) / static_cast<double>(mid.peak_tensor_bytes);
+  CHECK(peak_ratio < 2.0);
+  CHECK(peak_ratio > 1.5);
 }
 
 }  // namespace xfb::test

@@ -217,31 +217,7 @@ void check_decode(std::int64_t n, std::int64_t tokens, const std::vector<std::st
   double tolerance = 0;
   for (const auto& e : scales) tolerance = std::max(tolerance, 2 * tolerance_of(e, whole_problem, s));
 
-  auto mechanism = info->impl.create(context, values, 42);
-  const Tensor q = rows_of(whole.q, 0, n), k = rows_of(whole.k, 0, n), v = rows_of(whole.v, 0, n);
-  mechanism->prepare(q, k, v);
-  const std::int64_t before = MemoryTracker::instance().current_bytes();
-  mechanism->prepare_decode(tokens);
-  CHECK(MemoryTracker::instance().current_bytes() - before ==
-        info->impl.decode_workspace_bytes(context, values, tokens));
-  Tensor context_out = Tensor::bhnd(2, 2, n, 16);
-  for (int run = 0; run < 2; ++run) {  // a new forward restarts the state
-    mechanism->forward(q, k, v, context_out);
-    for (std::int64_t t = 0; t < tokens; ++t) {
-      Tensor out = Tensor::bhnd(2, 2, 1, 16);
-      out.fill(std::nanf(""));
-      mechanism->decode_step(rows_of(whole.q, n + t, 1), rows_of(whole.k, n + t, 1), rows_of(whole.v, n + t, 1), out);
-      for (std::int64_t bh = 0; bh < 4; ++bh)
-        for (std::int64_t f = 0; f < 16; ++f) {
-          const double error = std::fabs(out.data()[bh * 16 + f] - want.data()[(bh * (n + tokens) + n + t) * 16 + f]);
-          CHECK_MESSAGE(error <= tolerance, "N=" << n << " step " << t << " bh=" << bh << " f=" << f << ": error "
-                                                 << error << " (tolerance " << tolerance << ")");
-        }
-    }
-  }
-  for (std::int64_t bh = 0; bh < 4; ++bh)
-    for (std::int64_t e = 0; e < n * 16; ++e)
-      CHECK(std::fabs(context_out.data()[bh * n * 16 + e] - want.data()[bh * (n + tokens) * 16 + e]) <= tolerance);
+  check_decode_steps(*info, context, values, whole, want, tokens, tolerance);
 }
 
 PointConfig point(std::int64_t n, bool causal, std::vector<std::string> params = {}) {
