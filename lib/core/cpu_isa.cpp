@@ -8,6 +8,7 @@
 namespace xfb {
 namespace {
 std::optional<KernelIsa> g_forced;
+std::optional<bool> g_forced_bf16_dot;
 
 KernelIsa parse_cap(const std::string& text) {
   if (text == "avx2" || text == "AVX2") return KernelIsa::Avx2;
@@ -47,6 +48,34 @@ std::vector<KernelIsa> supported_kernel_isas() {
 void force_kernel_isa(KernelIsa isa) {
   if (isa > detected_kernel_isa()) throw InputError(kernel_isa_name(isa) + " is not supported on this CPU");
   g_forced = isa;
+}
+
+bool cpu_has_bf16_dot() {
+  __builtin_cpu_init();
+  return detected_kernel_isa() == KernelIsa::Avx512 && __builtin_cpu_supports("avx512bf16");
+}
+
+bool bf16_dot_product() {
+  if (kernel_isa() != KernelIsa::Avx512) return false;
+  if (g_forced_bf16_dot) return *g_forced_bf16_dot;
+  static const bool chosen = [] {
+    const char* setting = std::getenv("XFBENCH_BF16_DOT");
+    if (setting != nullptr && *setting != '\0' && std::string(setting) != "0" && std::string(setting) != "1")
+      throw InputError("XFBENCH_BF16_DOT='" + std::string(setting) + "' is not 0 or 1");
+    const bool held = setting != nullptr && std::string(setting) == "0";
+    return cpu_has_bf16_dot() && !held;
+  }();
+  return chosen;
+}
+
+std::string bf16_kernels_name() {
+  if (bf16_dot_product()) return "vdpbf16ps";
+  return kernel_isa() == KernelIsa::Avx512 ? "avx512-convert" : "avx2-convert";
+}
+
+void force_bf16_dot(bool use) {
+  if (use && !cpu_has_bf16_dot()) throw InputError("vdpbf16ps (AVX512_BF16) is not supported on this CPU");
+  g_forced_bf16_dot = use;
 }
 
 }  // namespace xfb

@@ -21,4 +21,14 @@ std::vector<KernelIsa> supported_kernel_isas();
 // Forces the ISA for this process (tests); must be supported by the host.
 void force_kernel_isa(KernelIsa isa);
 
+// The bf16 tile kernels' pair product (lib/core/tile_kernels_bf16.hpp): vdpbf16ps when the kernels
+// run 512-bit (kernel_isa()) and the CPU has AVX512_BF16, unless XFBENCH_BF16_DOT=0 (or a
+// force_bf16_dot(false) call) holds them to convert-and-FMA; else convert-and-FMA at kernel_isa()'s
+// width. Reports record it (`bf16_kernels`: bf16_kernels_name()).
+bool bf16_dot_product();
+std::string bf16_kernels_name();  // "vdpbf16ps", "avx512-convert" or "avx2-convert"
+bool cpu_has_bf16_dot();          // AVX512_BF16 (and AVX-512) on this CPU
+// Forces the choice for this process (tests): true needs cpu_has_bf16_dot() and 512-bit kernels.
+void force_bf16_dot(bool use);
+
 }  // namespace xfb

@@ -22,4 +22,20 @@ namespace xfb::tiles {
 XFB_TILE_KERNELS(avx2)
 XFB_TILE_KERNELS(avx512)
 #undef XFB_TILE_KERNELS
+
+// The bf16 products (lib/core/tile_kernels_bf16.hpp; bf16 elements as unsigned short), one namespace
+// per path: bf16_avx2 and bf16_avx512 widen pairs (convert-and-FMA), bf16_avx512bf16 runs vdpbf16ps.
+#define XFB_BF16_TILE_KERNELS(ns)                                                                                   \
+  namespace ns {                                                                                                    \
+  void scores_bf16(const unsigned short* q, long ldq, long rows, const unsigned short* packed, long panels, long d, \
+                   float alpha, float* s, long lds);                                                                \
+  void accumulate_pv_bf16(const unsigned short* p, long ldp, long rows, long cols, const unsigned short* v_pairs,   \
+                          long d, float* out, long ldo, float alpha);                                               \
+  void accumulate_transposed_bf16(const unsigned short* p_pairs, long ldp, long rows, long cols,                    \
+                                  const unsigned short* x_pairs, long d, float alpha, float* out, long ldo);        \
+  }
+XFB_BF16_TILE_KERNELS(bf16_avx2)
+XFB_BF16_TILE_KERNELS(bf16_avx512)
+XFB_BF16_TILE_KERNELS(bf16_avx512bf16)
+#undef XFB_BF16_TILE_KERNELS
 }  // namespace xfb::tiles

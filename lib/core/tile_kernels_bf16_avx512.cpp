@@ -1,0 +1,11 @@
+// lib/core/tile_kernels_bf16_isa.inc for 512-bit vectors, pairs widened (convert-and-FMA; AVX-512 without AVX512_BF16).
+#include <immintrin.h>  // always-inline intrinsics only
+
+#include "lib/core/tile_kernels_isa.hpp"
+
+namespace xfb::tiles::bf16_avx512 {
+#define XFB_VECTOR_FLOATS 16
+#define XFB_BLOCK_ROWS 12
+#define XFB_BF16_DOT 0
+#include "lib/core/tile_kernels_bf16_isa.inc"
+}  // namespace xfb::tiles::bf16_avx512

@@ -1,0 +1,11 @@
+// lib/core/tile_kernels_bf16_isa.inc for 512-bit vectors, one vdpbf16ps per pair product (AVX512_BF16).
+#include <immintrin.h>  // always-inline intrinsics only
+
+#include "lib/core/tile_kernels_isa.hpp"
+
+namespace xfb::tiles::bf16_avx512bf16 {
+#define XFB_VECTOR_FLOATS 16
+#define XFB_BLOCK_ROWS 12
+#define XFB_BF16_DOT 1
+#include "lib/core/tile_kernels_bf16_isa.inc"
+}  // namespace xfb::tiles::bf16_avx512bf16
