@@ -248,7 +248,7 @@ ResultRow run_decode_point(const Point& point, ResultRow row, const std::optiona
 std::string bf16_unsupported(const ModelInfo& model, const PointConfig& config) {
   if (config.problem.dtype != DType::BF16) return "";
   const std::string name = model.display_name;
-  if (!model.impl.bf16_forward) return name + " has no bf16 form yet (issue 31: vanilla only so far), so no bf16 point";
+  if (!model.impl.bf16_forward) return name + " has no bf16 form yet (issue 31), so no bf16 point";
   if (config.scope == Scope::Layer) return "the encoder layer has no bf16 form yet, so no bf16 point in layer scope";
   if ((config.pass == Pass::Backward || config.pass == Pass::Train) && !model.impl.bf16_backward)
     return name + " has no bf16 backward yet, so no bf16 " + pass_name(config.pass) + " pass";

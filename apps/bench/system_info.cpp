@@ -172,6 +172,7 @@ nlohmann::json capture_context(int threads) {
       {"onednn_commit", version->hash},
       {"onednn_isa", dnnl_isa_name(dnnl::get_effective_cpu_isa())},
       {"kernel_isa", kernel_isa_name(kernel_isa())},
+      {"bf16_kernels", bf16_kernels_name()},
       {"compiler", compiler_name()},
       {"cxx_flags", XFBENCH_CXX_FLAGS},
       {"build_type", XFBENCH_BUILD_TYPE},

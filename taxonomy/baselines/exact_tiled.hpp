@@ -35,6 +35,18 @@
 // max, exponentials, sgemm with V: engines/decode_common.hpp attend_block) and each head merges
 // its S partial states by log-sum-exp. FLOPs per head: S·D + Σ over non-empty splits (4·r·D + 4·r
 // + D + 2) + (S − 1)·(3·D + 7) + D: O(N) per token.
+//
+// bf16 (--dtype bf16, D a multiple of 16; other D are `unsupported`): the same walks on the bf16
+// tile kernels (lib/core/tile_kernels_bf16.hpp). Forward: K in key pair panels and V in row pairs
+// (B·H·(⌈N/16⌉·16 + ⌈N/2⌉·2)·D bf16, packed per call), per thread a strip's fp32 scores and their
+// bf16 probabilities [32, ⌈bk/16⌉·16] each, acc, m, l fp32; P = exp(S − m') rounded to bf16 for
+// P·V, l summed from the fp32 values; O = acc / l rounded to bf16. Saved: L in fp32. Backward:
+// per thread the head's Q, dO, K in row pairs and K, V in panels, the fp32 P and dS tiles and
+// their bf16 forms (P in row pairs; dS in rows and row pairs), dQ [N, D] and a key block's dK, dV
+// [bk', D] in fp32, each rounded to bf16 once. Decode: the KV cache in the kernels' layouts
+// (engines/decode_common.hpp Bf16KvCache: per head key pair panels of N + T tokens and value row
+// pairs — the dumped state is in those layouts), split boundaries on multiples of 16 tokens, each
+// split one attend_block_bf16. FLOP counts are the fp32 form's throughout.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
