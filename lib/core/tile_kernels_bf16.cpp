@@ -77,7 +77,12 @@ void accumulate_transposed_bf16(const bf16* p_pairs, std::int64_t ldp, std::int6
     bf16_avx2::accumulate_transposed_bf16(raw(p_pairs), ldp, rows, cols, raw(x_pairs), d, alpha, out, ldo);
 }
 
-void round_row(const float* src, std::int64_t n, bf16* dst) { narrow(src, dst, n); }
+void round_row(const float* src, std::int64_t n, bf16* dst) {
+  if (bf16_dot_product())
+    bf16_avx512bf16::round_row_bf16(src, n, reinterpret_cast<unsigned short*>(dst));
+  else
+    narrow(src, dst, n);
+}
 
 void round_row_pair(const float* row0, const float* row1, std::int64_t n, bf16* dst) {
   auto* words = reinterpret_cast<std::uint32_t*>(dst);

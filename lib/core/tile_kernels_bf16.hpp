@@ -48,7 +48,9 @@ void accumulate_pv_bf16(const bf16* p, std::int64_t ldp, std::int64_t rows, std:
 void accumulate_transposed_bf16(const bf16* p_pairs, std::int64_t ldp, std::int64_t rows, std::int64_t cols,
                                 const bf16* x_pairs, std::int64_t d, float alpha, float* out, std::int64_t ldo);
 
-// dst[j] = to_bf16(src[j]) for j < n (round to nearest even), vectorised.
+// dst[j] = to_bf16(src[j]) for j < n (round to nearest even), vectorised: vcvtneps2bf16 on the
+// vdpbf16ps path (which reads fp32 denormals as 0: their bf16 is then 0, |error| < 2⁻¹²⁶), the
+// bit-exact rounding of lib/core/bf16.hpp elsewhere.
 void round_row(const float* src, std::int64_t n, bf16* dst);
 
 // One row pair: dst[2·j + e] = to_bf16(row_e[j]) for j < n, e ∈ {0, 1}; row1 == nullptr gives 0s

@@ -38,4 +38,7 @@ XFB_BF16_TILE_KERNELS(bf16_avx2)
 XFB_BF16_TILE_KERNELS(bf16_avx512)
 XFB_BF16_TILE_KERNELS(bf16_avx512bf16)
 #undef XFB_BF16_TILE_KERNELS
+namespace bf16_avx512bf16 {
+void round_row_bf16(const float* src, long n, unsigned short* dst);  // vcvtneps2bf16
+}
 }  // namespace xfb::tiles

@@ -202,6 +202,23 @@ TEST_SUITE("tile_kernels_bf16") {
     });
   }
 
+  TEST_CASE("round_row on every path rounds to nearest even and writes nothing past the row") {
+    on_every_path([](const std::string& path) {
+      for (std::int64_t n : {1, 15, 16, 17, 31, 33, 100}) {
+        Tensor values(Shape{n});
+        CounterRng(5, "round").fill_normal(values, 0.0f, 1000.0f);
+        std::vector<bf16> out(static_cast<std::size_t>(n + 8), static_cast<bf16>(0x7fc1));
+        tiles::round_row(values.data(), n, out.data());
+        std::int64_t wrong = 0;
+        for (std::int64_t j = 0; j < n; ++j)
+          wrong += out[static_cast<std::size_t>(j)] == to_bf16(values.data()[j]) ? 0 : 1;
+        for (std::int64_t j = n; j < n + 8; ++j)
+          wrong += out[static_cast<std::size_t>(j)] == static_cast<bf16>(0x7fc1) ? 0 : 1;
+        CHECK_MESSAGE(wrong == 0, path << " n=" << n);
+      }
+    });
+  }
+
   TEST_CASE("XFBENCH_BF16_DOT's choice is reported by name and forcing vdpbf16ps off takes the convert path") {
     const bool dot = bf16_dot_product();
     force_bf16_dot(false);
