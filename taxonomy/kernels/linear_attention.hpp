@@ -114,36 +114,65 @@ class ChunkedLinearAttention {
  private:
   struct Buffers;
   struct GradBuffers;
-  std::int64_t head_backward_full(const FeatureMap& map, const float* const* in, float* const* grads, const Buffers& b,
-                                  const GradBuffers& g) const;
-  std::int64_t head_backward_causal(const FeatureMap& map, const float* const* in, float* const* grads,
+  // One head's inputs for the backward (T: the element type of q, k, v, out, dout; z and the chunk
+  // shifts are fp32) and its gradients.
+  template <class T>
+  struct HeadInputs {
+    const T *q, *k, *v, *out, *dout;
+    const float *z, *shifts;
+  };
+  template <class T>
+  struct HeadGrads {
+    T *dq, *dk, *dv;
+  };
+  // The passes over every head, on fp32 (T = float) or bf16 (T = bf16) tensors.
+  template <class T>
+  void forward_heads(const FeatureMap& map, const T* q, const T* k, const T* v, T* out);
+  template <class T>
+  void backward_heads(const FeatureMap& map, const T* q, const T* k, const T* v, const T* out, const T* dout, T* dq,
+                      T* dk, T* dv);
+  template <class T>
+  void decode_heads(const FeatureMap& map, const T* q, const T* k, const T* v, T* out, T* states);
+  template <class T>
+  std::int64_t head_backward_full(const FeatureMap& map, const HeadInputs<T>& in, const HeadGrads<T>& grads,
+                                  const Buffers& b, const GradBuffers& g) const;
+  template <class T>
+  std::int64_t head_backward_causal(const FeatureMap& map, const HeadInputs<T>& in, const HeadGrads<T>& grads,
                                     const Buffers& b, const GradBuffers& g) const;
   // G'_c of chunk rows [c0, c0 + rows) into g.output_grads. Returns its FLOPs (3·D per row).
   // z_scale: multiplies the saved z (the shift correction of a causal chunk; 1 otherwise).
-  std::int64_t output_grads(const float* const* in, std::int64_t c0, std::int64_t rows, float z_scale,
+  template <class T>
+  std::int64_t output_grads(const HeadInputs<T>& in, std::int64_t c0, std::int64_t rows, float z_scale,
                             const GradBuffers& g) const;
   // The saved shift after chunk c of head `task` (−∞ when nothing was saved).
   float saved_shift(const float* shifts, std::int64_t c0) const { return shifts[c0 / chunk_]; }
   GradBuffers grad_buffers(int thread);
   // z, shifts: the head's saved normalisers and chunk shifts (training) or nullptr; final_state,
   // final_shift: where the head's decoding state goes (decoding) or nullptr.
-  std::int64_t head_causal(const FeatureMap& map, const float* q, const float* k, const float* v, float* out, float* z,
-                           float* shifts, const Buffers& b, float* final_state, float* final_shift) const;
-  std::int64_t head_step(const FeatureMap& map, const float* q, const float* k, const float* v, float* out,
-                         float* state, float& shift, const Buffers& b) const;
-  std::int64_t head_full(const FeatureMap& map, const float* q, const float* k, const float* v, float* out, float* z,
-                         float* shifts, const Buffers& b) const;
+  template <class T>
+  std::int64_t head_causal(const FeatureMap& map, const T* q, const T* k, const T* v, T* out, float* z, float* shifts,
+                           const Buffers& b, T* final_state, float* final_shift) const;
+  template <class T>
+  std::int64_t head_step(const FeatureMap& map, const T* q, const T* k, const T* v, T* out, T* state, float& shift,
+                         const Buffers& b) const;
+  template <class T>
+  std::int64_t head_full(const FeatureMap& map, const T* q, const T* k, const T* v, T* out, float* z, float* shifts,
+                         const Buffers& b) const;
   // The key side of chunk [c0, c0 + rows): φ(K) into b.phi_k (moving the running shift, and
   // rescaling the state to it when the map shifts and rescale_state; the backward's keys sit at the
-  // final shift and never move it), and [V | 1] into b.values. Returns its FLOPs.
-  std::int64_t load_key_chunk(const FeatureMap& map, const float* k, const float* v, std::int64_t c0, std::int64_t rows,
+  // final shift and never move it), and [V | 1] into b.values. Returns its FLOPs. bf16: the key
+  // rows are widened into b.key_rows first (where the map's gradient reads them).
+  template <class T>
+  std::int64_t load_key_chunk(const FeatureMap& map, const T* k, const T* v, std::int64_t c0, std::int64_t rows,
                               float& shift, const Buffers& b, bool rescale_state = true) const;
   Buffers buffers(int thread);
 
   Problem p_;
   std::int64_t chunk_, m_, ld_m_, ld_c_, ld_v_;
   Tensor phi_q_, phi_k_, scores_, values_, numerators_, state_;
+  Tensor input_rows_;  // bf16 only: each thread's widened query and key rows [threads, 2, C, D]
   Tensor normalisers_, shifts_, output_grads_, feature_grads_, adjoint_, masked_grads_;  // training only
+  Tensor gradient_rows_;  // bf16 training only: each thread's fp32 dq/dk/dv rows [threads, C, D]
   Tensor decode_states_, decode_shifts_;                                                 // decoding only
 };
 
