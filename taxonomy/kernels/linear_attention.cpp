@@ -348,8 +348,8 @@ void ChunkedLinearAttention::backward(const FeatureMap& map, const Tensor& q, co
   if (!map.differentiable() || normalisers_.empty())
     throw std::logic_error("ChunkedLinearAttention::backward: needs enable_backward and a differentiable map");
   if (p_.dtype == DType::BF16)
-    backward_heads(map, q.bf16_data(), k.bf16_data(), v.bf16_data(), out.bf16_data(), dout.bf16_data(),
-                   dq.bf16_data(), dk.bf16_data(), dv.bf16_data());
+    backward_heads(map, q.bf16_data(), k.bf16_data(), v.bf16_data(), out.bf16_data(), dout.bf16_data(), dq.bf16_data(),
+                   dk.bf16_data(), dv.bf16_data());
   else
     backward_heads(map, q.data(), k.data(), v.data(), out.data(), dout.data(), dq.data(), dk.data(), dv.data());
 }
@@ -551,7 +551,7 @@ std::int64_t linear_attention_backward_workspace(const Problem& p, std::int64_t 
 std::int64_t linear_attention_decode_workspace(const Problem& p, std::int64_t feature_dim) {
   const std::int64_t heads = p.batch * p.heads;
   return heads * (feature_dim * ops::padded_ld(p.head_dim + 1) * element_bytes(p.dtype) +  // S'
-                  static_cast<std::int64_t>(sizeof(float)));                             // the key shift
+                  static_cast<std::int64_t>(sizeof(float)));                               // the key shift
 }
 
 std::int64_t linear_attention_workspace(const Problem& p, std::int64_t chunk, std::int64_t feature_dim) {

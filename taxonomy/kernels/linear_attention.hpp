@@ -27,8 +27,8 @@
 //   normalise: N·D
 //   non-causal: 4·N·M·(D+1)
 //   causal, chunk c: 2·n_c²·M + 2·n_c²·(D+1) + [c > 0] 2·n_c·M·(D+1) + [not last] 2·n_c·M·(D+1)
-// Workspace: per thread φ(Q_c), φ(K_c) [C, M], A [C, C], V'_c, out'_c [C, D+1], S' [M, D+1]:
-// independent of N.
+// Workspace: per thread φ(Q_c), φ(K_c) [C, M], A [C, C], V'_c, out'_c [C, D+1], S' [M, D+1] (and
+// in bf16 the widened Q_c, K_c [C, D]): independent of N.
 //
 // Backward (differentiable maps; see linear_attention_backward_flops): the forward saves each row's
 // normaliser z_i = out'_i[D] (B·H·N floats) and, for a shifting map, the key shift in effect after
@@ -43,6 +43,23 @@
 //           dφ(K_c) = Bᵀ·φ(Q_c) + V'_c·Rᵀ;  dV_c = Aᵀ·G'_c[:, :D] + φ(K_c)·R[:, :D].
 // dQ, dK from dφ through the map's own gradient. Memory stays O(N) (z) plus per-thread chunk
 // buffers: no per-token state.
+//
+// bf16 (Problem::dtype == DType::BF16, issue 31): q, k, v, out, dout, dq, dk, dv and the decode
+// state S' are bf16; everything in between is the fp32 computation above. Each chunk's query and key
+// rows are widened into per-thread fp32 rows [C, D] (V_c straight into V'_c), the feature maps, the
+// chunk buffers and every product stay fp32 (ops::gemm, oneDNN's sgemm, on AVX-512 and AVX2 alike):
+// the chunk products are small ([C, M]·[M, D+1]) and the feature maps' exp dominate, so bf16 chunk
+// operands would add a rounding per product and little speed; the per-thread running state of the
+// forward is fp32 too. Outputs and gradients are rounded once, from fp32, when stored (a chunk's
+// gradient rows through a per-thread fp32 [C, D] buffer). The saved z and chunk shifts stay fp32:
+// they are the normaliser sums and running maxima (the softmax statistics' analogues); rounding z
+// would move every gradient by u, rounding a shift would scale exp(−shift) by up to u·|shift|.
+// Decoding keeps S' [B·H, M, ld_v] in bf16 (half the bytes; the shift per head stays fp32): a step
+// widens each state row, rescales and updates it in fp32, answers the query from the fp32 row and
+// stores it rounded — one rounding per element per token, so after the prefill (its state rounded
+// once) and t steps a state entry is within (t + 1)·u of its magnitude sum (Σ φ(k)|v|, Σ φ(k)), and
+// a step's output within (t + 1)·u/(1 − (t + 1)·u)·(max|v| + |o|) of the fp32 walk's, plus the two
+// outputs' bf16 roundings (tests/models/kernels/test_kernels_bf16.cpp). FLOPs are the fp32 form's.
 #include <cstdint>
 
 #include "lib/core/mechanism.hpp"
@@ -172,8 +189,8 @@ class ChunkedLinearAttention {
   Tensor phi_q_, phi_k_, scores_, values_, numerators_, state_;
   Tensor input_rows_;  // bf16 only: each thread's widened query and key rows [threads, 2, C, D]
   Tensor normalisers_, shifts_, output_grads_, feature_grads_, adjoint_, masked_grads_;  // training only
-  Tensor gradient_rows_;  // bf16 training only: each thread's fp32 dq/dk/dv rows [threads, C, D]
-  Tensor decode_states_, decode_shifts_;                                                 // decoding only
+  Tensor gradient_rows_;                  // bf16 training only: each thread's fp32 dq/dk/dv rows [threads, C, D]
+  Tensor decode_states_, decode_shifts_;  // decoding only
 };
 
 std::int64_t linear_attention_flops(const Problem& p, std::int64_t chunk, const FeatureCosts& costs);

@@ -130,7 +130,8 @@ class DoubleMap {
       for (std::int64_t c = 0; c < d_; ++c) {
         const double w = (*omega_)[f * d_ + c];
         const double slope = map_ == Map::Favor ? phi[f] * (a * w - a * a * x[c]) : a * w;
-        const double magnitude = map_ == Map::Favor ? phi[f] * (a * std::fabs(w) + a * a * std::fabs(x[c])) : a * std::fabs(w);
+        const double magnitude =
+            map_ == Map::Favor ? phi[f] * (a * std::fabs(w) + a * a * std::fabs(x[c])) : a * std::fabs(w);
         dx[c] += dphi[f] * slope;
         terms[c] += dphi_terms[f] * magnitude;
       }
@@ -270,9 +271,8 @@ HeadReference kernel_reference(const DoubleMap& map, const float* q, const float
 }
 
 const std::vector<Case>& all_cases() {
-  static const std::vector<Case> cases = {{"performer", Map::Favor, {}},
-                                          {"performer", Map::Relu, {"kernel=relu"}},
-                                          {"linear-transformer", Map::Elu, {}}};
+  static const std::vector<Case> cases = {
+      {"performer", Map::Favor, {}}, {"performer", Map::Relu, {"kernel=relu"}}, {"linear-transformer", Map::Elu, {}}};
   return cases;
 }
 
@@ -320,7 +320,8 @@ TEST_SUITE("kernels_bf16") {
           }
           // Not fp32 in disguise: the bf16 rounding of the output shows past the fp32 bound (where that
           // bound is tight: ReLU's weight error, through features down at the 10⁻³ stabiliser, is not).
-          if (n >= 31 && c.map != Map::Relu) CHECK_MESSAGE(over_fp32 > 1, label << ": the error never exceeds the fp32 bound");
+          if (n >= 31 && c.map != Map::Relu)
+            CHECK_MESSAGE(over_fp32 > 1, label << ": the error never exceeds the fp32 bound");
         }
   }
 
@@ -330,9 +331,9 @@ TEST_SUITE("kernels_bf16") {
       const char* chunk;
     };
     for (const auto& base : all_cases())
-      for (const Size size : {Size{1, ""}, Size{3, "chunk=4"}, Size{4, "chunk=4"}, Size{5, "chunk=4"},
-                              Size{9, "chunk=4"}, Size{31, ""}, Size{33, ""}, Size{63, ""}, Size{64, ""},
-                              Size{65, ""}, Size{129, ""}})
+      for (const Size size :
+           {Size{1, ""}, Size{3, "chunk=4"}, Size{4, "chunk=4"}, Size{5, "chunk=4"}, Size{9, "chunk=4"}, Size{31, ""},
+            Size{33, ""}, Size{63, ""}, Size{64, ""}, Size{65, ""}, Size{129, ""}})
         for (bool causal : {false, true}) {
           Case c = base;
           if (*size.chunk) c.params.push_back(size.chunk);
@@ -362,11 +363,12 @@ TEST_SUITE("kernels_bf16") {
                 const auto i = static_cast<std::size_t>(e);
                 const double error = std::fabs(got[g].head(0, h)[e] - ref.grads[g][i]);
                 if (!(error <= factor * ref.terms[g][i] + 1e-30) && failures++ < 3)
-                  FAIL_CHECK(label << " d" << "qkv"[g] << " h=" << h << " element " << e << ": got "
-                                   << got[g].head(0, h)[e] << ", want " << ref.grads[g][i] << " (bound "
-                                   << factor * ref.terms[g][i] << ")");
+                  FAIL_CHECK(label << " d"
+                                   << "qkv"[g] << " h=" << h << " element " << e << ": got " << got[g].head(0, h)[e]
+                                   << ", want " << ref.grads[g][i] << " (bound " << factor * ref.terms[g][i] << ")");
               }
-              CHECK_MESSAGE(failures == 0, label << " d" << "qkv"[g] << ": " << failures << " out of the bound");
+              CHECK_MESSAGE(failures == 0, label << " d"
+                                                 << "qkv"[g] << ": " << failures << " out of the bound");
             }
           }
         }
@@ -424,9 +426,9 @@ TEST_SUITE("kernels_bf16") {
               const double bound =
                   (ru / (1 - ru) + 2 * kUnitRoundoff * (1 + kUnitRoundoff)) * (largest_v[h] + std::fabs(want)) +
                   2 * tol32[h];
-              CHECK_MESSAGE(std::fabs(got - want) <= bound, label << " step " << t << " head " << h << " feature "
-                                                                  << f << ": got " << got << ", want " << want
-                                                                  << " (bound " << bound << ")");
+              CHECK_MESSAGE(std::fabs(got - want) <= bound, label << " step " << t << " head " << h << " feature " << f
+                                                                  << ": got " << got << ", want " << want << " (bound "
+                                                                  << bound << ")");
             }
         }
         // The state: S' in bf16 (the stored [B·H, M, ld_v] sums), the key shift fp32.
