@@ -45,15 +45,16 @@
 // buffers: no per-token state.
 //
 // bf16 (Problem::dtype == DType::BF16, issue 31): q, k, v, out, dout, dq, dk, dv and the decode
-// state S' are bf16; everything in between is the fp32 computation above. Each chunk's query and key
-// rows are widened into per-thread fp32 rows [C, D] (V_c straight into V'_c), the feature maps, the
-// chunk buffers and every product stay fp32 (ops::gemm, oneDNN's sgemm, on AVX-512 and AVX2 alike):
-// the chunk products are small ([C, M]·[M, D+1]) and the feature maps' exp dominate, so bf16 chunk
-// operands would add a rounding per product and little speed; the per-thread running state of the
-// forward is fp32 too. Outputs and gradients are rounded once, from fp32, when stored (a chunk's
-// gradient rows through a per-thread fp32 [C, D] buffer). The saved z and chunk shifts stay fp32:
-// they are the normaliser sums and running maxima (the softmax statistics' analogues); rounding z
-// would move every gradient by u, rounding a shift would scale exp(−shift) by up to u·|shift|.
+// state S' are bf16; everything in between is the fp32 computation above. Each chunk's query and
+// key rows are widened into per-thread fp32 rows [C, D] (V_c straight into V'_c); the feature
+// maps, the chunk buffers, the forward's running state and every product stay fp32 (ops::gemm,
+// oneDNN's sgemm; one path on AVX-512 and AVX2): the products are small cache-resident chunk
+// products on the calling thread, where the project has an fp32 gemm only, and bf16 operands would
+// add a rounding per product. The gain is the halved streams of q, k, v, out. Outputs and gradients
+// are rounded once, from fp32, when stored (a chunk's gradient rows through a per-thread fp32
+// [C, D] buffer). The saved z and chunk shifts stay fp32: they are the normaliser sums and running
+// maxima (the softmax statistics' analogues); rounding z would move every gradient by u, rounding
+// a shift would scale exp(−shift) by up to u·|shift|.
 // Decoding keeps S' [B·H, M, ld_v] in bf16 (half the bytes; the shift per head stays fp32): a step
 // widens each state row, rescales and updates it in fp32, answers the query from the fp32 row and
 // stores it rounded — one rounding per element per token, so after the prefill (its state rounded
