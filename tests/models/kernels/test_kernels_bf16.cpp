@@ -16,8 +16,9 @@
 // Decoding: the state S' is stored in bf16 and rounded once per token (the prefill's narrowing,
 // then every step), so after r roundings each entry is within r·u of its magnitude sum (Σ φ(k)|v|
 // for the numerator columns, Σ φ(k) for z; the shift rescales scale both alike); the ratio
-// num/z then moves by ≤ r·u·(max|v| + |o|)/(1 − r·u), and both outputs round to bf16 (≤ u·|o| each):
-//   |o_step − o_forward| ≤ (r·u/(1 − r·u) + 2u(1 + u))·(max|v| + |o|) + 2·tol32, r = step + 1.
+// num/z then moves by ≤ r·u·(a + |o|)/(1 − r·u), a = Σ_j w_ij|v_j|/Z_i (≤ max|v|), and both
+// outputs round to bf16 (≤ u·|o| each):
+//   |o_step − o_forward| ≤ (1 + u)·(r·u/(1 − r·u)·(a + |o|) + 2u·|o|) + 2·tol32, r = step + 1.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -213,7 +214,8 @@ class DoubleMap {
 //   dv_j = Σ_i (w_ij/Z_i)·g_i;  dw_ij = g_i·(v_j − o_i)/Z_i;  dφ(q_i) = Σ_j dw_ij φ(k_j);  dφ(k_j) = Σ_i dw_ij φ(q_i);
 // the terms the same sums of absolute values (|g_i|·|v_j| + |g_i|·|o_i| for dw_ij).
 struct HeadReference {
-  std::vector<double> out, grads[3], terms[3];  // dq, dk, dv
+  std::vector<double> out, magnitude;      // magnitude: Σ_j w_ij|v_j| / Z_i per element
+  std::vector<double> grads[3], terms[3];  // dq, dk, dv
 };
 HeadReference kernel_reference(const DoubleMap& map, const float* q, const float* k, const float* v, const float* dout,
                                std::int64_t n, std::int64_t d, bool causal) {
@@ -231,13 +233,20 @@ HeadReference kernel_reference(const DoubleMap& map, const float* q, const float
   std::vector<double> w(static_cast<std::size_t>(n * n), 0.0), z(static_cast<std::size_t>(n), 0.0);
   HeadReference ref;
   ref.out.assign(static_cast<std::size_t>(n * d), 0.0);
+  ref.magnitude = ref.out;
   for (std::int64_t i = 0; i < n; ++i) {
     for (std::int64_t j = 0; j < (causal ? i + 1 : n); ++j) {
       w[i * n + j] = dot(fq[i], fk[j]);
       z[i] += w[i * n + j];
-      for (std::int64_t c = 0; c < d; ++c) ref.out[i * d + c] += w[i * n + j] * v[j * d + c];
+      for (std::int64_t c = 0; c < d; ++c) {
+        ref.out[i * d + c] += w[i * n + j] * v[j * d + c];
+        ref.magnitude[i * d + c] += w[i * n + j] * std::fabs(v[j * d + c]);
+      }
     }
-    for (std::int64_t c = 0; c < d; ++c) ref.out[i * d + c] /= z[i];
+    for (std::int64_t c = 0; c < d; ++c) {
+      ref.out[i * d + c] /= z[i];
+      ref.magnitude[i * d + c] /= z[i];
+    }
   }
   if (dout == nullptr) return ref;
   for (auto* g : {ref.grads, ref.terms})
@@ -408,10 +417,12 @@ TEST_SUITE("kernels_bf16") {
               impl.decode_workspace_bytes(in_bf16(p), resolve_params(c.model, impl.params, c.params), kTokens));
         mechanism->forward(q, k, v, prefill);
         const std::string label = describe(c, context, true);
-        double largest_v[kHeads], tol32[kHeads];
+        std::vector<double> magnitude[kHeads];
+        double tol32[kHeads];
         for (std::int64_t h = 0; h < kHeads; ++h) {
-          largest_v[h] = max_abs(in.widened.v.head(0, h), whole.seq_len * kDim);
-          tol32[h] = map.fp32_relative(in.widened.q.head(0, h), in.widened.k.head(0, h), whole.seq_len) * largest_v[h];
+          const float *qh = in.widened.q.head(0, h), *kh = in.widened.k.head(0, h), *vh = in.widened.v.head(0, h);
+          magnitude[h] = kernel_reference(map, qh, kh, vh, nullptr, whole.seq_len, kDim, true).magnitude;
+          tol32[h] = map.fp32_relative(qh, kh, whole.seq_len) * max_abs(vh, whole.seq_len * kDim);
         }
         for (std::int64_t t = 0; t < kTokens; ++t) {
           const std::int64_t token = context + t;
@@ -423,8 +434,9 @@ TEST_SUITE("kernels_bf16") {
           for (std::int64_t h = 0; h < kHeads; ++h)
             for (std::int64_t f = 0; f < kDim; ++f) {
               const double want = forward.head(0, h)[token * kDim + f], got = step.head(0, h)[f];
+              const double a = magnitude[h][static_cast<std::size_t>(token * kDim + f)];
               const double bound =
-                  (ru / (1 - ru) + 2 * kUnitRoundoff * (1 + kUnitRoundoff)) * (largest_v[h] + std::fabs(want)) +
+                  (1 + kUnitRoundoff) * (ru / (1 - ru) * (a + std::fabs(want)) + 2 * kUnitRoundoff * std::fabs(want)) +
                   2 * tol32[h];
               CHECK_MESSAGE(std::fabs(got - want) <= bound, label << " step " << t << " head " << h << " feature " << f
                                                                   << ": got " << got << ", want " << want << " (bound "
