@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -19,6 +20,8 @@ struct ChunkedLinearAttention::Buffers {
   float* values;      // [C, ld_v]: V_c and a ones column at D
   float* numerators;  // [C, ld_v]
   float* state;       // [M, ld_v]
+  float* query_rows;  // bf16: Q_c widened [C, D] (nullptr in fp32)
+  float* key_rows;    // bf16: K_c widened [C, D] (nullptr in fp32)
 };
 
 struct ChunkedLinearAttention::GradBuffers {
@@ -26,6 +29,7 @@ struct ChunkedLinearAttention::GradBuffers {
   float* feature_grads;  // dφ [C, ld_m]
   float* adjoint;        // dS' (non-causal) or R (causal) [M, ld_v]
   float* masked;         // B = tril(G'·V'ᵀ) [C, ld_c] (causal)
+  float* gradient_rows;  // bf16: a chunk's fp32 dq, dk or dv rows [C, D] before rounding (nullptr in fp32)
 };
 
 namespace {
@@ -34,25 +38,60 @@ std::int64_t clamp_chunk(const Problem& p, std::int64_t chunk) {
   return std::max<std::int64_t>(1, std::min(chunk, p.seq_len));
 }
 
+inline float as_float(float x) { return x; }
+inline float as_float(bf16 x) { return to_float(x); }
+template <class T>
+inline T stored(float x) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return to_bf16(x);
+  else
+    return x;
+}
+
+// Rows [c0, c0 + rows) of a head's [N, D] matrix as fp32: the rows themselves (fp32), or widened
+// into scratch ([rows, D], bf16).
+const float* fp32_rows(const float* x, std::int64_t c0, std::int64_t, std::int64_t d, float*) { return x + c0 * d; }
+const float* fp32_rows(const bf16* x, std::int64_t c0, std::int64_t rows, std::int64_t d, float* scratch) {
+  widen(x + c0 * d, scratch, rows * d);
+  return scratch;
+}
+
+// The same rows after fp32_rows widened them into scratch (no second conversion).
+const float* widened_rows(const float* x, std::int64_t c0, std::int64_t d, const float*) { return x + c0 * d; }
+const float* widened_rows(const bf16*, std::int64_t, std::int64_t, const float* scratch) { return scratch; }
+
+// Where a chunk's fp32 gradient rows go: the gradient itself (fp32) or scratch, rounded into the
+// bf16 gradient by store_rows afterwards.
+float* fp32_target(float* x, std::int64_t c0, std::int64_t d, float*) { return x + c0 * d; }
+float* fp32_target(bf16*, std::int64_t, std::int64_t, float* scratch) { return scratch; }
+void store_rows(const float*, float*, std::int64_t, std::int64_t, std::int64_t) {}
+void store_rows(const float* scratch, bf16* x, std::int64_t c0, std::int64_t rows, std::int64_t d) {
+  narrow(scratch, x + c0 * d, rows * d);
+}
+
 // values[r] = [v_r | 1] for the rows of one chunk.
-void load_values(const float* v, std::int64_t rows, std::int64_t d, float* values, std::int64_t ld) {
+template <class T>
+void load_values(const T* v, std::int64_t rows, std::int64_t d, float* values, std::int64_t ld) {
   for (std::int64_t r = 0; r < rows; ++r) {
-    std::copy(v + r * d, v + (r + 1) * d, values + r * ld);
+    if constexpr (std::is_same_v<T, bf16>)
+      widen(v + r * d, values + r * ld, d);
+    else
+      std::copy(v + r * d, v + (r + 1) * d, values + r * ld);
     values[r * ld + d] = 1.0f;
   }
 }
 
-// out[r] = numerators[r][0:D] / numerators[r][D]; z[r] = numerators[r][D] when z is given.
-// Returns its FLOPs (D per row).
-std::int64_t normalise(const float* numerators, std::int64_t rows, std::int64_t d, std::int64_t ld, float* out,
-                       float* z) {
+// out[r] = numerators[r][0:D] / numerators[r][D] (rounded to bf16 for a bf16 out); z[r] =
+// numerators[r][D] when z is given. Returns its FLOPs (D per row).
+template <class T>
+std::int64_t normalise(const float* numerators, std::int64_t rows, std::int64_t d, std::int64_t ld, T* out, float* z) {
   for (std::int64_t r = 0; r < rows; ++r) {
     const float* src = numerators + r * ld;
     if (z != nullptr) z[r] = src[d];
     const float inverse = 1.0f / src[d];
-    float* dst = out + r * d;
+    T* dst = out + r * d;
 #pragma omp simd
-    for (std::int64_t j = 0; j < d; ++j) dst[j] = src[j] * inverse;
+    for (std::int64_t j = 0; j < d; ++j) dst[j] = stored<T>(src[j] * inverse);
   }
   return rows * d;
 }
@@ -90,20 +129,39 @@ ChunkedLinearAttention::ChunkedLinearAttention(const Problem& problem, std::int6
   values_ = Tensor(Shape{threads, chunk_, ld_v_});
   numerators_ = Tensor(Shape{threads, chunk_, ld_v_});
   state_ = Tensor(Shape{threads, m_, ld_v_});
+  if (p_.dtype == DType::BF16) input_rows_ = Tensor(Shape{threads, 2, chunk_, p_.head_dim});
 }
 
 ChunkedLinearAttention::Buffers ChunkedLinearAttention::buffers(int thread) {
+  float* rows = input_rows_.empty() ? nullptr : input_rows_.data() + thread * 2 * chunk_ * p_.head_dim;
   return {phi_q_.data() + thread * chunk_ * ld_m_,
           phi_k_.data() + thread * chunk_ * ld_m_,
           p_.causal ? scores_.data() + thread * chunk_ * ld_c_ : nullptr,
           values_.data() + thread * chunk_ * ld_v_,
           numerators_.data() + thread * chunk_ * ld_v_,
-          state_.data() + thread * m_ * ld_v_};
+          state_.data() + thread * m_ * ld_v_,
+          rows,
+          rows == nullptr ? nullptr : rows + chunk_ * p_.head_dim};
 }
 
 void ChunkedLinearAttention::forward(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v,
                                      Tensor& out) {
+  if (p_.dtype == DType::BF16)
+    forward_heads(map, q.bf16_data(), k.bf16_data(), v.bf16_data(), out.bf16_data());
+  else
+    forward_heads(map, q.data(), k.data(), v.data(), out.data());
+}
+
+template <class T>
+void ChunkedLinearAttention::forward_heads(const FeatureMap& map, const T* q, const T* k, const T* v, T* out) {
   const std::int64_t tasks = p_.batch * p_.heads, head_size = p_.seq_len * p_.head_dim;
+  T* states = nullptr;
+  if (!decode_states_.empty()) {
+    if constexpr (std::is_same_v<T, bf16>)
+      states = decode_states_.bf16_data();
+    else
+      states = decode_states_.data();
+  }
   std::int64_t flops = 0;
 #pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
   {
@@ -113,30 +171,31 @@ void ChunkedLinearAttention::forward(const FeatureMap& map, const Tensor& q, con
       const std::int64_t offset = task * head_size;
       float* z = normalisers_.empty() ? nullptr : normalisers_.data() + task * p_.seq_len;
       float* shifts = shifts_.empty() ? nullptr : shifts_.data() + task * shifts_.dim(1);
-      float* final_state = decode_states_.empty() ? nullptr : decode_states_.data() + task * m_ * ld_v_;
+      T* final_state = states == nullptr ? nullptr : states + task * m_ * ld_v_;
       float* final_shift = decode_shifts_.empty() ? nullptr : decode_shifts_.data() + task;
-      flops += p_.causal ? head_causal(map, q.data() + offset, k.data() + offset, v.data() + offset,
-                                       out.data() + offset, z, shifts, b, final_state, final_shift)
-                         : head_full(map, q.data() + offset, k.data() + offset, v.data() + offset, out.data() + offset,
-                                     z, shifts, b);
+      flops += p_.causal ? head_causal(map, q + offset, k + offset, v + offset, out + offset, z, shifts, b, final_state,
+                                       final_shift)
+                         : head_full(map, q + offset, k + offset, v + offset, out + offset, z, shifts, b);
     }
   }
   FlopCounter::add(flops);
 }
 
-std::int64_t ChunkedLinearAttention::load_key_chunk(const FeatureMap& map, const float* k, const float* v,
-                                                    std::int64_t c0, std::int64_t rows, float& shift, const Buffers& b,
+template <class T>
+std::int64_t ChunkedLinearAttention::load_key_chunk(const FeatureMap& map, const T* k, const T* v, std::int64_t c0,
+                                                    std::int64_t rows, float& shift, const Buffers& b,
                                                     bool rescale_state) const {
   const std::int64_t d = p_.head_dim;
   const float old_shift = shift;
-  std::int64_t flops = map.keys(k + c0 * d, rows, b.phi_k, ld_m_, shift);
+  std::int64_t flops = map.keys(fp32_rows(k, c0, rows, d, b.key_rows), rows, b.phi_k, ld_m_, shift);
   if (c0 > 0 && map.shifts() && rescale_state) flops += rescale(b.state, m_, d + 1, ld_v_, old_shift, shift);
   load_values(v + c0 * d, rows, d, b.values, ld_v_);
   return flops;
 }
 
-std::int64_t ChunkedLinearAttention::head_full(const FeatureMap& map, const float* q, const float* k, const float* v,
-                                               float* out, float* z, float* shifts, const Buffers& b) const {
+template <class T>
+std::int64_t ChunkedLinearAttention::head_full(const FeatureMap& map, const T* q, const T* k, const T* v, T* out,
+                                               float* z, float* shifts, const Buffers& b) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
   float shift = -std::numeric_limits<float>::infinity();
   std::int64_t flops = 0;
@@ -149,16 +208,17 @@ std::int64_t ChunkedLinearAttention::head_full(const FeatureMap& map, const floa
   }
   for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {
     const std::int64_t rows = std::min(chunk_, n - c0);
-    flops += map.queries(q + c0 * d, rows, b.phi_q, ld_m_);
+    flops += map.queries(fp32_rows(q, c0, rows, d, b.query_rows), rows, b.phi_q, ld_m_);
     ops::gemm(false, false, rows, d + 1, m_, 1.0f, b.phi_q, ld_m_, b.state, ld_v_, 0.0f, b.numerators, ld_v_);
     flops += normalise(b.numerators, rows, d, ld_v_, out + c0 * d, z == nullptr ? nullptr : z + c0);
   }
   return flops;
 }
 
-std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const float* q, const float* k, const float* v,
-                                                 float* out, float* z, float* shifts, const Buffers& b,
-                                                 float* final_state, float* final_shift) const {
+template <class T>
+std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const T* q, const T* k, const T* v, T* out,
+                                                 float* z, float* shifts, const Buffers& b, T* final_state,
+                                                 float* final_shift) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
   float shift = -std::numeric_limits<float>::infinity();
   std::int64_t flops = 0;
@@ -166,7 +226,7 @@ std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const fl
     const std::int64_t rows = std::min(chunk_, n - c0);
     flops += load_key_chunk(map, k, v, c0, rows, shift, b);
     if (shifts != nullptr) shifts[c0 / chunk_] = shift;
-    flops += map.queries(q + c0 * d, rows, b.phi_q, ld_m_);
+    flops += map.queries(fp32_rows(q, c0, rows, d, b.query_rows), rows, b.phi_q, ld_m_);
     // Inside the chunk: the masked small product.
     ops::gemm(false, true, rows, rows, m_, 1.0f, b.phi_q, ld_m_, b.phi_k, ld_m_, 0.0f, b.scores, ld_c_);
     mask_future(b.scores, rows, ld_c_);
@@ -180,7 +240,10 @@ std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const fl
     flops += normalise(b.numerators, rows, d, ld_v_, out + c0 * d, z == nullptr ? nullptr : z + c0);
   }
   if (final_state != nullptr) {
-    std::copy_n(b.state, m_ * ld_v_, final_state);
+    if constexpr (std::is_same_v<T, bf16>)
+      narrow(b.state, final_state, m_ * ld_v_);  // the decode state's first rounding
+    else
+      std::copy_n(b.state, m_ * ld_v_, final_state);
     *final_shift = shift;
   }
   return flops;
@@ -188,12 +251,21 @@ std::int64_t ChunkedLinearAttention::head_causal(const FeatureMap& map, const fl
 
 void ChunkedLinearAttention::enable_decode() {
   if (!p_.causal) throw std::logic_error("ChunkedLinearAttention: decoding needs a causal problem");
-  decode_states_ = Tensor(Shape{p_.batch * p_.heads, m_, ld_v_});
+  decode_states_ = Tensor(Shape{p_.batch * p_.heads, m_, ld_v_}, p_.dtype);
   decode_shifts_ = Tensor(Shape{p_.batch * p_.heads});
 }
 
 void ChunkedLinearAttention::decode_step(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v,
                                          Tensor& out) {
+  if (p_.dtype == DType::BF16)
+    decode_heads(map, q.bf16_data(), k.bf16_data(), v.bf16_data(), out.bf16_data(), decode_states_.bf16_data());
+  else
+    decode_heads(map, q.data(), k.data(), v.data(), out.data(), decode_states_.data());
+}
+
+template <class T>
+void ChunkedLinearAttention::decode_heads(const FeatureMap& map, const T* q, const T* k, const T* v, T* out,
+                                          T* states) {
   const std::int64_t tasks = p_.batch * p_.heads, d = p_.head_dim;
   std::int64_t flops = 0;
 #pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
@@ -201,34 +273,53 @@ void ChunkedLinearAttention::decode_step(const FeatureMap& map, const Tensor& q,
     const Buffers b = buffers(omp_get_thread_num());
 #pragma omp for schedule(static)
     for (std::int64_t task = 0; task < tasks; ++task)
-      flops += head_step(map, q.data() + task * d, k.data() + task * d, v.data() + task * d, out.data() + task * d,
-                         decode_states_.data() + task * m_ * ld_v_, decode_shifts_[task], b);
+      flops += head_step(map, q + task * d, k + task * d, v + task * d, out + task * d, states + task * m_ * ld_v_,
+                         decode_shifts_[task], b);
   }
   FlopCounter::add(flops);
 }
 
-std::int64_t ChunkedLinearAttention::head_step(const FeatureMap& map, const float* q, const float* k, const float* v,
-                                               float* out, float* state, float& shift, const Buffers& b) const {
+template <class T>
+std::int64_t ChunkedLinearAttention::head_step(const FeatureMap& map, const T* q, const T* k, const T* v, T* out,
+                                               T* state, float& shift, const Buffers& b) const {
   const std::int64_t d = p_.head_dim;
   const float old_shift = shift;
-  std::int64_t flops = map.keys(k, 1, b.phi_k, ld_m_, shift);
-  if (map.shifts() && shift > old_shift) flops += rescale(state, m_, d + 1, ld_v_, old_shift, shift);
-  flops += map.queries(q, 1, b.phi_q, ld_m_);
+  std::int64_t flops = map.keys(fp32_rows(k, 0, 1, d, b.key_rows), 1, b.phi_k, ld_m_, shift);
+  const bool grew = map.shifts() && shift > old_shift;
+  if constexpr (!std::is_same_v<T, bf16>)
+    if (grew) flops += rescale(state, m_, d + 1, ld_v_, old_shift, shift);
+  flops += map.queries(fp32_rows(q, 0, 1, d, b.query_rows), 1, b.phi_q, ld_m_);
   // One pass over the state: S' += φ(k)ᵀ·[v | 1], then out' = φ(q)ᵀ·S' row by row. The padded
   // columns past D + 1 see zeros added (values is zero there) and are never read.
   float* values = b.values;
-  std::copy_n(v, d, values);
-  values[d] = 1.0f;
+  load_values(v, 1, d, values, ld_v_);
   std::fill(values + d + 1, values + ld_v_, 0.0f);
   float* numerator = b.numerators;
   std::fill_n(numerator, ld_v_, 0.0f);
-  for (std::int64_t r = 0; r < m_; ++r) {
-    const float key_feature = b.phi_k[r], query_feature = b.phi_q[r];
-    float* row = state + r * ld_v_;
+  if constexpr (std::is_same_v<T, bf16>) {
+    // bf16 state: each row widened, rescaled (when the shift grew) and updated in fp32, answered
+    // from the fp32 sum, and rounded back once: one rounding per state element per token.
+    const float factor = grew ? std::exp(old_shift - shift) : 1.0f;
+    if (grew) flops += m_ * (d + 1);
+    for (std::int64_t r = 0; r < m_; ++r) {
+      const float key_feature = b.phi_k[r], query_feature = b.phi_q[r];
+      bf16* row = state + r * ld_v_;
 #pragma omp simd
-    for (std::int64_t j = 0; j < ld_v_; ++j) {
-      row[j] += key_feature * values[j];
-      numerator[j] += query_feature * row[j];
+      for (std::int64_t j = 0; j < ld_v_; ++j) {
+        const float updated = to_float(row[j]) * factor + key_feature * values[j];
+        row[j] = to_bf16(updated);
+        numerator[j] += query_feature * updated;
+      }
+    }
+  } else {
+    for (std::int64_t r = 0; r < m_; ++r) {
+      const float key_feature = b.phi_k[r], query_feature = b.phi_q[r];
+      float* row = state + r * ld_v_;
+#pragma omp simd
+      for (std::int64_t j = 0; j < ld_v_; ++j) {
+        row[j] += key_feature * values[j];
+        numerator[j] += query_feature * row[j];
+      }
     }
   }
   flops += 4 * m_ * (d + 1) + normalise(numerator, 1, d, ld_v_, out, nullptr);
@@ -243,17 +334,29 @@ void ChunkedLinearAttention::enable_backward() {
   feature_grads_ = Tensor(Shape{threads, chunk_, ld_m_});
   adjoint_ = Tensor(Shape{threads, m_, ld_v_});
   if (p_.causal) masked_grads_ = Tensor(Shape{threads, chunk_, ld_c_});
+  if (p_.dtype == DType::BF16) gradient_rows_ = Tensor(Shape{threads, chunk_, p_.head_dim});
 }
 
 ChunkedLinearAttention::GradBuffers ChunkedLinearAttention::grad_buffers(int thread) {
   return {output_grads_.data() + thread * chunk_ * ld_v_, feature_grads_.data() + thread * chunk_ * ld_m_,
-          adjoint_.data() + thread * m_ * ld_v_, p_.causal ? masked_grads_.data() + thread * chunk_ * ld_c_ : nullptr};
+          adjoint_.data() + thread * m_ * ld_v_, p_.causal ? masked_grads_.data() + thread * chunk_ * ld_c_ : nullptr,
+          gradient_rows_.empty() ? nullptr : gradient_rows_.data() + thread * chunk_ * p_.head_dim};
 }
 
 void ChunkedLinearAttention::backward(const FeatureMap& map, const Tensor& q, const Tensor& k, const Tensor& v,
                                       const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
   if (!map.differentiable() || normalisers_.empty())
     throw std::logic_error("ChunkedLinearAttention::backward: needs enable_backward and a differentiable map");
+  if (p_.dtype == DType::BF16)
+    backward_heads(map, q.bf16_data(), k.bf16_data(), v.bf16_data(), out.bf16_data(), dout.bf16_data(), dq.bf16_data(),
+                   dk.bf16_data(), dv.bf16_data());
+  else
+    backward_heads(map, q.data(), k.data(), v.data(), out.data(), dout.data(), dq.data(), dk.data(), dv.data());
+}
+
+template <class T>
+void ChunkedLinearAttention::backward_heads(const FeatureMap& map, const T* q, const T* k, const T* v, const T* out,
+                                            const T* dout, T* dq, T* dk, T* dv) {
   const std::int64_t tasks = p_.batch * p_.heads, n = p_.seq_len, head_size = n * p_.head_dim;
   std::int64_t flops = 0;
 #pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
@@ -264,47 +367,49 @@ void ChunkedLinearAttention::backward(const FeatureMap& map, const Tensor& q, co
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < tasks; ++task) {
       const std::int64_t offset = task * head_size;
-      const float* const in[7] = {q.data() + offset,
-                                  k.data() + offset,
-                                  v.data() + offset,
-                                  out.data() + offset,
-                                  dout.data() + offset,
-                                  normalisers_.data() + task * n,
-                                  shifts_.data() + task * shifts_.dim(1)};
-      float* const grads[3] = {dq.data() + offset, dk.data() + offset, dv.data() + offset};
+      const HeadInputs<T> in{q + offset,
+                             k + offset,
+                             v + offset,
+                             out + offset,
+                             dout + offset,
+                             normalisers_.data() + task * n,
+                             shifts_.data() + task * shifts_.dim(1)};
+      const HeadGrads<T> grads{dq + offset, dk + offset, dv + offset};
       flops += p_.causal ? head_backward_causal(map, in, grads, b, g) : head_backward_full(map, in, grads, b, g);
     }
   }
   FlopCounter::add(flops);
 }
 
-// in: q, k, v, out, dout, z, chunk shifts of one head. G'[r] = [dO_r / z_r, −(dO_r·O_r)/z_r] with
-// z_r the saved normaliser × z_scale.
-std::int64_t ChunkedLinearAttention::output_grads(const float* const* in, std::int64_t c0, std::int64_t rows,
+// G'[r] = [dO_r / z_r, −(dO_r·O_r)/z_r] with z_r the saved normaliser × z_scale.
+template <class T>
+std::int64_t ChunkedLinearAttention::output_grads(const HeadInputs<T>& in, std::int64_t c0, std::int64_t rows,
                                                   float z_scale, const GradBuffers& g) const {
   const std::int64_t d = p_.head_dim;
   for (std::int64_t r = 0; r < rows; ++r) {
-    const float* dout = in[4] + (c0 + r) * d;
-    const float* out = in[3] + (c0 + r) * d;
-    const float inverse = 1.0f / (in[5][c0 + r] * z_scale);
+    const T* dout = in.dout + (c0 + r) * d;
+    const T* out = in.out + (c0 + r) * d;
+    const float inverse = 1.0f / (in.z[c0 + r] * z_scale);
     float* dst = g.output_grads + r * ld_v_;
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (std::int64_t j = 0; j < d; ++j) {
-      dst[j] = dout[j] * inverse;
-      dot += dout[j] * out[j];
+      const float grad = as_float(dout[j]);
+      dst[j] = grad * inverse;
+      dot += grad * as_float(out[j]);
     }
     dst[d] = -dot * inverse;
   }
   return 3 * rows * d;
 }
 
-std::int64_t ChunkedLinearAttention::head_backward_full(const FeatureMap& map, const float* const* in,
-                                                        float* const* grads, const Buffers& b,
+template <class T>
+std::int64_t ChunkedLinearAttention::head_backward_full(const FeatureMap& map, const HeadInputs<T>& in,
+                                                        const HeadGrads<T>& grads, const Buffers& b,
                                                         const GradBuffers& g) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
-  const float *q = in[0], *k = in[1], *v = in[2];
-  float shift = saved_shift(in[6], n - 1);  // every key at the final shift, as pass 2 of the forward saw them
+  const T *q = in.q, *k = in.k, *v = in.v;
+  float shift = saved_shift(in.shifts, n - 1);  // every key at the final shift, as pass 2 of the forward saw them
   std::int64_t flops = 0;
   for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {  // S'
     const std::int64_t rows = std::min(chunk_, n - c0);
@@ -314,9 +419,12 @@ std::int64_t ChunkedLinearAttention::head_backward_full(const FeatureMap& map, c
   }
   for (std::int64_t c0 = 0; c0 < n; c0 += chunk_) {  // dQ and dS'
     const std::int64_t rows = std::min(chunk_, n - c0);
-    flops += map.queries(q + c0 * d, rows, b.phi_q, ld_m_) + output_grads(in, c0, rows, 1.0f, g);
+    const float* query_rows = fp32_rows(q, c0, rows, d, b.query_rows);
+    flops += map.queries(query_rows, rows, b.phi_q, ld_m_) + output_grads(in, c0, rows, 1.0f, g);
     ops::gemm(false, true, rows, m_, d + 1, 1.0f, g.output_grads, ld_v_, b.state, ld_v_, 0.0f, g.feature_grads, ld_m_);
-    flops += map.gradient(q + c0 * d, rows, b.phi_q, g.feature_grads, ld_m_, grads[0] + c0 * d, false);
+    float* dq = fp32_target(grads.dq, c0, d, g.gradient_rows);
+    flops += map.gradient(query_rows, rows, b.phi_q, g.feature_grads, ld_m_, dq, false);
+    store_rows(dq, grads.dq, c0, rows, d);
     ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_q, ld_m_, g.output_grads, ld_v_, c0 > 0 ? 1.0f : 0.0f,
               g.adjoint, ld_v_);
   }
@@ -324,24 +432,30 @@ std::int64_t ChunkedLinearAttention::head_backward_full(const FeatureMap& map, c
     const std::int64_t rows = std::min(chunk_, n - c0);
     flops += load_key_chunk(map, k, v, c0, rows, shift, b, false);
     ops::gemm(false, true, rows, m_, d + 1, 1.0f, b.values, ld_v_, g.adjoint, ld_v_, 0.0f, g.feature_grads, ld_m_);
-    flops += map.gradient(k + c0 * d, rows, b.phi_k, g.feature_grads, ld_m_, grads[1] + c0 * d, true);
-    ops::gemm(false, false, rows, d, m_, 1.0f, b.phi_k, ld_m_, g.adjoint, ld_v_, 0.0f, grads[2] + c0 * d, d);
+    float* dk = fp32_target(grads.dk, c0, d, g.gradient_rows);
+    flops += map.gradient(widened_rows(k, c0, d, b.key_rows), rows, b.phi_k, g.feature_grads, ld_m_, dk, true);
+    store_rows(dk, grads.dk, c0, rows, d);
+    float* dv = fp32_target(grads.dv, c0, d, g.gradient_rows);
+    ops::gemm(false, false, rows, d, m_, 1.0f, b.phi_k, ld_m_, g.adjoint, ld_v_, 0.0f, dv, d);
+    store_rows(dv, grads.dv, c0, rows, d);
   }
   return flops;
 }
 
-std::int64_t ChunkedLinearAttention::head_backward_causal(const FeatureMap& map, const float* const* in,
-                                                          float* const* grads, const Buffers& b,
+template <class T>
+std::int64_t ChunkedLinearAttention::head_backward_causal(const FeatureMap& map, const HeadInputs<T>& in,
+                                                          const HeadGrads<T>& grads, const Buffers& b,
                                                           const GradBuffers& g) const {
   const std::int64_t n = p_.seq_len, d = p_.head_dim;
-  const float *q = in[0], *k = in[1], *v = in[2];
-  const float final_shift = saved_shift(in[6], n - 1);
+  const T *q = in.q, *k = in.k, *v = in.v;
+  const float final_shift = saved_shift(in.shifts, n - 1);
   float shift = final_shift;  // every key at the final shift; each row's z brought there from its chunk's
   std::int64_t flops = 0;
   // The chunk's features, G' and B = tril(G'·V'ᵀ).
   auto load_chunk = [&](std::int64_t c0, std::int64_t rows) {
-    const float z_scale = map.shifts() ? std::exp(saved_shift(in[6], c0) - final_shift) : 1.0f;
-    flops += load_key_chunk(map, k, v, c0, rows, shift, b, false) + map.queries(q + c0 * d, rows, b.phi_q, ld_m_) +
+    const float z_scale = map.shifts() ? std::exp(saved_shift(in.shifts, c0) - final_shift) : 1.0f;
+    flops += load_key_chunk(map, k, v, c0, rows, shift, b, false) +
+             map.queries(fp32_rows(q, c0, rows, d, b.query_rows), rows, b.phi_q, ld_m_) +
              output_grads(in, c0, rows, z_scale, g);
     ops::gemm(false, true, rows, rows, d + 1, 1.0f, g.output_grads, ld_v_, b.values, ld_v_, 0.0f, g.masked, ld_c_);
     mask_future(g.masked, rows, ld_c_);
@@ -353,7 +467,9 @@ std::int64_t ChunkedLinearAttention::head_backward_causal(const FeatureMap& map,
     if (c0 > 0)
       ops::gemm(false, true, rows, m_, d + 1, 1.0f, g.output_grads, ld_v_, b.state, ld_v_, 1.0f, g.feature_grads,
                 ld_m_);
-    flops += map.gradient(q + c0 * d, rows, b.phi_q, g.feature_grads, ld_m_, grads[0] + c0 * d, false);
+    float* dq = fp32_target(grads.dq, c0, d, g.gradient_rows);
+    flops += map.gradient(widened_rows(q, c0, d, b.query_rows), rows, b.phi_q, g.feature_grads, ld_m_, dq, false);
+    store_rows(dq, grads.dq, c0, rows, d);
     if (c0 + rows < n)
       ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_k, ld_m_, b.values, ld_v_, c0 > 0 ? 1.0f : 0.0f, b.state,
                 ld_v_);
@@ -367,10 +483,13 @@ std::int64_t ChunkedLinearAttention::head_backward_causal(const FeatureMap& map,
     ops::gemm(true, false, rows, m_, rows, 1.0f, g.masked, ld_c_, b.phi_q, ld_m_, 0.0f, g.feature_grads, ld_m_);
     if (c0 < last)
       ops::gemm(false, true, rows, m_, d + 1, 1.0f, b.values, ld_v_, g.adjoint, ld_v_, 1.0f, g.feature_grads, ld_m_);
-    flops += map.gradient(k + c0 * d, rows, b.phi_k, g.feature_grads, ld_m_, grads[1] + c0 * d, true);
-    ops::gemm(true, false, rows, d, rows, 1.0f, b.scores, ld_c_, g.output_grads, ld_v_, 0.0f, grads[2] + c0 * d, d);
-    if (c0 < last)
-      ops::gemm(false, false, rows, d, m_, 1.0f, b.phi_k, ld_m_, g.adjoint, ld_v_, 1.0f, grads[2] + c0 * d, d);
+    float* dk = fp32_target(grads.dk, c0, d, g.gradient_rows);
+    flops += map.gradient(widened_rows(k, c0, d, b.key_rows), rows, b.phi_k, g.feature_grads, ld_m_, dk, true);
+    store_rows(dk, grads.dk, c0, rows, d);
+    float* dv = fp32_target(grads.dv, c0, d, g.gradient_rows);
+    ops::gemm(true, false, rows, d, rows, 1.0f, b.scores, ld_c_, g.output_grads, ld_v_, 0.0f, dv, d);
+    if (c0 < last) ops::gemm(false, false, rows, d, m_, 1.0f, b.phi_k, ld_m_, g.adjoint, ld_v_, 1.0f, dv, d);
+    store_rows(dv, grads.dv, c0, rows, d);
     if (c0 > 0)
       ops::gemm(true, false, m_, d + 1, rows, 1.0f, b.phi_q, ld_m_, g.output_grads, ld_v_, c0 < last ? 1.0f : 0.0f,
                 g.adjoint, ld_v_);
@@ -424,19 +543,22 @@ std::int64_t linear_attention_backward_workspace(const Problem& p, std::int64_t 
   const std::int64_t c = clamp_chunk(p, chunk), ld_v = ops::padded_ld(p.head_dim + 1);
   std::int64_t per_thread = c * ld_v + c * ops::padded_ld(feature_dim) + feature_dim * ld_v;
   if (p.causal) per_thread += c * ops::padded_ld(c);
+  if (p.dtype == DType::BF16) per_thread += c * p.head_dim;  // the fp32 gradient rows before rounding
   const std::int64_t saved = p.batch * p.heads * (p.seq_len + (p.seq_len + c - 1) / c);  // z, chunk shifts
   return (saved + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t linear_attention_decode_workspace(const Problem& p, std::int64_t feature_dim) {
   const std::int64_t heads = p.batch * p.heads;
-  return heads * (feature_dim * ops::padded_ld(p.head_dim + 1) + 1) * static_cast<std::int64_t>(sizeof(float));
+  return heads * (feature_dim * ops::padded_ld(p.head_dim + 1) * element_bytes(p.dtype) +  // S'
+                  static_cast<std::int64_t>(sizeof(float)));                               // the key shift
 }
 
 std::int64_t linear_attention_workspace(const Problem& p, std::int64_t chunk, std::int64_t feature_dim) {
   const std::int64_t c = clamp_chunk(p, chunk), ld_v = ops::padded_ld(p.head_dim + 1);
   std::int64_t per_thread = 2 * c * ops::padded_ld(feature_dim) + 2 * c * ld_v + feature_dim * ld_v;
   if (p.causal) per_thread += c * ops::padded_ld(c);
+  if (p.dtype == DType::BF16) per_thread += 2 * c * p.head_dim;  // the widened query and key rows
   return p.threads * per_thread * static_cast<std::int64_t>(sizeof(float));
 }
 

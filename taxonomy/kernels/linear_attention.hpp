@@ -27,8 +27,8 @@
 //   normalise: N·D
 //   non-causal: 4·N·M·(D+1)
 //   causal, chunk c: 2·n_c²·M + 2·n_c²·(D+1) + [c > 0] 2·n_c·M·(D+1) + [not last] 2·n_c·M·(D+1)
-// Workspace: per thread φ(Q_c), φ(K_c) [C, M], A [C, C], V'_c, out'_c [C, D+1], S' [M, D+1]:
-// independent of N.
+// Workspace: per thread φ(Q_c), φ(K_c) [C, M], A [C, C], V'_c, out'_c [C, D+1], S' [M, D+1] (and
+// in bf16 the widened Q_c, K_c [C, D]): independent of N.
 //
 // Backward (differentiable maps; see linear_attention_backward_flops): the forward saves each row's
 // normaliser z_i = out'_i[D] (B·H·N floats) and, for a shifting map, the key shift in effect after
@@ -43,6 +43,24 @@
 //           dφ(K_c) = Bᵀ·φ(Q_c) + V'_c·Rᵀ;  dV_c = Aᵀ·G'_c[:, :D] + φ(K_c)·R[:, :D].
 // dQ, dK from dφ through the map's own gradient. Memory stays O(N) (z) plus per-thread chunk
 // buffers: no per-token state.
+//
+// bf16 (Problem::dtype == DType::BF16, issue 31): q, k, v, out, dout, dq, dk, dv and the decode
+// state S' are bf16; everything in between is the fp32 computation above. Each chunk's query and
+// key rows are widened into per-thread fp32 rows [C, D] (V_c straight into V'_c); the feature
+// maps, the chunk buffers, the forward's running state and every product stay fp32 (ops::gemm,
+// oneDNN's sgemm; one path on AVX-512 and AVX2): the products are small cache-resident chunk
+// products on the calling thread, where the project has an fp32 gemm only, and bf16 operands would
+// add a rounding per product. The gain is the halved streams of q, k, v, out. Outputs and gradients
+// are rounded once, from fp32, when stored (a chunk's gradient rows through a per-thread fp32
+// [C, D] buffer). The saved z and chunk shifts stay fp32: they are the normaliser sums and running
+// maxima (the softmax statistics' analogues); rounding z would move every gradient by u, rounding
+// a shift would scale exp(−shift) by up to u·|shift|.
+// Decoding keeps S' [B·H, M, ld_v] in bf16 (half the bytes; the shift per head stays fp32): a step
+// widens each state row, rescales and updates it in fp32, answers the query from the fp32 row and
+// stores it rounded — one rounding per element per token, so after the prefill (its state rounded
+// once) and t steps a state entry is within (t + 1)·u of its magnitude sum (Σ φ(k)|v|, Σ φ(k)), and
+// a step's output within (t + 1)·u/(1 − (t + 1)·u)·(max|v| + |o|) of the fp32 walk's, plus the two
+// outputs' bf16 roundings (tests/models/kernels/test_kernels_bf16.cpp). FLOPs are the fp32 form's.
 #include <cstdint>
 
 #include "lib/core/mechanism.hpp"
@@ -114,37 +132,66 @@ class ChunkedLinearAttention {
  private:
   struct Buffers;
   struct GradBuffers;
-  std::int64_t head_backward_full(const FeatureMap& map, const float* const* in, float* const* grads, const Buffers& b,
-                                  const GradBuffers& g) const;
-  std::int64_t head_backward_causal(const FeatureMap& map, const float* const* in, float* const* grads,
+  // One head's inputs for the backward (T: the element type of q, k, v, out, dout; z and the chunk
+  // shifts are fp32) and its gradients.
+  template <class T>
+  struct HeadInputs {
+    const T *q, *k, *v, *out, *dout;
+    const float *z, *shifts;
+  };
+  template <class T>
+  struct HeadGrads {
+    T *dq, *dk, *dv;
+  };
+  // The passes over every head, on fp32 (T = float) or bf16 (T = bf16) tensors.
+  template <class T>
+  void forward_heads(const FeatureMap& map, const T* q, const T* k, const T* v, T* out);
+  template <class T>
+  void backward_heads(const FeatureMap& map, const T* q, const T* k, const T* v, const T* out, const T* dout, T* dq,
+                      T* dk, T* dv);
+  template <class T>
+  void decode_heads(const FeatureMap& map, const T* q, const T* k, const T* v, T* out, T* states);
+  template <class T>
+  std::int64_t head_backward_full(const FeatureMap& map, const HeadInputs<T>& in, const HeadGrads<T>& grads,
+                                  const Buffers& b, const GradBuffers& g) const;
+  template <class T>
+  std::int64_t head_backward_causal(const FeatureMap& map, const HeadInputs<T>& in, const HeadGrads<T>& grads,
                                     const Buffers& b, const GradBuffers& g) const;
   // G'_c of chunk rows [c0, c0 + rows) into g.output_grads. Returns its FLOPs (3·D per row).
   // z_scale: multiplies the saved z (the shift correction of a causal chunk; 1 otherwise).
-  std::int64_t output_grads(const float* const* in, std::int64_t c0, std::int64_t rows, float z_scale,
+  template <class T>
+  std::int64_t output_grads(const HeadInputs<T>& in, std::int64_t c0, std::int64_t rows, float z_scale,
                             const GradBuffers& g) const;
   // The saved shift after chunk c of head `task` (−∞ when nothing was saved).
   float saved_shift(const float* shifts, std::int64_t c0) const { return shifts[c0 / chunk_]; }
   GradBuffers grad_buffers(int thread);
   // z, shifts: the head's saved normalisers and chunk shifts (training) or nullptr; final_state,
   // final_shift: where the head's decoding state goes (decoding) or nullptr.
-  std::int64_t head_causal(const FeatureMap& map, const float* q, const float* k, const float* v, float* out, float* z,
-                           float* shifts, const Buffers& b, float* final_state, float* final_shift) const;
-  std::int64_t head_step(const FeatureMap& map, const float* q, const float* k, const float* v, float* out,
-                         float* state, float& shift, const Buffers& b) const;
-  std::int64_t head_full(const FeatureMap& map, const float* q, const float* k, const float* v, float* out, float* z,
-                         float* shifts, const Buffers& b) const;
+  template <class T>
+  std::int64_t head_causal(const FeatureMap& map, const T* q, const T* k, const T* v, T* out, float* z, float* shifts,
+                           const Buffers& b, T* final_state, float* final_shift) const;
+  template <class T>
+  std::int64_t head_step(const FeatureMap& map, const T* q, const T* k, const T* v, T* out, T* state, float& shift,
+                         const Buffers& b) const;
+  template <class T>
+  std::int64_t head_full(const FeatureMap& map, const T* q, const T* k, const T* v, T* out, float* z, float* shifts,
+                         const Buffers& b) const;
   // The key side of chunk [c0, c0 + rows): φ(K) into b.phi_k (moving the running shift, and
   // rescaling the state to it when the map shifts and rescale_state; the backward's keys sit at the
-  // final shift and never move it), and [V | 1] into b.values. Returns its FLOPs.
-  std::int64_t load_key_chunk(const FeatureMap& map, const float* k, const float* v, std::int64_t c0, std::int64_t rows,
+  // final shift and never move it), and [V | 1] into b.values. Returns its FLOPs. bf16: the key
+  // rows are widened into b.key_rows first (where the map's gradient reads them).
+  template <class T>
+  std::int64_t load_key_chunk(const FeatureMap& map, const T* k, const T* v, std::int64_t c0, std::int64_t rows,
                               float& shift, const Buffers& b, bool rescale_state = true) const;
   Buffers buffers(int thread);
 
   Problem p_;
   std::int64_t chunk_, m_, ld_m_, ld_c_, ld_v_;
   Tensor phi_q_, phi_k_, scores_, values_, numerators_, state_;
+  Tensor input_rows_;  // bf16 only: each thread's widened query and key rows [threads, 2, C, D]
   Tensor normalisers_, shifts_, output_grads_, feature_grads_, adjoint_, masked_grads_;  // training only
-  Tensor decode_states_, decode_shifts_;                                                 // decoding only
+  Tensor gradient_rows_;                  // bf16 training only: each thread's fp32 dq/dk/dv rows [threads, C, D]
+  Tensor decode_states_, decode_shifts_;  // decoding only
 };
 
 std::int64_t linear_attention_flops(const Problem& p, std::int64_t chunk, const FeatureCosts& costs);

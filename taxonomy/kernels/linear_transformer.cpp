@@ -125,7 +125,10 @@ FieldTable<LinearTransformerConfig> config_fields(const LinearTransformerConfig*
 
 template <>
 Implementation implementation<LinearTransformerConfig>() {
-  return implement<LinearTransformerConfig>();
+  Implementation impl = implement<LinearTransformerConfig>();
+  impl.bf16_forward = true;  // forward and decode, on the engine's bf16 form
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

@@ -13,6 +13,8 @@
 // each row's normaliser, the features are recomputed.
 // Decode: the recurrent state [S | z] per head, [D, D+1] (kernels/linear_attention.hpp), O(1)
 // per token and constant in N.
+// bf16 (--dtype bf16): the engine's bf16 form (kernels/linear_attention.hpp) — bf16 q, k, v, out,
+// gradients and [S | z] state (half its bytes), elu + 1 and the products in fp32 on widened chunk rows.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 

@@ -265,7 +265,10 @@ FieldTable<PerformerConfig> config_fields(const PerformerConfig*) {
 
 template <>
 Implementation implementation<PerformerConfig>() {
-  return implement<PerformerConfig>();
+  Implementation impl = implement<PerformerConfig>();
+  impl.bf16_forward = true;  // forward and decode, on the engine's bf16 form
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

@@ -28,6 +28,9 @@
 // Backward (kernels/linear_attention.hpp): ω held fixed (redrawn, not learned); dq, dk through
 // ∂φ/∂x = φ·(α·ω − α²·x for keys) (softmax; the row max and key shift are constants that cancel) or
 // [ωx > 0]·ω/√M (relu); per row M + 2·M·D (+ M + 2·D for softmax keys) FLOPs.
+// bf16 (--dtype bf16): the engine's bf16 form (kernels/linear_attention.hpp) — bf16 q, k, v, out,
+// gradients and decode state S', the features and products in fp32 on each chunk's widened rows.
+// ω (and decoding's ωᵀ) stay fp32 as the model holds them (the dump's random_features): never rounded.
 // Decode: the recurrent state [S | z] per head, [M, D+1], at the running key shift (a new key
 // that raises the shift rescales it); O(1) per token and constant in N. A step projects its single
 // q and k rows through a transposed copy of ω ([D, M], made by prepare_decode) rather than one-row
