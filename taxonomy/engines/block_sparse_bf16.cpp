@@ -92,8 +92,8 @@ std::int64_t attend_bf16(const HeadViewBf16& head, const Tile& tile, ThreadScrat
     float* scores = scratch.scores(thread);
     bf16* probs = scratch.probs(thread);
     tiles::pack_key_pair_panels(keys, ldk, width, d, scratch.key_panels(thread));
-    tiles::scores_bf16(head.q + tile.q_first * d, ldq, tile.rows, scratch.key_panels(thread),
-                       tiles::panels_for(width), d, scale, scores, ld);
+    tiles::scores_bf16(head.q + tile.q_first * d, ldq, tile.rows, scratch.key_panels(thread), tiles::panels_for(width),
+                       d, scale, scores, ld);
     for (std::int64_t r = 0; r < tile.rows; ++r) {
       float* row = scores + r * ld;
       const std::int64_t begin = row_begin(hull, lo[r], hi[r]), end = row_end(hull, lo[r], hi[r]);
@@ -295,8 +295,8 @@ void WindowCacheBf16::step(const Tensor& q, const Tensor& k, const Tensor& v, Te
     throw std::logic_error("WindowCacheBf16: the run does not fit the window");
   // The ring's runs as WindowCache's attend_ring splits them (its FLOPs per run).
   const std::int64_t begin = first % capacity, head_run = std::min(count, capacity - begin);
-  const std::int64_t flops_per_head = 2 * d + attend_rows_flops(head_run, d) +
-                                      (count > head_run ? attend_rows_flops(count - head_run, d) : 0);
+  const std::int64_t flops_per_head =
+      2 * d + attend_rows_flops(head_run, d) + (count > head_run ? attend_rows_flops(count - head_run, d) : 0);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
 #pragma omp parallel for num_threads(threads) schedule(static) if (2 * heads * count * d >= kParallelStepFloats)
   for (std::int64_t head = 0; head < heads; ++head) {

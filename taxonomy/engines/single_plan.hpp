@@ -144,7 +144,6 @@ std::int64_t single_plan_backward_workspace(const Problem& p, const Plan& plan) 
   if (p.dtype == DType::BF16)
     return TileTrainingBf16::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, plan.max_keys(), p.head_dim);
   return TileTraining::tracked_bytes(p.batch * p.heads, p.seq_len, p.threads, plan.max_keys(), p.head_dim);
-
 }
 
 }  // namespace xfb::block_sparse

@@ -55,7 +55,8 @@ std::int64_t backward_workspace(const Problem& p, const ImageTransformerConfig& 
 }
 
 std::int64_t decode_workspace(const Problem& p, const ImageTransformerConfig& c, std::int64_t) {
-  if (p.dtype == DType::BF16) return bs::WindowCacheBf16::bytes(p.batch * p.heads, c.memory_flange + c.query_block, p.head_dim);
+  if (p.dtype == DType::BF16)
+    return bs::WindowCacheBf16::bytes(p.batch * p.heads, c.memory_flange + c.query_block, p.head_dim);
   return WindowCache::bytes(p.batch * p.heads, c.memory_flange + c.query_block, p.head_dim);
 }
 

@@ -109,9 +109,7 @@ std::unique_ptr<Mechanism> create_bf16(const std::string& model, Problem p, cons
   return info->impl.create(p, resolve_params(model, info->impl.params, params), 42);
 }
 
-Tensor bf16_tensor(const Problem& p) {
-  return Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, DType::BF16);
-}
+Tensor bf16_tensor(const Problem& p) { return Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, DType::BF16); }
 
 double max_abs_of(const float* x, std::int64_t count) {
   double largest = 0;
@@ -154,7 +152,8 @@ std::vector<double> reference_probabilities(const float* q, const float* k, std:
       peak = std::max(peak, s * scale);
     }
     for (std::int64_t j = 0; j < n; ++j)
-      if (allowed(i, j)) sum += p[static_cast<std::size_t>(i * n + j)] = std::exp(p[static_cast<std::size_t>(i * n + j)] - peak);
+      if (allowed(i, j))
+        sum += p[static_cast<std::size_t>(i * n + j)] = std::exp(p[static_cast<std::size_t>(i * n + j)] - peak);
     for (std::int64_t j = 0; j < n; ++j)
       if (allowed(i, j)) p[static_cast<std::size_t>(i * n + j)] /= sum;
   }
@@ -169,8 +168,7 @@ TEST_SUITE("local_bf16") {
       for (const Case& c : forward_cases())
         for (std::int64_t n : c.sizes)
           for (bool causal : {false, true}) {
-            const Problem p =
-                on_test_threads({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal});
+            const Problem p = on_test_threads({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal});
             const Inputs in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 3);
             auto mechanism = create_bf16(c.model, p, c.params);
             Tensor out = bf16_tensor(p);
@@ -184,9 +182,11 @@ TEST_SUITE("local_bf16") {
               const auto want = reference_attention(q, k, v, n, n, 32, 1.0 / std::sqrt(32.0), c.mask(causal));
               const double fp32 = attention_tolerance(q, k, v, n, n, 32, 1.0 / std::sqrt(32.0));
               const double bound = forward_bound(q, k, v, n, 32);
-              check_elements(got.head(0, h), want, n * 32, [&](std::int64_t) { return bound; }, label);
+              check_elements(
+                  got.head(0, h), want, n * 32, [&](std::int64_t) { return bound; }, label);
               for (std::int64_t e = 0; e < n * 32; ++e)
-                over_fp32 = std::max(over_fp32, std::fabs(got.head(0, h)[e] - want[static_cast<std::size_t>(e)]) / fp32);
+                over_fp32 =
+                    std::max(over_fp32, std::fabs(got.head(0, h)[e] - want[static_cast<std::size_t>(e)]) / fp32);
             }
             // Not fp32 in disguise: past a few keys, the bf16 rounding of P and O shows.
             if (n >= 15) CHECK_MESSAGE(over_fp32 > 1, label << ": the error never exceeds the fp32 bound");
@@ -242,9 +242,11 @@ TEST_SUITE("local_bf16") {
                   sum += p_of(r, j) * delta_error[static_cast<std::size_t>(r)] * std::fabs(q[r * d + f]);
                 return factor * ref.dk_terms[static_cast<std::size_t>(e)] + scale * sum + 1e-30;
               };
-              auto dv_bound = [&](std::int64_t e) { return factor * ref.dv_terms[static_cast<std::size_t>(e)] + 1e-30; };
-              const std::string label = c.model + " N=" + std::to_string(n) + (causal ? " causal " : " ") + path +
-                                        " b=" + std::to_string(b);
+              auto dv_bound = [&](std::int64_t e) {
+                return factor * ref.dv_terms[static_cast<std::size_t>(e)] + 1e-30;
+              };
+              const std::string label =
+                  c.model + " N=" + std::to_string(n) + (causal ? " causal " : " ") + path + " b=" + std::to_string(b);
               check_elements(got[0].head(b, 0), ref.dq, n * d, dq_bound, "dq " + label);
               check_elements(got[1].head(b, 0), ref.dk, n * d, dk_bound, "dk " + label);
               check_elements(got[2].head(b, 0), ref.dv, n * d, dv_bound, "dv " + label);
@@ -263,8 +265,8 @@ TEST_SUITE("local_bf16") {
       std::vector<std::string> params;
       std::int64_t window;
     };
-    for (const DecodeCase& c : std::vector<DecodeCase>{{"local", {"block=16"}, 16},
-                                                       {"image-transformer", {"query_block=16", "memory_flange=8"}, 24}})
+    for (const DecodeCase& c : std::vector<DecodeCase>{
+             {"local", {"block=16"}, 16}, {"image-transformer", {"query_block=16", "memory_flange=8"}, 24}})
       for (std::int64_t context : {16, 17, 31, 33}) {  // ≥ the block, which is clamped to the context's N
         const Problem whole =
             on_test_threads({.batch = 1, .heads = 3, .seq_len = context + kTokens, .head_dim = 16, .causal = true});
