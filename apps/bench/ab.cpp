@@ -34,6 +34,7 @@ PointConfig side_point(const AbSettings& s, const AbSide& side, const std::strin
   point.problem.seq_len = n;
   point.params = params_for_model(point.model, s.params);
   point.params.insert(point.params.end(), side.params.begin(), side.params.end());
+  if (!side.dtype.empty()) point.problem.dtype = parse_dtype(side.dtype);
   return point;
 }
 
@@ -96,7 +97,8 @@ AbReport run_ab(const AbSettings& s, const std::string& command_line) {
     return nlohmann::json{{"label", side.label},
                           {"program", side.program.empty() ? "self" : side.program},
                           {"model", side.model},
-                          {"params", side.params}};
+                          {"params", side.params},
+                          {"dtype", side.dtype}};
   };
   report.settings = point_settings(s.base);  // every point field, as a sweep records them
   report.settings.update({{"models", s.models},

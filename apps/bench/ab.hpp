@@ -32,6 +32,7 @@ struct AbSide {
   std::string program;              // xfbench binary; empty: this one
   std::string model;                // empty: the point's model
   std::vector<std::string> params;  // `key=value`, added after the common ones
+  std::string dtype;                // "f32" / "bf16"; empty: the points' --dtype
 };
 
 struct AbSettings {

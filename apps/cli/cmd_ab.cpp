@@ -63,6 +63,12 @@ void add_ab(CLI::App& app, Action& action) {
   command->add_option("--a-param", o->settings.a.params, "key=value for side A only (repeatable)");
   command->add_option("--b-param", o->settings.b.params, "key=value for side B only (repeatable)");
   command->add_option("--b-model", o->settings.b.model, "model of side B (with one model in --models)");
+  for (auto* side : {&o->settings.a, &o->settings.b})
+    command
+        ->add_option(side == &o->settings.a ? "--a-dtype" : "--b-dtype", side->dtype,
+                     std::string("element type of side ") + (side == &o->settings.a ? "A" : "B") +
+                         " only, f32 or bf16 (issue 31's interleaved f32-against-bf16 timing)")
+        ->check(CLI::IsMember({"f32", "bf16"}));
   add_integer_option(*command, "--rounds", o->settings.rounds, 2, static_cast<std::int64_t>(kExactSignedRankMax),
                      "A B | B A rounds per point");
   add_real_option(*command, "--alpha", o->settings.alpha, 1e-9, 0.999, "1 − confidence of the ratio's interval");

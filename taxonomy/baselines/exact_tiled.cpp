@@ -11,6 +11,7 @@
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/tile_kernels.hpp"
+#include "lib/core/tile_kernels_bf16.hpp"
 #include "taxonomy/engines/decode_common.hpp"
 
 namespace xfb {
@@ -406,9 +407,346 @@ class ExactTiled final : public Mechanism {
   std::int64_t splits_ = 1, length_ = 0;
 };
 
+// --- bf16 (issue 31; contracts in exact_tiled.hpp) ------------------------------------------------
+
+// Elements of one head's keys in key pair panels and of its values (or any [N, D] rows) in row pairs.
+std::int64_t head_panel_elements(std::int64_t n, std::int64_t d) { return tiles::panels_for(n) * tiles::kPanel * d; }
+std::int64_t head_pair_elements(std::int64_t n, std::int64_t d) { return (n + 1) / 2 * 2 * d; }
+
+// Split s of a bf16 decode step over `keys` keys starts at a panel boundary (the cache's key
+// panels): [split_begin(s), split_begin(s + 1)), the last split ending at keys.
+std::int64_t bf16_split_begin(std::int64_t split, std::int64_t splits, std::int64_t keys) {
+  if (split >= splits) return keys;
+  return split * keys / splits / tiles::kPanel * tiles::kPanel;
+}
+// The most keys one bf16 split of at most `capacity` keys holds.
+std::int64_t bf16_split_capacity(std::int64_t capacity, std::int64_t splits) {
+  return split_capacity(capacity, splits) + tiles::kPanel;
+}
+
+// fp32 rows (stride ld) of a [rows, cols] tile rounded to bf16 plain rows (stride ld; the entry
+// past an odd cols 0).
+void round_tile_rows(const float* tile, std::int64_t ld, std::int64_t rows, std::int64_t cols, bf16* out) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    tiles::round_row(tile + r * ld, cols, out + r * ld);
+    if (cols % 2 == 1) out[r * ld + cols] = bf16{};
+  }
+}
+// The same tile rounded to bf16 row pairs with ld (the missing odd row 0).
+void round_tile_pairs(const float* tile, std::int64_t ld, std::int64_t rows, std::int64_t cols, bf16* out) {
+  for (std::int64_t r = 0; r < rows; r += 2)
+    tiles::round_row_pair(tile + r * ld, r + 1 < rows ? tile + (r + 1) * ld : nullptr, cols, out + r * ld);
+}
+
+class ExactTiledBf16 final : public Mechanism {
+ public:
+  ExactTiledBf16(const Problem& problem, const ExactTiledConfig& config) : p_(problem), c_(config) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    const std::int64_t threads = p_.threads, heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+    lds_ = score_stride(c_.block_k);
+    scores_ = Tensor(Shape{threads, kStripRows, lds_});
+    probs_ = Tensor(Shape{threads, kStripRows, lds_}, DType::BF16);
+    packed_keys_ = Tensor(Shape{heads, head_panel_elements(n, d)}, DType::BF16);
+    packed_values_ = Tensor(Shape{heads, head_pair_elements(n, d)}, DType::BF16);
+    accumulators_ = Tensor(Shape{threads, c_.block_q, d});
+    row_stats_ = Tensor(Shape{threads, 2, c_.block_q});
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, heads = p_.batch * p_.heads;
+    const std::int64_t query_blocks = (n + c_.block_q - 1) / c_.block_q, tasks = heads * query_blocks;
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t head = 0; head < heads; ++head) {
+      tiles::pack_key_pair_panels(k.bf16_data() + head * n * d, d, n, d,
+                                  packed_keys_.bf16_data() + head * packed_keys_.dim(1));
+      tiles::pack_row_pairs(v.bf16_data() + head * n * d, d, n, d,
+                            packed_values_.bf16_data() + head * packed_values_.dim(1));
+    }
+    std::int64_t kernel_flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : kernel_flops)
+    {
+      const int thread = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t task = 0; task < tasks; ++task) {
+        const std::int64_t head = task / query_blocks;
+        const std::int64_t block = p_.causal ? query_blocks - 1 - task % query_blocks : task % query_blocks;
+        kernel_flops +=
+            query_block(head, q.bf16_data() + head * n * d, out.bf16_data() + head * n * d, block * c_.block_q, thread);
+      }
+    }
+    if (cache_.capacity() > 0) cache_.load_context(k, v, p_.threads);
+    FlopCounter::add(kernel_flops);
+    length_ = n;
+  }
+
+  void prepare_backward() override {
+    const std::int64_t threads = p_.threads, n = p_.seq_len, d = p_.head_dim, rows = p_.batch * p_.heads * n;
+    const std::int64_t ld = score_stride(c_.backward_block_k), strip = kBackwardStripRows;
+    log_sum_exp_ = Tensor(Shape{rows});
+    deltas_ = Tensor(Shape{rows});
+    tile_grads_ = Tensor(Shape{threads, 2, strip, ld});
+    tile_bf16_ = Tensor(Shape{threads, 3, strip, ld}, DType::BF16);                    // P pairs, dS rows, dS pairs
+    head_pairs_ = Tensor(Shape{threads, 3, head_pair_elements(n, d)}, DType::BF16);    // Q, dO, K pairs
+    head_panels_ = Tensor(Shape{threads, 2, head_panel_elements(n, d)}, DType::BF16);  // K, V panels
+    query_grads_ = Tensor(Shape{threads, n, d});
+    block_grads_ = Tensor(Shape{threads, 2, c_.backward_block_k, d});  // dK, dV of a key block
+  }
+
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, heads = p_.batch * p_.heads;
+    std::int64_t own_flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : own_flops)
+    {
+      const int thread = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t head = 0; head < heads; ++head) {
+        const std::int64_t at = head * n * d;
+        own_flops +=
+            head_backward(head,
+                          {q.bf16_data() + at, k.bf16_data() + at, v.bf16_data() + at, out.bf16_data() + at,
+                           dout.bf16_data() + at, dq.bf16_data() + at, dk.bf16_data() + at, dv.bf16_data() + at},
+                          thread);
+      }
+    }
+    FlopCounter::add(own_flops);
+  }
+
+  std::vector<NamedTensor> saved() const override { return {{"log_sum_exp", &log_sum_exp_}}; }
+
+  void prepare_decode(std::int64_t tokens) override {
+    const std::int64_t heads = p_.batch * p_.heads, capacity = p_.seq_len + tokens, d = p_.head_dim;
+    splits_ = decode_splits(p_, c_, tokens);
+    cache_ = Bf16KvCache(heads, capacity, d);
+    const std::int64_t longest = bf16_split_capacity(capacity, splits_);
+    split_accumulators_ = Tensor(Shape{heads * splits_, d});
+    split_stats_ = Tensor(Shape{heads * splits_, 2});
+    split_scores_ = Tensor(Shape{heads * splits_, tiles::panels_for(longest) * tiles::kPanel});
+    split_probs_ = Tensor(Shape{heads * splits_, longest + 2}, DType::BF16);
+  }
+
+  // Split-K as the fp32 form, on the bf16 cache: split s of a head attends to its keys
+  // [bf16_split_begin(s), bf16_split_begin(s + 1)) (the last split also stores the new token first).
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    if (length_ >= cache_.capacity()) throw std::logic_error("exact-tiled: decode step past the prepared capacity");
+    const std::int64_t d = p_.head_dim, heads = p_.batch * p_.heads, keys = length_ + 1, splits = splits_;
+    std::int64_t flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+    {
+#pragma omp for schedule(static)
+      for (std::int64_t task = 0; task < heads * splits; ++task) {
+        const std::int64_t head = task / splits, split = task % splits;
+        const std::int64_t begin = bf16_split_begin(split, splits, keys);
+        const std::int64_t end = bf16_split_begin(split + 1, splits, keys);
+        if (split == splits - 1) cache_.store(head, length_, k.bf16_data() + head * d, v.bf16_data() + head * d);
+        RowSoftmax row = begin_row(split_accumulators_.data() + task * d, d);
+        flops += d;  // the fp32 form's query scaling; here the scale rides on the scores
+        flops += attend_block_bf16(row, q.bf16_data() + head * d, cache_, head, begin, end - begin,
+                                   split_scores_.data() + task * split_scores_.dim(1),
+                                   split_probs_.bf16_data() + task * split_probs_.dim(1));
+        split_stats_[2 * task] = row.max;
+        split_stats_[2 * task + 1] = row.sum;
+      }
+#pragma omp for schedule(static)
+      for (std::int64_t head = 0; head < heads; ++head) {
+        RowSoftmax total = split_row(head * splits + splits - 1);
+        for (std::int64_t split = 0; split + 1 < splits; ++split)
+          flops += merge_rows(total, split_row(head * splits + split));
+        float* acc = total.acc;
+        flops += finish_row(total, acc);
+        tiles::round_row(acc, d, out.bf16_data() + head * d);
+      }
+    }
+    FlopCounter::add(flops);
+    ++length_;
+  }
+
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"key_cache", &cache_.key_tensor()}, {"value_cache", &cache_.value_tensor()}};
+  }
+
+ private:
+  struct HeadGrads {
+    const bf16 *q, *k, *v, *out, *dout;
+    bf16 *dq, *dk, *dv;
+  };
+
+  bool saves_log_sum_exp() const { return !log_sum_exp_.empty(); }
+
+  // Rows [q0, q0 + bq) of one head: the fp32 form's walk on the bf16 kernels. Returns its FLOPs.
+  std::int64_t query_block(std::int64_t head, const bf16* q, bf16* out, std::int64_t q0, int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, bk = c_.block_k, lds = lds_;
+    const std::int64_t rows = std::min(c_.block_q, n - q0);
+    float* scores = scores_.data() + thread * kStripRows * lds;
+    bf16* probs = probs_.bf16_data() + thread * kStripRows * lds;
+    float* acc = accumulators_.data() + thread * c_.block_q * d;
+    float* row_max = row_stats_.data() + thread * 2 * c_.block_q;
+    float* row_sum = row_max + c_.block_q;
+    std::fill(acc, acc + rows * d, 0.0f);
+    std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
+    std::fill(row_sum, row_sum + rows, 0.0f);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const bf16* keys = packed_keys_.bf16_data() + head * packed_keys_.dim(1);
+    const bf16* values = packed_values_.bf16_data() + head * packed_values_.dim(1);
+    const std::int64_t key_end = p_.causal ? q0 + rows : n;
+    std::int64_t flops = 0;
+    for (std::int64_t k0 = 0; k0 < key_end; k0 += bk) {
+      const std::int64_t cols = tile_columns(p_, k0, q0, rows, bk);
+      for (std::int64_t s0 = 0; s0 < rows; s0 += kStripRows) {
+        const std::int64_t strip_rows = std::min(kStripRows, rows - s0);
+        tiles::scores_bf16(q + (q0 + s0) * d, d, strip_rows, keys + k0 * d, tiles::panels_for(cols), d, scale, scores,
+                           lds);
+        flops += matmul_flops(strip_rows, score_columns(cols, d), d);
+        for (std::int64_t r = 0; r < strip_rows; ++r) {
+          float* row = scores + r * lds;
+          const std::int64_t i = s0 + r;
+          const std::int64_t valid = valid_in_row(p_.causal, q0 + i, k0, cols);
+          if (valid == 0) {
+            std::fill(row, row + cols, 0.0f);
+            continue;
+          }
+          const float peak = tiles::interval_max(row, 0, valid, row_max[i]);
+          const float sum = tiles::exp_interval(row, 0, valid, cols, peak);
+          const float rescale = ops::fast_exp(row_max[i] - peak);
+          row_sum[i] = row_sum[i] * rescale + sum;
+          row_max[i] = peak;
+          float* acc_row = acc + i * d;
+#pragma omp simd
+          for (std::int64_t j = 0; j < d; ++j) acc_row[j] *= rescale;
+          flops += kOnlineSoftmaxFlopsPerElement * valid + d;
+        }
+        round_tile_rows(scores, lds, strip_rows, cols, probs);
+        tiles::accumulate_pv_bf16(probs, lds, strip_rows, cols, values + k0 * d, d, acc + s0 * d, d);
+        flops += matmul_flops(strip_rows, d, cols);
+      }
+    }
+    if (saves_log_sum_exp()) {
+      float* lse = log_sum_exp_.data() + head * n + q0;
+      for (std::int64_t r = 0; r < rows; ++r) lse[r] = row_max[r] + std::log(row_sum[r]);
+    }
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float inverse = 1.0f / row_sum[r];
+      float* src = acc + r * d;
+#pragma omp simd
+      for (std::int64_t j = 0; j < d; ++j) src[j] *= inverse;
+      tiles::round_row(src, d, out + (q0 + r) * d);
+    }
+    return flops + rows * d;
+  }
+
+  // One thread's packed copies of the head's operands for the backward's products.
+  struct HeadPacks {
+    bf16 *query_pairs, *dout_pairs, *key_pairs, *key_panels, *value_panels;
+  };
+  HeadPacks head_packs(int thread) {
+    const std::int64_t pairs = head_pairs_.dim(2), panels = head_panels_.dim(2);
+    bf16* pair_base = head_pairs_.bf16_data() + thread * 3 * pairs;
+    bf16* panel_base = head_panels_.bf16_data() + thread * 2 * panels;
+    return {pair_base, pair_base + pairs, pair_base + 2 * pairs, panel_base, panel_base + panels};
+  }
+
+  // The backward of one head, the fp32 form's walk: per key block of backward_block_k keys (dK, dV
+  // accumulated in fp32 and rounded once), every strip of 128 query rows that sees it; dQ
+  // accumulated in fp32 over the whole head and rounded at the end. Returns its FLOPs.
+  std::int64_t head_backward(std::int64_t head, const HeadGrads& g, int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, bk = c_.backward_block_k, strip = kBackwardStripRows;
+    float* delta = deltas_.data() + head * n;
+    for (std::int64_t i = 0; i < n; ++i) {
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (std::int64_t c = 0; c < d; ++c) dot += to_float(g.dout[i * d + c]) * to_float(g.out[i * d + c]);
+      delta[i] = dot;
+    }
+    const HeadPacks packs = head_packs(thread);
+    tiles::pack_row_pairs(g.q, d, n, d, packs.query_pairs);
+    tiles::pack_row_pairs(g.dout, d, n, d, packs.dout_pairs);
+    tiles::pack_row_pairs(g.k, d, n, d, packs.key_pairs);
+    tiles::pack_key_pair_panels(g.k, d, n, d, packs.key_panels);
+    tiles::pack_key_pair_panels(g.v, d, n, d, packs.value_panels);
+    float* dq = query_grads_.data() + thread * n * d;
+    float* dk = block_grads_.data() + thread * 2 * bk * d;
+    float* dv = dk + bk * d;
+    std::fill(dq, dq + n * d, 0.0f);
+    std::int64_t flops = 2 * n * d;
+    for (std::int64_t k0 = 0; k0 < n; k0 += bk) {
+      const std::int64_t block_keys = std::min(bk, n - k0);
+      std::fill(dk, dk + block_keys * d, 0.0f);
+      std::fill(dv, dv + block_keys * d, 0.0f);
+      for (std::int64_t q0 = p_.causal ? k0 / strip * strip : 0; q0 < n; q0 += strip) {
+        const std::int64_t rows = std::min(strip, n - q0);
+        flops += tile_backward(head, g, packs, q0, rows, k0, tile_columns(p_, k0, q0, rows, bk), {dq, dk, dv}, thread);
+      }
+      tiles::round_row(dk, block_keys * d, g.dk + k0 * d);
+      tiles::round_row(dv, block_keys * d, g.dv + k0 * d);
+    }
+    tiles::round_row(dq, n * d, g.dq);
+    return flops;
+  }
+
+  struct GradAccumulators {
+    float *dq, *dk, *dv;  // dQ of the head [N, D]; dK, dV of the key block [bk, D]
+  };
+
+  // The [rows, cols] tile at (q0, k0): S and dP on the bf16 kernels, P and dS in fp32 from the saved
+  // log-sum-exp, rounded to bf16 (P in row pairs; dS in rows and row pairs), then dV += Pᵀ·dO,
+  // dK += scale·dSᵀ·Q, dQ += scale·dS·K. Returns its FLOPs (the fp32 form's).
+  std::int64_t tile_backward(std::int64_t head, const HeadGrads& g, const HeadPacks& packs, std::int64_t q0,
+                             std::int64_t rows, std::int64_t k0, std::int64_t cols, const GradAccumulators& acc,
+                             int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = score_stride(c_.backward_block_k);
+    const std::int64_t strip = kBackwardStripRows, panels = tiles::panels_for(cols);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    float* probs = tile_grads_.data() + thread * 2 * strip * ld;
+    float* grads = probs + strip * ld;
+    bf16* prob_pairs = tile_bf16_.bf16_data() + thread * 3 * strip * ld;
+    bf16* grad_rows = prob_pairs + strip * ld;
+    bf16* grad_pairs = grad_rows + strip * ld;
+    const float* lse = log_sum_exp_.data() + head * n + q0;
+    const float* delta = deltas_.data() + head * n + q0;
+    tiles::scores_bf16(g.q + q0 * d, d, rows, packs.key_panels + k0 * d, panels, d, scale, probs, ld);
+    tiles::scores_bf16(g.dout + q0 * d, d, rows, packs.value_panels + k0 * d, panels, d, 1.0f, grads, ld);
+    std::int64_t flops = 2 * matmul_flops(rows, score_columns(cols, d), d);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t valid = valid_in_row(p_.causal, q0 + r, k0, cols);
+      tiles::softmax_grad_interval(probs + r * ld, grads + r * ld, 0, valid, cols, lse[r], delta[r]);
+      flops += kRecomputedSoftmaxBackwardFlopsPerElement * valid;
+    }
+    round_tile_pairs(probs, ld, rows, cols, prob_pairs);
+    round_tile_rows(grads, ld, rows, cols, grad_rows);
+    round_tile_pairs(grads, ld, rows, cols, grad_pairs);
+    tiles::accumulate_transposed_bf16(prob_pairs, ld, rows, cols, packs.dout_pairs + q0 * d, d, 1.0f, acc.dv, d);
+    tiles::accumulate_transposed_bf16(grad_pairs, ld, rows, cols, packs.query_pairs + q0 * d, d, scale, acc.dk, d);
+    tiles::accumulate_pv_bf16(grad_rows, ld, rows, cols, packs.key_pairs + k0 * d, d, acc.dq + q0 * d, d, scale);
+    return flops + 3 * matmul_flops(rows, cols, d);
+  }
+
+  RowSoftmax split_row(std::int64_t task) {
+    RowSoftmax row;
+    row.acc = split_accumulators_.data() + task * p_.head_dim;
+    row.head_dim = p_.head_dim;
+    row.max = split_stats_[2 * task];
+    row.sum = split_stats_[2 * task + 1];
+    return row;
+  }
+
+  Problem p_;
+  ExactTiledConfig c_;
+  std::int64_t lds_ = 0;
+  Tensor scores_, probs_;  // per thread: a strip's fp32 scores and its bf16 probabilities
+  Tensor packed_keys_, packed_values_, accumulators_, row_stats_;
+  // Training (prepare_backward): L and δ (fp32), per thread the fp32 P and dS tiles, their bf16
+  // forms, the head's packed operands and the fp32 gradient accumulators.
+  Tensor log_sum_exp_, deltas_, tile_grads_, tile_bf16_, head_pairs_, head_panels_, query_grads_, block_grads_;
+  Bf16KvCache cache_;  // decode
+  Tensor split_accumulators_, split_stats_, split_scores_, split_probs_;
+  std::int64_t splits_ = 1, length_ = 0;
+};
+
 }  // namespace
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ExactTiledConfig& c, std::uint64_t) {
+  if (problem.dtype == DType::BF16) return std::make_unique<ExactTiledBf16>(problem, c);
   return std::make_unique<ExactTiled>(problem, c);
 }
 
@@ -430,7 +768,44 @@ std::int64_t flops(const Problem& p, const ExactTiledConfig& c) {
   return p.batch * p.heads * per_head;
 }
 
+namespace {
+
+constexpr std::int64_t kF32 = sizeof(float), kBf16 = 2;
+
+std::int64_t bf16_workspace(const Problem& p, const ExactTiledConfig& c) {
+  const std::int64_t d = p.head_dim, lds = score_stride(c.block_k);
+  const std::int64_t per_thread = kStripRows * lds * (kF32 + kBf16) + (c.block_q * d + 2 * c.block_q) * kF32;
+  const std::int64_t packed =
+      p.batch * p.heads * (head_panel_elements(p.seq_len, d) + head_pair_elements(p.seq_len, d));
+  return p.threads * per_thread + packed * kBf16;
+}
+
+std::int64_t bf16_backward_workspace(const Problem& p, const ExactTiledConfig& c) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, ld = score_stride(c.backward_block_k);
+  const std::int64_t strip = kBackwardStripRows;
+  const std::int64_t per_thread =
+      (2 * strip * ld + n * d + 2 * c.backward_block_k * d) * kF32 +
+      (3 * strip * ld + 3 * head_pair_elements(n, d) + 2 * head_panel_elements(n, d)) * kBf16;
+  return 2 * p.batch * p.heads * n * kF32 + p.threads * per_thread;
+}
+
+std::int64_t bf16_decode_workspace(const Problem& p, const ExactTiledConfig& c, std::int64_t tokens) {
+  const std::int64_t heads = p.batch * p.heads, splits = decode_splits(p, c, tokens), tasks = heads * splits;
+  const std::int64_t capacity = p.seq_len + tokens, longest = bf16_split_capacity(capacity, splits);
+  return Bf16KvCache::bytes(heads, capacity, p.head_dim) +
+         tasks * (p.head_dim + 2 + tiles::panels_for(longest) * tiles::kPanel) * kF32 + tasks * (longest + 2) * kBf16;
+}
+
+}  // namespace
+
+std::string unsupported(const Problem& p, const ExactTiledConfig&) {
+  if (p.dtype == DType::BF16 && !uses_tile_kernels(p.head_dim))
+    return "exact-tiled's bf16 form runs on the bf16 tile kernels, which need head_dim a multiple of 16";
+  return "";
+}
+
 std::int64_t workspace(const Problem& p, const ExactTiledConfig& c) {
+  if (p.dtype == DType::BF16) return bf16_workspace(p, c);
   const std::int64_t threads = p.threads;
   const std::int64_t per_thread =
       score_rows(c, p.head_dim) * score_stride(c.block_k) + c.block_q * p.head_dim + 2 * c.block_q;
@@ -455,6 +830,7 @@ std::int64_t backward_flops(const Problem& p, const ExactTiledConfig& c) {
 }
 
 std::int64_t decode_workspace(const Problem& p, const ExactTiledConfig& c, std::int64_t tokens) {
+  if (p.dtype == DType::BF16) return bf16_decode_workspace(p, c, tokens);
   const std::int64_t heads = p.batch * p.heads, tasks = heads * decode_splits(p, c, tokens);
   const std::int64_t capacity = p.seq_len + tokens;
   return KvCache::bytes(heads, capacity, p.head_dim) +
@@ -463,6 +839,7 @@ std::int64_t decode_workspace(const Problem& p, const ExactTiledConfig& c, std::
 }
 
 std::int64_t backward_workspace(const Problem& p, const ExactTiledConfig& c) {
+  if (p.dtype == DType::BF16) return bf16_backward_workspace(p, c);
   const std::int64_t per_thread =
       2 * backward_rows(c, p.head_dim) * score_stride(c.backward_block_k) + 2 * block_panel_floats(c, p.head_dim);
   const std::int64_t floats = 2 * p.batch * p.heads * p.seq_len + p.threads * per_thread;
@@ -479,7 +856,10 @@ FieldTable<ExactTiledConfig> config_fields(const ExactTiledConfig*) {
 
 template <>
 Implementation implementation<ExactTiledConfig>() {
-  return implement<ExactTiledConfig>();
+  Implementation impl = implement<ExactTiledConfig>();
+  impl.bf16_forward = true;  // forward and decode
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

@@ -8,6 +8,7 @@
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
+#include "lib/core/tile_kernels_bf16.hpp"
 #include "taxonomy/engines/decode_common.hpp"
 
 namespace xfb {
@@ -182,10 +183,12 @@ void softmax_backward_row_to_bf16(const bf16* p, float* grad, std::int64_t cols,
 // dense score buffer [B·H, N, N], score_ld) on oneDNN's bf16 matmul; softmax in fp32; P rounded to
 // bf16 in place (softmax_row_to_bf16: [B·H, N, 2·N] bf16 over the same bytes); O = P·V on the
 // bf16 matmul, fp32 accumulation, rounded to bf16. Where oneDNN has no bf16 matmul (AVX2 cap),
-// the same products on convert-and-FMA loops. FLOPs are the fp32 form's; the decode state is
-// half its bytes. Backward: the saved P (bf16, in the score buffer), dV = Pᵀ·dO, dP = dO·Vᵀ in
-// fp32 (a second dense [B·H, N, N] fp32 buffer), dS = P·(dP − Σ P·dP) in fp32 rounded to bf16 in
-// place, dQ = dS·K/√D, dK = dSᵀ·Q/√D: bf16 operands, fp32 accumulation, dq, dk, dv stored bf16.
+// the same products on convert-and-FMA loops. FLOPs are the fp32 form's. Decode: a bf16 KV cache
+// (half the bytes) — in the bf16 tile kernels' layouts (Bf16KvCache: key pair panels, value row
+// pairs; the step on vdpbf16ps or its convert path) when D is a multiple of 16, else plain rows
+// [B·H, N + T, D] on convert-and-FMA loops. Backward: the saved P (bf16, in the score buffer), dV = Pᵀ·dO, dP = dO·Vᵀ
+// in fp32 (a second dense [B·H, N, N] fp32 buffer), dS = P·(dP − Σ P·dP) in fp32 rounded to bf16 in place, dQ =
+// dS·K/√D, dK = dSᵀ·Q/√D: bf16 operands, fp32 accumulation, dq, dk, dv stored bf16.
 class VanillaBf16 final : public Mechanism {
  public:
   explicit VanillaBf16(const Problem& problem) : p_(problem) {}
@@ -230,10 +233,18 @@ class VanillaBf16 final : public Mechanism {
   }
 
   void prepare_decode(std::int64_t tokens) override {
+    const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim;
     capacity_ = p_.seq_len + tokens;
-    keys_ = Tensor(Shape{p_.batch * p_.heads, capacity_, p_.head_dim}, DType::BF16);
-    values_ = Tensor(Shape{p_.batch * p_.heads, capacity_, p_.head_dim}, DType::BF16);
-    step_scores_ = Tensor(Shape{p_.batch * p_.heads, ops::padded_ld(capacity_)});
+    if (tiles::fits_head_dim(d)) {
+      tiled_cache_ = Bf16KvCache(heads, capacity_, d);
+      step_scores_ = Tensor(Shape{heads, tiles::panels_for(capacity_) * tiles::kPanel});
+      step_probs_ = Tensor(Shape{heads, capacity_ + 2}, DType::BF16);
+      step_acc_ = Tensor(Shape{heads, d});
+      return;
+    }
+    keys_ = Tensor(Shape{heads, capacity_, d}, DType::BF16);
+    values_ = Tensor(Shape{heads, capacity_, d}, DType::BF16);
+    step_scores_ = Tensor(Shape{heads, ops::padded_ld(capacity_)});
   }
 
   // One token: its key and value appended to the bf16 cache, its score row against the cached keys
@@ -241,6 +252,7 @@ class VanillaBf16 final : public Mechanism {
   // them, P·V accumulated in fp32 and rounded to bf16. 4·n·D + 5·n FLOPs per head, as in fp32.
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     if (length_ >= capacity_) throw std::logic_error("vanilla: decode step past the prepared capacity");
+    if (tiled_cache_.capacity() > 0) return tiled_decode_step(q, k, v, out);
     const std::int64_t d = p_.head_dim, keys = length_ + 1, ld = step_scores_.dim(1);
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
 #pragma omp parallel for num_threads(p_.threads) schedule(static)
@@ -259,7 +271,33 @@ class VanillaBf16 final : public Mechanism {
     ++length_;
   }
 
-  std::vector<NamedTensor> decode_state() const override { return {{"key_cache", &keys_}, {"value_cache", &values_}}; }
+  // The step on the bf16 tile kernels (D a multiple of 16): the cache in their layouts
+  // (Bf16KvCache), one attend_block_bf16 over every cached token per head — the exponentials
+  // rounded to bf16 before P·V and normalised after it (the forward normalises first: the two
+  // roundings differ within the bound the tests state) — and the output rounded to bf16.
+  void tiled_decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    const std::int64_t d = p_.head_dim, keys = length_ + 1, heads = p_.batch * p_.heads;
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t head = 0; head < heads; ++head) {
+      tiled_cache_.store(head, length_, k.bf16_data() + head * d, v.bf16_data() + head * d);
+      float* acc = step_acc_.data() + head * d;
+      RowSoftmax row = begin_row(acc, d);
+      attend_block_bf16(row, q.bf16_data() + head * d, tiled_cache_, head, 0, keys,
+                        step_scores_.data() + head * step_scores_.dim(1),
+                        step_probs_.bf16_data() + head * step_probs_.dim(1));
+      finish_row(row, acc);
+      tiles::round_row(acc, d, out.bf16_data() + head * d);
+    }
+    // The fp32 form's count (the dtype keeps FLOPs), 4·n·D + 5·n per head.
+    FlopCounter::add(heads * (2 * matmul_flops(1, keys, d) + kSoftmaxFlopsPerElement * keys));
+    ++length_;
+  }
+
+  std::vector<NamedTensor> decode_state() const override {
+    if (tiled_cache_.capacity() > 0)
+      return {{"key_cache", &tiled_cache_.key_tensor()}, {"value_cache", &tiled_cache_.value_tensor()}};
+    return {{"key_cache", &keys_}, {"value_cache", &values_}};
+  }
 
   void prepare_backward() override {
     score_grads_ = Tensor(scores_.shape());
@@ -368,22 +406,25 @@ class VanillaBf16 final : public Mechanism {
   // The prefill: every head's N context keys and values into the first N slots of the cache.
   void load_context(const Tensor& k, const Tensor& v) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    length_ = n;
+    if (tiled_cache_.capacity() > 0) return tiled_cache_.load_context(k, v, p_.threads);
 #pragma omp parallel for num_threads(p_.threads) schedule(static)
     for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
       std::copy_n(k.bf16_data() + head * n * d, n * d, keys_.bf16_data() + head * capacity_ * d);
       std::copy_n(v.bf16_data() + head * n * d, n * d, values_.bf16_data() + head * capacity_ * d);
     }
-    length_ = n;
   }
 
   Problem p_;
-  Tensor scores_;              // fp32 S [B·H, N, N]; after the softmax, bf16 P over each row's first half
-  Tensor score_grads_;         // backward: fp32 dP [B·H, N, N]; after the softmax backward, bf16 dS likewise
-  bool onednn_ = false;        // oneDNN's bf16 matmul, else the convert-and-FMA loops
-  std::int64_t capacity_ = 0;  // decode: N + T
-  Tensor keys_, values_;       // decode: bf16 caches [B·H, N + T, D]
-  Tensor step_scores_;         // decode: one fp32 score row per head, [B·H, padded(N + T)]
-  std::int64_t length_ = 0;    // decode: tokens in the cache
+  Tensor scores_;                 // fp32 S [B·H, N, N]; after the softmax, bf16 P over each row's first half
+  Tensor score_grads_;            // backward: fp32 dP [B·H, N, N]; after the softmax backward, bf16 dS likewise
+  bool onednn_ = false;           // oneDNN's bf16 matmul, else the convert-and-FMA loops
+  std::int64_t capacity_ = 0;     // decode: N + T
+  Tensor keys_, values_;          // decode, D not a multiple of 16: bf16 caches [B·H, N + T, D]
+  Bf16KvCache tiled_cache_;       // decode, D a multiple of 16: the cache in the tile kernels' layouts
+  Tensor step_scores_;            // decode: one fp32 score row per head, [B·H, padded(N + T)] (tiled: whole panels)
+  Tensor step_probs_, step_acc_;  // decode, tiled: per head the bf16 probabilities [N + T + 2] and the fp32 accumulator
+  std::int64_t length_ = 0;       // decode: tokens in the cache
 };
 
 }  // namespace
@@ -413,6 +454,9 @@ std::int64_t backward_workspace(const Problem& p, const VanillaConfig& c) { retu
 
 std::int64_t decode_workspace(const Problem& p, const VanillaConfig&, std::int64_t tokens) {
   const std::int64_t bh = p.batch * p.heads, capacity = p.seq_len + tokens;
+  if (p.dtype == DType::BF16 && tiles::fits_head_dim(p.head_dim))
+    return Bf16KvCache::bytes(bh, capacity, p.head_dim) +
+           bh * ((tiles::panels_for(capacity) * tiles::kPanel + p.head_dim) * 4 + (capacity + 2) * 2);
   return 2 * bh * capacity * p.head_dim * element_bytes(p.dtype) +  // the key and value caches
          bh * ops::padded_ld(capacity) * static_cast<std::int64_t>(sizeof(float));
 }

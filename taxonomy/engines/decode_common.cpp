@@ -6,6 +6,7 @@
 
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
+#include "lib/core/tile_kernels_bf16.hpp"
 
 namespace xfb {
 
@@ -112,6 +113,57 @@ std::int64_t attend_block(RowSoftmax& row, const float* q_scaled, const float* k
   absorb_scores(row, scores, rows, std::max(row.max, ops::row_max(scores, rows, scores[0])));
   ops::gemm(false, false, 1, d, rows, 1.0f, scores, rows, values, d, 1.0f, row.acc, d);
   return 4 * rows + d + 2;
+}
+
+Bf16KvCache::Bf16KvCache(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim)
+    : capacity_(capacity),
+      head_dim_(head_dim),
+      keys_(Shape{heads, tiles::panels_for(capacity) * tiles::kPanel * head_dim}, DType::BF16),
+      values_(Shape{heads, (capacity + 1) / 2 * 2 * head_dim}, DType::BF16) {}
+
+std::int64_t Bf16KvCache::bytes(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim) {
+  return heads * (tiles::panels_for(capacity) * tiles::kPanel + (capacity + 1) / 2 * 2) * head_dim *
+         element_bytes(DType::BF16);
+}
+
+void Bf16KvCache::store(std::int64_t head, std::int64_t slot, const bf16* k, const bf16* v) {
+  const std::int64_t d = head_dim_;
+  bf16* panel = keys_.bf16_data() + head * keys_.dim(1) + slot / tiles::kPanel * d * tiles::kPanel;
+  const std::int64_t lane = slot % tiles::kPanel;
+  for (std::int64_t c2 = 0; c2 < d / 2; ++c2) {
+    panel[(c2 * tiles::kPanel + lane) * 2] = k[2 * c2];
+    panel[(c2 * tiles::kPanel + lane) * 2 + 1] = k[2 * c2 + 1];
+  }
+  bf16* pair = values_.bf16_data() + head * values_.dim(1) + slot / 2 * 2 * d + slot % 2;
+  for (std::int64_t f = 0; f < d; ++f) pair[2 * f] = v[f];
+}
+
+void Bf16KvCache::load_context(const Tensor& k, const Tensor& v, int threads) {
+  const std::int64_t heads = k.dim(0) * k.dim(1), n = k.dim(2), d = k.dim(3);
+  if (n > capacity_) throw std::logic_error("Bf16KvCache: context longer than the capacity");
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t head = 0; head < heads; ++head) {
+    tiles::pack_key_pair_panels(k.bf16_data() + head * n * d, d, n, d, keys_.bf16_data() + head * keys_.dim(1));
+    tiles::pack_row_pairs(v.bf16_data() + head * n * d, d, n, d, values_.bf16_data() + head * values_.dim(1));
+  }
+}
+
+std::int64_t attend_block_bf16(RowSoftmax& row, const bf16* q, const Bf16KvCache& cache, std::int64_t head,
+                               std::int64_t begin, std::int64_t rows, float* scores, bf16* probs) {
+  if (rows == 0) return 0;
+  const std::int64_t d = row.head_dim, panels = tiles::panels_for(rows);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  tiles::scores_bf16(q, d, 1, cache.key_panels(head) + begin * d, panels, d, scale, scores, panels * tiles::kPanel);
+  const float new_max = tiles::interval_max(scores, 0, rows, row.max);
+  const float factor = ops::fast_exp(row.max - new_max);
+#pragma omp simd
+  for (std::int64_t c = 0; c < d; ++c) row.acc[c] *= factor;
+  row.sum = row.sum * factor + tiles::exp_interval(scores, 0, rows, rows, new_max);
+  row.max = new_max;
+  tiles::round_row(scores, rows, probs);
+  if (rows % 2 == 1) probs[rows] = bf16{};
+  tiles::accumulate_pv_bf16(probs, 0, 1, rows, cache.value_pairs(head) + begin * d, d, row.acc, d);
+  return 4 * rows * d + 4 * rows + d + 2;
 }
 
 std::int64_t merge_rows(RowSoftmax& into, const RowSoftmax& from) {

@@ -106,6 +106,40 @@ std::int64_t attend_rows_flops(std::int64_t rows, std::int64_t head_dim);
 std::int64_t attend_block(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
                           std::int64_t rows, float* scores);
 
+// The bf16 KV cache of a decoding model (issue 31) in the bf16 tile kernels' layouts
+// (lib/core/tile_kernels_bf16.hpp), so a step's products run on them with no repacking: per head,
+// keys in key pair panels (panels_for(capacity) panels of 16 tokens) and values in row pairs
+// (⌈capacity/2⌉ pairs of tokens), token t at slot t; slots not yet written hold 0. Half the bytes of
+// the fp32 KvCache (to the panel padding). D must be a multiple of 16.
+class Bf16KvCache {
+ public:
+  Bf16KvCache() = default;
+  Bf16KvCache(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim);
+  std::int64_t capacity() const { return capacity_; }
+  const bf16* key_panels(std::int64_t head) const { return keys_.bf16_data() + head * keys_.dim(1); }
+  const bf16* value_pairs(std::int64_t head) const { return values_.bf16_data() + head * values_.dim(1); }
+  // Token `slot` of head: its key and value rows (D bf16 each).
+  void store(std::int64_t head, std::int64_t slot, const bf16* k, const bf16* v);
+  // The prefill: tokens 0 … N − 1 of every head of k, v ([B, H, N, D] bf16), N ≤ capacity.
+  void load_context(const Tensor& k, const Tensor& v, int threads);
+  const Tensor& key_tensor() const { return keys_; }
+  const Tensor& value_tensor() const { return values_; }
+  static std::int64_t bytes(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim);
+
+ private:
+  std::int64_t capacity_ = 0, head_dim_ = 0;
+  Tensor keys_, values_;  // bf16 [heads, panel elements] and [heads, pair elements]
+};
+
+// attend_block's update on the bf16 cache: the row's scores over tokens [begin, begin + rows) of
+// `head` (begin a multiple of 16) as scale·q·kᵀ on tiles::scores_bf16 into `scores` (fp32, ≥
+// panels_for(rows)·16 floats), fp32 online softmax, the exponentials rounded to bf16 into `probs`
+// (≥ rows + 1 elements) and acc += p·V on tiles::accumulate_pv_bf16. q: D bf16 values, unscaled.
+// Returns the FLOPs of attend_block's contract (4·rows·D + 4·rows + D + 2; the products' padding
+// columns are not counted, and the scale rides on the scores as the query scaling does in fp32).
+std::int64_t attend_block_bf16(RowSoftmax& row, const bf16* q, const Bf16KvCache& cache, std::int64_t head,
+                               std::int64_t begin, std::int64_t rows, float* scores, bf16* probs);
+
 // The decoding state of a pattern whose token i sees one run of keys [first(i), i] with
 // i − first(i) < capacity (a local block, a query block and its memory flange, a sliding window):
 // the last `capacity` tokens of every head in a ring (KvCache slot = token mod capacity), and the

@@ -209,6 +209,9 @@ TEST_SUITE("tile_kernels_bf16") {
     if (cpu_has_bf16_dot() && kernel_isa() == KernelIsa::Avx512) {
       force_bf16_dot(true);
       CHECK(bf16_kernels_name() == "vdpbf16ps");
+    } else if (cpu_has_bf16_dot()) {  // 256-bit kernels: forcing the dot product on does not take it
+      force_bf16_dot(true);
+      CHECK(!bf16_dot_product());
     } else {
       CHECK_THROWS(force_bf16_dot(true));
     }

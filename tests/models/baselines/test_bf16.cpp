@@ -2,12 +2,8 @@
 // float64 reference with a bound from bf16's unit roundoff, its decode against its causal forward,
 // the halved bytes, FLOPs unchanged, every other model refusing bf16, and the setting itself.
 //
-// The bound. The reference runs in float64 on the bf16 inputs themselves (widened exactly), so
-// only the computation's rounding counts. With u = 2⁻⁸ (bf16's unit roundoff): the bf16 products
-// of S are exact in fp32 and S, the softmax statistics and the P·V sums carry fp32 rounding only
-// (the fp32 bound, attention_tolerance); rounding P to bf16 moves each p_j by ≤ u·p_j, so an
-// output element by ≤ u·Σ_j p_j·|v_j| ≤ u·max|v|; rounding the output moves it by ≤ u·|o| ≤
-// u·max|v| more. Hence |o − o_ref| ≤ 2u(1 + u)·max|v| + the fp32 bound.
+// The forward bound, |o − o_ref| ≤ 2u(1 + u)·max|v| + the fp32 bound, is derived in
+// tests/support/bf16_check.hpp.
 #include <doctest/doctest.h>
 #include <unistd.h>
 
@@ -27,84 +23,14 @@
 #include "lib/core/npy.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
+#include "lib/core/tile_kernels.hpp"
 #include "taxonomy/registry.hpp"
+#include "tests/support/bf16_check.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
 using namespace xfb::test;
-
-namespace {
-
-constexpr double kBf16Roundoff = 1.0 / 256;  // u = 2⁻⁸
-
-// The fp32 draws of random_inputs rounded to bf16 (as the harness makes a bf16 point's inputs),
-// and the same values widened back to fp32 for the reference.
-struct Bf16Inputs {
-  AttentionInputs bf16, widened;
-};
-Bf16Inputs bf16_inputs(const Problem& p, std::uint64_t seed) {
-  const AttentionInputs f32 = random_inputs(p, seed);
-  AttentionInputs rounded{to_bf16(f32.q), to_bf16(f32.k), to_bf16(f32.v)};
-  AttentionInputs widened{to_f32(rounded.q), to_f32(rounded.k), to_f32(rounded.v)};
-  return {std::move(rounded), std::move(widened)};
-}
-
-// vanilla's bf16 forward on the inputs: the output widened to fp32.
-Tensor run_bf16(Problem p, const AttentionInputs& in) {
-  p = on_test_threads(p);
-  p.dtype = DType::BF16;
-  const ModelInfo* info = find_model("vanilla");
-  REQUIRE(info != nullptr);
-  auto mechanism = info->impl.create(p, resolve_params("vanilla", info->impl.params, {}), 42);
-  Tensor out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, DType::BF16);
-  mechanism->prepare(in.q, in.k, in.v);
-  mechanism->forward(in.q, in.k, in.v, out);
-  return to_f32(out);
-}
-
-double max_abs_of(const float* x, std::int64_t count) {
-  double largest = 0;
-  for (std::int64_t i = 0; i < count; ++i) largest = std::max(largest, std::fabs(static_cast<double>(x[i])));
-  return largest;
-}
-
-// Checks every head of `got` against the float64 reference within the bf16 bound above; returns the
-// largest error over the fp32 bound alone (> 1 shows bf16 rounding really happened).
-double check_bf16_head_errors(const Tensor& got, const AttentionInputs& widened, const Problem& p, bool causal,
-                              const std::string& label) {
-  const std::int64_t n = p.seq_len, d = p.head_dim;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  double largest_over_fp32 = 0;
-  for (std::int64_t b = 0; b < p.batch; ++b)
-    for (std::int64_t h = 0; h < p.heads; ++h) {
-      const float *q = widened.q.head(b, h), *k = widened.k.head(b, h), *v = widened.v.head(b, h);
-      const auto want = reference_attention(q, k, v, n, n, d, scale, causal ? MaskFn(causal_mask) : MaskFn(full_mask));
-      const double fp32_bound = attention_tolerance(q, k, v, n, n, d, scale);
-      const double bound = 2 * kBf16Roundoff * (1 + kBf16Roundoff) * max_abs_of(v, n * d) + fp32_bound;
-      const float* out = got.head(b, h);
-      std::int64_t failures = 0;
-      for (std::int64_t e = 0; e < n * d; ++e) {
-        const double error = std::fabs(out[e] - want[static_cast<std::size_t>(e)]);
-        largest_over_fp32 = std::max(largest_over_fp32, error / fp32_bound);
-        if (!(error <= bound) && failures++ < 3)
-          FAIL_CHECK(label << ": b=" << b << " h=" << h << " token " << e / d << " feature " << e % d << ": got "
-                           << out[e] << ", want " << want[static_cast<std::size_t>(e)] << " (bound " << bound << ")");
-      }
-      CHECK_MESSAGE(failures == 0, label << ": " << failures << " elements out of the bf16 bound");
-    }
-  return largest_over_fp32;
-}
-
-PointConfig bf16_point(const std::string& model, std::int64_t n, bool causal, Pass pass = Pass::Forward) {
-  PointConfig c = quick_point(model, n, causal);
-  c.problem.dtype = DType::BF16;
-  c.pass = pass;
-  if (pass == Pass::Decode) c.decode_tokens = 5;
-  return c;
-}
-
-}  // namespace
 
 TEST_SUITE("bf16") {
   TEST_CASE("bf16 rounds to nearest even, widens exactly, keeps NaN and infinities") {
@@ -138,7 +64,8 @@ TEST_SUITE("bf16") {
           const auto in = bf16_inputs(p, static_cast<std::uint64_t>(n + d));
           const std::string label =
               "vanilla bf16 N=" + std::to_string(n) + " D=" + std::to_string(d) + (causal ? " causal" : "");
-          const double over_fp32 = check_bf16_head_errors(run_bf16(p, in.bf16), in.widened, p, causal, label);
+          const double over_fp32 =
+              check_bf16_head_errors(run_bf16("vanilla", p, in.bf16), in.widened, p, causal, label);
           // Not fp32 in disguise: past a few keys, the bf16 rounding of P and of O shows.
           if (n >= 31) CHECK_MESSAGE(over_fp32 > 1, label << ": the error never exceeds the fp32 bound");
         }
@@ -151,103 +78,29 @@ TEST_SUITE("bf16") {
       for (std::int64_t i = 0; i < p.seq_len; i += 7)  // scores reach ~±400; ×128 is exact in bf16
         for (std::int64_t c = 0; c < p.head_dim; ++c) in.widened.q.head(0, 1)[i * p.head_dim + c] *= 128.0f;
       in.bf16.q = to_bf16(in.widened.q);
-      const Tensor out = run_bf16(p, in.bf16);
+      const Tensor out = run_bf16("vanilla", p, in.bf16);
       for (float value : out.values()) REQUIRE(std::isfinite(value));
       check_bf16_head_errors(out, in.widened, p, causal, std::string("overflow rows") + (causal ? " causal" : ""));
     }
   }
 
   TEST_CASE("vanilla's bf16 decode, on its bf16 KV cache, equals its bf16 causal forward") {
-    // The step rounds the same fp32 values as the forward (scores, softmax, P to bf16, O to bf16); fp32
-    // summation order may flip a bf16 rounding of some p_j (≤ 2u·Σ p_j|v_j| ≤ 2u·max|v| in all) and of
-    // the output (one bf16 ulp, ≤ 2u·|o|).
-    constexpr std::int64_t kTokens = 20;
+    // D = 16: the cache in the tile kernels' layouts (key panels of 16 tokens, value row pairs);
+    // D = 13: plain rows [N + T, D] on the convert-and-FMA loops.
     for (std::int64_t context : {1, 16, 33}) {
-      Problem whole{.batch = 1, .heads = 3, .seq_len = context + kTokens, .head_dim = 16, .causal = true};
-      const auto in = bf16_inputs(whole, static_cast<std::uint64_t>(context));
-      const Tensor forward = run_bf16(whole, in.bf16);
-
-      Problem p = on_test_threads(whole);
-      p.seq_len = context;
-      p.dtype = DType::BF16;
-      const ModelInfo* info = find_model("vanilla");
-      auto mechanism = info->impl.create(p, resolve_params("vanilla", info->impl.params, {}), 42);
-      auto rows = [&](const Tensor& t, std::int64_t first, std::int64_t count) {
-        return to_bf16(rows_of(t, first, count));
-      };
-      const Tensor q = rows(in.widened.q, 0, context), k = rows(in.widened.k, 0, context),
-                   v = rows(in.widened.v, 0, context);
-      Tensor prefill = Tensor::bhnd(1, 3, context, 16, DType::BF16);
-      mechanism->prepare(q, k, v);
-      mechanism->prepare_decode(kTokens);
-      mechanism->forward(q, k, v, prefill);
-      const double largest_v = max_abs_of(in.widened.v.data(), in.widened.v.size());
-      for (std::int64_t t = 0; t < kTokens; ++t) {
-        const std::int64_t token = context + t;
-        Tensor out = Tensor::bhnd(1, 3, 1, 16, DType::BF16);
-        mechanism->decode_step(rows(in.widened.q, token, 1), rows(in.widened.k, token, 1), rows(in.widened.v, token, 1),
-                               out);
-        const Tensor step = to_f32(out);
-        for (std::int64_t h = 0; h < 3; ++h)
-          for (std::int64_t c = 0; c < 16; ++c) {
-            const float want = forward.head(0, h)[token * 16 + c], got = step.head(0, h)[c];
-            const double bound = 2 * kBf16Roundoff * (largest_v + std::fabs(want)) + 64 * kFloatEps * largest_v;
-            CHECK_MESSAGE(std::fabs(got - want) <= bound, "context " << context << " token " << token << " head " << h
-                                                                     << " feature " << c << ": got " << got << ", want "
-                                                                     << want);
-          }
-      }
-      // The state: key and value caches of N + T rows, bf16.
-      for (const auto& named : mechanism->decode_state()) CHECK(named.tensor->dtype() == DType::BF16);
-      CHECK(mechanism->state_bytes() == 2 * 3 * (context + kTokens) * 16 * 2);
+      const std::int64_t tokens = context + 20;
+      CHECK(check_bf16_decode("vanilla", {.batch = 1, .heads = 3, .head_dim = 16}, context, 20) ==
+            3 * (tiles::panels_for(tokens) * 16 + (tokens + 1) / 2 * 2) * 16 * 2);
+      CHECK(check_bf16_decode("vanilla", {.batch = 1, .heads = 3, .head_dim = 13}, context, 20) ==
+            2 * 3 * tokens * 13 * 2);
     }
   }
 
   TEST_CASE("vanilla's bf16 gradients equal the float64 reference's within the bf16 bound, causal and not") {
-    // Per element with terms T (reference_attention_backward's *_terms): rounding P perturbs dV's
-    // terms and dS's (P·(|dP| + Σ P·|dP|)) by ≤ u·T, rounding dS to bf16 by ≤ u·T more, rounding
-    // the gradient by ≤ u·|g| ≤ u·T: |g − g_ref| ≤ 3u(1 + u)·T + the fp32 factor·T.
     for (std::int64_t n : {1, 7, 33, 64, 65, 129})
-      for (bool causal : {false, true}) {
-        Problem p = on_test_threads(Problem{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal});
-        p.dtype = DType::BF16;
-        const auto in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 5);
-        Tensor dout32 = Tensor::bhnd(1, 2, n, 16);
-        CounterRng(9, "dout").fill_normal(dout32);
-        const Tensor dout = to_bf16(dout32), dout_widened = to_f32(dout);
-        const ModelInfo* info = find_model("vanilla");
-        auto mechanism = info->impl.create(p, resolve_params("vanilla", info->impl.params, {}), 42);
-        Tensor out = Tensor::bhnd(1, 2, n, 16, DType::BF16), dq = Tensor::bhnd(1, 2, n, 16, DType::BF16),
-               dk = Tensor::bhnd(1, 2, n, 16, DType::BF16), dv = Tensor::bhnd(1, 2, n, 16, DType::BF16);
-        mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
-        mechanism->prepare_backward();
-        mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
-        mechanism->backward(in.bf16.q, in.bf16.k, in.bf16.v, out, dout, dq, dk, dv);
-        const Tensor got[3] = {to_f32(dq), to_f32(dk), to_f32(dv)};
-        const double scale = 0.25;  // 1/√16
-        for (std::int64_t h = 0; h < 2; ++h) {
-          const float *q = in.widened.q.head(0, h), *k = in.widened.k.head(0, h), *v = in.widened.v.head(0, h);
-          const auto ref = reference_attention_backward(q, k, v, dout_widened.head(0, h), n, n, 16, scale,
-                                                        causal ? MaskFn(causal_mask) : MaskFn(full_mask));
-          const double factor = 3 * kBf16Roundoff * (1 + kBf16Roundoff) + gradient_error_factor(q, k, n, n, 16, scale);
-          const std::vector<double>* want[3] = {&ref.dq, &ref.dk, &ref.dv};
-          const std::vector<double>* terms[3] = {&ref.dq_terms, &ref.dk_terms, &ref.dv_terms};
-          for (int g = 0; g < 3; ++g) {
-            std::int64_t failures = 0;
-            for (std::int64_t e = 0; e < n * 16; ++e) {
-              const auto i = static_cast<std::size_t>(e);
-              const double error = std::fabs(got[g].head(0, h)[e] - (*want[g])[i]);
-              if (!(error <= factor * (*terms[g])[i] + 1e-30) && failures++ < 3)
-                FAIL_CHECK("d"
-                           << "qkv"[g] << " N=" << n << (causal ? " causal" : "") << " h=" << h << " element " << e
-                           << ": got " << got[g].head(0, h)[e] << ", want " << (*want[g])[i] << " (bound "
-                           << factor * (*terms[g])[i] << ")");
-            }
-            CHECK_MESSAGE(failures == 0, "d"
-                                             << "qkv"[g] << " N=" << n << ": " << failures << " out of the bound");
-          }
-        }
-      }
+      for (bool causal : {false, true})
+        check_bf16_gradients("vanilla", {.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal}, {},
+                             static_cast<std::uint64_t>(n) + 5, "N=" + std::to_string(n) + (causal ? " causal" : ""));
   }
 
   TEST_CASE("vanilla's bf16 backward and train rows: FLOPs as fp32's, bf16 gradients, the estimate exact") {
@@ -294,17 +147,12 @@ TEST_SUITE("bf16") {
       const ResultRow b = run_point(bf16_point("vanilla", 100, true, Pass::Decode));
       REQUIRE(a.status == Status::Ok);
       REQUIRE(b.status == Status::Ok);
-      CHECK(2 * b.state_bytes == a.state_bytes);
+      // Half the cache, to the panel padding (105 tokens in 7 panels of 16, 53 value pairs).
+      CHECK(a.state_bytes == 2 * 2 * 105 * 32 * 4);
+      CHECK(b.state_bytes == 2 * (112 + 106) * 32 * 2);
       CHECK(b.flops == a.flops);
       const std::int64_t io = point_io_bytes(bf16_point("vanilla", 100, true, Pass::Decode));
       CHECK(b.peak_owned_bytes - io == b.estimated_workspace_bytes);
-      // The decode workspace: the KV cache halves, the fp32 step score rows do not.
-      const Implementation& impl = find_model("vanilla")->impl;
-      const ParamValues none = resolve_params("vanilla", impl.params, {});
-      const PointConfig f32_decode = quick_point("vanilla", 100, true), bf16_decode = bf16_point("vanilla", 100, true);
-      CHECK(impl.decode_workspace_bytes(f32_decode.problem, none, 5) -
-                impl.decode_workspace_bytes(bf16_decode.problem, none, 5) ==
-            a.state_bytes / 2);
     }
   }
 

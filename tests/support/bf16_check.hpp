@@ -1,0 +1,194 @@
+#pragma once
+// Shared pieces of the bf16 tests (issue 31): inputs rounded to bf16 as the harness makes them, a
+// model's bf16 run, and the forward bound for softmax attention in bf16.
+//
+// The forward bound. The reference runs in float64 on the bf16 inputs themselves (widened exactly),
+// so only the computation's rounding counts. With u = 2⁻⁸ (bf16's unit roundoff): the bf16 products
+// of S are exact in fp32 and S, the softmax statistics and the P·V sums carry fp32 rounding only
+// (the fp32 bound, attention_tolerance); rounding each probability (normalised or not) to bf16
+// moves it by ≤ u·p_j, so an output element by ≤ u·Σ_j p_j·|v_j| / Σ_j p_j ≤ u·max|v|; rounding the
+// output moves it by ≤ u·|o| ≤ u·max|v| more. Hence |o − o_ref| ≤ 2u(1 + u)·max|v| + the fp32 bound.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "lib/core/bf16.hpp"
+#include "lib/core/rng.hpp"
+#include "taxonomy/registry.hpp"
+#include "tests/support/counter_point.hpp"
+#include "tests/support/reference.hpp"
+
+namespace xfb::test {
+
+inline constexpr double kBf16Roundoff = 1.0 / 256;  // u = 2⁻⁸
+
+// The fp32 draws of random_inputs rounded to bf16 (as the harness makes a bf16 point's inputs),
+// and the same values widened back to fp32 for the reference.
+struct Bf16Inputs {
+  AttentionInputs bf16, widened;
+};
+inline Bf16Inputs bf16_inputs(const Problem& p, std::uint64_t seed) {
+  const AttentionInputs f32 = random_inputs(p, seed);
+  AttentionInputs rounded{to_bf16(f32.q), to_bf16(f32.k), to_bf16(f32.v)};
+  AttentionInputs widened{to_f32(rounded.q), to_f32(rounded.k), to_f32(rounded.v)};
+  return {std::move(rounded), std::move(widened)};
+}
+
+// A model's bf16 mechanism on the problem (threads for the tests, dtype bf16) with `params`.
+inline std::unique_ptr<Mechanism> bf16_mechanism(const std::string& model, Problem p,
+                                                 const std::vector<std::string>& params = {}) {
+  p = on_test_threads(p);
+  p.dtype = DType::BF16;
+  const ModelInfo* info = find_model(model);
+  REQUIRE(info != nullptr);
+  return info->impl.create(p, resolve_params(model, info->impl.params, params), 42);
+}
+
+// The model's bf16 forward on the inputs: the output widened to fp32.
+inline Tensor run_bf16(const std::string& model, const Problem& p, const AttentionInputs& in,
+                       const std::vector<std::string>& params = {}) {
+  auto mechanism = bf16_mechanism(model, p, params);
+  Tensor out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, DType::BF16);
+  mechanism->prepare(in.q, in.k, in.v);
+  mechanism->forward(in.q, in.k, in.v, out);
+  return to_f32(out);
+}
+
+inline double max_abs_of(const float* x, std::int64_t count) {
+  double largest = 0;
+  for (std::int64_t i = 0; i < count; ++i) largest = std::max(largest, std::fabs(static_cast<double>(x[i])));
+  return largest;
+}
+
+// Checks every head of `got` against the float64 softmax-attention reference within the bf16 bound
+// above; returns the largest error over the fp32 bound alone (> 1 shows bf16 rounding happened).
+inline double check_bf16_head_errors(const Tensor& got, const AttentionInputs& widened, const Problem& p, bool causal,
+                                     const std::string& label) {
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  double largest_over_fp32 = 0;
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const float *q = widened.q.head(b, h), *k = widened.k.head(b, h), *v = widened.v.head(b, h);
+      const auto want = reference_attention(q, k, v, n, n, d, scale, causal ? MaskFn(causal_mask) : MaskFn(full_mask));
+      const double fp32_bound = attention_tolerance(q, k, v, n, n, d, scale);
+      const double bound = 2 * kBf16Roundoff * (1 + kBf16Roundoff) * max_abs_of(v, n * d) + fp32_bound;
+      const float* out = got.head(b, h);
+      std::int64_t failures = 0;
+      for (std::int64_t e = 0; e < n * d; ++e) {
+        const double error = std::fabs(out[e] - want[static_cast<std::size_t>(e)]);
+        largest_over_fp32 = std::max(largest_over_fp32, error / fp32_bound);
+        if (!(error <= bound) && failures++ < 3)
+          FAIL_CHECK(label << ": b=" << b << " h=" << h << " token " << e / d << " feature " << e % d << ": got "
+                           << out[e] << ", want " << want[static_cast<std::size_t>(e)] << " (bound " << bound << ")");
+      }
+      CHECK_MESSAGE(failures == 0, label << ": " << failures << " elements out of the bf16 bound");
+    }
+  return largest_over_fp32;
+}
+
+// The model's bf16 gradients (dq, dk, dv for a seeded bf16 dout) against the float64 softmax
+// attention reference's. Per element with terms T (reference_attention_backward's *_terms):
+// rounding P perturbs dV's terms and dS's (P·(|dP| + Σ P·|dP|)) by ≤ u·T, rounding dS to bf16 by
+// ≤ u·T more, rounding the gradient by ≤ u·|g| ≤ u·T: |g − g_ref| ≤ 3u(1 + u)·T + the fp32 factor·T.
+inline void check_bf16_gradients(const std::string& model, Problem p, const std::vector<std::string>& params,
+                                 std::uint64_t seed, const std::string& label) {
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  const auto in = bf16_inputs(p, seed);
+  Tensor dout32 = Tensor::bhnd(p.batch, p.heads, n, d);
+  CounterRng(9, "dout").fill_normal(dout32);
+  const Tensor dout = to_bf16(dout32), dout_widened = to_f32(dout);
+  auto mechanism = bf16_mechanism(model, p, params);
+  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d, DType::BF16); };
+  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
+  mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
+  mechanism->prepare_backward();
+  mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
+  mechanism->backward(in.bf16.q, in.bf16.k, in.bf16.v, out, dout, dq, dk, dv);
+  const Tensor got[3] = {to_f32(dq), to_f32(dk), to_f32(dv)};
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const float *q = in.widened.q.head(b, h), *k = in.widened.k.head(b, h), *v = in.widened.v.head(b, h);
+      const auto ref = reference_attention_backward(q, k, v, dout_widened.head(b, h), n, n, d, scale,
+                                                    p.causal ? MaskFn(causal_mask) : MaskFn(full_mask));
+      const double factor = 3 * kBf16Roundoff * (1 + kBf16Roundoff) + gradient_error_factor(q, k, n, n, d, scale);
+      const std::vector<double>* want[3] = {&ref.dq, &ref.dk, &ref.dv};
+      const std::vector<double>* terms[3] = {&ref.dq_terms, &ref.dk_terms, &ref.dv_terms};
+      for (int g = 0; g < 3; ++g) {
+        std::int64_t failures = 0;
+        for (std::int64_t e = 0; e < n * d; ++e) {
+          const auto i = static_cast<std::size_t>(e);
+          const double error = std::fabs(got[g].head(b, h)[e] - (*want[g])[i]);
+          if (!(error <= factor * (*terms[g])[i] + 1e-30) && failures++ < 3)
+            FAIL_CHECK(label << " d"
+                             << "qkv"[g] << " b=" << b << " h=" << h << " element " << e << ": got "
+                             << got[g].head(b, h)[e] << ", want " << (*want[g])[i] << " (bound "
+                             << factor * (*terms[g])[i] << ")");
+        }
+        CHECK_MESSAGE(failures == 0, label << " d"
+                                           << "qkv"[g] << ": " << failures << " out of the bound");
+      }
+    }
+}
+
+// The model's bf16 decode steps after a prefill of `context` tokens against its bf16 causal forward
+// over context + tokens. The step rounds the same fp32 values as the forward (scores, softmax, P to
+// bf16, O to bf16) up to fp32 summation order and the running max a probability is taken against,
+// which may flip a bf16 rounding of some p_j (≤ 2u·Σ p_j|v_j| ≤ 2u·max|v| in all) and of the output
+// (one bf16 ulp, ≤ 2u·|o|). Checks the state is bf16; returns the state bytes.
+inline std::int64_t check_bf16_decode(const std::string& model, const Problem& shape, std::int64_t context,
+                                      std::int64_t tokens, const std::vector<std::string>& params = {}) {
+  Problem whole = shape;
+  whole.seq_len = context + tokens;
+  whole.causal = true;
+  const std::int64_t heads = whole.batch * whole.heads, d = whole.head_dim;
+  const auto in = bf16_inputs(whole, static_cast<std::uint64_t>(context));
+  const Tensor forward = run_bf16(model, whole, in.bf16, params);
+  Problem p = whole;
+  p.seq_len = context;
+  auto mechanism = bf16_mechanism(model, p, params);
+  auto rows = [&](const Tensor& t, std::int64_t first, std::int64_t count) {
+    return to_bf16(rows_of(t, first, count));
+  };
+  const Tensor q = rows(in.widened.q, 0, context), k = rows(in.widened.k, 0, context),
+               v = rows(in.widened.v, 0, context);
+  Tensor prefill = Tensor::bhnd(whole.batch, whole.heads, context, d, DType::BF16);
+  mechanism->prepare(q, k, v);
+  mechanism->prepare_decode(tokens);
+  mechanism->forward(q, k, v, prefill);
+  const double largest_v = max_abs_of(in.widened.v.data(), in.widened.v.size());
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const std::int64_t token = context + t;
+    Tensor out = Tensor::bhnd(whole.batch, whole.heads, 1, d, DType::BF16);
+    mechanism->decode_step(rows(in.widened.q, token, 1), rows(in.widened.k, token, 1), rows(in.widened.v, token, 1),
+                           out);
+    const Tensor step = to_f32(out);
+    std::int64_t failures = 0;
+    for (std::int64_t h = 0; h < heads; ++h)
+      for (std::int64_t c = 0; c < d; ++c) {
+        const float want = forward.data()[(h * whole.seq_len + token) * d + c], got = step.data()[h * d + c];
+        const double bound = 2 * kBf16Roundoff * (largest_v + std::fabs(want)) + 64 * kFloatEps * largest_v;
+        if (!(std::fabs(got - want) <= bound) && failures++ < 3)
+          FAIL_CHECK(model << " context " << context << " token " << token << " head " << h << " feature " << c
+                           << ": got " << got << ", want " << want);
+      }
+    CHECK_MESSAGE(failures == 0, model << " context " << context << " token " << token);
+  }
+  for (const auto& named : mechanism->decode_state()) CHECK(named.tensor->dtype() == DType::BF16);
+  return mechanism->state_bytes();
+}
+
+// A quick_point (B=1 H=2 D=32) in bf16; decode points run 5 tokens.
+inline PointConfig bf16_point(const std::string& model, std::int64_t n, bool causal, Pass pass = Pass::Forward,
+                              std::vector<std::string> params = {}) {
+  PointConfig c = quick_point(model, n, causal, Scope::Attention, std::move(params));
+  c.problem.dtype = DType::BF16;
+  c.pass = pass;
+  if (pass == Pass::Decode) c.decode_tokens = 5;
+  return c;
+}
+
+}  // namespace xfb::test
