@@ -56,6 +56,12 @@ void round_scaled(const float* src, float factor, std::int64_t d, bf16* dst) {
   for (std::int64_t f = 0; f < d; ++f) dst[f] = to_bf16(src[f] * factor);
 }
 
+// Requests every cache line of `count` rows of d bf16 values (row stride ld) ahead of their use.
+void prefetch_rows(const bf16* data, std::int64_t ld, std::int64_t count, std::int64_t d) {
+  for (std::int64_t r = 0; r < count; ++r)
+    for (std::int64_t j = 0; j < d; j += 32) __builtin_prefetch(data + r * ld + j);
+}
+
 }  // namespace
 
 HeadViewBf16 head_view_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, std::int64_t head) {
@@ -91,6 +97,13 @@ std::int64_t attend_bf16(const HeadViewBf16& head, const Tile& tile, ThreadScrat
     const bf16* values = head.v + (tile.k_first + hull.begin * tile.k_step) * d;
     float* scores = scratch.scores(thread);
     bf16* probs = scratch.probs(thread);
+    // This tile's rows, then as many rows past them: the next task's in consecutive tilings (the
+    // prefetcher alone left local attention's 16K-token forward 10% slower than fp32's).
+    for (std::int64_t ahead : {std::int64_t{0}, width}) {
+      prefetch_rows(keys + ahead * ldk, ldk, width, d);
+      prefetch_rows(head.q + tile.q_first * d + ahead * ldq, ldq, tile.rows, d);
+      prefetch_rows(values + ahead * ldk, ldk, width, d);
+    }
     tiles::pack_key_pair_panels(keys, ldk, width, d, scratch.key_panels(thread));
     tiles::scores_bf16(head.q + tile.q_first * d, ldq, tile.rows, scratch.key_panels(thread), tiles::panels_for(width),
                        d, scale, scores, ld);
