@@ -31,6 +31,7 @@
 #include "lib/core/cpu_isa.hpp"
 #include "lib/core/rng.hpp"
 #include "taxonomy/registry.hpp"
+#include "tests/support/bf16_check.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/reference.hpp"
 
@@ -39,7 +40,7 @@ using namespace xfb::test;
 
 namespace {
 
-constexpr double kU = 1.0 / 256;  // bf16's unit roundoff
+constexpr double kU = kBf16Roundoff;
 
 MaskFn local_mask(std::int64_t block, bool causal) {
   return [=](std::int64_t i, std::int64_t j) { return i / block == j / block && (!causal || j <= i); };
@@ -89,32 +90,6 @@ void on_every_path(F f) {
     }
   force_kernel_isa(isa);
   force_bf16_dot(dot);
-}
-
-// The seed's fp32 draws rounded to bf16, and the same values widened back for the reference.
-struct Inputs {
-  AttentionInputs bf16, widened;
-};
-Inputs bf16_inputs(const Problem& p, std::uint64_t seed) {
-  const AttentionInputs f32 = random_inputs(p, seed);
-  AttentionInputs rounded{to_bf16(f32.q), to_bf16(f32.k), to_bf16(f32.v)};
-  AttentionInputs wide{to_f32(rounded.q), to_f32(rounded.k), to_f32(rounded.v)};
-  return {std::move(rounded), std::move(wide)};
-}
-
-std::unique_ptr<Mechanism> create_bf16(const std::string& model, Problem p, const std::vector<std::string>& params) {
-  p.dtype = DType::BF16;
-  const ModelInfo* info = find_model(model);
-  REQUIRE(info != nullptr);
-  return info->impl.create(p, resolve_params(model, info->impl.params, params), 42);
-}
-
-Tensor bf16_tensor(const Problem& p) { return Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, DType::BF16); }
-
-double max_abs_of(const float* x, std::int64_t count) {
-  double largest = 0;
-  for (std::int64_t i = 0; i < count; ++i) largest = std::max(largest, std::fabs(static_cast<double>(x[i])));
-  return largest;
 }
 
 // The forward bound e_O of one head (header comment).
@@ -169,9 +144,9 @@ TEST_SUITE("local_bf16") {
         for (std::int64_t n : c.sizes)
           for (bool causal : {false, true}) {
             const Problem p = on_test_threads({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal});
-            const Inputs in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 3);
-            auto mechanism = create_bf16(c.model, p, c.params);
-            Tensor out = bf16_tensor(p);
+            const Bf16Inputs in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 3);
+            auto mechanism = bf16_mechanism(c.model, p, c.params);
+            Tensor out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, DType::BF16);
             mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
             mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
             const Tensor got = to_f32(out);
@@ -201,12 +176,13 @@ TEST_SUITE("local_bf16") {
           for (bool causal : {false, true}) {
             const std::int64_t d = 16;
             const Problem p = on_test_threads({.batch = 2, .heads = 1, .seq_len = n, .head_dim = d, .causal = causal});
-            const Inputs in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 11);
+            const Bf16Inputs in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 11);
             Tensor dout32 = Tensor::bhnd(2, 1, n, d);
             CounterRng(5, "dout").fill_normal(dout32);
             const Tensor dout = to_bf16(dout32), dout_wide = to_f32(dout);
-            auto mechanism = create_bf16(c.model, p, c.params);
-            Tensor out = bf16_tensor(p), dq = bf16_tensor(p), dk = bf16_tensor(p), dv = bf16_tensor(p);
+            auto mechanism = bf16_mechanism(c.model, p, c.params);
+            const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, DType::BF16); };
+            Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
             mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
             mechanism->prepare_backward();
             mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
@@ -256,10 +232,8 @@ TEST_SUITE("local_bf16") {
   }
 
   TEST_CASE("the bf16 decode, on its bf16 window ring, equals the bf16 causal forward") {
-    // The step rounds the same fp32 quantities as the forward tile (scores, exponent, P to bf16, O to
-    // bf16) in another summation order, which may flip a bf16 rounding of some p_j (≤ 2u·Σ p_j|v_j|/Σ ≤
-    // 2u·max|v| in all) and of the output (≤ 2u·|o|); the fp32 differences stay below 64·eps·max|v|.
-    constexpr std::int64_t kTokens = 20;
+    // check_bf16_decode's bound (tests/support/bf16_check.hpp): the step rounds the forward tile's fp32
+    // quantities (scores, exponent, P and O to bf16) in another summation order.
     struct DecodeCase {
       std::string model;
       std::vector<std::string> params;
@@ -268,46 +242,9 @@ TEST_SUITE("local_bf16") {
     for (const DecodeCase& c : std::vector<DecodeCase>{
              {"local", {"block=16"}, 16}, {"image-transformer", {"query_block=16", "memory_flange=8"}, 24}})
       for (std::int64_t context : {16, 17, 31, 33}) {  // ≥ the block, which is clamped to the context's N
-        const Problem whole =
-            on_test_threads({.batch = 1, .heads = 3, .seq_len = context + kTokens, .head_dim = 16, .causal = true});
-        const Inputs in = bf16_inputs(whole, static_cast<std::uint64_t>(context) + 1);
-        Tensor forward_out = bf16_tensor(whole);
-        {
-          auto mechanism = create_bf16(c.model, whole, c.params);
-          mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
-          mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, forward_out);
-        }
-        const Tensor forward = to_f32(forward_out);
-        Problem p = whole;
-        p.seq_len = context;
-        auto mechanism = create_bf16(c.model, p, c.params);
-        auto rows = [&](const Tensor& t, std::int64_t first, std::int64_t count) {
-          return to_bf16(rows_of(t, first, count));
-        };
-        const Tensor q = rows(in.widened.q, 0, context), k = rows(in.widened.k, 0, context),
-                     v = rows(in.widened.v, 0, context);
-        Tensor prefill = Tensor::bhnd(1, 3, context, 16, DType::BF16);
-        mechanism->prepare(q, k, v);
-        mechanism->prepare_decode(kTokens);
-        mechanism->forward(q, k, v, prefill);
-        const double largest_v = max_abs_of(in.widened.v.data(), in.widened.v.size());
-        for (std::int64_t t = 0; t < kTokens; ++t) {
-          const std::int64_t token = context + t;
-          Tensor out = Tensor::bhnd(1, 3, 1, 16, DType::BF16);
-          mechanism->decode_step(rows(in.widened.q, token, 1), rows(in.widened.k, token, 1),
-                                 rows(in.widened.v, token, 1), out);
-          const Tensor step = to_f32(out);
-          for (std::int64_t h = 0; h < 3; ++h)
-            for (std::int64_t f = 0; f < 16; ++f) {
-              const float want = forward.head(0, h)[token * 16 + f], got = step.head(0, h)[f];
-              const double bound = 2 * kU * (largest_v + std::fabs(want)) + 64 * kFloatEps * largest_v;
-              CHECK_MESSAGE(std::fabs(got - want) <= bound, c.model << " context " << context << " token " << token
-                                                                    << " head " << h << " feature " << f << ": got "
-                                                                    << got << ", want " << want);
-            }
-        }
-        for (const auto& named : mechanism->decode_state()) CHECK(named.tensor->dtype() == DType::BF16);
-        CHECK(mechanism->state_bytes() == 2 * 3 * c.window * 16 * 2);  // the key and value rings, bf16
+        const std::int64_t state =
+            check_bf16_decode(c.model, {.batch = 1, .heads = 3, .head_dim = 16}, context, 20, c.params);
+        CHECK(state == 2 * 3 * c.window * 16 * 2);  // the key and value rings, bf16
       }
   }
 
