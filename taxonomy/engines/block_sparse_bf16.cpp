@@ -25,7 +25,7 @@ std::int64_t forward_halves(std::int64_t max_cols, std::int64_t d) {
   return kTaskRows * tile_ld(max_cols) + 2 * tile_ld(max_cols) * d;
 }
 std::int64_t backward_floats(std::int64_t max_cols, std::int64_t tokens, std::int64_t d) {
-  return 2 * kTaskRows * tile_ld(max_cols) + kTaskRows * d + 2 * tokens * d + tokens;
+  return 2 * kTaskRows * tile_ld(max_cols) + kTaskRows * d + 2 * key_window_rows(max_cols) * d + tokens;
 }
 std::int64_t backward_halves(std::int64_t max_cols, std::int64_t d) {
   return 3 * kTaskRows * tile_ld(max_cols) + 3 * tile_ld(max_cols) * d + 2 * kTaskRows * d;
@@ -145,6 +145,7 @@ BackwardScratchBf16::BackwardScratchBf16(std::int64_t threads, std::int64_t max_
       ld_(tile_ld(max_cols)),
       d_(d),
       tokens_(tokens),
+      window_(key_window_rows(max_cols)),
       float_stride_(backward_floats(max_cols, tokens, d)),
       half_stride_(backward_halves(max_cols, d)),
       floats_(Shape{threads, float_stride_}),
@@ -165,30 +166,31 @@ std::int64_t begin_head_bf16(HeadGradsBf16& g) {
     for (std::int64_t c = 0; c < d; ++c) dot += to_float(a[c]) * to_float(b[c]);
     g.delta[i] = dot;
   }
-  g.zeroed = g.flushed = 0;
+  g.zeroed = g.flushed = g.base = 0;
   return 2 * g.tokens * d;
 }
 
 namespace {
 
-// Rounds the dK/dV sums of key rows [g.flushed, end) into dk/dv.
+// Rounds the dK/dV sums of key rows [g.flushed, end) into dk/dv (zeros for rows no tile reached).
 void flush_through(HeadGradsBf16& g, std::int64_t end) {
   const std::int64_t d = g.d;
   for (std::int64_t r = g.flushed; r < end; ++r) {
-    round_scaled(g.dk_acc + r * d, 1.0f, d, g.dk + r * d);
-    round_scaled(g.dv_acc + r * d, 1.0f, d, g.dv + r * d);
+    if (r < g.zeroed) {
+      round_scaled(g.dk_acc + (r - g.base) * d, 1.0f, d, g.dk + r * d);
+      round_scaled(g.dv_acc + (r - g.base) * d, 1.0f, d, g.dv + r * d);
+    } else {
+      std::fill(g.dk + r * d, g.dk + (r + 1) * d, to_bf16(0.0f));
+      std::fill(g.dv + r * d, g.dv + (r + 1) * d, to_bf16(0.0f));
+    }
   }
   g.flushed = std::max(g.flushed, end);
+  g.zeroed = std::max(g.zeroed, g.flushed);
 }
 
 }  // namespace
 
-void finish_head_bf16(HeadGradsBf16& g) {
-  flush_through(g, g.zeroed);
-  std::fill(g.dk + g.flushed * g.d, g.dk + g.tokens * g.d, to_bf16(0.0f));
-  std::fill(g.dv + g.flushed * g.d, g.dv + g.tokens * g.d, to_bf16(0.0f));
-  g.flushed = g.zeroed = g.tokens;
-}
+void finish_head_bf16(HeadGradsBf16& g) { flush_through(g, g.tokens); }
 
 std::int64_t attend_backward_bf16(HeadGradsBf16& g, const Tile& tile, const std::int64_t* lo, const std::int64_t* hi,
                                   BackwardScratchBf16& scratch, int thread) {
@@ -203,10 +205,17 @@ std::int64_t attend_backward_bf16(HeadGradsBf16& g, const Tile& tile, const std:
   if (tile.k_step != 1) throw std::logic_error("attend_backward_bf16: key rows must be consecutive (k_step 1)");
   const std::int64_t first_key = tile.k_first + hull.begin, end_key = tile.k_first + hull.end;
   if (first_key < g.flushed) throw std::logic_error("attend_backward_bf16: a tile reaches dK/dV rows already rounded");
-  flush_through(g, first_key);  // no later tile reaches below this one's hull
+  flush_through(g, first_key);        // no later tile reaches below this one's hull
+  if (end_key - g.base > g.window) {  // the live rows [flushed, zeroed) move to the window's start
+    const std::int64_t live = g.zeroed - g.flushed, from = (g.flushed - g.base) * d;
+    std::copy(g.dk_acc + from, g.dk_acc + from + live * d, g.dk_acc);
+    std::copy(g.dv_acc + from, g.dv_acc + from + live * d, g.dv_acc);
+    g.base = g.flushed;
+  }
+  if (end_key - g.base > g.window) throw std::logic_error("attend_backward_bf16: a hull wider than the key window");
   if (end_key > g.zeroed) {
-    std::fill(g.dk_acc + g.zeroed * d, g.dk_acc + end_key * d, 0.0f);
-    std::fill(g.dv_acc + g.zeroed * d, g.dv_acc + end_key * d, 0.0f);
+    std::fill(g.dk_acc + (g.zeroed - g.base) * d, g.dk_acc + (end_key - g.base) * d, 0.0f);
+    std::fill(g.dv_acc + (g.zeroed - g.base) * d, g.dv_acc + (end_key - g.base) * d, 0.0f);
     g.zeroed = end_key;
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
@@ -240,9 +249,9 @@ std::int64_t attend_backward_bf16(HeadGradsBf16& g, const Tile& tile, const std:
   tiles::pack_row_pairs(q, ldq, tile.rows, d, scratch.query_pairs(thread));
   tiles::pack_row_pairs(k, d, width, d, scratch.key_pairs(thread));
   tiles::accumulate_transposed_bf16(prob_pairs, ld, tile.rows, width, scratch.dout_pairs(thread), d, 1.0f,
-                                    g.dv_acc + first_key * d, d);
+                                    g.dv_acc + (first_key - g.base) * d, d);
   tiles::accumulate_transposed_bf16(grad_pairs, ld, tile.rows, width, scratch.query_pairs(thread), d, scale,
-                                    g.dk_acc + first_key * d, d);
+                                    g.dk_acc + (first_key - g.base) * d, d);
   float* dq_acc = scratch.dq(thread);
   std::fill(dq_acc, dq_acc + tile.rows * d, 0.0f);
   tiles::accumulate_pv_bf16(grad_rows, ld, tile.rows, width, scratch.key_pairs(thread), d, dq_acc, d, scale);
@@ -276,6 +285,7 @@ HeadGradsBf16 TileTrainingBf16::grads(const BackwardTensors& t, std::int64_t hea
           .dv = t.dv.bf16_data() + offset,
           .dk_acc = scratch_.dk(thread),
           .dv_acc = scratch_.dv(thread),
+          .window = scratch_.key_window(),
           .d = d,
           .tokens = n};
 }

@@ -17,9 +17,10 @@
 //   dV += Pᵀ·dO, dK += scale·dSᵀ·Q (accumulate_transposed_bf16), dQ = scale·dS·K (accumulate_pv_bf16).
 //   dQ: an fp32 tile [m, D], rounded to bf16 once (every query row is in exactly one task).
 //   dK, dV: a key row may get several tiles' sums (image-transformer's flange, local's blocks of
-//   more than 64 rows), so they accumulate in per-head fp32 buffers [N, D] (per thread, one head per
-//   task), rows zeroed as tiles first reach them and rounded to bf16 once no later tile can reach
-//   them (the plan's key hulls start at non-decreasing rows, checked).
+//   more than 64 rows), so they accumulate in fp32 per thread (one head per task), in a sliding
+//   window of key_window_rows(max_cols) rows: rows are zeroed as tiles first reach them and rounded
+//   to bf16 once no later tile can reach them — the plan's key hulls start at non-decreasing rows
+//   (checked) — so the live rows never span more than two hulls.
 // FLOPs: exactly the fp32 path's (block_sparse::accumulate_flops + finish_flops per tile forward;
 // 2·N·D + attend_backward_flops per tile backward); conversions and panel padding not counted.
 #include <cstdint>
@@ -31,6 +32,9 @@
 #include "taxonomy/engines/block_sparse.hpp"
 
 namespace xfb::block_sparse {
+
+// Rows of the fp32 dK/dV window for hulls of ≤ max_cols keys.
+inline std::int64_t key_window_rows(std::int64_t max_cols) { return 2 * max_cols; }
 
 // One head's [N, D] bf16 matrices; lse as in HeadView.
 struct HeadViewBf16 {
@@ -94,7 +98,8 @@ void run_tiles_bf16(std::int64_t heads, std::int64_t tasks, ThreadScratchBf16& s
 }
 
 // Per-thread backward buffers (ld, P as in ThreadScratchBf16; N tokens): fp32 S and dP tiles
-// [kTaskRows, ld] each, the fp32 dQ tile [kTaskRows, D], fp32 dK and dV of one head [N, D] each,
+// [kTaskRows, ld] each, the fp32 dQ tile [kTaskRows, D], the fp32 dK and dV windows
+// [key_window_rows(max_cols), D] each,
 // δ [N]; bf16 P and dS in row pairs and dS rows ([kTaskRows, ld] each), K and V pair panels and
 // K row pairs (P·kPanel·D each), Q and dO row pairs ([kTaskRows, D] each); the row intervals.
 class BackwardScratchBf16 {
@@ -108,8 +113,9 @@ class BackwardScratchBf16 {
   float* grads(int thread) { return probs(thread) + kTaskRows * ld_; }
   float* dq(int thread) { return grads(thread) + kTaskRows * ld_; }
   float* dk(int thread) { return dq(thread) + kTaskRows * d_; }
-  float* dv(int thread) { return dk(thread) + tokens_ * d_; }
-  float* delta(int thread) { return dv(thread) + tokens_ * d_; }
+  float* dv(int thread) { return dk(thread) + window_ * d_; }
+  float* delta(int thread) { return dv(thread) + window_ * d_; }
+  std::int64_t key_window() const { return window_; }
   bf16* prob_pairs(int thread) { return halves_.bf16_data() + thread * half_stride_; }
   bf16* grad_pairs(int thread) { return prob_pairs(thread) + kTaskRows * ld_; }
   bf16* grad_rows(int thread) { return grad_pairs(thread) + kTaskRows * ld_; }
@@ -123,22 +129,23 @@ class BackwardScratchBf16 {
 
  private:
   int threads_ = 0;
-  std::int64_t ld_ = 0, d_ = 0, tokens_ = 0, float_stride_ = 0, half_stride_ = 0;
+  std::int64_t ld_ = 0, d_ = 0, tokens_ = 0, window_ = 0, float_stride_ = 0, half_stride_ = 0;
   Tensor floats_, halves_;
   std::vector<std::int64_t> bounds_;
 };
 
-// One head's bf16 tensors for the backward, with its fp32 dK/dV accumulators and the rows of them
-// zeroed and already rounded into dk/dv (a key row r < flushed is final; rows [flushed, zeroed)
-// hold sums; rows ≥ zeroed are untouched).
+// One head's bf16 tensors for the backward, with its fp32 dK/dV window (key row r at row r − base
+// of it, `window` rows) and the rows of it zeroed and already rounded into dk/dv (a key row
+// r < flushed is final; rows [flushed, zeroed) hold sums; rows ≥ zeroed are untouched).
 struct HeadGradsBf16 {
   const bf16 *q = nullptr, *k = nullptr, *v = nullptr, *out = nullptr, *dout = nullptr;
   const float* lse = nullptr;
   float* delta = nullptr;
   bf16 *dq = nullptr, *dk = nullptr, *dv = nullptr;
   float *dk_acc = nullptr, *dv_acc = nullptr;
+  std::int64_t window = 0;
   std::int64_t d = 0, tokens = 0;
-  std::int64_t zeroed = 0, flushed = 0;
+  std::int64_t zeroed = 0, flushed = 0, base = 0;
 };
 
 // The backward of one tile (key step 1; its hull must not start below g.flushed: std::logic_error
