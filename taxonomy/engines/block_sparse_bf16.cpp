@@ -332,7 +332,7 @@ void WindowCacheBf16::step(const Tensor& q, const Tensor& k, const Tensor& v, Te
     const bf16* query = q.bf16_data() + head * d;
     float peak = -std::numeric_limits<float>::infinity();
     for (std::int64_t j = 0; j < count; ++j) {
-      const bf16* key = keys + (first + j) % capacity * d;
+      const bf16* key = keys + (j < head_run ? begin + j : j - head_run) * d;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
       for (std::int64_t c = 0; c < d; ++c) dot += to_float(query[c]) * to_float(key[c]);
@@ -345,7 +345,7 @@ void WindowCacheBf16::step(const Tensor& q, const Tensor& k, const Tensor& v, Te
       const float p = ops::fast_exp(scores[j] - peak);
       sum += p;
       const float weight = round_to_bf16(p);
-      const bf16* value = values + (first + j) % capacity * d;
+      const bf16* value = values + (j < head_run ? begin + j : j - head_run) * d;
 #pragma omp simd
       for (std::int64_t c = 0; c < d; ++c) acc[c] += weight * to_float(value[c]);
     }
