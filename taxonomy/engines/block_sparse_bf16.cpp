@@ -321,35 +321,40 @@ void WindowCacheBf16::step(const Tensor& q, const Tensor& k, const Tensor& v, Te
   const std::int64_t flops_per_head =
       2 * d + attend_rows_flops(head_run, d) + (count > head_run ? attend_rows_flops(count - head_run, d) : 0);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-#pragma omp parallel for num_threads(threads) schedule(static) if (2 * heads * count * d >= kParallelStepFloats)
-  for (std::int64_t head = 0; head < heads; ++head) {
+  const auto attend_head = [&](std::int64_t head) {
     bf16* keys = keys_.bf16_data() + head * capacity * d;
     bf16* values = values_.bf16_data() + head * capacity * d;
     std::copy_n(k.bf16_data() + head * d, d, keys + last % capacity * d);
     std::copy_n(v.bf16_data() + head * d, d, values + last % capacity * d);
     float* scores = buffers_.data() + head * (capacity + d);
     float* acc = scores + capacity;
-    const bf16* query = q.bf16_data() + head * d;
+    widen(q.bf16_data() + head * d, acc, d);  // the query, widened exactly, until the scores are done
     float peak = -std::numeric_limits<float>::infinity();
     for (std::int64_t j = 0; j < count; ++j) {
       const bf16* key = keys + (j < head_run ? begin + j : j - head_run) * d;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (std::int64_t c = 0; c < d; ++c) dot += to_float(query[c]) * to_float(key[c]);
+      for (std::int64_t c = 0; c < d; ++c) dot += acc[c] * to_float(key[c]);
       scores[j] = scale * dot;
       peak = std::max(peak, scores[j]);
     }
     float sum = 0.0f;
     std::fill(acc, acc + d, 0.0f);
+#pragma omp simd reduction(+ : sum)
+    for (std::int64_t j = 0; j < count; ++j) sum += scores[j] = ops::fast_exp(scores[j] - peak);
     for (std::int64_t j = 0; j < count; ++j) {
-      const float p = ops::fast_exp(scores[j] - peak);
-      sum += p;
-      const float weight = round_to_bf16(p);
+      const float weight = round_to_bf16(scores[j]);
       const bf16* value = values + (j < head_run ? begin + j : j - head_run) * d;
 #pragma omp simd
       for (std::int64_t c = 0; c < d; ++c) acc[c] += weight * to_float(value[c]);
     }
     round_scaled(acc, 1.0f / sum, d, out.bf16_data() + head * d);
+  };
+  if (2 * heads * count * d >= kParallelStepFloats) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (std::int64_t head = 0; head < heads; ++head) attend_head(head);
+  } else {
+    for (std::int64_t head = 0; head < heads; ++head) attend_head(head);  // too small for a fork and join
   }
   FlopCounter::add(heads * flops_per_head);
   ++length_;
