@@ -37,7 +37,7 @@ struct Plan {
 }  // namespace
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const ImageTransformerConfig& c, std::uint64_t) {
-  return std::make_unique<bs::SinglePlanAttention<Plan>>(problem, Plan(problem, c));
+  return bs::single_plan_attention(problem, Plan(problem, c));
 }
 
 std::int64_t flops(const Problem& p, const ImageTransformerConfig& c) { return bs::single_plan_flops(p, Plan(p, c)); }
@@ -55,6 +55,8 @@ std::int64_t backward_workspace(const Problem& p, const ImageTransformerConfig& 
 }
 
 std::int64_t decode_workspace(const Problem& p, const ImageTransformerConfig& c, std::int64_t) {
+  if (p.dtype == DType::BF16)
+    return bs::WindowCacheBf16::bytes(p.batch * p.heads, c.memory_flange + c.query_block, p.head_dim);
   return WindowCache::bytes(p.batch * p.heads, c.memory_flange + c.query_block, p.head_dim);
 }
 
@@ -72,9 +74,14 @@ ImageTransformerConfig resolve(const Problem& p, ImageTransformerConfig c) {
   return c;
 }
 
+std::string unsupported(const Problem& p, const ImageTransformerConfig&) { return bs::single_plan_bf16_unsupported(p); }
+
 template <>
 Implementation implementation<ImageTransformerConfig>() {
-  return implement<ImageTransformerConfig>();
+  Implementation impl = implement<ImageTransformerConfig>();
+  impl.bf16_forward = true;  // forward and decode
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

@@ -16,6 +16,10 @@
 // Decode: a ring of the last l_m + l_q tokens' keys and values (the state); token i attends to
 // [max(0, q0 − l_m), i] (engines/decode_common.hpp WindowCache): O(l_m + l_q) per token, state
 // constant in N.
+// bf16 (--dtype bf16; engines/block_sparse_bf16.hpp, needs D % 16 == 0): the same tiles on the bf16
+// tile kernels — S and P·V from bf16 operands with fp32 sums, fp32 softmax, P rounded to bf16, output
+// rounded to bf16; the backward's dK/dV summed in an fp32 window and rounded once; a bf16 window ring
+// (half the state bytes). FLOPs as in fp32.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 

@@ -27,7 +27,7 @@ struct Plan {
 }  // namespace
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const LocalConfig& c, std::uint64_t) {
-  return std::make_unique<bs::SinglePlanAttention<Plan>>(problem, Plan(problem, c));
+  return bs::single_plan_attention(problem, Plan(problem, c));
 }
 
 std::int64_t flops(const Problem& p, const LocalConfig& c) { return bs::single_plan_flops(p, Plan(p, c)); }
@@ -43,6 +43,7 @@ std::int64_t backward_workspace(const Problem& p, const LocalConfig& c) {
 }
 
 std::int64_t decode_workspace(const Problem& p, const LocalConfig& c, std::int64_t) {
+  if (p.dtype == DType::BF16) return bs::WindowCacheBf16::bytes(p.batch * p.heads, c.block, p.head_dim);
   return WindowCache::bytes(p.batch * p.heads, c.block, p.head_dim);
 }
 
@@ -55,9 +56,14 @@ LocalConfig resolve(const Problem& p, LocalConfig c) {
   return c;
 }
 
+std::string unsupported(const Problem& p, const LocalConfig&) { return bs::single_plan_bf16_unsupported(p); }
+
 template <>
 Implementation implementation<LocalConfig>() {
-  return implement<LocalConfig>();
+  Implementation impl = implement<LocalConfig>();
+  impl.bf16_forward = true;  // forward and decode
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

@@ -14,6 +14,10 @@
 // Decode: a window of the current block's keys and values ([B·H, b, D] each, a ring: the state);
 // a step attends to its block's tokens so far (engines/decode_common.hpp WindowCache): O(b) per
 // token, state constant in N.
+// bf16 (--dtype bf16; engines/block_sparse_bf16.hpp, needs D % 16 == 0): the same tiles on the bf16
+// tile kernels — S and P·V from bf16 operands with fp32 sums, fp32 softmax, P rounded to bf16, output
+// rounded to bf16; the backward's dK/dV summed in an fp32 window and rounded once; a bf16 window ring
+// (half the state bytes). FLOPs as in fp32.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 

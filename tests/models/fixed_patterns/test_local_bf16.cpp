@@ -1,0 +1,300 @@
+// The bf16 form of the single-plan block-sparse path (taxonomy/engines/block_sparse_bf16.hpp):
+// `local` and `image-transformer` in bf16 against the float64 masked reference on the same bf16
+// inputs, forward and gradients, on every bf16 kernel path (vdpbf16ps where the CPU has it,
+// convert-and-FMA at 512 and 256 bits); decode against the bf16 causal forward; bytes, FLOPs and
+// the workspace estimate.
+//
+// The forward bound. The reference runs in float64 on the bf16 inputs widened exactly, so only
+// the computation's rounding counts (u = 2⁻⁸): the bf16 products of S are exact in fp32 and S, the
+// row statistics and the P·V sums carry fp32 rounding only (attention_tolerance); P is rounded to
+// bf16 after the exponent and before the division by Σ (fp32), which moves each p_j by ≤ u·p_j,
+// so an output element by ≤ u·Σ_j p_j·|v_j|/Σ ≤ u·max|v|; rounding the output moves it by ≤ u·|o|
+// ≤ u·max|v| more:  |o − o_ref| ≤ 2u(1 + u)·max|v| + attention_tolerance.
+//
+// The gradient bound, per element with terms T (reference_attention_backward's *_terms): rounding
+// P (dV's terms, and dS = P·(dP − δ)) and dS to bf16 perturbs by ≤ u·T each, rounding the gradient
+// by ≤ u·|g| ≤ u·T: 3u(1 + u)·T + gradient_error_factor·T, as vanilla's. δ_r = dO_r·O_r is
+// computed from the stored bf16 output, whose elements are off by ≤ e_O (the forward bound), so
+// Δδ_r ≤ e_O·Σ_c|dO_rc| (1.01: its own fp32 sum), and dS_rj moves by P_rj·Δδ_r more:
+//   dQ[r, c] by scale·Δδ_r·Σ_j P_rj·|K_jc|,   dK[j, c] by scale·Σ_r P_rj·Δδ_r·|Q_rc|   (dV: none).
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "apps/bench/point.hpp"
+#include "lib/core/bf16.hpp"
+#include "lib/core/cpu_isa.hpp"
+#include "lib/core/rng.hpp"
+#include "taxonomy/registry.hpp"
+#include "tests/support/bf16_check.hpp"
+#include "tests/support/counter_point.hpp"
+#include "tests/support/reference.hpp"
+
+using namespace xfb;
+using namespace xfb::test;
+
+namespace {
+
+constexpr double kU = kBf16Roundoff;
+
+MaskFn local_mask(std::int64_t block, bool causal) {
+  return [=](std::int64_t i, std::int64_t j) { return i / block == j / block && (!causal || j <= i); };
+}
+MaskFn image_mask(std::int64_t query_block, std::int64_t flange, bool causal) {
+  return [=](std::int64_t i, std::int64_t j) {
+    const std::int64_t start = i / query_block * query_block;
+    return j >= start - flange && j < start + query_block && (!causal || j <= i);
+  };
+}
+
+// The cases: sizes one below, at and above the blocks and the 64-row tile.
+struct Case {
+  std::string model;
+  std::vector<std::string> params;
+  std::function<MaskFn(bool)> mask;
+  std::vector<std::int64_t> sizes;
+};
+std::vector<Case> forward_cases() {
+  return {
+      {"local", {}, [](bool c) { return local_mask(50, c); }, {1, 49, 50, 51, 101}},
+      {"local", {"block=16"}, [](bool c) { return local_mask(16, c); }, {15, 16, 17, 63, 64, 65}},
+      {"local", {"block=70"}, [](bool c) { return local_mask(70, c); }, {69, 70, 71, 150}},
+      {"image-transformer",
+       {"query_block=16", "memory_flange=8"},
+       [](bool c) { return image_mask(16, 8, c); },
+       {1, 8, 15, 16, 17, 25, 100}},
+      {"image-transformer",
+       {"query_block=65", "memory_flange=30"},
+       [](bool c) { return image_mask(65, 30, c); },
+       {63, 64, 65, 66, 131}},
+  };
+}
+
+// Runs f on every bf16 kernel path of this host, restoring the host's choice after.
+template <class F>
+void on_every_path(F f) {
+  const KernelIsa isa = kernel_isa();
+  const bool dot = bf16_dot_product();
+  for (KernelIsa path : supported_kernel_isas())
+    for (bool use_dot : {false, true}) {
+      if (use_dot && !(path == KernelIsa::Avx512 && cpu_has_bf16_dot())) continue;
+      force_kernel_isa(path);
+      force_bf16_dot(use_dot);
+      REQUIRE(bf16_dot_product() == use_dot);
+      f(bf16_kernels_name());
+    }
+  force_kernel_isa(isa);
+  force_bf16_dot(dot);
+}
+
+// The forward bound e_O of one head (header comment).
+double forward_bound(const float* q, const float* k, const float* v, std::int64_t n, std::int64_t d) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  return 2 * kU * (1 + kU) * max_abs_of(v, n * d) + attention_tolerance(q, k, v, n, n, d, scale);
+}
+
+// Checks every element of got against want within bound(element); counts the misses.
+template <class Bound>
+void check_elements(const float* got, const std::vector<double>& want, std::int64_t count, const Bound& bound,
+                    const std::string& label) {
+  std::int64_t failures = 0;
+  for (std::int64_t e = 0; e < count; ++e) {
+    const double error = std::fabs(got[e] - want[static_cast<std::size_t>(e)]);
+    if (!(error <= bound(e)) && failures++ < 3)
+      FAIL_CHECK(label << ": element " << e << ": got " << got[e] << ", want " << want[static_cast<std::size_t>(e)]
+                       << " (bound " << bound(e) << ")");
+  }
+  CHECK_MESSAGE(failures == 0, label << ": " << failures << " elements out of the bf16 bound");
+}
+
+// P of one head in float64 ([n, n], 0 off the mask).
+std::vector<double> reference_probabilities(const float* q, const float* k, std::int64_t n, std::int64_t d,
+                                            const MaskFn& allowed) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> p(static_cast<std::size_t>(n * n), 0.0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    double peak = -std::numeric_limits<double>::infinity(), sum = 0;
+    for (std::int64_t j = 0; j < n; ++j) {
+      if (!allowed(i, j)) continue;
+      double s = 0;
+      for (std::int64_t c = 0; c < d; ++c) s += static_cast<double>(q[i * d + c]) * k[j * d + c];
+      p[static_cast<std::size_t>(i * n + j)] = s * scale;
+      peak = std::max(peak, s * scale);
+    }
+    for (std::int64_t j = 0; j < n; ++j)
+      if (allowed(i, j))
+        sum += p[static_cast<std::size_t>(i * n + j)] = std::exp(p[static_cast<std::size_t>(i * n + j)] - peak);
+    for (std::int64_t j = 0; j < n; ++j)
+      if (allowed(i, j)) p[static_cast<std::size_t>(i * n + j)] /= sum;
+  }
+  return p;
+}
+
+}  // namespace
+
+TEST_SUITE("local_bf16") {
+  TEST_CASE("local and image-transformer in bf16 equal the float64 masked reference, every path, causal and not") {
+    on_every_path([](const std::string& path) {
+      for (const Case& c : forward_cases())
+        for (std::int64_t n : c.sizes)
+          for (bool causal : {false, true}) {
+            const Problem p = on_test_threads({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal});
+            const Bf16Inputs in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 3);
+            auto mechanism = bf16_mechanism(c.model, p, c.params);
+            Tensor out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, DType::BF16);
+            mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
+            mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
+            const Tensor got = to_f32(out);
+            const std::string label = c.model + " N=" + std::to_string(n) + (causal ? " causal " : " ") + path;
+            double over_fp32 = 0;
+            for (std::int64_t h = 0; h < 2; ++h) {
+              const float *q = in.widened.q.head(0, h), *k = in.widened.k.head(0, h), *v = in.widened.v.head(0, h);
+              const auto want = reference_attention(q, k, v, n, n, 32, 1.0 / std::sqrt(32.0), c.mask(causal));
+              const double fp32 = attention_tolerance(q, k, v, n, n, 32, 1.0 / std::sqrt(32.0));
+              const double bound = forward_bound(q, k, v, n, 32);
+              check_elements(
+                  got.head(0, h), want, n * 32, [&](std::int64_t) { return bound; }, label);
+              for (std::int64_t e = 0; e < n * 32; ++e)
+                over_fp32 =
+                    std::max(over_fp32, std::fabs(got.head(0, h)[e] - want[static_cast<std::size_t>(e)]) / fp32);
+            }
+            // Not fp32 in disguise: past a few keys, the bf16 rounding of P and O shows.
+            if (n >= 15) CHECK_MESSAGE(over_fp32 > 1, label << ": the error never exceeds the fp32 bound");
+          }
+    });
+  }
+
+  TEST_CASE("bf16 gradients equal the float64 reference's within the bf16 bound, every path, causal and not") {
+    on_every_path([](const std::string& path) {
+      for (const Case& c : forward_cases())
+        for (std::int64_t n : c.sizes)
+          for (bool causal : {false, true}) {
+            const std::int64_t d = 16;
+            const Problem p = on_test_threads({.batch = 2, .heads = 1, .seq_len = n, .head_dim = d, .causal = causal});
+            const Bf16Inputs in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 11);
+            Tensor dout32 = Tensor::bhnd(2, 1, n, d);
+            CounterRng(5, "dout").fill_normal(dout32);
+            const Tensor dout = to_bf16(dout32), dout_wide = to_f32(dout);
+            auto mechanism = bf16_mechanism(c.model, p, c.params);
+            const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, DType::BF16); };
+            Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
+            mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
+            mechanism->prepare_backward();
+            mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
+            mechanism->backward(in.bf16.q, in.bf16.k, in.bf16.v, out, dout, dq, dk, dv);
+            const Tensor got[3] = {to_f32(dq), to_f32(dk), to_f32(dv)};
+            const double scale = 0.25;  // 1/√16
+            for (std::int64_t b = 0; b < 2; ++b) {
+              const float *q = in.widened.q.head(b, 0), *k = in.widened.k.head(b, 0), *v = in.widened.v.head(b, 0);
+              const float* g_out = dout_wide.head(b, 0);
+              const MaskFn mask = c.mask(causal);
+              const auto ref = reference_attention_backward(q, k, v, g_out, n, n, d, scale, mask);
+              const auto probs = reference_probabilities(q, k, n, d, mask);
+              const double e_out = forward_bound(q, k, v, n, d);
+              std::vector<double> delta_error(static_cast<std::size_t>(n));
+              for (std::int64_t r = 0; r < n; ++r) {
+                double sum = 0;
+                for (std::int64_t f = 0; f < d; ++f) sum += std::fabs(g_out[r * d + f]);
+                delta_error[static_cast<std::size_t>(r)] = 1.01 * e_out * sum;
+              }
+              auto p_of = [&](std::int64_t i, std::int64_t j) { return probs[static_cast<std::size_t>(i * n + j)]; };
+              const double factor = 3 * kU * (1 + kU) + gradient_error_factor(q, k, n, n, d, scale);
+              auto dq_bound = [&](std::int64_t e) {
+                const std::int64_t r = e / d, f = e % d;
+                double sum = 0;
+                for (std::int64_t j = 0; j < n; ++j) sum += p_of(r, j) * std::fabs(k[j * d + f]);
+                return factor * ref.dq_terms[static_cast<std::size_t>(e)] +
+                       scale * delta_error[static_cast<std::size_t>(r)] * sum + 1e-30;
+              };
+              auto dk_bound = [&](std::int64_t e) {
+                const std::int64_t j = e / d, f = e % d;
+                double sum = 0;
+                for (std::int64_t r = 0; r < n; ++r)
+                  sum += p_of(r, j) * delta_error[static_cast<std::size_t>(r)] * std::fabs(q[r * d + f]);
+                return factor * ref.dk_terms[static_cast<std::size_t>(e)] + scale * sum + 1e-30;
+              };
+              auto dv_bound = [&](std::int64_t e) {
+                return factor * ref.dv_terms[static_cast<std::size_t>(e)] + 1e-30;
+              };
+              const std::string label =
+                  c.model + " N=" + std::to_string(n) + (causal ? " causal " : " ") + path + " b=" + std::to_string(b);
+              check_elements(got[0].head(b, 0), ref.dq, n * d, dq_bound, "dq " + label);
+              check_elements(got[1].head(b, 0), ref.dk, n * d, dk_bound, "dk " + label);
+              check_elements(got[2].head(b, 0), ref.dv, n * d, dv_bound, "dv " + label);
+            }
+          }
+    });
+  }
+
+  TEST_CASE("the bf16 decode, on its bf16 window ring, equals the bf16 causal forward") {
+    // check_bf16_decode's bound (tests/support/bf16_check.hpp): the step rounds the forward tile's fp32
+    // quantities (scores, exponent, P and O to bf16) in another summation order.
+    struct DecodeCase {
+      std::string model;
+      std::vector<std::string> params;
+      std::int64_t window;
+    };
+    for (const DecodeCase& c : std::vector<DecodeCase>{
+             {"local", {"block=16"}, 16}, {"image-transformer", {"query_block=16", "memory_flange=8"}, 24}})
+      for (std::int64_t context : {16, 17, 31, 33}) {  // ≥ the block, which is clamped to the context's N
+        const std::int64_t state =
+            check_bf16_decode(c.model, {.batch = 1, .heads = 3, .head_dim = 16}, context, 20, c.params);
+        CHECK(state == 2 * 3 * c.window * 16 * 2);  // the key and value rings, bf16
+      }
+  }
+
+  TEST_CASE("bf16 rows: FLOPs as fp32's, bytes halved where they should be, the workspace estimate exact") {
+    struct RowCase {
+      std::string model;
+      std::vector<std::string> params;
+    };
+    for (const RowCase& c : std::vector<RowCase>{{"local", {}},
+                                                 {"local", {"block=70"}},
+                                                 {"image-transformer", {}},
+                                                 {"image-transformer", {"query_block=16", "memory_flange=8"}}})
+      for (std::int64_t n : {100, 257})
+        for (bool causal : {false, true})
+          for (Pass pass : {Pass::Forward, Pass::Backward, Pass::Train, Pass::Decode}) {
+            if (pass == Pass::Decode && !causal) continue;
+            PointConfig f32 = quick_point(c.model, n, causal, Scope::Attention, c.params);
+            f32.pass = pass;
+            if (pass == Pass::Decode) f32.decode_tokens = 5;
+            PointConfig bf16 = f32;
+            bf16.problem.dtype = DType::BF16;
+            CAPTURE(c.model);
+            CAPTURE(n);
+            CAPTURE(causal);
+            CAPTURE(pass_name(pass));
+            const ResultRow a = run_point(f32), b = run_point(bf16);
+            REQUIRE(a.status == Status::Ok);
+            REQUIRE(b.status == Status::Ok);
+            CHECK(b.dtype == DType::BF16);
+            CHECK(b.flops == a.flops);
+            CHECK(2 * point_io_bytes(bf16) == point_io_bytes(f32));
+            CHECK(b.peak_owned_bytes - point_io_bytes(bf16) == b.estimated_workspace_bytes);
+            CHECK(a.peak_owned_bytes - point_io_bytes(f32) == a.estimated_workspace_bytes);
+            if (pass == Pass::Backward || pass == Pass::Train) CHECK(b.saved_bytes == a.saved_bytes);  // fp32 L
+            if (pass == Pass::Decode) {
+              CHECK(b.state_bytes > 0);
+              CHECK(2 * b.state_bytes == a.state_bytes);
+            }
+          }
+  }
+
+  TEST_CASE("a head dimension the bf16 tiles cannot take is an unsupported bf16 row, not fp32") {
+    for (const std::string model : {"local", "image-transformer"}) {
+      PointConfig c = counter_point(model, {.batch = 1, .heads = 1, .seq_len = 40, .head_dim = 24});
+      c.problem.dtype = DType::BF16;
+      const ResultRow row = run_point(c);
+      CHECK(row.status == Status::Unsupported);
+      CHECK(row.reason.find("multiple of 16") != std::string::npos);
+      c.problem.dtype = DType::F32;
+      CHECK(run_point(c).status == Status::Ok);
+    }
+  }
+}
