@@ -389,8 +389,8 @@ ReformerAttention::ChunkRange ReformerAttention::chunk_range(std::int64_t chunk)
 // candidates start with (its previous tile was the chunk before), moves them to the front of the
 // tile and returns their count; the tile then holds the chunk's candidates once the caller gathers
 // the rest. Consecutive chunks share all candidates but the new chunk's own rows.
-std::int64_t ReformerAttention::keep_held_rows(std::int64_t round, std::int64_t head, const ChunkRange& c,
-                                               void* k_rows, void* v_rows, std::size_t row_bytes, int thread) {
+std::int64_t ReformerAttention::keep_held_rows(std::int64_t round, std::int64_t head, const ChunkRange& c, void* k_rows,
+                                               void* v_rows, std::size_t row_bytes, int thread) {
   HeldRows& held = held_rows_[static_cast<std::size_t>(thread)];
   std::int64_t kept = 0;
   if (held.round == round && held.head == head && held.begin <= c.k0 && c.k0 < held.end) {

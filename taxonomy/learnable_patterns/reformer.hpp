@@ -202,7 +202,8 @@ class ReformerAttention final : public Mechanism {
   // (grad_accumulators_ [threads, 3, N, D]).
   bool bf16_ = false;
   // Decode: the step's k̂ rounded to bf16 [heads, D] (the fp32 step buffers: step_floats()).
-  Tensor tile16_, accumulators_, grads16_, grad_accumulators_, step_keys_;
+  // rotation_rows_: the rotations transposed, [n_rounds·n_buckets/2, D] (the hashing's rows).
+  Tensor tile16_, accumulators_, grads16_, grad_accumulators_, step_keys_, rotation_rows_;
 };
 
 // The bf16 form's workspace, backward workspace and decode workspace (reformer_bf16.cpp).

@@ -49,28 +49,62 @@ void gather_bf16_rows(const bf16* rows, const std::int32_t* ids, std::int64_t co
   }
 }
 
-// k̂ = x/‖x‖ of a bf16 row x in fp32 (0 for x = 0); returns 1/‖x‖. One out-of-line function for the
-// forward and the decode step, so a token's k̂ (and so its buckets) is the same bits in both.
-[[gnu::noinline]] float normalise_row(const bf16* x, std::int64_t d, float* key) {
-  widen(x, key, d);
-  float squares = 0.0f;
-  for (std::int64_t c = 0; c < d; ++c) squares += key[c] * key[c];
-  const float inverse = squares > 0.0f ? 1.0f / std::sqrt(squares) : 0.0f;
-  for (std::int64_t c = 0; c < d; ++c) key[c] *= inverse;
+// One token's hashing inputs from its bf16 query row x [d] (d % 16 == 0): k̂ = x/‖x‖ in fp32 into
+// `key` (0 for x = 0), k̂ rounded to bf16 into `rounded`, and rotated[j] = Σ_c k̂[c]·Rᵀ[j, c] for
+// j < cols (Rᵀ: the rotations transposed, [cols, d]); returns 1/‖x‖. One out-of-line function for
+// the forward and the decode step, so a token's k̂ and rotations (so its buckets) are the same bits.
+using Lanes = float __attribute__((vector_size(32)));  // 8 fp32 lanes (AVX2 and AVX-512 alike)
+constexpr std::int64_t kLanes = 8;
+
+inline float lane_sum(Lanes v) {
+  float sum = 0.0f;
+  for (std::int64_t t = 0; t < kLanes; ++t) sum += v[t];
+  return sum;
+}
+
+[[gnu::noinline]] float hash_row(const bf16* x, std::int64_t d, const float* transposed, std::int64_t cols, float* key,
+                                 bf16* rounded, float* rotated) {
+  Lanes squares{};
+  for (std::int64_t c = 0; c < d; c += kLanes) {
+    Lanes v{};
+    for (std::int64_t t = 0; t < kLanes; ++t) v[t] = to_float(x[c + t]);
+    squares += v * v;
+    std::memcpy(key + c, &v, sizeof v);
+  }
+  const float total = lane_sum(squares);
+  const float inverse = total > 0.0f ? 1.0f / std::sqrt(total) : 0.0f;
+#pragma omp simd
+  for (std::int64_t c = 0; c < d; ++c) {
+    key[c] *= inverse;
+    rounded[c] = to_bf16(key[c]);
+  }
+  for (std::int64_t j = 0; j < cols; ++j) {
+    const float* r = transposed + j * d;
+    Lanes acc{};
+    for (std::int64_t c = 0; c < d; c += kLanes) {
+      Lanes k, w;
+      std::memcpy(&k, key + c, sizeof k);
+      std::memcpy(&w, r + c, sizeof w);
+      acc += k * w;
+    }
+    rotated[j] = lane_sum(acc);
+  }
   return inverse;
 }
 
-// x[j] = Σ_c key[c]·R[c, j] for j < cols (R [d, cols] row-major, summed in c order); shared by the
-// forward and the decode step like normalise_row.
-[[gnu::noinline]] void rotate_row(const float* key, const float* rotations, std::int64_t d, std::int64_t cols,
-                                  float* x) {
-  std::fill(x, x + cols, 0.0f);
-  for (std::int64_t c = 0; c < d; ++c) {
-    const float k = key[c];
-    const float* r = rotations + c * cols;
-#pragma omp simd
-    for (std::int64_t j = 0; j < cols; ++j) x[j] += k * r[j];
+// k̂ = x/‖x‖ of a bf16 row x in fp32 (the same bits as hash_row's); returns 1/‖x‖.
+float normalise_row(const bf16* x, std::int64_t d, float* key) {
+  Lanes squares{};
+  for (std::int64_t c = 0; c < d; c += kLanes) {
+    Lanes v{};
+    for (std::int64_t t = 0; t < kLanes; ++t) v[t] = to_float(x[c + t]);
+    squares += v * v;
+    std::memcpy(key + c, &v, sizeof v);
   }
+  const float total = lane_sum(squares);
+  const float inverse = total > 0.0f ? 1.0f / std::sqrt(total) : 0.0f;
+  for (std::int64_t c = 0; c < d; ++c) key[c] *= inverse;
+  return inverse;
 }
 
 // argmax([x ; −x]) over 2·half entries, first maximum winning (hash_and_sort's rule).
@@ -140,6 +174,10 @@ void ReformerAttention::prepare_bf16() {
     rotations_ = Tensor(Shape{d, c_.n_rounds, half_});
     CounterRng(seed_, "reformer/rotations").fill_normal(rotations_);
     rotated_ = Tensor(Shape{heads * n, c_.n_rounds * half_});
+    const std::int64_t cols = c_.n_rounds * half_;
+    rotation_rows_ = Tensor(Shape{cols, d});
+    for (std::int64_t c = 0; c < d; ++c)
+      for (std::int64_t j = 0; j < cols; ++j) rotation_rows_.data()[j * d + c] = rotations_.data()[c * cols + j];
   }
   keys_ = Tensor::bhnd(p_.batch, p_.heads, n, d, DType::BF16);
   inverse_norms_ = Tensor(Shape{heads, n});
@@ -166,11 +204,10 @@ std::int64_t ReformerAttention::normalise_keys_bf16(const Tensor& q) {
   {
     float* key = tile_out_.data() + omp_get_thread_num() * chunk_ * d;
 #pragma omp for schedule(static)
-    for (std::int64_t row = 0; row < rows; ++row) {
-      inverse_norms_.data()[row] = normalise_row(q.bf16_data() + row * d, d, key);
-      tiles::round_row(key, d, keys_.bf16_data() + row * d);
-      if (half_ > 0) rotate_row(key, rotations_.data(), d, cols, rotated_.data() + row * cols);
-    }
+    for (std::int64_t row = 0; row < rows; ++row)
+      inverse_norms_.data()[row] =
+          hash_row(q.bf16_data() + row * d, d, rotation_rows_.empty() ? nullptr : rotation_rows_.data(), cols, key,
+                   keys_.bf16_data() + row * d, half_ > 0 ? rotated_.data() + row * cols : nullptr);
   }
   return 3 * rows * d + (half_ > 0 ? matmul_flops(rows, cols, d) : 0);
 }
@@ -235,8 +272,8 @@ std::int64_t ReformerAttention::chunk_scores_bf16(std::int64_t round, std::int64
   }
   tiles::pack_key_pair_panels(t.k, d, c.cols, d, t.k_panels);
   float* scores = scores_.data() + thread * chunk_ * score_ld_;
-  tiles::scores_bf16(t.q, d, c.rows, t.k_panels, tiles::panels_for(c.cols), d,
-                     1.0f / std::sqrt(static_cast<float>(d)), scores, score_ld_);
+  tiles::scores_bf16(t.q, d, c.rows, t.k_panels, tiles::panels_for(c.cols), d, 1.0f / std::sqrt(static_cast<float>(d)),
+                     scores, score_ld_);
   return matmul_flops(c.rows, c.cols, d) + c.rows * d + mask_scores(round, head, c, scores);
 }
 
@@ -488,10 +525,9 @@ void ReformerAttention::decode_step_bf16(const Tensor& q, const Tensor& v, Tenso
     for (std::int64_t head = 0; head < heads; ++head) {
       float* key = step_buffers_.data() + head * step_floats() + 2 * d;
       float* rotated = key + d;
-      normalise_row(q.bf16_data() + head * d, d, key);
       bf16* stored = step_keys_.bf16_data() + head * d;
-      tiles::round_row(key, d, stored);
-      if (half_ > 0) rotate_row(key, rotations_.data(), d, cols, rotated);
+      hash_row(q.bf16_data() + head * d, d, rotation_rows_.empty() ? nullptr : rotation_rows_.data(), cols, key, stored,
+               rotated);
       flops += 3 * d + (half_ > 0 ? c_.n_rounds * (2 * d * half_ + c_.n_buckets) : 0);
       for (std::int64_t round = 0; round < c_.n_rounds; ++round) {
         const std::int32_t bucket = half_ > 0 ? lsh_bucket(rotated + round * half_, half_) : 0;
@@ -572,7 +608,7 @@ std::int64_t reformer_bf16_workspace(const Problem& p, const ReformerConfig& c) 
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c);
   const std::int64_t half = c.n_buckets / 2, threads = p.threads;
   const TileSizes t = tile_sizes(p, m);
-  const std::int64_t floats = half * d * c.n_rounds + heads * n * (c.n_rounds * half + 2) +
+  const std::int64_t floats = 2 * half * d * c.n_rounds + heads * n * (c.n_rounds * half + 2) +
                               threads * (m * t.ld + m * d + 2 * m + (c.n_rounds > 1 ? n * d : 0));
   const std::int64_t halves = heads * n * d + threads * t.forward();
   const std::int64_t ints = heads * n * c.n_rounds * (c.n_rounds > 1 ? 5 : 4) + threads * c.n_buckets;

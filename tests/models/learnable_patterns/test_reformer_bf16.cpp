@@ -111,8 +111,8 @@ std::vector<char> union_mask(const ReformerAttention& model, const Problem& p, s
       bool any = false;
       for (std::int64_t j = 0; j < n; ++j) {
         if (j == i || bucket[j] != bucket[i]) continue;
-        const bool visible = p.causal ? j < i && rank[j] / m + 1 >= rank[i] / m
-                                      : at[j] / m == at[i] / m || at[j] / m + 1 == at[i] / m;
+        const bool visible =
+            p.causal ? j < i && rank[j] / m + 1 >= rank[i] / m : at[j] / m == at[i] / m || at[j] / m + 1 == at[i] / m;
         if (visible) seen[static_cast<std::size_t>(i * n + j)] = any = true;
       }
       if (!any) seen[static_cast<std::size_t>(i * n + i)] = 1;
@@ -184,10 +184,9 @@ double check_forward(const Problem& p, const std::vector<std::string>& params, s
       const auto k64 = normalised(q, n, d);
       const std::vector<float> k(k64.begin(), k64.end());
       const auto seen = union_mask(*run.model, p, rounds, b, h);
-      const auto want =
-          reference_attention(q, k.data(), v, n, n, d, scale, [&](std::int64_t i, std::int64_t j) {
-            return seen[static_cast<std::size_t>(i * n + j)] != 0;
-          });
+      const auto want = reference_attention(q, k.data(), v, n, n, d, scale, [&](std::int64_t i, std::int64_t j) {
+        return seen[static_cast<std::size_t>(i * n + j)] != 0;
+      });
       const double fp32_bound = 2 * attention_tolerance(q, k.data(), v, n, n, d, scale);
       const double bound = (score_shift(q, n, d) + kU + kU * (1 + kU)) * max_abs(v, n * d) + fp32_bound;
       std::int64_t failures = 0;
@@ -196,8 +195,8 @@ double check_forward(const Problem& p, const std::vector<std::string>& params, s
         over_fp32 = std::max(over_fp32, error / fp32_bound);
         if (!(error <= bound) && failures++ < 3)
           FAIL_CHECK(label << " b=" << b << " h=" << h << " token " << e / d << " feature " << e % d << ": got "
-                           << out.head(b, h)[e] << ", want " << want[static_cast<std::size_t>(e)] << " (bound "
-                           << bound << ")");
+                           << out.head(b, h)[e] << ", want " << want[static_cast<std::size_t>(e)] << " (bound " << bound
+                           << ")");
       }
       CHECK_MESSAGE(failures == 0, label << ": " << failures << " elements out of the bf16 bound");
     }
@@ -320,8 +319,8 @@ TEST_SUITE("reformer_bf16") {
                     (ref.dk_terms[i * 16 + c] + std::fabs(k64[i * 16 + c]) * dot_terms) / std::sqrt(squares);
               }
             }
-            const double factor = 3 * score_shift(q, n, 16) + 7 * kU * (1 + kU) +
-                                  2 * gradient_error_factor(q, k.data(), n, n, 16, scale);
+            const double factor =
+                3 * score_shift(q, n, 16) + 7 * kU * (1 + kU) + 2 * gradient_error_factor(q, k.data(), n, n, 16, scale);
             const Tensor* got[2] = {&got_q, &got_v};
             const std::vector<double>* want[2] = {&want_q, &ref.dv};
             const std::vector<double>* terms[2] = {&terms_q, &ref.dv_terms};
@@ -331,11 +330,12 @@ TEST_SUITE("reformer_bf16") {
                 const auto i = static_cast<std::size_t>(e);
                 const double error = std::fabs(got[g]->head(0, h)[e] - (*want[g])[i]);
                 if (!(error <= factor * (*terms[g])[i] + 1e-30) && failures++ < 3)
-                  FAIL_CHECK(label << " d" << "qv"[g] << " h=" << h << " element " << e << ": got "
-                                   << got[g]->head(0, h)[e] << ", want " << (*want[g])[i] << " (bound "
-                                   << factor * (*terms[g])[i] << ")");
+                  FAIL_CHECK(label << " d"
+                                   << "qv"[g] << " h=" << h << " element " << e << ": got " << got[g]->head(0, h)[e]
+                                   << ", want " << (*want[g])[i] << " (bound " << factor * (*terms[g])[i] << ")");
               }
-              CHECK_MESSAGE(failures == 0, label << " d" << "qv"[g] << ": " << failures << " out of the bound");
+              CHECK_MESSAGE(failures == 0, label << " d"
+                                                 << "qv"[g] << ": " << failures << " out of the bound");
             }
           }
         }
@@ -391,8 +391,8 @@ TEST_SUITE("reformer_bf16") {
               const float want = forward.head(0, h)[token * 16 + c], got = step.head(0, h)[c];
               const double bound = 2 * kU * (largest_v + std::fabs(want)) + 64 * kFloatEps * largest_v;
               CHECK_MESSAGE(std::fabs(got - want) <= bound, params.back() << " context " << context << " token "
-                                                                          << token << " head " << h << " feature "
-                                                                          << c << ": got " << got << ", want " << want);
+                                                                          << token << " head " << h << " feature " << c
+                                                                          << ": got " << got << ", want " << want);
             }
         }
         for (const auto& named : mechanism->decode_state()) CHECK(named.tensor->dtype() == DType::BF16);
@@ -406,7 +406,8 @@ TEST_SUITE("reformer_bf16") {
         for (Pass pass : {Pass::Forward, Pass::Backward, Pass::Train, Pass::Decode}) {
           if (pass == Pass::Decode && !causal) continue;
           for (std::int64_t n : {47, 48, 100}) {
-            const PointConfig f32 = bf16_point(n, causal, pass, params, DType::F32), bf16 = bf16_point(n, causal, pass, params);
+            const PointConfig f32 = bf16_point(n, causal, pass, params, DType::F32),
+                              bf16 = bf16_point(n, causal, pass, params);
             CAPTURE(pass_name(pass));
             CAPTURE(causal);
             CAPTURE(n);
