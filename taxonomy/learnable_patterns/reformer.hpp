@@ -51,6 +51,27 @@
 // (adding back) + 8·N·D (normalisation).
 // Backward workspace: dK̂ [B·H·N, D], δ [B·H·N], per thread dO and dQ rows [m, D], dK and dV rows
 // [kc, D] and dS [m, kc].
+//
+// bf16 (Problem::dtype; reformer_bf16.cpp): q, v, out, dq, dk (zeros), dv bf16; k unread. A token's
+// k̂ = q/‖q‖ and rotations x = k̂·R are computed in fp32 from its bf16 query row alone (one function
+// for the forward and the decode step, so the buckets are the same bits in both); k̂ is stored bf16
+// (a saved tensor, half the bytes); 1/‖q‖, the rotations and the log-sum-exp L stay fp32 (per-token
+// statistics). The same hashing, sort, masks and discount as fp32, on bf16 tiles: gathered bf16
+// rows, keys packed into pair panels, S = Q·K̂ᵀ/√D on tiles::scores_bf16 (fp32), masked softmax and
+// lse in fp32, P = exp(S − max) rounded to bf16, O = P·V on accumulate_pv_bf16 (fp32). One round: O/Σ
+// rounded to bf16 per token; several: the rounds merge in a head's fp32 accumulator [N, D] per
+// thread (tasks per head), rounded to bf16 once. Backward (one task per head): recomputed S, P = exp(S
+// − L), dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − δ) rounded to bf16, dQ = dS·K̂/√D, dK̂ = dSᵀ·Q/√D on the
+// bf16 kernels, summed in the thread's fp32 dQ, dK̂, dV of the head [3, N, D], dQ += (dK̂ − k̂(k̂·dK̂))/‖q‖
+// with k̂ recomputed in fp32, stored bf16. Decode: the rings' k̂ and v rows bf16 (positions and counts
+// int32 as in fp32), scores and softmax in fp32, the weights rounded to bf16 as the forward rounds P.
+// FLOPs are the fp32 form's; D % 16 != 0 is an unsupported row (the bf16 kernels tile D in 16s).
+// Workspace (reformer_bf16_workspace): the fp32 form's without its fp32 tiles, k̂ in bf16, the
+// transposed rotations, and per thread the bf16 tile (query rows [m, D], key and value rows [kc, D],
+// key pair panels, value row pairs, P [m, ld]), scores [m, ld], output rows [m, D], row statistics
+// [2m] and with several rounds the accumulator [N, D]. Backward: δ, per thread dQ rows [m, D], dK̂ and
+// dV rows [kc, D], dP/dS [m, ld], the head's fp32 gradients [3, N, D] and the bf16 gradient tile (dO
+// rows and row pairs, Q and K̂ row pairs, V pair panels, P row pairs, dS rows and row pairs).
 #include <cstdint>
 #include <vector>
 
