@@ -255,6 +255,7 @@ std::int64_t ReformerAttention::chunk_scores_bf16(std::int64_t round, std::int64
   const std::int32_t* order = orders_.data() + (round * p_.batch * p_.heads + head) * n;
   const Bf16Tile t = bf16_tile(thread);
   gather_bf16_rows(q.bf16_data() + head * n * d, order + c.q0, c.rows, d, t.q);
+  const std::int64_t held_begin = held_rows_[static_cast<std::size_t>(thread)].begin;
   const std::int64_t kept = keep_held_rows(round, head, c, t.k, t.v, d * sizeof(bf16), thread);
   // The chunk's own keys from its gathered queries: the same rounding of the same products as
   // normalise_keys_bf16, so equal to the stored k̂.
@@ -270,7 +271,17 @@ std::int64_t ReformerAttention::chunk_scores_bf16(std::int64_t round, std::int64
 #pragma omp simd
     for (std::int64_t j = 0; j < d; ++j) key[j] = to_bf16(to_float(x[j]) * inverse);
   }
-  tiles::pack_key_pair_panels(t.k, d, c.cols, d, t.k_panels);
+  // Kept rows that start on a panel boundary keep their whole panels (moved like the rows); the
+  // rest of the candidates are packed.
+  const std::int64_t panel = tiles::kPanel * d;
+  std::int64_t whole = 0;
+  if (kept > 0 && (c.k0 - held_begin) % tiles::kPanel == 0) {
+    whole = kept / tiles::kPanel;
+    std::memmove(t.k_panels, t.k_panels + (c.k0 - held_begin) / tiles::kPanel * panel,
+                 static_cast<std::size_t>(whole * panel) * sizeof(bf16));
+  }
+  tiles::pack_key_pair_panels(t.k + whole * tiles::kPanel * d, d, c.cols - whole * tiles::kPanel, d,
+                              t.k_panels + whole * panel);
   float* scores = scores_.data() + thread * chunk_ * score_ld_;
   tiles::scores_bf16(t.q, d, c.rows, t.k_panels, tiles::panels_for(c.cols), d, 1.0f / std::sqrt(static_cast<float>(d)),
                      scores, score_ld_);

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "apps/bench/point.hpp"
@@ -281,9 +282,12 @@ TEST_SUITE("reformer_bf16") {
   TEST_CASE("reformer's bf16 gradients equal the float64 reference's within the bf16 bound, at chunk ± 1") {
     on_every_path([](const std::string& path) {
       for (bool causal : {false, true})
-        for (const auto& [n, rounds] : {std::pair{7, 1}, {8, 1}, {9, 1}, {17, 2}, {40, 4}}) {
+        for (const auto& [n, rounds, chunk] :
+             {std::tuple{7, 1, 8}, {8, 1, 8}, {9, 1, 8}, {17, 2, 8}, {40, 4, 8}, {47, 1, 16}, {65, 2, 16}}) {
+          // Chunks of 16: a thread's next tile keeps the previous one's key panels.
           const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
-          const std::vector<std::string> params{"chunk_len=8", "n_buckets=4", "n_rounds=" + std::to_string(rounds)};
+          const std::vector<std::string> params{"chunk_len=" + std::to_string(chunk), "n_buckets=4",
+                                                "n_rounds=" + std::to_string(rounds)};
           const std::string label = label_of(p, params, path);
           const auto in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 3);
           Run run = run_bf16(p, in.bf16, params, true);
