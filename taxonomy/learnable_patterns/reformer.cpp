@@ -16,6 +16,7 @@
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
+#include "lib/core/tile_kernels.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/decode_common.hpp"
 
@@ -57,9 +58,14 @@ ReformerAttention::ReformerAttention(const Problem& problem, const ReformerConfi
       chunk_(reformer_chunk(problem, config)),
       half_(config.n_buckets / 2),
       key_cols_(max_key_cols(problem, chunk_)),
-      score_ld_(ops::padded_ld(key_cols_)) {}
+      score_ld_(ops::padded_ld(key_cols_)),
+      bf16_(problem.dtype == DType::BF16) {}
 
 void ReformerAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
+  if (bf16_) {
+    prepare_bf16();
+    return;
+  }
   const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
   threads_ = p_.threads;
   if (half_ > 0) {
@@ -106,6 +112,10 @@ std::int64_t ReformerAttention::key_start(std::int64_t q0) const {
 }
 
 void ReformerAttention::forward(const Tensor& q, const Tensor&, const Tensor& v, Tensor& out) {
+  if (bf16_) {
+    forward_bf16(q, v, out);
+    return;
+  }
   const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len;
   std::int64_t flops = normalise_keys(q);
   if (half_ > 0) {
@@ -136,6 +146,10 @@ void ReformerAttention::forward(const Tensor& q, const Tensor&, const Tensor& v,
 
 void ReformerAttention::prepare_decode(std::int64_t) {
   if (!p_.causal) throw std::logic_error("reformer: decoding needs a causal problem");
+  if (bf16_) {
+    prepare_decode_bf16();
+    return;
+  }
   const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, ring = 2 * chunk_;
   const std::int64_t slots = heads * c_.n_rounds * c_.n_buckets * ring, gathered = c_.n_rounds * ring;
   ring_positions_ = IndexBuffer(slots);
@@ -216,6 +230,10 @@ std::int64_t ReformerAttention::decode_union(std::int64_t head, const float* q, 
 }
 
 void ReformerAttention::decode_step(const Tensor& q, const Tensor&, const Tensor& v, Tensor& out) {
+  if (bf16_) {
+    decode_step_bf16(q, v, out);
+    return;
+  }
   const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, i = length_;
   std::int64_t flops = 0;
 #pragma omp parallel num_threads(threads_) reduction(+ : flops)
@@ -371,16 +389,16 @@ ReformerAttention::ChunkRange ReformerAttention::chunk_range(std::int64_t chunk)
 // candidates start with (its previous tile was the chunk before), moves them to the front of the
 // tile and returns their count; the tile then holds the chunk's candidates once the caller gathers
 // the rest. Consecutive chunks share all candidates but the new chunk's own rows.
-std::int64_t ReformerAttention::keep_held_rows(std::int64_t round, std::int64_t head, const ChunkRange& c,
-                                               float* k_rows, float* v_rows, int thread) {
+std::int64_t ReformerAttention::keep_held_rows(std::int64_t round, std::int64_t head, const ChunkRange& c, void* k_rows,
+                                               void* v_rows, std::size_t row_bytes, int thread) {
   HeldRows& held = held_rows_[static_cast<std::size_t>(thread)];
   std::int64_t kept = 0;
   if (held.round == round && held.head == head && held.begin <= c.k0 && c.k0 < held.end) {
-    const std::size_t from = static_cast<std::size_t>((c.k0 - held.begin) * p_.head_dim);
+    const std::size_t from = static_cast<std::size_t>(c.k0 - held.begin) * row_bytes;
     kept = std::min(held.end, c.k0 + c.cols) - c.k0;
-    const std::size_t bytes = static_cast<std::size_t>(kept * p_.head_dim) * sizeof(float);
-    std::memmove(k_rows, k_rows + from, bytes);
-    std::memmove(v_rows, v_rows + from, bytes);
+    const std::size_t bytes = static_cast<std::size_t>(kept) * row_bytes;
+    std::memmove(k_rows, static_cast<char*>(k_rows) + from, bytes);
+    std::memmove(v_rows, static_cast<char*>(v_rows) + from, bytes);
   }
   held = {.round = round, .head = head, .begin = c.k0, .end = c.k0 + c.cols};
   return kept;
@@ -394,8 +412,6 @@ std::int64_t ReformerAttention::chunk_scores(std::int64_t round, std::int64_t he
   const std::int64_t n = p_.seq_len, d = p_.head_dim, m = chunk_;
   const std::int64_t at = (round * p_.batch * p_.heads + head) * n;
   const std::int32_t* order = orders_.data() + at;
-  const std::int32_t* sorted = sorted_buckets_.data() + at;
-  const std::int32_t* rank = ranks_.data() + at;
   const float* q_head = q.data() + head * n * d;
   const float* k_head = keys_.data() + head * n * d;
   const float* v_head = v.data() + head * n * d;
@@ -403,7 +419,7 @@ std::int64_t ReformerAttention::chunk_scores(std::int64_t round, std::int64_t he
   float* k_rows = q_rows + m * d;
   float* v_rows = k_rows + key_cols_ * d;
   gather_token_rows(q_head, order + c.q0, c.rows, d, q_rows);
-  const std::int64_t kept = keep_held_rows(round, head, c, k_rows, v_rows, thread);
+  const std::int64_t kept = keep_held_rows(round, head, c, k_rows, v_rows, d * sizeof(float), thread);
   // The last c.rows candidates are the chunk's own tokens, whose keys k̂ = q·(1/‖q‖) come from the
   // gathered query rows (the same products normalise_keys wrote); only earlier ones are gathered.
   const std::int64_t own_rows = c.q0 - c.k0;  // candidates before the chunk's own
@@ -415,8 +431,19 @@ std::int64_t ReformerAttention::chunk_scores(std::int64_t round, std::int64_t he
   float* scores = scores_.data() + thread * m * score_ld_;
   tile_scores(q_rows, c.rows, k_rows, c.cols, d, 1.0f / std::sqrt(static_cast<float>(d)),
               panels_.data() + thread * tile_panel_floats(key_cols_, d), scores, score_ld_);
-  const std::int64_t flops =
-      c.rows * d + (c_.n_rounds > 1 ? discount_repeats(head, order, c.q0, c.rows, c.k0, c.cols, scores) : 0);
+  return c.rows * d + mask_scores(round, head, c, scores);
+}
+
+// The discount (several rounds) and the round's mask on a chunk's scores [rows, score_ld_]; returns
+// the discount's FLOPs.
+std::int64_t ReformerAttention::mask_scores(std::int64_t round, std::int64_t head, const ChunkRange& c,
+                                            float* scores) const {
+  const std::int64_t n = p_.seq_len, m = chunk_;
+  const std::int64_t at = (round * p_.batch * p_.heads + head) * n;
+  const std::int32_t* order = orders_.data() + at;
+  const std::int32_t* sorted = sorted_buckets_.data() + at;
+  const std::int32_t* rank = ranks_.data() + at;
+  const std::int64_t flops = c_.n_rounds > 1 ? discount_repeats(head, order, c.q0, c.rows, c.k0, c.cols, scores) : 0;
 
   // The sorted order groups a bucket's keys by position, so the keys query s sees form one run of
   // columns [first, end): its bucket's keys in the tile (causal: up to s, and from the first rank
@@ -477,6 +504,10 @@ std::int64_t ReformerAttention::attend_chunk(std::int64_t round, std::int64_t he
 }
 
 void ReformerAttention::prepare_backward() {
+  if (bf16_) {
+    prepare_backward_bf16();
+    return;
+  }
   const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
   key_grads_ = Tensor(Shape{heads * n, d});
   deltas_ = Tensor(Shape{heads, n});
@@ -491,6 +522,10 @@ std::int64_t ReformerAttention::saved_bytes() const {
 
 void ReformerAttention::backward(const Tensor& q, const Tensor&, const Tensor& v, const Tensor& out, const Tensor& dout,
                                  Tensor& dq, Tensor& dk, Tensor& dv) {
+  if (bf16_) {
+    backward_bf16(q, v, out, dout, dq, dk, dv);
+    return;
+  }
   const std::int64_t heads = p_.batch * p_.heads;
   dk.fill(0.0f);  // shared QK: the keys are made from q, the k input is not read
   forget_held_rows();
@@ -605,6 +640,7 @@ std::int64_t flops(const Problem& p, const ReformerConfig& c) {
 }
 
 std::int64_t workspace(const Problem& p, const ReformerConfig& c) {
+  if (p.dtype == DType::BF16) return reformer_bf16_workspace(p, c);
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c);
   const std::int64_t half = c.n_buckets / 2, threads = p.threads, kc = max_key_cols(p, m);
   const std::int64_t floats =
@@ -616,6 +652,7 @@ std::int64_t workspace(const Problem& p, const ReformerConfig& c) {
 }
 
 std::int64_t decode_workspace(const Problem& p, const ReformerConfig& c, std::int64_t) {
+  if (p.dtype == DType::BF16) return reformer_bf16_decode_workspace(p, c);
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim, ring = 2 * reformer_chunk(p, c);
   const std::int64_t slots = heads * c.n_rounds * c.n_buckets * ring;
   const std::int64_t floats = 2 * slots * d + 2 * heads * c.n_rounds * ring * d + heads * 3 * d;
@@ -636,6 +673,7 @@ std::int64_t backward_flops(const Problem& p, const ReformerConfig& c) {
 }
 
 std::int64_t backward_workspace(const Problem& p, const ReformerConfig& c) {
+  if (p.dtype == DType::BF16) return reformer_bf16_backward_workspace(p, c);
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, m = reformer_chunk(p, c);
   const std::int64_t kc = max_key_cols(p, m);
   return 4 * (heads * n * (d + 1) + p.threads * ((2 * m + 2 * kc) * d + m * ops::padded_ld(kc)));
@@ -655,9 +693,20 @@ ReformerConfig resolve(const Problem& p, ReformerConfig c) {
   return c;
 }
 
+// The bf16 form runs on the bf16 tile kernels, which need D % 16 == 0.
+std::string unsupported(const Problem& p, const ReformerConfig&) {
+  if (p.dtype == DType::BF16 && !tiles::fits_head_dim(p.head_dim))
+    return "reformer's bf16 form runs on the bf16 tile kernels, which need head_dim % 16 == 0 (got " +
+           std::to_string(p.head_dim) + ")";
+  return "";
+}
+
 template <>
 Implementation implementation<ReformerConfig>() {
-  return implement<ReformerConfig>();
+  Implementation impl = implement<ReformerConfig>();
+  impl.bf16_forward = true;  // forward and decode
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

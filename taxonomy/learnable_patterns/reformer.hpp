@@ -51,6 +51,27 @@
 // (adding back) + 8·N·D (normalisation).
 // Backward workspace: dK̂ [B·H·N, D], δ [B·H·N], per thread dO and dQ rows [m, D], dK and dV rows
 // [kc, D] and dS [m, kc].
+//
+// bf16 (Problem::dtype; reformer_bf16.cpp): q, v, out, dq, dk (zeros), dv bf16; k unread. A token's
+// k̂ = q/‖q‖ and rotations x = k̂·R are computed in fp32 from its bf16 query row alone (one function
+// for the forward and the decode step, so the buckets are the same bits in both); k̂ is stored bf16
+// (a saved tensor, half the bytes); 1/‖q‖, the rotations and the log-sum-exp L stay fp32 (per-token
+// statistics). The same hashing, sort, masks and discount as fp32, on bf16 tiles: gathered bf16
+// rows, keys packed into pair panels, S = Q·K̂ᵀ/√D on tiles::scores_bf16 (fp32), masked softmax and
+// lse in fp32, P = exp(S − max) rounded to bf16, O = P·V on accumulate_pv_bf16 (fp32). One round: O/Σ
+// rounded to bf16 per token; several: the rounds merge in a head's fp32 accumulator [N, D] per
+// thread (tasks per head), rounded to bf16 once. Backward (one task per head): recomputed S, P = exp(S
+// − L), dV = Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − δ) rounded to bf16, dQ = dS·K̂/√D, dK̂ = dSᵀ·Q/√D on the
+// bf16 kernels, summed in the thread's fp32 dQ, dK̂, dV of the head [3, N, D], dQ += (dK̂ − k̂(k̂·dK̂))/‖q‖
+// with k̂ recomputed in fp32, stored bf16. Decode: the rings' k̂ and v rows bf16 (positions and counts
+// int32 as in fp32), scores and softmax in fp32, the weights rounded to bf16 as the forward rounds P.
+// FLOPs are the fp32 form's; D % 16 != 0 is an unsupported row (the bf16 kernels tile D in 16s).
+// Workspace (reformer_bf16_workspace): the fp32 form's without its fp32 tiles, k̂ in bf16, the
+// transposed rotations, and per thread the bf16 tile (query rows [m, D], key and value rows [kc, D],
+// key pair panels, value row pairs, P [m, ld]), scores [m, ld], output rows [m, D], row statistics
+// [2m] and with several rounds the accumulator [N, D]. Backward: δ, per thread dQ rows [m, D], dK̂ and
+// dV rows [kc, D], dP/dS [m, ld], the head's fp32 gradients [3, N, D] and the bf16 gradient tile (dO
+// rows and row pairs, Q and K̂ row pairs, V pair panels, P row pairs, dS rows and row pairs).
 #include <cstdint>
 #include <vector>
 
@@ -119,8 +140,9 @@ class ReformerAttention final : public Mechanism {
   ChunkRange chunk_range(std::int64_t chunk) const;
   std::int64_t chunk_scores(std::int64_t round, std::int64_t head, const ChunkRange& c, const Tensor& q,
                             const Tensor& v, int thread);
-  std::int64_t keep_held_rows(std::int64_t round, std::int64_t head, const ChunkRange& c, float* k_rows, float* v_rows,
-                              int thread);
+  std::int64_t keep_held_rows(std::int64_t round, std::int64_t head, const ChunkRange& c, void* k_rows, void* v_rows,
+                              std::size_t row_bytes, int thread);
+  std::int64_t mask_scores(std::int64_t round, std::int64_t head, const ChunkRange& c, float* scores) const;
   void forget_held_rows();
   std::int64_t attend_chunk(std::int64_t round, std::int64_t head, std::int64_t chunk, const Tensor& q, const Tensor& v,
                             Tensor& out, int thread);
@@ -142,6 +164,33 @@ class ReformerAttention final : public Mechanism {
                      const float* key, const float* value);
   std::int64_t decode_union(std::int64_t head, const float* q, float* out, int thread);
   void load_decode_context(const Tensor& v);
+
+  // The bf16 form (reformer_bf16.cpp): the same pattern (hash_and_sort, mask_scores) on bf16 tiles.
+  struct Bf16Tile;
+  struct Bf16Grads;
+  Bf16Tile bf16_tile(int thread);
+  Bf16Grads bf16_grads(int thread);
+  void prepare_bf16();
+  void forward_bf16(const Tensor& q, const Tensor& v, Tensor& out);
+  std::int64_t normalise_keys_bf16(const Tensor& q);
+  std::int64_t chunk_scores_bf16(std::int64_t round, std::int64_t head, const ChunkRange& c, const Tensor& q,
+                                 const Tensor& v, int thread);
+  std::int64_t attend_chunk_bf16(std::int64_t round, std::int64_t head, std::int64_t chunk, const Tensor& q,
+                                 const Tensor& v, Tensor& out, float* accumulator, int thread);
+  void prepare_backward_bf16();
+  void backward_bf16(const Tensor& q, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq, Tensor& dk,
+                     Tensor& dv);
+  std::int64_t backward_head_bf16(std::int64_t head, const Tensor& q, const Tensor& v, const Tensor& out,
+                                  const Tensor& dout, Tensor& dq, Tensor& dv, int thread);
+  std::int64_t chunk_backward_bf16(std::int64_t round, std::int64_t head, const ChunkRange& c, const Tensor& q,
+                                   const Tensor& v, const Tensor& dout, float* accumulators, int thread);
+  void prepare_decode_bf16();
+  void decode_step_bf16(const Tensor& q, const Tensor& v, Tensor& out);
+  std::int64_t decode_union_bf16(std::int64_t head, const bf16* q, bf16* out, int thread);
+  void append_member_bf16(std::int64_t head, std::int64_t round, std::int32_t bucket, std::int64_t position,
+                          const bf16* key, const bf16* value);
+  void load_decode_context_bf16(const Tensor& v);
+  std::int64_t step_floats() const;  // bf16 decode: fp32 step buffer per head
 
   Problem p_;
   ReformerConfig c_;
@@ -168,7 +217,20 @@ class ReformerAttention final : public Mechanism {
   Tensor ring_keys_, ring_values_, union_keys_, union_values_, step_buffers_;
   std::vector<std::vector<std::int64_t>> union_pairs_;
   std::int64_t length_ = 0;
+  // bf16 (Problem::dtype): per thread the bf16 tile (tile16_: gathered rows, key pair panels, value
+  // row pairs, bf16 P), with several rounds the fp32 output accumulator of a head (accumulators_
+  // [threads, N, D]); backward: the bf16 gradient tile (grads16_) and the fp32 dQ, dK̂, dV of a head
+  // (grad_accumulators_ [threads, 3, N, D]).
+  bool bf16_ = false;
+  // Decode: the step's k̂ rounded to bf16 [heads, D] (the fp32 step buffers: step_floats()).
+  // rotation_rows_: the rotations transposed, [n_rounds·n_buckets/2, D] (the hashing's rows).
+  Tensor tile16_, accumulators_, grads16_, grad_accumulators_, step_keys_, rotation_rows_;
 };
+
+// The bf16 form's workspace, backward workspace and decode workspace (reformer_bf16.cpp).
+std::int64_t reformer_bf16_workspace(const Problem& p, const ReformerConfig& c);
+std::int64_t reformer_bf16_backward_workspace(const Problem& p, const ReformerConfig& c);
+std::int64_t reformer_bf16_decode_workspace(const Problem& p, const ReformerConfig& c);
 
 template <>
 Implementation implementation<ReformerConfig>();
