@@ -523,7 +523,7 @@ class ExactTiledBf16 final : public Mechanism {
     split_accumulators_ = Tensor(Shape{heads * splits_, d});
     split_stats_ = Tensor(Shape{heads * splits_, 2});
     split_scores_ = Tensor(Shape{heads * splits_, tiles::panels_for(longest) * tiles::kPanel});
-    split_probs_ = Tensor(Shape{heads * splits_, longest + 2}, DType::BF16);
+    split_probs_ = Tensor(Shape{heads * splits_, longest / 2 * 2 + 2}, DType::BF16);
   }
 
   // Split-K as the fp32 form, on the bf16 cache: split s of a head attends to its keys
@@ -793,7 +793,8 @@ std::int64_t bf16_decode_workspace(const Problem& p, const ExactTiledConfig& c, 
   const std::int64_t heads = p.batch * p.heads, splits = decode_splits(p, c, tokens), tasks = heads * splits;
   const std::int64_t capacity = p.seq_len + tokens, longest = bf16_split_capacity(capacity, splits);
   return Bf16KvCache::bytes(heads, capacity, p.head_dim) +
-         tasks * (p.head_dim + 2 + tiles::panels_for(longest) * tiles::kPanel) * kF32 + tasks * (longest + 2) * kBf16;
+         tasks * (p.head_dim + 2 + tiles::panels_for(longest) * tiles::kPanel) * kF32 +
+         tasks * (longest / 2 * 2 + 2) * kBf16;
 }
 
 }  // namespace

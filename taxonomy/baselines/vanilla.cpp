@@ -238,7 +238,7 @@ class VanillaBf16 final : public Mechanism {
     if (tiles::fits_head_dim(d)) {
       tiled_cache_ = Bf16KvCache(heads, capacity_, d);
       step_scores_ = Tensor(Shape{heads, tiles::panels_for(capacity_) * tiles::kPanel});
-      step_probs_ = Tensor(Shape{heads, capacity_ + 2}, DType::BF16);
+      step_probs_ = Tensor(Shape{heads, capacity_ / 2 * 2 + 2}, DType::BF16);
       step_acc_ = Tensor(Shape{heads, d});
       return;
     }
@@ -456,7 +456,7 @@ std::int64_t decode_workspace(const Problem& p, const VanillaConfig&, std::int64
   const std::int64_t bh = p.batch * p.heads, capacity = p.seq_len + tokens;
   if (p.dtype == DType::BF16 && tiles::fits_head_dim(p.head_dim))
     return Bf16KvCache::bytes(bh, capacity, p.head_dim) +
-           bh * ((tiles::panels_for(capacity) * tiles::kPanel + p.head_dim) * 4 + (capacity + 2) * 2);
+           bh * ((tiles::panels_for(capacity) * tiles::kPanel + p.head_dim) * 4 + (capacity / 2 * 2 + 2) * 2);
   return 2 * bh * capacity * p.head_dim * element_bytes(p.dtype) +  // the key and value caches
          bh * ops::padded_ld(capacity) * static_cast<std::int64_t>(sizeof(float));
 }
