@@ -31,14 +31,19 @@ const DnnlContext::CachedPrimitive& DnnlContext::primitive(
   auto [prim, scratch_desc] = make();
   ++created_;
   CachedPrimitive entry{std::move(prim), static_cast<std::int64_t>(scratch_desc.get_size())};
-  if (entry.scratchpad_bytes > scratch_bytes_) {
+  reserve_scratchpad(entry.scratchpad_bytes);
+  return cache_.emplace(key, std::move(entry)).first->second;
+}
+
+void* DnnlContext::reserve_scratchpad(std::int64_t bytes) {
+  if (bytes > scratch_bytes_) {
     auto& tracker = MemoryTracker::instance();
     tracker.release(scratch_, static_cast<std::size_t>(scratch_bytes_), MemoryPool::Library);
     scratch_ = nullptr;
-    scratch_ = tracker.allocate(static_cast<std::size_t>(entry.scratchpad_bytes), MemoryPool::Library);
-    scratch_bytes_ = entry.scratchpad_bytes;
+    scratch_ = tracker.allocate(static_cast<std::size_t>(bytes), MemoryPool::Library);
+    scratch_bytes_ = bytes;
   }
-  return cache_.emplace(key, std::move(entry)).first->second;
+  return scratch_;
 }
 
 dnnl::memory DnnlContext::scratchpad_memory(const CachedPrimitive& p) {

@@ -36,6 +36,10 @@ class DnnlContext {
                                    const std::function<std::pair<dnnl::primitive, dnnl::memory::desc>()>& make);
   // Scratchpad memory large enough for every cached primitive.
   dnnl::memory scratchpad_memory(const CachedPrimitive& p);
+  // The scratchpad grown to at least `bytes` (library pool), for the project's own stand-ins of
+  // primitives oneDNN lacks on this CPU (ops' bf16 matmul below AVX-512). It is shared with the
+  // primitives: never in use by two operations at once (each waits on the stream before returning).
+  void* reserve_scratchpad(std::int64_t bytes);
 
   std::int64_t primitives_created() const { return created_; }
   std::int64_t scratchpad_bytes() const { return scratch_bytes_; }

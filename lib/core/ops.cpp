@@ -1,5 +1,7 @@
 #include "lib/core/ops.hpp"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -49,16 +51,24 @@ struct MatmulPlan {
   std::string key;
 };
 
-MatmulPlan plan_matmul(const MatmulShape& s, dt a_type, dt b_type, dt c_type) {
+// A shape's row and batch strides with the defaults (packed) filled in.
+struct MatmulStrides {
+  std::int64_t lda, ldb, ldc, stride_a, stride_b, stride_c;
+};
+MatmulStrides strides_of(const MatmulShape& s) {
   if (s.batch <= 0 || s.m <= 0 || s.n <= 0 || s.k <= 0) throw std::invalid_argument("matmul: empty shape");
-  const std::int64_t lda = s.lda ? s.lda : (s.trans_a ? s.m : s.k);
-  const std::int64_t ldb = s.ldb ? s.ldb : (s.trans_b ? s.k : s.n);
-  const std::int64_t ldc = s.ldc ? s.ldc : s.n;
-  const std::int64_t rows_a = s.trans_a ? s.k : s.m;
-  const std::int64_t rows_b = s.trans_b ? s.n : s.k;
-  const std::int64_t stride_a = s.stride_a >= 0 ? s.stride_a : rows_a * lda;
-  const std::int64_t stride_b = s.stride_b >= 0 ? s.stride_b : rows_b * ldb;
-  const std::int64_t stride_c = s.stride_c >= 0 ? s.stride_c : s.m * ldc;
+  MatmulStrides t{};
+  t.lda = s.lda ? s.lda : (s.trans_a ? s.m : s.k);
+  t.ldb = s.ldb ? s.ldb : (s.trans_b ? s.k : s.n);
+  t.ldc = s.ldc ? s.ldc : s.n;
+  t.stride_a = s.stride_a >= 0 ? s.stride_a : (s.trans_a ? s.k : s.m) * t.lda;
+  t.stride_b = s.stride_b >= 0 ? s.stride_b : (s.trans_b ? s.n : s.k) * t.ldb;
+  t.stride_c = s.stride_c >= 0 ? s.stride_c : s.m * t.ldc;
+  return t;
+}
+
+MatmulPlan plan_matmul(const MatmulShape& s, dt a_type, dt b_type, dt c_type) {
+  const auto [lda, ldb, ldc, stride_a, stride_b, stride_c] = strides_of(s);
   const std::int64_t batch_a = stride_a == 0 ? 1 : s.batch;
   const std::int64_t batch_b = stride_b == 0 ? 1 : s.batch;
   const memory::dims a_dims{batch_a, s.m, s.k}, b_dims{batch_b, s.k, s.n}, c_dims{s.batch, s.m, s.n};
@@ -102,21 +112,105 @@ void typed_matmul(const MatmulShape& s, dt a_type, dt b_type, dt c_type, const v
   FlopCounter::add(s.batch * matmul_flops(s.m, s.n, s.k));
 }
 
+// --- The bf16 matmul where oneDNN has none (oneDNN 2.6 below AVX-512) ---------------------------
+// C[b] in tiles of ≤ kWidenRows × kWidenCols, each summed over k in blocks of ≤ kWidenDepth: the
+// block of op(A) and of op(B) widened to fp32 (exact) in the thread's part of the context's
+// scratchpad, multiplied by sgemm on the thread into an fp32 tile (fp32 FMAs of exact bf16 products:
+// the numerics of a bf16 product with fp32 accumulation), then C = alpha·tile (+ C when accumulate),
+// stored fp32 or rounded to bf16. Widening costs (m·k·⌈n/kWidenCols⌉ + k·n·⌈m/kWidenRows⌉)
+// conversions, ≤ 1/128 of the FLOPs; the scratchpad holds threads × widened_floats() floats (library
+// pool, like oneDNN's own scratchpad: it exists only on CPUs without oneDNN's bf16 matmul).
+constexpr std::int64_t kWidenRows = 64, kWidenCols = 256, kWidenDepth = 256;
+constexpr std::int64_t widened_floats() {
+  return kWidenRows * kWidenDepth + kWidenDepth * kWidenCols + kWidenRows * kWidenCols;
+}
+std::int64_t widened_scratch_bytes() {
+  return DnnlContext::instance().threads() * widened_floats() * static_cast<std::int64_t>(sizeof(float));
+}
+
+// dst [rows, cols] (packed) = the bf16 block src [rows, cols] (row stride ld), widened.
+void widen_block(const bf16* src, std::int64_t ld, std::int64_t rows, std::int64_t cols, float* dst) {
+  for (std::int64_t r = 0; r < rows; ++r) widen(src + r * ld, dst + r * cols, cols);
+}
+
+inline void store_value(float* c, float value, bool accumulate) { *c = accumulate ? *c + value : value; }
+inline void store_value(bf16* c, float value, bool accumulate) {
+  *c = to_bf16(accumulate ? to_float(*c) + value : value);
+}
+
+// One C tile: rows [r0, r0 + rows) × columns [c0, c0 + cols) of batch entry `batch`.
+template <class Out>
+void widened_tile(const MatmulShape& s, const MatmulStrides& t, const bf16* a, const bf16* b, Out* c,
+                  std::int64_t batch, std::int64_t r0, std::int64_t rows, std::int64_t c0, std::int64_t cols,
+                  float* scratch) {
+  float* wide_a = scratch;
+  float* wide_b = wide_a + kWidenRows * kWidenDepth;
+  float* tile = wide_b + kWidenDepth * kWidenCols;
+  a += batch * t.stride_a;
+  b += batch * t.stride_b;
+  for (std::int64_t k0 = 0; k0 < s.k; k0 += kWidenDepth) {
+    const std::int64_t depth = std::min(kWidenDepth, s.k - k0);
+    if (s.trans_a)
+      widen_block(a + k0 * t.lda + r0, t.lda, depth, rows, wide_a);  // [depth, rows]
+    else
+      widen_block(a + r0 * t.lda + k0, t.lda, rows, depth, wide_a);  // [rows, depth]
+    if (s.trans_b)
+      widen_block(b + c0 * t.ldb + k0, t.ldb, cols, depth, wide_b);  // [cols, depth]
+    else
+      widen_block(b + k0 * t.ldb + c0, t.ldb, depth, cols, wide_b);  // [depth, cols]
+    const auto status =
+        dnnl_sgemm(s.trans_a ? 'T' : 'N', s.trans_b ? 'T' : 'N', rows, cols, depth, 1.0f, wide_a,
+                   s.trans_a ? rows : depth, wide_b, s.trans_b ? depth : cols, k0 == 0 ? 0.0f : 1.0f, tile, cols);
+    if (status != dnnl_success) throw std::runtime_error("dnnl_sgemm failed with status " + std::to_string(status));
+  }
+  Out* out = c + batch * t.stride_c + r0 * t.ldc + c0;
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < cols; ++j)
+      store_value(out + r * t.ldc + j, s.alpha * tile[r * cols + j], s.accumulate);
+}
+
+template <class Out>
+void widened_product(const MatmulShape& s, const bf16* a, const bf16* b, Out* c) {
+  const MatmulStrides t = strides_of(s);
+  auto& context = DnnlContext::instance();
+  float* scratch = static_cast<float*>(context.reserve_scratchpad(widened_scratch_bytes()));
+  const std::int64_t row_tiles = (s.m + kWidenRows - 1) / kWidenRows, col_tiles = (s.n + kWidenCols - 1) / kWidenCols;
+  const std::int64_t tiles_per_batch = row_tiles * col_tiles;
+#pragma omp parallel for num_threads(context.threads()) schedule(static)
+  for (std::int64_t task = 0; task < s.batch * tiles_per_batch; ++task) {
+    const std::int64_t batch = task / tiles_per_batch, r0 = task % tiles_per_batch / col_tiles * kWidenRows,
+                       c0 = task % col_tiles * kWidenCols;
+    widened_tile(s, t, a, b, c, batch, r0, std::min(kWidenRows, s.m - r0), c0, std::min(kWidenCols, s.n - c0),
+                 scratch + omp_get_thread_num() * widened_floats());
+  }
+  FlopCounter::add(s.batch * matmul_flops(s.m, s.n, s.k));
+}
+
 }  // namespace
+
+void widened_bf16_matmul(const MatmulShape& s, const bf16* a, const bf16* b, float* c) { widened_product(s, a, b, c); }
+void widened_bf16_matmul(const MatmulShape& s, const bf16* a, const bf16* b, bf16* c) { widened_product(s, a, b, c); }
 
 void matmul(const MatmulShape& s, const float* a, const float* b, float* c) {
   typed_matmul(s, dt::f32, dt::f32, dt::f32, a, b, c);
 }
 
 void matmul(const MatmulShape& s, const bf16* a, const bf16* b, float* c) {
+  if (!bf16_matmul_available()) return widened_bf16_matmul(s, a, b, c);
   typed_matmul(s, dt::bf16, dt::bf16, dt::f32, a, b, c);
 }
 
 void matmul(const MatmulShape& s, const bf16* a, const bf16* b, bf16* c) {
+  if (!bf16_matmul_available()) return widened_bf16_matmul(s, a, b, c);
   typed_matmul(s, dt::bf16, dt::bf16, dt::bf16, a, b, c);
 }
 
 void prepare_bf16_matmul(const MatmulShape& s, bool bf16_output) {
+  if (!bf16_matmul_available()) {
+    strides_of(s);  // the same shape checks
+    DnnlContext::instance().reserve_scratchpad(widened_scratch_bytes());
+    return;
+  }
   matmul_primitive(s, plan_matmul(s, dt::bf16, dt::bf16, bf16_output ? dt::bf16 : dt::f32));
 }
 

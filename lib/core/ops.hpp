@@ -24,12 +24,18 @@ struct MatmulShape {
 };
 void matmul(const MatmulShape& shape, const float* a, const float* b, float* c);
 // The same product on bf16 operands, accumulated in fp32 and stored in fp32 or rounded to bf16
-// (oneDNN picks AMX, AVX512_BF16 or AVX-512 conversions itself). Needs bf16_matmul_available().
+// (oneDNN picks AMX, AVX512_BF16 or AVX-512 conversions itself). Where oneDNN has no bf16 matmul
+// (bf16_matmul_available() false: oneDNN 2.6 below AVX-512), blocks of the operands are widened to
+// fp32 (exact) in the scratchpad and multiplied by sgemm: the same numerics, at about fp32's speed.
 void matmul(const MatmulShape& shape, const bf16* a, const bf16* b, float* c);
 void matmul(const MatmulShape& shape, const bf16* a, const bf16* b, bf16* c);
-// Creates the primitive of that bf16 product (fp32 or bf16 output) without running it: for a
-// mechanism's untimed prepare, so the timed forward creates nothing.
+// Creates the primitive of that bf16 product (fp32 or bf16 output) without running it, or reserves
+// the widening scratchpad: for a mechanism's untimed prepare, so the timed forward creates nothing.
 void prepare_bf16_matmul(const MatmulShape& shape, bool bf16_output);
+// That fallback itself, on every CPU (the bf16 matmul's path where oneDNN has none; tests run it
+// everywhere).
+void widened_bf16_matmul(const MatmulShape& shape, const bf16* a, const bf16* b, float* c);
+void widened_bf16_matmul(const MatmulShape& shape, const bf16* a, const bf16* b, bf16* c);
 // Whether oneDNN implements bf16 matmul on this CPU under its ISA cap (oneDNN 2.6: AVX-512 and up;
 // not under ONEDNN_MAX_CPU_ISA=AVX2). Decided once per process.
 bool bf16_matmul_available();

@@ -110,36 +110,27 @@ std::int64_t score_ld(const Problem& p) { return p.dtype == DType::BF16 ? p.seq_
 
 constexpr std::int64_t kBlock = 32;  // values per block of the in-place rounding and the P·V columns
 
-inline float to_float_value(float x) { return x; }
-inline float to_float_value(bf16 x) { return to_float(x); }
-
-// Row i of one head's scores S [n, ld] (fp32): S[i, j] = scale·⟨q_i, k_j⟩ for j < n, bf16 rows of
-// q and k [n, d], fp32 accumulation. The convert-and-FMA form where oneDNN has no bf16 matmul.
-void score_rows(const bf16* q, const bf16* k, std::int64_t n, std::int64_t d, float scale, float* scores,
-                std::int64_t ld, std::int64_t i) {
+// One query's scores against n cached keys: scores[j] = scale·⟨q, k_j⟩ (fp32 accumulation of
+// exact products), q [d] and k [n, d] bf16. The decode step's form for D % 16 ≠ 0.
+void score_row(const bf16* q, const bf16* k, std::int64_t n, std::int64_t d, float scale, float* scores) {
   for (std::int64_t j = 0; j < n; ++j) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-    for (std::int64_t c = 0; c < d; ++c) sum += to_float(q[i * d + c]) * to_float(k[j * d + c]);
-    scores[i * ld + j] = scale * sum;
+    for (std::int64_t c = 0; c < d; ++c) sum += to_float(q[c]) * to_float(k[j * d + c]);
+    scores[j] = scale * sum;
   }
 }
 
-// out[c] = scale·Σ_{j < keys} p[j·stride]·v[j, c] for c < d, fp32 accumulation in blocks of kBlock
-// columns, rounded to bf16. p: weights (bf16, or fp32 values that are bf16-representable) with
-// stride 1 (a row of P) or the row stride (a column of P, for Pᵀ·x); v: [keys, d] bf16.
-template <class Weight>
-void weighted_values(const Weight* p, const bf16* v, std::int64_t keys, std::int64_t d, bf16* out,
-                     std::int64_t stride = 1, float scale = 1.0f) {
+// out[c] = Σ_{j < keys} p[j]·v[j, c] for c < d, fp32 accumulation in blocks of kBlock columns,
+// rounded to bf16; p: bf16-representable fp32 weights, v: [keys, d] bf16.
+void weighted_values(const float* p, const bf16* v, std::int64_t keys, std::int64_t d, bf16* out) {
   for (std::int64_t c0 = 0; c0 < d; c0 += kBlock) {
     const std::int64_t width = std::min(kBlock, d - c0);
     float acc[kBlock] = {};
     for (std::int64_t j = 0; j < keys; ++j) {
-      const float weight = to_float_value(p[j * stride]);
 #pragma omp simd
-      for (std::int64_t c = 0; c < width; ++c) acc[c] += weight * to_float(v[j * d + c0 + c]);
+      for (std::int64_t c = 0; c < width; ++c) acc[c] += p[j] * to_float(v[j * d + c0 + c]);
     }
-    for (std::int64_t c = 0; c < width; ++c) acc[c] *= scale;
     narrow(acc, out + c0, width);
   }
 }
@@ -182,8 +173,8 @@ void softmax_backward_row_to_bf16(const bf16* p, float* grad, std::int64_t cols,
 // Vanilla in bf16: q, k, v, out and the KV cache bf16 ([B, H, ·, D]); S = QKᵀ/√D in fp32 (a
 // dense score buffer [B·H, N, N], score_ld) on oneDNN's bf16 matmul; softmax in fp32; P rounded to
 // bf16 in place (softmax_row_to_bf16: [B·H, N, 2·N] bf16 over the same bytes); O = P·V on the
-// bf16 matmul, fp32 accumulation, rounded to bf16. Where oneDNN has no bf16 matmul (AVX2 cap),
-// the same products on convert-and-FMA loops. FLOPs are the fp32 form's. Decode: a bf16 KV cache
+// bf16 matmul, fp32 accumulation, rounded to bf16. Where oneDNN has no bf16 matmul (below AVX-512),
+// ops::matmul widens blocks to fp32 for sgemm (the same numerics). FLOPs are the fp32 form's. Decode: a bf16 KV cache
 // (half the bytes) — in the bf16 tile kernels' layouts (Bf16KvCache: key pair panels, value row
 // pairs; the step on vdpbf16ps or its convert path) when D is a multiple of 16, else plain rows
 // [B·H, N + T, D] on convert-and-FMA loops. Backward: the saved P (bf16, in the score buffer), dV = Pᵀ·dO, dP = dO·Vᵀ
@@ -195,40 +186,25 @@ class VanillaBf16 final : public Mechanism {
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
     scores_ = Tensor(Shape{p_.batch * p_.heads, p_.seq_len, score_ld(p_)});
-    onednn_ = ops::bf16_matmul_available();
-    if (!onednn_) return;
     ops::prepare_bf16_matmul(scores_shape(), false);
     ops::prepare_bf16_matmul(output_shape(), true);
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    const std::int64_t bh = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim, ld = scores_.dim(2);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    if (onednn_) ops::matmul(scores_shape(), q.bf16_data(), k.bf16_data(), scores_.data());
+    const std::int64_t bh = p_.batch * p_.heads, n = p_.seq_len, ld = scores_.dim(2);
+    ops::matmul(scores_shape(), q.bf16_data(), k.bf16_data(), scores_.data());
     std::int64_t entries = 0;
 #pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 16) reduction(+ : entries)
     for (std::int64_t index = 0; index < bh * n; ++index) {
       const std::int64_t head = index / n, i = index % n;
       float* head_scores = scores_.data() + head * n * ld;
-      if (!onednn_)
-        score_rows(q.bf16_data() + head * n * d, k.bf16_data() + head * n * d, n, d, scale, head_scores, ld, i);
       const std::int64_t valid = p_.causal ? i + 1 : n;
       softmax_row_to_bf16(head_scores + i * ld, n, valid);
       entries += valid;
     }
     FlopCounter::add(kSoftmaxFlopsPerElement * entries);
     const bf16* probabilities = reinterpret_cast<const bf16*>(scores_.data());  // row stride 2·ld
-    if (onednn_) {
-      ops::matmul(output_shape(), probabilities, v.bf16_data(), out.bf16_data());
-    } else {
-#pragma omp parallel for num_threads(p_.threads) schedule(static)
-      for (std::int64_t index = 0; index < bh * n; ++index) {
-        const std::int64_t head = index / n, i = index % n;
-        weighted_values(probabilities + (head * n + i) * 2 * ld, v.bf16_data() + head * n * d, n, d,
-                        out.bf16_data() + index * d);
-      }
-      FlopCounter::add(2 * bh * matmul_flops(n, n, d));  // both products of the convert-and-FMA path
-    }
+    ops::matmul(output_shape(), probabilities, v.bf16_data(), out.bf16_data());
     if (capacity_ > 0) load_context(k, v);
   }
 
@@ -262,7 +238,7 @@ class VanillaBf16 final : public Mechanism {
       std::copy_n(k.bf16_data() + head * d, d, cached_keys + length_ * d);
       std::copy_n(v.bf16_data() + head * d, d, cached_values + length_ * d);
       float* scores = step_scores_.data() + head * ld;
-      score_rows(q.bf16_data() + head * d, cached_keys, keys, d, scale, scores, ld, 0);
+      score_row(q.bf16_data() + head * d, cached_keys, keys, d, scale, scores);
       const float inverse = 1.0f / ops::exp_and_sum(scores, keys, ops::row_max(scores, keys, scores[0]));
       for (std::int64_t j = 0; j < keys; ++j) scores[j] = round_to_bf16(scores[j] * inverse);
       weighted_values(scores, cached_values, keys, d, out.bf16_data() + head * d);
@@ -301,7 +277,6 @@ class VanillaBf16 final : public Mechanism {
 
   void prepare_backward() override {
     score_grads_ = Tensor(scores_.shape());
-    if (!onednn_) return;
     for (const auto& shape : {value_grad_shape(), query_grad_shape(), key_grad_shape()})
       ops::prepare_bf16_matmul(shape, true);
     ops::prepare_bf16_matmul(probability_grad_shape(), false);
@@ -309,24 +284,11 @@ class VanillaBf16 final : public Mechanism {
 
   void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor& dout, Tensor& dq,
                 Tensor& dk, Tensor& dv) override {
-    const std::int64_t bh = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+    const std::int64_t bh = p_.batch * p_.heads, n = p_.seq_len;
     const auto* probabilities = reinterpret_cast<const bf16*>(scores_.data());     // row stride 2·N
     const auto* score_grads = reinterpret_cast<const bf16*>(score_grads_.data());  // dS after the softmax backward
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    if (onednn_) {
-      ops::matmul(value_grad_shape(), probabilities, dout.bf16_data(), dv.bf16_data());
-      ops::matmul(probability_grad_shape(), dout.bf16_data(), v.bf16_data(), score_grads_.data());
-    } else {
-#pragma omp parallel for num_threads(p_.threads) schedule(static)
-      for (std::int64_t index = 0; index < bh * n; ++index) {
-        const std::int64_t head = index / n, i = index % n;
-        weighted_values(probabilities + head * n * 2 * n + i, dout.bf16_data() + head * n * d, n, d,
-                        dv.bf16_data() + index * d, 2 * n);
-        score_rows(dout.bf16_data() + head * n * d, v.bf16_data() + head * n * d, n, d, 1.0f,
-                   score_grads_.data() + head * n * n, n, i);
-      }
-      FlopCounter::add(2 * bh * matmul_flops(n, n, d));
-    }
+    ops::matmul(value_grad_shape(), probabilities, dout.bf16_data(), dv.bf16_data());
+    ops::matmul(probability_grad_shape(), dout.bf16_data(), v.bf16_data(), score_grads_.data());
     std::int64_t entries = 0;
 #pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 16) reduction(+ : entries)
     for (std::int64_t index = 0; index < bh * n; ++index) {
@@ -335,20 +297,8 @@ class VanillaBf16 final : public Mechanism {
       entries += valid;
     }
     FlopCounter::add(kSoftmaxBackwardFlopsPerElement * entries);
-    if (onednn_) {
-      ops::matmul(query_grad_shape(), score_grads, k.bf16_data(), dq.bf16_data());
-      ops::matmul(key_grad_shape(), score_grads, q.bf16_data(), dk.bf16_data());
-      return;
-    }
-#pragma omp parallel for num_threads(p_.threads) schedule(static)
-    for (std::int64_t index = 0; index < bh * n; ++index) {
-      const std::int64_t head = index / n, i = index % n;
-      weighted_values(score_grads + index * 2 * n, k.bf16_data() + head * n * d, n, d, dq.bf16_data() + index * d, 1,
-                      scale);
-      weighted_values(score_grads + head * n * 2 * n + i, q.bf16_data() + head * n * d, n, d,
-                      dk.bf16_data() + index * d, 2 * n, scale);
-    }
-    FlopCounter::add(2 * bh * matmul_flops(n, n, d));
+    ops::matmul(query_grad_shape(), score_grads, k.bf16_data(), dq.bf16_data());
+    ops::matmul(key_grad_shape(), score_grads, q.bf16_data(), dk.bf16_data());
   }
 
   // The score buffer: after the forward, P in bf16 over each row's first half.
@@ -418,7 +368,6 @@ class VanillaBf16 final : public Mechanism {
   Problem p_;
   Tensor scores_;                 // fp32 S [B·H, N, N]; after the softmax, bf16 P over each row's first half
   Tensor score_grads_;            // backward: fp32 dP [B·H, N, N]; after the softmax backward, bf16 dS likewise
-  bool onednn_ = false;           // oneDNN's bf16 matmul, else the convert-and-FMA loops
   std::int64_t capacity_ = 0;     // decode: N + T
   Tensor keys_, values_;          // decode, D not a multiple of 16: bf16 caches [B·H, N + T, D]
   Bf16KvCache tiled_cache_;       // decode, D a multiple of 16: the cache in the tile kernels' layouts

@@ -7,6 +7,7 @@
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
+#include "tests/support/bf16_check.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -88,6 +89,82 @@ TEST_SUITE("ops") {
             REQUIRE(out[bi * c.m * ldc + i * ldc + j] == before[bi * c.m * ldc + i * ldc + j]);
       }
     }
+  }
+
+  TEST_CASE("bf16 matmul and its widening fallback: fp32 and bf16 outputs, at the fallback's tile edges") {
+    // The fallback's tiles are 64 rows × 256 columns over depth blocks of 256: shapes one below, at
+    // and one above each. The reference sums the bf16 operands' exact products in double; the fp32
+    // output is within the fp32 summation bound, the bf16 output within that plus its rounding u·|c|.
+    struct Case {
+      std::int64_t batch, m, n, k;
+      bool ta, tb, accumulate, broadcast_b;
+      float alpha;
+    };
+    const Case cases[] = {{1, 1, 1, 1, false, false, false, false, 1.0f},
+                          {3, 63, 255, 33, false, true, false, false, 0.125f},
+                          {2, 64, 256, 256, true, false, true, false, 1.0f},
+                          {2, 65, 257, 257, true, true, false, true, 2.0f},
+                          {1, 129, 17, 513, false, false, true, false, -0.5f}};
+    const bool fallbacks[] = {false, true};
+    for (const auto& c : cases)
+      for (bool fallback : fallbacks)
+        for (bool bf16_out : {false, true}) {
+          CAPTURE(c.m);
+          CAPTURE(c.n);
+          CAPTURE(c.k);
+          CAPTURE(fallback);
+          CAPTURE(bf16_out);
+          const std::int64_t rows_a = c.ta ? c.k : c.m, cols_a = c.ta ? c.m : c.k;
+          const std::int64_t rows_b = c.tb ? c.n : c.k, cols_b = c.tb ? c.k : c.n;
+          const Tensor a = to_bf16(random_tensor({c.batch, rows_a, cols_a}, "a"));
+          const Tensor b = to_bf16(random_tensor({c.broadcast_b ? 1 : c.batch, rows_b, cols_b}, "b"));
+          Tensor out = to_bf16(random_tensor({c.batch, c.m, c.n}, "c"));
+          const Tensor before = to_f32(out);
+          Tensor out_f32 = before.clone();
+          const ops::MatmulShape shape{.batch = c.batch,
+                                       .m = c.m,
+                                       .n = c.n,
+                                       .k = c.k,
+                                       .trans_a = c.ta,
+                                       .trans_b = c.tb,
+                                       .stride_b = c.broadcast_b ? 0 : -1,
+                                       .alpha = c.alpha,
+                                       .accumulate = c.accumulate};
+          if (!fallback) ops::prepare_bf16_matmul(shape, bf16_out);
+          FlopCounter::reset();
+          if (bf16_out) {
+            if (fallback)
+              ops::widened_bf16_matmul(shape, a.bf16_data(), b.bf16_data(), out.bf16_data());
+            else
+              ops::matmul(shape, a.bf16_data(), b.bf16_data(), out.bf16_data());
+          } else if (fallback) {
+            ops::widened_bf16_matmul(shape, a.bf16_data(), b.bf16_data(), out_f32.data());
+          } else {
+            ops::matmul(shape, a.bf16_data(), b.bf16_data(), out_f32.data());
+          }
+          CHECK(FlopCounter::total() == c.batch * 2 * c.m * c.n * c.k);
+          const Tensor got = bf16_out ? to_f32(out) : out_f32.clone();
+          const Tensor wide_a = to_f32(a), wide_b = to_f32(b);
+          for (std::int64_t bi = 0; bi < c.batch; ++bi) {
+            const float* pa = wide_a.data() + bi * rows_a * cols_a;
+            const float* pb = wide_b.data() + (c.broadcast_b ? 0 : bi) * rows_b * cols_b;
+            for (std::int64_t i = 0; i < c.m; ++i)
+              for (std::int64_t j = 0; j < c.n; ++j) {
+                double want = 0, magnitude = 0;
+                for (std::int64_t p = 0; p < c.k; ++p) {
+                  want += at(pa, cols_a, c.ta, i, p) * at(pb, cols_b, c.tb, p, j);
+                  magnitude += std::fabs(at(pa, cols_a, c.ta, i, p) * at(pb, cols_b, c.tb, p, j));
+                }
+                const std::int64_t e = (bi * c.m + i) * c.n + j;
+                want = c.alpha * want + (c.accumulate ? before[e] : 0.0);
+                double tolerance =
+                    2 * kFloatEps *
+                    (static_cast<double>(c.k) * std::fabs(c.alpha) * magnitude + std::fabs(before[e]) + 1);
+                if (bf16_out) tolerance += test::kBf16Roundoff * (std::fabs(want) + tolerance);
+                REQUIRE(std::fabs(got[e] - want) <= tolerance);
+              }
+          }
+        }
   }
 
   TEST_CASE("gemm (single-thread sgemm) matches the naive product") {
