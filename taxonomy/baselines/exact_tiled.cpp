@@ -98,6 +98,38 @@ std::int64_t decode_splits(const Problem& p, const ExactTiledConfig& c, std::int
 // The most keys one split of n ≤ capacity keys holds: ⌈n / splits⌉.
 std::int64_t split_capacity(std::int64_t capacity, std::int64_t splits) { return (capacity + splits - 1) / splits; }
 
+// Split-K decode's partial states, one per task = head·S + split: an fp32 accumulator [D] and the
+// running (max, sum) of its keys. Both forms attend their splits into these, then merge per head.
+class SplitRows {
+ public:
+  SplitRows() = default;
+  SplitRows(std::int64_t tasks, std::int64_t d) : d_(d), accumulators_(Shape{tasks, d}), stats_(Shape{tasks, 2}) {}
+  RowSoftmax begin(std::int64_t task) { return begin_row(accumulators_.data() + task * d_, d_); }
+  void keep(std::int64_t task, const RowSoftmax& row) {
+    stats_[2 * task] = row.max;
+    stats_[2 * task + 1] = row.sum;
+  }
+  // The head's S states merged (into the last split's accumulator) in *total; returns the FLOPs.
+  std::int64_t merge(std::int64_t head, std::int64_t splits, RowSoftmax* total) {
+    *total = kept(head * splits + splits - 1);
+    std::int64_t flops = 0;
+    for (std::int64_t split = 0; split + 1 < splits; ++split) flops += merge_rows(*total, kept(head * splits + split));
+    return flops;
+  }
+
+ private:
+  RowSoftmax kept(std::int64_t task) {
+    RowSoftmax row;
+    row.acc = accumulators_.data() + task * d_;
+    row.head_dim = d_;
+    row.max = stats_[2 * task];
+    row.sum = stats_[2 * task + 1];
+    return row;
+  }
+  std::int64_t d_ = 0;
+  Tensor accumulators_, stats_;
+};
+
 class ExactTiled final : public Mechanism {
  public:
   ExactTiled(const Problem& problem, const ExactTiledConfig& config) : p_(problem), c_(config) {}
@@ -169,9 +201,8 @@ class ExactTiled final : public Mechanism {
     const std::int64_t heads = p_.batch * p_.heads, capacity = p_.seq_len + tokens;
     splits_ = decode_splits(p_, c_, tokens);
     cache_ = KvCache(heads, capacity, p_.head_dim);
-    split_accumulators_ = Tensor(Shape{heads * splits_, p_.head_dim});
+    split_rows_ = SplitRows(heads * splits_, p_.head_dim);
     split_queries_ = Tensor(Shape{heads * splits_, p_.head_dim});
-    split_stats_ = Tensor(Shape{heads * splits_, 2});
     split_scores_ = Tensor(Shape{heads * splits_, split_capacity(capacity, splits_)});
   }
 
@@ -190,17 +221,15 @@ class ExactTiled final : public Mechanism {
         if (split == splits - 1) cache_.store(head, length_, k.data() + head * d, v.data() + head * d, 1);
         float* query = split_queries_.data() + task * d;
         flops += scale_query(q.data() + head * d, d, query);
-        RowSoftmax row = begin_row(split_accumulators_.data() + task * d, d);
+        RowSoftmax row = split_rows_.begin(task);
         flops += attend_block(row, query, cache_.keys(head) + begin * d, cache_.values(head) + begin * d, end - begin,
                               split_scores_.data() + task * split_scores_.dim(1));
-        split_stats_[2 * task] = row.max;
-        split_stats_[2 * task + 1] = row.sum;
+        split_rows_.keep(task, row);
       }
 #pragma omp for schedule(static)
       for (std::int64_t head = 0; head < heads; ++head) {
-        RowSoftmax total = split_row(head * splits + splits - 1);
-        for (std::int64_t split = 0; split + 1 < splits; ++split)
-          flops += merge_rows(total, split_row(head * splits + split));
+        RowSoftmax total;
+        flops += split_rows_.merge(head, splits, &total);
         flops += finish_row(total, out.data() + head * d);
       }
     }
@@ -384,16 +413,6 @@ class ExactTiled final : public Mechanism {
     return matmul_flops(rows, score_columns(cols, d), d);
   }
 
-  // The partial state of split task `task` as its attend_rows left it.
-  RowSoftmax split_row(std::int64_t task) {
-    RowSoftmax row;
-    row.acc = split_accumulators_.data() + task * p_.head_dim;
-    row.head_dim = p_.head_dim;
-    row.max = split_stats_[2 * task];
-    row.sum = split_stats_[2 * task + 1];
-    return row;
-  }
-
   Problem p_;
   ExactTiledConfig c_;
   std::int64_t score_ld_ = 0;
@@ -403,7 +422,8 @@ class ExactTiled final : public Mechanism {
   // Decode (prepare_decode): every token's keys and values, and per split task its accumulator
   // [D], scaled query [D], (max, sum) and score row (as long as the longest split).
   KvCache cache_;
-  Tensor split_accumulators_, split_queries_, split_stats_, split_scores_;
+  SplitRows split_rows_;
+  Tensor split_queries_, split_scores_;
   std::int64_t splits_ = 1, length_ = 0;
 };
 
@@ -520,8 +540,7 @@ class ExactTiledBf16 final : public Mechanism {
     splits_ = decode_splits(p_, c_, tokens);
     cache_ = Bf16KvCache(heads, capacity, d);
     const std::int64_t longest = bf16_split_capacity(capacity, splits_);
-    split_accumulators_ = Tensor(Shape{heads * splits_, d});
-    split_stats_ = Tensor(Shape{heads * splits_, 2});
+    split_rows_ = SplitRows(heads * splits_, d);
     split_scores_ = Tensor(Shape{heads * splits_, tiles::panels_for(longest) * tiles::kPanel});
     split_probs_ = Tensor(Shape{heads * splits_, longest / 2 * 2 + 2}, DType::BF16);
   }
@@ -540,19 +559,17 @@ class ExactTiledBf16 final : public Mechanism {
         const std::int64_t begin = bf16_split_begin(split, splits, keys);
         const std::int64_t end = bf16_split_begin(split + 1, splits, keys);
         if (split == splits - 1) cache_.store(head, length_, k.bf16_data() + head * d, v.bf16_data() + head * d);
-        RowSoftmax row = begin_row(split_accumulators_.data() + task * d, d);
+        RowSoftmax row = split_rows_.begin(task);
         flops += d;  // the fp32 form's query scaling; here the scale rides on the scores
         flops += attend_block_bf16(row, q.bf16_data() + head * d, cache_, head, begin, end - begin,
                                    split_scores_.data() + task * split_scores_.dim(1),
                                    split_probs_.bf16_data() + task * split_probs_.dim(1));
-        split_stats_[2 * task] = row.max;
-        split_stats_[2 * task + 1] = row.sum;
+        split_rows_.keep(task, row);
       }
 #pragma omp for schedule(static)
       for (std::int64_t head = 0; head < heads; ++head) {
-        RowSoftmax total = split_row(head * splits + splits - 1);
-        for (std::int64_t split = 0; split + 1 < splits; ++split)
-          flops += merge_rows(total, split_row(head * splits + split));
+        RowSoftmax total;
+        flops += split_rows_.merge(head, splits, &total);
         float* acc = total.acc;
         flops += finish_row(total, acc);
         tiles::round_row(acc, d, out.bf16_data() + head * d);
@@ -721,15 +738,6 @@ class ExactTiledBf16 final : public Mechanism {
     return flops + 3 * matmul_flops(rows, cols, d);
   }
 
-  RowSoftmax split_row(std::int64_t task) {
-    RowSoftmax row;
-    row.acc = split_accumulators_.data() + task * p_.head_dim;
-    row.head_dim = p_.head_dim;
-    row.max = split_stats_[2 * task];
-    row.sum = split_stats_[2 * task + 1];
-    return row;
-  }
-
   Problem p_;
   ExactTiledConfig c_;
   std::int64_t lds_ = 0;
@@ -739,7 +747,8 @@ class ExactTiledBf16 final : public Mechanism {
   // forms, the head's packed operands and the fp32 gradient accumulators.
   Tensor log_sum_exp_, deltas_, tile_grads_, tile_bf16_, head_pairs_, head_panels_, query_grads_, block_grads_;
   Bf16KvCache cache_;  // decode
-  Tensor split_accumulators_, split_stats_, split_scores_, split_probs_;
+  SplitRows split_rows_;
+  Tensor split_scores_, split_probs_;
   std::int64_t splits_ = 1, length_ = 0;
 };
 
