@@ -24,6 +24,21 @@ Tensor random_tensor(Shape shape, const char* stream, float stddev = 1.0f) {
 double at(const float* x, std::int64_t ld, bool trans, std::int64_t r, std::int64_t c) {
   return trans ? x[c * ld + r] : x[r * ld + c];
 }
+
+// Entry (i, j) of op(A)·op(B) over depth k in double, and the sum of its terms' magnitudes.
+struct NaiveDot {
+  double sum = 0, magnitude = 0;
+};
+NaiveDot naive_dot(const float* a, std::int64_t lda, bool ta, const float* b, std::int64_t ldb, bool tb, std::int64_t i,
+                   std::int64_t j, std::int64_t k) {
+  NaiveDot dot;
+  for (std::int64_t p = 0; p < k; ++p) {
+    const double term = at(a, lda, ta, i, p) * at(b, ldb, tb, p, j);
+    dot.sum += term;
+    dot.magnitude += std::fabs(term);
+  }
+  return dot;
+}
 }  // namespace
 
 TEST_SUITE("ops") {
@@ -71,12 +86,8 @@ TEST_SUITE("ops") {
         const float* pb = b.data() + (c.broadcast_b ? 0 : bi) * rows_b * ldb;
         for (std::int64_t i = 0; i < c.m; ++i)
           for (std::int64_t j = 0; j < c.n; ++j) {
-            double want = 0, magnitude = 0;
-            for (std::int64_t p = 0; p < c.k; ++p) {
-              want += at(pa, lda, c.ta, i, p) * at(pb, ldb, c.tb, p, j);
-              magnitude += std::fabs(at(pa, lda, c.ta, i, p) * at(pb, ldb, c.tb, p, j));
-            }
-            want *= c.alpha;
+            const auto [sum, magnitude] = naive_dot(pa, lda, c.ta, pb, ldb, c.tb, i, j, c.k);
+            double want = c.alpha * sum;
             const std::int64_t e = bi * c.m * ldc + i * ldc + j;
             if (c.accumulate) want += before[e];
             const double tolerance =
@@ -150,13 +161,9 @@ TEST_SUITE("ops") {
             const float* pb = wide_b.data() + (c.broadcast_b ? 0 : bi) * rows_b * cols_b;
             for (std::int64_t i = 0; i < c.m; ++i)
               for (std::int64_t j = 0; j < c.n; ++j) {
-                double want = 0, magnitude = 0;
-                for (std::int64_t p = 0; p < c.k; ++p) {
-                  want += at(pa, cols_a, c.ta, i, p) * at(pb, cols_b, c.tb, p, j);
-                  magnitude += std::fabs(at(pa, cols_a, c.ta, i, p) * at(pb, cols_b, c.tb, p, j));
-                }
+                const auto [sum, magnitude] = naive_dot(pa, cols_a, c.ta, pb, cols_b, c.tb, i, j, c.k);
                 const std::int64_t e = (bi * c.m + i) * c.n + j;
-                want = c.alpha * want + (c.accumulate ? before[e] : 0.0);
+                const double want = c.alpha * sum + (c.accumulate ? before[e] : 0.0);
                 double tolerance =
                     2 * kFloatEps *
                     (static_cast<double>(c.k) * std::fabs(c.alpha) * magnitude + std::fabs(before[e]) + 1);
