@@ -162,7 +162,11 @@ void segment_means_backward(float* g, float* dx, const Sizes& s) {
   }
 }
 
-// 16 floats (one 512-bit vector, two 256-bit ones on AVX2), unaligned loads and stores.
+// 16 floats (one 512-bit vector, two 256-bit ones on AVX2), unaligned loads and stores. Without
+// AVX-512, GCC warns (-Wpsabi) that passing one by value changes the ABI: every function that does
+// so, down to conv_backward_taps, has internal linkage, so no such call crosses a TU's boundary.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
 using Lanes = float __attribute__((vector_size(64)));
 inline Lanes load_lanes(const float* p) {
   Lanes x;
@@ -246,6 +250,7 @@ void conv_backward_taps(const float* dout, const float* v, float* dw, const Size
     dw[t] += sum;
   }
 }
+#pragma GCC diagnostic pop
 
 class Nystromformer final : public Mechanism {
  public:
