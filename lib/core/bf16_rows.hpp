@@ -30,6 +30,13 @@ T* elements(Tensor& t) {
   else
     return t.data();
 }
+template <class T>
+const T* elements(const Tensor& t) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return t.bf16_data();
+  else
+    return t.data();
+}
 
 // dst[i] = src[i] for i < n: a copy, a widening (bf16 → fp32) or a rounding (fp32 → bf16).
 inline void convert(const float* src, float* dst, std::int64_t n) { std::copy_n(src, n, dst); }

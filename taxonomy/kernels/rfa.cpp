@@ -164,7 +164,9 @@ class Rfa final : public Mechanism {
 
   void prepare_backward() override {
     const std::int64_t t = p_.threads, c = s_.c, d = s_.d, tasks = p_.batch * p_.heads;
-    checkpoints_ = Tensor(Shape{tasks, p_.causal ? s_.chunks : 1, s_.m, s_.ld_v}, p_.dtype);
+    const std::int64_t slots = tasks * (p_.causal ? s_.chunks : 1);
+    checkpoints_ = Tensor(Shape{slots, s_.m, s_.ld_v}, p_.dtype);
+    if (p_.dtype == DType::BF16) checkpoint_z_ = Tensor(Shape{slots, s_.m});
     if (p_.dtype == DType::BF16) gradient_rows_ = Tensor(Shape{t, c, d});
     dphi_q_ = Tensor(Shape{t, c, s_.ld_m});
     dphi_k_ = Tensor(Shape{t, c, s_.ld_m});
@@ -203,7 +205,10 @@ class Rfa final : public Mechanism {
 
   std::vector<NamedTensor> saved() const override {
     if (checkpoints_.empty()) return {};
-    return {{p_.causal ? "chunk_states" : "summary", &checkpoints_}};
+    std::vector<NamedTensor> all{{p_.causal ? "chunk_states" : "summary", &checkpoints_}};
+    if (!checkpoint_z_.empty())
+      all.push_back({p_.causal ? "chunk_normalisers" : "summary_normalisers", &checkpoint_z_});
+    return all;
   }
   std::vector<NamedTensor> parameter_gradients() const override {
     std::vector<NamedTensor> grads{{"dsigma", &dsigma_}};
@@ -454,13 +459,36 @@ class Rfa final : public Mechanism {
     return step_flops(s_, c_.gate) + normalise(scratch, 1, out);
   }
 
+  // The saved state of `slot` (a chunk start, or a head's S): [S | z] in T; bf16 also keeps its z
+  // column in fp32 (checkpoint_z_), so the backward's recomputed normalisers are the forward's: z
+  // sums signed features (sin, cos), and a rounded z would move row i's G by u·Σ_j |w_ij| / z_i.
+  template <class T>
+  void save_state(const float* state, std::int64_t slot) {
+    const std::int64_t cells = s_.m * s_.ld_v;
+    convert(state, elements<T>(checkpoints_) + slot * cells, cells);
+    if (checkpoint_z_.empty()) return;
+    float* z = checkpoint_z_.data() + slot * s_.m;
+    for (std::int64_t m = 0; m < s_.m; ++m) z[m] = state[m * s_.ld_v + s_.d];
+  }
+  // The saved state of `slot` as fp32 [M, ld_v]: the checkpoint itself, or widened into scratch
+  // with its fp32 z column.
+  template <class T>
+  const float* load_state(std::int64_t slot, float* scratch) const {
+    const std::int64_t cells = s_.m * s_.ld_v;
+    const float* state = fp32_elements(elements<T>(checkpoints_) + slot * cells, cells, scratch);
+    if (checkpoint_z_.empty()) return state;
+    const float* z = checkpoint_z_.data() + slot * s_.m;
+    for (std::int64_t m = 0; m < s_.m; ++m) scratch[m * s_.ld_v + s_.d] = z[m];
+    return scratch;
+  }
+
   // Saves S per head (training; rounded once in bf16).
   template <class T>
   std::int64_t head_full(std::int64_t h, const T* q, const T* k, const T* v, T* out, std::int64_t task,
                          const Buffers& b) {
-    const std::int64_t d = s_.d, cols = d + 1, cells = s_.m * s_.ld_v;
+    const std::int64_t d = s_.d, cols = d + 1;
     std::int64_t flops = head_full_state(h, k, v, b);
-    if (!checkpoints_.empty()) convert(b.state, elements<T>(checkpoints_) + task * cells, cells);
+    if (!checkpoints_.empty()) save_state<T>(b.state, task);
     for (std::int64_t c0 = 0; c0 < s_.n; c0 += s_.c) {
       const std::int64_t rows = std::min(s_.c, s_.n - c0);
       flops += features(h, fp32_rows(q, c0, rows, d, b.query_rows), rows, b.xhat_q, b.inv_q, b.scaled, b.phi_q);
@@ -485,8 +513,7 @@ class Rfa final : public Mechanism {
     std::int64_t flops = 0;
     for (std::int64_t c0 = 0; c0 < s_.n; c0 += s_.c) {
       const std::int64_t rows = std::min(s_.c, s_.n - c0);
-      if (!checkpoints_.empty())
-        convert(state, elements<T>(checkpoints_) + (task * s_.chunks + c0 / s_.c) * cells, cells);
+      if (!checkpoints_.empty()) save_state<T>(state, task * s_.chunks + c0 / s_.c);
       flops += load_chunk(h, q, k, v, c0, rows, b);
       ops::gemm(false, true, rows, rows, s_.m, 1.0f, b.phi_q, s_.ld_m, b.phi_k, s_.ld_m, 0.0f, b.scores, s_.ld_c);
       ops::gemm(false, false, rows, cols, s_.m, 1.0f, b.phi_q, s_.ld_m, state, s_.ld_v, 0.0f, b.numerators, s_.ld_v);
@@ -565,17 +592,17 @@ class Rfa final : public Mechanism {
   template <class T>
   std::int64_t head_backward_full(std::int64_t task, const T* const* in, T* const* grads, const Buffers& b,
                                   const GradBuffers& g) {
-    const std::int64_t h = task % p_.heads, d = s_.d, cols = d + 1, cells = s_.m * s_.ld_v;
+    const std::int64_t h = task % p_.heads, d = s_.d, cols = d + 1;
     float* dsigma = sigma_parts_.data() + task * d;
     std::fill_n(dsigma, d, 0.0f);
-    convert(elements<T>(checkpoints_) + task * cells, b.state, cells);
+    const float* summary = load_state<T>(task, b.state);
     std::int64_t flops = 0;
     for (std::int64_t c0 = 0; c0 < s_.n; c0 += s_.c) {  // G, dφ(Q), dS
       const std::int64_t rows = std::min(s_.c, s_.n - c0);
       flops += features(h, fp32_rows(in[0], c0, rows, d, b.query_rows), rows, b.xhat_q, b.inv_q, b.scaled, b.phi_q);
-      ops::gemm(false, false, rows, cols, s_.m, 1.0f, b.phi_q, s_.ld_m, b.state, s_.ld_v, 0.0f, b.numerators, s_.ld_v);
+      ops::gemm(false, false, rows, cols, s_.m, 1.0f, b.phi_q, s_.ld_m, summary, s_.ld_v, 0.0f, b.numerators, s_.ld_v);
       flops += output_grads(b.numerators + d, s_.ld_v, in[3] + c0 * d, in[4] + c0 * d, rows, g.output_grads);
-      ops::gemm(false, true, rows, s_.m, cols, 1.0f, g.output_grads, s_.ld_v, b.state, s_.ld_v, 0.0f, g.dphi_q,
+      ops::gemm(false, true, rows, s_.m, cols, 1.0f, g.output_grads, s_.ld_v, summary, s_.ld_v, 0.0f, g.dphi_q,
                 s_.ld_m);
       ops::gemm(true, false, s_.m, cols, rows, 1.0f, b.phi_q, s_.ld_m, g.output_grads, s_.ld_v, c0 > 0 ? 1.0f : 0.0f,
                 g.adjoint, s_.ld_v);
@@ -649,8 +676,7 @@ class Rfa final : public Mechanism {
     std::int64_t flops = 0;
     for (std::int64_t chunk = s_.chunks - 1; chunk >= 0; --chunk) {
       const std::int64_t c0 = chunk * s_.c, rows = std::min(s_.c, s_.n - c0);
-      const float* start =
-          fp32_elements(elements<T>(checkpoints_) + (task * s_.chunks + chunk) * cells, cells, b.state);
+      const float* start = load_state<T>(task * s_.chunks + chunk, b.state);
       flops += load_chunk(h, in[0], in[1], in[2], c0, rows, b);
       if (c_.gate) flops += cumulative_logs(rows, b.decay, g.logs);
       // out' of the chunk again, then G and P.
@@ -854,6 +880,7 @@ class Rfa final : public Mechanism {
   Tensor features_, sigma_, gate_weight_, gate_bias_;
   Tensor xhat_q_, xhat_k_, scaled_, inv_q_, inv_k_, phi_q_, phi_k_, values_, numerators_, decay_, input_, state_,
       scores_;
+  Tensor checkpoint_z_;  // bf16 training only: the z column of every saved state, fp32 [slots, M]
   Tensor checkpoints_, dphi_q_, dphi_k_, output_grads_, adjoint_, dscaled_, gate_grads_;  // training
   Tensor masked_, carried_, chunk_scalars_;                                               // training, causal
   Tensor sigma_parts_, gate_weight_parts_, gate_bias_parts_;                              // training
@@ -921,8 +948,12 @@ std::int64_t backward_workspace(const Problem& p, const RfaConfig& c) {
   std::int64_t per_thread = 2 * s.c * s.ld_m + s.c * s.ld_v + cells + s.c * s.d + s.c;
   std::int64_t shared = tasks * s.d + p.heads * s.d + (c.gate ? tasks * (s.d + 1) + p.heads * (s.d + 1) : 0);
   if (p.causal) per_thread += s.c * s.ld_c + s.c * s.ld_m + 5 * s.c;
-  if (p.dtype == DType::BF16) per_thread += s.c * s.d;  // the fp32 gradient rows before rounding
-  const std::int64_t saved = tasks * (p.causal ? s.chunks : 1) * cells * element_bytes(p.dtype);
+  const std::int64_t slots = tasks * (p.causal ? s.chunks : 1);
+  if (p.dtype == DType::BF16) {
+    per_thread += s.c * s.d;  // the fp32 gradient rows before rounding
+    shared += slots * s.m;    // the saved states' fp32 z columns
+  }
+  const std::int64_t saved = slots * cells * element_bytes(p.dtype);
   return (shared + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float)) + saved;
 }
 
