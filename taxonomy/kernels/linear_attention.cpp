@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 
@@ -36,37 +37,6 @@ namespace {
 
 std::int64_t clamp_chunk(const Problem& p, std::int64_t chunk) {
   return std::max<std::int64_t>(1, std::min(chunk, p.seq_len));
-}
-
-inline float as_float(float x) { return x; }
-inline float as_float(bf16 x) { return to_float(x); }
-template <class T>
-inline T stored(float x) {
-  if constexpr (std::is_same_v<T, bf16>)
-    return to_bf16(x);
-  else
-    return x;
-}
-
-// Rows [c0, c0 + rows) of a head's [N, D] matrix as fp32: the rows themselves (fp32), or widened
-// into scratch ([rows, D], bf16).
-const float* fp32_rows(const float* x, std::int64_t c0, std::int64_t, std::int64_t d, float*) { return x + c0 * d; }
-const float* fp32_rows(const bf16* x, std::int64_t c0, std::int64_t rows, std::int64_t d, float* scratch) {
-  widen(x + c0 * d, scratch, rows * d);
-  return scratch;
-}
-
-// The same rows after fp32_rows widened them into scratch (no second conversion).
-const float* widened_rows(const float* x, std::int64_t c0, std::int64_t d, const float*) { return x + c0 * d; }
-const float* widened_rows(const bf16*, std::int64_t, std::int64_t, const float* scratch) { return scratch; }
-
-// Where a chunk's fp32 gradient rows go: the gradient itself (fp32) or scratch, rounded into the
-// bf16 gradient by store_rows afterwards.
-float* fp32_target(float* x, std::int64_t c0, std::int64_t d, float*) { return x + c0 * d; }
-float* fp32_target(bf16*, std::int64_t, std::int64_t, float* scratch) { return scratch; }
-void store_rows(const float*, float*, std::int64_t, std::int64_t, std::int64_t) {}
-void store_rows(const float* scratch, bf16* x, std::int64_t c0, std::int64_t rows, std::int64_t d) {
-  narrow(scratch, x + c0 * d, rows * d);
 }
 
 // values[r] = [v_r | 1] for the rows of one chunk.

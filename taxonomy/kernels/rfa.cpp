@@ -6,6 +6,7 @@
 #include <cmath>
 #include <memory>
 
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -105,6 +106,7 @@ struct Buffers {
   float *decay, *input;             // [C]: a_t, b_t (the causal forward turns a_t into L_t)
   float* state;                     // [M, ld_v]: [S | z]
   float* scores;                    // [C, ld_c]: A (causal)
+  float *query_rows, *key_rows;     // bf16: the chunk's q and k rows widened [C, D] (nullptr in fp32)
 };
 
 struct GradBuffers {
@@ -117,6 +119,7 @@ struct GradBuffers {
   float* carried;          // Y = [V|1]·Rᵀ, then diag(β)·φ(K), then diag(e^L)·φ(Q) [C, ld_m] (causal)
   // [C] each (causal): L, dL, the row and column sums of T, dβ·β.
   float *logs = nullptr, *log_grads = nullptr, *row_sums = nullptr, *col_sums = nullptr, *beta_grads = nullptr;
+  float* gradient_rows = nullptr;  // bf16: a chunk's fp32 dq, dk or dv rows [C, D] before rounding
 };
 
 class Rfa final : public Mechanism {
@@ -149,27 +152,22 @@ class Rfa final : public Mechanism {
     input_ = Tensor(Shape{t, c});
     state_ = Tensor(Shape{t, s_.m, s_.ld_v});
     if (p_.causal) scores_ = Tensor(Shape{t, c, s_.ld_c});
+    if (p_.dtype == DType::BF16) input_rows_ = Tensor(Shape{t, 2, c, d});
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    const std::int64_t tasks = p_.batch * p_.heads, head_size = s_.n * s_.d;
-    std::int64_t flops = 0;
-#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
-    {
-      const Buffers b = buffers(omp_get_thread_num());
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t task = 0; task < tasks; ++task) {
-        const std::int64_t o = task * head_size, h = task % p_.heads;
-        flops += p_.causal ? head_causal(h, q.data() + o, k.data() + o, v.data() + o, out.data() + o, task, b)
-                           : head_full(h, q.data() + o, k.data() + o, v.data() + o, out.data() + o, task, b);
-      }
-    }
-    FlopCounter::add(flops);
+    if (p_.dtype == DType::BF16)
+      forward_heads(q.bf16_data(), k.bf16_data(), v.bf16_data(), out.bf16_data());
+    else
+      forward_heads(q.data(), k.data(), v.data(), out.data());
   }
 
   void prepare_backward() override {
     const std::int64_t t = p_.threads, c = s_.c, d = s_.d, tasks = p_.batch * p_.heads;
-    checkpoints_ = Tensor(Shape{tasks, p_.causal ? s_.chunks : 1, s_.m, s_.ld_v});
+    const std::int64_t slots = tasks * (p_.causal ? s_.chunks : 1);
+    checkpoints_ = Tensor(Shape{slots, s_.m, s_.ld_v}, p_.dtype);
+    if (p_.dtype == DType::BF16) checkpoint_z_ = Tensor(Shape{slots, s_.m});
+    if (p_.dtype == DType::BF16) gradient_rows_ = Tensor(Shape{t, c, d});
     dphi_q_ = Tensor(Shape{t, c, s_.ld_m});
     dphi_k_ = Tensor(Shape{t, c, s_.ld_m});
     output_grads_ = Tensor(Shape{t, c, s_.ld_v});
@@ -193,21 +191,12 @@ class Rfa final : public Mechanism {
 
   void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
                 Tensor& dk, Tensor& dv) override {
-    const std::int64_t tasks = p_.batch * p_.heads, head_size = s_.n * s_.d;
     std::int64_t flops = 0;
-#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
-    {
-      const int thread = omp_get_thread_num();
-      const Buffers b = buffers(thread);
-      const GradBuffers g = grad_buffers(thread);
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t task = 0; task < tasks; ++task) {
-        const std::int64_t o = task * head_size;
-        const float* in[] = {q.data() + o, k.data() + o, v.data() + o, out.data() + o, dout.data() + o};
-        float* grads[] = {dq.data() + o, dk.data() + o, dv.data() + o};
-        flops += p_.causal ? head_backward_causal(task, in, grads, b, g) : head_backward_full(task, in, grads, b, g);
-      }
-    }
+    if (p_.dtype == DType::BF16)
+      flops = backward_heads(q.bf16_data(), k.bf16_data(), v.bf16_data(), out.bf16_data(), dout.bf16_data(),
+                             dq.bf16_data(), dk.bf16_data(), dv.bf16_data());
+    else
+      flops = backward_heads(q.data(), k.data(), v.data(), out.data(), dout.data(), dq.data(), dk.data(), dv.data());
     flops += reduce_parts(sigma_parts_, dsigma_, s_.d);
     if (c_.gate)
       flops += reduce_parts(gate_weight_parts_, dgate_weight_, s_.d) + reduce_parts(gate_bias_parts_, dgate_bias_, 1);
@@ -216,7 +205,10 @@ class Rfa final : public Mechanism {
 
   std::vector<NamedTensor> saved() const override {
     if (checkpoints_.empty()) return {};
-    return {{p_.causal ? "chunk_states" : "summary", &checkpoints_}};
+    std::vector<NamedTensor> all{{p_.causal ? "chunk_states" : "summary", &checkpoints_}};
+    if (!checkpoint_z_.empty())
+      all.push_back({p_.causal ? "chunk_normalisers" : "summary_normalisers", &checkpoint_z_});
+    return all;
   }
   std::vector<NamedTensor> parameter_gradients() const override {
     std::vector<NamedTensor> grads{{"dsigma", &dsigma_}};
@@ -225,23 +217,15 @@ class Rfa final : public Mechanism {
   }
   std::string gradient_note() const override { return "random features W̃ held fixed (drawn, not learned)"; }
 
-  void prepare_decode(std::int64_t) override { decode_states_ = Tensor(Shape{p_.batch * p_.heads, s_.m, s_.ld_v}); }
+  void prepare_decode(std::int64_t) override {
+    decode_states_ = Tensor(Shape{p_.batch * p_.heads, s_.m, s_.ld_v}, p_.dtype);
+  }
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    const std::int64_t tasks = p_.batch * p_.heads, d = s_.d;
-    std::int64_t flops = 0;
-#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
-    {
-      const Buffers b = buffers(omp_get_thread_num());
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t task = 0; task < tasks; ++task) {
-        const std::int64_t h = task % p_.heads, o = task * d;
-        flops += load_chunk(h, q.data() + o, k.data() + o, v.data() + o, 1, b);
-        flops += step(b.phi_q, b.phi_k, b.values, b.decay[0], b.input[0], decode_states_.data() + task * s_.m * s_.ld_v,
-                      b.numerators, out.data() + o);
-      }
-    }
-    FlopCounter::add(flops);
+    if (p_.dtype == DType::BF16)
+      decode_heads(q.bf16_data(), k.bf16_data(), v.bf16_data(), out.bf16_data(), decode_states_.bf16_data());
+    else
+      decode_heads(q.data(), k.data(), v.data(), out.data(), decode_states_.data());
   }
   std::vector<NamedTensor> decode_state() const override { return {{"state", &decode_states_}}; }
 
@@ -252,6 +236,64 @@ class Rfa final : public Mechanism {
   }
 
  private:
+  // The passes over every (batch, head) task, on fp32 (T = float) or bf16 (T = bf16) tensors.
+  template <class T>
+  void forward_heads(const T* q, const T* k, const T* v, T* out) {
+    const std::int64_t tasks = p_.batch * p_.heads, head_size = s_.n * s_.d;
+    std::int64_t flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+    {
+      const Buffers b = buffers(omp_get_thread_num());
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t task = 0; task < tasks; ++task) {
+        const std::int64_t o = task * head_size, h = task % p_.heads;
+        flops += p_.causal ? head_causal(h, q + o, k + o, v + o, out + o, task, b)
+                           : head_full(h, q + o, k + o, v + o, out + o, task, b);
+      }
+    }
+    FlopCounter::add(flops);
+  }
+
+  // Returns the FLOPs of every head (the parameter reductions not included).
+  template <class T>
+  std::int64_t backward_heads(const T* q, const T* k, const T* v, const T* out, const T* dout, T* dq, T* dk, T* dv) {
+    const std::int64_t tasks = p_.batch * p_.heads, head_size = s_.n * s_.d;
+    std::int64_t flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+    {
+      const int thread = omp_get_thread_num();
+      const Buffers b = buffers(thread);
+      const GradBuffers g = grad_buffers(thread);
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t task = 0; task < tasks; ++task) {
+        const std::int64_t o = task * head_size;
+        const T* in[] = {q + o, k + o, v + o, out + o, dout + o};
+        T* grads[] = {dq + o, dk + o, dv + o};
+        flops += p_.causal ? head_backward_causal(task, in, grads, b, g) : head_backward_full(task, in, grads, b, g);
+      }
+    }
+    return flops;
+  }
+
+  // One token per head; states [B·H, M, ld_v] of T.
+  template <class T>
+  void decode_heads(const T* q, const T* k, const T* v, T* out, T* states) {
+    const std::int64_t tasks = p_.batch * p_.heads, d = s_.d;
+    std::int64_t flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+    {
+      const Buffers b = buffers(omp_get_thread_num());
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t task = 0; task < tasks; ++task) {
+        const std::int64_t h = task % p_.heads, o = task * d;
+        flops += load_chunk(h, q + o, k + o, v + o, 0, 1, b);
+        flops += step(b.phi_q, b.phi_k, b.values, b.decay[0], b.input[0], states + task * s_.m * s_.ld_v, b.numerators,
+                      out + o);
+      }
+    }
+    FlopCounter::add(flops);
+  }
+
   Buffers buffers(int t) {
     const std::int64_t c = s_.c, d = s_.d;
     auto at = [t](Tensor& x, std::int64_t per) { return x.data() + t * per; };
@@ -267,7 +309,9 @@ class Rfa final : public Mechanism {
             at(decay_, c),
             at(input_, c),
             at(state_, s_.m * s_.ld_v),
-            scores_.empty() ? nullptr : at(scores_, c * s_.ld_c)};
+            scores_.empty() ? nullptr : at(scores_, c * s_.ld_c),
+            input_rows_.empty() ? nullptr : at(input_rows_, 2 * c * d),
+            input_rows_.empty() ? nullptr : at(input_rows_, 2 * c * d) + c * d};
   }
 
   GradBuffers grad_buffers(int t) {
@@ -284,6 +328,7 @@ class Rfa final : public Mechanism {
       g.col_sums = scalars + 3 * c;
       g.beta_grads = scalars + 4 * c;
     }
+    g.gradient_rows = at(gradient_rows_, c * s_.d);
     return g;
   }
 
@@ -348,17 +393,18 @@ class Rfa final : public Mechanism {
     return rows * (3 * r + 8 * d);
   }
 
-  // The chunk's features of q and k, [v | 1], and (gated) a_t = g_t, b_t = 1 − g_t from the raw
-  // key rows; ungated a_t = b_t = 1. q, k, v point at the chunk's first row.
-  std::int64_t load_chunk(std::int64_t h, const float* q, const float* k, const float* v, std::int64_t rows,
+  // The features of q and k rows [c0, c0 + rows), [v | 1], and (gated) a_t = g_t, b_t = 1 − g_t
+  // from the raw key rows; ungated a_t = b_t = 1. q, k, v point at the head's first row. bf16: the
+  // q and k rows are widened into b.query_rows, b.key_rows (where the backward reads them again).
+  template <class T>
+  std::int64_t load_chunk(std::int64_t h, const T* q, const T* k, const T* v, std::int64_t c0, std::int64_t rows,
                           const Buffers& b) const {
     const std::int64_t d = s_.d;
-    std::int64_t flops = features(h, q, rows, b.xhat_q, b.inv_q, b.scaled, b.phi_q) +
-                         features(h, k, rows, b.xhat_k, b.inv_k, b.scaled, b.phi_k);
-    for (std::int64_t i = 0; i < rows; ++i) {
-      std::copy(v + i * d, v + (i + 1) * d, b.values + i * s_.ld_v);
-      b.values[i * s_.ld_v + d] = 1.0f;
-    }
+    const float* keys = fp32_rows(k, c0, rows, d, b.key_rows);
+    std::int64_t flops =
+        features(h, fp32_rows(q, c0, rows, d, b.query_rows), rows, b.xhat_q, b.inv_q, b.scaled, b.phi_q) +
+        features(h, keys, rows, b.xhat_k, b.inv_k, b.scaled, b.phi_k);
+    load_values(v + c0 * d, rows, b.values);
     if (!c_.gate) {
       std::fill_n(b.decay, rows, 1.0f);
       std::fill_n(b.input, rows, 1.0f);
@@ -368,7 +414,7 @@ class Rfa final : public Mechanism {
     for (std::int64_t i = 0; i < rows; ++i) {
       float u = gate_bias_[h];
 #pragma omp simd reduction(+ : u)
-      for (std::int64_t c = 0; c < d; ++c) u += w[c] * k[i * d + c];
+      for (std::int64_t c = 0; c < d; ++c) u += w[c] * keys[i * d + c];
       b.decay[i] = 1.0f / (1.0f + std::exp(-u));
       b.input[i] = 1.0f - b.decay[i];
     }
@@ -377,48 +423,75 @@ class Rfa final : public Mechanism {
 
   float denominator(float z) const { return std::max(z, static_cast<float>(c_.floor)); }
 
-  // out = numerators[0:D] / den(numerators[D]) for `rows` rows. FLOPs D per row.
-  std::int64_t normalise(const float* numerators, std::int64_t rows, float* out) const {
+  // out = numerators[0:D] / den(numerators[D]) for `rows` rows (rounded once for a bf16 out).
+  // FLOPs D per row.
+  template <class T>
+  std::int64_t normalise(const float* numerators, std::int64_t rows, T* out) const {
     const std::int64_t d = s_.d;
     for (std::int64_t i = 0; i < rows; ++i) {
       const float* src = numerators + i * s_.ld_v;
       const float inverse = 1.0f / denominator(src[d]);
 #pragma omp simd
-      for (std::int64_t c = 0; c < d; ++c) out[i * d + c] = src[c] * inverse;
+      for (std::int64_t c = 0; c < d; ++c) out[i * d + c] = stored<T>(src[c] * inverse);
     }
     return rows * d;
   }
 
   // One causal step: state = a·state + b·φ(k)[v | 1]ᵀ; o' = stateᵀφ(q) into scratch; out = o'/den.
-  std::int64_t step(const float* phi_q, const float* phi_k, const float* values, float a, float b, float* state,
-                    float* scratch, float* out) const {
+  // A bf16 state element is widened, updated in fp32, and rounded back once; o' sums the fp32
+  // updated values (ungated a = b = 1: the update is a plain accumulation).
+  template <class T>
+  std::int64_t step(const float* phi_q, const float* phi_k, const float* values, float a, float b, T* state,
+                    float* scratch, T* out) const {
     const std::int64_t cols = s_.d + 1;
+    const float decay = c_.gate ? a : 1.0f;
     std::fill_n(scratch, cols, 0.0f);
     for (std::int64_t m = 0; m < s_.m; ++m) {
-      float* row = state + m * s_.ld_v;
+      T* row = state + m * s_.ld_v;
       const float weight = c_.gate ? b * phi_k[m] : phi_k[m], query = phi_q[m];
-      if (c_.gate) {
 #pragma omp simd
-        for (std::int64_t e = 0; e < cols; ++e) row[e] = a * row[e] + weight * values[e];
-      } else {
-#pragma omp simd
-        for (std::int64_t e = 0; e < cols; ++e) row[e] += weight * values[e];
+      for (std::int64_t e = 0; e < cols; ++e) {
+        const float updated = decay * as_float(row[e]) + weight * values[e];
+        row[e] = stored<T>(updated);
+        scratch[e] += query * updated;
       }
-#pragma omp simd
-      for (std::int64_t e = 0; e < cols; ++e) scratch[e] += query * row[e];
     }
     return step_flops(s_, c_.gate) + normalise(scratch, 1, out);
   }
 
-  // Saves S per head (training).
-  std::int64_t head_full(std::int64_t h, const float* q, const float* k, const float* v, float* out, std::int64_t task,
+  // The saved state of `slot` (a chunk start, or a head's S): [S | z] in T; bf16 also keeps its z
+  // column in fp32 (checkpoint_z_), so the backward's recomputed normalisers are the forward's: z
+  // sums signed features (sin, cos), and a rounded z would move row i's G by u·Σ_j |w_ij| / z_i.
+  template <class T>
+  void save_state(const float* state, std::int64_t slot) {
+    const std::int64_t cells = s_.m * s_.ld_v;
+    convert(state, elements<T>(checkpoints_) + slot * cells, cells);
+    if (checkpoint_z_.empty()) return;
+    float* z = checkpoint_z_.data() + slot * s_.m;
+    for (std::int64_t m = 0; m < s_.m; ++m) z[m] = state[m * s_.ld_v + s_.d];
+  }
+  // The saved state of `slot` as fp32 [M, ld_v]: the checkpoint itself, or widened into scratch
+  // with its fp32 z column.
+  template <class T>
+  const float* load_state(std::int64_t slot, float* scratch) const {
+    const std::int64_t cells = s_.m * s_.ld_v;
+    const float* state = fp32_elements(elements<T>(checkpoints_) + slot * cells, cells, scratch);
+    if (checkpoint_z_.empty()) return state;
+    const float* z = checkpoint_z_.data() + slot * s_.m;
+    for (std::int64_t m = 0; m < s_.m; ++m) scratch[m * s_.ld_v + s_.d] = z[m];
+    return scratch;
+  }
+
+  // Saves S per head (training; rounded once in bf16).
+  template <class T>
+  std::int64_t head_full(std::int64_t h, const T* q, const T* k, const T* v, T* out, std::int64_t task,
                          const Buffers& b) {
-    const std::int64_t d = s_.d, cols = d + 1, cells = s_.m * s_.ld_v;
+    const std::int64_t d = s_.d, cols = d + 1;
     std::int64_t flops = head_full_state(h, k, v, b);
-    if (!checkpoints_.empty()) std::copy(b.state, b.state + cells, checkpoints_.data() + task * cells);
+    if (!checkpoints_.empty()) save_state<T>(b.state, task);
     for (std::int64_t c0 = 0; c0 < s_.n; c0 += s_.c) {
       const std::int64_t rows = std::min(s_.c, s_.n - c0);
-      flops += features(h, q + c0 * d, rows, b.xhat_q, b.inv_q, b.scaled, b.phi_q);
+      flops += features(h, fp32_rows(q, c0, rows, d, b.query_rows), rows, b.xhat_q, b.inv_q, b.scaled, b.phi_q);
       ops::gemm(false, false, rows, cols, s_.m, 1.0f, b.phi_q, s_.ld_m, b.state, s_.ld_v, 0.0f, b.numerators, s_.ld_v);
       flops += normalise(b.numerators, rows, out + c0 * d);
     }
@@ -429,18 +502,19 @@ class Rfa final : public Mechanism {
   // ops::gemm. With L_i = Σ_{l≤i} log a_l inside the chunk (0 ungated) and S the state before it:
   //   A = tril(φ(Q)·φ(K)ᵀ) ⊙ [b_j·exp(L_i − L_j)],  out'_c = A·[V | 1] + diag(exp(L))·φ(Q)·S,
   //   S ← exp(L_last)·S + (diag(b_j·exp(L_last − L_j))·φ(K))ᵀ·[V | 1].
-  // Every exponent is ≤ 0. Saves S at each chunk start (training); leaves the final S for decoding.
-  std::int64_t head_causal(std::int64_t h, const float* q, const float* k, const float* v, float* out,
-                           std::int64_t task, const Buffers& b) {
-    const std::int64_t d = s_.d, cols = d + 1, cells = s_.m * s_.ld_v;
-    float* state = decode_states_.empty() ? b.state : decode_states_.data() + task * cells;
+  // Every exponent is ≤ 0. S stays fp32 (b.state) through the walk; it is saved at each chunk start
+  // (training) and left after the last chunk for decoding, in T (one rounding each in bf16).
+  template <class T>
+  std::int64_t head_causal(std::int64_t h, const T* q, const T* k, const T* v, T* out, std::int64_t task,
+                           const Buffers& b) {
+    const std::int64_t cols = s_.d + 1, cells = s_.m * s_.ld_v;
+    float* state = b.state;
     std::fill_n(state, cells, 0.0f);
     std::int64_t flops = 0;
     for (std::int64_t c0 = 0; c0 < s_.n; c0 += s_.c) {
       const std::int64_t rows = std::min(s_.c, s_.n - c0);
-      if (!checkpoints_.empty())
-        std::copy(state, state + cells, checkpoints_.data() + (task * s_.chunks + c0 / s_.c) * cells);
-      flops += load_chunk(h, q + c0 * d, k + c0 * d, v + c0 * d, rows, b);
+      if (!checkpoints_.empty()) save_state<T>(state, task * s_.chunks + c0 / s_.c);
+      flops += load_chunk(h, q, k, v, c0, rows, b);
       ops::gemm(false, true, rows, rows, s_.m, 1.0f, b.phi_q, s_.ld_m, b.phi_k, s_.ld_m, 0.0f, b.scores, s_.ld_c);
       ops::gemm(false, false, rows, cols, s_.m, 1.0f, b.phi_q, s_.ld_m, state, s_.ld_v, 0.0f, b.numerators, s_.ld_v);
       if (c_.gate) flops += apply_decays(rows, b, state);
@@ -449,8 +523,9 @@ class Rfa final : public Mechanism {
       ops::gemm(false, false, rows, cols, rows, 1.0f, b.scores, s_.ld_c, b.values, s_.ld_v, 1.0f, b.numerators,
                 s_.ld_v);
       ops::gemm(true, false, s_.m, cols, rows, 1.0f, b.phi_k, s_.ld_m, b.values, s_.ld_v, 1.0f, state, s_.ld_v);
-      flops += normalise(b.numerators, rows, out + c0 * d);
+      flops += normalise(b.numerators, rows, out + c0 * s_.d);
     }
+    if (!decode_states_.empty()) convert(state, elements<T>(decode_states_) + task * cells, cells);
     return flops;
   }
 
@@ -492,69 +567,81 @@ class Rfa final : public Mechanism {
 
   // G rows [rows, ld_v] of the chunk from its numerators' z column (z[i] = numerators[i·ld_v + D]):
   // G[:D] = dout/den, G[D] = −(dout·out)/den, or 0 when clamped. FLOPs 3·D per row.
-  std::int64_t output_grads(const float* z, std::int64_t z_stride, const float* out, const float* dout,
-                            std::int64_t rows, float* grads) const {
+  template <class T>
+  std::int64_t output_grads(const float* z, std::int64_t z_stride, const T* out, const T* dout, std::int64_t rows,
+                            float* grads) const {
     const std::int64_t d = s_.d;
     for (std::int64_t i = 0; i < rows; ++i) {
       const float zi = z[i * z_stride], inverse = 1.0f / denominator(zi);
-      const float *o = out + i * d, *g = dout + i * d;
+      const T *o = out + i * d, *g = dout + i * d;
       float* row = grads + i * s_.ld_v;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
       for (std::int64_t c = 0; c < d; ++c) {
-        row[c] = g[c] * inverse;
-        dot += g[c] * o[c];
+        const float grad = as_float(g[c]);
+        row[c] = grad * inverse;
+        dot += grad * as_float(o[c]);
       }
       row[d] = zi > static_cast<float>(c_.floor) ? -dot * inverse : 0.0f;
     }
     return rows * 3 * d;
   }
 
-  // in: q, k, v, out, dout of the head; grads: dq, dk, dv.
-  std::int64_t head_backward_full(std::int64_t task, const float* const* in, float* const* grads, const Buffers& b,
+  // in: q, k, v, out, dout of the head; grads: dq, dk, dv (bf16: each chunk's rows computed in
+  // g.gradient_rows and rounded once).
+  template <class T>
+  std::int64_t head_backward_full(std::int64_t task, const T* const* in, T* const* grads, const Buffers& b,
                                   const GradBuffers& g) {
     const std::int64_t h = task % p_.heads, d = s_.d, cols = d + 1;
     float* dsigma = sigma_parts_.data() + task * d;
     std::fill_n(dsigma, d, 0.0f);
-    const float* summary = checkpoints_.data() + task * s_.m * s_.ld_v;
-    std::copy(summary, summary + s_.m * s_.ld_v, b.state);
+    const float* summary = load_state<T>(task, b.state);
     std::int64_t flops = 0;
     for (std::int64_t c0 = 0; c0 < s_.n; c0 += s_.c) {  // G, dφ(Q), dS
       const std::int64_t rows = std::min(s_.c, s_.n - c0);
-      flops += features(h, in[0] + c0 * d, rows, b.xhat_q, b.inv_q, b.scaled, b.phi_q);
-      ops::gemm(false, false, rows, cols, s_.m, 1.0f, b.phi_q, s_.ld_m, b.state, s_.ld_v, 0.0f, b.numerators, s_.ld_v);
+      flops += features(h, fp32_rows(in[0], c0, rows, d, b.query_rows), rows, b.xhat_q, b.inv_q, b.scaled, b.phi_q);
+      ops::gemm(false, false, rows, cols, s_.m, 1.0f, b.phi_q, s_.ld_m, summary, s_.ld_v, 0.0f, b.numerators, s_.ld_v);
       flops += output_grads(b.numerators + d, s_.ld_v, in[3] + c0 * d, in[4] + c0 * d, rows, g.output_grads);
-      ops::gemm(false, true, rows, s_.m, cols, 1.0f, g.output_grads, s_.ld_v, b.state, s_.ld_v, 0.0f, g.dphi_q,
+      ops::gemm(false, true, rows, s_.m, cols, 1.0f, g.output_grads, s_.ld_v, summary, s_.ld_v, 0.0f, g.dphi_q,
                 s_.ld_m);
       ops::gemm(true, false, s_.m, cols, rows, 1.0f, b.phi_q, s_.ld_m, g.output_grads, s_.ld_v, c0 > 0 ? 1.0f : 0.0f,
                 g.adjoint, s_.ld_v);
-      flops += feature_gradient(h, rows, b.phi_q, g.dphi_q, b.xhat_q, b.inv_q, g.dscaled, grads[0] + c0 * d, dsigma);
+      float* dq = fp32_target(grads[0], c0, d, g.gradient_rows);
+      flops += feature_gradient(h, rows, b.phi_q, g.dphi_q, b.xhat_q, b.inv_q, g.dscaled, dq, dsigma);
+      store_rows(dq, grads[0], c0, rows, d);
     }
     for (std::int64_t c0 = 0; c0 < s_.n; c0 += s_.c) {  // dφ(K) = [V | 1]·dSᵀ, dV = φ(K)·dS[:, :D]
       const std::int64_t rows = std::min(s_.c, s_.n - c0);
-      flops += features(h, in[1] + c0 * d, rows, b.xhat_k, b.inv_k, b.scaled, b.phi_k);
+      flops += features(h, fp32_rows(in[1], c0, rows, d, b.key_rows), rows, b.xhat_k, b.inv_k, b.scaled, b.phi_k);
       load_values(in[2] + c0 * d, rows, b.values);
       ops::gemm(false, true, rows, s_.m, cols, 1.0f, b.values, s_.ld_v, g.adjoint, s_.ld_v, 0.0f, g.dphi_k, s_.ld_m);
-      ops::gemm(false, false, rows, d, s_.m, 1.0f, b.phi_k, s_.ld_m, g.adjoint, s_.ld_v, 0.0f, grads[2] + c0 * d, d);
-      flops += feature_gradient(h, rows, b.phi_k, g.dphi_k, b.xhat_k, b.inv_k, g.dscaled, grads[1] + c0 * d, dsigma);
+      float* dv = fp32_target(grads[2], c0, d, g.gradient_rows);
+      ops::gemm(false, false, rows, d, s_.m, 1.0f, b.phi_k, s_.ld_m, g.adjoint, s_.ld_v, 0.0f, dv, d);
+      store_rows(dv, grads[2], c0, rows, d);
+      float* dk = fp32_target(grads[1], c0, d, g.gradient_rows);
+      flops += feature_gradient(h, rows, b.phi_k, g.dphi_k, b.xhat_k, b.inv_k, g.dscaled, dk, dsigma);
+      store_rows(dk, grads[1], c0, rows, d);
     }
     return flops;
   }
 
-  void load_values(const float* v, std::int64_t rows, float* values) const {
+  // values[i] = [v_i | 1] (widened from bf16) for `rows` rows from v.
+  template <class T>
+  void load_values(const T* v, std::int64_t rows, float* values) const {
     for (std::int64_t i = 0; i < rows; ++i) {
-      std::copy(v + i * s_.d, v + (i + 1) * s_.d, values + i * s_.ld_v);
+      convert(v + i * s_.d, values + i * s_.ld_v, s_.d);
       values[i * s_.ld_v + s_.d] = 1.0f;
     }
   }
 
   // S = Σ φ(K_c)ᵀ [V_c | 1] into b.state (the non-causal forward's first pass).
-  std::int64_t head_full_state(std::int64_t h, const float* k, const float* v, const Buffers& b) const {
+  template <class T>
+  std::int64_t head_full_state(std::int64_t h, const T* k, const T* v, const Buffers& b) const {
     const std::int64_t d = s_.d;
     std::int64_t flops = 0;
     for (std::int64_t c0 = 0; c0 < s_.n; c0 += s_.c) {
       const std::int64_t rows = std::min(s_.c, s_.n - c0);
-      flops += features(h, k + c0 * d, rows, b.xhat_k, b.inv_k, b.scaled, b.phi_k);
+      flops += features(h, fp32_rows(k, c0, rows, d, b.key_rows), rows, b.xhat_k, b.inv_k, b.scaled, b.phi_k);
       load_values(v + c0 * d, rows, b.values);
       ops::gemm(true, false, s_.m, d + 1, rows, 1.0f, b.phi_k, s_.ld_m, b.values, s_.ld_v, c0 > 0 ? 1.0f : 0.0f,
                 b.state, s_.ld_v);
@@ -571,7 +658,10 @@ class Rfa final : public Mechanism {
   // Gated, with T = P ⊙ A (row sums r_i, column sums c_j) and dβ_j = φ(k_j)·Y_j:
   //   dL_i = r_i − c_i + e^{L_i}·φ(q_i)·(G·S0ᵀ)_i − dβ_i·β_i + [i = last](Σ_j dβ_j·β_j + e^{L_last}·⟨R, S0⟩),
   //   b_j·db_j = c_j + dβ_j·β_j,  d(log a_l) = Σ_{i ≥ l} dL_i,  du_l = b_l·d(log a_l) − a_l·(b_l·db_l).
-  std::int64_t head_backward_causal(std::int64_t task, const float* const* in, float* const* grads, const Buffers& b,
+  // bf16: each chunk's saved start state is widened into b.state, its gradient rows computed in
+  // g.gradient_rows and rounded once.
+  template <class T>
+  std::int64_t head_backward_causal(std::int64_t task, const T* const* in, T* const* grads, const Buffers& b,
                                     const GradBuffers& g) {
     const std::int64_t h = task % p_.heads, d = s_.d, cols = d + 1, cells = s_.m * s_.ld_v;
     float* dsigma = sigma_parts_.data() + task * d;
@@ -586,8 +676,8 @@ class Rfa final : public Mechanism {
     std::int64_t flops = 0;
     for (std::int64_t chunk = s_.chunks - 1; chunk >= 0; --chunk) {
       const std::int64_t c0 = chunk * s_.c, rows = std::min(s_.c, s_.n - c0);
-      const float* start = checkpoints_.data() + (task * s_.chunks + chunk) * cells;
-      flops += load_chunk(h, in[0] + c0 * d, in[1] + c0 * d, in[2] + c0 * d, rows, b);
+      const float* start = load_state<T>(task * s_.chunks + chunk, b.state);
+      flops += load_chunk(h, in[0], in[1], in[2], c0, rows, b);
       if (c_.gate) flops += cumulative_logs(rows, b.decay, g.logs);
       // out' of the chunk again, then G and P.
       ops::gemm(false, true, rows, rows, s_.m, 1.0f, b.phi_q, s_.ld_m, b.phi_k, s_.ld_m, 0.0f, b.scores, s_.ld_c);
@@ -608,18 +698,24 @@ class Rfa final : public Mechanism {
       ops::gemm(true, false, rows, s_.m, rows, 1.0f, g.masked, s_.ld_c, b.phi_q, s_.ld_m, 0.0f, g.dphi_k, s_.ld_m);
       ops::gemm(false, true, rows, s_.m, cols, 1.0f, b.values, s_.ld_v, g.adjoint, s_.ld_v, 0.0f, g.carried, s_.ld_m);
       flops += carried_key_grads(rows, b, g);
-      ops::gemm(true, false, rows, d, rows, 1.0f, b.scores, s_.ld_c, g.output_grads, s_.ld_v, 0.0f, grads[2] + c0 * d,
+      float* dv = fp32_target(grads[2], c0, d, g.gradient_rows);
+      ops::gemm(true, false, rows, d, rows, 1.0f, b.scores, s_.ld_c, g.output_grads, s_.ld_v, 0.0f, dv, d);
+      ops::gemm(false, false, rows, d, s_.m, 1.0f, c_.gate ? g.carried : b.phi_k, s_.ld_m, g.adjoint, s_.ld_v, 1.0f, dv,
                 d);
-      ops::gemm(false, false, rows, d, s_.m, 1.0f, c_.gate ? g.carried : b.phi_k, s_.ld_m, g.adjoint, s_.ld_v, 1.0f,
-                grads[2] + c0 * d, d);
+      store_rows(dv, grads[2], c0, rows, d);
       if (c_.gate) flops += gate_chunk_grads(rows, b, g, start);
       // R for the chunk before: e^{L_last}·R + (diag(e^L)·φ(Q))ᵀ·G.
       if (c_.gate) flops += decay_adjoint(rows, b, g);
       ops::gemm(true, false, s_.m, cols, rows, 1.0f, c_.gate ? g.carried : b.phi_q, s_.ld_m, g.output_grads, s_.ld_v,
                 1.0f, g.adjoint, s_.ld_v);
-      flops += feature_gradient(h, rows, b.phi_q, g.dphi_q, b.xhat_q, b.inv_q, g.dscaled, grads[0] + c0 * d, dsigma);
-      flops += feature_gradient(h, rows, b.phi_k, g.dphi_k, b.xhat_k, b.inv_k, g.dscaled, grads[1] + c0 * d, dsigma);
-      if (c_.gate) flops += gate_gradient(h, in[1] + c0 * d, rows, g.gate_grads, grads[1] + c0 * d, dgate_w, dgate_b);
+      float* dq = fp32_target(grads[0], c0, d, g.gradient_rows);
+      flops += feature_gradient(h, rows, b.phi_q, g.dphi_q, b.xhat_q, b.inv_q, g.dscaled, dq, dsigma);
+      store_rows(dq, grads[0], c0, rows, d);
+      float* dk = fp32_target(grads[1], c0, d, g.gradient_rows);
+      flops += feature_gradient(h, rows, b.phi_k, g.dphi_k, b.xhat_k, b.inv_k, g.dscaled, dk, dsigma);
+      if (c_.gate)
+        flops += gate_gradient(h, widened_rows(in[1], c0, d, b.key_rows), rows, g.gate_grads, dk, dgate_w, dgate_b);
+      store_rows(dk, grads[1], c0, rows, d);
     }
     return flops;
   }
@@ -784,11 +880,14 @@ class Rfa final : public Mechanism {
   Tensor features_, sigma_, gate_weight_, gate_bias_;
   Tensor xhat_q_, xhat_k_, scaled_, inv_q_, inv_k_, phi_q_, phi_k_, values_, numerators_, decay_, input_, state_,
       scores_;
+  Tensor checkpoint_z_;  // bf16 training only: the z column of every saved state, fp32 [slots, M]
   Tensor checkpoints_, dphi_q_, dphi_k_, output_grads_, adjoint_, dscaled_, gate_grads_;  // training
   Tensor masked_, carried_, chunk_scalars_;                                               // training, causal
   Tensor sigma_parts_, gate_weight_parts_, gate_bias_parts_;                              // training
   Tensor dsigma_, dgate_weight_, dgate_bias_;                                             // training
   Tensor decode_states_;                                                                  // decoding
+  Tensor input_rows_;     // bf16 only: each thread's widened q and k chunk rows [threads, 2, C, D]
+  Tensor gradient_rows_;  // bf16 training only: each thread's fp32 dq/dk/dv chunk rows [threads, C, D]
 };
 
 std::int64_t parameter_floats(const Problem& p, const RfaConfig& c) {
@@ -822,6 +921,7 @@ std::int64_t workspace(const Problem& p, const RfaConfig& c) {
   const Dims s = dims(p, c);
   std::int64_t per_thread = 3 * s.c * s.d + 4 * s.c + 2 * s.c * s.ld_m + 2 * s.c * s.ld_v + s.m * s.ld_v;
   if (p.causal) per_thread += s.c * s.ld_c;
+  if (p.dtype == DType::BF16) per_thread += 2 * s.c * s.d;  // the widened q and k rows
   return (parameter_floats(p, c) + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
@@ -847,14 +947,19 @@ std::int64_t backward_workspace(const Problem& p, const RfaConfig& c) {
   const std::int64_t tasks = p.batch * p.heads, cells = s.m * s.ld_v;
   std::int64_t per_thread = 2 * s.c * s.ld_m + s.c * s.ld_v + cells + s.c * s.d + s.c;
   std::int64_t shared = tasks * s.d + p.heads * s.d + (c.gate ? tasks * (s.d + 1) + p.heads * (s.d + 1) : 0);
-  shared += tasks * (p.causal ? s.chunks : 1) * cells;
   if (p.causal) per_thread += s.c * s.ld_c + s.c * s.ld_m + 5 * s.c;
-  return (shared + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t slots = tasks * (p.causal ? s.chunks : 1);
+  if (p.dtype == DType::BF16) {
+    per_thread += s.c * s.d;  // the fp32 gradient rows before rounding
+    shared += slots * s.m;    // the saved states' fp32 z columns
+  }
+  const std::int64_t saved = slots * cells * element_bytes(p.dtype);
+  return (shared + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float)) + saved;
 }
 
 std::int64_t decode_workspace(const Problem& p, const RfaConfig& c, std::int64_t) {
   const Dims s = dims(p, c);
-  return p.batch * p.heads * s.m * s.ld_v * static_cast<std::int64_t>(sizeof(float));
+  return p.batch * p.heads * s.m * s.ld_v * element_bytes(p.dtype);
 }
 
 FieldTable<RfaConfig> config_fields(const RfaConfig*) {
@@ -869,7 +974,10 @@ FieldTable<RfaConfig> config_fields(const RfaConfig*) {
 
 template <>
 Implementation implementation<RfaConfig>() {
-  return implement<RfaConfig>();
+  Implementation impl = implement<RfaConfig>();
+  impl.bf16_forward = true;  // forward and decode: bf16 q, k, v, out and state, fp32 features and sums
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

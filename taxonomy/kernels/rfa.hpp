@@ -48,6 +48,24 @@
 // Decode: the state [S | z] per head, [M, D+1] (2·R·(D+1) values; ld(D+1) floats a row): O(1) per
 // token, constant in N; a step is one token of the recurrence: features 2·F, gated Gt, the update
 // 2·M·(D+1) (gated 3·M·(D+1) + M), the output 2·M·(D+1), D to normalise.
+//
+// bf16 (Problem::dtype == DType::BF16, issue 31): q, k, v, out, dout, dq, dk, dv, the saved states
+// (chunk starts or S) and the decode state [S | z] are bf16; the parameters (W̃, σ, w_g, b_g) and
+// their gradients stay fp32, and everything in between is the fp32 computation above: a chunk's q
+// and k rows are widened into per-thread fp32 rows [C, D] (v straight into [V | 1]), the features,
+// the gate, every ops::gemm (oneDNN sgemm on small cache-resident chunk products, as the linear-
+// attention engine's bf16 form) and the walk's running state are fp32. Rounding points, each once:
+// the output (≤ u·|o|, u = 2⁻⁸); the gradients (a chunk's rows through a per-thread fp32 [C, D]
+// buffer); each saved state when saved, except its z column, kept beside it in fp32 (B·H·slots·M
+// floats), so the backward's recomputed denominators are the forward's (z sums signed sin/cos
+// features: a rounded z would move row i's G by u·Σ_j |w_ij| / z_i); the rounded S entries reach
+// only φ(Q)·S0ᵀ (dq, dσ) and the gate's ⟨R, S0⟩;
+// the decode state after the prefill and after every step (a step widens each state element,
+// updates it in fp32, answers the query from the fp32 value and stores it rounded), so after r
+// roundings an entry is within r·u of its (decayed) magnitude sum Σ |φ(k)|·|[v | 1]|. The bounds
+// the tests derive from these are in tests/models/kernels/test_rfa_bf16.cpp. FLOPs are the fp32
+// form's; the workspace adds, per thread, the widened rows 2·C·D floats (and C·D for the gradient
+// rows in training) and the saved z columns, and the saved and decode states take 2 bytes an element.
 #include <cstdint>
 
 #include "lib/core/config_table.hpp"
