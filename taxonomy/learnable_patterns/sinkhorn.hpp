@@ -52,6 +52,16 @@
 // Backward workspace: lse [B·H·N], R [B·H, n_B, n_B], dP [B·H, n_B, n_B], dK̃ and dṼ, parameter
 // gradients, dH and dE [B·H·n_B, D]; per thread gathered K, V, dK, dV rows [cols, D] and a dS tile
 // [b, cols], plus the replayed steps [2·iters, n_B, n_B] when non-causal.
+//
+// bf16 (Problem::dtype, sinkhorn_bf16.cpp; D % 16 == 0, other D unsupported): q, k, v, out, K̃, Ṽ,
+// dq, dk, dv and the decode state (block cache, E, the open block's K̃, Ṽ) bf16; the sorting part
+// (E, the network, the balance, P, R, their gradients) fp32 from the bf16 keys. Roundings: causal E
+// as E_{i+1} = bf16(E_i + Σ block i) (the decode state's recurrence; non-causal E unrounded);
+// K̃ = bf16(Σ_j P_ij·K_j) (fp32 sums); per query block S on the bf16 tile kernels, the fp32 masked
+// softmax, P rounded to bf16, O = bf16(P·V/Σ). Backward: gathered_tile_backward_bf16 per block (P, dS
+// rounded to bf16; dQ rounded once); dP from the bf16 blocks in fp32; per key block dK, dV = bf16(the
+// attention's share, already rounded once + Σ_i P_ij·dK̃_i [+ dE]). FLOPs, saved lse and the sorting
+// tensors as fp32's; K̃, Ṽ and the state half.
 #include <cstdint>
 #include <vector>
 
