@@ -88,7 +88,8 @@ void SinkhornAttention::forward_bf16(const Tensor& q, const Tensor& k, const Ten
 // b·D entries of x, the short last one zero-padded, as mix_blocks).
 void SinkhornAttention::mix_blocks_bf16(const Tensor& x, Tensor& sorted) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, b = block_, nb = blocks_, nr = sorted_rows_;
-#pragma omp parallel for num_threads(threads_) schedule(static)
+  // Dynamic: a causal row i mixes i blocks.
+#pragma omp parallel for num_threads(threads_) schedule(dynamic, 4)
   for (std::int64_t task = 0; task < p_.batch * p_.heads * nr; ++task) {
     const std::int64_t head = task / nr, i = task % nr;
     float* acc = mix_rows_.data() + omp_get_thread_num() * b * d;
@@ -171,7 +172,7 @@ void SinkhornAttention::backward_bf16(const Tensor& q, const Tensor& k, const Te
 #pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
   for (std::int64_t head = 0; head < heads; ++head) flops += block_embedding_grads(head, omp_get_thread_num());
   stage_clock::lap("backward_route");
-#pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
+#pragma omp parallel for num_threads(threads_) schedule(dynamic, 4) reduction(+ : flops)
   for (std::int64_t task = 0; task < heads * blocks_; ++task)
     flops += spread_grads_bf16(task / blocks_, task % blocks_, dk, dv, omp_get_thread_num());
   flops += 2 * heads * matmul_flops(sorted_rows_, n, d);
