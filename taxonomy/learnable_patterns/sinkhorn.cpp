@@ -7,8 +7,10 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
+#include "lib/core/bf16.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -94,6 +96,9 @@ void normalise_columns(float* l, std::int64_t n, float* peak, float* sum) {
   }
 }
 
+inline float widened_value(float x) { return x; }
+inline float widened_value(bf16 x) { return to_float(x); }
+
 void exp_in_place(float* x, std::int64_t n) {
 #pragma omp simd
   for (std::int64_t j = 0; j < n; ++j) x[j] = ops::fast_exp(x[j]);
@@ -110,7 +115,8 @@ SinkhornAttention::SinkhornAttention(const Problem& problem, const SinkhornConfi
       sortcut_(sortcut(problem, config)),
       sorted_rows_(sorted_rows(problem, config)),
       score_cols_(score_cols(problem, config)),
-      score_ld_(ops::padded_ld(score_cols_)) {}
+      score_ld_(ops::padded_ld(score_cols_)),
+      bf16_(problem.dtype == DType::BF16) {}
 
 void SinkhornAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, nb = blocks_;
@@ -127,12 +133,14 @@ void SinkhornAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   embeddings_ = Tensor(Shape{heads * nb, d});
   hidden_ = Tensor(Shape{heads * nb, d});
   permutation_ = Tensor(Shape{p_.batch, p_.heads, nb, nb});
-  sorted_k_ = Tensor(Shape{heads, sorted_rows_ * block_, d});
-  sorted_v_ = Tensor(Shape{heads, sorted_rows_ * block_, d});
+  const DType sorted = bf16_ ? DType::BF16 : DType::F32;
+  sorted_k_ = Tensor(Shape{heads, sorted_rows_ * block_, d}, sorted);
+  sorted_v_ = Tensor(Shape{heads, sorted_rows_ * block_, d}, sorted);
   running_ = Tensor(Shape{threads_, 2, d});
   scratch_ = Tensor(Shape{threads_, 2, nb});
   scores_ = Tensor(Shape{threads_, block_, score_ld_});
   row_stats_ = Tensor(Shape{threads_, 2, block_});
+  if (bf16_) prepare_bf16();
 }
 
 std::vector<NamedTensor> SinkhornAttention::parameters() const {
@@ -154,6 +162,10 @@ void SinkhornAttention::prepare_decode(std::int64_t tokens) {
   decode_b2_ = Tensor(Shape{blocks});
   CounterRng(seed_, "sinkhorn/b2")
       .fill_normal(decode_b2_, 0.0f, spread);  // entry j is draw j: a prefix of more blocks'
+  if (bf16_) {
+    prepare_decode_bf16(blocks);
+    return;
+  }
   block_keys_ = Tensor(Shape{heads, blocks * b, d});
   block_values_ = Tensor(Shape{heads, blocks * b, d});
   decode_sorted_ = Tensor(Shape{heads, 2, b, d});
@@ -165,19 +177,27 @@ void SinkhornAttention::prepare_decode(std::int64_t tokens) {
 // The open block `block` of one head: from E (the keys of the blocks before it) the network's row
 // R_block,j = ReLU(E·w1 + b1)·w2[:, j] + b2[j], j < block; P = softmax(R/τ); K̃ = P·K_blocks,
 // Ṽ = P·V_blocks. Nothing for block 0. Returns the FLOPs outside ops::gemm: 2·D (bias, ReLU) +
-// block (bias) + 6·block (÷τ, max, subtract + exp, sum, 1/Σ).
+// block (bias) + 6·block (÷τ, max, subtract + exp, sum, 1/Σ). The bf16 form reads E widened (in
+// the scratch after the R row), and mixes K̃, Ṽ on mix_rows_bf16 (bf16 blocks, fp32 sums rounded to
+// bf16 rows), whose 2·2·block·b·D FLOPs it adds to the count (the fp32 gemms count their own).
 std::int64_t SinkhornAttention::start_block(std::int64_t head, std::int64_t block) {
   if (block == 0) return 0;
   const std::int64_t d = p_.head_dim, b = block_, blocks = decode_b2_.size();
   float* hidden = decode_scratch_.data() + head * decode_scratch_.dim(1);
   float* scores = hidden + d;
-  ops::gemm(false, false, 1, d, d, 1.0f, decode_embeddings_.data() + head * d, d, w1_.data(), d, 0.0f, hidden, d);
+  const float* embedding = scores + blocks;  // bf16: E widened
+  if (bf16_)
+    widen(decode_embeddings_.bf16_data() + head * d, scores + blocks, d);
+  else
+    embedding = decode_embeddings_.data() + head * d;
+  ops::gemm(false, false, 1, d, d, 1.0f, embedding, d, w1_.data(), d, 0.0f, hidden, d);
   for (std::int64_t c = 0; c < d; ++c) hidden[c] = std::max(hidden[c] + b1_[c], 0.0f);
   ops::gemm(false, false, 1, block, d, 1.0f, hidden, d, decode_w2_.data(), blocks, 0.0f, scores, block);
   const float inverse_temperature = static_cast<float>(1.0 / c_.temperature);
   for (std::int64_t j = 0; j < block; ++j) scores[j] = (scores[j] + decode_b2_[j]) * inverse_temperature;
   const float total = ops::exp_and_sum(scores, block, ops::row_max(scores, block, scores[0]));
   for (std::int64_t j = 0; j < block; ++j) scores[j] /= total;
+  if (bf16_) return 2 * d + 7 * block + mix_open_block_bf16(head, block, scores);
   float* sorted = decode_sorted_.data() + head * 2 * b * d;
   ops::gemm(false, false, 1, b * d, block, 1.0f, scores, block, block_keys_.data() + head * block_keys_.dim(1) * d,
             b * d, 0.0f, sorted, b * d);
@@ -189,6 +209,10 @@ std::int64_t SinkhornAttention::start_block(std::int64_t head, std::int64_t bloc
 // After a prefill: the context's keys and values in the block cache, E of the open block, its
 // sorted block.
 void SinkhornAttention::load_decode_context(const Tensor& k, const Tensor& v) {
+  if (bf16_) {
+    load_decode_context_bf16(k, v);
+    return;
+  }
   const std::int64_t n = p_.seq_len, d = p_.head_dim, b = block_, complete = n / b;
 #pragma omp parallel for num_threads(threads_) schedule(static)
   for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
@@ -206,6 +230,10 @@ void SinkhornAttention::load_decode_context(const Tensor& k, const Tensor& v) {
 }
 
 void SinkhornAttention::decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  if (bf16_) {
+    decode_step_bf16(q, k, v, out);
+    return;
+  }
   const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, b = block_;
   std::int64_t flops = 0;
   if (filled_ == b) {  // the previous token completed its block: E grows by its keys, the next one opens
@@ -239,7 +267,9 @@ void SinkhornAttention::decode_step(const Tensor& q, const Tensor& k, const Tens
   stage_clock::lap("attend");
 }
 
-void SinkhornAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+// The soft permutation of every head from its keys (E, the network, the balance), R saved when
+// training. Returns its FLOPs outside ops::matmul.
+std::int64_t SinkhornAttention::route(const Tensor& k) {
   const std::int64_t heads = p_.batch * p_.heads;
   std::int64_t flops = 0;
 #pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
@@ -250,6 +280,16 @@ void SinkhornAttention::forward(const Tensor& q, const Tensor& k, const Tensor& 
 #pragma omp parallel for num_threads(threads_) schedule(static) reduction(+ : flops)
   for (std::int64_t head = 0; head < heads; ++head) flops += balance(head, omp_get_thread_num());
   stage_clock::lap("route");
+  return flops;
+}
+
+void SinkhornAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  if (bf16_) {
+    forward_bf16(q, k, v, out);
+    return;
+  }
+  const std::int64_t heads = p_.batch * p_.heads;
+  std::int64_t flops = route(k);
   mix_blocks(k, sorted_k_);
   mix_blocks(v, sorted_v_);
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) reduction(+ : flops)
@@ -260,16 +300,24 @@ void SinkhornAttention::forward(const Tensor& q, const Tensor& k, const Tensor& 
   if (!block_keys_.empty()) load_decode_context(k, v);
 }
 
-// E_i = Σ keys of block i; causal: E_i = Σ keys of blocks before i.
 std::int64_t SinkhornAttention::embed_blocks(const Tensor& k, std::int64_t head, int thread) {
+  const std::int64_t at = head * p_.seq_len * p_.head_dim;
+  return bf16_ ? embed_blocks_as(k.bf16_data() + at, head, thread) : embed_blocks_as(k.data() + at, head, thread);
+}
+
+// E_i = Σ keys of block i (fp32 sums, of the widened keys in bf16); causal: E_i = Σ keys of blocks
+// before i. The causal bf16 form rounds each prefix to bf16, E_{i+1} = bf16(E_i + Σ block i), as its
+// decode state holds E in bf16: the same recurrence there gives the same bits.
+template <class T>
+std::int64_t SinkhornAttention::embed_blocks_as(const T* keys, std::int64_t head, int thread) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, nb = blocks_;
-  const float* keys = k.data() + head * n * d;
   float* e = embeddings_.data() + head * nb * d;
   std::fill(e, e + nb * d, 0.0f);
   for (std::int64_t t = 0; t < n; ++t) {
     float* sum = e + (t / block_) * d;
+    const T* key = keys + t * d;
 #pragma omp simd
-    for (std::int64_t j = 0; j < d; ++j) sum[j] += keys[t * d + j];
+    for (std::int64_t j = 0; j < d; ++j) sum[j] += static_cast<float>(widened_value(key[j]));
   }
   if (!p_.causal) return n * d;
   float* prefix = running_.data() + thread * 2 * d;
@@ -281,6 +329,8 @@ std::int64_t SinkhornAttention::embed_blocks(const Tensor& k, std::int64_t head,
     if (i + 1 == nb) break;
 #pragma omp simd
     for (std::int64_t j = 0; j < d; ++j) prefix[j] += own[j];
+    if constexpr (std::is_same_v<T, bf16>)
+      for (std::int64_t j = 0; j < d; ++j) prefix[j] = round_to_bf16(prefix[j]);
   }
   return n * d + (nb - 1) * d;
 }
@@ -397,6 +447,7 @@ std::int64_t SinkhornAttention::attend_block(const Tensor& q, const Tensor& k, c
 }
 
 void SinkhornAttention::prepare_backward() {
+  if (bf16_) prepare_backward_bf16();
   const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim, nb = blocks_, b = block_;
   lse_ = Tensor(Shape{heads, n});
   sort_scores_ = Tensor(Shape{heads, nb, nb});
@@ -409,7 +460,7 @@ void SinkhornAttention::prepare_backward() {
   db2_ = Tensor(Shape{nb});
   hidden_grads_ = Tensor(Shape{heads * nb, d});
   embedding_grads_ = Tensor(Shape{heads * nb, d});
-  key_rows_ = Tensor(Shape{threads_, 4, score_cols_, d});
+  key_rows_ = Tensor(Shape{threads_, bf16_ ? 2 : 4, score_cols_, d});  // bf16: the fp32 dK, dV rows alone
   score_grads_ = Tensor(Shape{threads_, b, score_ld_});
   if (!p_.causal) steps_ = Tensor(Shape{threads_, 2 * c_.sinkhorn_iters, nb, nb});
 }
@@ -422,6 +473,10 @@ std::vector<NamedTensor> SinkhornAttention::saved() const {
 
 void SinkhornAttention::backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                  const Tensor& dout, Tensor& dq, Tensor& dk, Tensor& dv) {
+  if (bf16_) {
+    backward_bf16(q, k, v, out, dout, dq, dk, dv);
+    return;
+  }
   const std::int64_t heads = p_.batch * p_.heads;
   std::int64_t flops = 0;
   if (sortcut_ > 0) {
@@ -663,9 +718,20 @@ std::int64_t SinkhornAttention::sorting_network_backward() {
 
 // dK_t += dE of t's block; causal: E_i summed the blocks before i, so block j receives Σ_{i>j} dE_i.
 std::int64_t SinkhornAttention::embed_blocks_backward(std::int64_t head, Tensor& dk, int thread) {
-  const std::int64_t n = p_.seq_len, d = p_.head_dim, nb = blocks_;
+  const std::int64_t n = p_.seq_len, d = p_.head_dim;
+  const std::int64_t flops = n * d + block_embedding_grads(head, thread);
+  const float* g = embedding_grads_.data() + head * blocks_ * d;
+  float* grads = dk.data() + head * n * d;
+  for (std::int64_t t = 0; t < n; ++t) add_row(grads + t * d, g + (t / block_) * d, d);
+  return flops;
+}
+
+// The dE each block's keys receive, in place in embedding_grads_: causal, block j's is Σ_{i>j} dE_i.
+// Returns its FLOPs ((n_B − 1)·D causal).
+std::int64_t SinkhornAttention::block_embedding_grads(std::int64_t head, int thread) {
+  const std::int64_t d = p_.head_dim, nb = blocks_;
   float* g = embedding_grads_.data() + head * nb * d;
-  std::int64_t flops = n * d;
+  std::int64_t flops = 0;
   if (p_.causal) {
     float* suffix = running_.data() + thread * 2 * d;
     float* own = suffix + d;
@@ -678,13 +744,14 @@ std::int64_t SinkhornAttention::embed_blocks_backward(std::int64_t head, Tensor&
     }
     flops += (nb - 1) * d;
   }
-  float* grads = dk.data() + head * n * d;
-  for (std::int64_t t = 0; t < n; ++t) add_row(grads + t * d, g + (t / block_) * d, d);
   return flops;
 }
 
 std::string unsupported(const Problem& p, const SinkhornConfig& c) {
   if (p.causal && c.sortcut_blocks > 0) return "SortCut (sortcut_blocks > 0) is encoder only: it has no causal mode";
+  if (p.dtype == DType::BF16 && !tiles::fits_head_dim(p.head_dim))
+    return "sinkhorn's bf16 form runs on the bf16 tile kernels, which need head_dim % 16 == 0 (got " +
+           std::to_string(p.head_dim) + ")";
   return "";
 }
 
@@ -710,9 +777,12 @@ std::int64_t workspace(const Problem& p, const SinkhornConfig& c) {
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim, b = sinkhorn_block(p, c), nb = sinkhorn_blocks(p, c);
   const std::int64_t threads = p.threads;
   const std::int64_t floats = d * d + d + d * nb + nb + 2 * heads * nb * d + heads * nb * nb +
-                              2 * heads * sorted_rows(p, c) * b * d +
                               threads * (2 * d + 2 * nb + b * ops::padded_ld(score_cols(p, c)) + 2 * b);
-  return 4 * floats;
+  const std::int64_t sorted = 2 * heads * sorted_rows(p, c) * b * d;
+  if (p.dtype != DType::BF16) return 4 * (floats + sorted);
+  // bf16: K̃, Ṽ in bf16; per thread the tile's fp32 accumulator and mixing row, and its bf16 buffers.
+  return 4 * (floats + threads * 2 * b * d) + 2 * sorted +
+         GatheredScratchBf16::bytes(threads, b, score_cols(p, c), d, false);
 }
 
 std::int64_t backward_flops(const Problem& p, const SinkhornConfig& c) {
@@ -733,17 +803,21 @@ std::int64_t backward_flops(const Problem& p, const SinkhornConfig& c) {
 std::int64_t backward_workspace(const Problem& p, const SinkhornConfig& c) {
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, b = sinkhorn_block(p, c);
   const std::int64_t nb = sinkhorn_blocks(p, c), cols = score_cols(p, c), threads = p.threads;
+  const bool bf16 = p.dtype == DType::BF16;
   const std::int64_t floats = heads * n + 2 * heads * nb * nb + 2 * heads * sorted_rows(p, c) * b * d + d * d + d +
-                              d * nb + nb + 2 * heads * nb * d + threads * (4 * cols * d + b * ops::padded_ld(cols)) +
+                              d * nb + nb + 2 * heads * nb * d +
+                              threads * ((bf16 ? 2 : 4) * cols * d + b * ops::padded_ld(cols)) +
                               (p.causal ? 0 : threads * 2 * c.sinkhorn_iters * nb * nb);
-  return 4 * floats;
+  return 4 * floats + (bf16 ? GatheredScratchBf16::bytes(threads, b, cols, d, true) : 0);
 }
 
 std::int64_t decode_workspace(const Problem& p, const SinkhornConfig& c, std::int64_t tokens) {
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim, b = sinkhorn_block(p, c);
   const std::int64_t blocks = (p.seq_len + tokens + b - 1) / b;
-  const std::int64_t floats = d * blocks + blocks + 2 * heads * blocks * b * d + heads * 2 * b * d + heads * d +
-                              heads * 2 * d + heads * (d + blocks);  // step buffers, network scratch
+  const std::int64_t state = 2 * heads * blocks * b * d + heads * 2 * b * d + heads * d;  // cache, K̃ and Ṽ, E
+  if (p.dtype == DType::BF16)  // bf16 state; the network scratch [hidden, R row, widened E]
+    return 4 * (d * blocks + blocks + heads * (2 * d + blocks)) + 2 * state;
+  const std::int64_t floats = d * blocks + blocks + state + heads * 2 * d + heads * (d + blocks);  // step, network
   return 4 * floats;
 }
 
@@ -765,7 +839,10 @@ SinkhornConfig resolve(const Problem& p, SinkhornConfig c) {
 
 template <>
 Implementation implementation<SinkhornConfig>() {
-  return implement<SinkhornConfig>();
+  Implementation impl = implement<SinkhornConfig>();
+  impl.bf16_forward = true;  // forward and decode
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

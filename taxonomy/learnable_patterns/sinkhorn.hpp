@@ -52,11 +52,22 @@
 // Backward workspace: lse [B·H·N], R [B·H, n_B, n_B], dP [B·H, n_B, n_B], dK̃ and dṼ, parameter
 // gradients, dH and dE [B·H·n_B, D]; per thread gathered K, V, dK, dV rows [cols, D] and a dS tile
 // [b, cols], plus the replayed steps [2·iters, n_B, n_B] when non-causal.
+//
+// bf16 (Problem::dtype, sinkhorn_bf16.cpp; D % 16 == 0, other D unsupported): q, k, v, out, K̃, Ṽ,
+// dq, dk, dv and the decode state (block cache, E, the open block's K̃, Ṽ) bf16; the sorting part
+// (E, the network, the balance, P, R, their gradients) fp32 from the bf16 keys. Roundings: causal E
+// as E_{i+1} = bf16(E_i + Σ block i) (the decode state's recurrence; non-causal E unrounded);
+// K̃ = bf16(Σ_j P_ij·K_j) (fp32 sums); per query block S on the bf16 tile kernels, the fp32 masked
+// softmax, P rounded to bf16, O = bf16(P·V/Σ). Backward: gathered_tile_backward_bf16 per block (P, dS
+// rounded to bf16; dQ rounded once); dP from the bf16 blocks in fp32; per key block dK, dV = bf16(the
+// attention's share, already rounded once + Σ_i P_ij·dK̃_i [+ dE]). FLOPs, saved lse and the sorting
+// tensors as fp32's; K̃, Ṽ and the state half.
 #include <cstdint>
 #include <vector>
 
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
+#include "taxonomy/engines/gathered_tile_bf16.hpp"
 
 namespace xfb {
 
@@ -123,13 +134,46 @@ class SinkhornAttention final : public Mechanism {
   std::int64_t balance_backward(std::int64_t head, int thread);
   std::int64_t sorting_network_backward();
   std::int64_t embed_blocks_backward(std::int64_t head, Tensor& dk, int thread);
+  std::int64_t block_embedding_grads(std::int64_t head, int thread);
   std::int64_t attend_block(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head, std::int64_t block,
                             Tensor& out, int thread);
+  template <class T>
+  std::int64_t embed_blocks_as(const T* keys, std::int64_t head, int thread);
+  std::int64_t route(const Tensor& k);
+
+  // The bf16 form (sinkhorn_bf16.cpp).
+  void prepare_bf16();
+  void forward_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+  void mix_blocks_bf16(const Tensor& x, Tensor& sorted);
+  std::int64_t gather_block_bf16(const Tensor& k, const Tensor& v, std::int64_t head, std::int64_t block,
+                                 const GatheredBf16Buffers& b, const bf16** keys, const bf16** values) const;
+  std::int64_t attend_block_bf16(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head,
+                                 std::int64_t block, Tensor& out, int thread);
+  void prepare_backward_bf16();
+  void backward_bf16(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
+                     Tensor& dq, Tensor& dk, Tensor& dv);
+  std::int64_t attend_block_backward_bf16(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                          const Tensor& dout, std::int64_t head, std::int64_t block, Tensor& dq,
+                                          Tensor& dk, Tensor& dv, int thread);
+  void mix_blocks_backward_bf16(const Tensor& k, const Tensor& v);
+  std::int64_t spread_grads_bf16(std::int64_t head, std::int64_t block, Tensor& dk, Tensor& dv, int thread);
+  void prepare_decode_bf16(std::int64_t blocks);
+  std::int64_t mix_open_block_bf16(std::int64_t head, std::int64_t block, const float* weights);
+  void load_decode_context_bf16(const Tensor& k, const Tensor& v);
+  void decode_step_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+  std::int64_t close_block_bf16(std::int64_t head, std::int64_t block);
+  std::int64_t attend_step_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, std::int64_t head,
+                                int thread);
 
   Problem p_;
   SinkhornConfig c_;
   std::uint64_t seed_;
   std::int64_t block_, blocks_, sortcut_, sorted_rows_, score_cols_, score_ld_, threads_ = 1;
+  bool bf16_ = false;
+  // bf16 form: per thread the gathered tile's bf16 buffers (forward; backward), an fp32 [b, D]
+  // accumulator (the tile's output, the backward's dQ) and an fp32 [b·D] mixing row.
+  GatheredScratchBf16 tiles16_, grads16_;
+  Tensor tile_acc_, mix_rows_;
   Tensor w1_, b1_, w2_, b2_;
   Tensor embeddings_, hidden_, permutation_, sorted_k_, sorted_v_;
   Tensor running_, scratch_, scores_, row_stats_;  // per thread: prefix sums, column stats, tiles

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "lib/core/bf16.hpp"
+#include "lib/core/cpu_isa.hpp"
 #include "lib/core/rng.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/support/counter_point.hpp"
@@ -189,6 +190,25 @@ inline PointConfig bf16_point(const std::string& model, std::int64_t n, bool cau
   c.pass = pass;
   if (pass == Pass::Decode) c.decode_tokens = 5;
   return c;
+}
+
+// Runs f(bf16_kernels_name()) on every bf16 kernel path this host has (vdpbf16ps, AVX-512 convert,
+// AVX2 convert), the host's choice restored after.
+template <class F>
+void for_each_bf16_path(F f) {
+  const KernelIsa isa = kernel_isa();
+  const bool dot = bf16_dot_product();
+  for (KernelIsa each : supported_kernel_isas()) {
+    std::vector<bool> dots{false};
+    if (each == KernelIsa::Avx512 && cpu_has_bf16_dot()) dots.push_back(true);
+    for (bool use : dots) {
+      force_kernel_isa(each);
+      force_bf16_dot(use);
+      f(bf16_kernels_name());
+    }
+  }
+  force_kernel_isa(isa);
+  force_bf16_dot(dot);
 }
 
 }  // namespace xfb::test
