@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
+#include <type_traits>
 
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -10,13 +11,31 @@
 
 namespace xfb {
 
-KvCache::KvCache(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim)
-    : keys_(Shape{heads, capacity, head_dim}), values_(Shape{heads, capacity, head_dim}) {}
+template <class T>
+KvCacheOf<T>::KvCacheOf(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim)
+    : keys_(Shape{heads, capacity, head_dim}, std::is_same_v<T, bf16> ? DType::BF16 : DType::F32),
+      values_(Shape{heads, capacity, head_dim}, std::is_same_v<T, bf16> ? DType::BF16 : DType::F32) {}
 
-void KvCache::store(std::int64_t head, std::int64_t slot, const float* k, const float* v, std::int64_t rows) {
+template <class T>
+T* KvCacheOf<T>::rows(Tensor& t) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return t.bf16_data();
+  else
+    return t.data();
+}
+template <class T>
+const T* KvCacheOf<T>::rows(const Tensor& t) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return t.bf16_data();
+  else
+    return t.data();
+}
+
+template <class T>
+void KvCacheOf<T>::store(std::int64_t head, std::int64_t slot, const T* k, const T* v, std::int64_t rows) {
   const std::int64_t d = keys_.dim(2), capacity = keys_.dim(1);
-  float* key_rows = keys(head);
-  float* value_rows = values(head);
+  T* key_rows = keys(head);
+  T* value_rows = values(head);
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t at = (slot + r) % capacity;
     std::copy_n(k + r * d, d, key_rows + at * d);
@@ -24,13 +43,17 @@ void KvCache::store(std::int64_t head, std::int64_t slot, const float* k, const 
   }
 }
 
-void KvCache::load_context(const Tensor& k, const Tensor& v, int threads) {
+template <class T>
+void KvCacheOf<T>::load_context(const Tensor& k, const Tensor& v, int threads) {
   const std::int64_t heads = k.dim(0) * k.dim(1), n = k.dim(2), d = k.dim(3), capacity = this->capacity();
   const std::int64_t kept = std::min(n, capacity), first = n - kept;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (std::int64_t head = 0; head < heads; ++head)
-    store(head, first % capacity, k.data() + (head * n + first) * d, v.data() + (head * n + first) * d, kept);
+    store(head, first % capacity, rows(k) + (head * n + first) * d, rows(v) + (head * n + first) * d, kept);
 }
+
+template class KvCacheOf<float>;
+template class KvCacheOf<bf16>;
 
 RowSoftmax begin_row(float* acc, std::int64_t head_dim) {
   std::fill_n(acc, head_dim, 0.0f);

@@ -17,6 +17,7 @@
 #include <limits>
 #include <vector>
 
+#include "lib/core/bf16.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/mechanism.hpp"
 #include "lib/core/tensor.hpp"
@@ -28,28 +29,35 @@ inline constexpr std::int64_t kDecodeChunk = 128;  // keys per online-softmax ch
 // calling thread: an OpenMP fork and join (~1–2 µs on the 2-vCPU machines) costs more than the work.
 inline constexpr std::int64_t kParallelStepFloats = std::int64_t{1} << 17;
 
-class KvCache {
+// T: float, or bf16 (a bf16 decode state in plain rows, for steps that read rows one by one).
+template <class T>
+class KvCacheOf {
  public:
-  KvCache() = default;
-  KvCache(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim);
+  KvCacheOf() = default;
+  KvCacheOf(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim);
   std::int64_t capacity() const { return keys_.empty() ? 0 : keys_.dim(1); }
-  float* keys(std::int64_t head) { return keys_.data() + head * keys_.dim(1) * keys_.dim(2); }
-  float* values(std::int64_t head) { return values_.data() + head * values_.dim(1) * values_.dim(2); }
+  T* keys(std::int64_t head) { return rows(keys_) + head * keys_.dim(1) * keys_.dim(2); }
+  T* values(std::int64_t head) { return rows(values_) + head * values_.dim(1) * values_.dim(2); }
   // Copies `rows` consecutive rows of k and v ([rows, D] each) to slots slot, slot + 1, … of head,
   // wrapping at the capacity.
-  void store(std::int64_t head, std::int64_t slot, const float* k, const float* v, std::int64_t rows);
+  void store(std::int64_t head, std::int64_t slot, const T* k, const T* v, std::int64_t rows);
   // The prefill: every head keeps the last min(N, capacity) tokens of its context (k, v:
   // [B, H, N, D]), token t at slot t mod capacity — all of them in a cache of the whole sequence.
   void load_context(const Tensor& k, const Tensor& v, int threads);
   const Tensor& key_tensor() const { return keys_; }
   const Tensor& value_tensor() const { return values_; }
   static std::int64_t bytes(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim) {
-    return 2 * heads * capacity * head_dim * static_cast<std::int64_t>(sizeof(float));
+    return 2 * heads * capacity * head_dim * static_cast<std::int64_t>(sizeof(T));
   }
 
  private:
+  static T* rows(Tensor& t);
+  static const T* rows(const Tensor& t);
   Tensor keys_, values_;
 };
+using KvCache = KvCacheOf<float>;
+extern template class KvCacheOf<float>;
+extern template class KvCacheOf<bf16>;
 
 struct RowSoftmax {
   float max = -std::numeric_limits<float>::infinity();

@@ -83,7 +83,7 @@ void copy_rows(const float* src, std::int64_t step, std::int64_t count, std::int
 
 }  // namespace
 
-std::int64_t TileAttention::computed_layout(const TilePattern& tile) {
+std::int64_t TileColumns::layout(const TilePattern& tile, std::int64_t align) {
   const auto& runs = tile.runs();
   columns_.resize(runs.size());
   offsets_.resize(runs.size());
@@ -91,32 +91,71 @@ std::int64_t TileAttention::computed_layout(const TilePattern& tile) {
   for (std::size_t s = 0; s < runs.size(); ++s) {
     columns_[s] = tile.computed_columns(s);
     offsets_[s] = width;
-    width += columns_[s].width();
+    width += (columns_[s].width() + align - 1) / align * align;
   }
   return width;
+}
+
+const std::vector<std::pair<std::int64_t, std::int64_t>>& TileColumns::spans(const TilePattern& tile,
+                                                                             std::int64_t row) {
+  spans_.clear();
+  for (std::size_t s = 0; s < tile.runs().size(); ++s) {
+    const ColumnRange& seen = tile.visible(row, s);
+    if (seen.width() > 0) spans_.push_back({offsets_[s] + seen.lo - columns_[s].lo, seen.width()});
+  }
+  return spans_;
+}
+
+TileColumns::RowStats TileColumns::exponentials(const TilePattern& tile, std::int64_t r, float* row,
+                                                std::int64_t width) {
+  RowStats stats{-INFINITY, 0.0f, 0};
+  spans(tile, r);
+  for (const auto& [begin, length] : spans_) stats.max = std::max(stats.max, span_max(row + begin, length));
+  std::int64_t next = 0;  // first score column not yet written in this row
+  for (const auto& [begin, length] : spans_) {
+    std::fill(row + next, row + begin, 0.0f);
+    stats.sum += ops::exp_and_sum(row + begin, length, stats.max);
+    next = begin + length;
+    stats.visible += length;
+  }
+  std::fill(row + next, row + width, 0.0f);
+  return stats;
+}
+
+std::int64_t TileColumns::softmax_grad(const TilePattern& tile, std::int64_t r, float* p, float* g, std::int64_t width,
+                                       float shift, float dot) {
+  spans(tile, r);
+  std::int64_t next = 0, visible = 0;
+  for (const auto& [begin, length] : spans_) {
+    std::fill(p + next, p + begin, 0.0f);
+    std::fill(g + next, g + begin, 0.0f);
+#pragma omp simd
+    for (std::int64_t j = begin; j < begin + length; ++j) {
+      p[j] = ops::fast_exp(p[j] - shift);
+      g[j] = p[j] * (g[j] - dot);
+    }
+    next = begin + length;
+    visible += length;
+  }
+  std::fill(p + next, p + width, 0.0f);
+  std::fill(g + next, g + width, 0.0f);
+  return visible;
 }
 
 void TileAttention::gather_union(const TilePattern& tile, const float* k, const float* v) {
   const auto& runs = tile.runs();
   for (std::size_t s = 0; s < runs.size(); ++s) {
-    copy_rows(first_computed(tile, k, s), runs[s].step, columns_[s].width(), d_, keys_.data() + offsets_[s] * d_);
-    copy_rows(first_computed(tile, v, s), runs[s].step, columns_[s].width(), d_, values_.data() + offsets_[s] * d_);
-  }
-}
-
-// The row's visible spans as score columns (first column, length), in column order.
-void TileAttention::visible_spans(const TilePattern& tile, std::int64_t row) {
-  spans_.clear();
-  for (std::size_t s = 0; s < tile.runs().size(); ++s) {
-    const ColumnRange& seen = tile.visible(row, s);
-    if (seen.width() > 0) spans_.push_back({offsets_[s] + seen.lo - columns_[s].lo, seen.width()});
+    copy_rows(first_computed(tile, k, s), runs[s].step, cols_.columns(s).width(), d_,
+              keys_.data() + cols_.offset(s) * d_);
+    copy_rows(first_computed(tile, v, s), runs[s].step, cols_.columns(s).width(), d_,
+              values_.data() + cols_.offset(s) * d_);
   }
 }
 
 std::int64_t TileAttention::run(const TilePattern& tile, const float* q, std::int64_t q_ld, const float* k,
                                 const float* v, float* out, std::int64_t out_ld, bool gather, float* lse,
                                 std::int64_t lse_step) {
-  const std::int64_t width = computed_layout(tile);
+  const std::int64_t width = cols_.layout(tile, 1);
   if (width == 0) {
     for (std::int64_t r = 0; r < tile.rows(); ++r) {
       std::fill_n(out + r * out_ld, d_, 0.0f);
@@ -154,7 +193,7 @@ std::int64_t tile_backward_flops(const TilePattern& tile, std::int64_t d, bool g
 std::int64_t TileAttention::backward(const TilePattern& tile, const TileGrads& g, const float* k, const float* v,
                                      bool gather) {
   if (grads_.empty()) throw std::logic_error("TileAttention::backward before enable_backward");
-  const std::int64_t width = computed_layout(tile), rows = tile.rows(), d = d_;
+  const std::int64_t width = cols_.layout(tile, 1), rows = tile.rows(), d = d_;
   if (width == 0) return 0;
   const std::int64_t ld = ops::padded_ld(width);
   if (rows * ld > grads_.size() || (gather && width * d > key_grads_.size()))
@@ -166,31 +205,14 @@ std::int64_t TileAttention::backward(const TilePattern& tile, const TileGrads& g
     ops::gemm(false, true, rows, width, d, 1.0f, g.dout, g.ld, values_.data(), d, 0.0f, grads_.data(), ld);
   } else {
     for (std::size_t s = 0; s < tile.runs().size(); ++s)
-      if (columns_[s].width() > 0)
-        ops::gemm(false, true, rows, columns_[s].width(), d, 1.0f, g.dout, g.ld, first_computed(tile, v, s),
-                  tile.runs()[s].step * d, 0.0f, grads_.data() + offsets_[s], ld);
+      if (cols_.columns(s).width() > 0)
+        ops::gemm(false, true, rows, cols_.columns(s).width(), d, 1.0f, g.dout, g.ld, first_computed(tile, v, s),
+                  tile.runs()[s].step * d, 0.0f, grads_.data() + cols_.offset(s), ld);
   }
   std::int64_t visible_total = 0;
-  for (std::int64_t r = 0; r < rows; ++r) {
-    float* p_row = scores_.data() + r * ld;
-    float* g_row = grads_.data() + r * ld;
-    visible_spans(tile, r);
-    const float shift = g.lse[r * g.stats_step], dot = g.delta[r * g.stats_step];
-    std::int64_t next = 0;
-    for (const auto& [begin, length] : spans_) {
-      std::fill(p_row + next, p_row + begin, 0.0f);
-      std::fill(g_row + next, g_row + begin, 0.0f);
-#pragma omp simd
-      for (std::int64_t j = begin; j < begin + length; ++j) {
-        p_row[j] = ops::fast_exp(p_row[j] - shift);
-        g_row[j] = p_row[j] * (g_row[j] - dot);
-      }
-      next = begin + length;
-      visible_total += length;
-    }
-    std::fill(p_row + next, p_row + width, 0.0f);
-    std::fill(g_row + next, g_row + width, 0.0f);
-  }
+  for (std::int64_t r = 0; r < rows; ++r)
+    visible_total += cols_.softmax_grad(tile, r, scores_.data() + r * ld, grads_.data() + r * ld, width,
+                                        g.lse[r * g.stats_step], g.delta[r * g.stats_step]);
   per_run_products(tile, g, k, width, ld, gather);
   return kRecomputedSoftmaxBackwardFlopsPerElement * visible_total;
 }
@@ -207,10 +229,10 @@ void TileAttention::per_run_products(const TilePattern& tile, const TileGrads& g
     ops::gemm(true, false, width, d, rows, scale, grads_.data(), ld, g.q, g.ld, 0.0f, key_grads_.data(), d);
     ops::gemm(false, false, rows, d, width, scale, grads_.data(), ld, keys_.data(), d, 1.0f, g.dq, g.ld);
     for (std::size_t s = 0; s < runs.size(); ++s)
-      for (std::int64_t c = 0; c < columns_[s].width(); ++c) {
-        const std::int64_t row = runs[s].first + (columns_[s].lo + c) * runs[s].step;
-        const float* dk_src = key_grads_.data() + (offsets_[s] + c) * d;
-        const float* dv_src = value_grads_.data() + (offsets_[s] + c) * d;
+      for (std::int64_t c = 0; c < cols_.columns(s).width(); ++c) {
+        const std::int64_t row = runs[s].first + (cols_.columns(s).lo + c) * runs[s].step;
+        const float* dk_src = key_grads_.data() + (cols_.offset(s) + c) * d;
+        const float* dv_src = value_grads_.data() + (cols_.offset(s) + c) * d;
 #pragma omp simd
         for (std::int64_t j = 0; j < d; ++j) {
           g.dk[row * d + j] += dk_src[j];
@@ -221,21 +243,16 @@ void TileAttention::per_run_products(const TilePattern& tile, const TileGrads& g
     return;
   }
   for (std::size_t s = 0; s < runs.size(); ++s) {
-    const std::int64_t w = columns_[s].width(), step_ld = runs[s].step * d;
+    const std::int64_t w = cols_.columns(s).width(), step_ld = runs[s].step * d;
     if (w == 0) continue;
-    const std::int64_t first_row = runs[s].first + columns_[s].lo * runs[s].step;
-    ops::gemm(true, false, w, d, rows, 1.0f, scores_.data() + offsets_[s], ld, g.dout, g.ld, 1.0f, g.dv + first_row * d,
-              step_ld);
-    ops::gemm(true, false, w, d, rows, scale, grads_.data() + offsets_[s], ld, g.q, g.ld, 1.0f, g.dk + first_row * d,
-              step_ld);
-    ops::gemm(false, false, rows, d, w, scale, grads_.data() + offsets_[s], ld, first_computed(tile, k, s), step_ld,
+    const std::int64_t first_row = runs[s].first + cols_.columns(s).lo * runs[s].step;
+    ops::gemm(true, false, w, d, rows, 1.0f, scores_.data() + cols_.offset(s), ld, g.dout, g.ld, 1.0f,
+              g.dv + first_row * d, step_ld);
+    ops::gemm(true, false, w, d, rows, scale, grads_.data() + cols_.offset(s), ld, g.q, g.ld, 1.0f,
+              g.dk + first_row * d, step_ld);
+    ops::gemm(false, false, rows, d, w, scale, grads_.data() + cols_.offset(s), ld, first_computed(tile, k, s), step_ld,
               1.0f, g.dq, g.ld);
   }
-}
-
-const float* TileAttention::first_computed(const TilePattern& tile, const float* base, std::size_t run) const {
-  const KeyRun& r = tile.runs()[run];
-  return base + (r.first + columns_[run].lo * r.step) * d_;
 }
 
 // S = Q·Kᵀ/√D over the computed columns, run after run.
@@ -248,9 +265,9 @@ void TileAttention::scores(const TilePattern& tile, const float* q, std::int64_t
     return;
   }
   for (std::size_t s = 0; s < tile.runs().size(); ++s)
-    if (columns_[s].width() > 0)
-      ops::gemm(false, true, rows, columns_[s].width(), d, scale, q, q_ld, first_computed(tile, k, s),
-                tile.runs()[s].step * d, 0.0f, scores_.data() + offsets_[s], ld);
+    if (cols_.columns(s).width() > 0)
+      ops::gemm(false, true, rows, cols_.columns(s).width(), d, scale, q, q_ld, first_computed(tile, k, s),
+                tile.runs()[s].step * d, 0.0f, scores_.data() + cols_.offset(s), ld);
 }
 
 // O = P·V over the computed columns.
@@ -263,8 +280,8 @@ void TileAttention::weighted_values(const TilePattern& tile, const float* v, flo
   }
   float beta = 0.0f;
   for (std::size_t s = 0; s < tile.runs().size(); ++s) {
-    if (columns_[s].width() == 0) continue;
-    ops::gemm(false, false, rows, d, columns_[s].width(), 1.0f, scores_.data() + offsets_[s], ld,
+    if (cols_.columns(s).width() == 0) continue;
+    ops::gemm(false, false, rows, d, cols_.columns(s).width(), 1.0f, scores_.data() + cols_.offset(s), ld,
               first_computed(tile, v, s), tile.runs()[s].step * d, beta, out, out_ld);
     beta = 1.0f;
   }
@@ -276,22 +293,11 @@ std::int64_t TileAttention::softmax_rows(const TilePattern& tile, std::int64_t w
   std::int64_t visible_total = 0;
   for (std::int64_t r = 0; r < tile.rows(); ++r) {
     float* row = scores_.data() + r * ld;
-    visible_spans(tile, r);
-    float peak = -INFINITY;
-    for (const auto& [begin, length] : spans_) peak = std::max(peak, span_max(row + begin, length));
-    float sum = 0.0f;
-    std::int64_t next = 0;  // first score column not yet written in this row
-    for (const auto& [begin, length] : spans_) {
-      std::fill(row + next, row + begin, 0.0f);
-      sum += ops::exp_and_sum(row + begin, length, peak);
-      next = begin + length;
-      visible_total += length;
-    }
-    std::fill(row + next, row + width, 0.0f);
-    if (lse != nullptr) lse[r * lse_step] = spans_.empty() ? -INFINITY : peak + std::log(sum);
-    if (spans_.empty()) continue;
-    const float inverse = 1.0f / sum;
-    for (const auto& [begin, length] : spans_) scale_span(row + begin, length, inverse);
+    const TileColumns::RowStats stats = cols_.exponentials(tile, r, row, width);
+    visible_total += stats.visible;
+    if (lse != nullptr) lse[r * lse_step] = stats.visible == 0 ? -INFINITY : stats.max + std::log(stats.sum);
+    if (stats.visible == 0) continue;
+    for (const auto& [begin, length] : cols_.spans(tile, r)) scale_span(row + begin, length, 1.0f / stats.sum);
   }
   return kSoftmaxFlopsPerElement * visible_total;
 }

@@ -84,11 +84,14 @@ std::int64_t tile_flops(const TilePattern& tile, std::int64_t d);
 std::int64_t tile_backward_flops(const TilePattern& tile, std::int64_t d, bool gather);
 
 // A tile's query-side rows for the backward: row r of q/dout/dq at + r·ld; its L and δ at
-// lse[r·stats_step] and delta[r·stats_step]. dk, dv: the head's [n, D] gradients (the layout of k, v).
-struct TileGrads {
-  const float* q = nullptr;
-  const float* dout = nullptr;
-  float* dq = nullptr;
+// lse[r·stats_step] and delta[r·stats_step]. dk, dv: the head's [n, D] gradients (the layout of k,
+// v) in fp32 — the gradients themselves for T = float, per-head fp32 accumulators for T = bf16
+// (engines/gathered_attention_bf16.hpp).
+template <class T>
+struct TileGradsOf {
+  const T* q = nullptr;
+  const T* dout = nullptr;
+  T* dq = nullptr;
   std::int64_t ld = 0;
   const float* lse = nullptr;
   const float* delta = nullptr;
@@ -96,11 +99,76 @@ struct TileGrads {
   float* dk = nullptr;
   float* dv = nullptr;
 };
+using TileGrads = TileGradsOf<float>;
+
+// One head's query-side rows ([N, D] of the head's q, dout, dq; lse and δ [N]) and its fp32
+// key-side gradients (the gradient tensors for T = float, accumulators for bf16).
+template <class T>
+struct HeadRowsOf {
+  const T* q;
+  const T* dout;
+  T* dq;
+  const float* lse;
+  float* delta;  // δ of the head's rows (a model may overwrite its global rows')
+  float* dk;
+  float* dv;
+};
+
+// A task's TileGradsOf<T> from its head's rows: rows first·D, step·D apart (stats: first, step).
+template <class T>
+TileGradsOf<T> rows_grads(const HeadRowsOf<T>& head, std::int64_t first, std::int64_t step, std::int64_t d) {
+  return {.q = head.q + first * d,
+          .dout = head.dout + first * d,
+          .dq = head.dq + first * d,
+          .ld = step * d,
+          .lse = head.lse + first,
+          .delta = head.delta + first,
+          .stats_step = step,
+          .dk = head.dk,
+          .dv = head.dv};
+}
+
+// What the fp32 and bf16 kernels share: a tile's score-column layout and its rows' softmax.
+// layout() places run s's computed columns at score column offset(s), each run's start rounded up
+// to a multiple of `align` (1: packed; 16: whole key panels per run); returns the columns used.
+class TileColumns {
+ public:
+  std::int64_t layout(const TilePattern& tile, std::int64_t align);
+  const ColumnRange& columns(std::size_t run) const { return columns_[run]; }
+  std::int64_t offset(std::size_t run) const { return offsets_[run]; }
+  // First row of the run's computed columns (row stride d) in base.
+  template <class T>
+  const T* first_computed(const TilePattern& tile, const T* base, std::size_t run, std::int64_t d) const {
+    const KeyRun& r = tile.runs()[run];
+    return base + (r.first + columns_[run].lo * r.step) * d;
+  }
+  // The row's visible spans as score columns (first column, length), in column order.
+  const std::vector<std::pair<std::int64_t, std::int64_t>>& spans(const TilePattern& tile, std::int64_t row);
+
+  struct RowStats {
+    float max = 0, sum = 0;
+    std::int64_t visible = 0;
+  };
+  // row[j] := exp(row[j] − M) on the row's spans (M their max), 0 on the other columns of
+  // [0, width); returns M, Σ and the visible count (M = −inf, Σ = 0 for a row that sees nothing).
+  RowStats exponentials(const TilePattern& tile, std::int64_t r, float* row, std::int64_t width);
+  // The backward's row: p[j] := exp(p[j] − shift), g[j] := p[j]·(g[j] − dot) on the spans, both 0
+  // elsewhere in [0, width). Returns the visible count.
+  std::int64_t softmax_grad(const TilePattern& tile, std::int64_t r, float* p, float* g, std::int64_t width,
+                            float shift, float dot);
+
+ private:
+  std::vector<ColumnRange> columns_;                          // per run: computed union
+  std::vector<std::int64_t> offsets_;                         // per run: first score column
+  std::vector<std::pair<std::int64_t, std::int64_t>> spans_;  // one row's visible (first column, length)
+};
 
 // Per-thread buffers and the kernel. `score_capacity` bounds rows·padded_ld(computed_width) over
 // the tiles this instance will run; `gather_capacity` bounds computed_width of gathered tiles.
 class TileAttention {
  public:
+  using Element = float;
+  using Grads = TileGrads;
   TileAttention(std::int64_t score_capacity, std::int64_t gather_capacity, std::int64_t d);
   // Tracked bytes of one instance.
   static std::int64_t bytes(std::int64_t score_capacity, std::int64_t gather_capacity, std::int64_t d);
@@ -121,16 +189,16 @@ class TileAttention {
   std::int64_t backward(const TilePattern& tile, const TileGrads& g, const float* k, const float* v, bool gather);
 
  private:
-  const float* first_computed(const TilePattern& tile, const float* base, std::size_t run) const;
+  const float* first_computed(const TilePattern& tile, const float* base, std::size_t run) const {
+    return cols_.first_computed(tile, base, run, d_);
+  }
   void scores(const TilePattern& tile, const float* q, std::int64_t q_ld, const float* k, std::int64_t width,
               std::int64_t ld, bool gather);
   std::int64_t softmax_rows(const TilePattern& tile, std::int64_t width, std::int64_t ld, float* lse,
                             std::int64_t lse_step);
-  std::int64_t computed_layout(const TilePattern& tile);          // fills columns_, offsets_; returns the width
-  void visible_spans(const TilePattern& tile, std::int64_t row);  // fills spans_ for one row
   void gather_union(const TilePattern& tile, const float* k, const float* v);
   // C (+)= op(A)·B over each run's computed columns (see backward in the .cpp).
-  // width: the computed columns (computed_layout's result).
+  // width: the computed columns (TileColumns::layout's result).
   void per_run_products(const TilePattern& tile, const TileGrads& g, const float* k, std::int64_t width,
                         std::int64_t ld, bool gather);
   void weighted_values(const TilePattern& tile, const float* v, float* out, std::int64_t out_ld, std::int64_t width,
@@ -138,10 +206,8 @@ class TileAttention {
 
   std::int64_t d_;
   Tensor scores_, keys_, values_;
-  Tensor grads_, key_grads_, value_grads_;                    // backward only (enable_backward)
-  std::vector<ColumnRange> columns_;                          // per run: computed union
-  std::vector<std::int64_t> offsets_;                         // per run: first score column
-  std::vector<std::pair<std::int64_t, std::int64_t>> spans_;  // one row's visible (first column, length)
+  Tensor grads_, key_grads_, value_grads_;  // backward only (enable_backward)
+  TileColumns cols_;
 };
 
 // The score floats the largest of `tasks` needs (TileAttention's score capacity); plan(task, tile)
@@ -168,18 +234,18 @@ std::vector<std::size_t> task_ranges_by_head(const std::vector<Task>& tasks, std
   return ranges;
 }
 
-// Runs tasks of one tile each on kernels.size() OpenMP threads, dynamically scheduled: for every batch entry b
-// and task t, run_task(b, tasks[t], kernel, tile) with the calling thread's kernel and a reused
-// TilePattern. Adds the returned softmax FLOPs (the kernel adds its gemm FLOPs itself) to the
-// FlopCounter.
-template <typename Task, typename RunTask>
-void run_tile_tasks(std::int64_t batch, const std::vector<Task>& tasks, std::vector<TileAttention>& kernels,
+// Runs tasks of one tile each (Kernel: TileAttention or TileAttentionBf16) on kernels.size() OpenMP threads,
+// dynamically scheduled: for every batch entry b and task t, run_task(b, tasks[t], kernel, tile) with the calling
+// thread's kernel and a reused TilePattern. Adds the returned softmax FLOPs (the kernel adds its gemm FLOPs itself) to
+// the FlopCounter.
+template <typename Task, typename Kernel, typename RunTask>
+void run_tile_tasks(std::int64_t batch, const std::vector<Task>& tasks, std::vector<Kernel>& kernels,
                     RunTask&& run_task) {
   const auto count = static_cast<std::int64_t>(tasks.size());
   std::int64_t softmax_flops = 0;
 #pragma omp parallel num_threads(static_cast <int>(kernels.size())) reduction(+ : softmax_flops)
   {
-    TileAttention& kernel = kernels[static_cast<std::size_t>(omp_get_thread_num())];
+    Kernel& kernel = kernels[static_cast<std::size_t>(omp_get_thread_num())];
     TilePattern tile;
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t index = 0; index < batch * count; ++index)

@@ -60,21 +60,13 @@ void plan_window_global(const WindowGlobalShape& shape, const WindowGlobalTask& 
     plan_window(shape, task, tile);
 }
 
-TileGrads task_grads(const WindowGlobalTask& task, const HeadRows& head, std::int64_t d) {
-  const std::int64_t first = first_row(task), step = row_step(task);
-  return {.q = head.q + first * d,
-          .dout = head.dout + first * d,
-          .dq = head.dq + first * d,
-          .ld = step * d,
-          .lse = head.lse + first,
-          .delta = head.delta + first,
-          .stats_step = step,
-          .dk = head.dk,
-          .dv = head.dv};
-}
-
 std::int64_t window_global_score_floats(const WindowGlobalShape& shape, const std::vector<WindowGlobalTask>& tasks) {
   return most_score_floats(
+      tasks, [&](const WindowGlobalTask& task, TilePattern& tile) { plan_window_global(shape, task, tile); });
+}
+
+TileCapacity window_global_capacity(const WindowGlobalShape& shape, const std::vector<WindowGlobalTask>& tasks) {
+  return most_tile_capacity(
       tasks, [&](const WindowGlobalTask& task, TilePattern& tile) { plan_window_global(shape, task, tile); });
 }
 

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "taxonomy/engines/gathered_attention.hpp"
+#include "taxonomy/engines/gathered_attention_bf16.hpp"
 
 namespace xfb::fixed {
 
@@ -50,20 +51,17 @@ inline std::int64_t first_row(const WindowGlobalTask& t) {
 }
 inline std::int64_t row_step(const WindowGlobalTask& t) { return t.global ? 1 : t.dilation; }
 
-// A task's query-side rows in one head's [N, D] tensors and [N] statistics, for
-// TileAttention::backward; dk, dv: the head's gradients.
-struct HeadRows {
-  const float* q;
-  const float* dout;
-  float* dq;
-  const float* lse;
-  float* delta;  // δ of the head's rows (a model may overwrite its global rows')
-  float* dk;
-  float* dv;
-};
-TileGrads task_grads(const WindowGlobalTask& task, const HeadRows& head, std::int64_t d);
+// A task's query-side rows in one head's tensors (engines/gathered_attention.hpp HeadRowsOf), for
+// the kernels' backward.
+using HeadRows = HeadRowsOf<float>;
+template <class T>
+TileGradsOf<T> task_grads(const WindowGlobalTask& task, const HeadRowsOf<T>& head, std::int64_t d) {
+  return rows_grads(head, first_row(task), row_step(task), d);
+}
 
 // Largest TileAttention::score_floats over the tasks.
 std::int64_t window_global_score_floats(const WindowGlobalShape& shape, const std::vector<WindowGlobalTask>& tasks);
+// The TileAttentionBf16 capacity the tasks need (engines/gathered_attention_bf16.hpp).
+TileCapacity window_global_capacity(const WindowGlobalShape& shape, const std::vector<WindowGlobalTask>& tasks);
 
 }  // namespace xfb::fixed

@@ -3,12 +3,15 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <string>
+#include <type_traits>
 
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/rng.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/gathered_attention.hpp"
+#include "taxonomy/engines/gathered_attention_bf16.hpp"
 
 namespace xfb {
 namespace {
@@ -100,6 +103,16 @@ TileSizes tile_sizes(const BlockLayout& layout) {
   return sizes;
 }
 
+// The TileAttentionBf16 capacity of every query block's tile (the stand-in draw's widths are any draw's).
+fixed::TileCapacity tile_capacity(const BlockLayout& layout) {
+  std::vector<std::int64_t> blocks(static_cast<std::size_t>(layout.blocks));
+  for (std::int64_t qb = 0; qb < layout.blocks; ++qb) blocks[static_cast<std::size_t>(qb)] = qb;
+  return fixed::most_tile_capacity(
+      blocks, [&](std::int64_t qb, TilePattern& tile) { plan_block(layout, qb, any_draw(layout, qb), tile); });
+}
+
+// T: the element type of q, k, v, out and the gradients (float, or bf16 on the bf16 kernel).
+template <class T>
 class BigBird final : public Mechanism {
  public:
   BigBird(const Problem& problem, const BigBirdConfig& config, std::uint64_t seed)
@@ -107,13 +120,19 @@ class BigBird final : public Mechanism {
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
     draw_random_blocks();
-    const auto sizes = tile_sizes(layout_);
     kernels_.clear();
-    for (std::int64_t t = 0; t < p_.threads; ++t) kernels_.emplace_back(sizes.scores, sizes.gathered, p_.head_dim);
+    for (std::int64_t t = 0; t < p_.threads; ++t) {
+      if constexpr (std::is_same_v<T, bf16>) {
+        kernels_.emplace_back(tile_capacity(layout_), p_.head_dim);
+      } else {
+        const auto sizes = tile_sizes(layout_);
+        kernels_.emplace_back(sizes.scores, sizes.gathered, p_.head_dim);
+      }
+    }
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    const std::int64_t blocks = layout_.blocks, d = p_.head_dim;
+    const std::int64_t blocks = layout_.blocks, n = p_.seq_len, d = p_.head_dim;
     std::int64_t softmax_flops = 0;
 #pragma omp parallel num_threads(p_.threads) reduction(+ : softmax_flops)
     {
@@ -122,13 +141,14 @@ class BigBird final : public Mechanism {
       std::vector<std::int64_t> chosen;
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t index = 0; index < p_.batch * p_.heads * blocks; ++index) {
-        const std::int64_t b = index / (p_.heads * blocks), h = index / blocks % p_.heads, qb = index % blocks;
+        const std::int64_t head = index / blocks, h = head % p_.heads, qb = index % blocks;
         random_of(h, qb, chosen);
         plan_block(layout_, qb, chosen, tile);
-        const std::int64_t offset = layout_.begin(qb) * d;
-        float* lse = lse_.empty() ? nullptr : lse_.data() + (b * p_.heads + h) * p_.seq_len + layout_.begin(qb);
-        softmax_flops += kernel.run(tile, q.head(b, h) + offset, d, k.head(b, h), v.head(b, h), out.head(b, h) + offset,
-                                    d, !layout_.global(qb), lse);
+        const std::int64_t offset = head * n * d, first = layout_.begin(qb) * d;
+        float* lse = lse_.empty() ? nullptr : lse_.data() + head * n + layout_.begin(qb);
+        softmax_flops += kernel.run(tile, fixed::elements<T>(q) + offset + first, d, fixed::elements<T>(k) + offset,
+                                    fixed::elements<T>(v) + offset, fixed::elements<T>(out) + offset + first, d,
+                                    !layout_.global(qb), lse);
       }
     }
     FlopCounter::add(softmax_flops);
@@ -137,41 +157,28 @@ class BigBird final : public Mechanism {
   void prepare_backward() override {
     for (auto& kernel : kernels_) kernel.enable_backward();
     lse_ = Tensor(Shape{p_.batch * p_.heads, p_.seq_len});
-    deltas_ = Tensor(Shape{p_.threads, p_.seq_len});
+    heads_ = fixed::HeadBackward<T>(p_.threads, p_.seq_len, p_.head_dim);
   }
 
   // One head per task (its query blocks write overlapping dK, dV rows); random blocks held fixed.
   void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
                 Tensor& dk, Tensor& dv) override {
     const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    const block_sparse::BackwardTensors t{q, k, v, out, dout, dq, dk, dv};
     block_sparse::run_heads(p_.batch * p_.heads, p_.threads, [&](std::int64_t head, int thread) {
       const std::int64_t offset = head * n * d, h = head % p_.heads;
-      float* delta = deltas_.data() + thread * n;
-      std::int64_t flops = block_sparse::begin_head({.out = out.data() + offset,
-                                                     .dout = dout.data() + offset,
-                                                     .delta = delta,
-                                                     .dq = dq.data() + offset,
-                                                     .dk = dk.data() + offset,
-                                                     .dv = dv.data() + offset,
-                                                     .d = d},
-                                                    n, n);
+      std::int64_t flops = 0;
+      const fixed::HeadRowsOf<T> rows = heads_.begin(t, offset, lse_.data() + head * n, thread, flops);
       auto& kernel = kernels_[static_cast<std::size_t>(thread)];
       TilePattern tile;
       std::vector<std::int64_t> chosen;
       for (std::int64_t qb = 0; qb < layout_.blocks; ++qb) {
         random_of(h, qb, chosen);
         plan_block(layout_, qb, chosen, tile);
-        const std::int64_t first = layout_.begin(qb);
-        const fixed::TileGrads g{.q = q.data() + offset + first * d,
-                                 .dout = dout.data() + offset + first * d,
-                                 .dq = dq.data() + offset + first * d,
-                                 .ld = d,
-                                 .lse = lse_.data() + head * n + first,
-                                 .delta = delta + first,
-                                 .dk = dk.data() + offset,
-                                 .dv = dv.data() + offset};
-        flops += kernel.backward(tile, g, k.data() + offset, v.data() + offset, !layout_.global(qb));
+        flops += kernel.backward(tile, fixed::rows_grads(rows, layout_.begin(qb), 1, d), fixed::elements<T>(k) + offset,
+                                 fixed::elements<T>(v) + offset, !layout_.global(qb));
       }
+      heads_.finish(t, offset, thread);
       return flops;
     });
   }
@@ -217,14 +224,16 @@ class BigBird final : public Mechanism {
   BlockLayout layout_;
   std::uint64_t seed_;
   Tensor random_;
-  std::vector<TileAttention> kernels_;
-  Tensor lse_, deltas_;  // training only
+  std::vector<fixed::GatheredKernel<T>> kernels_;
+  Tensor lse_;                    // training only
+  fixed::HeadBackward<T> heads_;  // training only
 };
 
 }  // namespace
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const BigBirdConfig& c, std::uint64_t seed) {
-  return std::make_unique<BigBird>(problem, c, seed);
+  if (problem.dtype == DType::BF16) return std::make_unique<BigBird<bf16>>(problem, c, seed);
+  return std::make_unique<BigBird<float>>(problem, c, seed);
 }
 
 std::int64_t flops(const Problem& p, const BigBirdConfig& c) {
@@ -240,9 +249,11 @@ std::int64_t flops(const Problem& p, const BigBirdConfig& c) {
 
 std::int64_t workspace(const Problem& p, const BigBirdConfig& c) {
   const BlockLayout layout(p, c);
+  const std::int64_t random = p.heads * layout.blocks * layout.random * static_cast<std::int64_t>(sizeof(float));
+  if (p.dtype == DType::BF16)
+    return random + p.threads * fixed::TileAttentionBf16::bytes(tile_capacity(layout), p.head_dim);
   const auto sizes = tile_sizes(layout);
-  return p.heads * layout.blocks * layout.random * static_cast<std::int64_t>(sizeof(float)) +
-         p.threads * TileAttention::bytes(sizes.scores, sizes.gathered, p.head_dim);
+  return random + p.threads * TileAttention::bytes(sizes.scores, sizes.gathered, p.head_dim);
 }
 
 std::int64_t backward_flops(const Problem& p, const BigBirdConfig& c) {
@@ -257,6 +268,10 @@ std::int64_t backward_flops(const Problem& p, const BigBirdConfig& c) {
 }
 
 std::int64_t backward_workspace(const Problem& p, const BigBirdConfig& c) {
+  if (p.dtype == DType::BF16)
+    return p.batch * p.heads * p.seq_len * static_cast<std::int64_t>(sizeof(float)) +
+           fixed::HeadBackward<bf16>::bytes(p.threads, p.seq_len, p.head_dim) +
+           p.threads * fixed::TileAttentionBf16::backward_bytes(tile_capacity(BlockLayout(p, c)), p.head_dim);
   const auto sizes = tile_sizes(BlockLayout(p, c));
   const std::int64_t floats = p.batch * p.heads * p.seq_len + p.threads * p.seq_len;
   return floats * static_cast<std::int64_t>(sizeof(float)) +
@@ -272,9 +287,14 @@ FieldTable<BigBirdConfig> config_fields(const BigBirdConfig*) {
                     "global blocks g: first ceil(g/2) and last floor(g/2)")};
 }
 
+std::string unsupported(const Problem& p, const BigBirdConfig&) { return fixed::gathered_bf16_unsupported(p); }
+
 template <>
 Implementation implementation<BigBirdConfig>() {
-  return implement<BigBirdConfig>();
+  Implementation impl = implement<BigBirdConfig>();
+  impl.bf16_forward = true;  // not causal: no decode
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <type_traits>
+#include <utility>
 
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
@@ -12,6 +15,7 @@
 #include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/decode_common.hpp"
 #include "taxonomy/engines/gathered_attention.hpp"
+#include "taxonomy/engines/gathered_attention_bf16.hpp"
 #include "taxonomy/engines/window_global.hpp"
 
 namespace xfb {
@@ -47,7 +51,31 @@ std::int64_t window_ring(const LongformerConfig& c) {
 // Per-thread floats besides the kernel: projected queries, q̃ and the pre-projection output.
 std::int64_t projection_floats(const Problem& p, const LongformerConfig& c) { return 3 * c.tile * p.head_dim; }
 
+// bf16 (besides projection_floats): per thread the rounded q̃ of a global tile (bf16 [tile, D]);
+// training: per thread two fp32 [tile, D] rows widened from bf16 and the rounded dA (bf16 [tile, D]).
+std::int64_t bf16_forward_halves(const Problem& p, const LongformerConfig& c) { return c.tile * p.head_dim; }
+std::int64_t bf16_backward_floats(const Problem& p, const LongformerConfig& c) { return 2 * c.tile * p.head_dim; }
+
+// Decode, bf16: per head the step's fp32 scratch (attend_step_bf16: 2·D + the most keys a token sees).
+std::int64_t bf16_step_floats(const Problem& p, const WindowGlobalShape& shape) {
+  return 2 * p.head_dim + shape.globals + shape.before + 1;
+}
+
+constexpr std::int64_t kFloatBytes = sizeof(float), kHalfBytes = sizeof(bf16);
+
+// T: the element type of q, k, v, out, the gradients, the saved global projections and the
+// decode caches (float, or bf16 on the bf16 kernel). Parameters and their gradients are fp32.
+// bf16 rounding points of a global tile (the window tiles are the kernel's alone): P1 = q·Wq and
+// q̃ = P1·Wkᵀ in fp32 from the bf16 q, q̃ rounded to bf16 for the kernel, A = the kernel's fp32
+// A/Σ, out = bf16(A·Wv); training saves bf16(P1), bf16(q̃) and bf16(A). Backward: dA = dO·Wvᵀ
+// rounded to bf16 (the kernel's dO; δ = bf16(dA)·bf16(A)), dWv += bf16(A)ᵀ·dO, the kernel's fp32
+// dq̃, dP1 = dq̃·Wk, dWk += dq̃ᵀ·bf16(P1), dq = bf16(dP1·Wqᵀ), dWq += qᵀ·dP1 (all fp32 products of
+// widened bf16 rows).
+template <class T>
 class Longformer final : public Mechanism {
+  static constexpr bool kBf16 = std::is_same_v<T, bf16>;
+  using Kernel = fixed::GatheredKernel<T>;
+
  public:
   Longformer(const Problem& problem, const LongformerConfig& config, std::uint64_t seed)
       : p_(problem),
@@ -67,15 +95,20 @@ class Longformer final : public Mechanism {
       CounterRng(seed_, name).fill_normal(*tensor, 0.0f, std_dev);
     }
     const std::int64_t threads = p_.threads;
-    const std::int64_t scores = fixed::window_global_score_floats(shape_, tasks_);
     kernels_.clear();
-    for (std::int64_t t = 0; t < threads; ++t) kernels_.emplace_back(scores, 0, d);
+    for (std::int64_t t = 0; t < threads; ++t) {
+      if constexpr (kBf16)
+        kernels_.emplace_back(fixed::window_global_capacity(shape_, tasks_), d);
+      else
+        kernels_.emplace_back(fixed::window_global_score_floats(shape_, tasks_), 0, d);
+    }
     projections_ = Tensor(Shape{threads, 3, tile_rows_, d});
+    if constexpr (kBf16) global_queries_ = Tensor(Shape{threads, tile_rows_, d}, DType::BF16);
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     fixed::run_tile_tasks(p_.batch, tasks_, kernels_,
-                          [&](std::int64_t b, const WindowGlobalTask& task, TileAttention&, TilePattern& tile) {
+                          [&](std::int64_t b, const WindowGlobalTask& task, Kernel&, TilePattern& tile) {
                             fixed::plan_window_global(shape_, task, tile);
                             const int thread = omp_get_thread_num();  // also picks the projection buffers
                             return task.global ? global_tile(task, tile, q, k, v, out, b, thread)
@@ -91,21 +124,20 @@ class Longformer final : public Mechanism {
   // Decode: the global tokens' keys and values and the window ring. A decoded token is never global
   // (g ≤ N), so it attends with its plain q to the g globals and to its window's non-global tokens.
   void prepare_decode(std::int64_t) override {
-    globals_cache_ = KvCache(p_.batch * p_.heads, shape_.globals, p_.head_dim);
-    window_cache_ = KvCache(p_.batch * p_.heads, ring_, p_.head_dim);
-    step_buffers_ = Tensor(Shape{p_.batch * p_.heads, 2, p_.head_dim});
+    const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim;
+    globals_cache_ = Cache(heads, shape_.globals, d);
+    window_cache_ = Cache(heads, ring_, d);
+    if constexpr (kBf16)
+      step_buffers_ = Tensor(Shape{heads, bf16_step_floats(p_, shape_)});
+    else
+      step_buffers_ = Tensor(Shape{heads, 2, d});
   }
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    const std::int64_t d = p_.head_dim, i = length_, g = shape_.globals, s = shape_.before;
-    attend_every_head(q, out, step_buffers_, p_.threads, [&](std::int64_t head, RowSoftmax& row, const float* query) {
-      window_cache_.store(head, i % ring_, k.data() + head * d, v.data() + head * d, 1);
-      std::int64_t flops = attend_rows(row, query, globals_cache_.keys(head), globals_cache_.values(head), g);
-      const std::int64_t dilation = dilations_[static_cast<std::size_t>(head % p_.heads)];
-      const std::int64_t window = std::min(s, (i - g) / dilation) + 1;  // i − dilation·t ≥ g, t ≤ s
-      return flops + attend_ring(row, query, window_cache_.keys(head), window_cache_.values(head), ring_,
-                                 i - dilation * (window - 1), window, dilation);
-    });
+    if constexpr (kBf16)
+      decode_step_bf16(q, k, v, out);
+    else
+      decode_step_f32(q, k, v, out);
     ++length_;
   }
 
@@ -120,9 +152,13 @@ class Longformer final : public Mechanism {
     const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
     for (auto& kernel : kernels_) kernel.enable_backward();
     lse_ = Tensor(Shape{heads, n});
-    global_saved_ = Tensor(Shape{heads, 3, shape_.globals, d});
-    deltas_ = Tensor(Shape{p_.threads, n});
+    global_saved_ = Tensor(Shape{heads, 3, shape_.globals, d}, kBf16 ? DType::BF16 : DType::F32);
+    heads_ = fixed::HeadBackward<T>(p_.threads, n, d);
     projection_grads_ = Tensor(Shape{p_.threads, 3, tile_rows_, d});
+    if constexpr (kBf16) {
+      widened_ = Tensor(Shape{p_.threads, 2, tile_rows_, d});
+      rounded_grads_ = Tensor(Shape{p_.threads, tile_rows_, d}, DType::BF16);
+    }
     for (Tensor* grad : {&dwq_, &dwk_, &dwv_}) *grad = Tensor(Shape{p_.heads, d, d});
     ranges_ = fixed::task_ranges_by_head(tasks_, p_.heads);
   }
@@ -132,32 +168,23 @@ class Longformer final : public Mechanism {
   void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
                 Tensor& dk, Tensor& dv) override {
     const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    const block_sparse::BackwardTensors t{q, k, v, out, dout, dq, dk, dv};
     block_sparse::run_heads(p_.heads, p_.threads, [&](std::int64_t h, int thread) {
       for (Tensor* grad : {&dwq_, &dwk_, &dwv_}) std::fill_n(grad->data() + h * d * d, d * d, 0.0f);
       std::int64_t flops = 0;
       for (std::int64_t b = 0; b < p_.batch; ++b) {
         const std::int64_t head = b * p_.heads + h, offset = head * n * d;
-        float* delta = deltas_.data() + thread * n;
-        const fixed::HeadRows rows{
-            q.data() + offset,  dout.data() + offset, dq.data() + offset, lse_.data() + head * n, delta,
-            dk.data() + offset, dv.data() + offset};
-        flops += block_sparse::begin_head({.out = out.data() + offset,
-                                           .dout = rows.dout,
-                                           .delta = delta,
-                                           .dq = rows.dq,
-                                           .dk = rows.dk,
-                                           .dv = rows.dv,
-                                           .d = d},
-                                          n, n);
+        const fixed::HeadRowsOf<T> rows = heads_.begin(t, offset, lse_.data() + head * n, thread, flops);
+        const T *keys = fixed::elements<T>(k) + offset, *values = fixed::elements<T>(v) + offset;
         TilePattern tile;
-        for (std::size_t t = ranges_[static_cast<std::size_t>(h)]; t < ranges_[static_cast<std::size_t>(h + 1)]; ++t) {
-          const WindowGlobalTask& task = tasks_[t];
+        for (std::size_t i = ranges_[static_cast<std::size_t>(h)]; i < ranges_[static_cast<std::size_t>(h + 1)]; ++i) {
+          const WindowGlobalTask& task = tasks_[i];
           fixed::plan_window_global(shape_, task, tile);
-          flops += task.global
-                       ? global_backward(task, tile, rows, k.data() + offset, v.data() + offset, head, thread)
-                       : kernels_[static_cast<std::size_t>(thread)].backward(
-                             tile, fixed::task_grads(task, rows, d), k.data() + offset, v.data() + offset, false);
+          flops += task.global ? global_backward(task, tile, rows, keys, values, head, thread)
+                               : kernels_[static_cast<std::size_t>(thread)].backward(
+                                     tile, fixed::task_grads(task, rows, d), keys, values, false);
         }
+        heads_.finish(t, offset, thread);
       }
       return flops;
     });
@@ -171,85 +198,200 @@ class Longformer final : public Mechanism {
   }
 
  private:
+  using Cache = KvCacheOf<T>;
+
   // The prefill's part of a decode: the globals and the last tokens of the context.
   void load_decode_context(const Tensor& k, const Tensor& v) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, kept = std::min(n, ring_), first = n - kept;
 #pragma omp parallel for num_threads(p_.threads) schedule(static)
     for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
-      const float *keys = k.data() + head * n * d, *values = v.data() + head * n * d;
+      const T *keys = fixed::elements<T>(k) + head * n * d, *values = fixed::elements<T>(v) + head * n * d;
       globals_cache_.store(head, 0, keys, values, shape_.globals);
       window_cache_.store(head, first % ring_, keys + first * d, values + first * d, kept);
     }
     length_ = n;
   }
 
+  // Token i's window: tokens i − d_h·t ≥ g for t ≤ s, as (first token, count).
+  std::pair<std::int64_t, std::int64_t> step_window(std::int64_t head) const {
+    const std::int64_t i = length_, g = shape_.globals, s = shape_.before;
+    const std::int64_t dilation = dilations_[static_cast<std::size_t>(head % p_.heads)];
+    const std::int64_t window = std::min(s, (i - g) / dilation) + 1;
+    return {i - dilation * (window - 1), window};
+  }
+
+  void decode_step_f32(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    const std::int64_t d = p_.head_dim, i = length_, g = shape_.globals;
+    attend_every_head(q, out, step_buffers_, p_.threads, [&](std::int64_t head, RowSoftmax& row, const float* query) {
+      window_cache_.store(head, i % ring_, k.data() + head * d, v.data() + head * d, 1);
+      std::int64_t flops = attend_rows(row, query, globals_cache_.keys(head), globals_cache_.values(head), g);
+      const auto [first, window] = step_window(head);
+      return flops + attend_ring(row, query, window_cache_.keys(head), window_cache_.values(head), ring_, first, window,
+                                 dilations_[static_cast<std::size_t>(head % p_.heads)]);
+    });
+  }
+
+  // The fp32 step's FLOPs: D (scale) + attend_rows over the globals and each ring run + D (finish).
+  std::int64_t step_flops(std::int64_t head) const {
+    const std::int64_t d = p_.head_dim, step = dilations_[static_cast<std::size_t>(head % p_.heads)];
+    const auto [first, window] = step_window(head);
+    const std::int64_t begin = first % ring_, head_run = std::min(window, (ring_ - 1 - begin) / step + 1);
+    return 2 * d + attend_rows_flops(shape_.globals, d) + attend_rows_flops(head_run, d) +
+           (window > head_run ? attend_rows_flops(window - head_run, d) : 0);
+  }
+
+  void decode_step_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, i = length_, g = shape_.globals;
+    std::int64_t flops = 0;
+    const auto attend_head = [&](std::int64_t head) {
+      window_cache_.store(head, i % ring_, k.bf16_data() + head * d, v.bf16_data() + head * d, 1);
+      const std::pair<std::int64_t, std::int64_t> span = step_window(head);
+      const std::int64_t first = span.first, window = span.second;
+      const std::int64_t step = dilations_[static_cast<std::size_t>(head % p_.heads)];
+      const bf16 *global_keys = globals_cache_.keys(head), *global_values = globals_cache_.values(head);
+      const bf16 *ring_keys = window_cache_.keys(head), *ring_values = window_cache_.values(head);
+      fixed::attend_step_bf16(
+          q.bf16_data() + head * d, d, g + window,
+          [&](std::int64_t j) {
+            if (j < g) return std::pair{global_keys + j * d, global_values + j * d};
+            const std::int64_t slot = (first + (j - g) * step) % ring_;
+            return std::pair{ring_keys + slot * d, ring_values + slot * d};
+          },
+          step_buffers_.data() + head * step_buffers_.dim(1), out.bf16_data() + head * d);
+      return step_flops(head);
+    };
+    if (2 * heads * (g + shape_.before + 1) * d >= kParallelStepFloats) {
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+      for (std::int64_t head = 0; head < heads; ++head) flops += attend_head(head);
+    } else {
+      for (std::int64_t head = 0; head < heads; ++head) flops += attend_head(head);  // too small for a fork and join
+    }
+    FlopCounter::add(flops);
+  }
+
   std::int64_t window_tile(const WindowGlobalTask& task, const TilePattern& tile, const Tensor& q, const Tensor& k,
                            const Tensor& v, Tensor& out, std::int64_t b, int thread) {
-    const std::int64_t d = p_.head_dim, offset = fixed::first_row(task) * d, ld = fixed::row_step(task) * d;
-    return kernels_[static_cast<std::size_t>(thread)].run(tile, q.head(b, task.head) + offset, ld, k.head(b, task.head),
-                                                          v.head(b, task.head), out.head(b, task.head) + offset, ld,
-                                                          false, lse_at(b, task), fixed::row_step(task));
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, head = (b * p_.heads + task.head) * n * d;
+    const std::int64_t offset = fixed::first_row(task) * d, ld = fixed::row_step(task) * d;
+    return kernels_[static_cast<std::size_t>(thread)].run(
+        tile, fixed::elements<T>(q) + head + offset, ld, fixed::elements<T>(k) + head, fixed::elements<T>(v) + head,
+        fixed::elements<T>(out) + head + offset, ld, false, lse_at(b, task), fixed::row_step(task));
   }
 
   float* lse_at(std::int64_t b, const WindowGlobalTask& task) {
     return lse_.empty() ? nullptr : lse_.data() + (b * p_.heads + task.head) * p_.seq_len + fixed::first_row(task);
   }
 
+  // fp32 rows of a bf16 buffer (widened into `scratch`) or the rows themselves.
+  static const float* fp32_rows(const float* x, std::int64_t, float*) { return x; }
+  static const float* fp32_rows(const bf16* x, std::int64_t count, float* scratch) {
+    widen(x, scratch, count);
+    return scratch;
+  }
+
   // The backward of a global tile (saved: P1 = q·Wq, q̃ = P1·Wkᵀ, A = the attention's output):
   //   dA = dO·Wvᵀ, dWv += Aᵀ·dO; δ = dA·A; attention backward of q̃ → dq̃ (and dK, dV);
-  //   dP1 = dq̃·Wk, dWk += dq̃ᵀ·P1; dq = dP1·Wqᵀ, dWq += qᵀ·dP1. Returns the elementwise FLOPs.
-  std::int64_t global_backward(const WindowGlobalTask& task, const TilePattern& tile, const fixed::HeadRows& rows,
-                               const float* k, const float* v, std::int64_t head, int thread) {
-    const std::int64_t d = p_.head_dim, r = task.rows, h = task.head, first = task.start * d;
-    const std::int64_t g = shape_.globals;
-    const float* projected = global_saved_.data() + (head * 3 * g + task.start) * d;
-    const float* query = projected + g * d;
-    const float* attended = query + g * d;
+  //   dP1 = dq̃·Wk, dWk += dq̃ᵀ·P1; dq = dP1·Wqᵀ, dWq += qᵀ·dP1. Returns the elementwise FLOPs (bf16:
+  //   the kernel's FLOPs too). bf16 roundings: the class comment.
+  std::int64_t global_backward(const WindowGlobalTask& task, const TilePattern& tile, const fixed::HeadRowsOf<T>& rows,
+                               const T* k, const T* v, std::int64_t head, int thread) {
+    const std::int64_t d = p_.head_dim, r = task.rows, h = task.head, first = task.start * d, g = shape_.globals;
+    const T* projected = fixed::elements<T>(global_saved_) + (head * 3 * g + task.start) * d;
+    const T* query = projected + g * d;
+    const T* attended = query + g * d;
     float* d_attended = projection_grads_.data() + thread * 3 * tile_rows_ * d;
     float* d_query = d_attended + tile_rows_ * d;
     float* d_projected = d_query + tile_rows_ * d;
+    float* wide = kBf16 ? widened_.data() + thread * 2 * tile_rows_ * d : nullptr;  // two [tile, D] rows
     const float *wq = wq_.data() + h * d * d, *wk = wk_.data() + h * d * d, *wv = wv_.data() + h * d * d;
-    ops::gemm(false, true, r, d, d, 1.0f, rows.dout + first, d, wv, d, 0.0f, d_attended, d);
-    ops::gemm(true, false, d, d, r, 1.0f, attended, d, rows.dout + first, d, 1.0f, dwv_.data() + h * d * d, d);
+    const float* dout = fp32_rows(rows.dout + first, r * d, wide);
+    const float* attended32 = fp32_rows(attended, r * d, wide + (kBf16 ? tile_rows_ * d : 0));
+    ops::gemm(false, true, r, d, d, 1.0f, dout, d, wv, d, 0.0f, d_attended, d);
+    ops::gemm(true, false, d, d, r, 1.0f, attended32, d, dout, d, 1.0f, dwv_.data() + h * d * d, d);
+    const T* kernel_dout = nullptr;
+    if constexpr (kBf16) {  // the kernel's dO: dA rounded, and δ of the rounded rows
+      bf16* rounded = rounded_grads_.bf16_data() + thread * tile_rows_ * d;
+      narrow(d_attended, rounded, r * d);
+      widen(rounded, d_attended, r * d);
+      kernel_dout = rounded;
+    } else {
+      kernel_dout = d_attended;
+    }
     float* delta = rows.delta + task.start;
-    block_sparse::row_dots(d_attended, attended, r, d, delta);
-    std::fill_n(d_query, r * d, 0.0f);
-    const fixed::TileGrads grads{.q = query,
-                                 .dout = d_attended,
-                                 .dq = d_query,
-                                 .ld = d,
-                                 .lse = rows.lse + task.start,
-                                 .delta = delta,
-                                 .dk = rows.dk,
-                                 .dv = rows.dv};
-    const std::int64_t flops = kernels_[static_cast<std::size_t>(thread)].backward(tile, grads, k, v, false);
-    ops::gemm(false, false, r, d, d, 1.0f, d_query, d, wk, d, 0.0f, d_projected, d);
-    ops::gemm(true, false, d, d, r, 1.0f, d_query, d, projected, d, 1.0f, dwk_.data() + h * d * d, d);
-    ops::gemm(false, true, r, d, d, 1.0f, d_projected, d, wq, d, 0.0f, rows.dq + first, d);
-    ops::gemm(true, false, d, d, r, 1.0f, rows.q + first, d, d_projected, d, 1.0f, dwq_.data() + h * d * d, d);
+    block_sparse::row_dots(d_attended, attended32, r, d, delta);
+    auto& kernel = kernels_[static_cast<std::size_t>(thread)];
+    fixed::TileGradsOf<T> grads{.q = query,
+                                .dout = kernel_dout,
+                                .dq = nullptr,
+                                .ld = d,
+                                .lse = rows.lse + task.start,
+                                .delta = delta,
+                                .dk = rows.dk,
+                                .dv = rows.dv};
+    if constexpr (!kBf16) {
+      std::fill_n(d_query, r * d, 0.0f);
+      grads.dq = d_query;
+    }
+    const std::int64_t flops = kernel.backward(tile, grads, k, v, false);
+    const float* dq_tilde = d_query;
+    if constexpr (kBf16) dq_tilde = kernel.dq_tile();
+    ops::gemm(false, false, r, d, d, 1.0f, dq_tilde, d, wk, d, 0.0f, d_projected, d);
+    ops::gemm(true, false, d, d, r, 1.0f, dq_tilde, d, fp32_rows(projected, r * d, wide), d, 1.0f,
+              dwk_.data() + h * d * d, d);
+    if constexpr (kBf16) {
+      ops::gemm(false, true, r, d, d, 1.0f, d_projected, d, wq, d, 0.0f, d_query, d);
+      narrow(d_query, rows.dq + first, r * d);
+    } else {
+      ops::gemm(false, true, r, d, d, 1.0f, d_projected, d, wq, d, 0.0f, rows.dq + first, d);
+    }
+    ops::gemm(true, false, d, d, r, 1.0f, fp32_rows(rows.q + first, r * d, wide), d, d_projected, d, 1.0f,
+              dwq_.data() + h * d * d, d);
     return flops + 2 * r * d;
   }
 
   // Global rows: q̃ = (q·Wq)·Wkᵀ attends the plain keys/values, then the result is multiplied by Wv.
-  // A training forward keeps P1 = q·Wq, q̃ and the attention's output for the backward.
+  // A training forward keeps P1 = q·Wq, q̃ and the attention's output for the backward (bf16: the
+  // class comment's roundings).
   std::int64_t global_tile(const WindowGlobalTask& task, const TilePattern& tile, const Tensor& q, const Tensor& k,
                            const Tensor& v, Tensor& out, std::int64_t b, int thread) {
-    const std::int64_t d = p_.head_dim, rows = task.rows, h = task.head;
-    const bool training = !global_saved_.empty();
-    const std::int64_t g = shape_.globals, slot = training ? g : tile_rows_;
-    float* projected = training ? global_saved_.data() + ((b * p_.heads + h) * 3 * g + task.start) * d
-                                : projections_.data() + thread * 3 * tile_rows_ * d;
-    float* query = projected + slot * d;
-    float* attended = query + slot * d;
+    const std::int64_t d = p_.head_dim, rows = task.rows, h = task.head, head = b * p_.heads + h;
+    const std::int64_t g = shape_.globals, n = p_.seq_len, first = head * n * d + task.start * d;
     const float* wq = wq_.data() + h * d * d;
     const float* wk = wk_.data() + h * d * d;
     const float* wv = wv_.data() + h * d * d;
-    ops::gemm(false, false, rows, d, d, 1.0f, q.head(b, h) + task.start * d, d, wq, d, 0.0f, projected, d);
-    ops::gemm(false, true, rows, d, d, 1.0f, projected, d, wk, d, 0.0f, query, d);
-    const std::int64_t flops = kernels_[static_cast<std::size_t>(thread)].run(
-        tile, query, d, k.head(b, h), v.head(b, h), attended, d, false, lse_at(b, task));
-    ops::gemm(false, false, rows, d, d, 1.0f, attended, d, wv, d, 0.0f, out.head(b, h) + task.start * d, d);
-    return flops;
+    auto& kernel = kernels_[static_cast<std::size_t>(thread)];
+    const T *keys = fixed::elements<T>(k) + head * n * d, *values = fixed::elements<T>(v) + head * n * d;
+    if constexpr (kBf16) {
+      float* projected = projections_.data() + thread * 3 * tile_rows_ * d;
+      float *query = projected + tile_rows_ * d, *attended = query + tile_rows_ * d;
+      bf16* rounded = global_queries_.bf16_data() + thread * tile_rows_ * d;
+      widen(q.bf16_data() + first, attended, rows * d);
+      ops::gemm(false, false, rows, d, d, 1.0f, attended, d, wq, d, 0.0f, projected, d);
+      ops::gemm(false, true, rows, d, d, 1.0f, projected, d, wk, d, 0.0f, query, d);
+      narrow(query, rounded, rows * d);
+      const std::int64_t flops = kernel.attend(tile, rounded, d, keys, values, attended, d, lse_at(b, task));
+      ops::gemm(false, false, rows, d, d, 1.0f, attended, d, wv, d, 0.0f, query, d);
+      narrow(query, out.bf16_data() + first, rows * d);
+      if (!global_saved_.empty()) {
+        bf16* saved = global_saved_.bf16_data() + (head * 3 * g + task.start) * d;
+        narrow(projected, saved, rows * d);
+        std::copy_n(rounded, rows * d, saved + g * d);
+        narrow(attended, saved + 2 * g * d, rows * d);
+      }
+      return flops;
+    } else {
+      const bool training = !global_saved_.empty();
+      const std::int64_t slot = training ? g : tile_rows_;
+      float* projected = training ? global_saved_.data() + (head * 3 * g + task.start) * d
+                                  : projections_.data() + thread * 3 * tile_rows_ * d;
+      float* query = projected + slot * d;
+      float* attended = query + slot * d;
+      ops::gemm(false, false, rows, d, d, 1.0f, q.data() + first, d, wq, d, 0.0f, projected, d);
+      ops::gemm(false, true, rows, d, d, 1.0f, projected, d, wk, d, 0.0f, query, d);
+      const std::int64_t flops = kernel.run(tile, query, d, keys, values, attended, d, false, lse_at(b, task));
+      ops::gemm(false, false, rows, d, d, 1.0f, attended, d, wv, d, 0.0f, out.data() + first, d);
+      return flops;
+    }
   }
 
   Problem p_;
@@ -258,15 +400,18 @@ class Longformer final : public Mechanism {
   std::int64_t tile_rows_;
   std::uint64_t seed_;
   Tensor wq_, wk_, wv_, projections_;
-  std::vector<TileAttention> kernels_;
+  Tensor global_queries_;  // bf16: per thread the rounded q̃ of a global tile
+  std::vector<Kernel> kernels_;
   // Training only (prepare_backward).
-  Tensor lse_, global_saved_, deltas_, projection_grads_, dwq_, dwk_, dwv_;
+  Tensor lse_, global_saved_, projection_grads_, dwq_, dwk_, dwv_;
+  Tensor widened_, rounded_grads_;  // bf16: widened rows and the rounded dA, per thread
+  fixed::HeadBackward<T> heads_;
   std::vector<std::size_t> ranges_;
   // Decoding only (prepare_decode).
   std::vector<std::int64_t> dilations_;  // d_h per head index
   std::int64_t ring_;                    // window ring rows, window_ring()
-  KvCache globals_cache_, window_cache_;
-  Tensor step_buffers_;  // per head the scaled query and the accumulator
+  Cache globals_cache_, window_cache_;
+  Tensor step_buffers_;  // per head: fp32 the scaled query and the accumulator; bf16 attend_step_bf16's scratch
   std::int64_t length_ = 0;
 };
 
@@ -278,7 +423,8 @@ void validate(const Problem&, const LongformerConfig& c) {
 }
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const LongformerConfig& c, std::uint64_t seed) {
-  return std::make_unique<Longformer>(problem, c, seed);
+  if (problem.dtype == DType::BF16) return std::make_unique<Longformer<bf16>>(problem, c, seed);
+  return std::make_unique<Longformer<float>>(problem, c, seed);
 }
 
 std::int64_t flops(const Problem& p, const LongformerConfig& c) {
@@ -296,6 +442,12 @@ std::int64_t flops(const Problem& p, const LongformerConfig& c) {
 std::int64_t workspace(const Problem& p, const LongformerConfig& c) {
   const auto shape = shape_of(p, c);
   const std::int64_t threads = p.threads;
+  if (p.dtype == DType::BF16) {
+    const auto capacity = fixed::window_global_capacity(shape, fixed::window_global_tasks(shape, head_dilations(p, c)));
+    return (3 * p.heads * p.head_dim * p.head_dim + threads * projection_floats(p, c)) * kFloatBytes +
+           threads * bf16_forward_halves(p, c) * kHalfBytes +
+           threads * fixed::TileAttentionBf16::bytes(capacity, p.head_dim);
+  }
   const std::int64_t scores =
       fixed::window_global_score_floats(shape, fixed::window_global_tasks(shape, head_dilations(p, c)));
   const std::int64_t floats = 3 * p.heads * p.head_dim * p.head_dim + threads * projection_floats(p, c);
@@ -318,6 +470,14 @@ std::int64_t backward_flops(const Problem& p, const LongformerConfig& c) {
 std::int64_t backward_workspace(const Problem& p, const LongformerConfig& c) {
   const auto shape = shape_of(p, c);
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim, threads = p.threads;
+  if (p.dtype == DType::BF16) {
+    const auto capacity = fixed::window_global_capacity(shape, fixed::window_global_tasks(shape, head_dilations(p, c)));
+    const std::int64_t floats =
+        heads * p.seq_len + threads * 3 * c.tile * d + threads * bf16_backward_floats(p, c) + 3 * p.heads * d * d;
+    const std::int64_t halves = heads * 3 * shape.globals * d + threads * c.tile * d;
+    return floats * kFloatBytes + halves * kHalfBytes + fixed::HeadBackward<bf16>::bytes(threads, p.seq_len, d) +
+           threads * fixed::TileAttentionBf16::backward_bytes(capacity, d);
+  }
   const std::int64_t scores =
       fixed::window_global_score_floats(shape, fixed::window_global_tasks(shape, head_dilations(p, c)));
   const std::int64_t floats = heads * p.seq_len + heads * 3 * shape.globals * d + threads * p.seq_len +
@@ -327,6 +487,9 @@ std::int64_t backward_workspace(const Problem& p, const LongformerConfig& c) {
 
 std::int64_t decode_workspace(const Problem& p, const LongformerConfig& c, std::int64_t) {
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim;
+  if (p.dtype == DType::BF16)
+    return KvCacheOf<bf16>::bytes(heads, c.globals, d) + KvCacheOf<bf16>::bytes(heads, window_ring(c), d) +
+           heads * bf16_step_floats(p, shape_of(p, c)) * kFloatBytes;
   return KvCache::bytes(heads, c.globals, d) + KvCache::bytes(heads, window_ring(c), d) +
          heads * 2 * d * static_cast<std::int64_t>(sizeof(float));
 }
@@ -346,9 +509,14 @@ LongformerConfig resolve(const Problem& p, LongformerConfig c) {
   return c;
 }
 
+std::string unsupported(const Problem& p, const LongformerConfig&) { return fixed::gathered_bf16_unsupported(p); }
+
 template <>
 Implementation implementation<LongformerConfig>() {
-  return implement<LongformerConfig>();
+  Implementation impl = implement<LongformerConfig>();
+  impl.bf16_forward = true;  // forward and decode
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

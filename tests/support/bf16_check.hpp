@@ -212,3 +212,149 @@ void for_each_bf16_path(F f) {
 }
 
 }  // namespace xfb::test
+
+#include <functional>
+
+#include "lib/core/cpu_isa.hpp"
+
+namespace xfb::test {
+
+// ---------------------------------------------------------------------------------------------
+// Sparse patterns (appended for the gathered-attention models): the same bounds against the
+// float64 reference restricted to a head's mask.
+
+// Runs f(path name) on every bf16 kernel path of this host (vdpbf16ps where the CPU has it,
+// convert-and-FMA at each supported width), restoring the host's choice after.
+template <class F>
+void for_each_bf16_path(F f) {
+  const KernelIsa isa = kernel_isa();
+  const bool dot = bf16_dot_product();
+  for (KernelIsa path : supported_kernel_isas())
+    for (bool use_dot : {false, true}) {
+      if (use_dot && !(path == KernelIsa::Avx512 && cpu_has_bf16_dot())) continue;
+      force_kernel_isa(path);
+      force_bf16_dot(use_dot);
+      REQUIRE(bf16_dot_product() == use_dot);
+      f(bf16_kernels_name());
+    }
+  force_kernel_isa(isa);
+  force_bf16_dot(dot);
+}
+
+// Checks rows [rows_from, N) of every head of `got` against the float64 reference with the head's
+// mask, within the forward bound of the header (the bound holds for any set of keys a row sees);
+// returns the largest error over the fp32 bound alone.
+inline double check_bf16_masked(const Tensor& got, const AttentionInputs& widened, const Problem& p,
+                                const std::function<MaskFn(std::int64_t head)>& mask_of_head, std::int64_t rows_from,
+                                const std::string& label) {
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  double largest_over_fp32 = 0;
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const float *q = widened.q.head(b, h), *k = widened.k.head(b, h), *v = widened.v.head(b, h);
+      const auto want = reference_attention(q, k, v, n, n, d, scale, mask_of_head(h));
+      const double fp32_bound = attention_tolerance(q, k, v, n, n, d, scale);
+      const double bound = 2 * kBf16Roundoff * (1 + kBf16Roundoff) * max_abs_of(v, n * d) + fp32_bound;
+      const float* out = got.head(b, h);
+      std::int64_t failures = 0;
+      for (std::int64_t e = std::min(rows_from, n) * d; e < n * d; ++e) {
+        const double error = std::fabs(out[e] - want[static_cast<std::size_t>(e)]);
+        largest_over_fp32 = std::max(largest_over_fp32, error / fp32_bound);
+        if (!(error <= bound) && failures++ < 3)
+          FAIL_CHECK(label << ": b=" << b << " h=" << h << " token " << e / d << " feature " << e % d << ": got "
+                           << out[e] << ", want " << want[static_cast<std::size_t>(e)] << " (bound " << bound << ")");
+      }
+      CHECK_MESSAGE(failures == 0, label << " h=" << h << ": " << failures << " elements out of the bf16 bound");
+    }
+  return largest_over_fp32;
+}
+
+// The bf16 gradients of a model with a masked softmax pattern against the float64 reference's.
+// Per element with terms T: 3u(1 + u)·T + the fp32 factor·T (check_bf16_gradients), plus the
+// share of δ_r = dO_r·O_r taken from the stored bf16 output O instead of the exact O*: the model's
+// δ_r is off by Δδ_r ≤ Σ_c |dO_rc|·|O_rc − O*_rc| (the output's actual error, read from the
+// forward) + 2D·ε·Σ_c |dO_rc·O_rc| (its fp32 sum), and dS_rj moves by P_rj·Δδ_r more, which moves
+//   dQ[r, c] by scale·Δδ_r·Σ_j P_rj·|K_jc|  and  dK[j, c] by scale·Σ_r P_rj·Δδ_r·|Q_rc|  (dV: none).
+// With dq_rows_from > 0, only dq rows from there are checked, and dK, dV not at all (rows the mask
+// does not describe: longformer's global rows, through their projections).
+inline void check_bf16_masked_gradients(const std::string& model, Problem p, const std::vector<std::string>& params,
+                                        std::uint64_t seed,
+                                        const std::function<MaskFn(std::int64_t head)>& mask_of_head,
+                                        const std::string& label, std::int64_t dq_rows_from = 0) {
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  const auto in = bf16_inputs(p, seed);
+  Tensor dout32 = Tensor::bhnd(p.batch, p.heads, n, d);
+  CounterRng(9, "dout").fill_normal(dout32);
+  const Tensor dout = to_bf16(dout32), dout_wide = to_f32(dout);
+  auto mechanism = bf16_mechanism(model, p, params);
+  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d, DType::BF16); };
+  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
+  mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
+  mechanism->prepare_backward();
+  mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
+  mechanism->backward(in.bf16.q, in.bf16.k, in.bf16.v, out, dout, dq, dk, dv);
+  const Tensor got[3] = {to_f32(dq), to_f32(dk), to_f32(dv)};
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d)), u = kBf16Roundoff;
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const float *q = in.widened.q.head(b, h), *k = in.widened.k.head(b, h), *v = in.widened.v.head(b, h);
+      const float* g_out = dout_wide.head(b, h);
+      const MaskFn mask = mask_of_head(h);
+      const auto ref = reference_attention_backward(q, k, v, g_out, n, n, d, scale, mask);
+      const auto exact_out = reference_attention(q, k, v, n, n, d, scale, mask);
+      const Tensor out_wide = to_f32(out);
+      const float* o = out_wide.head(b, h);
+      // P in float64 ([n, n], 0 off the mask) and Δδ per row.
+      std::vector<double> probs(static_cast<std::size_t>(n * n), 0.0), delta_error(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i) {
+        double peak = -INFINITY, sum = 0, dout_sum = 0;
+        double* row = probs.data() + i * n;
+        for (std::int64_t j = 0; j < n; ++j) {
+          if (!mask(i, j)) continue;
+          double s = 0;
+          for (std::int64_t c = 0; c < d; ++c) s += static_cast<double>(q[i * d + c]) * k[j * d + c];
+          row[j] = s * scale;
+          peak = std::max(peak, row[j]);
+        }
+        for (std::int64_t j = 0; j < n; ++j)
+          if (mask(i, j)) sum += row[j] = std::exp(row[j] - peak);
+        for (std::int64_t j = 0; j < n; ++j)
+          if (mask(i, j)) row[j] /= sum;
+        for (std::int64_t c = 0; c < d; ++c) {
+          const double error = std::fabs(o[i * d + c] - exact_out[static_cast<std::size_t>(i * d + c)]);
+          dout_sum += std::fabs(g_out[i * d + c]) * (error + 2 * d * kFloatEps * std::fabs(o[i * d + c]));
+        }
+        delta_error[static_cast<std::size_t>(i)] = dout_sum;
+      }
+      const auto p_of = [&](std::int64_t i, std::int64_t j) { return probs[static_cast<std::size_t>(i * n + j)]; };
+      const double factor = 3 * u * (1 + u) + gradient_error_factor(q, k, n, n, d, scale);
+      const auto bound = [&](int g, std::int64_t e) {
+        const std::int64_t row = e / d, c = e % d;
+        double extra = 0;
+        if (g == 0)
+          for (std::int64_t j = 0; j < n; ++j)
+            extra += scale * delta_error[static_cast<std::size_t>(row)] * p_of(row, j) * std::fabs(k[j * d + c]);
+        if (g == 1)
+          for (std::int64_t r = 0; r < n; ++r)
+            extra += scale * p_of(r, row) * delta_error[static_cast<std::size_t>(r)] * std::fabs(q[r * d + c]);
+        const std::vector<double>* terms[3] = {&ref.dq_terms, &ref.dk_terms, &ref.dv_terms};
+        return factor * (*terms[g])[static_cast<std::size_t>(e)] + extra + 1e-30;
+      };
+      const std::vector<double>* want[3] = {&ref.dq, &ref.dk, &ref.dv};
+      for (int g = 0; g < (dq_rows_from > 0 ? 1 : 3); ++g) {
+        std::int64_t failures = 0;
+        for (std::int64_t e = std::min(dq_rows_from, n) * d; e < n * d; ++e) {
+          const double error = std::fabs(got[g].head(b, h)[e] - (*want[g])[static_cast<std::size_t>(e)]);
+          if (!(error <= bound(g, e)) && failures++ < 3)
+            FAIL_CHECK(label << " d" << std::string(1, "qkv"[g]) << " b=" << b << " h=" << h << " element " << e
+                             << ": got " << got[g].head(b, h)[e] << ", want " << (*want[g])[static_cast<std::size_t>(e)]
+                             << " (bound " << bound(g, e) << ")");
+        }
+        CHECK_MESSAGE(failures == 0, label << " d" << std::string(1, "qkv"[g]) << " h=" << h << ": " << failures
+                                           << " out of the bound");
+      }
+    }
+}
+
+}  // namespace xfb::test
