@@ -11,6 +11,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -211,35 +212,9 @@ void for_each_bf16_path(F f) {
   force_bf16_dot(dot);
 }
 
-}  // namespace xfb::test
-
-#include <functional>
-
-#include "lib/core/cpu_isa.hpp"
-
-namespace xfb::test {
-
 // ---------------------------------------------------------------------------------------------
-// Sparse patterns (appended for the gathered-attention models): the same bounds against the
-// float64 reference restricted to a head's mask.
-
-// Runs f(path name) on every bf16 kernel path of this host (vdpbf16ps where the CPU has it,
-// convert-and-FMA at each supported width), restoring the host's choice after.
-template <class F>
-void for_each_bf16_path(F f) {
-  const KernelIsa isa = kernel_isa();
-  const bool dot = bf16_dot_product();
-  for (KernelIsa path : supported_kernel_isas())
-    for (bool use_dot : {false, true}) {
-      if (use_dot && !(path == KernelIsa::Avx512 && cpu_has_bf16_dot())) continue;
-      force_kernel_isa(path);
-      force_bf16_dot(use_dot);
-      REQUIRE(bf16_dot_product() == use_dot);
-      f(bf16_kernels_name());
-    }
-  force_kernel_isa(isa);
-  force_bf16_dot(dot);
-}
+// Sparse patterns (the gathered-attention models): the same bounds against the float64 reference
+// restricted to a head's mask.
 
 // Checks rows [rows_from, N) of every head of `got` against the float64 reference with the head's
 // mask, within the forward bound of the header (the bound holds for any set of keys a row sees);
