@@ -11,10 +11,12 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "lib/core/bf16.hpp"
+#include "lib/core/cpu_isa.hpp"
 #include "lib/core/rng.hpp"
 #include "taxonomy/registry.hpp"
 #include "tests/support/counter_point.hpp"
@@ -189,6 +191,131 @@ inline PointConfig bf16_point(const std::string& model, std::int64_t n, bool cau
   c.pass = pass;
   if (pass == Pass::Decode) c.decode_tokens = 5;
   return c;
+}
+
+// ---- Shared by the pattern models' bf16 suites (appended for sparse-transformer and axial) -------
+
+// Runs f(path name) on every bf16 kernel path of this host (vdpbf16ps where the CPU has it,
+// convert-and-FMA at each supported width), restoring the host's choice after.
+template <class F>
+void on_each_bf16_path(F f) {
+  const KernelIsa isa = kernel_isa();
+  const bool dot = bf16_dot_product();
+  for (KernelIsa path : supported_kernel_isas())
+    for (bool use_dot : {false, true}) {
+      if (use_dot && !(path == KernelIsa::Avx512 && cpu_has_bf16_dot())) continue;
+      force_kernel_isa(path);
+      force_bf16_dot(use_dot);
+      REQUIRE(bf16_dot_product() == use_dot);
+      f(bf16_kernels_name());
+    }
+  force_kernel_isa(isa);
+  force_bf16_dot(dot);
+}
+
+// The forward bound of one head (this file's header): 2u(1 + u)·max|v| + attention_tolerance.
+inline double bf16_forward_bound(const float* q, const float* k, const float* v, std::int64_t n, std::int64_t d) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  return 2 * kBf16Roundoff * (1 + kBf16Roundoff) * max_abs_of(v, n * d) + attention_tolerance(q, k, v, n, n, d, scale);
+}
+
+// Checks got[e] against want[e] within bound(e) for e < count (the first few misses reported).
+template <class Bound>
+void check_bf16_elements(const float* got, const std::vector<double>& want, std::int64_t count, const Bound& bound,
+                         const std::string& label) {
+  std::int64_t failures = 0;
+  for (std::int64_t e = 0; e < count; ++e) {
+    const double error = std::fabs(got[e] - want[static_cast<std::size_t>(e)]);
+    if (!(error <= bound(e)) && failures++ < 3)
+      FAIL_CHECK(label << ": element " << e << ": got " << got[e] << ", want " << want[static_cast<std::size_t>(e)]
+                       << " (bound " << bound(e) << ")");
+  }
+  CHECK_MESSAGE(failures == 0, label << ": " << failures << " elements out of the bf16 bound");
+}
+
+// P of one head in float64 ([n, n], 0 off the mask).
+inline std::vector<double> masked_probabilities(const float* q, const float* k, std::int64_t n, std::int64_t d,
+                                                const MaskFn& allowed) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> p(static_cast<std::size_t>(n * n), 0.0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    double* row = p.data() + i * n;
+    double peak = -std::numeric_limits<double>::infinity(), sum = 0;
+    for (std::int64_t j = 0; j < n; ++j) {
+      if (!allowed(i, j)) continue;
+      double s = 0;
+      for (std::int64_t c = 0; c < d; ++c) s += static_cast<double>(q[i * d + c]) * k[j * d + c];
+      row[j] = s * scale;
+      peak = std::max(peak, row[j]);
+    }
+    for (std::int64_t j = 0; j < n; ++j)
+      if (allowed(i, j)) sum += row[j] = std::exp(row[j] - peak);
+    for (std::int64_t j = 0; j < n; ++j)
+      if (allowed(i, j)) row[j] /= sum;
+  }
+  return p;
+}
+
+// A model's bf16 gradients against the float64 masked reference of every head (allowed(h, i, j)),
+// with the bound of tests/models/fixed_patterns/test_local_bf16.cpp: 3u(1 + u)·T + the fp32 factor·T
+// per element with terms T, plus what δ_r = dO_r·O_r takes from the stored bf16 output (elements off
+// by ≤ e_O, the forward bound: Δδ_r ≤ 1.01·e_O·Σ_c|dO_rc|), through dS_rj = P_rj·(dP_rj − δ_r):
+//   dQ[r, c] += scale·Δδ_r·Σ_j P_rj·|K_jc|,   dK[j, c] += scale·Σ_r P_rj·Δδ_r·|Q_rc|   (dV: none).
+// The tiles' fp32 sums over several tiles of a key row are fp32 sums of the reference's terms, in
+// the fp32 factor.
+inline void check_bf16_masked_gradients(const std::string& model, const Problem& p,
+                                        const std::vector<std::string>& params, const HeadMask& allowed,
+                                        std::uint64_t seed, const std::string& label) {
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  const Bf16Inputs in = bf16_inputs(p, seed);
+  Tensor dout32 = Tensor::bhnd(p.batch, p.heads, n, d);
+  CounterRng(seed + 1, "dout").fill_normal(dout32);
+  const Tensor dout = to_bf16(dout32), dout_wide = to_f32(dout);
+  auto mechanism = bf16_mechanism(model, p, params);
+  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d, DType::BF16); };
+  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
+  mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
+  mechanism->prepare_backward();
+  mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
+  mechanism->backward(in.bf16.q, in.bf16.k, in.bf16.v, out, dout, dq, dk, dv);
+  const Tensor got[3] = {to_f32(dq), to_f32(dk), to_f32(dv)};
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d)), u = kBf16Roundoff;
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const float *q = in.widened.q.head(b, h), *k = in.widened.k.head(b, h), *v = in.widened.v.head(b, h);
+      const float* g_out = dout_wide.head(b, h);
+      const MaskFn mask = [&allowed, h](std::int64_t i, std::int64_t j) { return allowed(h, i, j); };
+      const auto ref = reference_attention_backward(q, k, v, g_out, n, n, d, scale, mask);
+      const auto probs = masked_probabilities(q, k, n, d, mask);
+      const double e_out = bf16_forward_bound(q, k, v, n, d);
+      std::vector<double> delta_error(static_cast<std::size_t>(n));
+      for (std::int64_t r = 0; r < n; ++r) {
+        double sum = 0;
+        for (std::int64_t f = 0; f < d; ++f) sum += std::fabs(g_out[r * d + f]);
+        delta_error[static_cast<std::size_t>(r)] = 1.01 * e_out * sum;
+      }
+      auto p_of = [&](std::int64_t i, std::int64_t j) { return probs[static_cast<std::size_t>(i * n + j)]; };
+      const double factor = 3 * u * (1 + u) + gradient_error_factor(q, k, n, n, d, scale);
+      auto dq_bound = [&](std::int64_t e) {
+        const std::int64_t r = e / d, f = e % d;
+        double sum = 0;
+        for (std::int64_t j = 0; j < n; ++j) sum += p_of(r, j) * std::fabs(k[j * d + f]);
+        return factor * ref.dq_terms[static_cast<std::size_t>(e)] +
+               scale * delta_error[static_cast<std::size_t>(r)] * sum + 1e-30;
+      };
+      auto dk_bound = [&](std::int64_t e) {
+        const std::int64_t j = e / d, f = e % d;
+        double sum = 0;
+        for (std::int64_t r = 0; r < n; ++r)
+          sum += p_of(r, j) * delta_error[static_cast<std::size_t>(r)] * std::fabs(q[r * d + f]);
+        return factor * ref.dk_terms[static_cast<std::size_t>(e)] + scale * sum + 1e-30;
+      };
+      auto dv_bound = [&](std::int64_t e) { return factor * ref.dv_terms[static_cast<std::size_t>(e)] + 1e-30; };
+      const std::string where = label + " b=" + std::to_string(b) + " h=" + std::to_string(h);
+      check_bf16_elements(got[0].head(b, h), ref.dq, n * d, dq_bound, "dq " + where);
+      check_bf16_elements(got[1].head(b, h), ref.dk, n * d, dk_bound, "dk " + where);
+      check_bf16_elements(got[2].head(b, h), ref.dv, n * d, dv_bound, "dv " + where);
+    }
 }
 
 }  // namespace xfb::test
