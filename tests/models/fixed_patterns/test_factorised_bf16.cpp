@@ -1,11 +1,19 @@
-// sparse-transformer in bf16 (taxonomy/engines/block_sparse_bf16.hpp: the single-plan tiles with
-// strided views) against the float64 reference with the masks of the paper, written here
-// independently of the mechanism, on the same bf16 inputs — forward and gradients on every bf16
-// kernel path, causal and not, at sizes around the strides and the 64-row tile; decode against the
-// bf16 causal forward; FLOPs, bytes and the workspace estimate.
+// sparse-transformer and axial in bf16 (taxonomy/engines/block_sparse_bf16.hpp: the single-plan
+// tiles with strided views, and the online form for axial's causal union) against float64
+// references on the same bf16 inputs — the masks of the papers, and rows-then-columns attention
+// for axial, written here independently of the mechanisms — forward and gradients on every bf16
+// kernel path, causal and not, at sizes around the strides, grid widths and the 64-row tile;
+// decode against the bf16 causal forward; FLOPs, bytes and the workspace estimate.
 //
-// The bounds are the single-softmax ones of tests/support/bf16_check.hpp (each query row is one
-// tile's softmax; key rows that several tiles reach sum in fp32, rounded once).
+// sparse-transformer's bounds are the single-softmax ones of tests/support/bf16_check.hpp (each
+// query row is one tile's softmax; key rows that several tiles reach sum in fp32, rounded once).
+//
+// axial's forward bound, per head. The row stage is one softmax per row: its output U (rounded to
+// bf16) is within e₁ = 2u(1 + u)·max|v| + attention_tolerance of the float64 U. The second stage is
+// one softmax per token over values that are the computed U (column keys) or V (row keys): within
+// 2u(1 + u)·max(|U|, |v|) + attention_tolerance of the float64 attention over those same values,
+// and its weights (summing to 1) carry U's error e₁ into the output at most once; |U| ≤ max|v| + e₁:
+//   |o − o_ref| ≤ e₁ + 2u(1 + u)·(max|v| + e₁) + attention_tolerance.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -61,6 +69,176 @@ std::vector<SparseCase> sparse_cases() {
       {{"pattern=fixed", "stride=70", "summary=5"}, true, 70, 5, {64, 65, 70, 71, 150}},
       {{"pattern=fixed"}, true, 0, 8, {30, 100}},
   };
+}
+
+// Axial attention of one head in float64 (axial.hpp's definition): rows of `cols` tokens, then
+// columns over the row outputs U; causal: one softmax over the column tokens strictly above
+// (values U) and the row tokens at or before the query (values V).
+std::vector<double> axial_reference(const float* q, const float* k, const float* v, std::int64_t n, std::int64_t d,
+                                    std::int64_t cols, bool causal) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> u(static_cast<std::size_t>(n * d), 0.0), out(u);
+  // keys: (token, value from U?) pairs of query i; dst[i] = their softmax-weighted values.
+  auto attend = [&](std::int64_t i, const std::vector<std::pair<std::int64_t, bool>>& keys, std::vector<double>& dst) {
+    std::vector<double> s;
+    double peak = -INFINITY, sum = 0;
+    for (auto [j, from_u] : keys) {
+      double dot = 0;
+      for (std::int64_t c = 0; c < d; ++c) dot += static_cast<double>(q[i * d + c]) * k[j * d + c];
+      s.push_back(dot * scale);
+      peak = std::max(peak, s.back());
+    }
+    for (double& x : s) sum += x = std::exp(x - peak);
+    for (std::size_t t = 0; t < keys.size(); ++t) {
+      const auto [j, from_u] = keys[t];
+      for (std::int64_t c = 0; c < d; ++c)
+        dst[static_cast<std::size_t>(i * d + c)] +=
+            s[t] / sum * (from_u ? u[static_cast<std::size_t>(j * d + c)] : static_cast<double>(v[j * d + c]));
+    }
+  };
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::vector<std::pair<std::int64_t, bool>> keys;
+    for (std::int64_t j = 0; j < n; ++j)
+      if (j / cols == i / cols) keys.emplace_back(j, false);
+    attend(i, keys, u);
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    std::vector<std::pair<std::int64_t, bool>> keys;
+    for (std::int64_t j = 0; j < n; ++j) {
+      const bool column = j % cols == i % cols, row = j / cols == i / cols;
+      if (column && (!causal || j / cols < i / cols)) keys.emplace_back(j, true);
+      if (causal && row && j <= i) keys.emplace_back(j, false);
+    }
+    if (!keys.empty()) attend(i, keys, out);
+  }
+  return out;
+}
+
+struct AxialCase {
+  std::vector<std::string> params;
+  std::int64_t cols;  // 0: ⌈√N⌉
+  std::vector<std::int64_t> sizes;
+};
+std::vector<AxialCase> axial_cases() {
+  return {
+      {{}, 0, {1, 2, 15, 16, 17, 64, 65, 100}},
+      {{"cols=8"}, 8, {7, 8, 9, 63, 64, 65, 70}},
+      {{"cols=2"}, 2, {127, 128, 129, 131}},  // columns longer than a 64-row tile
+      {{"cols=70"}, 70, {69, 70, 71, 150}},   // rows longer than a 64-row tile
+  };
+}
+
+// axial's gradients in float64 and their bf16 bound, per element of dq, dk, dv (one head). The
+// reference differentiates axial_reference: the second stage's softmax (values U or V) into dQ,
+// dK, dU and dV, then the row stage with dU as its output gradient. The bound follows the
+// single-softmax one (tests/support/bf16_check.hpp) through both stages: T, the terms of an
+// element, is the same recursion on absolute values with the row stage fed the terms of dU (which
+// bound |dU| and carry its error linearly), and six bf16 roundings each move an element by
+// ≤ u(1 + u)·T — P and dS of each stage, dU before the row stage, the gradient once at the end —
+// plus the fp32 factor of each stage: κ = 6u(1 + u) + 2·gradient_error_factor. On top, E: what the
+// stored bf16 forward quantities bring in through dS = P ⊙ (dP − δ): the second stage's δ from O
+// (off by ≤ e_O: Δδ ≤ 1.01·e_O·Σ|dO|) and its dP from U (off by ≤ e_U: ΔdP ≤ e_U·Σ|dO|), the row
+// stage's δ from U (Δδ ≤ 1.01·e_U·Σ T_dU), each times P and |K| (dQ) or |Q| (dK).
+struct AxialGradients {
+  std::vector<double> grads[3], bounds[3];  // dq, dk, dv
+};
+AxialGradients axial_gradients(const float* q, const float* k, const float* v, const float* dout, std::int64_t n,
+                               std::int64_t d, std::int64_t cols, bool causal, double e_u, double e_out, double kappa) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  using Keys = std::vector<std::pair<std::int64_t, bool>>;  // (token, value from U?)
+  std::vector<Keys> rows(static_cast<std::size_t>(n)), second(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      const bool column = j % cols == i % cols, row = j / cols == i / cols;
+      if (row) rows[static_cast<std::size_t>(i)].emplace_back(j, false);
+      if (column && (!causal || j / cols < i / cols)) second[static_cast<std::size_t>(i)].emplace_back(j, true);
+      if (causal && row && j <= i) second[static_cast<std::size_t>(i)].emplace_back(j, false);
+    }
+  auto weights = [&](std::int64_t i, const Keys& keys) {
+    std::vector<double> p;
+    double peak = -INFINITY, sum = 0;
+    for (auto [j, from_u] : keys) {
+      double dot = 0;
+      for (std::int64_t c = 0; c < d; ++c) dot += static_cast<double>(q[i * d + c]) * k[j * d + c];
+      p.push_back(dot * scale);
+      peak = std::max(peak, p.back());
+    }
+    for (double& x : p) sum += x = std::exp(x - peak);
+    for (double& x : p) x /= sum;
+    return p;
+  };
+  const std::size_t size = static_cast<std::size_t>(n * d);
+  std::vector<double> u(size, 0.0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const auto p = weights(i, rows[static_cast<std::size_t>(i)]);
+    for (std::size_t t = 0; t < p.size(); ++t)
+      for (std::int64_t c = 0; c < d; ++c)
+        u[static_cast<std::size_t>(i * d + c)] += p[t] * v[rows[static_cast<std::size_t>(i)][t].first * d + c];
+  }
+  // g: dq, dk, dv, du; a: their terms; e: the extra E of dq, dk.
+  std::vector<double> g[4], a[4], e[2];
+  for (auto* set : {g, a})
+    for (int x = 0; x < 4; ++x) set[x].assign(size, 0.0);
+  for (auto& x : e) x.assign(size, 0.0);
+  // One stage's backward for output gradient go (terms ga); value_error: ΔdP per unit of Σ|go| for
+  // values from U; delta_error[i]: Δδ_i.
+  auto stage = [&](const std::vector<Keys>& lists, const std::vector<double>& go, const std::vector<double>& ga,
+                   double value_error, const std::vector<double>& delta_error) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      const Keys& keys = lists[static_cast<std::size_t>(i)];
+      const auto p = weights(i, keys);
+      double go_abs = 0;
+      for (std::int64_t c = 0; c < d; ++c) go_abs += ga[static_cast<std::size_t>(i * d + c)];
+      std::vector<double> dp(keys.size()), dpa(keys.size());
+      double delta = 0, delta_abs = 0;
+      for (std::size_t t = 0; t < keys.size(); ++t) {
+        const auto [j, from_u] = keys[t];
+        for (std::int64_t c = 0; c < d; ++c) {
+          const auto at = static_cast<std::size_t>(j * d + c), me = static_cast<std::size_t>(i * d + c);
+          const double value = from_u ? u[at] : static_cast<double>(v[j * d + c]);
+          dp[t] += go[me] * value;
+          dpa[t] += ga[me] * std::fabs(value);
+        }
+        delta += p[t] * dp[t];
+        delta_abs += p[t] * dpa[t];
+      }
+      for (std::size_t t = 0; t < keys.size(); ++t) {
+        const auto [j, from_u] = keys[t];
+        const double ds = p[t] * (dp[t] - delta), dsa = p[t] * (dpa[t] + delta_abs);
+        const double extra = p[t] * ((from_u ? value_error * go_abs : 0.0) + delta_error[static_cast<std::size_t>(i)]);
+        for (std::int64_t c = 0; c < d; ++c) {
+          const auto at = static_cast<std::size_t>(j * d + c), me = static_cast<std::size_t>(i * d + c);
+          g[0][me] += scale * ds * k[j * d + c];
+          a[0][me] += scale * dsa * std::fabs(k[j * d + c]);
+          e[0][me] += scale * extra * std::fabs(k[j * d + c]);
+          g[1][at] += scale * ds * q[i * d + c];
+          a[1][at] += scale * dsa * std::fabs(q[i * d + c]);
+          e[1][at] += scale * extra * std::fabs(q[i * d + c]);
+          g[from_u ? 3 : 2][at] += p[t] * go[me];
+          a[from_u ? 3 : 2][at] += p[t] * ga[me];
+        }
+      }
+    }
+  };
+  const std::vector<double> go(dout, dout + n * d);
+  std::vector<double> ga(size), delta_error(static_cast<std::size_t>(n));
+  for (std::size_t x = 0; x < size; ++x) ga[x] = std::fabs(go[x]);
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t c = 0; c < d; ++c) delta_error[static_cast<std::size_t>(i)] += 1.01 * e_out * ga[i * d + c];
+  stage(second, go, ga, e_u, delta_error);
+  const std::vector<double> du = g[3], du_terms = a[3];
+  std::fill(delta_error.begin(), delta_error.end(), 0.0);
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t c = 0; c < d; ++c)
+      delta_error[static_cast<std::size_t>(i)] += 1.01 * e_u * du_terms[static_cast<std::size_t>(i * d + c)];
+  stage(rows, du, du_terms, 0.0, delta_error);
+  AxialGradients out;
+  for (int x = 0; x < 3; ++x) {
+    out.grads[x] = g[x];
+    out.bounds[x].resize(size);
+    for (std::size_t y = 0; y < size; ++y) out.bounds[x][y] = kappa * a[x][y] + (x < 2 ? e[x][y] : 0.0) + 1e-30;
+  }
+  return out;
 }
 
 // The model's bf16 output (widened) on the bf16 inputs.
@@ -122,9 +300,79 @@ TEST_SUITE("factorised_bf16") {
     });
   }
 
+  TEST_CASE("axial in bf16 equals float64 rows-then-columns attention, causal union included, every path") {
+    on_each_bf16_path([](const std::string& path) {
+      for (const AxialCase& c : axial_cases())
+        for (std::int64_t n : c.sizes)
+          for (bool causal : {false, true}) {
+            const Problem p = on_test_threads({.batch = 2, .heads = 1, .seq_len = n, .head_dim = 16, .causal = causal});
+            const Bf16Inputs in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 9);
+            const Tensor got = bf16_output("axial", p, in, c.params);
+            const std::int64_t cols = c.cols > 0 ? std::min(c.cols, n) : root_ceiling(n);
+            double over_fp32 = 0;
+            for (std::int64_t b = 0; b < 2; ++b) {
+              const float *q = in.widened.q.head(b, 0), *k = in.widened.k.head(b, 0), *v = in.widened.v.head(b, 0);
+              const auto want = axial_reference(q, k, v, n, 16, cols, causal);
+              const double fp32 = attention_tolerance(q, k, v, n, n, 16, 0.25);
+              const double row_stage = bf16_forward_bound(q, k, v, n, 16);
+              const double bound = row_stage + 2 * kU * (1 + kU) * (max_abs_of(v, n * 16) + row_stage) + fp32;
+              const std::string label = "axial N=" + std::to_string(n) + " C=" + std::to_string(cols) +
+                                        (causal ? " causal " : " ") + path + " b=" + std::to_string(b);
+              check_bf16_elements(
+                  got.head(b, 0), want, n * 16, [&](std::int64_t) { return bound; }, label);
+              for (std::int64_t e = 0; e < n * 16; ++e)
+                over_fp32 =
+                    std::max(over_fp32, std::fabs(got.head(b, 0)[e] - want[static_cast<std::size_t>(e)]) / fp32);
+            }
+            if (n >= 15) CHECK_MESSAGE(over_fp32 > 1, "N=" << n << ": the error never exceeds the fp32 bound");
+          }
+    });
+  }
+
+  TEST_CASE("axial bf16 gradients equal the float64 reference's within the two-stage bf16 bound, every path") {
+    on_each_bf16_path([](const std::string& path) {
+      for (const AxialCase& c : axial_cases())
+        for (std::int64_t n : c.sizes)
+          for (bool causal : {false, true}) {
+            const std::int64_t d = 16;
+            const Problem p = on_test_threads({.batch = 2, .heads = 1, .seq_len = n, .head_dim = d, .causal = causal});
+            const Bf16Inputs in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 21);
+            Tensor dout32 = Tensor::bhnd(2, 1, n, d);
+            CounterRng(7, "dout").fill_normal(dout32);
+            const Tensor dout = to_bf16(dout32), dout_wide = to_f32(dout);
+            auto mechanism = bf16_mechanism("axial", p, c.params);
+            const auto bhnd = [&] { return Tensor::bhnd(2, 1, n, d, DType::BF16); };
+            Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
+            mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
+            mechanism->prepare_backward();
+            mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
+            mechanism->backward(in.bf16.q, in.bf16.k, in.bf16.v, out, dout, dq, dk, dv);
+            const Tensor got[3] = {to_f32(dq), to_f32(dk), to_f32(dv)};
+            const std::int64_t cols = c.cols > 0 ? std::min(c.cols, n) : root_ceiling(n);
+            for (std::int64_t b = 0; b < 2; ++b) {
+              const float *q = in.widened.q.head(b, 0), *k = in.widened.k.head(b, 0), *v = in.widened.v.head(b, 0);
+              const double scale = 0.25, fp32 = attention_tolerance(q, k, v, n, n, d, scale);
+              const double e_u = bf16_forward_bound(q, k, v, n, d);
+              const double e_out = e_u + 2 * kU * (1 + kU) * (max_abs_of(v, n * d) + e_u) + fp32;
+              const double kappa = 6 * kU * (1 + kU) + 2 * gradient_error_factor(q, k, n, n, d, scale);
+              const AxialGradients ref =
+                  axial_gradients(q, k, v, dout_wide.head(b, 0), n, d, cols, causal, e_u, e_out, kappa);
+              const std::string label = "axial N=" + std::to_string(n) + " C=" + std::to_string(cols) +
+                                        (causal ? " causal " : " ") + path + " b=" + std::to_string(b);
+              for (int x = 0; x < 3; ++x)
+                check_bf16_elements(
+                    got[x].head(b, 0), ref.grads[x], n * d,
+                    [&](std::int64_t e) { return ref.bounds[x][static_cast<std::size_t>(e)]; },
+                    std::string("d") + "qkv"[x] + " " + label);
+            }
+          }
+    });
+  }
+
   TEST_CASE("the bf16 decode, on bf16 caches, equals the bf16 causal forward") {
-    // check_bf16_decode's bound (tests/support/bf16_check.hpp). Strides are given: the default
-    // follows N, which differs between the decoding model and the forward it is checked on.
+    // check_bf16_decode's bound (tests/support/bf16_check.hpp). Strides and grid widths are given,
+    // and axial's contexts are at least a grid row: the defaults and the clamp to N follow N, which
+    // differs between the decoding model and the forward it is checked on.
     struct DecodeCase {
       std::string model;
       std::vector<std::string> params;
@@ -135,6 +383,8 @@ TEST_SUITE("factorised_bf16") {
              {"sparse-transformer", {"stride=8"}, {1, 8, 9, 17, 31}, 20},
              {"sparse-transformer", {"stride=70"}, {64, 71}, 80},
              {"sparse-transformer", {"pattern=fixed", "stride=8", "summary=3"}, {1, 5, 8, 13, 16}, 20},
+             {"axial", {"cols=8"}, {8, 13, 16, 30}, 20},
+             {"axial", {"cols=70"}, {70, 75}, 70},
          })
       for (std::int64_t context : c.contexts) {
         CAPTURE(c.model);
@@ -160,11 +410,14 @@ TEST_SUITE("factorised_bf16") {
       };
     };
     const auto none = [](std::int64_t, bool) { return std::int64_t{0}; };
+    const auto row_outputs = [](std::int64_t n, bool) { return 2 * n * 32; };  // U, [1, 2, N, 32]
     for (const RowCase& c :
          std::vector<RowCase>{{"sparse-transformer", {}, none},
                               {"sparse-transformer", {"stride=8"}, none},
                               {"sparse-transformer", {"pattern=fixed"}, summaries(0, 8)},
-                              {"sparse-transformer", {"pattern=fixed", "stride=70", "summary=5"}, summaries(70, 5)}})
+                              {"sparse-transformer", {"pattern=fixed", "stride=70", "summary=5"}, summaries(70, 5)},
+                              {"axial", {}, row_outputs},
+                              {"axial", {"cols=70"}, row_outputs}})
       for (std::int64_t n : {100, 257})
         for (bool causal : {false, true})
           for (Pass pass : {Pass::Forward, Pass::Backward, Pass::Train, Pass::Decode}) {
@@ -196,7 +449,7 @@ TEST_SUITE("factorised_bf16") {
   }
 
   TEST_CASE("a head dimension the bf16 tiles cannot take is an unsupported bf16 row, not fp32") {
-    for (const std::string model : {"sparse-transformer"}) {
+    for (const std::string model : {"sparse-transformer", "axial"}) {
       PointConfig c = counter_point(model, {.batch = 1, .heads = 2, .seq_len = 40, .head_dim = 24});
       c.problem.dtype = DType::BF16;
       const ResultRow row = run_point(c);
