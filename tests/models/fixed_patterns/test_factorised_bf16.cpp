@@ -137,13 +137,16 @@ std::vector<AxialCase> axial_cases() {
 // ≤ u(1 + u)·T — P and dS of each stage, dU before the row stage, the gradient once at the end —
 // plus the fp32 factor of each stage: κ = 6u(1 + u) + 2·gradient_error_factor. On top, E: what the
 // stored bf16 forward quantities bring in through dS = P ⊙ (dP − δ): the second stage's δ from O
-// (off by ≤ e_O: Δδ ≤ 1.01·e_O·Σ|dO|) and its dP from U (off by ≤ e_U: ΔdP ≤ e_U·Σ|dO|), the row
-// stage's δ from U (Δδ ≤ 1.01·e_U·Σ T_dU), each times P and |K| (dQ) or |Q| (dK).
+// (Δδ_i ≤ 1.01·Σ_c |dO_ic|·e_O[i, c]) and its dP from U (ΔdP_ij ≤ Σ_c |dO_ic|·e_U[j, c]), the row
+// stage's δ from U (Δδ_i ≤ 1.01·Σ_c T_dU[i, c]·e_U[i, c]), each times P and |K| (dQ) or |Q| (dK);
+// e_U and e_O per element as in the forward bound but on each element's own magnitudes (rounding P
+// moves an element by ≤ u·Σ_t p_t·|value_t|, rounding it by ≤ u·|element|; U's error rides into O
+// through its weights), with `fp32` (attention_tolerance) for the fp32 rounding of each stage.
 struct AxialGradients {
   std::vector<double> grads[3], bounds[3];  // dq, dk, dv
 };
 AxialGradients axial_gradients(const float* q, const float* k, const float* v, const float* dout, std::int64_t n,
-                               std::int64_t d, std::int64_t cols, bool causal, double e_u, double e_out, double kappa) {
+                               std::int64_t d, std::int64_t cols, bool causal, double fp32, double kappa) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   using Keys = std::vector<std::pair<std::int64_t, bool>>;  // (token, value from U?)
   std::vector<Keys> rows(static_cast<std::size_t>(n)), second(static_cast<std::size_t>(n));
@@ -168,28 +171,49 @@ AxialGradients axial_gradients(const float* q, const float* k, const float* v, c
     return p;
   };
   const std::size_t size = static_cast<std::size_t>(n * d);
-  std::vector<double> u(size, 0.0);
+  const double r = kBf16Roundoff * (1 + kBf16Roundoff);
+  std::vector<double> u(size, 0.0), e_u(size, 0.0), e_out(size, 0.0);
   for (std::int64_t i = 0; i < n; ++i) {
     const auto p = weights(i, rows[static_cast<std::size_t>(i)]);
-    for (std::size_t t = 0; t < p.size(); ++t)
-      for (std::int64_t c = 0; c < d; ++c)
-        u[static_cast<std::size_t>(i * d + c)] += p[t] * v[rows[static_cast<std::size_t>(i)][t].first * d + c];
+    for (std::int64_t c = 0; c < d; ++c) {
+      const auto me = static_cast<std::size_t>(i * d + c);
+      double magnitude = 0;
+      for (std::size_t t = 0; t < p.size(); ++t) {
+        const float value = v[rows[static_cast<std::size_t>(i)][t].first * d + c];
+        u[me] += p[t] * value;
+        magnitude += p[t] * std::fabs(value);
+      }
+      e_u[me] = r * (magnitude + std::fabs(u[me])) + fp32;
+    }
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    const Keys& keys = second[static_cast<std::size_t>(i)];
+    const auto p = weights(i, keys);
+    for (std::int64_t c = 0; c < d; ++c) {
+      double o = 0, magnitude = 0, carried = 0;
+      for (std::size_t t = 0; t < p.size(); ++t) {
+        const auto at = static_cast<std::size_t>(keys[t].first * d + c);
+        const double value = keys[t].second ? u[at] : static_cast<double>(v[keys[t].first * d + c]);
+        o += p[t] * value;
+        magnitude += p[t] * (std::fabs(value) + (keys[t].second ? e_u[at] : 0.0));
+        if (keys[t].second) carried += p[t] * e_u[at];
+      }
+      e_out[static_cast<std::size_t>(i * d + c)] = r * (magnitude + std::fabs(o) + carried) + carried + fp32;
+    }
   }
   // g: dq, dk, dv, du; a: their terms; e: the extra E of dq, dk.
   std::vector<double> g[4], a[4], e[2];
   for (auto* set : {g, a})
     for (int x = 0; x < 4; ++x) set[x].assign(size, 0.0);
   for (auto& x : e) x.assign(size, 0.0);
-  // One stage's backward for output gradient go (terms ga); value_error: ΔdP per unit of Σ|go| for
-  // values from U; delta_error[i]: Δδ_i.
+  // One stage's backward for output gradient go (terms ga); value_errors: e_U when the stage's
+  // values from U are the computed U (else nullptr); delta_error[i]: Δδ_i.
   auto stage = [&](const std::vector<Keys>& lists, const std::vector<double>& go, const std::vector<double>& ga,
-                   double value_error, const std::vector<double>& delta_error) {
+                   const std::vector<double>* value_errors, const std::vector<double>& delta_error) {
     for (std::int64_t i = 0; i < n; ++i) {
       const Keys& keys = lists[static_cast<std::size_t>(i)];
       const auto p = weights(i, keys);
-      double go_abs = 0;
-      for (std::int64_t c = 0; c < d; ++c) go_abs += ga[static_cast<std::size_t>(i * d + c)];
-      std::vector<double> dp(keys.size()), dpa(keys.size());
+      std::vector<double> dp(keys.size()), dpa(keys.size()), dp_error(keys.size());
       double delta = 0, delta_abs = 0;
       for (std::size_t t = 0; t < keys.size(); ++t) {
         const auto [j, from_u] = keys[t];
@@ -198,6 +222,7 @@ AxialGradients axial_gradients(const float* q, const float* k, const float* v, c
           const double value = from_u ? u[at] : static_cast<double>(v[j * d + c]);
           dp[t] += go[me] * value;
           dpa[t] += ga[me] * std::fabs(value);
+          if (from_u && value_errors != nullptr) dp_error[t] += ga[me] * (*value_errors)[at];
         }
         delta += p[t] * dp[t];
         delta_abs += p[t] * dpa[t];
@@ -205,7 +230,7 @@ AxialGradients axial_gradients(const float* q, const float* k, const float* v, c
       for (std::size_t t = 0; t < keys.size(); ++t) {
         const auto [j, from_u] = keys[t];
         const double ds = p[t] * (dp[t] - delta), dsa = p[t] * (dpa[t] + delta_abs);
-        const double extra = p[t] * ((from_u ? value_error * go_abs : 0.0) + delta_error[static_cast<std::size_t>(i)]);
+        const double extra = p[t] * (dp_error[t] + delta_error[static_cast<std::size_t>(i)]);
         for (std::int64_t c = 0; c < d; ++c) {
           const auto at = static_cast<std::size_t>(j * d + c), me = static_cast<std::size_t>(i * d + c);
           g[0][me] += scale * ds * k[j * d + c];
@@ -224,14 +249,16 @@ AxialGradients axial_gradients(const float* q, const float* k, const float* v, c
   std::vector<double> ga(size), delta_error(static_cast<std::size_t>(n));
   for (std::size_t x = 0; x < size; ++x) ga[x] = std::fabs(go[x]);
   for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t c = 0; c < d; ++c) delta_error[static_cast<std::size_t>(i)] += 1.01 * e_out * ga[i * d + c];
-  stage(second, go, ga, e_u, delta_error);
+    for (std::int64_t c = 0; c < d; ++c)
+      delta_error[static_cast<std::size_t>(i)] += 1.01 * e_out[static_cast<std::size_t>(i * d + c)] * ga[i * d + c];
+  stage(second, go, ga, &e_u, delta_error);
   const std::vector<double> du = g[3], du_terms = a[3];
   std::fill(delta_error.begin(), delta_error.end(), 0.0);
   for (std::int64_t i = 0; i < n; ++i)
     for (std::int64_t c = 0; c < d; ++c)
-      delta_error[static_cast<std::size_t>(i)] += 1.01 * e_u * du_terms[static_cast<std::size_t>(i * d + c)];
-  stage(rows, du, du_terms, 0.0, delta_error);
+      delta_error[static_cast<std::size_t>(i)] +=
+          1.01 * e_u[static_cast<std::size_t>(i * d + c)] * du_terms[static_cast<std::size_t>(i * d + c)];
+  stage(rows, du, du_terms, nullptr, delta_error);
   AxialGradients out;
   for (int x = 0; x < 3; ++x) {
     out.grads[x] = g[x];
@@ -352,11 +379,9 @@ TEST_SUITE("factorised_bf16") {
             for (std::int64_t b = 0; b < 2; ++b) {
               const float *q = in.widened.q.head(b, 0), *k = in.widened.k.head(b, 0), *v = in.widened.v.head(b, 0);
               const double scale = 0.25, fp32 = attention_tolerance(q, k, v, n, n, d, scale);
-              const double e_u = bf16_forward_bound(q, k, v, n, d);
-              const double e_out = e_u + 2 * kU * (1 + kU) * (max_abs_of(v, n * d) + e_u) + fp32;
               const double kappa = 6 * kU * (1 + kU) + 2 * gradient_error_factor(q, k, n, n, d, scale);
               const AxialGradients ref =
-                  axial_gradients(q, k, v, dout_wide.head(b, 0), n, d, cols, causal, e_u, e_out, kappa);
+                  axial_gradients(q, k, v, dout_wide.head(b, 0), n, d, cols, causal, fp32, kappa);
               const std::string label = "axial N=" + std::to_string(n) + " C=" + std::to_string(cols) +
                                         (causal ? " causal " : " ") + path + " b=" + std::to_string(b);
               for (int x = 0; x < 3; ++x)
