@@ -89,6 +89,14 @@ std::int64_t packed_key_floats(std::int64_t max_cols, std::int64_t d);
 std::int64_t accumulate(const QueryBlock& queries, const KeyBlock& keys, std::int64_t d, float scale, bool fresh,
                         const ScoreTile& scores);
 
+// The online-softmax update of one row, shared by the fp32 and bf16 engines (both keep M, S and A
+// in fp32): row [0, width) holds the row's scores, its interval [lo, hi) (hi ≤ lo: empty). Writes
+// P_j = exp(X_j − M') on the interval and 0 elsewhere in [0, width), and updates row_max, row_sum
+// and (not fresh) rescales acc [d] by α. A fresh empty row gets M = −inf, S = 0; a stale empty row
+// keeps its state. Returns the FLOPs it executed (4 per valid entry, + d when it rescaled).
+std::int64_t online_softmax_row(float* row, std::int64_t width, std::int64_t lo, std::int64_t hi, float& row_max,
+                                float& row_sum, float* acc, std::int64_t d, bool fresh);
+
 // O_r = A_r / S_r (0 when S_r = 0); out row r at out + r·ld_out, may alias acc with the same
 // stride. Returns the FLOPs it executed (D per row).
 std::int64_t finish(const QueryBlock& queries, std::int64_t d, float* out, std::int64_t ld_out);

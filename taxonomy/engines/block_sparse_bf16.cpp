@@ -83,60 +83,75 @@ std::int64_t ThreadScratchBf16::tracked_bytes(std::int64_t threads, std::int64_t
   return threads * (forward_floats(max_cols, d) * kFloat + forward_halves(max_cols, d) * kHalf);
 }
 
-std::int64_t attend_bf16(const HeadViewBf16& head, const Tile& tile, ThreadScratchBf16& scratch, int thread) {
-  const std::int64_t d = head.d, ld = scratch.ld(), ldq = tile.q_step * d, ldk = tile.k_step * d;
-  const std::int64_t *lo = scratch.lo(thread), *hi = scratch.hi(thread);
-  const Hull hull = hull_of(tile.rows, lo, hi);
-  const std::int64_t width = hull.width(), even = width + (width & 1);
-  bf16* out = head.out + tile.q_first * d;
-  float* row_max = scratch.row_max(thread);
-  float* row_sum = scratch.row_sum(thread);
-  if (width > 0) {
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    const bf16* keys = head.k + (tile.k_first + hull.begin * tile.k_step) * d;
-    const bf16* values = head.v + (tile.k_first + hull.begin * tile.k_step) * d;
-    float* scores = scratch.scores(thread);
-    bf16* probs = scratch.probs(thread);
-    // This tile's rows, then as many rows past them: the next task's in consecutive tilings (the
-    // prefetcher alone left local attention's 16K-token forward 10% slower than fp32's).
-    for (std::int64_t ahead : {std::int64_t{0}, width}) {
-      prefetch_rows(keys + ahead * ldk, ldk, width, d);
-      prefetch_rows(head.q + tile.q_first * d + ahead * ldq, ldq, tile.rows, d);
-      prefetch_rows(values + ahead * ldk, ldk, width, d);
-    }
-    tiles::pack_key_pair_panels(keys, ldk, width, d, scratch.key_panels(thread));
-    tiles::scores_bf16(head.q + tile.q_first * d, ldq, tile.rows, scratch.key_panels(thread), tiles::panels_for(width),
-                       d, scale, scores, ld);
-    for (std::int64_t r = 0; r < tile.rows; ++r) {
-      float* row = scores + r * ld;
-      const std::int64_t begin = row_begin(hull, lo[r], hi[r]), end = row_end(hull, lo[r], hi[r]);
-      if (end > begin) {
-        row_max[r] = tiles::interval_max(row, begin, end, -std::numeric_limits<float>::infinity());
-        row_sum[r] = tiles::exp_interval(row, begin, end, even, row_max[r]);  // column `width` (odd) is 0
-      } else {
-        std::fill(row, row + even, 0.0f);
-        row_max[r] = -std::numeric_limits<float>::infinity();
-        row_sum[r] = 0.0f;
+std::int64_t accumulate_bf16(const QueryBlockBf16& q, const KeyBlockBf16& k, std::int64_t d, float scale, bool fresh,
+                             ThreadScratchBf16& scratch, int thread) {
+  const Hull hull = hull_of(q.rows, k.lo, k.hi);
+  const std::int64_t width = hull.width(), even = width + (width & 1), ld = scratch.ld();
+  if (width == 0) {
+    if (fresh)
+      for (std::int64_t r = 0; r < q.rows; ++r) {
+        std::fill(q.acc + r * q.ld_acc, q.acc + r * q.ld_acc + d, 0.0f);
+        q.row_max[r * q.ld_stats] = -std::numeric_limits<float>::infinity();
+        q.row_sum[r * q.ld_stats] = 0.0f;
       }
-      tiles::round_row(row, even, probs + r * ld);
-    }
-    tiles::pack_row_pairs(values, ldk, width, d, scratch.value_pairs(thread));
-    float* acc = scratch.acc(thread);
-    std::fill(acc, acc + tile.rows * d, 0.0f);
-    tiles::accumulate_pv_bf16(probs, ld, tile.rows, width, scratch.value_pairs(thread), d, acc, d);
-    for (std::int64_t r = 0; r < tile.rows; ++r)
-      round_scaled(acc + r * d, row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f, d, out + r * ldq);
-  } else {
-    for (std::int64_t r = 0; r < tile.rows; ++r) {
-      std::fill(out + r * ldq, out + r * ldq + d, to_bf16(0.0f));
-      row_max[r] = -std::numeric_limits<float>::infinity();
-      row_sum[r] = 0.0f;
-    }
+    return 0;
   }
+  const bf16* keys = k.keys + hull.begin * k.ld_keys;
+  const bf16* values = k.values + hull.begin * k.ld_values;
+  // This block's rows, then as many rows past them: the next task's in consecutive tilings (the
+  // prefetcher alone left local attention's 16K-token forward 10% slower than fp32's).
+  for (std::int64_t ahead : {std::int64_t{0}, width}) {
+    prefetch_rows(keys + ahead * k.ld_keys, k.ld_keys, width, d);
+    prefetch_rows(q.queries + ahead * q.ld_queries, q.ld_queries, q.rows, d);
+    prefetch_rows(values + ahead * k.ld_values, k.ld_values, width, d);
+  }
+  float* scores = scratch.scores(thread);
+  bf16* probs = scratch.probs(thread);
+  tiles::pack_key_pair_panels(keys, k.ld_keys, width, d, scratch.key_panels(thread));
+  tiles::scores_bf16(q.queries, q.ld_queries, q.rows, scratch.key_panels(thread), tiles::panels_for(width), d, scale,
+                     scores, ld);
+  for (std::int64_t r = 0; r < q.rows; ++r) {
+    float* row = scores + r * ld;  // over [0, even): column `width` (odd) comes out 0, the bf16 rows' pad
+    online_softmax_row(row, even, k.lo[r] - hull.begin, k.hi[r] - hull.begin, q.row_max[r * q.ld_stats],
+                       q.row_sum[r * q.ld_stats], q.acc + r * q.ld_acc, d, fresh);
+    tiles::round_row(row, even, probs + r * ld);
+  }
+  tiles::pack_row_pairs(values, k.ld_values, width, d, scratch.value_pairs(thread));
+  if (fresh)
+    for (std::int64_t r = 0; r < q.rows; ++r) std::fill(q.acc + r * q.ld_acc, q.acc + r * q.ld_acc + d, 0.0f);
+  tiles::accumulate_pv_bf16(probs, ld, q.rows, width, scratch.value_pairs(thread), d, q.acc, q.ld_acc);
+  return accumulate_flops(q.rows, k.lo, k.hi, d, fresh);
+}
+
+std::int64_t finish_bf16(const QueryBlockBf16& q, std::int64_t d, bf16* out, std::int64_t ld_out) {
+  for (std::int64_t r = 0; r < q.rows; ++r) {
+    const float sum = q.row_sum[r * q.ld_stats];
+    round_scaled(q.acc + r * q.ld_acc, sum > 0.0f ? 1.0f / sum : 0.0f, d, out + r * ld_out);
+  }
+  return finish_flops(q.rows, d);
+}
+
+std::int64_t attend_bf16(const HeadViewBf16& head, const Tile& tile, ThreadScratchBf16& scratch, int thread) {
+  const std::int64_t d = head.d, ldq = tile.q_step * d, ldk = tile.k_step * d;
+  const QueryBlockBf16 queries{.queries = head.q + tile.q_first * d,
+                               .ld_queries = ldq,
+                               .rows = tile.rows,
+                               .acc = scratch.acc(thread),
+                               .ld_acc = d,
+                               .row_max = scratch.row_max(thread),
+                               .row_sum = scratch.row_sum(thread)};
+  const KeyBlockBf16 keys{.keys = head.k + tile.k_first * d,
+                          .ld_keys = ldk,
+                          .values = head.v + tile.k_first * d,
+                          .ld_values = ldk,
+                          .lo = scratch.lo(thread),
+                          .hi = scratch.hi(thread)};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const std::int64_t flops = accumulate_bf16(queries, keys, d, scale, true, scratch, thread);
   if (head.lse != nullptr)
     for (std::int64_t r = 0; r < tile.rows; ++r)
-      head.lse[tile.q_first + r * tile.q_step] = log_sum_exp(row_max[r], row_sum[r]);
-  return accumulate_flops(tile.rows, lo, hi, d, true) + finish_flops(tile.rows, d);
+      head.lse[tile.q_first + r * tile.q_step] = log_sum_exp(queries.row_max[r], queries.row_sum[r]);
+  return flops + finish_bf16(queries, d, head.out + tile.q_first * d, ldq);
 }
 
 BackwardScratchBf16::BackwardScratchBf16(std::int64_t threads, std::int64_t max_cols, std::int64_t tokens,
@@ -157,17 +172,19 @@ std::int64_t BackwardScratchBf16::tracked_bytes(std::int64_t threads, std::int64
   return threads * (backward_floats(max_cols, tokens, d) * kFloat + backward_halves(max_cols, d) * kHalf);
 }
 
-std::int64_t begin_head_bf16(HeadGradsBf16& g) {
-  const std::int64_t d = g.d;
-  for (std::int64_t i = 0; i < g.tokens; ++i) {
-    const bf16 *a = g.dout + i * d, *b = g.out + i * d;
+std::int64_t row_dots_bf16(const bf16* a, const bf16* b, std::int64_t rows, std::int64_t d, float* dots) {
+  for (std::int64_t i = 0; i < rows; ++i) {
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-    for (std::int64_t c = 0; c < d; ++c) dot += to_float(a[c]) * to_float(b[c]);
-    g.delta[i] = dot;
+    for (std::int64_t c = 0; c < d; ++c) dot += to_float(a[i * d + c]) * to_float(b[i * d + c]);
+    dots[i] = dot;
   }
+  return 2 * rows * d;
+}
+
+std::int64_t begin_head_bf16(HeadGradsBf16& g) {
   g.zeroed = g.flushed = g.base = 0;
-  return 2 * g.tokens * d;
+  return row_dots_bf16(g.dout, g.out, g.tokens, g.d, g.delta);
 }
 
 namespace {
@@ -192,41 +209,33 @@ void flush_through(HeadGradsBf16& g, std::int64_t end) {
 
 void finish_head_bf16(HeadGradsBf16& g) { flush_through(g, g.tokens); }
 
-std::int64_t attend_backward_bf16(HeadGradsBf16& g, const Tile& tile, const std::int64_t* lo, const std::int64_t* hi,
-                                  BackwardScratchBf16& scratch, int thread) {
-  const std::int64_t d = g.d, ld = scratch.ld(), ldq = tile.q_step * d;
-  const Hull hull = hull_of(tile.rows, lo, hi);
-  const std::int64_t width = hull.width(), even = width + (width & 1);
-  bf16* dq = g.dq + tile.q_first * d;
-  if (width == 0) {
-    for (std::int64_t r = 0; r < tile.rows; ++r) std::fill(dq + r * ldq, dq + r * ldq + d, to_bf16(0.0f));
-    return 0;
-  }
-  if (tile.k_step != 1) throw std::logic_error("attend_backward_bf16: key rows must be consecutive (k_step 1)");
-  const std::int64_t first_key = tile.k_first + hull.begin, end_key = tile.k_first + hull.end;
-  if (first_key < g.flushed) throw std::logic_error("attend_backward_bf16: a tile reaches dK/dV rows already rounded");
-  flush_through(g, first_key);        // no later tile reaches below this one's hull
-  if (end_key - g.base > g.window) {  // the live rows [flushed, zeroed) move to the window's start
-    const std::int64_t live = g.zeroed - g.flushed, from = (g.flushed - g.base) * d;
-    std::copy(g.dk_acc + from, g.dk_acc + from + live * d, g.dk_acc);
-    std::copy(g.dv_acc + from, g.dv_acc + from + live * d, g.dv_acc);
-    g.base = g.flushed;
-  }
-  if (end_key - g.base > g.window) throw std::logic_error("attend_backward_bf16: a hull wider than the key window");
-  if (end_key > g.zeroed) {
-    std::fill(g.dk_acc + (g.zeroed - g.base) * d, g.dk_acc + (end_key - g.base) * d, 0.0f);
-    std::fill(g.dv_acc + (g.zeroed - g.base) * d, g.dv_acc + (end_key - g.base) * d, 0.0f);
-    g.zeroed = end_key;
-  }
+namespace {
+
+// Where one tile's fp32 gradient sums go: dQ row r at dq + r·ld_dq (the tile's query rows), dK and
+// dV row j at dk, dv + j·ld_kv (the hull's key rows).
+struct TileSums {
+  float* dq;
+  std::int64_t ld_dq;
+  float *dk, *dv;
+  std::int64_t ld_kv;
+};
+
+// The products of one tile's backward (header comment) on a non-empty hull: S and dP on K and V pair
+// panels, P = exp(S − L) and dS = P ⊙ (dP − δ) in fp32, rounded to bf16, then dV += Pᵀ·dO,
+// dK += scale·dSᵀ·Q, dQ += scale·dS·K into the sums.
+void tile_sums(const HeadGradsBf16& g, const Tile& tile, const Hull& hull, const std::int64_t* lo,
+               const std::int64_t* hi, BackwardScratchBf16& scratch, int thread, const TileSums& sums) {
+  const std::int64_t d = g.d, ld = scratch.ld(), ldq = tile.q_step * d, ldk = tile.k_step * d;
+  const std::int64_t width = hull.width(), even = width + (width & 1), panels = tiles::panels_for(width);
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  const std::int64_t panels = tiles::panels_for(width);
   const bf16 *q = g.q + tile.q_first * d, *dout = g.dout + tile.q_first * d;
-  const bf16 *k = g.k + first_key * d, *v = g.v + first_key * d;
+  const std::int64_t key_offset = (tile.k_first + hull.begin * tile.k_step) * d;
+  const bf16 *k = g.k + key_offset, *v = g.v + key_offset;
   float* probs = scratch.probs(thread);
   float* grads = scratch.grads(thread);
-  tiles::pack_key_pair_panels(k, d, width, d, scratch.key_panels(thread));
+  tiles::pack_key_pair_panels(k, ldk, width, d, scratch.key_panels(thread));
   tiles::scores_bf16(q, ldq, tile.rows, scratch.key_panels(thread), panels, d, scale, probs, ld);
-  tiles::pack_key_pair_panels(v, d, width, d, scratch.value_panels(thread));
+  tiles::pack_key_pair_panels(v, ldk, width, d, scratch.value_panels(thread));
   tiles::scores_bf16(dout, ldq, tile.rows, scratch.value_panels(thread), panels, d, 1.0f, grads, ld);
   bf16* prob_pairs = scratch.prob_pairs(thread);
   bf16* grad_pairs = scratch.grad_pairs(thread);
@@ -247,15 +256,58 @@ std::int64_t attend_backward_bf16(HeadGradsBf16& g, const Tile& tile, const std:
   }
   tiles::pack_row_pairs(dout, ldq, tile.rows, d, scratch.dout_pairs(thread));
   tiles::pack_row_pairs(q, ldq, tile.rows, d, scratch.query_pairs(thread));
-  tiles::pack_row_pairs(k, d, width, d, scratch.key_pairs(thread));
-  tiles::accumulate_transposed_bf16(prob_pairs, ld, tile.rows, width, scratch.dout_pairs(thread), d, 1.0f,
-                                    g.dv_acc + (first_key - g.base) * d, d);
-  tiles::accumulate_transposed_bf16(grad_pairs, ld, tile.rows, width, scratch.query_pairs(thread), d, scale,
-                                    g.dk_acc + (first_key - g.base) * d, d);
+  tiles::pack_row_pairs(k, ldk, width, d, scratch.key_pairs(thread));
+  tiles::accumulate_transposed_bf16(prob_pairs, ld, tile.rows, width, scratch.dout_pairs(thread), d, 1.0f, sums.dv,
+                                    sums.ld_kv);
+  tiles::accumulate_transposed_bf16(grad_pairs, ld, tile.rows, width, scratch.query_pairs(thread), d, scale, sums.dk,
+                                    sums.ld_kv);
+  tiles::accumulate_pv_bf16(grad_rows, ld, tile.rows, width, scratch.key_pairs(thread), d, sums.dq, sums.ld_dq, scale);
+}
+
+}  // namespace
+
+std::int64_t attend_backward_bf16(HeadGradsBf16& g, const Tile& tile, const std::int64_t* lo, const std::int64_t* hi,
+                                  BackwardScratchBf16& scratch, int thread) {
+  const std::int64_t d = g.d, ldq = tile.q_step * d;
+  const Hull hull = hull_of(tile.rows, lo, hi);
+  bf16* dq = g.dq + tile.q_first * d;
+  if (hull.width() == 0) {
+    for (std::int64_t r = 0; r < tile.rows; ++r) std::fill(dq + r * ldq, dq + r * ldq + d, to_bf16(0.0f));
+    return 0;
+  }
+  if (tile.k_step != 1) throw std::logic_error("attend_backward_bf16: key rows must be consecutive (k_step 1)");
+  const std::int64_t first_key = tile.k_first + hull.begin, end_key = tile.k_first + hull.end;
+  if (first_key < g.flushed) throw std::logic_error("attend_backward_bf16: a tile reaches dK/dV rows already rounded");
+  flush_through(g, first_key);        // no later tile reaches below this one's hull
+  if (end_key - g.base > g.window) {  // the live rows [flushed, zeroed) move to the window's start
+    const std::int64_t live = g.zeroed - g.flushed, from = (g.flushed - g.base) * d;
+    std::copy(g.dk_acc + from, g.dk_acc + from + live * d, g.dk_acc);
+    std::copy(g.dv_acc + from, g.dv_acc + from + live * d, g.dv_acc);
+    g.base = g.flushed;
+  }
+  if (end_key - g.base > g.window) throw std::logic_error("attend_backward_bf16: a hull wider than the key window");
+  if (end_key > g.zeroed) {
+    std::fill(g.dk_acc + (g.zeroed - g.base) * d, g.dk_acc + (end_key - g.base) * d, 0.0f);
+    std::fill(g.dv_acc + (g.zeroed - g.base) * d, g.dv_acc + (end_key - g.base) * d, 0.0f);
+    g.zeroed = end_key;
+  }
   float* dq_acc = scratch.dq(thread);
   std::fill(dq_acc, dq_acc + tile.rows * d, 0.0f);
-  tiles::accumulate_pv_bf16(grad_rows, ld, tile.rows, width, scratch.key_pairs(thread), d, dq_acc, d, scale);
+  const std::int64_t window_row = (first_key - g.base) * d;
+  tile_sums(g, tile, hull, lo, hi, scratch, thread, {dq_acc, d, g.dk_acc + window_row, g.dv_acc + window_row, d});
   for (std::int64_t r = 0; r < tile.rows; ++r) round_scaled(dq_acc + r * d, 1.0f, d, dq + r * ldq);
+  return attend_backward_flops(tile.rows, lo, hi, d);
+}
+
+std::int64_t accumulate_backward_bf16(const HeadGradsBf16& g, const Tile& tile, const std::int64_t* lo,
+                                      const std::int64_t* hi, float* dq_sum, float* dk_sum, float* dv_sum,
+                                      BackwardScratchBf16& scratch, int thread) {
+  const Hull hull = hull_of(tile.rows, lo, hi);
+  if (hull.width() == 0) return 0;
+  const std::int64_t d = g.d, ldq = tile.q_step * d, ldk = tile.k_step * d;
+  const std::int64_t key_offset = (tile.k_first + hull.begin * tile.k_step) * d;
+  tile_sums(g, tile, hull, lo, hi, scratch, thread,
+            {dq_sum + tile.q_first * d, ldq, dk_sum + key_offset, dv_sum + key_offset, ldk});
   return attend_backward_flops(tile.rows, lo, hi, d);
 }
 

@@ -75,8 +75,40 @@ class ThreadScratchBf16 {
   std::vector<std::int64_t> bounds_;
 };
 
-// The complete bf16 attention of one tile (the thread's lo/hi; Tile addressing as in attend): its
-// rows of head.out, and of head.lse when set. Returns the FLOPs of the fp32 attend (gemms included).
+// The online form (block_sparse::accumulate / finish in bf16), for query rows whose softmax spans
+// several key blocks (axial's causal union): bf16 queries, keys and values; the state M, S and the
+// unnormalised A stay fp32 (A: an fp32 buffer of the caller's, not the output), updated by the fp32
+// engine's online_softmax_row. A call folds one key block in: S = scale·Q·K[hull]ᵀ (scores_bf16),
+// the row update, P rounded to bf16 rows, A += P·V[hull] (accumulate_pv_bf16); fresh zeroes A first.
+// finish_bf16 writes O = bf16(A / S) (0 for a row that saw nothing).
+struct QueryBlockBf16 {
+  const bf16* queries = nullptr;  // row r at queries + r·ld_queries
+  std::int64_t ld_queries = 0;
+  std::int64_t rows = 0;  // m ≤ kTaskRows
+  float* acc = nullptr;   // A: row r at acc + r·ld_acc
+  std::int64_t ld_acc = 0;
+  float* row_max = nullptr;  // M_r at row_max[r·ld_stats]
+  float* row_sum = nullptr;  // S_r at row_sum[r·ld_stats]
+  std::int64_t ld_stats = 1;
+};
+struct KeyBlockBf16 {
+  const bf16* keys = nullptr;  // key row j at keys + j·ld_keys
+  std::int64_t ld_keys = 0;
+  const bf16* values = nullptr;  // value row j at values + j·ld_values
+  std::int64_t ld_values = 0;
+  const std::int64_t* lo = nullptr;  // query row r sees key rows [lo[r], hi[r])
+  const std::int64_t* hi = nullptr;
+};
+// Uses the thread's score tile, P rows and panels (not its acc, M, S unless the blocks point there).
+// Returns the FLOPs of the fp32 accumulate with its gemms: accumulate_flops(rows, lo, hi, d, fresh).
+std::int64_t accumulate_bf16(const QueryBlockBf16& queries, const KeyBlockBf16& keys, std::int64_t d, float scale,
+                             bool fresh, ThreadScratchBf16& scratch, int thread);
+// out row r at out + r·ld_out. Returns finish_flops(rows, d).
+std::int64_t finish_bf16(const QueryBlockBf16& queries, std::int64_t d, bf16* out, std::int64_t ld_out);
+
+// The complete bf16 attention of one tile (the thread's lo/hi; Tile addressing as in attend): a
+// fresh accumulate_bf16 into the thread's acc, M and S, then finish_bf16 into its rows of head.out
+// (and head.lse when set). Returns the FLOPs of the fp32 attend (gemms included).
 std::int64_t attend_bf16(const HeadViewBf16& head, const Tile& tile, ThreadScratchBf16& scratch, int thread);
 
 // run_tiles in bf16: every task of every head, FLOPs added to the counter.
@@ -152,6 +184,29 @@ struct HeadGradsBf16 {
 // otherwise). Returns the FLOPs of the fp32 attend_backward (gemms included).
 std::int64_t attend_backward_bf16(HeadGradsBf16& g, const Tile& tile, const std::int64_t* lo, const std::int64_t* hi,
                                   BackwardScratchBf16& scratch, int thread);
+// The backward of one tile with any addressing (Tile's q_step and k_step; tiles may share query and
+// key rows — sparse-transformer's residue classes, axial's stages): its dQ, dK and dV added to fp32
+// sums of the whole head, dq_sum row t for query token t, dk_sum and dv_sum row t for key row t (of
+// the head's key rows, which may be a gathered buffer). The products and roundings are those of
+// attend_backward_bf16 (P and dS rounded to bf16; fp32 sums); g's dq, dk, dv and window are unused.
+// The caller zeroes the sums and rounds them once every tile of the head is in. Returns the FLOPs of
+// the fp32 attend_backward (gemms included).
+std::int64_t accumulate_backward_bf16(const HeadGradsBf16& g, const Tile& tile, const std::int64_t* lo,
+                                      const std::int64_t* hi, float* dq_sum, float* dk_sum, float* dv_sum,
+                                      BackwardScratchBf16& scratch, int thread);
+// accumulate_backward_bf16 over every task's tile of one head (the thread's lo/hi). Returns the FLOPs.
+template <class Plan>
+std::int64_t backward_sums_bf16(const HeadGradsBf16& g, std::int64_t tasks, const Plan& plan, float* dq_sum,
+                                float* dk_sum, float* dv_sum, BackwardScratchBf16& scratch, int thread) {
+  std::int64_t *lo = scratch.lo(thread), *hi = scratch.hi(thread), flops = 0;
+  for (std::int64_t task = 0; task < tasks; ++task) {
+    const Tile tile = plan(task, lo, hi);
+    if (tile.rows > 0) flops += accumulate_backward_bf16(g, tile, lo, hi, dq_sum, dk_sum, dv_sum, scratch, thread);
+  }
+  return flops;
+}
+// dots[i] = Σ_c a[i, c]·b[i, c] in fp32 for i < rows (bf16 rows of d). Returns its FLOPs (2·rows·d).
+std::int64_t row_dots_bf16(const bf16* a, const bf16* b, std::int64_t rows, std::int64_t d, float* dots);
 // δ of the head's N rows (2·N·D FLOPs, returned).
 std::int64_t begin_head_bf16(HeadGradsBf16& g);
 // Rounds the remaining dK/dV sums and zeroes the rows no tile reached.
@@ -168,6 +223,10 @@ class TileTrainingBf16 {
     return view;
   }
   std::vector<NamedTensor> saved() const { return {{"log_sum_exp", &lse_}}; }
+  // Head `head`'s HeadGradsBf16 of t with the saved log-sum-exp, δ and the dK/dV window in the
+  // thread's scratch.
+  HeadGradsBf16 grads(const BackwardTensors& t, std::int64_t head, int thread);
+  BackwardScratchBf16& scratch() { return scratch_; }
 
   // The backward of a single-plan model over heads [0, heads) of t, one head per task.
   template <class Plan>
@@ -186,7 +245,6 @@ class TileTrainingBf16 {
   }
 
  private:
-  HeadGradsBf16 grads(const BackwardTensors& t, std::int64_t head, int thread);
   std::int64_t tokens_ = 0;
   Tensor lse_;
   BackwardScratchBf16 scratch_;

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
-#include <type_traits>
 
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -11,49 +10,22 @@
 
 namespace xfb {
 
-template <class T>
-KvCacheOf<T>::KvCacheOf(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim)
-    : keys_(Shape{heads, capacity, head_dim}, std::is_same_v<T, bf16> ? DType::BF16 : DType::F32),
-      values_(Shape{heads, capacity, head_dim}, std::is_same_v<T, bf16> ? DType::BF16 : DType::F32) {}
+KvCache::KvCache(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim, DType dtype)
+    : keys_(Shape{heads, capacity, head_dim}, dtype), values_(Shape{heads, capacity, head_dim}, dtype) {}
 
-template <class T>
-T* KvCacheOf<T>::rows(Tensor& t) {
-  if constexpr (std::is_same_v<T, bf16>)
-    return t.bf16_data();
-  else
-    return t.data();
-}
-template <class T>
-const T* KvCacheOf<T>::rows(const Tensor& t) {
-  if constexpr (std::is_same_v<T, bf16>)
-    return t.bf16_data();
-  else
-    return t.data();
-}
-
-template <class T>
-void KvCacheOf<T>::store(std::int64_t head, std::int64_t slot, const T* k, const T* v, std::int64_t rows) {
-  const std::int64_t d = keys_.dim(2), capacity = keys_.dim(1);
-  T* key_rows = keys(head);
-  T* value_rows = values(head);
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int64_t at = (slot + r) % capacity;
-    std::copy_n(k + r * d, d, key_rows + at * d);
-    std::copy_n(v + r * d, d, value_rows + at * d);
-  }
-}
-
-template <class T>
-void KvCacheOf<T>::load_context(const Tensor& k, const Tensor& v, int threads) {
+void KvCache::load_context(const Tensor& k, const Tensor& v, int threads) {
   const std::int64_t heads = k.dim(0) * k.dim(1), n = k.dim(2), d = k.dim(3), capacity = this->capacity();
   const std::int64_t kept = std::min(n, capacity), first = n - kept;
+  const bool bf16_rows = keys_.dtype() == DType::BF16;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (std::int64_t head = 0; head < heads; ++head)
-    store(head, first % capacity, rows(k) + (head * n + first) * d, rows(v) + (head * n + first) * d, kept);
+  for (std::int64_t head = 0; head < heads; ++head) {
+    const std::int64_t row = (head * n + first) * d;
+    if (bf16_rows)
+      store(head, first % capacity, k.bf16_data() + row, v.bf16_data() + row, kept);
+    else
+      store(head, first % capacity, k.data() + row, v.data() + row, kept);
+  }
 }
-
-template class KvCacheOf<float>;
-template class KvCacheOf<bf16>;
 
 RowSoftmax begin_row(float* acc, std::int64_t head_dim) {
   std::fill_n(acc, head_dim, 0.0f);
@@ -69,6 +41,12 @@ std::int64_t scale_query(const float* q, std::int64_t head_dim, float* q_scaled)
   return head_dim;
 }
 
+std::int64_t scale_query(const bf16* q, std::int64_t head_dim, float* q_scaled) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  for (std::int64_t c = 0; c < head_dim; ++c) q_scaled[c] = to_float(q[c]) * scale;
+  return head_dim;
+}
+
 namespace {
 
 // Moves the row's state to the running max new_max (rescaling acc and l) and adds the chunk's
@@ -81,10 +59,13 @@ void absorb_scores(RowSoftmax& row, float* scores, std::int64_t count, float new
   row.max = new_max;
 }
 
-}  // namespace
+float element(float x) { return x; }
+float element(bf16 x) { return to_float(x); }
 
-std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
-                         std::int64_t rows, std::int64_t stride) {
+// attend_rows and attend_ring on rows of T (header comment).
+template <class T>
+std::int64_t attend_rows_of(RowSoftmax& row, const float* q_scaled, const T* keys, const T* values, std::int64_t rows,
+                            std::int64_t stride) {
   const std::int64_t d = row.head_dim, step = stride > 0 ? stride : d;
   float scores[kDecodeChunk];
   float* acc = row.acc;
@@ -92,35 +73,55 @@ std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* ke
     const std::int64_t n = std::min(kDecodeChunk, rows - c0);
     float chunk_max = -std::numeric_limits<float>::infinity();
     for (std::int64_t j = 0; j < n; ++j) {
-      const float* key = keys + (c0 + j) * step;
+      const T* key = keys + (c0 + j) * step;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (std::int64_t c = 0; c < d; ++c) dot += q_scaled[c] * key[c];
+      for (std::int64_t c = 0; c < d; ++c) dot += q_scaled[c] * element(key[c]);
       scores[j] = dot;
       chunk_max = std::max(chunk_max, dot);
     }
     absorb_scores(row, scores, n, std::max(row.max, chunk_max));
     for (std::int64_t j = 0; j < n; ++j) {
-      const float p = scores[j];
-      const float* value = values + (c0 + j) * step;
+      const float p = std::is_same_v<T, bf16> ? round_to_bf16(scores[j]) : scores[j];
+      const T* value = values + (c0 + j) * step;
 #pragma omp simd
-      for (std::int64_t c = 0; c < d; ++c) acc[c] += p * value[c];
+      for (std::int64_t c = 0; c < d; ++c) acc[c] += p * element(value[c]);
     }
   }
   return attend_rows_flops(rows, d);
 }
 
-std::int64_t attend_ring(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
-                         std::int64_t capacity, std::int64_t first, std::int64_t count, std::int64_t step) {
+template <class T>
+std::int64_t attend_ring_of(RowSoftmax& row, const float* q_scaled, const T* keys, const T* values,
+                            std::int64_t capacity, std::int64_t first, std::int64_t count, std::int64_t step) {
   if (count <= 0) return 0;
   const std::int64_t d = row.head_dim, begin = first % capacity;
   const std::int64_t head_run = std::min(count, (capacity - 1 - begin) / step + 1);  // before the ring wraps
-  std::int64_t flops = attend_rows(row, q_scaled, keys + begin * d, values + begin * d, head_run, step * d);
+  std::int64_t flops = attend_rows_of(row, q_scaled, keys + begin * d, values + begin * d, head_run, step * d);
   if (count > head_run) {
     const std::int64_t wrapped = begin + head_run * step - capacity;
-    flops += attend_rows(row, q_scaled, keys + wrapped * d, values + wrapped * d, count - head_run, step * d);
+    flops += attend_rows_of(row, q_scaled, keys + wrapped * d, values + wrapped * d, count - head_run, step * d);
   }
   return flops;
+}
+
+}  // namespace
+
+std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
+                         std::int64_t rows, std::int64_t stride) {
+  return attend_rows_of(row, q_scaled, keys, values, rows, stride);
+}
+std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const bf16* keys, const bf16* values,
+                         std::int64_t rows, std::int64_t stride) {
+  return attend_rows_of(row, q_scaled, keys, values, rows, stride);
+}
+std::int64_t attend_ring(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
+                         std::int64_t capacity, std::int64_t first, std::int64_t count, std::int64_t step) {
+  return attend_ring_of(row, q_scaled, keys, values, capacity, first, count, step);
+}
+std::int64_t attend_ring(RowSoftmax& row, const float* q_scaled, const bf16* keys, const bf16* values,
+                         std::int64_t capacity, std::int64_t first, std::int64_t count, std::int64_t step) {
+  return attend_ring_of(row, q_scaled, keys, values, capacity, first, count, step);
 }
 
 std::int64_t attend_rows_flops(std::int64_t rows, std::int64_t head_dim) {
@@ -207,6 +208,16 @@ std::int64_t finish_row(const RowSoftmax& row, float* out) {
   }
   const float inverse = 1.0f / row.sum;
   for (std::int64_t c = 0; c < row.head_dim; ++c) out[c] = row.acc[c] * inverse;
+  return row.head_dim;
+}
+
+std::int64_t finish_row(const RowSoftmax& row, bf16* out) {
+  if (row.sum == 0.0f) {
+    std::fill_n(out, row.head_dim, bf16{});
+    return 0;
+  }
+  const float inverse = 1.0f / row.sum;
+  for (std::int64_t c = 0; c < row.head_dim; ++c) out[c] = to_bf16(row.acc[c] * inverse);
   return row.head_dim;
 }
 

@@ -13,11 +13,12 @@
 // FLOPs (attend_rows): per key 2·D (dot) + 4 (max, subtract+exp, sum) + 2·D (accumulate); per
 // chunk D + 2 (rescale acc and l, and the factor). merge_rows (two partial states of one query):
 // 3·D + 7. finish_row: D (out = acc / l).
+#include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-#include "lib/core/bf16.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/mechanism.hpp"
 #include "lib/core/tensor.hpp"
@@ -29,35 +30,53 @@ inline constexpr std::int64_t kDecodeChunk = 128;  // keys per online-softmax ch
 // calling thread: an OpenMP fork and join (~1–2 µs on the 2-vCPU machines) costs more than the work.
 inline constexpr std::int64_t kParallelStepFloats = std::int64_t{1} << 17;
 
-// T: float, or bf16 (a bf16 decode state in plain rows, for steps that read rows one by one).
-template <class T>
-class KvCacheOf {
+// Rows of fp32 or bf16 (a bf16 model's cache, --dtype bf16: plain rows, half the bytes) elements;
+// keys()/values() are the fp32 view, keys<bf16>()/values<bf16>() the bf16 one.
+class KvCache {
  public:
-  KvCacheOf() = default;
-  KvCacheOf(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim);
+  KvCache() = default;
+  KvCache(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim, DType dtype = DType::F32);
   std::int64_t capacity() const { return keys_.empty() ? 0 : keys_.dim(1); }
-  T* keys(std::int64_t head) { return rows(keys_) + head * keys_.dim(1) * keys_.dim(2); }
-  T* values(std::int64_t head) { return rows(values_) + head * values_.dim(1) * values_.dim(2); }
-  // Copies `rows` consecutive rows of k and v ([rows, D] each) to slots slot, slot + 1, … of head,
-  // wrapping at the capacity.
-  void store(std::int64_t head, std::int64_t slot, const T* k, const T* v, std::int64_t rows);
+  template <class T = float>
+  T* keys(std::int64_t head) {
+    return elements<T>(keys_) + head * keys_.dim(1) * keys_.dim(2);
+  }
+  template <class T = float>
+  T* values(std::int64_t head) {
+    return elements<T>(values_) + head * values_.dim(1) * values_.dim(2);
+  }
+  // Copies `rows` consecutive rows of k and v ([rows, D] each, the cache's element type) to slots
+  // slot, slot + 1, … of head, wrapping at the capacity.
+  template <class T>
+  void store(std::int64_t head, std::int64_t slot, const T* k, const T* v, std::int64_t rows) {
+    const std::int64_t d = keys_.dim(2), capacity = keys_.dim(1);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t at = (slot + r) % capacity;
+      std::copy_n(k + r * d, d, keys<T>(head) + at * d);
+      std::copy_n(v + r * d, d, values<T>(head) + at * d);
+    }
+  }
   // The prefill: every head keeps the last min(N, capacity) tokens of its context (k, v:
-  // [B, H, N, D]), token t at slot t mod capacity — all of them in a cache of the whole sequence.
+  // [B, H, N, D] of the cache's element type), token t at slot t mod capacity — all of them in a
+  // cache of the whole sequence.
   void load_context(const Tensor& k, const Tensor& v, int threads);
   const Tensor& key_tensor() const { return keys_; }
   const Tensor& value_tensor() const { return values_; }
-  static std::int64_t bytes(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim) {
-    return 2 * heads * capacity * head_dim * static_cast<std::int64_t>(sizeof(T));
+  static std::int64_t bytes(std::int64_t heads, std::int64_t capacity, std::int64_t head_dim,
+                            DType dtype = DType::F32) {
+    return 2 * heads * capacity * head_dim * element_bytes(dtype);
   }
 
  private:
-  static T* rows(Tensor& t);
-  static const T* rows(const Tensor& t);
+  template <class T>
+  static T* elements(Tensor& t) {
+    if constexpr (std::is_same_v<T, bf16>)
+      return t.bf16_data();
+    else
+      return t.data();
+  }
   Tensor keys_, values_;
 };
-using KvCache = KvCacheOf<float>;
-extern template class KvCacheOf<float>;
-extern template class KvCacheOf<bf16>;
 
 struct RowSoftmax {
   float max = -std::numeric_limits<float>::infinity();
@@ -68,16 +87,23 @@ struct RowSoftmax {
 
 // acc: D floats the row accumulates into (zeroed here).
 RowSoftmax begin_row(float* acc, std::int64_t head_dim);
-// q_scaled = q / √D. Returns its FLOPs (D).
+// q_scaled = q / √D (a bf16 query widened first, exactly). Returns its FLOPs (D).
 std::int64_t scale_query(const float* q, std::int64_t head_dim, float* q_scaled);
+std::int64_t scale_query(const bf16* q, std::int64_t head_dim, float* q_scaled);
 // Attends q_scaled to `rows` cached rows, row r at keys + r·stride (and values likewise; stride 0
-// means D: consecutive rows). Returns its FLOPs.
+// means D: consecutive rows). Returns its FLOPs. On bf16 rows (a bf16 model's cache) the products
+// are exact in fp32 and summed in fp32, and each exponential is rounded to bf16 before it weighs its
+// value row (the bf16 forward's rounding of P); the statistics stay fp32; the FLOPs are the same.
 std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
+                         std::int64_t rows, std::int64_t stride = 0);
+std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const bf16* keys, const bf16* values,
                          std::int64_t rows, std::int64_t stride = 0);
 // Attends to tokens first, first + step, … (count of them) of a ring of `capacity` rows (token t at
 // row t mod capacity; the tokens span less than the capacity, so they are one or two strided runs
-// of rows). Returns its FLOPs (attend_rows').
+// of rows). Returns its FLOPs (attend_rows'). fp32 or bf16 rows, as attend_rows.
 std::int64_t attend_ring(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
+                         std::int64_t capacity, std::int64_t first, std::int64_t count, std::int64_t step = 1);
+std::int64_t attend_ring(RowSoftmax& row, const float* q_scaled, const bf16* keys, const bf16* values,
                          std::int64_t capacity, std::int64_t first, std::int64_t count, std::int64_t step = 1);
 // into := the state over both sets of keys. Returns its FLOPs (3·D + 7; 0 when `from` saw no keys).
 // `into` must have seen at least one key.
@@ -85,7 +111,10 @@ std::int64_t merge_rows(RowSoftmax& into, const RowSoftmax& from);
 // out = acc / l (zeros when the row saw no key, as softmax attention over no keys). Returns its
 // FLOPs (D; 0 for no key).
 std::int64_t finish_row(const RowSoftmax& row, float* out);
-// One step's attention for every head of q, out ([B, H, 1, D]): per head, q scaled into the head's
+// The same, rounded to bf16: out = bf16(acc·(1/l)), the bf16 forward's rounding of O.
+std::int64_t finish_row(const RowSoftmax& row, bf16* out);
+// One step's attention for every head of q, out ([B, H, 1, D], fp32 or bf16 — both of one type; a
+// bf16 query is widened, the output rounded by finish_row): per head, q scaled into the head's
 // row of `buffers` ([heads, 2, D]: query, accumulator), `attend(head, row, query)` — the model's
 // keys for that head, returning its FLOPs — and the output row. Adds all FLOPs to FlopCounter.
 // parallel = false runs the heads on the calling thread (a step too small for a fork and join).
@@ -98,9 +127,10 @@ void attend_every_head(const Tensor& q, Tensor& out, Tensor& buffers, int thread
   for (std::int64_t head = 0; head < heads; ++head) {
     float* query = buffers.data() + head * 2 * d;
     RowSoftmax row = begin_row(query + d, d);
-    flops += scale_query(q.data() + head * d, d, query);
+    const bool bf16_step = q.dtype() == DType::BF16;
+    flops += bf16_step ? scale_query(q.bf16_data() + head * d, d, query) : scale_query(q.data() + head * d, d, query);
     flops += attend(head, row, static_cast<const float*>(query));
-    flops += finish_row(row, out.data() + head * d);
+    flops += bf16_step ? finish_row(row, out.bf16_data() + head * d) : finish_row(row, out.data() + head * d);
   }
   FlopCounter::add(flops);
 }

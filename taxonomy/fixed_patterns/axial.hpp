@@ -26,6 +26,12 @@
 // k, v; a row's U is computed when it completes (stage `row_complete` of the next step: 4·C²·D +
 // 4·C² + C·D FLOPs per head), and a token attends to its column above (values U) and its row so
 // far (values V) in one softmax: O(√N) per token, state O(N).
+// bf16 (--dtype bf16; engines/block_sparse_bf16.hpp, needs D % 16 == 0): q, k, v, U, out, the
+// gradients and the decode state in bf16. The stages on the bf16 tile kernels (fp32 sums and
+// softmax, P rounded to bf16, U and O rounded to bf16); the causal union through the bf16 engine's
+// online form, its unnormalised output in an fp32 [N, D] buffer per thread (one head per task);
+// the backward's dQ, dK, dV and dU summed in fp32 per head, dU rounded to bf16 once as the row
+// stage's output gradient; a completed row's U in decode by the forward's row tiles. FLOPs as in fp32.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 

@@ -125,8 +125,8 @@ class Longformer final : public Mechanism {
   // (g ≤ N), so it attends with its plain q to the g globals and to its window's non-global tokens.
   void prepare_decode(std::int64_t) override {
     const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim;
-    globals_cache_ = Cache(heads, shape_.globals, d);
-    window_cache_ = Cache(heads, ring_, d);
+    globals_cache_ = KvCache(heads, shape_.globals, d, p_.dtype);
+    window_cache_ = KvCache(heads, ring_, d, p_.dtype);
     if constexpr (kBf16)
       step_buffers_ = Tensor(Shape{heads, bf16_step_floats(p_, shape_)});
     else
@@ -198,8 +198,6 @@ class Longformer final : public Mechanism {
   }
 
  private:
-  using Cache = KvCacheOf<T>;
-
   // The prefill's part of a decode: the globals and the last tokens of the context.
   void load_decode_context(const Tensor& k, const Tensor& v) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, kept = std::min(n, ring_), first = n - kept;
@@ -248,8 +246,8 @@ class Longformer final : public Mechanism {
       const std::pair<std::int64_t, std::int64_t> span = step_window(head);
       const std::int64_t first = span.first, window = span.second;
       const std::int64_t step = dilations_[static_cast<std::size_t>(head % p_.heads)];
-      const bf16 *global_keys = globals_cache_.keys(head), *global_values = globals_cache_.values(head);
-      const bf16 *ring_keys = window_cache_.keys(head), *ring_values = window_cache_.values(head);
+      const bf16 *global_keys = globals_cache_.keys<bf16>(head), *global_values = globals_cache_.values<bf16>(head);
+      const bf16 *ring_keys = window_cache_.keys<bf16>(head), *ring_values = window_cache_.values<bf16>(head);
       fixed::attend_step_bf16(
           q.bf16_data() + head * d, d, g + window,
           [&](std::int64_t j) {
@@ -410,7 +408,7 @@ class Longformer final : public Mechanism {
   // Decoding only (prepare_decode).
   std::vector<std::int64_t> dilations_;  // d_h per head index
   std::int64_t ring_;                    // window ring rows, window_ring()
-  Cache globals_cache_, window_cache_;
+  KvCache globals_cache_, window_cache_;  // of T
   Tensor step_buffers_;  // per head: fp32 the scaled query and the accumulator; bf16 attend_step_bf16's scratch
   std::int64_t length_ = 0;
 };
@@ -488,7 +486,7 @@ std::int64_t backward_workspace(const Problem& p, const LongformerConfig& c) {
 std::int64_t decode_workspace(const Problem& p, const LongformerConfig& c, std::int64_t) {
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim;
   if (p.dtype == DType::BF16)
-    return KvCacheOf<bf16>::bytes(heads, c.globals, d) + KvCacheOf<bf16>::bytes(heads, window_ring(c), d) +
+    return KvCache::bytes(heads, c.globals, d, p.dtype) + KvCache::bytes(heads, window_ring(c), d, p.dtype) +
            heads * bf16_step_floats(p, shape_of(p, c)) * kFloatBytes;
   return KvCache::bytes(heads, c.globals, d) + KvCache::bytes(heads, window_ring(c), d) +
          heads * 2 * d * static_cast<std::int64_t>(sizeof(float));

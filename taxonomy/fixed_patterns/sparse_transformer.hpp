@@ -28,6 +28,12 @@
 // (fixed: l); A2 heads every token (strided: each token is in a later token's residue class) or
 // the summary tokens so far (fixed: G(N + T) rows). A step attends to its causal set from them:
 // O(l) for A1, O(N/l) = O(√N) for A2; the A2 state grows as N (strided) or N·c/l (fixed).
+// bf16 (--dtype bf16; engines/block_sparse_bf16.hpp, needs D % 16 == 0): the same tiles on the bf16
+// tile kernels (strided views included) — S and P·V from bf16 operands with fp32 sums, fp32 softmax,
+// P rounded to bf16, output rounded to bf16; the summary rows gathered in bf16; the backward's dQ, dK
+// and dV summed in fp32 per head (a key row gets several tiles' sums) and rounded once; the caches in
+// bf16 rows, a step rounding its P and output as the forward does (half the state bytes). FLOPs as
+// in fp32.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -216,6 +217,49 @@ void for_each_bf16_path(F f) {
 // Sparse patterns (the gathered-attention models): the same bounds against the float64 reference
 // restricted to a head's mask.
 
+// The forward bound of one head (this file's header): 2u(1 + u)·max|v| + attention_tolerance.
+inline double bf16_forward_bound(const float* q, const float* k, const float* v, std::int64_t n, std::int64_t d) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  return 2 * kBf16Roundoff * (1 + kBf16Roundoff) * max_abs_of(v, n * d) + attention_tolerance(q, k, v, n, n, d, scale);
+}
+
+// Checks got[e] against want[e] within bound(e) for e < count (the first few misses reported).
+template <class Bound>
+void check_bf16_elements(const float* got, const std::vector<double>& want, std::int64_t count, const Bound& bound,
+                         const std::string& label) {
+  std::int64_t failures = 0;
+  for (std::int64_t e = 0; e < count; ++e) {
+    const double error = std::fabs(got[e] - want[static_cast<std::size_t>(e)]);
+    if (!(error <= bound(e)) && failures++ < 3)
+      FAIL_CHECK(label << ": element " << e << ": got " << got[e] << ", want " << want[static_cast<std::size_t>(e)]
+                       << " (bound " << bound(e) << ")");
+  }
+  CHECK_MESSAGE(failures == 0, label << ": " << failures << " elements out of the bf16 bound");
+}
+
+// P of one head in float64 ([n, n], 0 off the mask).
+inline std::vector<double> masked_probabilities(const float* q, const float* k, std::int64_t n, std::int64_t d,
+                                                const MaskFn& allowed) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  std::vector<double> p(static_cast<std::size_t>(n * n), 0.0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    double* row = p.data() + i * n;
+    double peak = -std::numeric_limits<double>::infinity(), sum = 0;
+    for (std::int64_t j = 0; j < n; ++j) {
+      if (!allowed(i, j)) continue;
+      double s = 0;
+      for (std::int64_t c = 0; c < d; ++c) s += static_cast<double>(q[i * d + c]) * k[j * d + c];
+      row[j] = s * scale;
+      peak = std::max(peak, row[j]);
+    }
+    for (std::int64_t j = 0; j < n; ++j)
+      if (allowed(i, j)) sum += row[j] = std::exp(row[j] - peak);
+    for (std::int64_t j = 0; j < n; ++j)
+      if (allowed(i, j)) row[j] /= sum;
+  }
+  return p;
+}
+
 // Checks rows [rows_from, N) of every head of `got` against the float64 reference with the head's
 // mask, within the forward bound of the header (the bound holds for any set of keys a row sees);
 // returns the largest error over the fp32 bound alone.
@@ -280,22 +324,10 @@ inline void check_bf16_masked_gradients(const std::string& model, Problem p, con
       const auto exact_out = reference_attention(q, k, v, n, n, d, scale, mask);
       const Tensor out_wide = to_f32(out);
       const float* o = out_wide.head(b, h);
-      // P in float64 ([n, n], 0 off the mask) and Δδ per row.
-      std::vector<double> probs(static_cast<std::size_t>(n * n), 0.0), delta_error(static_cast<std::size_t>(n));
+      const auto probs = masked_probabilities(q, k, n, d, mask);
+      std::vector<double> delta_error(static_cast<std::size_t>(n));  // Δδ per row
       for (std::int64_t i = 0; i < n; ++i) {
-        double peak = -INFINITY, sum = 0, dout_sum = 0;
-        double* row = probs.data() + i * n;
-        for (std::int64_t j = 0; j < n; ++j) {
-          if (!mask(i, j)) continue;
-          double s = 0;
-          for (std::int64_t c = 0; c < d; ++c) s += static_cast<double>(q[i * d + c]) * k[j * d + c];
-          row[j] = s * scale;
-          peak = std::max(peak, row[j]);
-        }
-        for (std::int64_t j = 0; j < n; ++j)
-          if (mask(i, j)) sum += row[j] = std::exp(row[j] - peak);
-        for (std::int64_t j = 0; j < n; ++j)
-          if (mask(i, j)) row[j] /= sum;
+        double dout_sum = 0;
         for (std::int64_t c = 0; c < d; ++c) {
           const double error = std::fabs(o[i * d + c] - exact_out[static_cast<std::size_t>(i * d + c)]);
           dout_sum += std::fabs(g_out[i * d + c]) * (error + 2 * d * kFloatEps * std::fabs(o[i * d + c]));
