@@ -20,8 +20,10 @@
 // Every product below requires d % kPanel == 0 (tiles::fits_head_dim) and executes the FLOPs of
 // its fp32 counterpart (not counted here).
 #include <cstdint>
+#include <string>
 
 #include "lib/core/bf16.hpp"
+#include "lib/core/tensor.hpp"
 #include "lib/core/tile_kernels.hpp"
 
 namespace xfb::tiles {
@@ -56,5 +58,14 @@ void round_row(const float* src, std::int64_t n, bf16* dst);
 // One row pair: dst[2·j + e] = to_bf16(row_e[j]) for j < n, e ∈ {0, 1}; row1 == nullptr gives 0s
 // (the missing odd row).
 void round_row_pair(const float* row0, const float* row1, std::int64_t n, bf16* dst);
+
+// Why `form` (a model's bf16 form on these kernels) cannot run a problem of this element type and
+// head dimension: "" when it can (f32, or D a multiple of kPanel), else the reason of its
+// `unsupported` row.
+inline std::string bf16_head_dim_unsupported(const std::string& form, DType dtype, std::int64_t head_dim) {
+  if (dtype != DType::BF16 || fits_head_dim(head_dim)) return "";
+  return form + " runs on the bf16 tile kernels, which need a head dimension that is a multiple of " +
+         std::to_string(kPanel) + " (D = " + std::to_string(head_dim) + ")";
+}
 
 }  // namespace xfb::tiles

@@ -809,9 +809,7 @@ std::int64_t bf16_decode_workspace(const Problem& p, const ExactTiledConfig& c, 
 }  // namespace
 
 std::string unsupported(const Problem& p, const ExactTiledConfig&) {
-  if (p.dtype == DType::BF16 && !uses_tile_kernels(p.head_dim))
-    return "exact-tiled's bf16 form runs on the bf16 tile kernels, which need head_dim a multiple of 16";
-  return "";
+  return tiles::bf16_head_dim_unsupported("exact-tiled's bf16 form", p.dtype, p.head_dim);
 }
 
 std::int64_t workspace(const Problem& p, const ExactTiledConfig& c) {

@@ -224,9 +224,7 @@ template class HeadBackward<float>;
 template class HeadBackward<bf16>;
 
 std::string gathered_bf16_unsupported(const Problem& p) {
-  if (p.dtype != DType::BF16 || tiles::fits_head_dim(p.head_dim)) return "";
-  return "the bf16 gathered tiles need a head dimension that is a multiple of 16 (D = " + std::to_string(p.head_dim) +
-         ")";
+  return tiles::bf16_head_dim_unsupported("the bf16 gathered-attention engine", p.dtype, p.head_dim);
 }
 
 }  // namespace xfb::fixed

@@ -19,6 +19,7 @@
 
 #include "lib/core/mechanism.hpp"
 #include "lib/core/tile_kernels.hpp"
+#include "lib/core/tile_kernels_bf16.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/block_sparse_bf16.hpp"
 #include "taxonomy/engines/decode_common.hpp"
@@ -120,9 +121,7 @@ std::unique_ptr<Mechanism> single_plan_attention(const Problem& problem, const P
 
 // Why the bf16 form cannot run the problem ("" when it can, or the problem is fp32).
 inline std::string single_plan_bf16_unsupported(const Problem& p) {
-  if (p.dtype != DType::BF16 || tiles::fits_head_dim(p.head_dim)) return "";
-  return "the bf16 block-sparse tiles need a head dimension that is a multiple of 16 (D = " +
-         std::to_string(p.head_dim) + ")";
+  return tiles::bf16_head_dim_unsupported("the bf16 block-sparse engine", p.dtype, p.head_dim);
 }
 
 // Its FLOPs and tracked bytes (lib/core/config_table.hpp) on the plan of a problem.

@@ -406,8 +406,8 @@ class Longformer final : public Mechanism {
   fixed::HeadBackward<T> heads_;
   std::vector<std::size_t> ranges_;
   // Decoding only (prepare_decode).
-  std::vector<std::int64_t> dilations_;  // d_h per head index
-  std::int64_t ring_;                    // window ring rows, window_ring()
+  std::vector<std::int64_t> dilations_;   // d_h per head index
+  std::int64_t ring_;                     // window ring rows, window_ring()
   KvCache globals_cache_, window_cache_;  // of T
   Tensor step_buffers_;  // per head: fp32 the scaled query and the accumulator; bf16 attend_step_bf16's scratch
   std::int64_t length_ = 0;

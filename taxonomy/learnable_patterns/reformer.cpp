@@ -17,6 +17,7 @@
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
 #include "lib/core/tile_kernels.hpp"
+#include "lib/core/tile_kernels_bf16.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/decode_common.hpp"
 
@@ -695,10 +696,7 @@ ReformerConfig resolve(const Problem& p, ReformerConfig c) {
 
 // The bf16 form runs on the bf16 tile kernels, which need D % 16 == 0.
 std::string unsupported(const Problem& p, const ReformerConfig&) {
-  if (p.dtype == DType::BF16 && !tiles::fits_head_dim(p.head_dim))
-    return "reformer's bf16 form runs on the bf16 tile kernels, which need head_dim % 16 == 0 (got " +
-           std::to_string(p.head_dim) + ")";
-  return "";
+  return tiles::bf16_head_dim_unsupported("reformer's bf16 form", p.dtype, p.head_dim);
 }
 
 template <>

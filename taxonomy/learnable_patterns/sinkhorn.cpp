@@ -16,6 +16,7 @@
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
+#include "lib/core/tile_kernels_bf16.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/decode_common.hpp"
 #include "taxonomy/engines/pattern_common.hpp"
@@ -749,10 +750,7 @@ std::int64_t SinkhornAttention::block_embedding_grads(std::int64_t head, int thr
 
 std::string unsupported(const Problem& p, const SinkhornConfig& c) {
   if (p.causal && c.sortcut_blocks > 0) return "SortCut (sortcut_blocks > 0) is encoder only: it has no causal mode";
-  if (p.dtype == DType::BF16 && !tiles::fits_head_dim(p.head_dim))
-    return "sinkhorn's bf16 form runs on the bf16 tile kernels, which need head_dim % 16 == 0 (got " +
-           std::to_string(p.head_dim) + ")";
-  return "";
+  return tiles::bf16_head_dim_unsupported("sinkhorn's bf16 form", p.dtype, p.head_dim);
 }
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const SinkhornConfig& c, std::uint64_t seed) {

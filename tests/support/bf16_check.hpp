@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "apps/bench/point.hpp"
 #include "lib/core/bf16.hpp"
 #include "lib/core/cpu_isa.hpp"
 #include "lib/core/rng.hpp"
@@ -192,6 +193,50 @@ inline PointConfig bf16_point(const std::string& model, std::int64_t n, bool cau
   c.pass = pass;
   if (pass == Pass::Decode) c.decode_tokens = 5;
   return c;
+}
+
+// The rows of one bf16_point and of the same point in f32.
+struct Bf16RowPair {
+  ResultRow f32, bf16;
+};
+
+// Runs bf16_point(model, n, causal, pass, params) in both dtypes and checks what every bf16 form
+// owes: both rows Ok, the bf16 row marked bf16, the FLOPs the fp32 form's (unless the FLOPs follow
+// the data, which rounding changes: same_flops false), the point's inputs and outputs (q, k, v, out,
+// and in training dout, dq, dk, dv) at half the bytes, and each dtype's workspace estimate exact.
+// The caller checks the saved and the state bytes, which depend on the model.
+inline Bf16RowPair check_bf16_rows(const std::string& model, std::int64_t n, bool causal, Pass pass,
+                                   std::vector<std::string> params = {}, bool same_flops = true) {
+  const PointConfig bf16 = bf16_point(model, n, causal, pass, std::move(params));
+  PointConfig f32 = bf16;
+  f32.problem.dtype = DType::F32;
+  CAPTURE(model);
+  CAPTURE(n);
+  CAPTURE(causal);
+  CAPTURE(pass_name(pass));
+  Bf16RowPair rows{run_point(f32), run_point(bf16)};
+  const ResultRow &a = rows.f32, &b = rows.bf16;
+  REQUIRE_MESSAGE(a.status == Status::Ok, a.reason);
+  REQUIRE_MESSAGE(b.status == Status::Ok, b.reason);
+  CHECK(b.dtype == DType::BF16);
+  if (same_flops) CHECK(b.flops == a.flops);
+  CHECK(2 * point_io_bytes(bf16) == point_io_bytes(f32));
+  CHECK(a.peak_owned_bytes - point_io_bytes(f32) == a.estimated_workspace_bytes);
+  CHECK(b.peak_owned_bytes - point_io_bytes(bf16) == b.estimated_workspace_bytes);
+  return rows;
+}
+
+// A head dimension the bf16 tile kernels cannot take (D % 16 ≠ 0) makes the model's bf16 point an
+// `unsupported` row that says why, while the f32 point runs.
+inline void check_bf16_head_dim_unsupported(const std::string& model, std::vector<std::string> params = {}) {
+  CAPTURE(model);
+  PointConfig c = counter_point(model, {.batch = 1, .heads = 2, .seq_len = 40, .head_dim = 24}, std::move(params));
+  c.problem.dtype = DType::BF16;
+  const ResultRow row = run_point(c);
+  CHECK(row.status == Status::Unsupported);
+  CHECK(row.reason.find("multiple of 16") != std::string::npos);
+  c.problem.dtype = DType::F32;
+  CHECK(run_point(c).status == Status::Ok);
 }
 
 // Runs f(bf16_kernels_name()) on every bf16 kernel path this host has (vdpbf16ps, AVX-512 convert,

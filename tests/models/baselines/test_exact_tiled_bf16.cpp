@@ -91,18 +91,7 @@ TEST_SUITE("exact_tiled_bf16") {
       for (bool causal : {false, true}) {
         if (pass == Pass::Decode && !causal) continue;
         for (std::int64_t n : {100, 257}) {
-          PointConfig f32 = quick_point("exact-tiled", n, causal);
-          f32.pass = pass;
-          if (pass == Pass::Decode) f32.decode_tokens = 5;
-          const PointConfig bf16 = bf16_point("exact-tiled", n, causal, pass);
-          const ResultRow a = run_point(f32), b = run_point(bf16);
-          CAPTURE(pass_name(pass));
-          CAPTURE(n);
-          REQUIRE(a.status == Status::Ok);
-          REQUIRE(b.status == Status::Ok);
-          CHECK(b.flops == a.flops);
-          CHECK(2 * point_io_bytes(bf16) == point_io_bytes(f32));
-          CHECK(b.peak_owned_bytes - point_io_bytes(bf16) == b.estimated_workspace_bytes);
+          const auto [a, b] = check_bf16_rows("exact-tiled", n, causal, pass);
           if (pass == Pass::Decode) {  // the cache in bf16 panels and pairs: half fp32's, to the panel padding
             const std::int64_t tokens = n + 5, heads = 2, d = 32;
             CHECK(b.state_bytes == heads * (tiles::panels_for(tokens) * 16 + (tokens + 1) / 2 * 2) * d * 2);
@@ -113,10 +102,6 @@ TEST_SUITE("exact_tiled_bf16") {
   }
 
   TEST_CASE("exact-tiled in bf16 with a head size its kernels do not take is unsupported, saying why") {
-    PointConfig c = bf16_point("exact-tiled", 64, false);
-    c.problem.head_dim = 24;
-    const ResultRow row = run_point(c);
-    CHECK(row.status == Status::Unsupported);
-    CHECK(row.reason.find("multiple of 16") != std::string::npos);
+    check_bf16_head_dim_unsupported("exact-tiled");
   }
 }

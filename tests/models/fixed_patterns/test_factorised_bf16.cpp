@@ -319,12 +319,13 @@ TEST_SUITE("factorised_bf16") {
             const Problem p = on_test_threads({.batch = 2, .heads = 3, .seq_len = n, .head_dim = 16, .causal = causal});
             const std::int64_t l = c.stride > 0 ? c.stride : root_ceiling(n);
             const HeadMask mask = sparse_mask(c.fixed, l, std::min(c.summary, l), 3, causal);
-            check_bf16_masked_gradients("sparse-transformer", p, c.params, static_cast<std::uint64_t>(n) + 5,
-                                        [&mask](std::int64_t h) {
-                                          return [&mask, h](std::int64_t i, std::int64_t j) { return mask(h, i, j); };
-                                        },
-                                        "sparse-transformer N=" + std::to_string(n) + (causal ? " causal " : " ") +
-                                            path + (c.params.empty() ? "" : " " + c.params[0]));
+            check_bf16_masked_gradients(
+                "sparse-transformer", p, c.params, static_cast<std::uint64_t>(n) + 5,
+                [&mask](std::int64_t h) {
+                  return [&mask, h](std::int64_t i, std::int64_t j) { return mask(h, i, j); };
+                },
+                "sparse-transformer N=" + std::to_string(n) + (causal ? " causal " : " ") + path +
+                    (c.params.empty() ? "" : " " + c.params[0]));
           }
     });
   }
@@ -449,23 +450,7 @@ TEST_SUITE("factorised_bf16") {
         for (bool causal : {false, true})
           for (Pass pass : {Pass::Forward, Pass::Backward, Pass::Train, Pass::Decode}) {
             if (pass == Pass::Decode && !causal) continue;
-            PointConfig f32 = quick_point(c.model, n, causal, Scope::Attention, c.params);
-            f32.pass = pass;
-            if (pass == Pass::Decode) f32.decode_tokens = 5;
-            PointConfig bf16 = f32;
-            bf16.problem.dtype = DType::BF16;
-            CAPTURE(c.model);
-            CAPTURE(n);
-            CAPTURE(causal);
-            CAPTURE(pass_name(pass));
-            const ResultRow a = run_point(f32), b = run_point(bf16);
-            REQUIRE(a.status == Status::Ok);
-            REQUIRE(b.status == Status::Ok);
-            CHECK(b.dtype == DType::BF16);
-            CHECK(b.flops == a.flops);
-            CHECK(2 * point_io_bytes(bf16) == point_io_bytes(f32));
-            CHECK(b.peak_owned_bytes - point_io_bytes(bf16) == b.estimated_workspace_bytes);
-            CHECK(a.peak_owned_bytes - point_io_bytes(f32) == a.estimated_workspace_bytes);
+            const auto [a, b] = check_bf16_rows(c.model, n, causal, pass, c.params);
             if (pass == Pass::Backward || pass == Pass::Train)
               CHECK(a.saved_bytes - b.saved_bytes == 2 * c.bf16_saved(n, causal));
             if (pass == Pass::Decode) {
@@ -476,14 +461,6 @@ TEST_SUITE("factorised_bf16") {
   }
 
   TEST_CASE("a head dimension the bf16 tiles cannot take is an unsupported bf16 row, not fp32") {
-    for (const std::string model : {"sparse-transformer", "axial"}) {
-      PointConfig c = counter_point(model, {.batch = 1, .heads = 2, .seq_len = 40, .head_dim = 24});
-      c.problem.dtype = DType::BF16;
-      const ResultRow row = run_point(c);
-      CHECK(row.status == Status::Unsupported);
-      CHECK(row.reason.find("multiple of 16") != std::string::npos);
-      c.problem.dtype = DType::F32;
-      CHECK(run_point(c).status == Status::Ok);
-    }
+    for (const std::string model : {"sparse-transformer", "axial"}) check_bf16_head_dim_unsupported(model);
   }
 }

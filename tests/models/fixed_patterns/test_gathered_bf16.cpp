@@ -360,23 +360,7 @@ TEST_SUITE("gathered_bf16") {
       for (std::int64_t n : {100, 257})
         for (Pass pass : {Pass::Forward, Pass::Backward, Pass::Train, Pass::Decode}) {
           if (pass == Pass::Decode && !c.causal) continue;
-          PointConfig f32 = quick_point(c.model, n, c.causal, Scope::Attention, c.params);
-          f32.pass = pass;
-          if (pass == Pass::Decode) f32.decode_tokens = 5;
-          PointConfig bf16 = f32;
-          bf16.problem.dtype = DType::BF16;
-          CAPTURE(c.model);
-          CAPTURE(n);
-          CAPTURE(c.causal);
-          CAPTURE(pass_name(pass));
-          const ResultRow a = run_point(f32), b = run_point(bf16);
-          REQUIRE(a.status == Status::Ok);
-          REQUIRE(b.status == Status::Ok);
-          CHECK(b.dtype == DType::BF16);
-          CHECK(b.flops == a.flops);
-          CHECK(2 * point_io_bytes(bf16) == point_io_bytes(f32));
-          CHECK(b.peak_owned_bytes - point_io_bytes(bf16) == b.estimated_workspace_bytes);
-          CHECK(a.peak_owned_bytes - point_io_bytes(f32) == a.estimated_workspace_bytes);
+          const auto [a, b] = check_bf16_rows(c.model, n, c.causal, pass, c.params);
           if ((pass == Pass::Backward || pass == Pass::Train) && c.model != "longformer")
             CHECK(b.saved_bytes == a.saved_bytes);  // the fp32 log-sum-exp only
           if ((pass == Pass::Backward || pass == Pass::Train) && c.model == "longformer") {
@@ -391,14 +375,6 @@ TEST_SUITE("gathered_bf16") {
   }
 
   TEST_CASE("a head dimension the bf16 tiles cannot take is an unsupported bf16 row, not fp32") {
-    for (const std::string model : {"etc", "bigbird", "longformer"}) {
-      PointConfig c = counter_point(model, {.batch = 1, .heads = 1, .seq_len = 40, .head_dim = 24});
-      c.problem.dtype = DType::BF16;
-      const ResultRow row = run_point(c);
-      CHECK(row.status == Status::Unsupported);
-      CHECK(row.reason.find("multiple of 16") != std::string::npos);
-      c.problem.dtype = DType::F32;
-      CHECK(run_point(c).status == Status::Ok);
-    }
+    for (const std::string model : {"etc", "bigbird", "longformer"}) check_bf16_head_dim_unsupported(model);
   }
 }

@@ -32,6 +32,7 @@
 #include "lib/core/rng.hpp"
 #include "taxonomy/kernels/performer.hpp"
 #include "taxonomy/registry.hpp"
+#include "tests/support/bf16_check.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/mechanism_run.hpp"
 #include "tests/support/reference.hpp"
@@ -40,8 +41,6 @@ using namespace xfb;
 using namespace xfb::test;
 
 namespace {
-
-constexpr double kUnitRoundoff = 1.0 / 256;  // u = 2⁻⁸
 
 enum class Map { Favor, Relu, Elu };
 
@@ -55,17 +54,6 @@ std::string describe(const Case& c, std::int64_t n, bool causal) {
   std::string s = c.model;
   for (const auto& param : c.params) s += " " + param;
   return s + " N=" + std::to_string(n) + (causal ? " causal" : "");
-}
-
-// The fp32 draws rounded to bf16 (as a bf16 point's inputs are made) and those values widened.
-struct RoundedInputs {
-  AttentionInputs bf16, widened;
-};
-RoundedInputs rounded_inputs(const Problem& p, std::uint64_t seed) {
-  const AttentionInputs f32 = random_inputs(p, seed);
-  AttentionInputs rounded{to_bf16(f32.q), to_bf16(f32.k), to_bf16(f32.v)};
-  AttentionInputs widened{to_f32(rounded.q), to_f32(rounded.k), to_f32(rounded.v)};
-  return {std::move(rounded), std::move(widened)};
 }
 
 Problem in_bf16(Problem p) {
@@ -285,14 +273,6 @@ const std::vector<Case>& all_cases() {
   return cases;
 }
 
-PointConfig bf16_counter_point(const std::string& model, std::int64_t n, bool causal, Pass pass) {
-  PointConfig c = quick_point(model, n, causal);
-  c.problem.dtype = DType::BF16;
-  c.pass = pass;
-  if (pass == Pass::Decode) c.decode_tokens = 5;
-  return c;
-}
-
 }  // namespace
 
 TEST_SUITE("kernels_bf16") {
@@ -303,7 +283,7 @@ TEST_SUITE("kernels_bf16") {
       for (std::int64_t n : {1, 2, 31, 32, 33, 63, 64, 65, 127, 129, 200})
         for (bool causal : {false, true}) {
           const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
-          const auto in = rounded_inputs(p, static_cast<std::uint64_t>(n + 3));
+          const auto in = bf16_inputs(p, static_cast<std::uint64_t>(n + 3));
           auto mechanism = create_bf16(c, p);
           Tensor out = Tensor::bhnd(1, 2, n, 16, DType::BF16);
           mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
@@ -319,7 +299,7 @@ TEST_SUITE("kernels_bf16") {
             std::int64_t failures = 0;
             for (std::int64_t e = 0; e < n * 16; ++e) {
               const double want = ref.out[static_cast<std::size_t>(e)], error = std::fabs(got.head(0, h)[e] - want);
-              const double bound = kUnitRoundoff * std::fabs(want) + (1 + kUnitRoundoff) * tol32;
+              const double bound = kBf16Roundoff * std::fabs(want) + (1 + kBf16Roundoff) * tol32;
               over_fp32 = std::max(over_fp32, error / tol32);
               if (!(error <= bound) && failures++ < 3)
                 FAIL_CHECK(label << " h=" << h << " token " << e / 16 << " feature " << e % 16 << ": got "
@@ -348,7 +328,7 @@ TEST_SUITE("kernels_bf16") {
           if (*size.chunk) c.params.push_back(size.chunk);
           const std::int64_t n = size.n, d = 16;
           const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = d, .causal = causal};
-          const auto in = rounded_inputs(p, static_cast<std::uint64_t>(n) + 11);
+          const auto in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 11);
           Tensor dout32 = Tensor::bhnd(1, 2, n, d);
           CounterRng(13, "dout").fill_normal(dout32);
           const Tensor dout = to_bf16(dout32), dout_widened = to_f32(dout);
@@ -365,7 +345,7 @@ TEST_SUITE("kernels_bf16") {
           for (std::int64_t h = 0; h < 2; ++h) {
             const float *q = in.widened.q.head(0, h), *k = in.widened.k.head(0, h), *v = in.widened.v.head(0, h);
             const auto ref = kernel_reference(map, q, k, v, dout_widened.head(0, h), n, d, causal);
-            const double factor = 2 * kUnitRoundoff * (1 + kUnitRoundoff) + 2 * map.fp32_relative(q, k, n);
+            const double factor = 2 * kBf16Roundoff * (1 + kBf16Roundoff) + 2 * map.fp32_relative(q, k, n);
             for (int g = 0; g < 3; ++g) {
               std::int64_t failures = 0;
               for (std::int64_t e = 0; e < n * d; ++e) {
@@ -392,7 +372,7 @@ TEST_SUITE("kernels_bf16") {
       for (std::int64_t context : {1, 7, 8, 9, 31, 32, 33, 64, 65}) {
         const Problem whole{
             .batch = 1, .heads = kHeads, .seq_len = context + kTokens, .head_dim = kDim, .causal = true};
-        const auto in = rounded_inputs(whole, static_cast<std::uint64_t>(context) + 70);
+        const auto in = bf16_inputs(whole, static_cast<std::uint64_t>(context) + 70);
         auto reference = create_bf16(c, whole);
         Tensor forward_out = Tensor::bhnd(1, kHeads, whole.seq_len, kDim, DType::BF16);
         reference->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
@@ -430,13 +410,13 @@ TEST_SUITE("kernels_bf16") {
           mechanism->decode_step(rows(in.widened.q, token, 1), rows(in.widened.k, token, 1),
                                  rows(in.widened.v, token, 1), out);
           const Tensor step = to_f32(out);
-          const double r = static_cast<double>(t + 1), ru = r * kUnitRoundoff;
+          const double r = static_cast<double>(t + 1), ru = r * kBf16Roundoff;
           for (std::int64_t h = 0; h < kHeads; ++h)
             for (std::int64_t f = 0; f < kDim; ++f) {
               const double want = forward.head(0, h)[token * kDim + f], got = step.head(0, h)[f];
               const double a = magnitude[h][static_cast<std::size_t>(token * kDim + f)];
               const double bound =
-                  (1 + kUnitRoundoff) * (ru / (1 - ru) * (a + std::fabs(want)) + 2 * kUnitRoundoff * std::fabs(want)) +
+                  (1 + kBf16Roundoff) * (ru / (1 - ru) * (a + std::fabs(want)) + 2 * kBf16Roundoff * std::fabs(want)) +
                   2 * tol32[h];
               CHECK_MESSAGE(std::fabs(got - want) <= bound, label << " step " << t << " head " << h << " feature " << f
                                                                   << ": got " << got << ", want " << want << " (bound "
@@ -455,22 +435,7 @@ TEST_SUITE("kernels_bf16") {
         for (std::int64_t n : {100, 257})
           for (Pass pass : {Pass::Forward, Pass::Backward, Pass::Train, Pass::Decode}) {
             if (pass == Pass::Decode && !causal) continue;
-            CAPTURE(model);
-            CAPTURE(causal);
-            CAPTURE(n);
-            CAPTURE(pass_name(pass));
-            PointConfig f32 = quick_point(model, n, causal);
-            f32.pass = pass;
-            if (pass == Pass::Decode) f32.decode_tokens = 5;
-            const PointConfig bf16 = bf16_counter_point(model, n, causal, pass);
-            const ResultRow a = run_point(f32), b = run_point(bf16);
-            REQUIRE(a.status == Status::Ok);
-            REQUIRE(b.status == Status::Ok);
-            CHECK(b.dtype == DType::BF16);
-            CHECK(b.flops == a.flops);
-            CHECK(2 * point_io_bytes(bf16) == point_io_bytes(f32));
-            CHECK(b.peak_owned_bytes - point_io_bytes(bf16) == b.estimated_workspace_bytes);
-            CHECK(a.peak_owned_bytes - point_io_bytes(f32) == a.estimated_workspace_bytes);
+            const auto [a, b] = check_bf16_rows(model, n, causal, pass);
             CHECK(b.peak_owned_bytes < a.peak_owned_bytes);
             // The saved normalisers z and chunk shifts are softmax-like statistics: fp32 in both.
             CHECK(b.saved_bytes == a.saved_bytes);

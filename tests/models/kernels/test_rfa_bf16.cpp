@@ -474,21 +474,7 @@ TEST_SUITE("rfa_bf16") {
           for (Pass pass : {Pass::Forward, Pass::Backward, Pass::Train, Pass::Decode}) {
             if ((pass == Pass::Decode || std::string(gate) == "gate=1") && !causal) continue;
             CAPTURE(gate);
-            CAPTURE(causal);
-            CAPTURE(n);
-            CAPTURE(pass_name(pass));
-            PointConfig f32 = quick_point("rfa", n, causal, Scope::Attention, {gate});
-            f32.pass = pass;
-            if (pass == Pass::Decode) f32.decode_tokens = 5;
-            const PointConfig bf16 = bf16_point("rfa", n, causal, pass, {gate});
-            const ResultRow a = run_point(f32), b = run_point(bf16);
-            REQUIRE(a.status == Status::Ok);
-            REQUIRE(b.status == Status::Ok);
-            CHECK(b.dtype == DType::BF16);
-            CHECK(b.flops == a.flops);
-            CHECK(2 * point_io_bytes(bf16) == point_io_bytes(f32));
-            CHECK(b.peak_owned_bytes - point_io_bytes(bf16) == b.estimated_workspace_bytes);
-            CHECK(a.peak_owned_bytes - point_io_bytes(f32) == a.estimated_workspace_bytes);
+            const auto [a, b] = check_bf16_rows("rfa", n, causal, pass, {gate});
             CHECK(b.peak_owned_bytes < a.peak_owned_bytes);
             if (pass == Pass::Backward || pass == Pass::Train) {
               // The saved states halve but their fp32 z columns [B·H·slots, M] do not (M = 128, chunk 64).

@@ -35,6 +35,7 @@
 #include "lib/core/rng.hpp"
 #include "taxonomy/learnable_patterns/reformer.hpp"
 #include "taxonomy/registry.hpp"
+#include "tests/support/bf16_check.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/reference.hpp"
 
@@ -43,17 +44,7 @@ using namespace xfb::test;
 
 namespace {
 
-constexpr double kU = 1.0 / 256;  // bf16's unit roundoff
-
-struct Bf16Inputs {
-  AttentionInputs bf16, widened;
-};
-Bf16Inputs bf16_inputs(const Problem& p, std::uint64_t seed) {
-  const AttentionInputs f32 = random_inputs(p, seed);
-  AttentionInputs rounded{to_bf16(f32.q), to_bf16(f32.k), to_bf16(f32.v)};
-  AttentionInputs widened{to_f32(rounded.q), to_f32(rounded.k), to_f32(rounded.v)};
-  return {std::move(rounded), std::move(widened)};
-}
+constexpr double kU = kBf16Roundoff;
 
 struct Run {
   std::unique_ptr<Mechanism> mechanism;
@@ -147,12 +138,6 @@ void check_buckets(const Run& run, const Tensor& q, const Problem& p, std::int64
     }
 }
 
-double max_abs(const float* x, std::int64_t count) {
-  double largest = 0;
-  for (std::int64_t i = 0; i < count; ++i) largest = std::max(largest, std::fabs(static_cast<double>(x[i])));
-  return largest;
-}
-
 double largest_norm(const float* q, std::int64_t rows, std::int64_t d) {
   double largest = 0;
   for (std::int64_t i = 0; i < rows; ++i) {
@@ -189,7 +174,7 @@ double check_forward(const Problem& p, const std::vector<std::string>& params, s
         return seen[static_cast<std::size_t>(i * n + j)] != 0;
       });
       const double fp32_bound = 2 * attention_tolerance(q, k.data(), v, n, n, d, scale);
-      const double bound = (score_shift(q, n, d) + kU + kU * (1 + kU)) * max_abs(v, n * d) + fp32_bound;
+      const double bound = (score_shift(q, n, d) + kU + kU * (1 + kU)) * max_abs_of(v, n * d) + fp32_bound;
       std::int64_t failures = 0;
       for (std::int64_t e = 0; e < n * d; ++e) {
         const double error = std::fabs(out.head(b, h)[e] - want[static_cast<std::size_t>(e)]);
@@ -204,32 +189,6 @@ double check_forward(const Problem& p, const std::vector<std::string>& params, s
   return over_fp32;
 }
 
-// A bf16 kernel path: the ISA and, on AVX-512, the pair product.
-struct Path {
-  KernelIsa isa;
-  bool dot;
-};
-
-// Runs f on every bf16 kernel path this host has (vdpbf16ps, AVX-512 convert, AVX2 convert), the
-// host's choice restored after.
-template <class F>
-void on_every_path(F f) {
-  const KernelIsa isa = kernel_isa();
-  const bool dot = bf16_dot_product();
-  std::vector<Path> paths;
-  for (KernelIsa each : supported_kernel_isas()) {
-    paths.push_back({each, false});
-    if (each == KernelIsa::Avx512 && cpu_has_bf16_dot()) paths.push_back({each, true});
-  }
-  for (const Path& path : paths) {
-    force_kernel_isa(path.isa);
-    force_bf16_dot(path.dot);
-    f(bf16_kernels_name());
-  }
-  force_kernel_isa(isa);
-  force_bf16_dot(dot);
-}
-
 std::string label_of(const Problem& p, const std::vector<std::string>& params, const std::string& path) {
   std::string label = "reformer bf16 [" + path + "] N=" + std::to_string(p.seq_len) +
                       " D=" + std::to_string(p.head_dim) + (p.causal ? " causal" : "");
@@ -237,20 +196,11 @@ std::string label_of(const Problem& p, const std::vector<std::string>& params, c
   return label;
 }
 
-PointConfig bf16_point(std::int64_t n, bool causal, Pass pass, const std::vector<std::string>& params,
-                       DType dtype = DType::BF16) {
-  PointConfig c = quick_point("reformer", n, causal, Scope::Attention, params);
-  c.problem.dtype = dtype;
-  c.pass = pass;
-  if (pass == Pass::Decode) c.decode_tokens = 5;
-  return c;
-}
-
 }  // namespace
 
 TEST_SUITE("reformer_bf16") {
   TEST_CASE("reformer in bf16 equals the float64 reference within the bf16 bound, on every kernel path") {
-    on_every_path([](const std::string& path) {
+    for_each_bf16_path([](const std::string& path) {
       for (bool causal : {false, true}) {
         double over_fp32 = 0;
         for (std::int64_t n : {1, 7, 8, 9, 16, 17, 24, 25, 100}) {
@@ -269,7 +219,7 @@ TEST_SUITE("reformer_bf16") {
   }
 
   TEST_CASE("multi-round reformer in bf16 equals softmax over the union of its rounds' keys within the bound") {
-    on_every_path([](const std::string& path) {
+    for_each_bf16_path([](const std::string& path) {
       for (bool causal : {false, true})
         for (const char* rounds : {"2", "4"}) {
           const Problem p{.batch = 1, .heads = 2, .seq_len = 77, .head_dim = 16, .causal = causal};
@@ -280,7 +230,7 @@ TEST_SUITE("reformer_bf16") {
   }
 
   TEST_CASE("reformer's bf16 gradients equal the float64 reference's within the bf16 bound, at chunk ± 1") {
-    on_every_path([](const std::string& path) {
+    for_each_bf16_path([](const std::string& path) {
       for (bool causal : {false, true})
         for (const auto& [n, rounds, chunk] :
              {std::tuple{7, 1, 8}, {8, 1, 8}, {9, 1, 8}, {17, 2, 8}, {40, 4, 8}, {47, 1, 16}, {65, 2, 16}}) {
@@ -377,7 +327,7 @@ TEST_SUITE("reformer_bf16") {
         mechanism32->prepare(q, k, v);
         mechanism32->prepare_decode(kTokens);
         mechanism32->forward(q, k, v, prefill32);
-        const double largest_v = max_abs(in.widened.v.data(), in.widened.v.size());
+        const double largest_v = max_abs_of(in.widened.v.data(), in.widened.v.size());
         for (std::int64_t t = 0; t < kTokens; ++t) {
           const std::int64_t token = context + t;
           const Tensor q1 = rows(in.widened.q, token, 1), k1 = rows(in.widened.k, token, 1),
@@ -410,21 +360,10 @@ TEST_SUITE("reformer_bf16") {
         for (Pass pass : {Pass::Forward, Pass::Backward, Pass::Train, Pass::Decode}) {
           if (pass == Pass::Decode && !causal) continue;
           for (std::int64_t n : {47, 48, 100}) {
-            const PointConfig f32 = bf16_point(n, causal, pass, params, DType::F32),
-                              bf16 = bf16_point(n, causal, pass, params);
-            CAPTURE(pass_name(pass));
-            CAPTURE(causal);
-            CAPTURE(n);
             CAPTURE(params.back());
-            const ResultRow a = run_point(f32), b = run_point(bf16);
-            REQUIRE(a.status == Status::Ok);
-            REQUIRE_MESSAGE(b.status == Status::Ok, b.reason);
-            CHECK(b.dtype == DType::BF16);
             // A decode step's FLOPs follow its union of keys, so its buckets: the f32 point hashes the
             // unrounded draws (the decode test compares the steps' FLOPs on the same values).
-            if (pass != Pass::Decode) CHECK(b.flops == a.flops);
-            CHECK(2 * point_io_bytes(bf16) == point_io_bytes(f32));
-            CHECK(b.peak_owned_bytes - point_io_bytes(bf16) == b.estimated_workspace_bytes);
+            const auto [a, b] = check_bf16_rows("reformer", n, causal, pass, params, pass != Pass::Decode);
             if (pass == Pass::Backward || pass == Pass::Train) {
               // k̂ halves; 1/‖q‖, the log-sum-exp and the integer sort do not.
               CHECK(a.saved_bytes - b.saved_bytes == 2 * 2 * n * 32);
@@ -442,12 +381,6 @@ TEST_SUITE("reformer_bf16") {
   }
 
   TEST_CASE("reformer's bf16 form needs a head size the bf16 kernels tile: others are unsupported rows") {
-    PointConfig c = bf16_point(64, false, Pass::Forward, {});
-    c.problem.head_dim = 24;
-    const ResultRow row = run_point(c);
-    CHECK(row.status == Status::Unsupported);
-    CHECK(row.reason.find("head_dim % 16") != std::string::npos);
-    c.problem.dtype = DType::F32;
-    CHECK(run_point(c).status == Status::Ok);
+    check_bf16_head_dim_unsupported("reformer");
   }
 }

@@ -250,13 +250,6 @@ void check_gradients(const Problem& p, const std::vector<std::string>& params, c
     }
 }
 
-PointConfig sinkhorn_point(std::int64_t n, bool causal, Pass pass, const std::vector<std::string>& params,
-                           DType dtype) {
-  PointConfig c = bf16_point("sinkhorn", n, causal, pass, params);
-  c.problem.dtype = dtype;
-  return c;
-}
-
 }  // namespace
 
 TEST_SUITE("sinkhorn_bf16") {
@@ -355,20 +348,8 @@ TEST_SUITE("sinkhorn_bf16") {
           const bool cut = params.size() > 1;
           if ((pass == Pass::Decode && !causal) || (cut && (causal || pass == Pass::Decode))) continue;
           for (std::int64_t n : {47, 48, 100}) {
-            const PointConfig f32 = sinkhorn_point(n, causal, pass, params, DType::F32),
-                              bf16 = sinkhorn_point(n, causal, pass, params, DType::BF16);
-            CAPTURE(pass_name(pass));
-            CAPTURE(causal);
-            CAPTURE(n);
             CAPTURE(params.size());
-            const ResultRow a = run_point(f32), b = run_point(bf16);
-            REQUIRE(a.status == Status::Ok);
-            REQUIRE_MESSAGE(b.status == Status::Ok, b.reason);
-            CHECK(b.dtype == DType::BF16);
-            CHECK(b.flops == a.flops);
-            CHECK(2 * point_io_bytes(bf16) == point_io_bytes(f32));
-            CHECK(b.peak_owned_bytes - point_io_bytes(bf16) == b.estimated_workspace_bytes);
-            CHECK(a.peak_owned_bytes - point_io_bytes(f32) == a.estimated_workspace_bytes);
+            const auto [a, b] = check_bf16_rows("sinkhorn", n, causal, pass, params);
             if (pass == Pass::Backward || pass == Pass::Train) {
               const std::int64_t block = std::min<std::int64_t>(params.empty() ? 50 : (cut ? 8 : 16), n);
               const std::int64_t blocks = (n + block - 1) / block,
@@ -384,12 +365,6 @@ TEST_SUITE("sinkhorn_bf16") {
   }
 
   TEST_CASE("sinkhorn's bf16 form needs a head size the bf16 kernels tile: others are unsupported rows") {
-    PointConfig c = sinkhorn_point(64, false, Pass::Forward, {}, DType::BF16);
-    c.problem.head_dim = 24;
-    const ResultRow row = run_point(c);
-    CHECK(row.status == Status::Unsupported);
-    CHECK(row.reason.find("head_dim % 16") != std::string::npos);
-    c.problem.dtype = DType::F32;
-    CHECK(run_point(c).status == Status::Ok);
+    check_bf16_head_dim_unsupported("sinkhorn");
   }
 }
