@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/mechanism.hpp"
 #include "lib/core/tensor.hpp"
@@ -68,13 +69,6 @@ class KvCache {
   }
 
  private:
-  template <class T>
-  static T* elements(Tensor& t) {
-    if constexpr (std::is_same_v<T, bf16>)
-      return t.bf16_data();
-    else
-      return t.data();
-  }
   Tensor keys_, values_;
 };
 

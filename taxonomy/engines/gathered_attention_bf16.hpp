@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "lib/core/bf16.hpp"
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/tensor.hpp"
 #include "lib/core/tile_kernels.hpp"
@@ -37,22 +38,6 @@
 #include "taxonomy/engines/gathered_attention.hpp"
 
 namespace xfb::fixed {
-
-// The fp32 or bf16 view of a tensor's elements.
-template <class T>
-T* elements(Tensor& t) {
-  if constexpr (std::is_same_v<T, bf16>)
-    return t.bf16_data();
-  else
-    return t.data();
-}
-template <class T>
-const T* elements(const Tensor& t) {
-  if constexpr (std::is_same_v<T, bf16>)
-    return t.bf16_data();
-  else
-    return t.data();
-}
 
 // What a TileAttentionBf16 instance must hold: tiles of ≤ rows query rows and ≤ cols score
 // columns (the panel layout's width, panel_width).

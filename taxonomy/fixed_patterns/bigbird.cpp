@@ -146,9 +146,9 @@ class BigBird final : public Mechanism {
         plan_block(layout_, qb, chosen, tile);
         const std::int64_t offset = head * n * d, first = layout_.begin(qb) * d;
         float* lse = lse_.empty() ? nullptr : lse_.data() + head * n + layout_.begin(qb);
-        softmax_flops += kernel.run(tile, fixed::elements<T>(q) + offset + first, d, fixed::elements<T>(k) + offset,
-                                    fixed::elements<T>(v) + offset, fixed::elements<T>(out) + offset + first, d,
-                                    !layout_.global(qb), lse);
+        softmax_flops +=
+            kernel.run(tile, elements<T>(q) + offset + first, d, elements<T>(k) + offset, elements<T>(v) + offset,
+                       elements<T>(out) + offset + first, d, !layout_.global(qb), lse);
       }
     }
     FlopCounter::add(softmax_flops);
@@ -175,8 +175,8 @@ class BigBird final : public Mechanism {
       for (std::int64_t qb = 0; qb < layout_.blocks; ++qb) {
         random_of(h, qb, chosen);
         plan_block(layout_, qb, chosen, tile);
-        flops += kernel.backward(tile, fixed::rows_grads(rows, layout_.begin(qb), 1, d), fixed::elements<T>(k) + offset,
-                                 fixed::elements<T>(v) + offset, !layout_.global(qb));
+        flops += kernel.backward(tile, fixed::rows_grads(rows, layout_.begin(qb), 1, d), elements<T>(k) + offset,
+                                 elements<T>(v) + offset, !layout_.global(qb));
       }
       heads_.finish(t, offset, thread);
       return flops;

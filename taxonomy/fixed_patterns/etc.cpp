@@ -57,9 +57,9 @@ class Etc final : public Mechanism {
                             const std::int64_t head = b * p_.heads + task.head;
                             const std::int64_t offset = head * n * d, first = fixed::first_row(task) * d;
                             float* lse = lse_.empty() ? nullptr : lse_.data() + head * n + fixed::first_row(task);
-                            return kernel.run(tile, fixed::elements<T>(q) + offset + first, d,
-                                              fixed::elements<T>(k) + offset, fixed::elements<T>(v) + offset,
-                                              fixed::elements<T>(out) + offset + first, d, false, lse);
+                            return kernel.run(tile, elements<T>(q) + offset + first, d, elements<T>(k) + offset,
+                                              elements<T>(v) + offset, elements<T>(out) + offset + first, d, false,
+                                              lse);
                           });
   }
 
@@ -83,8 +83,8 @@ class Etc final : public Mechanism {
       TilePattern tile;
       for (std::size_t i = ranges_[static_cast<std::size_t>(h)]; i < ranges_[static_cast<std::size_t>(h + 1)]; ++i) {
         fixed::plan_window_global(shape_, tasks_[i], tile);
-        flops += kernel.backward(tile, fixed::task_grads(tasks_[i], rows, d), fixed::elements<T>(k) + offset,
-                                 fixed::elements<T>(v) + offset, false);
+        flops += kernel.backward(tile, fixed::task_grads(tasks_[i], rows, d), elements<T>(k) + offset,
+                                 elements<T>(v) + offset, false);
       }
       heads_.finish(t, offset, thread);
       return flops;

@@ -175,7 +175,7 @@ class Longformer final : public Mechanism {
       for (std::int64_t b = 0; b < p_.batch; ++b) {
         const std::int64_t head = b * p_.heads + h, offset = head * n * d;
         const fixed::HeadRowsOf<T> rows = heads_.begin(t, offset, lse_.data() + head * n, thread, flops);
-        const T *keys = fixed::elements<T>(k) + offset, *values = fixed::elements<T>(v) + offset;
+        const T *keys = elements<T>(k) + offset, *values = elements<T>(v) + offset;
         TilePattern tile;
         for (std::size_t i = ranges_[static_cast<std::size_t>(h)]; i < ranges_[static_cast<std::size_t>(h + 1)]; ++i) {
           const WindowGlobalTask& task = tasks_[i];
@@ -203,7 +203,7 @@ class Longformer final : public Mechanism {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, kept = std::min(n, ring_), first = n - kept;
 #pragma omp parallel for num_threads(p_.threads) schedule(static)
     for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
-      const T *keys = fixed::elements<T>(k) + head * n * d, *values = fixed::elements<T>(v) + head * n * d;
+      const T *keys = elements<T>(k) + head * n * d, *values = elements<T>(v) + head * n * d;
       globals_cache_.store(head, 0, keys, values, shape_.globals);
       window_cache_.store(head, first % ring_, keys + first * d, values + first * d, kept);
     }
@@ -272,8 +272,8 @@ class Longformer final : public Mechanism {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, head = (b * p_.heads + task.head) * n * d;
     const std::int64_t offset = fixed::first_row(task) * d, ld = fixed::row_step(task) * d;
     return kernels_[static_cast<std::size_t>(thread)].run(
-        tile, fixed::elements<T>(q) + head + offset, ld, fixed::elements<T>(k) + head, fixed::elements<T>(v) + head,
-        fixed::elements<T>(out) + head + offset, ld, false, lse_at(b, task), fixed::row_step(task));
+        tile, elements<T>(q) + head + offset, ld, elements<T>(k) + head, elements<T>(v) + head,
+        elements<T>(out) + head + offset, ld, false, lse_at(b, task), fixed::row_step(task));
   }
 
   float* lse_at(std::int64_t b, const WindowGlobalTask& task) {
@@ -294,7 +294,7 @@ class Longformer final : public Mechanism {
   std::int64_t global_backward(const WindowGlobalTask& task, const TilePattern& tile, const fixed::HeadRowsOf<T>& rows,
                                const T* k, const T* v, std::int64_t head, int thread) {
     const std::int64_t d = p_.head_dim, r = task.rows, h = task.head, first = task.start * d, g = shape_.globals;
-    const T* projected = fixed::elements<T>(global_saved_) + (head * 3 * g + task.start) * d;
+    const T* projected = elements<T>(global_saved_) + (head * 3 * g + task.start) * d;
     const T* query = projected + g * d;
     const T* attended = query + g * d;
     float* d_attended = projection_grads_.data() + thread * 3 * tile_rows_ * d;
@@ -358,7 +358,7 @@ class Longformer final : public Mechanism {
     const float* wk = wk_.data() + h * d * d;
     const float* wv = wv_.data() + h * d * d;
     auto& kernel = kernels_[static_cast<std::size_t>(thread)];
-    const T *keys = fixed::elements<T>(k) + head * n * d, *values = fixed::elements<T>(v) + head * n * d;
+    const T *keys = elements<T>(k) + head * n * d, *values = elements<T>(v) + head * n * d;
     if constexpr (kBf16) {
       float* projected = projections_.data() + thread * 3 * tile_rows_ * d;
       float *query = projected + tile_rows_ * d, *attended = query + tile_rows_ * d;

@@ -48,6 +48,12 @@ double check_model_gradients(const std::string& model, const Problem& p, const H
 
 // Named double-precision inputs of a whole model: "q", "k", "v" ([B, H, N, D]) and parameters.
 using NamedValues = std::map<std::string, std::vector<double>>;
+// The inputs alone, widened.
+inline NamedValues named_inputs(const AttentionInputs& in) {
+  return {{"q", widened(in.q.data(), in.q.size())},
+          {"k", widened(in.k.data(), in.k.size())},
+          {"v", widened(in.v.data(), in.v.size())}};
+}
 // The model's output in double (the layout of dO), from the named inputs.
 using ModelReference = std::function<std::vector<double>(const NamedValues& inputs)>;
 

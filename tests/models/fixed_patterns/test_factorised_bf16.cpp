@@ -27,6 +27,7 @@
 #include "taxonomy/registry.hpp"
 #include "tests/support/bf16_check.hpp"
 #include "tests/support/counter_point.hpp"
+#include "tests/support/factorised_reference.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -40,17 +41,6 @@ std::int64_t root_ceiling(std::int64_t n) {
   std::int64_t root = 1;
   while (root * root < n) ++root;
   return root;
-}
-
-// Child et al. 2019: heads h < ⌈H/2⌉ take A1, the others A2; causal keeps j ≤ i.
-HeadMask sparse_mask(bool fixed, std::int64_t l, std::int64_t c, std::int64_t heads, bool causal) {
-  return [=](std::int64_t h, std::int64_t i, std::int64_t j) {
-    if (causal && j > i) return false;
-    const bool first = h < (heads + 1) / 2;
-    if (fixed) return first ? i / l == j / l : j % l >= l - c;
-    if (first) return causal ? i - j <= l : std::abs(i - j) <= l;
-    return (i - j) % l == 0;
-  };
 }
 
 struct SparseCase {
@@ -69,49 +59,6 @@ std::vector<SparseCase> sparse_cases() {
       {{"pattern=fixed", "stride=70", "summary=5"}, true, 70, 5, {64, 65, 70, 71, 150}},
       {{"pattern=fixed"}, true, 0, 8, {30, 100}},
   };
-}
-
-// Axial attention of one head in float64 (axial.hpp's definition): rows of `cols` tokens, then
-// columns over the row outputs U; causal: one softmax over the column tokens strictly above
-// (values U) and the row tokens at or before the query (values V).
-std::vector<double> axial_reference(const float* q, const float* k, const float* v, std::int64_t n, std::int64_t d,
-                                    std::int64_t cols, bool causal) {
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  std::vector<double> u(static_cast<std::size_t>(n * d), 0.0), out(u);
-  // keys: (token, value from U?) pairs of query i; dst[i] = their softmax-weighted values.
-  auto attend = [&](std::int64_t i, const std::vector<std::pair<std::int64_t, bool>>& keys, std::vector<double>& dst) {
-    std::vector<double> s;
-    double peak = -INFINITY, sum = 0;
-    for (auto [j, from_u] : keys) {
-      double dot = 0;
-      for (std::int64_t c = 0; c < d; ++c) dot += static_cast<double>(q[i * d + c]) * k[j * d + c];
-      s.push_back(dot * scale);
-      peak = std::max(peak, s.back());
-    }
-    for (double& x : s) sum += x = std::exp(x - peak);
-    for (std::size_t t = 0; t < keys.size(); ++t) {
-      const auto [j, from_u] = keys[t];
-      for (std::int64_t c = 0; c < d; ++c)
-        dst[static_cast<std::size_t>(i * d + c)] +=
-            s[t] / sum * (from_u ? u[static_cast<std::size_t>(j * d + c)] : static_cast<double>(v[j * d + c]));
-    }
-  };
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::vector<std::pair<std::int64_t, bool>> keys;
-    for (std::int64_t j = 0; j < n; ++j)
-      if (j / cols == i / cols) keys.emplace_back(j, false);
-    attend(i, keys, u);
-  }
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::vector<std::pair<std::int64_t, bool>> keys;
-    for (std::int64_t j = 0; j < n; ++j) {
-      const bool column = j % cols == i % cols, row = j / cols == i / cols;
-      if (column && (!causal || j / cols < i / cols)) keys.emplace_back(j, true);
-      if (causal && row && j <= i) keys.emplace_back(j, false);
-    }
-    if (!keys.empty()) attend(i, keys, out);
-  }
-  return out;
 }
 
 struct AxialCase {

@@ -75,71 +75,11 @@ std::vector<Case> forward_cases() {
   };
 }
 
-// Runs f on every bf16 kernel path of this host, restoring the host's choice after.
-template <class F>
-void on_every_path(F f) {
-  const KernelIsa isa = kernel_isa();
-  const bool dot = bf16_dot_product();
-  for (KernelIsa path : supported_kernel_isas())
-    for (bool use_dot : {false, true}) {
-      if (use_dot && !(path == KernelIsa::Avx512 && cpu_has_bf16_dot())) continue;
-      force_kernel_isa(path);
-      force_bf16_dot(use_dot);
-      REQUIRE(bf16_dot_product() == use_dot);
-      f(bf16_kernels_name());
-    }
-  force_kernel_isa(isa);
-  force_bf16_dot(dot);
-}
-
-// The forward bound e_O of one head (header comment).
-double forward_bound(const float* q, const float* k, const float* v, std::int64_t n, std::int64_t d) {
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  return 2 * kU * (1 + kU) * max_abs_of(v, n * d) + attention_tolerance(q, k, v, n, n, d, scale);
-}
-
-// Checks every element of got against want within bound(element); counts the misses.
-template <class Bound>
-void check_elements(const float* got, const std::vector<double>& want, std::int64_t count, const Bound& bound,
-                    const std::string& label) {
-  std::int64_t failures = 0;
-  for (std::int64_t e = 0; e < count; ++e) {
-    const double error = std::fabs(got[e] - want[static_cast<std::size_t>(e)]);
-    if (!(error <= bound(e)) && failures++ < 3)
-      FAIL_CHECK(label << ": element " << e << ": got " << got[e] << ", want " << want[static_cast<std::size_t>(e)]
-                       << " (bound " << bound(e) << ")");
-  }
-  CHECK_MESSAGE(failures == 0, label << ": " << failures << " elements out of the bf16 bound");
-}
-
-// P of one head in float64 ([n, n], 0 off the mask).
-std::vector<double> reference_probabilities(const float* q, const float* k, std::int64_t n, std::int64_t d,
-                                            const MaskFn& allowed) {
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  std::vector<double> p(static_cast<std::size_t>(n * n), 0.0);
-  for (std::int64_t i = 0; i < n; ++i) {
-    double peak = -std::numeric_limits<double>::infinity(), sum = 0;
-    for (std::int64_t j = 0; j < n; ++j) {
-      if (!allowed(i, j)) continue;
-      double s = 0;
-      for (std::int64_t c = 0; c < d; ++c) s += static_cast<double>(q[i * d + c]) * k[j * d + c];
-      p[static_cast<std::size_t>(i * n + j)] = s * scale;
-      peak = std::max(peak, s * scale);
-    }
-    for (std::int64_t j = 0; j < n; ++j)
-      if (allowed(i, j))
-        sum += p[static_cast<std::size_t>(i * n + j)] = std::exp(p[static_cast<std::size_t>(i * n + j)] - peak);
-    for (std::int64_t j = 0; j < n; ++j)
-      if (allowed(i, j)) p[static_cast<std::size_t>(i * n + j)] /= sum;
-  }
-  return p;
-}
-
 }  // namespace
 
 TEST_SUITE("local_bf16") {
   TEST_CASE("local and image-transformer in bf16 equal the float64 masked reference, every path, causal and not") {
-    on_every_path([](const std::string& path) {
+    for_each_bf16_path([](const std::string& path) {
       for (const Case& c : forward_cases())
         for (std::int64_t n : c.sizes)
           for (bool causal : {false, true}) {
@@ -156,8 +96,8 @@ TEST_SUITE("local_bf16") {
               const float *q = in.widened.q.head(0, h), *k = in.widened.k.head(0, h), *v = in.widened.v.head(0, h);
               const auto want = reference_attention(q, k, v, n, n, 32, 1.0 / std::sqrt(32.0), c.mask(causal));
               const double fp32 = attention_tolerance(q, k, v, n, n, 32, 1.0 / std::sqrt(32.0));
-              const double bound = forward_bound(q, k, v, n, 32);
-              check_elements(
+              const double bound = bf16_forward_bound(q, k, v, n, 32);
+              check_bf16_elements(
                   got.head(0, h), want, n * 32, [&](std::int64_t) { return bound; }, label);
               for (std::int64_t e = 0; e < n * 32; ++e)
                 over_fp32 =
@@ -170,63 +110,15 @@ TEST_SUITE("local_bf16") {
   }
 
   TEST_CASE("bf16 gradients equal the float64 reference's within the bf16 bound, every path, causal and not") {
-    on_every_path([](const std::string& path) {
+    for_each_bf16_path([](const std::string& path) {
       for (const Case& c : forward_cases())
         for (std::int64_t n : c.sizes)
           for (bool causal : {false, true}) {
-            const std::int64_t d = 16;
-            const Problem p = on_test_threads({.batch = 2, .heads = 1, .seq_len = n, .head_dim = d, .causal = causal});
-            const Bf16Inputs in = bf16_inputs(p, static_cast<std::uint64_t>(n) + 11);
-            Tensor dout32 = Tensor::bhnd(2, 1, n, d);
-            CounterRng(5, "dout").fill_normal(dout32);
-            const Tensor dout = to_bf16(dout32), dout_wide = to_f32(dout);
-            auto mechanism = bf16_mechanism(c.model, p, c.params);
-            const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, DType::BF16); };
-            Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
-            mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
-            mechanism->prepare_backward();
-            mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
-            mechanism->backward(in.bf16.q, in.bf16.k, in.bf16.v, out, dout, dq, dk, dv);
-            const Tensor got[3] = {to_f32(dq), to_f32(dk), to_f32(dv)};
-            const double scale = 0.25;  // 1/√16
-            for (std::int64_t b = 0; b < 2; ++b) {
-              const float *q = in.widened.q.head(b, 0), *k = in.widened.k.head(b, 0), *v = in.widened.v.head(b, 0);
-              const float* g_out = dout_wide.head(b, 0);
-              const MaskFn mask = c.mask(causal);
-              const auto ref = reference_attention_backward(q, k, v, g_out, n, n, d, scale, mask);
-              const auto probs = reference_probabilities(q, k, n, d, mask);
-              const double e_out = forward_bound(q, k, v, n, d);
-              std::vector<double> delta_error(static_cast<std::size_t>(n));
-              for (std::int64_t r = 0; r < n; ++r) {
-                double sum = 0;
-                for (std::int64_t f = 0; f < d; ++f) sum += std::fabs(g_out[r * d + f]);
-                delta_error[static_cast<std::size_t>(r)] = 1.01 * e_out * sum;
-              }
-              auto p_of = [&](std::int64_t i, std::int64_t j) { return probs[static_cast<std::size_t>(i * n + j)]; };
-              const double factor = 3 * kU * (1 + kU) + gradient_error_factor(q, k, n, n, d, scale);
-              auto dq_bound = [&](std::int64_t e) {
-                const std::int64_t r = e / d, f = e % d;
-                double sum = 0;
-                for (std::int64_t j = 0; j < n; ++j) sum += p_of(r, j) * std::fabs(k[j * d + f]);
-                return factor * ref.dq_terms[static_cast<std::size_t>(e)] +
-                       scale * delta_error[static_cast<std::size_t>(r)] * sum + 1e-30;
-              };
-              auto dk_bound = [&](std::int64_t e) {
-                const std::int64_t j = e / d, f = e % d;
-                double sum = 0;
-                for (std::int64_t r = 0; r < n; ++r)
-                  sum += p_of(r, j) * delta_error[static_cast<std::size_t>(r)] * std::fabs(q[r * d + f]);
-                return factor * ref.dk_terms[static_cast<std::size_t>(e)] + scale * sum + 1e-30;
-              };
-              auto dv_bound = [&](std::int64_t e) {
-                return factor * ref.dv_terms[static_cast<std::size_t>(e)] + 1e-30;
-              };
-              const std::string label =
-                  c.model + " N=" + std::to_string(n) + (causal ? " causal " : " ") + path + " b=" + std::to_string(b);
-              check_elements(got[0].head(b, 0), ref.dq, n * d, dq_bound, "dq " + label);
-              check_elements(got[1].head(b, 0), ref.dk, n * d, dk_bound, "dk " + label);
-              check_elements(got[2].head(b, 0), ref.dv, n * d, dv_bound, "dv " + label);
-            }
+            const Problem p = on_test_threads({.batch = 2, .heads = 1, .seq_len = n, .head_dim = 16, .causal = causal});
+            const MaskFn mask = c.mask(causal);
+            check_bf16_masked_gradients(
+                c.model, p, c.params, static_cast<std::uint64_t>(n) + 11, [&mask](std::int64_t) { return mask; },
+                c.model + " N=" + std::to_string(n) + (causal ? " causal " : " ") + path);
           }
     });
   }
