@@ -3,17 +3,20 @@
 # with a bf16 form (`xfbench list --format json`: dtypes holds bf16) at N = 4K and 16K in f32 and bf16,
 # forward non-causal and causal; the decoding ones at a 16K context (causal, 64 steps); the training
 # step at 4K; then the bf16/f32 ratio tables (tools/bf16_ratios.py) and the models without a bf16 form.
-#   tools/bf16_results.sh [XFBENCH]   (default build/release/xfbench; ~15 min on 2 cores)
+#   tools/bf16_results.sh [XFBENCH [SWEEP OPTIONS…]]   (default build/release/xfbench; ~15 min on 2
+#   cores of the Zen 5 class for the seven models of stop 37; the options, e.g. --min-reps 3
+#   --min-time 0.2, go to every sweep)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 x=${1:-build/release/xfbench}
+shift $(($# > 0 ? 1 : 0))
 models=$($x list --format json | python3 -c 'import json, sys
 print(",".join(r["name"] for r in json.load(sys.stdin) if "bf16" in r["dtypes"]))')
 decoders=$($x list --format json | python3 -c 'import json, sys
 print(",".join(r["name"] for r in json.load(sys.stdin) if "bf16" in r["dtypes"] and r["decodes"]))')
 without=$($x list --format json | python3 -c 'import json, sys
 print(", ".join("`" + r["name"] + "`" for r in json.load(sys.stdin) if r["implemented"] and "bf16" not in r["dtypes"]))')
-common=(--batch 1 --heads 8 --head-dim 64 --threads 2 --dtype f32,bf16 --no-table)
+common=(--batch 1 --heads 8 --head-dim 64 --threads 2 --dtype f32,bf16 --no-table "$@")
 $x sweep --models "$models" --seq-lens 4096,16384 "${common[@]}" --out results/bf16-sweep.json
 $x sweep --models "$models" --seq-lens 4096,16384 --causal "${common[@]}" --out results/bf16-sweep-causal.json
 $x sweep --models "$decoders" --seq-lens 16384 --causal --pass decode --decode-tokens 64 "${common[@]}" \

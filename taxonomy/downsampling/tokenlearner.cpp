@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "lib/core/bf16.hpp"
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -46,6 +48,13 @@ void bias_gelu(float* x, const float* bias, std::int64_t rows, std::int64_t f) {
   }
 }
 
+// The bf16 form's fp32 floats per thread: α [S, ld] and a widened chunk of v [chunk rows, D] while
+// the weights are computed; later the widened tokens [3, S, D], the scores [S, S] and O [S, D].
+std::int64_t bf16_thread_floats(const Problem& p, const TokenLearnerConfig& c) {
+  const std::int64_t d = p.head_dim, s = c.tokens;
+  return std::max(s * ops::padded_ld(p.seq_len) + chunk_rows(p) * d, 4 * s * d + s * s);
+}
+
 class TokenLearner final : public Mechanism {
  public:
   TokenLearner(const Problem& problem, const TokenLearnerConfig& config, std::uint64_t seed)
@@ -66,14 +75,19 @@ class TokenLearner final : public Mechanism {
     CounterRng(seed_, "tokenlearner/w2").fill_normal(w2_, 0.0f, std::sqrt(2.0f / static_cast<float>(f + s)));
     CounterRng(seed_, "tokenlearner/b2").fill_normal(b2_, 0.0f, 0.1f);
     const std::int64_t bh = p_.batch * h, rows = chunk_rows(p_);
-    weights_ = Tensor(Shape{bh, s, ld_});
-    pooled_ = Tensor(Shape{3, bh, s, d});
-    probs_ = Tensor(Shape{bh, s, s});
+    weights_ = Tensor(Shape{bh, s, ld_}, p_.dtype);
+    pooled_ = Tensor(Shape{3, bh, s, d}, p_.dtype);
+    probs_ = Tensor(Shape{bh, s, s}, p_.dtype);
     normalised_ = Tensor(Shape{p_.threads, rows, d});
     hidden_ = Tensor(Shape{p_.threads, rows, f});
+    if (p_.dtype == DType::BF16) {
+      widened_ = Tensor(Shape{p_.threads, bf16_thread_floats(p_, c_)});
+      ops::prepare_bf16_matmul(pooling_shape(), true);
+    }
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    if (p_.dtype == DType::BF16) return forward_bf16(q, k, v, out);
     const std::int64_t heads = p_.batch * p_.heads;
     std::int64_t flops = 0;
 #pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
@@ -147,29 +161,29 @@ class TokenLearner final : public Mechanism {
     return pooled_.data() + (which * p_.batch * p_.heads + bh) * c_.tokens * p_.head_dim;
   }
 
-  // LN, Dense 1 and GELU of rows [r0, r0 + rows) of v into the thread's normalised_ and hidden_.
+  // LN, Dense 1 and GELU of `rows` rows of v ([rows, D]) into the thread's normalised_ and hidden_.
   // Returns the FLOPs outside oneDNN.
-  std::int64_t mlp_hidden(const HeadParams& w, const float* vh, std::int64_t r0, std::int64_t rows, int thread) {
+  std::int64_t mlp_hidden(const HeadParams& w, const float* v_rows, std::int64_t rows, int thread) {
     const std::int64_t d = p_.head_dim, f = c_.bottleneck;
     float* xn = normalised_.data() + thread * normalised_.dim(1) * d;
     float* hid = hidden_.data() + thread * hidden_.dim(1) * f;
-    ops::layer_norm_rows(vh + r0 * d, xn, rows, d, w.gain, w.shift, kLayerNormEps);
+    ops::layer_norm_rows(v_rows, xn, rows, d, w.gain, w.shift, kLayerNormEps);
     ops::gemm(false, false, rows, f, d, 1.0f, xn, d, w.w1, f, 0.0f, hid, f);
     bias_gelu(hid, w.b1, rows, f);
     return kLayerNormFlopsPerElement * rows * d + (1 + kGeluFlopsPerElement) * rows * f;
   }
 
-  std::int64_t head_forward(std::int64_t bh, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                            int thread) {
+  // α of one (batch, head) in fp32 ([S, ld_]) from its values vh ([N, D], T = float or bf16; bf16
+  // rows widened a chunk at a time into `scratch`, [chunk rows, D]). Returns the FLOPs outside oneDNN.
+  template <class T>
+  std::int64_t token_weights(std::int64_t bh, const T* vh, float* alpha, float* scratch, int thread) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, f = c_.bottleneck, s = c_.tokens;
     const HeadParams w = head_params(bh % p_.heads);
-    const float* vh = v.data() + bh * n * d;
-    float* alpha = weights_.data() + bh * s * ld_;
     const float* hid = hidden_.data() + thread * hidden_.dim(1) * f;
     std::int64_t flops = 0;
     for (std::int64_t r0 = 0; r0 < n; r0 += kChunkRows) {
       const std::int64_t rows = std::min(kChunkRows, n - r0);
-      flops += mlp_hidden(w, vh, r0, rows, thread);
+      flops += mlp_hidden(w, fp32_rows(vh, r0, rows, d, scratch), rows, thread);
       ops::gemm(true, true, s, rows, f, 1.0f, w.w2, s, hid, f, 0.0f, alpha + r0, ld_);  // logitsᵀ
     }
     for (std::int64_t t = 0; t < s; ++t) {
@@ -179,7 +193,15 @@ class TokenLearner final : public Mechanism {
       for (std::int64_t j = 0; j < n; ++j) row[j] += bias;
       ops::softmax_in_place(row, n);
     }
-    flops += (1 + kSoftmaxFlopsPerElement) * s * n;
+    return flops + (1 + kSoftmaxFlopsPerElement) * s * n;
+  }
+
+  std::int64_t head_forward(std::int64_t bh, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                            int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, s = c_.tokens;
+    const float* vh = v.data() + bh * n * d;
+    float* alpha = weights_.data() + bh * s * ld_;
+    std::int64_t flops = token_weights(bh, vh, alpha, nullptr, thread);
     float* tq = pooled(0, bh);
     float* tk = pooled(1, bh);
     float* tv = pooled(2, bh);
@@ -193,6 +215,63 @@ class TokenLearner final : public Mechanism {
     ops::gemm(false, false, s, d, s, 1.0f, attention, s, tv, d, 0.0f, out.data() + bh * s * d, d);
     return flops + kSoftmaxFlopsPerElement * s * s;
   }
+
+  // The bf16 form's pooling: Q̃, K̃, Ṽ [B·H, S, D] = bf16(α·x) for the bf16 α and x, one batched
+  // product per tensor (outside the head loop: the fallback below AVX-512 uses the scratchpad).
+  ops::MatmulShape pooling_shape() const {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, s = c_.tokens;
+    return {.batch = p_.batch * p_.heads,
+            .m = s,
+            .n = d,
+            .k = n,
+            .lda = ld_,
+            .stride_a = s * ld_,
+            .stride_b = n * d,
+            .stride_c = s * d};
+  }
+
+  // bf16 (header): α in fp32 per head, rounded to bf16; Q̃, K̃, Ṽ = bf16(α·x) on the bf16 matmul
+  // (fp32 sums); the token attention in fp32 on the widened tokens, P rounded to bf16 (kept) before
+  // P·Ṽ, the output rounded.
+  void forward_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim, s = c_.tokens;
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
+    for (std::int64_t bh = 0; bh < heads; ++bh) {
+      float* alpha = thread_floats(omp_get_thread_num());
+      flops += token_weights(bh, v.bf16_data() + bh * n * d, alpha, alpha + s * ld_, omp_get_thread_num());
+      for (std::int64_t t = 0; t < s; ++t) narrow(alpha + t * ld_, weights_.bf16_data() + (bh * s + t) * ld_, n);
+    }
+    const Tensor* inputs[3] = {&q, &k, &v};
+    for (std::int64_t which = 0; which < 3; ++which)
+      ops::matmul(pooling_shape(), weights_.bf16_data(), inputs[which]->bf16_data(),
+                  pooled_.bf16_data() + which * heads * s * d);
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+    for (std::int64_t bh = 0; bh < heads; ++bh) flops += token_attention_bf16(bh, out, omp_get_thread_num());
+    FlopCounter::add(flops);
+  }
+
+  // One head's attention over its S bf16 tokens: widened into the thread's rows, S·Kᵀ/√D and the
+  // softmax in fp32, P rounded to bf16 (probs_), out = bf16(P·Ṽ).
+  std::int64_t token_attention_bf16(std::int64_t bh, Tensor& out, int thread) {
+    const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, s = c_.tokens;
+    float* tokens = thread_floats(thread);  // Q̃, K̃, Ṽ [3, S, D], then the scores [S, S], then O [S, D]
+    float* attention = tokens + 3 * s * d;
+    float* result = attention + s * s;
+    for (std::int64_t which = 0; which < 3; ++which)
+      widen(pooled_.bf16_data() + (which * heads + bh) * s * d, tokens + which * s * d, s * d);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    ops::gemm(false, true, s, s, d, scale, tokens, d, tokens + s * d, d, 0.0f, attention, s);
+    bf16* probs = probs_.bf16_data() + bh * s * s;
+    for (std::int64_t t = 0; t < s; ++t) ops::softmax_in_place(attention + t * s, s);
+    narrow(attention, probs, s * s);
+    widen(probs, attention, s * s);
+    ops::gemm(false, false, s, d, s, 1.0f, attention, s, tokens + 2 * s * d, d, 0.0f, result, d);
+    narrow(result, out.bf16_data() + bh * s * d, s * d);
+    return kSoftmaxFlopsPerElement * s * s;
+  }
+
+  float* thread_floats(int thread) { return widened_.data() + thread * widened_.dim(1); }
 
   void zero_head_gradients(std::int64_t head) {
     const std::int64_t d = p_.head_dim, f = c_.bottleneck, s = c_.tokens;
@@ -306,8 +385,9 @@ class TokenLearner final : public Mechanism {
   std::uint64_t seed_;
   std::int64_t ld_;
   Tensor ln_gains_, ln_shifts_, w1_, b1_, w2_, b2_;
-  // α [B·H, S, ld], Q̃ K̃ Ṽ [3, B·H, S, D], the token attention [B·H, S, S]; per thread the MLP's rows.
-  Tensor weights_, pooled_, probs_, normalised_, hidden_;
+  // α [B·H, S, ld], Q̃ K̃ Ṽ [3, B·H, S, D], the token attention [B·H, S, S] (fp32, or bf16 in the bf16
+  // form); per thread the MLP's rows; bf16 form: per thread the fp32 floats of bf16_thread_floats.
+  Tensor weights_, pooled_, probs_, normalised_, hidden_, widened_;
   // Backward (prepare_backward): the parameter gradients, per thread dα, the token gradients and
   // the S×S score gradient, the MLP's pre-activations and gradients, dLN and LN scratch, LN sums.
   Tensor d_ln_gains_, d_ln_shifts_, d_w1_, d_b1_, d_w2_, d_b2_;
@@ -347,11 +427,15 @@ std::int64_t flops(const Problem& p, const TokenLearnerConfig& c) {
   return p.batch * p.heads * (mlp + pooling + attention);
 }
 
+// Parameters (fp32), α, the tokens and the token attention (in the element size), per thread the
+// MLP's rows (and the bf16 form's fp32 rows).
 std::int64_t workspace(const Problem& p, const TokenLearnerConfig& c) {
   const std::int64_t d = p.head_dim, f = c.bottleneck, s = c.tokens, bh = p.batch * p.heads;
   const std::int64_t state = bh * s * ops::padded_ld(p.seq_len) + 3 * bh * s * d + bh * s * s;
-  const std::int64_t per_thread = chunk_rows(p) * (d + f);
-  return (parameter_floats(p, c) + state + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
+  std::int64_t per_thread = chunk_rows(p) * (d + f);
+  if (p.dtype == DType::BF16) per_thread += bf16_thread_floats(p, c);
+  constexpr std::int64_t kFloatBytes = sizeof(float);
+  return (parameter_floats(p, c) + p.threads * per_thread) * kFloatBytes + state * element_bytes(p.dtype);
 }
 
 std::int64_t backward_flops(const Problem& p, const TokenLearnerConfig& c) {
@@ -382,7 +466,9 @@ FieldTable<TokenLearnerConfig> config_fields(const TokenLearnerConfig*) {
 
 template <>
 Implementation implementation<TokenLearnerConfig>() {
-  return implement<TokenLearnerConfig>();
+  Implementation impl = implement<TokenLearnerConfig>();
+  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  return impl;
 }
 
 }  // namespace xfb

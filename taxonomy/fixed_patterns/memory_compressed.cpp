@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "lib/core/bf16.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -10,6 +11,7 @@
 #include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/decode_common.hpp"
 #include "taxonomy/engines/gathered_attention.hpp"
+#include "taxonomy/engines/gathered_attention_bf16.hpp"
 
 namespace xfb {
 namespace {
@@ -81,6 +83,20 @@ std::int64_t decode_slots(const Layout& l, std::int64_t tokens) {
   return (l.tokens + tokens + l.compression - 1) / l.compression;
 }
 
+// weights [H_c, D_out, D_in, c] from the seed; packed [H_c, c·D_in, D_out] with row u·D + i.
+void make_weights(const Layout& l, std::int64_t d, std::uint64_t seed, const char* stream, Tensor& weights,
+                  Tensor& packed) {
+  const std::int64_t hc = l.compressed_heads, c = l.compression;
+  weights = Tensor(Shape{hc, d, d, c});
+  CounterRng(seed, stream).fill_normal(weights, 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(c * d))));
+  packed = Tensor(Shape{hc, c * d, d});
+  for (std::int64_t h = 0; h < hc; ++h)
+    for (std::int64_t o = 0; o < d; ++o)
+      for (std::int64_t i = 0; i < d; ++i)
+        for (std::int64_t u = 0; u < c; ++u)
+          packed[(h * c * d + u * d + i) * d + o] = weights[((h * d + o) * d + i) * c + u];
+}
+
 class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories {
  public:
   MemoryCompressed(const Problem& problem, const Layout& layout, std::uint64_t seed)
@@ -89,8 +105,8 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
     const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression;
     if (hc > 0) {
-      make_weights("memory-compressed/compress_wk", weights_k_, packed_k_);
-      make_weights("memory-compressed/compress_wv", weights_v_, packed_v_);
+      make_weights(l_, d, seed_, "memory-compressed/compress_wk", weights_k_, packed_k_);
+      make_weights(l_, d, seed_, "memory-compressed/compress_wv", weights_v_, packed_v_);
       memory_k_ = Tensor::bhnd(p_.batch, hc, l_.slots, d);
       memory_v_ = Tensor::bhnd(p_.batch, hc, l_.slots, d);
       tail_ = Tensor(Shape{hc, c * d});
@@ -270,20 +286,6 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
     }
   }
 
-  // weights [H_c, D_out, D_in, c] from the seed; packed [H_c, c·D_in, D_out] with row u·D + i.
-  void make_weights(const char* stream, Tensor& weights, Tensor& packed) const {
-    const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression;
-    weights = Tensor(Shape{hc, d, d, c});
-    CounterRng(seed_, stream)
-        .fill_normal(weights, 0.0f, static_cast<float>(1.0 / std::sqrt(static_cast<double>(c * d))));
-    packed = Tensor(Shape{hc, c * d, d});
-    for (std::int64_t h = 0; h < hc; ++h)
-      for (std::int64_t o = 0; o < d; ++o)
-        for (std::int64_t i = 0; i < d; ++i)
-          for (std::int64_t u = 0; u < c; ++u)
-            packed[(h * c * d + u * d + i) * d + o] = weights[((h * d + o) * d + i) * c + u];
-  }
-
   // memory[b, h] = strided convolution of the compressed heads' rows of x (see header).
   // The prefill's part of a decode: local heads keep their context's last block rows, compressed
   // heads the completed slots and the open window's rows.
@@ -356,9 +358,166 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
   std::int64_t length_ = 0;
 };
 
+// One slot of the bf16 form's compression: slot[o] = Σ_{u<c, i<D} packed[u·D + i, o]·x[u·D + i] over
+// the window's `rows` bf16 rows (x: [rows, D]; the rows past them read as 0), summed in fp32 in that
+// order and rounded once. The same loop in the forward and in decoding, so both compute one slot
+// bit for bit. Counts no FLOPs (callers count 2·c·D·D per slot, the fp32 form's product).
+void compress_slot(const bf16* x, std::int64_t rows, const float* packed, std::int64_t d, float* sum, bf16* slot) {
+  std::fill_n(sum, d, 0.0f);
+  for (std::int64_t e = 0; e < rows * d; ++e) {
+    const float value = to_float(x[e]);
+    const float* weights = packed + e * d;
+#pragma omp simd
+    for (std::int64_t o = 0; o < d; ++o) sum[o] += value * weights[o];
+  }
+  narrow(sum, slot, d);
+}
+
+// The bf16 form (header), forward and decode: K̂, V̂ = bf16 slots of compress_slot; the tiles on the
+// bf16 gathered kernel; decoding on bf16 caches (decode_common's bf16 rows).
+class MemoryCompressedBf16 final : public Mechanism, public MemoryCompressedMemories {
+ public:
+  MemoryCompressedBf16(const Problem& problem, const Layout& layout, std::uint64_t seed)
+      : p_(problem), l_(layout), tasks_(tasks_of(layout, problem.heads)), seed_(seed) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    const std::int64_t hc = l_.compressed_heads, d = p_.head_dim;
+    if (hc > 0) {
+      make_weights(l_, d, seed_, "memory-compressed/compress_wk", weights_k_, packed_k_);
+      make_weights(l_, d, seed_, "memory-compressed/compress_wv", weights_v_, packed_v_);
+      memory_k_ = Tensor::bhnd(p_.batch, hc, l_.slots, d, DType::BF16);
+      memory_v_ = Tensor::bhnd(p_.batch, hc, l_.slots, d, DType::BF16);
+      sums_ = Tensor(Shape{p_.threads, d});
+    }
+    const fixed::TileCapacity capacity =
+        fixed::most_tile_capacity(tasks_, [&](const Task& task, TilePattern& tile) { plan(l_, task, tile); });
+    kernels_.clear();
+    for (std::int64_t t = 0; t < p_.threads; ++t) kernels_.emplace_back(capacity, d);
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    if (l_.compressed_heads > 0) compress(k, v);
+    const std::int64_t d = p_.head_dim, n = p_.seq_len;
+    fixed::run_tile_tasks(
+        p_.batch, tasks_, kernels_,
+        [&](std::int64_t b, const Task& task, fixed::TileAttentionBf16& kernel, TilePattern& tile) {
+          plan(l_, task, tile);
+          const std::int64_t head = b * p_.heads + task.head;
+          const bool local = task.head < l_.local_heads;
+          const std::int64_t memory_at = (b * l_.compressed_heads + task.head - l_.local_heads) * l_.slots * d;
+          const bf16* keys = local ? k.bf16_data() + head * n * d : memory_k_.bf16_data() + memory_at;
+          const bf16* values = local ? v.bf16_data() + head * n * d : memory_v_.bf16_data() + memory_at;
+          const std::int64_t rows = head * n * d + task.start * d;
+          return kernel.attend(tile, q.bf16_data() + rows, d, keys, values, out.bf16_data() + rows, d);
+        });
+    if (!step_buffers_.empty()) load_decode_context(k, v);
+  }
+
+  std::vector<NamedTensor> parameters() const override {
+    if (l_.compressed_heads == 0) return {};
+    return {{"compress_wk", &weights_k_}, {"compress_wv", &weights_v_}};
+  }
+
+  void prepare_decode(std::int64_t tokens) override {
+    const std::int64_t d = p_.head_dim, c = l_.compression, compressed = p_.batch * l_.compressed_heads;
+    local_cache_ = KvCache(p_.batch * l_.local_heads, l_.block, d, DType::BF16);
+    slot_cache_ = KvCache(compressed, decode_slots(l_, tokens), d, DType::BF16);
+    open_window_ = KvCache(compressed, c, d, DType::BF16);
+    step_buffers_ = Tensor(Shape{p_.batch * p_.heads, 2, d});
+    step_sums_ = Tensor(Shape{p_.batch * p_.heads, d});
+  }
+
+  // As the fp32 step, on bf16 rows (attend_rows rounds P as the forward's tiles do).
+  void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t d = p_.head_dim, i = length_, c = l_.compression;
+    attend_every_head(q, out, step_buffers_, p_.threads, [&](std::int64_t head, RowSoftmax& row, const float* query) {
+      const std::int64_t b = head / p_.heads, h = head % p_.heads;
+      const bf16 *key = k.bf16_data() + head * d, *value = v.bf16_data() + head * d;
+      if (h < l_.local_heads) {
+        const std::int64_t index = b * l_.local_heads + h, block = l_.block, first = i / block * block;
+        local_cache_.store(index, i % block, key, value, 1);
+        return attend_ring(row, query, local_cache_.keys<bf16>(index), local_cache_.values<bf16>(index), block, first,
+                           i - first + 1);
+      }
+      const std::int64_t hc = h - l_.local_heads, index = b * l_.compressed_heads + hc;
+      open_window_.store(index, i % c, key, value, 1);
+      std::int64_t flops = 0;
+      if ((i + 1) % c == 0) {
+        float* sum = step_sums_.data() + head * d;
+        compress_slot(open_window_.keys<bf16>(index), c, packed_k_.data() + hc * c * d * d, d, sum,
+                      slot_cache_.keys<bf16>(index) + i / c * d);
+        compress_slot(open_window_.values<bf16>(index), c, packed_v_.data() + hc * c * d * d, d, sum,
+                      slot_cache_.values<bf16>(index) + i / c * d);
+        flops += 2 * matmul_flops(1, d, c * d);
+      }
+      return flops +
+             attend_rows(row, query, slot_cache_.keys<bf16>(index), slot_cache_.values<bf16>(index), (i + 1) / c);
+    });
+    ++length_;
+  }
+
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"local_keys", &local_cache_.key_tensor()}, {"local_values", &local_cache_.value_tensor()},
+            {"slot_keys", &slot_cache_.key_tensor()},   {"slot_values", &slot_cache_.value_tensor()},
+            {"open_keys", &open_window_.key_tensor()},  {"open_values", &open_window_.value_tensor()}};
+  }
+
+  const Tensor& compressed_keys() const override { return memory_k_; }
+  const Tensor& compressed_values() const override { return memory_v_; }
+
+ private:
+  // K̂, V̂ of every compressed head: each slot by compress_slot; 2·2·N_c·c·D·D FLOPs per head.
+  void compress(const Tensor& k, const Tensor& v) {
+    const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression, n = p_.seq_len;
+    const std::int64_t heads = p_.batch * hc, slots = l_.slots;
+#pragma omp parallel for num_threads(p_.threads) schedule(static) collapse(2)
+    for (std::int64_t head = 0; head < heads; ++head)
+      for (std::int64_t t = 0; t < slots; ++t) {
+        const std::int64_t b = head / hc, h = head % hc, rows = std::min(c, n - t * c);
+        const std::int64_t from = ((b * p_.heads + l_.local_heads + h) * n + t * c) * d, to = (head * slots + t) * d;
+        float* sum = sums_.data() + omp_get_thread_num() * d;
+        compress_slot(k.bf16_data() + from, rows, packed_k_.data() + h * c * d * d, d, sum, memory_k_.bf16_data() + to);
+        compress_slot(v.bf16_data() + from, rows, packed_v_.data() + h * c * d * d, d, sum, memory_v_.bf16_data() + to);
+      }
+    FlopCounter::add(heads * 2 * matmul_flops(slots, d, c * d));
+  }
+
+  // As the fp32 form's: local heads their context's last block rows, compressed heads the completed
+  // slots and the open window's rows.
+  void load_decode_context(const Tensor& k, const Tensor& v) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, c = l_.compression, done = n / c;
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      const std::int64_t b = head / p_.heads, h = head % p_.heads;
+      const bf16 *keys = k.bf16_data() + head * n * d, *values = v.bf16_data() + head * n * d;
+      if (h < l_.local_heads) {
+        const std::int64_t kept = std::min(n, l_.block), first = n - kept;
+        local_cache_.store(b * l_.local_heads + h, first % l_.block, keys + first * d, values + first * d, kept);
+      } else {
+        const std::int64_t hc = h - l_.local_heads, index = b * l_.compressed_heads + hc;
+        const std::int64_t memory_at = index * l_.slots * d;
+        slot_cache_.store(index, 0, memory_k_.bf16_data() + memory_at, memory_v_.bf16_data() + memory_at, done);
+        open_window_.store(index, 0, keys + done * c * d, values + done * c * d, n - done * c);
+      }
+    }
+    length_ = n;
+  }
+
+  Problem p_;
+  Layout l_;
+  std::vector<Task> tasks_;
+  std::uint64_t seed_;
+  Tensor weights_k_, weights_v_, packed_k_, packed_v_, memory_k_, memory_v_, sums_;  // sums_: [threads, D]
+  std::vector<fixed::TileAttentionBf16> kernels_;
+  KvCache local_cache_, slot_cache_, open_window_;  // bf16 rows (decoding only)
+  Tensor step_buffers_, step_sums_;                 // per head the query and accumulator; a slot's fp32 sums
+  std::int64_t length_ = 0;
+};
+
 }  // namespace
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const MemoryCompressedConfig& c, std::uint64_t seed) {
+  if (problem.dtype == DType::BF16) return std::make_unique<MemoryCompressedBf16>(problem, Layout(problem, c), seed);
   return std::make_unique<MemoryCompressed>(problem, Layout(problem, c), seed);
 }
 
@@ -378,6 +537,14 @@ std::int64_t flops(const Problem& p, const MemoryCompressedConfig& c) {
 std::int64_t workspace(const Problem& p, const MemoryCompressedConfig& config) {
   const Layout l(p, config);
   const std::int64_t d = p.head_dim, c = l.compression, hc = l.compressed_heads;
+  if (p.dtype == DType::BF16) {  // weights and packed copies fp32, K̂ V̂ bf16, the slot sums per thread
+    const std::int64_t floats = 4 * hc * c * d * d + (hc > 0 ? p.threads * d : 0),
+                       halves = 2 * p.batch * hc * l.slots * d;
+    const auto capacity = fixed::most_tile_capacity(tasks_of(l, p.heads),
+                                                    [&](const Task& task, TilePattern& tile) { plan(l, task, tile); });
+    return floats * static_cast<std::int64_t>(sizeof(float)) + halves * static_cast<std::int64_t>(sizeof(bf16)) +
+           p.threads * fixed::TileAttentionBf16::bytes(capacity, d);
+  }
   const std::int64_t floats = 4 * hc * c * d * d + 2 * p.batch * hc * l.slots * d + hc * c * d;
   return floats * static_cast<std::int64_t>(sizeof(float)) +
          p.threads * TileAttention::bytes(score_capacity(l, tasks_of(l, p.heads)), 0, d);
@@ -409,9 +576,10 @@ std::int64_t backward_workspace(const Problem& p, const MemoryCompressedConfig& 
 std::int64_t decode_workspace(const Problem& p, const MemoryCompressedConfig& c, std::int64_t tokens) {
   const Layout l(p, c);
   const std::int64_t d = p.head_dim, compressed = p.batch * l.compressed_heads;
-  return KvCache::bytes(p.batch * l.local_heads, l.block, d) + KvCache::bytes(compressed, decode_slots(l, tokens), d) +
-         KvCache::bytes(compressed, l.compression, d) +
-         p.batch * p.heads * 2 * d * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t step_floats = p.batch * p.heads * (p.dtype == DType::BF16 ? 3 : 2) * d;  // bf16: + slot sums
+  return KvCache::bytes(p.batch * l.local_heads, l.block, d, p.dtype) +
+         KvCache::bytes(compressed, decode_slots(l, tokens), d, p.dtype) +
+         KvCache::bytes(compressed, l.compression, d, p.dtype) + step_floats * static_cast<std::int64_t>(sizeof(float));
 }
 
 FieldTable<MemoryCompressedConfig> config_fields(const MemoryCompressedConfig*) {
@@ -429,9 +597,13 @@ MemoryCompressedConfig resolve(const Problem& p, MemoryCompressedConfig c) {
   return c;
 }
 
+std::string unsupported(const Problem& p, const MemoryCompressedConfig&) { return fixed::gathered_bf16_unsupported(p); }
+
 template <>
 Implementation implementation<MemoryCompressedConfig>() {
-  return implement<MemoryCompressedConfig>();
+  Implementation impl = implement<MemoryCompressedConfig>();
+  impl.bf16_forward = true;  // forward and decode; no bf16 backward yet
+  return impl;
 }
 
 }  // namespace xfb

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <string>
 
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/gathered_attention.hpp"
+#include "taxonomy/engines/gathered_attention_bf16.hpp"
 
 namespace xfb {
 namespace {
@@ -102,6 +104,42 @@ std::int64_t score_capacity(const Layout& l, const std::vector<Task>& tasks) {
   return most;
 }
 
+// The bf16 kernels' capacity over both levels' tiles.
+fixed::TileCapacity tile_capacity(const Layout& l, const std::vector<Task>& tasks) {
+  fixed::TileCapacity most;
+  for_each_level(l, [&](auto plan) {
+    const fixed::TileCapacity level =
+        fixed::most_tile_capacity(tasks, [&](const Task& t, TilePattern& tile) { plan(l, t, tile); });
+    most.rows = std::max(most.rows, level.rows);
+    most.cols = std::max(most.cols, level.cols);
+  });
+  return most;
+}
+
+// K̄, V̄ of every head (T: the element type of k, v and the pooled rows): row m = (1/c_m)·Σ of the
+// token rows [m·ξ, m·ξ + c_m), summed in fp32 in token order and stored once. 2·D·Σ c_m FLOPs per head.
+template <class T>
+void pool_rows(const Problem& p, const Layout& l, const Tensor& k, const Tensor& v, Tensor& pooled_k,
+               Tensor& pooled_v) {
+  const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, rows = l.pooled;
+#pragma omp parallel for num_threads(p.threads) schedule(static) collapse(2)
+  for (std::int64_t head = 0; head < heads; ++head)
+    for (std::int64_t m = 0; m < rows; ++m)
+      for (int which = 0; which < 2; ++which) {
+        const T* x = elements<T>(which == 0 ? k : v) + (head * n + m * l.stride) * d;
+        T* row = elements<T>(which == 0 ? pooled_k : pooled_v) + (head * rows + m) * d;
+        const std::int64_t count = l.members(m);
+        const float scale = 1.0f / static_cast<float>(count);
+#pragma omp simd
+        for (std::int64_t c = 0; c < d; ++c) {
+          float sum = as_float(x[c]);
+          for (std::int64_t t = 1; t < count; ++t) sum += as_float(x[t * d + c]);
+          row[c] = stored<T>(sum * scale);
+        }
+      }
+  FlopCounter::add(heads * 2 * d * l.pooled_members());
+}
+
 class Poolingformer final : public Mechanism {
  public:
   Poolingformer(const Problem& problem, const Layout& layout)
@@ -120,7 +158,7 @@ class Poolingformer final : public Mechanism {
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    if (l_.pool) pool(k, v);
+    if (l_.pool) pool_rows<float>(p_, l_, k, v, pooled_k_, pooled_v_);
     const std::int64_t d = p_.head_dim, n = p_.seq_len;
     fixed::run_tile_tasks(
         p_.batch, tasks_, kernels_, [&](std::int64_t b, const Task& task, TileAttention& kernel, TilePattern& tile) {
@@ -260,25 +298,6 @@ class Poolingformer final : public Mechanism {
                                           delta_window + task.start);
   }
 
-  // K̄, V̄ of every head: row m = (1/c_m)·Σ of the token rows [m·ξ, m·ξ + c_m). 2·D·Σ c_m FLOPs per head.
-  void pool(const Tensor& k, const Tensor& v) {
-    const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim, rows = l_.pooled;
-#pragma omp parallel for num_threads(p_.threads) schedule(static) collapse(2)
-    for (std::int64_t head = 0; head < heads; ++head)
-      for (std::int64_t m = 0; m < rows; ++m)
-        for (int which = 0; which < 2; ++which) {
-          const float* x = (which == 0 ? k : v).data() + (head * n + m * l_.stride) * d;
-          float* row = (which == 0 ? pooled_k_ : pooled_v_).data() + (head * rows + m) * d;
-          const std::int64_t count = l_.members(m);
-          std::copy_n(x, d, row);
-          for (std::int64_t t = 1; t < count; ++t) add_rows(row, x + t * d, 1.0f, d);
-          const float scale = 1.0f / static_cast<float>(count);
-#pragma omp simd
-          for (std::int64_t c = 0; c < d; ++c) row[c] *= scale;
-        }
-    FlopCounter::add(heads * 2 * d * l_.pooled_members());
-  }
-
   // dx_t += dX̄_m / c_m for every token t of every pooled row m of one head. Returns 2·D·Σ c_m.
   std::int64_t unpool(const float* pooled_grads, float* grads) const {
     const std::int64_t d = p_.head_dim;
@@ -308,6 +327,83 @@ class Poolingformer final : public Mechanism {
   std::vector<std::size_t> ranges_;
 };
 
+// The bf16 form (header), forward only: K̄, V̄ = bf16(fp32 means of the bf16 rows); each level on the
+// bf16 gathered kernel (P rounded to bf16); one level alone rounds its output, both keep y and z in
+// fp32 and round y + z once (stacked: level 2's query is bf16(y)).
+class PoolingformerBf16 final : public Mechanism {
+ public:
+  PoolingformerBf16(const Problem& problem, const Layout& layout)
+      : p_(problem), l_(layout), tasks_(tasks_of(layout, problem.heads)) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    const std::int64_t d = p_.head_dim;
+    if (l_.pool) {
+      pooled_k_ = Tensor::bhnd(p_.batch, p_.heads, l_.pooled, d, DType::BF16);
+      pooled_v_ = Tensor::bhnd(p_.batch, p_.heads, l_.pooled, d, DType::BF16);
+    }
+    if (l_.both()) levels_ = Tensor(Shape{p_.threads, 2, l_.tile, d});
+    if (l_.stacked) stacked_queries_ = Tensor(Shape{p_.threads, l_.tile, d}, DType::BF16);
+    kernels_.clear();
+    for (std::int64_t t = 0; t < p_.threads; ++t) kernels_.emplace_back(tile_capacity(l_, tasks_), d);
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    if (l_.pool) pool_rows<bf16>(p_, l_, k, v, pooled_k_, pooled_v_);
+    const std::int64_t d = p_.head_dim, n = p_.seq_len;
+    fixed::run_tile_tasks(
+        p_.batch, tasks_, kernels_,
+        [&](std::int64_t b, const Task& task, fixed::TileAttentionBf16& kernel, TilePattern& tile) {
+          const std::int64_t head = b * p_.heads + task.head, rows = head * n * d + task.start * d;
+          const bf16* keys = k.bf16_data() + head * n * d;
+          const bf16* values = v.bf16_data() + head * n * d;
+          const bf16* pooled_keys = l_.pool ? pooled_k_.bf16_data() + head * l_.pooled * d : nullptr;
+          const bf16* pooled_values = l_.pool ? pooled_v_.bf16_data() + head * l_.pooled * d : nullptr;
+          const bf16* query = q.bf16_data() + rows;
+          bf16* result = out.bf16_data() + rows;
+          if (!l_.both()) {
+            if (l_.window) plan_window(l_, task, tile);
+            if (l_.pool) plan_pooled(l_, task, tile);
+            return l_.window ? kernel.attend(tile, query, d, keys, values, result, d)
+                             : kernel.attend(tile, query, d, pooled_keys, pooled_values, result, d);
+          }
+          return both_levels(task, kernel, tile, query, keys, values, pooled_keys, pooled_values, result);
+        });
+  }
+
+  std::vector<NamedTensor> parameters() const override { return {}; }
+
+ private:
+  // levels=both for one task: y, z [rows, D] fp32 in the thread's levels_, out = bf16(y + z).
+  std::int64_t both_levels(const Task& task, fixed::TileAttentionBf16& kernel, TilePattern& tile, const bf16* query,
+                           const bf16* keys, const bf16* values, const bf16* pooled_keys, const bf16* pooled_values,
+                           bf16* result) {
+    const std::int64_t d = p_.head_dim, count = task.rows * d;
+    const int thread = omp_get_thread_num();
+    float* y = levels_.data() + thread * 2 * l_.tile * d;
+    float* z = y + l_.tile * d;
+    plan_window(l_, task, tile);
+    std::int64_t flops = kernel.attend(tile, query, d, keys, values, y, d);
+    if (l_.stacked) {
+      bf16* rounded = stacked_queries_.bf16_data() + thread * l_.tile * d;
+      narrow(y, rounded, count);
+      query = rounded;
+    }
+    plan_pooled(l_, task, tile);
+    flops += kernel.attend(tile, query, d, pooled_keys, pooled_values, z, d);
+#pragma omp simd
+    for (std::int64_t e = 0; e < count; ++e) result[e] = to_bf16(y[e] + z[e]);
+    return flops + count;
+  }
+
+  Problem p_;
+  Layout l_;
+  std::vector<Task> tasks_;
+  // K̄, V̄ [B, H, M, D] bf16; both levels: y, z of a tile per thread [threads, 2, tile, D] fp32;
+  // stacked: bf16(y) per thread [threads, tile, D].
+  Tensor pooled_k_, pooled_v_, levels_, stacked_queries_;
+  std::vector<fixed::TileAttentionBf16> kernels_;
+};
+
 }  // namespace
 
 void validate(const Problem&, const PoolingformerConfig& c) {
@@ -320,6 +416,7 @@ void validate(const Problem&, const PoolingformerConfig& c) {
 }
 
 std::string unsupported(const Problem& p, const PoolingformerConfig&) {
+  if (const std::string why = fixed::gathered_bf16_unsupported(p); !why.empty()) return why;
   if (p.causal)
     return "Poolingformer has no causal form (its paper is an encoder for long-document QA and summarisation; the "
            "survey marks it as not decoding): both windows are two-sided and a pooled row averages later tokens";
@@ -327,6 +424,7 @@ std::string unsupported(const Problem& p, const PoolingformerConfig&) {
 }
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const PoolingformerConfig& c, std::uint64_t) {
+  if (problem.dtype == DType::BF16) return std::make_unique<PoolingformerBf16>(problem, Layout(problem, c));
   return std::make_unique<Poolingformer>(problem, Layout(problem, c));
 }
 
@@ -350,6 +448,13 @@ std::int64_t flops(const Problem& p, const PoolingformerConfig& c) {
 std::int64_t workspace(const Problem& p, const PoolingformerConfig& c) {
   const Layout l(p, c);
   const std::int64_t d = p.head_dim;
+  if (p.dtype == DType::BF16) {
+    const std::int64_t halves =
+        (l.pool ? 2 * p.batch * p.heads * l.pooled * d : 0) + (l.stacked ? p.threads * l.tile * d : 0);
+    const std::int64_t floats = l.both() ? p.threads * 2 * l.tile * d : 0;
+    return halves * static_cast<std::int64_t>(sizeof(bf16)) + floats * static_cast<std::int64_t>(sizeof(float)) +
+           p.threads * fixed::TileAttentionBf16::bytes(tile_capacity(l, tasks_of(l, p.heads)), d);
+  }
   const std::int64_t floats =
       (l.pool ? 2 * p.batch * p.heads * l.pooled * d : 0) + (l.both() ? p.threads * l.tile * d : 0);
   return floats * static_cast<std::int64_t>(sizeof(float)) +
@@ -404,7 +509,9 @@ FieldTable<PoolingformerConfig> config_fields(const PoolingformerConfig*) {
 
 template <>
 Implementation implementation<PoolingformerConfig>() {
-  return implement<PoolingformerConfig>();
+  Implementation impl = implement<PoolingformerConfig>();
+  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  return impl;
 }
 
 }  // namespace xfb

@@ -10,6 +10,7 @@
 // output moves it by ≤ u·|o| ≤ u·max|v| more. Hence |o − o_ref| ≤ 2u(1 + u)·max|v| + the fp32 bound.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -40,24 +41,32 @@ inline Bf16Inputs bf16_inputs(const Problem& p, std::uint64_t seed) {
   return {std::move(rounded), std::move(widened)};
 }
 
-// A model's bf16 mechanism on the problem (threads for the tests, dtype bf16) with `params`.
-inline std::unique_ptr<Mechanism> bf16_mechanism(const std::string& model, Problem p,
-                                                 const std::vector<std::string>& params = {}) {
+// A model's bf16 mechanism on the problem (threads for the tests, dtype bf16) with resolved parameter
+// values, or with `params`.
+inline std::unique_ptr<Mechanism> bf16_mechanism(const std::string& model, Problem p, const ParamValues& values) {
   p = on_test_threads(p);
   p.dtype = DType::BF16;
   const ModelInfo* info = find_model(model);
   REQUIRE(info != nullptr);
-  return info->impl.create(p, resolve_params(model, info->impl.params, params), 42);
+  return info->impl.create(p, values, 42);
+}
+inline std::unique_ptr<Mechanism> bf16_mechanism(const std::string& model, Problem p,
+                                                 const std::vector<std::string>& params = {}) {
+  const ModelInfo* info = find_model(model);
+  REQUIRE(info != nullptr);
+  return bf16_mechanism(model, p, resolve_params(model, info->impl.params, params));
 }
 
 // The model's bf16 forward on the inputs: the output widened to fp32.
+inline Tensor run_bf16(Mechanism& mechanism, const Problem& p, const AttentionInputs& in) {
+  Tensor out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, DType::BF16);
+  mechanism.prepare(in.q, in.k, in.v);
+  mechanism.forward(in.q, in.k, in.v, out);
+  return to_f32(out);
+}
 inline Tensor run_bf16(const std::string& model, const Problem& p, const AttentionInputs& in,
                        const std::vector<std::string>& params = {}) {
-  auto mechanism = bf16_mechanism(model, p, params);
-  Tensor out = Tensor::bhnd(p.batch, p.heads, p.seq_len, p.head_dim, DType::BF16);
-  mechanism->prepare(in.q, in.k, in.v);
-  mechanism->forward(in.q, in.k, in.v, out);
-  return to_f32(out);
+  return run_bf16(*bf16_mechanism(model, p, params), p, in);
 }
 
 inline double max_abs_of(const float* x, std::int64_t count) {
@@ -142,7 +151,9 @@ inline void check_bf16_gradients(const std::string& model, Problem p, const std:
 // over context + tokens. The step rounds the same fp32 values as the forward (scores, softmax, P to
 // bf16, O to bf16) up to fp32 summation order and the running max a probability is taken against,
 // which may flip a bf16 rounding of some p_j (≤ 2u·Σ p_j|v_j| ≤ 2u·max|v| in all) and of the output
-// (one bf16 ulp, ≤ 2u·|o|). Checks the state is bf16; returns the state bytes.
+// (one bf16 ulp, ≤ 2u·|o|). The parameters are resolved for the context and run the whole forward
+// too (as tests/contract/test_decode.cpp does: a block clamped to a short context stays clamped).
+// Checks the state is bf16; returns the state bytes.
 inline std::int64_t check_bf16_decode(const std::string& model, const Problem& shape, std::int64_t context,
                                       std::int64_t tokens, const std::vector<std::string>& params = {}) {
   Problem whole = shape;
@@ -150,10 +161,13 @@ inline std::int64_t check_bf16_decode(const std::string& model, const Problem& s
   whole.causal = true;
   const std::int64_t heads = whole.batch * whole.heads, d = whole.head_dim;
   const auto in = bf16_inputs(whole, static_cast<std::uint64_t>(context));
-  const Tensor forward = run_bf16(model, whole, in.bf16, params);
   Problem p = whole;
   p.seq_len = context;
-  auto mechanism = bf16_mechanism(model, p, params);
+  const ModelInfo* info = find_model(model);
+  REQUIRE(info != nullptr);
+  const ParamValues values = info->impl.resolved(p, resolve_params(model, info->impl.params, params));
+  const Tensor forward = run_bf16(*bf16_mechanism(model, whole, values), whole, in.bf16);
+  auto mechanism = bf16_mechanism(model, p, values);
   auto rows = [&](const Tensor& t, std::int64_t first, std::int64_t count) {
     return to_bf16(rows_of(t, first, count));
   };
@@ -193,6 +207,34 @@ inline PointConfig bf16_point(const std::string& model, std::int64_t n, bool cau
   c.pass = pass;
   if (pass == Pass::Decode) c.decode_tokens = 5;
   return c;
+}
+
+// The error of one softmax attention row computed from perturbed operands, against the exact row:
+// probs p_j (its exact softmax over `count` keys, Σ p_j = 1), each score off by at most shift[j],
+// each value element off by at most value_error[j·d + c] (values: the exact ones, [count, d]); the
+// probabilities then rounded (relative probability_rounding: u, or 0 when they stay fp32) and the
+// weighted sum taken in fp32. As p' = p·e^{δ_j}/Σ_i p_i·e^{δ_i}, |p' − p| ≤ r_j·p_j with
+// r_j = (1 + 8ε·(log2 count + 1))·e^{shift_j + max shift} − 1 (the fp32 softmax's own error, as the
+// fp32 tests bound it), so per feature c
+//   |o' − o| ≤ Σ_j p_j·(r_j·|v_jc| + (1 + r_j)·(e_jc + (ρ + 1.01·count·ε)·(|v_jc| + e_jc))),
+// ρ the probability rounding. The caller adds its output's rounding.
+inline std::vector<double> perturbed_attention_error(const std::vector<double>& probs, const std::vector<double>& shift,
+                                                     const double* values, const double* value_error, std::int64_t d,
+                                                     double probability_rounding) {
+  const std::int64_t count = static_cast<std::int64_t>(probs.size());
+  const double largest = count > 0 ? *std::max_element(shift.begin(), shift.end()) : 0.0;
+  const double sum_rounding = probability_rounding + 1.01 * static_cast<double>(count) * kFloatEps;
+  const double softmax_error = 8 * kFloatEps * (std::log2(std::max(static_cast<double>(count), 1.0)) + 1);
+  std::vector<double> error(static_cast<std::size_t>(d), 0.0);
+  for (std::int64_t j = 0; j < count; ++j) {
+    const double p = probs[static_cast<std::size_t>(j)];
+    const double r = (1 + softmax_error) * std::exp(shift[static_cast<std::size_t>(j)] + largest) - 1;
+    for (std::int64_t c = 0; c < d; ++c) {
+      const double v = std::fabs(values[j * d + c]), e = value_error == nullptr ? 0.0 : value_error[j * d + c];
+      error[static_cast<std::size_t>(c)] += p * (r * v + (1 + r) * (e + sum_rounding * (v + e)));
+    }
+  }
+  return error;
 }
 
 // The rows of one bf16_point and of the same point in f32.

@@ -18,6 +18,7 @@
 #include "tests/support/counter_point.hpp"
 #include "tests/support/gradient_check.hpp"
 #include "tests/support/reference.hpp"
+#include "tests/support/tokenlearner_reference.hpp"
 
 using namespace xfb;
 using namespace xfb::test;
@@ -84,12 +85,6 @@ void check_rows(const float* got, const Matrix& want, double tolerance, const st
                        << ")");
   }
   CHECK_MESSAGE(failures == 0, label << ": " << failures << " elements out of tolerance");
-}
-
-NamedValues named_inputs(const AttentionInputs& in) {
-  return {{"q", widened(in.q.data(), in.q.size())},
-          {"k", widened(in.k.data(), in.k.size())},
-          {"v", widened(in.v.data(), in.v.size())}};
 }
 
 // The gradients of q, k, v (and each parameter with a gradient) against central differences of
@@ -181,105 +176,6 @@ void check_funnel(const Problem& p, FunnelOptions o, std::vector<std::string> ex
 }
 
 // ---- tokenlearner ----
-
-struct TokenLearnerShape {
-  std::int64_t tokens = 8, bottleneck = 64;
-};
-
-// Bookkeeping for the tolerance: the largest sum of |terms| of a logit and of a token-attention
-// score, the largest 1/σ of a normalised row, the largest |token| feature.
-struct TokenErrorScale {
-  double logit_terms = 0, score_terms = 0, inverse_std = 0, largest_token = 0;
-};
-
-double gelu(double z) { return 0.5 * z * (1 + std::erf(z / std::sqrt(2.0))); }
-
-// One head of TokenLearner + attention over its S tokens, in double, from the named inputs and
-// parameters (the layouts the header gives). Returns [S, D].
-Matrix tokenlearner_head(const NamedValues& x, const Problem& p, TokenLearnerShape t, std::int64_t b, std::int64_t h,
-                         TokenErrorScale& scale) {
-  const std::int64_t n = p.seq_len, d = p.head_dim, f = t.bottleneck, s = std::min(t.tokens, n);
-  const std::int64_t at = (b * p.heads + h) * n * d;
-  const double* q = x.at("q").data() + at;
-  const double* k = x.at("k").data() + at;
-  const double* v = x.at("v").data() + at;
-  const double* gain = x.at("ln_gains").data() + h * d;
-  const double* shift = x.at("ln_shifts").data() + h * d;
-  const double* w1 = x.at("w1").data() + h * d * f;
-  const double* b1 = x.at("b1").data() + h * f;
-  const double* w2 = x.at("w2").data() + h * f * s;
-  const double* b2 = x.at("b2").data() + h * s;
-  Matrix logits(s * n);  // [S, N]
-  for (std::int64_t i = 0; i < n; ++i) {
-    double mean = 0, variance = 0;
-    for (std::int64_t c = 0; c < d; ++c) mean += v[i * d + c] / d;
-    for (std::int64_t c = 0; c < d; ++c) variance += (v[i * d + c] - mean) * (v[i * d + c] - mean) / d;
-    const double inverse_std = 1 / std::sqrt(variance + 1e-6);
-    scale.inverse_std = std::max(scale.inverse_std, inverse_std);
-    Matrix normalised(d), hidden(f);
-    for (std::int64_t c = 0; c < d; ++c) normalised[c] = (v[i * d + c] - mean) * inverse_std * gain[c] + shift[c];
-    for (std::int64_t j = 0; j < f; ++j) {
-      double z = b1[j];
-      for (std::int64_t c = 0; c < d; ++c) z += normalised[c] * w1[c * f + j];
-      hidden[j] = gelu(z);
-    }
-    for (std::int64_t r = 0; r < s; ++r) {
-      double logit = b2[r], terms = std::fabs(b2[r]);
-      for (std::int64_t j = 0; j < f; ++j) {
-        logit += hidden[j] * w2[j * s + r];
-        terms += std::fabs(hidden[j] * w2[j * s + r]);
-      }
-      logits[r * n + i] = logit;
-      scale.logit_terms = std::max(scale.logit_terms, terms);
-    }
-  }
-  Matrix tokens_q(s * d, 0.0), tokens_k(s * d, 0.0), tokens_v(s * d, 0.0);
-  for (std::int64_t r = 0; r < s; ++r) {
-    const double peak = *std::max_element(logits.begin() + r * n, logits.begin() + (r + 1) * n);
-    double sum = 0;
-    for (std::int64_t i = 0; i < n; ++i) sum += std::exp(logits[r * n + i] - peak);
-    for (std::int64_t i = 0; i < n; ++i) {
-      const double weight = std::exp(logits[r * n + i] - peak) / sum;
-      for (std::int64_t c = 0; c < d; ++c) {
-        tokens_q[r * d + c] += weight * q[i * d + c];
-        tokens_k[r * d + c] += weight * k[i * d + c];
-        tokens_v[r * d + c] += weight * v[i * d + c];
-      }
-    }
-  }
-  const double attention_scale = 1 / std::sqrt(double(d));
-  for (std::int64_t r = 0; r < s; ++r)
-    for (std::int64_t j = 0; j < s; ++j) {
-      double terms = 0;
-      for (std::int64_t c = 0; c < d; ++c) terms += std::fabs(tokens_q[r * d + c] * tokens_k[j * d + c]);
-      scale.score_terms = std::max(scale.score_terms, attention_scale * terms);
-    }
-  for (const Matrix* tokens : {&tokens_q, &tokens_k, &tokens_v})
-    for (double value : *tokens) scale.largest_token = std::max(scale.largest_token, std::fabs(value));
-  return reference_attention(tokens_q.data(), tokens_k.data(), tokens_v.data(), s, s, d, attention_scale, full_mask);
-}
-
-Matrix tokenlearner_reference(const NamedValues& x, const Problem& p, TokenLearnerShape t) {
-  Matrix out;
-  for (std::int64_t b = 0; b < p.batch; ++b)
-    for (std::int64_t h = 0; h < p.heads; ++h) {
-      TokenErrorScale unused;
-      const Matrix head = tokenlearner_head(x, p, t, b, h, unused);
-      out.insert(out.end(), head.begin(), head.end());
-    }
-  return out;
-}
-
-std::vector<std::string> tokenlearner_params(TokenLearnerShape t) {
-  return {"tokens=" + std::to_string(t.tokens), "bottleneck=" + std::to_string(t.bottleneck)};
-}
-
-NamedValues with_parameters(const AttentionInputs& in, const Mechanism& mechanism) {
-  NamedValues x = named_inputs(in);
-  for (const auto& parameter : mechanism.parameters())
-    x[parameter.name] = widened(parameter.tensor->data(), parameter.tensor->size());
-  return x;
-}
 
 void check_tokenlearner(const Problem& p, TokenLearnerShape t) {
   const std::string label = "tokenlearner N=" + std::to_string(p.seq_len) + " S=" + std::to_string(t.tokens) +
