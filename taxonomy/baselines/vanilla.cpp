@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "lib/core/bf16_softmax.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -108,7 +109,7 @@ class Vanilla final : public Mechanism {
 // padded fp32 output falls back to a generic gemm about 6× slower at N = 4096).
 std::int64_t score_ld(const Problem& p) { return p.dtype == DType::BF16 ? p.seq_len : ops::padded_ld(p.seq_len); }
 
-constexpr std::int64_t kBlock = 32;  // values per block of the in-place rounding and the P·V columns
+constexpr std::int64_t kBlock = 32;  // columns per block of the P·V loop
 
 // One query's scores against n cached keys: scores[j] = scale·⟨q, k_j⟩ (fp32 accumulation of
 // exact products), q [d] and k [n, d] bf16. The decode step's form for D % 16 ≠ 0.
@@ -133,41 +134,6 @@ void weighted_values(const float* p, const bf16* v, std::int64_t keys, std::int6
     }
     narrow(acc, out + c0, width);
   }
-}
-
-// Softmax over the first `valid` of `cols` scores of a row (fp32 statistics), the probabilities
-// rounded to bf16 and written over the row's own first 2·cols bytes (the bf16 row has stride
-// 2·ld in the score buffer), zeros beyond `valid`. Block b's kBlock bf16 values land on fp32
-// values [kBlock·b/2, kBlock·b/2 + kBlock/2), which block b itself has already read: in place.
-// Rounds value(j, row[j]) to bf16 for the row's `cols` entries, written over its own first 2·cols bytes:
-// each block is read whole before its bf16 half is written, which never reaches past that block.
-template <class Value>
-void round_row_in_place(float* row, std::int64_t cols, Value&& value) {
-  auto* bytes = reinterpret_cast<unsigned char*>(row);
-  for (std::int64_t j0 = 0; j0 < cols; j0 += kBlock) {
-    const std::int64_t count = std::min(kBlock, cols - j0);
-    float block[kBlock];
-    bf16 rounded[kBlock];
-    std::memcpy(block, bytes + 4 * j0, static_cast<std::size_t>(count) * 4);
-    for (std::int64_t j = 0; j < count; ++j) rounded[j] = to_bf16(value(j0 + j, block[j]));
-    std::memcpy(bytes + 2 * j0, rounded, static_cast<std::size_t>(count) * 2);
-  }
-}
-
-void softmax_row_to_bf16(float* row, std::int64_t cols, std::int64_t valid) {
-  const float inverse = 1.0f / ops::exp_and_sum(row, valid, ops::row_max(row, valid, row[0]));
-  std::fill(row + valid, row + cols, 0.0f);
-  round_row_in_place(row, cols, [inverse](std::int64_t, float x) { return x * inverse; });
-}
-
-// The softmax backward of one row in bf16: p the row's bf16 probabilities, grad its fp32 dP on
-// entry; dS = P·(dP − Σ_valid P·dP) in fp32 for the first `valid` of `cols` entries (0 beyond),
-// rounded to bf16 over the row's own first 2·cols bytes (softmax_row_to_bf16's in-place blocks).
-void softmax_backward_row_to_bf16(const bf16* p, float* grad, std::int64_t cols, std::int64_t valid) {
-  float delta = 0.0f;
-  for (std::int64_t j = 0; j < valid; ++j) delta += to_float(p[j]) * grad[j];
-  round_row_in_place(grad, cols,
-                     [&](std::int64_t j, float x) { return j < valid ? to_float(p[j]) * (x - delta) : 0.0f; });
 }
 
 // Vanilla in bf16: q, k, v, out and the KV cache bf16 ([B, H, ·, D]); S = QKᵀ/√D in fp32 (a
