@@ -1,8 +1,13 @@
 #include "taxonomy/low_rank/linformer.hpp"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 
+#include "lib/core/bf16.hpp"
+#include "lib/core/bf16_rows.hpp"
+#include "lib/core/bf16_softmax.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -11,11 +16,27 @@
 namespace xfb {
 namespace {
 
+constexpr std::int64_t kFloatBytes = sizeof(float);
+
 std::int64_t projected_length(const Problem& p, const LinformerConfig& c) { return std::min(c.k, p.seq_len); }
 
 // Projection matrices per tensor: H for per-head sharing, else 1.
 std::int64_t matrices_per_tensor(const Problem& p, const LinformerConfig& c) {
   return c.sharing == LinformerSharing::PerHead ? p.heads : 1;
+}
+
+// One tensor's projections (fp32 in both dtypes): [H, k, N] per head, else [k, N]; entries
+// N(0, 1/k) from the seed's `stream`, or E = I (projection=identity).
+Tensor make_projection(const Problem& p, const LinformerConfig& c, std::uint64_t seed, const char* stream) {
+  const std::int64_t count = matrices_per_tensor(p, c), n = p.seq_len, k = projected_length(p, c);
+  Tensor t = count > 1 ? Tensor(Shape{count, k, n}) : Tensor(Shape{k, n});
+  if (!c.identity) {
+    CounterRng(seed, stream).fill_normal(t, 0.0f, 1.0f / std::sqrt(static_cast<float>(k)));
+    return t;
+  }
+  for (std::int64_t m = 0; m < count; ++m)
+    for (std::int64_t i = 0; i < k; ++i) t[(m * k + i) * n + i] = 1.0f;
+  return t;
 }
 
 class Linformer final : public Mechanism {
@@ -24,8 +45,8 @@ class Linformer final : public Mechanism {
       : p_(problem), c_(config), seed_(seed), k_(projected_length(problem, config)), ld_(ops::padded_ld(k_)) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
-    e_ = make_projection("linformer/E");
-    if (c_.sharing != LinformerSharing::KeyValue) f_ = make_projection("linformer/F");
+    e_ = make_projection(p_, c_, seed_, "linformer/E");
+    if (c_.sharing != LinformerSharing::KeyValue) f_ = make_projection(p_, c_, seed_, "linformer/F");
     const std::int64_t bh = p_.batch * p_.heads;
     keys_ = Tensor(Shape{bh, k_, p_.head_dim});
     values_ = Tensor(Shape{bh, k_, p_.head_dim});
@@ -92,18 +113,6 @@ class Linformer final : public Mechanism {
   }
 
  private:
-  Tensor make_projection(const char* stream) const {
-    const std::int64_t count = matrices_per_tensor(p_, c_), n = p_.seq_len;
-    Tensor t = count > 1 ? Tensor(Shape{count, k_, n}) : Tensor(Shape{k_, n});
-    if (!c_.identity) {
-      CounterRng(seed_, stream).fill_normal(t, 0.0f, 1.0f / std::sqrt(static_cast<float>(k_)));
-      return t;
-    }
-    for (std::int64_t m = 0; m < count; ++m)
-      for (std::int64_t i = 0; i < k_; ++i) t[(m * k_ + i) * n + i] = 1.0f;
-    return t;
-  }
-
   // dst[b, h] = P_h · src[b, h]: [k, N]·[N, D]. Per-head projections: one matmul batched over the
   // heads per batch element. A shared projection is not broadcast (oneDNN 2.6 runs a broadcast
   // matmul operand on its reference kernel, ~1000× slower): one matmul per (batch, head).
@@ -142,6 +151,99 @@ class Linformer final : public Mechanism {
   Tensor score_grads_, key_grads_, value_grads_, de_, df_;  // training only
 };
 
+constexpr std::int64_t kWidenRows = 256;  // rows of K or V the bf16 projection widens at a time
+
+// The bf16 form's fp32 floats per thread: a widened chunk of K or V [min(N, kWidenRows), D] and the
+// projection's fp32 sum [k, D].
+std::int64_t bf16_thread_floats(const Problem& p, const LinformerConfig& c) {
+  return (std::min(kWidenRows, p.seq_len) + projected_length(p, c)) * p.head_dim;
+}
+
+// Linformer in bf16: q, k, v, out bf16 ([B, H, N, D]); E and F stay fp32 (the parameters the fp32 form
+// draws). K̄ = bf16(E·K), V̄ = bf16(F·V) [B·H, k, D]: per (batch, head) an fp32 sum over chunks of
+// kWidenRows rows of K (widened, exact) on sgemm, rounded once. S = Q·K̄ᵀ/√D in fp32 on oneDNN's bf16
+// matmul (a dense [B·H, N, k] buffer, row stride k), the softmax in fp32 with P rounded to bf16 in
+// place (softmax_row_to_bf16: row stride 2k), O = bf16(P·V̄) on the bf16 matmul. FLOPs are the fp32
+// form's. Forward only: a bf16 backward or training point is `unsupported`.
+class LinformerBf16 final : public Mechanism {
+ public:
+  LinformerBf16(const Problem& problem, const LinformerConfig& config, std::uint64_t seed)
+      : p_(problem), c_(config), seed_(seed), k_(projected_length(problem, config)) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    e_ = make_projection(p_, c_, seed_, "linformer/E");
+    if (c_.sharing != LinformerSharing::KeyValue) f_ = make_projection(p_, c_, seed_, "linformer/F");
+    const std::int64_t bh = p_.batch * p_.heads;
+    keys_ = Tensor(Shape{bh, k_, p_.head_dim}, DType::BF16);
+    values_ = Tensor(Shape{bh, k_, p_.head_dim}, DType::BF16);
+    scores_ = Tensor(Shape{bh, p_.seq_len, k_});
+    widened_ = Tensor(Shape{p_.threads, bf16_thread_floats(p_, c_)});
+    ops::prepare_bf16_matmul(scores_shape(), false);
+    ops::prepare_bf16_matmul(output_shape(), true);
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t rows = p_.batch * p_.heads * p_.seq_len;
+    project(e_, k, keys_);
+    project(c_.sharing == LinformerSharing::KeyValue ? e_ : f_, v, values_);
+    ops::matmul(scores_shape(), q.bf16_data(), keys_.bf16_data(), scores_.data());
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t row = 0; row < rows; ++row) softmax_row_to_bf16(scores_.data() + row * k_, k_, k_);
+    FlopCounter::add(kSoftmaxFlopsPerElement * rows * k_);
+    const bf16* probabilities = reinterpret_cast<const bf16*>(scores_.data());  // row stride 2k
+    ops::matmul(output_shape(), probabilities, values_.bf16_data(), out.bf16_data());
+  }
+
+  std::vector<NamedTensor> parameters() const override {
+    if (c_.sharing == LinformerSharing::KeyValue) return {{"projection_ef", &e_}};
+    return {{"projection_e", &e_}, {"projection_f", &f_}};
+  }
+  std::vector<NamedTensor> saved() const override {
+    return {{"probabilities", &scores_}, {"projected_keys", &keys_}, {"projected_values", &values_}};
+  }
+
+ private:
+  ops::MatmulShape scores_shape() const {
+    return {.batch = p_.batch * p_.heads,
+            .m = p_.seq_len,
+            .n = k_,
+            .k = p_.head_dim,
+            .trans_b = true,
+            .alpha = 1.0f / std::sqrt(static_cast<float>(p_.head_dim))};
+  }
+  ops::MatmulShape output_shape() const {
+    return {.batch = p_.batch * p_.heads, .m = p_.seq_len, .n = p_.head_dim, .k = k_, .lda = 2 * k_};
+  }
+
+  // dst[b, h] = bf16(P_h · src[b, h]) for every (batch, head): src [N, D] bf16 widened kWidenRows rows
+  // at a time, P_h's matching columns times them summed in fp32 (sgemm on the calling thread).
+  void project(const Tensor& projection, const Tensor& src, Tensor& dst) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, heads = p_.batch * p_.heads;
+    const bool per_head = matrices_per_tensor(p_, c_) > 1;
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t head = 0; head < heads; ++head) {
+      float* chunk = widened_.data() + omp_get_thread_num() * widened_.dim(1);
+      float* sum = chunk + std::min(kWidenRows, n) * d;
+      const float* matrix = projection.data() + (per_head ? head % p_.heads : 0) * k_ * n;
+      for (std::int64_t c0 = 0; c0 < n; c0 += kWidenRows) {
+        const std::int64_t rows = std::min(kWidenRows, n - c0);
+        widen(src.bf16_data() + (head * n + c0) * d, chunk, rows * d);
+        ops::gemm(false, false, k_, d, rows, 1.0f, matrix + c0, n, chunk, d, c0 > 0 ? 1.0f : 0.0f, sum, d);
+      }
+      narrow(sum, dst.bf16_data() + head * k_ * d, k_ * d);
+    }
+  }
+
+  Problem p_;
+  LinformerConfig c_;
+  std::uint64_t seed_;
+  std::int64_t k_;
+  Tensor e_, f_;          // fp32 projections, as the fp32 form's
+  Tensor keys_, values_;  // K̄, V̄ bf16 [B·H, k, D]
+  Tensor scores_;         // fp32 S [B·H, N, k]; after the softmax, bf16 P over each row's first half
+  Tensor widened_;        // per thread: a widened chunk and the projection's fp32 sum
+};
+
 }  // namespace
 
 void validate(const Problem& problem, const LinformerConfig& c) {
@@ -151,6 +253,7 @@ void validate(const Problem& problem, const LinformerConfig& c) {
 }
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const LinformerConfig& c, std::uint64_t seed) {
+  if (problem.dtype == DType::BF16) return std::make_unique<LinformerBf16>(problem, c, seed);
   return std::make_unique<Linformer>(problem, c, seed);
 }
 
@@ -163,8 +266,10 @@ std::int64_t workspace(const Problem& p, const LinformerConfig& c) {
   const std::int64_t k = projected_length(p, c), bh = p.batch * p.heads;
   const std::int64_t tensors = c.sharing == LinformerSharing::KeyValue ? 1 : 2;
   const std::int64_t projections = tensors * matrices_per_tensor(p, c) * k * p.seq_len;
-  return (projections + 2 * bh * k * p.head_dim + bh * p.seq_len * ops::padded_ld(k)) *
-         static_cast<std::int64_t>(sizeof(float));
+  if (p.dtype == DType::BF16)  // bf16 K̄, V̄; fp32 scores with row stride k; the per-thread rows
+    return (projections + bh * p.seq_len * k + p.threads * bf16_thread_floats(p, c)) * kFloatBytes +
+           2 * bh * k * p.head_dim * element_bytes(DType::BF16);
+  return (projections + 2 * bh * k * p.head_dim + bh * p.seq_len * ops::padded_ld(k)) * kFloatBytes;
 }
 
 // dV̄, dP, dQ, dK̄ (2·N·k·D each) + 4 per score (softmax backward) + per tensor and (batch, head)
@@ -196,7 +301,9 @@ LinformerConfig resolve(const Problem& p, LinformerConfig c) {
 
 template <>
 Implementation implementation<LinformerConfig>() {
-  return implement<LinformerConfig>();
+  Implementation impl = implement<LinformerConfig>();
+  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  return impl;
 }
 
 }  // namespace xfb

@@ -1,0 +1,135 @@
+// linformer in bf16 (taxonomy/low_rank/linformer.hpp), in two parts so each bound is the plain one
+// of its rounding points (u = 2⁻⁸, ε the fp32 unit roundoff):
+//   - the projected rows K̄, V̄ the model keeps, against the float64 product of its fp32 E (F) with
+//     the same bf16 rows: an element is an fp32 sum of N products, rounded once, so
+//     |K̄ − K̄*| ≤ (1 + u)·1.01·N·ε·T + u·|K̄*|, T the sum of the products' magnitudes;
+//   - the output against float64 softmax attention of the bf16 queries over the model's own K̄, V̄,
+//     within the softmax bound 2u(1 + u)·max|V̄| + the fp32 bound (tests/support/bf16_check.hpp).
+// With projection=identity (k ≥ N) K̄ = K and V̄ = V exactly, and the output is checked against exact
+// softmax attention on the bf16 inputs.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "lib/core/bf16.hpp"
+#include "taxonomy/low_rank/linformer.hpp"
+#include "tests/support/bf16_check.hpp"
+#include "tests/support/counter_point.hpp"
+#include "tests/support/reference.hpp"
+
+using namespace xfb;
+using namespace xfb::test;
+
+namespace {
+
+constexpr double kU = kBf16Roundoff;
+
+const Tensor& named_tensor(const std::vector<NamedTensor>& tensors, const std::string& name) {
+  for (const auto& named : tensors)
+    if (named.name == name) return *named.tensor;
+  FAIL("no tensor " << name);
+  throw std::logic_error("unreachable");
+}
+
+// One head's projected rows got [k, D] (bf16) against the float64 product of its projection e [k, N]
+// (fp32) with its bf16 rows x [N, D]; returns the rows widened.
+std::vector<float> check_projected(const bf16* got, const float* e, const float* x, std::int64_t k, std::int64_t n,
+                                   std::int64_t d, const std::string& label) {
+  std::vector<float> rows(static_cast<std::size_t>(k * d));
+  std::int64_t failures = 0;
+  for (std::int64_t r = 0; r < k; ++r)
+    for (std::int64_t c = 0; c < d; ++c) {
+      double sum = 0, terms = 0;
+      for (std::int64_t j = 0; j < n; ++j) {
+        const double product = static_cast<double>(e[r * n + j]) * x[j * d + c];
+        sum += product;
+        terms += std::fabs(product);
+      }
+      const std::size_t at = static_cast<std::size_t>(r * d + c);
+      rows[at] = to_float(got[at]);
+      const double bound = (1 + kU) * 1.01 * static_cast<double>(n) * kFloatEps * terms + kU * std::fabs(sum);
+      if (!(std::fabs(rows[at] - sum) <= bound) && failures++ < 3)
+        FAIL_CHECK(label << " row " << r << " feature " << c << ": got " << rows[at] << ", want " << sum << " (bound "
+                         << bound << ")");
+    }
+  CHECK_MESSAGE(failures == 0, label << ": " << failures << " projected elements out of bound");
+  return rows;
+}
+
+void check_case(const Problem& shape, std::int64_t k, const std::string& sharing, std::uint64_t seed) {
+  const Problem p = on_test_threads(shape);
+  const std::int64_t n = p.seq_len, d = p.head_dim, rows = std::min(k, n);
+  const std::string label = "linformer bf16 N=" + std::to_string(n) + " k=" + std::to_string(k) + " " + sharing;
+  const Bf16Inputs in = bf16_inputs(p, seed);
+  auto mechanism = bf16_mechanism("linformer", p, {"k=" + std::to_string(k), "sharing=" + sharing});
+  const Tensor got = run_bf16(*mechanism, p, in.bf16);
+  const auto parameters = mechanism->parameters(), saved = mechanism->saved();
+  const bool shared_kv = sharing == "key-value", per_head = sharing == "per-head";
+  const Tensor& e = named_tensor(parameters, shared_kv ? "projection_ef" : "projection_e");
+  const Tensor& f = named_tensor(parameters, shared_kv ? "projection_ef" : "projection_f");
+  const Tensor &keys = named_tensor(saved, "projected_keys"), &values = named_tensor(saved, "projected_values");
+  REQUIRE(keys.dtype() == DType::BF16);
+  REQUIRE(values.dtype() == DType::BF16);
+  const double scale = 1 / std::sqrt(static_cast<double>(d));
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const std::string where = label + " b=" + std::to_string(b) + " h=" + std::to_string(h);
+      const std::int64_t head = b * p.heads + h, matrix = per_head ? h * rows * n : 0;
+      const auto projected_keys = check_projected(keys.bf16_data() + head * rows * d, e.data() + matrix,
+                                                  in.widened.k.head(b, h), rows, n, d, where + " K̄");
+      const auto projected_values = check_projected(values.bf16_data() + head * rows * d, f.data() + matrix,
+                                                    in.widened.v.head(b, h), rows, n, d, where + " V̄");
+      const float* q = in.widened.q.head(b, h);
+      const auto want = reference_attention(q, projected_keys.data(), projected_values.data(), n, rows, d, scale,
+                                            MaskFn(full_mask));
+      const double bound = 2 * kU * (1 + kU) * max_abs_of(projected_values.data(), rows * d) +
+                           attention_tolerance(q, projected_keys.data(), projected_values.data(), n, rows, d, scale);
+      check_bf16_elements(
+          got.head(b, h), want, n * d, [&](std::int64_t) { return bound; }, where);
+    }
+}
+
+}  // namespace
+
+TEST_SUITE("linformer_bf16") {
+  TEST_CASE("linformer in bf16: K̄, V̄ against the float64 projections, the output against attention over them") {
+    for_each_bf16_path([](const std::string& path) {
+      CAPTURE(path);
+      for (const std::string sharing : {"per-head", "headwise", "key-value"}) {
+        // k one below, at and above N (clamped), and well below it.
+        for (std::int64_t k : {16, 17, 18, 5})
+          check_case({.batch = 2, .heads = 2, .seq_len = 17, .head_dim = 24}, k, sharing, static_cast<std::uint64_t>(k));
+        // N one below, at and above the projection's widening chunk (256 rows), and past two chunks.
+        for (std::int64_t n : {255, 256, 257, 600})
+          check_case({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16}, 32, sharing, static_cast<std::uint64_t>(n));
+      }
+    });
+  }
+
+  TEST_CASE("linformer in bf16 with projection=identity is exact softmax attention on the bf16 inputs") {
+    for_each_bf16_path([](const std::string& path) {
+      CAPTURE(path);
+      for (const std::string sharing : {"per-head", "key-value"})
+        for (std::int64_t n : {1, 31, 257}) {
+          const Problem p = on_test_threads({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32});
+          const Bf16Inputs in = bf16_inputs(p, 11);
+          const Tensor got = run_bf16("linformer", p, in.bf16,
+                                      {"projection=identity", "sharing=" + sharing, "k=" + std::to_string(n)});
+          check_bf16_head_errors(got, in.widened, p, false, "linformer identity bf16 " + sharing);
+        }
+    });
+  }
+
+  TEST_CASE("linformer bf16 rows: FLOPs as fp32's, halved inputs, estimates exact; no bf16 backward yet") {
+    for (std::int64_t n : {100, 300})
+      for (const std::string sharing : {"per-head", "key-value"})
+        check_bf16_rows("linformer", n, false, Pass::Forward, {"k=64", "sharing=" + sharing});
+    for (Pass pass : {Pass::Backward, Pass::Train}) {
+      const ResultRow row = run_point(bf16_point("linformer", 100, false, pass));
+      CHECK(row.status == Status::Unsupported);
+      CHECK(row.reason.find("no bf16 backward") != std::string::npos);
+    }
+  }
+}
