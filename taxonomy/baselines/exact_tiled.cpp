@@ -13,6 +13,7 @@
 #include "lib/core/tile_kernels.hpp"
 #include "lib/core/tile_kernels_bf16.hpp"
 #include "taxonomy/engines/decode_common.hpp"
+#include "taxonomy/engines/online_attention_bf16.hpp"
 
 namespace xfb {
 namespace {
@@ -430,8 +431,6 @@ class ExactTiled final : public Mechanism {
 // --- bf16 (issue 31; contracts in exact_tiled.hpp) ------------------------------------------------
 
 // Elements of one head's keys in key pair panels and of its values (or any [N, D] rows) in row pairs.
-std::int64_t head_panel_elements(std::int64_t n, std::int64_t d) { return tiles::panels_for(n) * tiles::kPanel * d; }
-std::int64_t head_pair_elements(std::int64_t n, std::int64_t d) { return (n + 1) / 2 * 2 * d; }
 
 // Split s of a bf16 decode step over `keys` keys starts at a panel boundary (the cache's key
 // panels): [split_begin(s), split_begin(s + 1)), the last split ending at keys.
@@ -444,14 +443,6 @@ std::int64_t bf16_split_capacity(std::int64_t capacity, std::int64_t splits) {
   return split_capacity(capacity, splits) + tiles::kPanel;
 }
 
-// fp32 rows (stride ld) of a [rows, cols] tile rounded to bf16 plain rows (stride ld; the entry
-// past an odd cols 0).
-void round_tile_rows(const float* tile, std::int64_t ld, std::int64_t rows, std::int64_t cols, bf16* out) {
-  for (std::int64_t r = 0; r < rows; ++r) {
-    tiles::round_row(tile + r * ld, cols, out + r * ld);
-    if (cols % 2 == 1) out[r * ld + cols] = bf16{};
-  }
-}
 // The same tile rounded to bf16 row pairs with ld (the missing odd row 0).
 void round_tile_pairs(const float* tile, std::int64_t ld, std::int64_t rows, std::int64_t cols, bf16* out) {
   for (std::int64_t r = 0; r < rows; r += 2)
@@ -465,8 +456,8 @@ class ExactTiledBf16 final : public Mechanism {
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
     const std::int64_t threads = p_.threads, heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
     lds_ = score_stride(c_.block_k);
-    scores_ = Tensor(Shape{threads, kStripRows, lds_});
-    probs_ = Tensor(Shape{threads, kStripRows, lds_}, DType::BF16);
+    scores_ = Tensor(Shape{threads, kOnlineStripRows, lds_});
+    probs_ = Tensor(Shape{threads, kOnlineStripRows, lds_}, DType::BF16);
     packed_keys_ = Tensor(Shape{heads, head_panel_elements(n, d)}, DType::BF16);
     packed_values_ = Tensor(Shape{heads, head_pair_elements(n, d)}, DType::BF16);
     accumulators_ = Tensor(Shape{threads, c_.block_q, d});
@@ -591,65 +582,28 @@ class ExactTiledBf16 final : public Mechanism {
 
   bool saves_log_sum_exp() const { return !log_sum_exp_.empty(); }
 
-  // Rows [q0, q0 + bq) of one head: the fp32 form's walk on the bf16 kernels. Returns its FLOPs.
+  // Rows [q0, q0 + bq) of one head: the fp32 form's walk on the bf16 kernels
+  // (attend_online_bf16). Returns its FLOPs.
   std::int64_t query_block(std::int64_t head, const bf16* q, bf16* out, std::int64_t q0, int thread) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, bk = c_.block_k, lds = lds_;
-    const std::int64_t rows = std::min(c_.block_q, n - q0);
-    float* scores = scores_.data() + thread * kStripRows * lds;
-    bf16* probs = probs_.bf16_data() + thread * kStripRows * lds;
-    float* acc = accumulators_.data() + thread * c_.block_q * d;
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
     float* row_max = row_stats_.data() + thread * 2 * c_.block_q;
-    float* row_sum = row_max + c_.block_q;
-    std::fill(acc, acc + rows * d, 0.0f);
-    std::fill(row_max, row_max + rows, -std::numeric_limits<float>::infinity());
-    std::fill(row_sum, row_sum + rows, 0.0f);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    const bf16* keys = packed_keys_.bf16_data() + head * packed_keys_.dim(1);
-    const bf16* values = packed_values_.bf16_data() + head * packed_values_.dim(1);
-    const std::int64_t key_end = p_.causal ? q0 + rows : n;
-    std::int64_t flops = 0;
-    for (std::int64_t k0 = 0; k0 < key_end; k0 += bk) {
-      const std::int64_t cols = tile_columns(p_, k0, q0, rows, bk);
-      for (std::int64_t s0 = 0; s0 < rows; s0 += kStripRows) {
-        const std::int64_t strip_rows = std::min(kStripRows, rows - s0);
-        tiles::scores_bf16(q + (q0 + s0) * d, d, strip_rows, keys + k0 * d, tiles::panels_for(cols), d, scale, scores,
-                           lds);
-        flops += matmul_flops(strip_rows, score_columns(cols, d), d);
-        for (std::int64_t r = 0; r < strip_rows; ++r) {
-          float* row = scores + r * lds;
-          const std::int64_t i = s0 + r;
-          const std::int64_t valid = valid_in_row(p_.causal, q0 + i, k0, cols);
-          if (valid == 0) {
-            std::fill(row, row + cols, 0.0f);
-            continue;
-          }
-          const float peak = tiles::interval_max(row, 0, valid, row_max[i]);
-          const float sum = tiles::exp_interval(row, 0, valid, cols, peak);
-          const float rescale = ops::fast_exp(row_max[i] - peak);
-          row_sum[i] = row_sum[i] * rescale + sum;
-          row_max[i] = peak;
-          float* acc_row = acc + i * d;
-#pragma omp simd
-          for (std::int64_t j = 0; j < d; ++j) acc_row[j] *= rescale;
-          flops += kOnlineSoftmaxFlopsPerElement * valid + d;
-        }
-        round_tile_rows(scores, lds, strip_rows, cols, probs);
-        tiles::accumulate_pv_bf16(probs, lds, strip_rows, cols, values + k0 * d, d, acc + s0 * d, d);
-        flops += matmul_flops(strip_rows, d, cols);
-      }
-    }
-    if (saves_log_sum_exp()) {
-      float* lse = log_sum_exp_.data() + head * n + q0;
-      for (std::int64_t r = 0; r < rows; ++r) lse[r] = row_max[r] + std::log(row_sum[r]);
-    }
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const float inverse = 1.0f / row_sum[r];
-      float* src = acc + r * d;
-#pragma omp simd
-      for (std::int64_t j = 0; j < d; ++j) src[j] *= inverse;
-      tiles::round_row(src, d, out + (q0 + r) * d);
-    }
-    return flops + rows * d;
+    const OnlineScratchBf16 scratch{scores_.data() + thread * kOnlineStripRows * lds_,
+                                    probs_.bf16_data() + thread * kOnlineStripRows * lds_,
+                                    lds_,
+                                    accumulators_.data() + thread * c_.block_q * d,
+                                    row_max,
+                                    row_max + c_.block_q};
+    const OnlineBlockBf16 block{q + q0 * d,
+                                q0,
+                                std::min(c_.block_q, n - q0),
+                                packed_keys_.bf16_data() + head * packed_keys_.dim(1),
+                                packed_values_.bf16_data() + head * packed_values_.dim(1),
+                                n,
+                                c_.block_k,
+                                d,
+                                p_.causal};
+    float* lse = saves_log_sum_exp() ? log_sum_exp_.data() + head * n + q0 : nullptr;
+    return attend_online_bf16(block, scratch, out + q0 * d, lse);
   }
 
   // One thread's packed copies of the head's operands for the backward's products.
@@ -783,7 +737,7 @@ constexpr std::int64_t kF32 = sizeof(float), kBf16 = 2;
 
 std::int64_t bf16_workspace(const Problem& p, const ExactTiledConfig& c) {
   const std::int64_t d = p.head_dim, lds = score_stride(c.block_k);
-  const std::int64_t per_thread = kStripRows * lds * (kF32 + kBf16) + (c.block_q * d + 2 * c.block_q) * kF32;
+  const std::int64_t per_thread = kOnlineStripRows * lds * (kF32 + kBf16) + (c.block_q * d + 2 * c.block_q) * kF32;
   const std::int64_t packed =
       p.batch * p.heads * (head_panel_elements(p.seq_len, d) + head_pair_elements(p.seq_len, d));
   return p.threads * per_thread + packed * kBf16;

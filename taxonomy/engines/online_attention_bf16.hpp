@@ -1,0 +1,62 @@
+#pragma once
+// One block of query rows of a head against the head's keys on the bf16 tile kernels, with the
+// online softmax of exact-tiled (issue 31): exact-tiled's bf16 forward and funnel's pooled queries
+// run on it.
+//
+// Operands: q [rows, D] bf16 (row stride D); the head's `keys` keys in pair panels
+// (tiles::pack_key_pair_panels) and its values in row pairs (tiles::pack_row_pairs); D % 16 == 0.
+// Per key tile of ≤ block_k keys (block_k a multiple of the 16-key panel) and strip of
+// kOnlineStripRows query rows: S = Q·Kᵀ/√D in fp32 over whole panels, the running row max and sum in
+// fp32, the tile's exponentials rounded to bf16, P·V accumulated in fp32; at the end each row's
+// accumulator divided by its sum and rounded to bf16. Causal: the block's row r (position q0 + r)
+// sees keys j ≤ q0 + r, and key tiles end at the block's last row.
+// FLOPs (returned, not added to FlopCounter): per strip and key tile of c keys
+// 2·rows·16⌈c/16⌉·D (scores) + 2·rows·c·D (P·V) + per row kOnlineSoftmaxFlopsPerElement·valid + D
+// (rescale); + rows·D (1/l) — the fp32 walk's count.
+#include <cstdint>
+
+#include "lib/core/bf16.hpp"
+#include "lib/core/tile_kernels.hpp"
+
+namespace xfb {
+
+// Query rows per strip, as the fp32 walk's (exact_tiled.cpp's kStripRows, measured there): the
+// strip's scores stay in cache between scores, softmax and P·V.
+inline constexpr std::int64_t kOnlineStripRows = 32;
+
+// One thread's buffers for blocks of ≤ block_q rows: scores [kOnlineStripRows, lds] fp32 and probs
+// [kOnlineStripRows, lds] bf16 (lds ≥ block_k, whole panels), acc [block_q, D] fp32, the row max
+// and sum [block_q] fp32 each.
+struct OnlineScratchBf16 {
+  float* scores;
+  bf16* probs;
+  std::int64_t lds;
+  float* acc;
+  float* row_max;
+  float* row_sum;
+};
+
+// A block: `rows` query rows from q (the first at position q0) against `keys` keys.
+struct OnlineBlockBf16 {
+  const bf16* q;
+  std::int64_t q0, rows;
+  const bf16* key_panels;
+  const bf16* value_pairs;
+  std::int64_t keys, block_k, d;
+  bool causal;
+};
+
+// Writes the block's output rows to out [rows, D] bf16 and, when lse is not null, each row's
+// log-sum-exp (fp32) to lse[r]. Returns the FLOPs (header).
+std::int64_t attend_online_bf16(const OnlineBlockBf16& block, const OnlineScratchBf16& scratch, bf16* out,
+                                float* lse);
+
+// fp32 rows (stride ld) of a [rows, cols] tile rounded to bf16 plain rows (stride ld; the entry
+// after an odd last column zeroed: the P·V kernel reads column pairs).
+void round_tile_rows(const float* tile, std::int64_t ld, std::int64_t rows, std::int64_t cols, bf16* out);
+
+// Elements of one head's K pair panels and V row pairs for n keys (D features).
+inline std::int64_t head_panel_elements(std::int64_t n, std::int64_t d) { return tiles::panels_for(n) * tiles::kPanel * d; }
+inline std::int64_t head_pair_elements(std::int64_t n, std::int64_t d) { return (n + 1) / 2 * 2 * d; }
+
+}  // namespace xfb
