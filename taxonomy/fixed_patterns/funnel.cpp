@@ -6,10 +6,14 @@
 #include <cmath>
 #include <limits>
 
+#include "lib/core/bf16.hpp"
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/tile_kernels.hpp"
+#include "lib/core/tile_kernels_bf16.hpp"
+#include "taxonomy/engines/online_attention_bf16.hpp"
 
 namespace xfb {
 namespace {
@@ -70,6 +74,29 @@ std::int64_t value_panel_floats(const FunnelConfig& c, std::int64_t d) {
   return uses_tile_kernels(d) ? tiles::panels_for(c.backward_block_k) * tiles::kPanel * d : 0;
 }
 
+// Q̃ [B·H, M, D] of q [B·H, N, D] (T = float or bf16: the mean in fp32, stored as T). Returns its FLOPs.
+template <class T>
+std::int64_t pool_every_head(const Problem& p, const FunnelConfig& c, const T* q, T* pooled) {
+  const std::int64_t n = p.seq_len, d = p.head_dim, heads = p.batch * p.heads, m = pooled_rows(n, c);
+#pragma omp parallel for num_threads(p.threads) schedule(static)
+  for (std::int64_t head = 0; head < heads; ++head) {
+    const T* src = q + head * n * d;
+    T* dst = pooled + head * m * d;
+    for (std::int64_t i = 0; i < m; ++i) {
+      const PoolSource s = pool_source(n, c, i);
+      const T* a = src + s.first * d;
+      T* row = dst + i * d;
+      if (s.count == 1) {
+        std::copy(a, a + d, row);
+        continue;
+      }
+#pragma omp simd
+      for (std::int64_t j = 0; j < d; ++j) row[j] = stored<T>((as_float(a[j]) + as_float(a[d + j])) * 0.5f);
+    }
+  }
+  return heads * 2 * d * paired_rows(n, c);
+}
+
 class Funnel final : public Mechanism {
  public:
   Funnel(const Problem& problem, const FunnelConfig& config)
@@ -125,26 +152,7 @@ class Funnel final : public Mechanism {
 
  private:
   // Q̃ of every head into pooled_. Returns its FLOPs.
-  std::int64_t pool_queries(const Tensor& q) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, heads = p_.batch * p_.heads;
-#pragma omp parallel for num_threads(p_.threads) schedule(static)
-    for (std::int64_t head = 0; head < heads; ++head) {
-      const float* src = q.data() + head * n * d;
-      float* dst = pooled_.data() + head * m_ * d;
-      for (std::int64_t i = 0; i < m_; ++i) {
-        const PoolSource s = pool_source(n, c_, i);
-        const float* a = src + s.first * d;
-        float* row = dst + i * d;
-        if (s.count == 1) {
-          std::copy(a, a + d, row);
-          continue;
-        }
-#pragma omp simd
-        for (std::int64_t j = 0; j < d; ++j) row[j] = (a[j] + a[d + j]) * 0.5f;
-      }
-    }
-    return heads * 2 * d * paired_rows(n, c_);
-  }
+  std::int64_t pool_queries(const Tensor& q) { return pool_every_head(p_, c_, q.data(), pooled_.data()); }
 
   // Packs every head's keys into panels once per call, shared by all query blocks (and the backward).
   void pack_keys(const Tensor& k) {
@@ -335,6 +343,82 @@ class Funnel final : public Mechanism {
   Tensor log_sum_exp_, deltas_, tile_grads_, pooled_grads_, value_panels_;
 };
 
+// Funnel in bf16 (D % 16 == 0; forward only): q, k, v, out bf16; Q̃ = bf16 of the fp32 mean of its
+// one or two bf16 source rows ([B·H, M, D], kept); K in pair panels and V in row pairs (bf16, packed
+// once per call); each block of block_q pooled rows against all N keys on attend_online_bf16
+// (exact-tiled's bf16 walk, not causal). FLOPs are the fp32 form's on the tile kernels.
+class FunnelBf16 final : public Mechanism {
+ public:
+  FunnelBf16(const Problem& problem, const FunnelConfig& config)
+      : p_(problem), c_(config), m_(pooled_rows(problem.seq_len, config)) {}
+
+  void prepare(const Tensor&, const Tensor&, const Tensor&) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, heads = p_.batch * p_.heads, threads = p_.threads;
+    lds_ = score_stride(c_.block_k);
+    pooled_ = Tensor(Shape{heads, m_, d}, DType::BF16);
+    packed_keys_ = Tensor(Shape{heads, head_panel_elements(n, d)}, DType::BF16);
+    packed_values_ = Tensor(Shape{heads, head_pair_elements(n, d)}, DType::BF16);
+    scores_ = Tensor(Shape{threads, kOnlineStripRows, lds_});
+    probs_ = Tensor(Shape{threads, kOnlineStripRows, lds_}, DType::BF16);
+    accumulators_ = Tensor(Shape{threads, c_.block_q, d});
+    row_stats_ = Tensor(Shape{threads, 2, c_.block_q});
+  }
+
+  void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, heads = p_.batch * p_.heads;
+    const std::int64_t blocks = (m_ + c_.block_q - 1) / c_.block_q;
+    std::int64_t flops = pool_every_head(p_, c_, q.bf16_data(), pooled_.bf16_data());
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t head = 0; head < heads; ++head) {
+      tiles::pack_key_pair_panels(k.bf16_data() + head * n * d, d, n, d,
+                                  packed_keys_.bf16_data() + head * packed_keys_.dim(1));
+      tiles::pack_row_pairs(v.bf16_data() + head * n * d, d, n, d,
+                            packed_values_.bf16_data() + head * packed_values_.dim(1));
+    }
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+    {
+      const int thread = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t task = 0; task < heads * blocks; ++task)
+        flops += query_block(task / blocks, (task % blocks) * c_.block_q, out, thread);
+    }
+    FlopCounter::add(flops);
+  }
+
+  std::vector<NamedTensor> saved() const override { return {{"pooled_queries", &pooled_}}; }
+
+ private:
+  // Pooled rows [q0, q0 + block_q) of one head against its N keys. Returns the FLOPs.
+  std::int64_t query_block(std::int64_t head, std::int64_t q0, Tensor& out, int thread) {
+    const std::int64_t d = p_.head_dim;
+    float* row_max = row_stats_.data() + thread * 2 * c_.block_q;
+    const OnlineScratchBf16 scratch{scores_.data() + thread * kOnlineStripRows * lds_,
+                                    probs_.bf16_data() + thread * kOnlineStripRows * lds_,
+                                    lds_,
+                                    accumulators_.data() + thread * c_.block_q * d,
+                                    row_max,
+                                    row_max + c_.block_q};
+    const OnlineBlockBf16 block{pooled_.bf16_data() + (head * m_ + q0) * d,
+                                q0,
+                                std::min(c_.block_q, m_ - q0),
+                                packed_keys_.bf16_data() + head * packed_keys_.dim(1),
+                                packed_values_.bf16_data() + head * packed_values_.dim(1),
+                                p_.seq_len,
+                                c_.block_k,
+                                d,
+                                false};
+    return attend_online_bf16(block, scratch, out.bf16_data() + (head * m_ + q0) * d, nullptr);
+  }
+
+  Problem p_;
+  FunnelConfig c_;
+  std::int64_t m_, lds_ = 0;
+  Tensor pooled_;                       // Q̃ bf16 [B·H, M, D]
+  Tensor packed_keys_, packed_values_;  // per head: K pair panels, V row pairs (bf16)
+  Tensor scores_, probs_;               // per thread: one strip's fp32 scores and bf16 P
+  Tensor accumulators_, row_stats_;     // per thread: fp32 accumulator [block_q, D], row max and sum
+};
+
 }  // namespace
 
 std::int64_t output_rows(const Problem& p, const FunnelConfig& c) { return pooled_rows(p.seq_len, c); }
@@ -345,6 +429,8 @@ void validate(const Problem&, const FunnelConfig& c) {
 }
 
 std::string unsupported(const Problem& p, const FunnelConfig&) {
+  if (const std::string why = tiles::bf16_head_dim_unsupported("funnel's bf16 form", p.dtype, p.head_dim); !why.empty())
+    return why;
   if (p.causal)
     return "the Funnel paper gives no causal form of pooled-query attention (a pooled query averages two "
            "positions and attends to every key)";
@@ -364,6 +450,7 @@ FunnelConfig resolve(const Problem& p, FunnelConfig c) {
 }
 
 std::unique_ptr<Mechanism> create(const Problem& problem, const FunnelConfig& c, std::uint64_t) {
+  if (problem.dtype == DType::BF16) return std::make_unique<FunnelBf16>(problem, c);
   return std::make_unique<Funnel>(problem, c);
 }
 
@@ -380,6 +467,13 @@ std::int64_t flops(const Problem& p, const FunnelConfig& c) {
 
 std::int64_t workspace(const Problem& p, const FunnelConfig& c) {
   const std::int64_t d = p.head_dim, m = pooled_rows(p.seq_len, c);
+  if (p.dtype == DType::BF16) {  // Q̃ and the packed K, V in bf16; per thread as exact-tiled's bf16 walk
+    constexpr std::int64_t kF32 = sizeof(float), kBf16 = sizeof(bf16);
+    const std::int64_t per_thread =
+        kOnlineStripRows * score_stride(c.block_k) * (kF32 + kBf16) + (c.block_q * d + 2 * c.block_q) * kF32;
+    const std::int64_t per_head = m * d + head_panel_elements(p.seq_len, d) + head_pair_elements(p.seq_len, d);
+    return p.batch * p.heads * per_head * kBf16 + p.threads * per_thread;
+  }
   const std::int64_t per_thread = score_rows(c, d) * score_stride(c.block_k) + c.block_q * d + 2 * c.block_q;
   const std::int64_t floats = p.batch * p.heads * m * d + packed_key_floats(p) + p.threads * per_thread;
   return floats * static_cast<std::int64_t>(sizeof(float));
@@ -417,7 +511,9 @@ FieldTable<FunnelConfig> config_fields(const FunnelConfig*) {
 
 template <>
 Implementation implementation<FunnelConfig>() {
-  return implement<FunnelConfig>();
+  Implementation impl = implement<FunnelConfig>();
+  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  return impl;
 }
 
 }  // namespace xfb
