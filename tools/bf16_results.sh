@@ -31,7 +31,7 @@ c = json.load(open(sys.argv[1]))["context"]
 print("Machine: {cpu_model} ({logical_cores} shared cores, {threads} threads; kernels {kernel_isa}, bf16 kernels "
       "{bf16_kernels}, oneDNN {onednn_isa}; fp32 FMA peak {fma_peak_gflops:.0f}, bf16 dot peak "
       "{bf16_dot_peak_gflops:.0f} GFLOP/s, triad {triad_bandwidth_gbs:.0f} GB/s; commit {c}, {d}).".format(
-          c=c["git_commit"][:7], d=c["date"][:10], **c))
+          c=c["git_commit"][:7] + ("-dirty" if c["git_commit"].endswith("-dirty") else ""), d=c["date"][:10], **c))
 PY
   echo
   echo "B=1 H=8 D=64, 2 threads. Ratios are bf16/f32 of the median time and of the tracked peak memory"

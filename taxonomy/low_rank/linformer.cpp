@@ -39,6 +39,12 @@ Tensor make_projection(const Problem& p, const LinformerConfig& c, std::uint64_t
   return t;
 }
 
+// The projections as named parameters: E and F, or the one E = F of key-value sharing.
+std::vector<NamedTensor> projection_parameters(const LinformerConfig& c, const Tensor& e, const Tensor& f) {
+  if (c.sharing == LinformerSharing::KeyValue) return {{"projection_ef", &e}};
+  return {{"projection_e", &e}, {"projection_f", &f}};
+}
+
 class Linformer final : public Mechanism {
  public:
   Linformer(const Problem& problem, const LinformerConfig& config, std::uint64_t seed)
@@ -70,10 +76,7 @@ class Linformer final : public Mechanism {
     ops::matmul({.batch = bh, .m = n, .n = d, .k = k_, .lda = ld_}, scores_.data(), values_.data(), out.data());
   }
 
-  std::vector<NamedTensor> parameters() const override {
-    if (c_.sharing == LinformerSharing::KeyValue) return {{"projection_ef", &e_}};
-    return {{"projection_e", &e_}, {"projection_f", &f_}};
-  }
+  std::vector<NamedTensor> parameters() const override { return projection_parameters(c_, e_, f_); }
 
   void prepare_backward() override {
     const std::int64_t bh = p_.batch * p_.heads;
@@ -194,10 +197,7 @@ class LinformerBf16 final : public Mechanism {
     ops::matmul(output_shape(), probabilities, values_.bf16_data(), out.bf16_data());
   }
 
-  std::vector<NamedTensor> parameters() const override {
-    if (c_.sharing == LinformerSharing::KeyValue) return {{"projection_ef", &e_}};
-    return {{"projection_e", &e_}, {"projection_f", &f_}};
-  }
+  std::vector<NamedTensor> parameters() const override { return projection_parameters(c_, e_, f_); }
   std::vector<NamedTensor> saved() const override {
     return {{"probabilities", &scores_}, {"projected_keys", &keys_}, {"projected_values", &values_}};
   }

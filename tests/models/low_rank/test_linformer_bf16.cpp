@@ -82,8 +82,8 @@ void check_case(const Problem& shape, std::int64_t k, const std::string& sharing
       const auto projected_values = check_projected(values.bf16_data() + head * rows * d, f.data() + matrix,
                                                     in.widened.v.head(b, h), rows, n, d, where + " V̄");
       const float* q = in.widened.q.head(b, h);
-      const auto want = reference_attention(q, projected_keys.data(), projected_values.data(), n, rows, d, scale,
-                                            MaskFn(full_mask));
+      const auto want =
+          reference_attention(q, projected_keys.data(), projected_values.data(), n, rows, d, scale, MaskFn(full_mask));
       const double bound = 2 * kU * (1 + kU) * max_abs_of(projected_values.data(), rows * d) +
                            attention_tolerance(q, projected_keys.data(), projected_values.data(), n, rows, d, scale);
       check_bf16_elements(
@@ -100,10 +100,12 @@ TEST_SUITE("linformer_bf16") {
       for (const std::string sharing : {"per-head", "headwise", "key-value"}) {
         // k one below, at and above N (clamped), and well below it.
         for (std::int64_t k : {16, 17, 18, 5})
-          check_case({.batch = 2, .heads = 2, .seq_len = 17, .head_dim = 24}, k, sharing, static_cast<std::uint64_t>(k));
+          check_case({.batch = 2, .heads = 2, .seq_len = 17, .head_dim = 24}, k, sharing,
+                     static_cast<std::uint64_t>(k));
         // N one below, at and above the projection's widening chunk (256 rows), and past two chunks.
         for (std::int64_t n : {255, 256, 257, 600})
-          check_case({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16}, 32, sharing, static_cast<std::uint64_t>(n));
+          check_case({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16}, 32, sharing,
+                     static_cast<std::uint64_t>(n));
       }
     });
   }
