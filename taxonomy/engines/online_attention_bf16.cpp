@@ -16,8 +16,7 @@ void round_tile_rows(const float* tile, std::int64_t ld, std::int64_t rows, std:
   }
 }
 
-std::int64_t attend_online_bf16(const OnlineBlockBf16& block, const OnlineScratchBf16& scratch, bf16* out,
-                                float* lse) {
+std::int64_t attend_online_bf16(const OnlineBlockBf16& block, const OnlineScratchBf16& scratch, bf16* out, float* lse) {
   const std::int64_t d = block.d, rows = block.rows, lds = scratch.lds, q0 = block.q0;
   float *acc = scratch.acc, *row_max = scratch.row_max, *row_sum = scratch.row_sum;
   std::fill(acc, acc + rows * d, 0.0f);

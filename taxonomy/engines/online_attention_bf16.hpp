@@ -48,15 +48,16 @@ struct OnlineBlockBf16 {
 
 // Writes the block's output rows to out [rows, D] bf16 and, when lse is not null, each row's
 // log-sum-exp (fp32) to lse[r]. Returns the FLOPs (header).
-std::int64_t attend_online_bf16(const OnlineBlockBf16& block, const OnlineScratchBf16& scratch, bf16* out,
-                                float* lse);
+std::int64_t attend_online_bf16(const OnlineBlockBf16& block, const OnlineScratchBf16& scratch, bf16* out, float* lse);
 
 // fp32 rows (stride ld) of a [rows, cols] tile rounded to bf16 plain rows (stride ld; the entry
 // after an odd last column zeroed: the P·V kernel reads column pairs).
 void round_tile_rows(const float* tile, std::int64_t ld, std::int64_t rows, std::int64_t cols, bf16* out);
 
 // Elements of one head's K pair panels and V row pairs for n keys (D features).
-inline std::int64_t head_panel_elements(std::int64_t n, std::int64_t d) { return tiles::panels_for(n) * tiles::kPanel * d; }
+inline std::int64_t head_panel_elements(std::int64_t n, std::int64_t d) {
+  return tiles::panels_for(n) * tiles::kPanel * d;
+}
 inline std::int64_t head_pair_elements(std::int64_t n, std::int64_t d) { return (n + 1) / 2 * 2 * d; }
 
 }  // namespace xfb

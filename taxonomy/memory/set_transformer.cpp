@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
+#include "lib/core/bf16.hpp"
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -21,6 +24,15 @@ constexpr std::int64_t kMabTailFlopsPerElement = (1 + kLayerNormFlopsPerElement)
 
 // Rows of a query block that the tiles actually hold.
 std::int64_t block_rows(const Problem& p, const SetTransformerConfig& c) { return std::min(c.block_q, p.seq_len); }
+
+// Keys of K or V the bf16 form widens at a time in the first MAB.
+std::int64_t widening_rows(const Problem& p) { return std::min<std::int64_t>(256, p.seq_len); }
+
+// The bf16 form's fp32 floats per thread: a widened chunk of K or V, a query block's rows and its
+// output rows.
+std::int64_t bf16_thread_floats(const Problem& p, const SetTransformerConfig& c) {
+  return (widening_rows(p) + 2 * block_rows(p, c)) * p.head_dim;
+}
 
 // dst = LN(a + b); dst may alias a or b. With `sum`, a + b is also kept there (the backward's LN input).
 void add_and_norm(const float* a, const float* b, float* dst, std::int64_t rows, std::int64_t d, const float* gain,
@@ -62,25 +74,12 @@ class SetTransformer final : public Mechanism {
     summary_scores_ = Tensor(Shape{threads, m, ops::padded_ld(p_.seq_len)});
     query_scores_ = Tensor(Shape{threads, rows, ops::padded_ld(m)});
     hidden_ = Tensor(Shape{threads, std::max(rows, m), d});
+    if (p_.dtype == DType::BF16) widened_ = Tensor(Shape{threads, bf16_thread_floats(p_, c_)});
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    const std::int64_t bh_count = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
-    const std::int64_t blocks = (n + c_.block_q - 1) / c_.block_q;
-    std::int64_t flops = 0;
-#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
-    {
-      const int thread = omp_get_thread_num();
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t bh = 0; bh < bh_count; ++bh)
-        flops += summarise(bh, k.data() + bh * n * d, v.data() + bh * n * d, thread);
-#pragma omp for schedule(dynamic, 1)
-      for (std::int64_t task = 0; task < bh_count * blocks; ++task) {
-        const std::int64_t bh = task / blocks, offset = bh * n * d + task % blocks * c_.block_q * d;
-        flops += read_out(bh, task % blocks * c_.block_q, q.data() + offset, out.data() + offset, thread);
-      }
-    }
-    FlopCounter::add(flops);
+    if (p_.dtype == DType::BF16) return forward_rows<bf16>(q, k, v, out);
+    forward_rows<float>(q, k, v, out);
   }
 
   std::vector<NamedTensor> parameters() const override {
@@ -136,17 +135,54 @@ class SetTransformer final : public Mechanism {
     return (index * p_.heads + head) * p_.head_dim;
   }
 
-  // MAB 1 for one (batch, head): writes S, S·Wk, S·Wv into summaries_[0..2][bh]. Returns non-gemm FLOPs.
-  std::int64_t summarise(std::int64_t bh, const float* k, const float* v, int thread) {
+  // T = float, or bf16 (the bf16 form: q, k, v and out bf16, everything else as in fp32; header).
+  template <class T>
+  void forward_rows(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    const std::int64_t bh_count = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+    const std::int64_t blocks = (n + c_.block_q - 1) / c_.block_q;
+    std::int64_t flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+    {
+      const int thread = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t bh = 0; bh < bh_count; ++bh)
+        flops += summarise(bh, elements<T>(k) + bh * n * d, elements<T>(v) + bh * n * d, thread);
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t task = 0; task < bh_count * blocks; ++task) {
+        const std::int64_t bh = task / blocks, offset = bh * n * d + task % blocks * c_.block_q * d;
+        flops += read_out(bh, task % blocks * c_.block_q, elements<T>(q) + offset, elements<T>(out) + offset, thread);
+      }
+    }
+    FlopCounter::add(flops);
+  }
+
+  // The bf16 form's per-thread fp32 rows: a widened chunk of K or V, a block's q and its output.
+  float* widened_chunk(int thread) { return widened_.data() + thread * widened_.dim(1); }
+  float* widened_queries(int thread) { return widened_chunk(thread) + widening_rows(p_) * p_.head_dim; }
+  float* output_rows(int thread) { return widened_queries(thread) + block_rows(p_, c_) * p_.head_dim; }
+
+  // MAB 1 for one (batch, head): writes S, S·Wk, S·Wv into summaries_[0..2][bh]. Returns non-gemm
+  // FLOPs. k, v [N, D]: fp32 in one product each, or bf16 widened widening_rows keys at a time.
+  template <class T>
+  std::int64_t summarise(std::int64_t bh, const T* k, const T* v, int thread) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, m = c_.inducing_points, head = bh % p_.heads;
-    const std::int64_t ld = summary_scores_.dim(2);
+    const std::int64_t ld = summary_scores_.dim(2), chunk = std::is_same_v<T, float> ? n : widening_rows(p_);
     float* scores = summary_scores_.data() + thread * m * ld;
     const float* inducing = inducing_.data() + head * m * d;
     float* summary = summaries_.data() + bh * m * d;
+    float* scratch = std::is_same_v<T, float> ? nullptr : widened_chunk(thread);
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    ops::gemm(false, true, m, n, d, scale, inducing, d, k, d, 0.0f, scores, ld);
+    for (std::int64_t c0 = 0; c0 < n; c0 += chunk) {
+      const std::int64_t cols = std::min(chunk, n - c0);
+      ops::gemm(false, true, m, cols, d, scale, inducing, d, fp32_rows(k, c0, cols, d, scratch), d, 0.0f, scores + c0,
+                ld);
+    }
     for (std::int64_t r = 0; r < m; ++r) ops::softmax_in_place(scores + r * ld, n);
-    ops::gemm(false, false, m, d, n, 1.0f, scores, ld, v, d, 0.0f, summary, d);
+    for (std::int64_t c0 = 0; c0 < n; c0 += chunk) {
+      const std::int64_t cols = std::min(chunk, n - c0);
+      ops::gemm(false, false, m, d, cols, 1.0f, scores + c0, ld, fp32_rows(v, c0, cols, d, scratch), d,
+                c0 > 0 ? 1.0f : 0.0f, summary, d);
+    }
     mab_tail(inducing, summary, m, head, 0, thread, saved_pointer(saved_summary_, 0, bh * m * d),
              saved_pointer(saved_summary_, 1, bh * m * d));
     const std::int64_t stride = summaries_.dim(1) * m * d;
@@ -157,10 +193,15 @@ class SetTransformer final : public Mechanism {
     return kSoftmaxFlopsPerElement * m * n + kMabTailFlopsPerElement * m * d;
   }
 
-  // MAB 2 for rows [r0, r0 + block) of one (batch, head); q and out point at row r0.
-  std::int64_t read_out(std::int64_t bh, std::int64_t r0, const float* q, float* out, int thread) {
+  // MAB 2 for rows [r0, r0 + block) of one (batch, head); q and out point at row r0 (bf16: the
+  // rows widened, the output computed in fp32 and rounded once).
+  template <class T>
+  std::int64_t read_out(std::int64_t bh, std::int64_t r0, const T* q_rows, T* out_rows, int thread) {
     const std::int64_t d = p_.head_dim, m = c_.inducing_points, head = bh % p_.heads;
     const std::int64_t rows = std::min(c_.block_q, p_.seq_len - r0), ld = query_scores_.dim(2);
+    const bool widens = !std::is_same_v<T, float>;
+    const float* q = fp32_rows(q_rows, 0, rows, d, widens ? widened_queries(thread) : nullptr);
+    float* out = fp32_target(out_rows, 0, d, widens ? output_rows(thread) : nullptr);
     float* scores = query_scores_.data() + thread * query_scores_.dim(1) * ld;
     const std::int64_t stride = summaries_.dim(1) * m * d;
     const float* keys = summaries_.data() + stride + bh * m * d;
@@ -172,6 +213,7 @@ class SetTransformer final : public Mechanism {
     const std::int64_t saved_at = (bh * p_.seq_len + r0) * d;
     mab_tail(q, out, rows, head, 1, thread, saved_pointer(saved_rows_, 0, saved_at),
              saved_pointer(saved_rows_, 1, saved_at));
+    store_rows(out, out_rows, 0, rows, d);
     return kSoftmaxFlopsPerElement * rows * m + kMabTailFlopsPerElement * rows * d;
   }
 
@@ -340,6 +382,7 @@ class SetTransformer final : public Mechanism {
   std::uint64_t seed_;
   Tensor inducing_, projections_, ff_weights_, ff_biases_, ln_gains_, ln_shifts_;
   Tensor summaries_, summary_scores_, query_scores_, hidden_;
+  Tensor widened_;  // bf16 form: per thread fp32 rows (bf16_thread_floats)
   // Backward (prepare_backward): saved LN inputs and rFF outputs ([2, B·H, m, D] of MAB 1,
   // [2, B·H, N, D] of MAB 2), the parameter gradients, per thread buffers.
   Tensor saved_summary_, saved_rows_;
@@ -379,7 +422,8 @@ std::int64_t workspace(const Problem& p, const SetTransformerConfig& c) {
   const std::int64_t parameters = h * m * d + 4 * h * d * d + 2 * h * d + 8 * h * d;
   const std::int64_t summaries = 3 * p.batch * h * m * d;
   const std::int64_t per_thread = m * ops::padded_ld(p.seq_len) + rows * ops::padded_ld(m) + std::max(rows, m) * d;
-  return (parameters + summaries + threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t bf16_rows = p.dtype == DType::BF16 ? threads * bf16_thread_floats(p, c) : 0;
+  return (parameters + summaries + threads * per_thread + bf16_rows) * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t backward_flops(const Problem& p, const SetTransformerConfig& c) {
@@ -418,7 +462,9 @@ SetTransformerConfig resolve(const Problem& p, SetTransformerConfig c) {
 
 template <>
 Implementation implementation<SetTransformerConfig>() {
-  return implement<SetTransformerConfig>();
+  Implementation impl = implement<SetTransformerConfig>();
+  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  return impl;
 }
 
 }  // namespace xfb

@@ -77,7 +77,9 @@ void check_case(const Problem& shape, const Pooling& pooling, std::uint64_t seed
         queries[static_cast<std::size_t>(e)] = to_float(pooled.bf16_data()[(b * p.heads + h) * m * d + e]);
       check_bf16_elements(
           queries.data(), want_pooled, m * d,
-          [&](std::int64_t e) { return (kU + kFloatEps * (1 + kU)) * std::fabs(want_pooled[static_cast<std::size_t>(e)]); },
+          [&](std::int64_t e) {
+            return (kU + kFloatEps * (1 + kU)) * std::fabs(want_pooled[static_cast<std::size_t>(e)]);
+          },
           where + " Q̃");
       const float *k = in.widened.k.head(b, h), *v = in.widened.v.head(b, h);
       const auto want = reference_attention(queries.data(), k, v, m, n, d, scale, MaskFn(full_mask));

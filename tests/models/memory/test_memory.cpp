@@ -8,6 +8,7 @@
 
 #include "apps/bench/point.hpp"
 #include "taxonomy/registry.hpp"
+#include "tests/support/bf16_check.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/gradient_check.hpp"
 #include "tests/support/reference.hpp"
@@ -111,20 +112,29 @@ Matrix isab_head(const NamedValues& x, const Problem& p, std::int64_t m, std::in
   return naive_mab(slice("q"), keys, vals, d, second, scale_info);
 }
 
-void check_isab(const Problem& p, const std::vector<std::string>& params, const std::string& label) {
+// In bf16 the inputs are the fp32 draws rounded and the output is rounded once; everything between
+// runs in fp32 on the widened rows, so the bound is the fp32 one plus u·|o|.
+void check_isab(const Problem& p, const std::vector<std::string>& params, const std::string& label,
+                DType dtype = DType::F32) {
   const ModelInfo* info = find_model("set-transformer");
   REQUIRE(info != nullptr);
   const ParamValues values = resolve_params("set-transformer", info->impl.params, params);
   const std::int64_t m = values.get_int("inducing_points"), d = p.head_dim, n = p.seq_len, heads = p.heads;
-  const auto in = random_inputs(p, static_cast<std::uint64_t>(n + 3 * m));
-  auto mechanism = info->impl.create(on_test_threads(p), values, 42);
+  const bool bf16 = dtype == DType::BF16;
+  const std::uint64_t seed = static_cast<std::uint64_t>(n + 3 * m);
+  const Bf16Inputs rounded = bf16_inputs(p, seed);
+  const AttentionInputs drawn = random_inputs(p, seed);
+  const AttentionInputs& in = bf16 ? rounded.bf16 : drawn;
+  const AttentionInputs& exact = bf16 ? rounded.widened : drawn;
+  Problem run = on_test_threads(p);
+  run.dtype = dtype;
+  auto mechanism = info->impl.create(run, values, 42);
   mechanism->prepare(in.q, in.k, in.v);
-  Tensor out = Tensor::bhnd(p.batch, heads, n, d);
-  out.fill(std::nanf(""));
+  Tensor out = Tensor::bhnd(p.batch, heads, n, d, dtype);
+  if (!bf16) out.fill(std::nanf(""));
   mechanism->forward(in.q, in.k, in.v, out);
-  NamedValues named{{"q", widened(in.q.data(), in.q.size())},
-                    {"k", widened(in.k.data(), in.k.size())},
-                    {"v", widened(in.v.data(), in.v.size())}};
+  const Tensor result = bf16 ? to_f32(out) : std::move(out);
+  NamedValues named = named_inputs(exact);
   for (const auto& parameter : mechanism->parameters())
     named[parameter.name] = widened(parameter.tensor->data(), parameter.tensor->size());
   for (std::int64_t b = 0; b < p.batch; ++b)
@@ -138,13 +148,14 @@ void check_isab(const Problem& p, const std::vector<std::string>& params, const 
       const double tolerance = 8 * kFloatEps *
                                (scale_info.score_terms + std::log2(static_cast<double>(std::max(n, m))) + d + 1) *
                                std::max(1.0, scale_info.inverse_std) * std::max(1.0, largest_out);
-      const float* got = out.head(b, h);
+      const float* got = result.head(b, h);
       std::int64_t failures = 0;
       for (std::int64_t e = 0; e < n * d; ++e) {
         const double error = std::fabs(got[e] - want[e]);
-        if (!(error <= tolerance) && failures++ < 3)
+        const double bound = bf16 ? tolerance * (1 + kBf16Roundoff) + kBf16Roundoff * std::fabs(want[e]) : tolerance;
+        if (!(error <= bound) && failures++ < 3)
           FAIL_CHECK(label << " b=" << b << " h=" << h << " token " << e / d << " feature " << e % d << ": got "
-                           << got[e] << ", want " << want[e] << " (tolerance " << tolerance << ")");
+                           << got[e] << ", want " << want[e] << " (tolerance " << bound << ")");
       }
       CHECK_MESSAGE(failures == 0, label << ": " << failures << " elements out of tolerance");
     }
@@ -173,6 +184,25 @@ TEST_SUITE("memory") {
         check_isab(p, {"inducing_points=" + std::to_string(m), "block_q=16"},
                    "ISAB m=" + std::to_string(m) + " N=" + std::to_string(n));
       }
+  }
+
+  TEST_CASE("set-transformer in bf16: ISAB within the fp32 bound plus the output's rounding, around the chunks") {
+    // N one below, at and above the 256-key widening chunk and the query block.
+    for (std::int64_t m : {1, 5, 32})
+      for (std::int64_t n : {1, 15, 16, 17, 255, 256, 257, 300}) {
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false};
+        check_isab(p, {"inducing_points=" + std::to_string(m), "block_q=16"},
+                   "ISAB bf16 m=" + std::to_string(m) + " N=" + std::to_string(n), DType::BF16);
+      }
+  }
+
+  TEST_CASE("set-transformer bf16 rows: FLOPs as fp32's, halved inputs, estimates exact; no bf16 backward yet") {
+    for (std::int64_t n : {100, 300}) check_bf16_rows("set-transformer", n, false, Pass::Forward);
+    for (Pass pass : {Pass::Backward, Pass::Train}) {
+      const ResultRow row = run_point(bf16_point("set-transformer", 100, false, pass));
+      CHECK(row.status == Status::Unsupported);
+      CHECK(row.reason.find("no bf16 backward") != std::string::npos);
+    }
   }
 
   TEST_CASE("set-transformer gradients of q, k, v, the inducing points and every projection, LN and rFF") {
