@@ -7,6 +7,7 @@
 #include <string>
 #include <utility>
 
+#include "lib/core/bf16.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -265,6 +266,7 @@ class Nystromformer final : public Mechanism {
     }
     const std::int64_t threads = p_.threads, m = s_.m, d = s_.d;
     kernel_f_ = Tensor(Shape{threads, s_.n, s_.ldm});
+    if (p_.dtype == DType::BF16) widened_ = Tensor(Shape{threads, 4, s_.n * d});
     if (s_.exact) return;
     kernel_b_ = Tensor(Shape{threads, m, s_.ldn});
     kernel_a_ = Tensor(Shape{threads, m, s_.ldm});
@@ -276,7 +278,21 @@ class Nystromformer final : public Mechanism {
     const std::int64_t bh_count = p_.batch * p_.heads;
     std::int64_t flops = 0;
 #pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
-    for (std::int64_t bh = 0; bh < bh_count; ++bh) flops += forward_head(bh, q, k, v, out, omp_get_thread_num());
+    for (std::int64_t bh = 0; bh < bh_count; ++bh) {
+      const int thread = omp_get_thread_num();
+      const std::int64_t at = bh * s_.n * s_.d;
+      if (p_.dtype != DType::BF16) {
+        flops += forward_head(bh, q.data() + at, k.data() + at, v.data() + at, out.data() + at, thread);
+        continue;
+      }
+      float* rows = widened_.data() + thread * widened_.dim(1) * widened_.dim(2);  // q, k, v, out
+      const std::int64_t size = s_.n * s_.d;
+      widen(q.bf16_data() + at, rows, size);
+      widen(k.bf16_data() + at, rows + size, size);
+      widen(v.bf16_data() + at, rows + 2 * size, size);
+      flops += forward_head(bh, rows, rows + size, rows + 2 * size, rows + 3 * size, thread);
+      narrow(rows + 3 * size, out.bf16_data() + at, size);
+    }
     FlopCounter::add(flops);
   }
 
@@ -347,12 +363,10 @@ class Nystromformer final : public Mechanism {
   }
 
   // One (batch, head) of the forward; returns the FLOPs ops::gemm does not count.
-  std::int64_t forward_head(std::int64_t bh, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                            int thread) {
-    const std::int64_t n = s_.n, d = s_.d, m = s_.m, at = bh * n * d;
+  // qh, kh, vh, oh: its rows [N, D] (fp32; the bf16 form's widened rows).
+  std::int64_t forward_head(std::int64_t bh, const float* qh, const float* kh, const float* vh, float* oh, int thread) {
+    const std::int64_t n = s_.n, d = s_.d, m = s_.m;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    const float *qh = q.data() + at, *kh = k.data() + at, *vh = v.data() + at;
-    float* oh = out.data() + at;
     float* f = training() ? saved_f_.data() + bh * n * s_.ldm : kernel_f_.data() + thread * n * s_.ldm;
     std::int64_t flops = 0;
     if (s_.exact) {
@@ -511,6 +525,7 @@ class Nystromformer final : public Mechanism {
   Tensor conv_weights_;  // [H, k]
   // Per thread: F [N, m], and for m < N B [m, N], A [m, m], the iterations' slots, the [m, D] parts.
   Tensor kernel_f_, kernel_b_, kernel_a_, chain_, small_;
+  Tensor widened_;  // bf16 form: per thread one head's q, k, v and output rows in fp32 [4, N·D]
   // Training (prepare_backward): per (batch, head) F, B, A and the [m, D] parts; per thread their
   // gradients, the iterations' history and its gradients; the taps' gradient.
   Tensor saved_f_, saved_b_, saved_a_, saved_small_;
@@ -556,6 +571,7 @@ std::int64_t workspace(const Problem& p, const NystromformerConfig& c) {
   const Sizes s = sizes_of(p, c);
   std::int64_t per_thread = s.n * s.ldm;
   if (!s.exact) per_thread += s.m * s.ldn + s.m * s.ldm + Chain::slots(s, false) * s.m * s.ldm + 4 * s.m * s.d;
+  if (p.dtype == DType::BF16) per_thread += 4 * s.n * s.d;  // the widened head
   return (p.heads * s.k + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
@@ -599,7 +615,9 @@ FieldTable<NystromformerConfig> config_fields(const NystromformerConfig*) {
 
 template <>
 Implementation implementation<NystromformerConfig>() {
-  return implement<NystromformerConfig>();
+  Implementation impl = implement<NystromformerConfig>();
+  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  return impl;
 }
 
 }  // namespace xfb

@@ -11,6 +11,7 @@
 #include "apps/bench/point.hpp"
 #include "lib/core/params.hpp"
 #include "taxonomy/registry.hpp"
+#include "tests/support/bf16_check.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/gradient_check.hpp"
 #include "tests/support/mechanism_run.hpp"
@@ -225,6 +226,31 @@ void check_formula(const Problem& p, const Settings& s, const std::string& label
     }
 }
 
+// The bf16 form on bf16 inputs against the formula on the same values widened: it computes in fp32
+// on the widened rows and rounds the output once, so the bound is the fp32 tolerance plus u·|o|.
+void check_formula_bf16(const Problem& p, const Settings& s, const std::string& label, std::uint64_t seed) {
+  const Bf16Inputs in = bf16_inputs(p, seed);
+  auto mechanism = bf16_mechanism("nystromformer", p, params_of(s));
+  const Tensor got = run_bf16(*mechanism, p, in.bf16);
+  NamedValues x = named_inputs(in.widened);
+  for (const auto& named : mechanism->parameters()) x[named.name] = widened(named.tensor->data(), named.tensor->size());
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const std::int64_t at = (b * p.heads + h) * n * d;
+      const double* w = s.conv_kernel > 0 ? x["conv_weights"].data() + h * s.conv_kernel : nullptr;
+      ErrorScale scale;
+      const Matrix want = nystrom_head(x["q"].data() + at, x["k"].data() + at, x["v"].data() + at, w, n, d, s, scale);
+      const double tolerance = head_tolerance(scale, n, s);
+      check_bf16_elements(
+          got.head(b, h), want, n * d,
+          [&](std::int64_t e) {
+            return (1 + kBf16Roundoff) * tolerance + kBf16Roundoff * std::fabs(want[static_cast<std::size_t>(e)]);
+          },
+          label + " b=" + std::to_string(b) + " h=" + std::to_string(h));
+    }
+}
+
 std::string size_label(std::int64_t n, const Settings& s) {
   return "N=" + std::to_string(n) + " m=" + std::to_string(s.landmarks) + " k=" + std::to_string(s.conv_kernel) +
          " iterations=" + std::to_string(s.iterations);
@@ -238,6 +264,24 @@ TEST_SUITE("nystromformer") {
     for (std::int64_t n : {7, 8, 9, 15, 16, 17, 23, 24, 25, 61, 100}) {
       const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false};
       check_formula(p, s, size_label(n, s));
+    }
+  }
+
+  TEST_CASE("nystromformer in bf16 equals its formula within the fp32 bound plus the output's rounding") {
+    for (const Settings& s :
+         {Settings{.landmarks = 8, .conv_kernel = 5, .iterations = 6}, Settings{.landmarks = 3, .conv_kernel = 0}})
+      for (std::int64_t n : {1, 2, 7, 8, 9, 25, 100}) {  // m ≥ N (exact attention) and m < N, around multiples
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false};
+        check_formula_bf16(p, s, "bf16 " + size_label(n, s), static_cast<std::uint64_t>(n));
+      }
+  }
+
+  TEST_CASE("nystromformer bf16 rows: FLOPs as fp32's, halved inputs, estimates exact; no bf16 backward yet") {
+    for (std::int64_t n : {50, 200}) check_bf16_rows("nystromformer", n, false, Pass::Forward);
+    for (Pass pass : {Pass::Backward, Pass::Train}) {
+      const ResultRow row = run_point(bf16_point("nystromformer", 100, false, pass));
+      CHECK(row.status == Status::Unsupported);
+      CHECK(row.reason.find("no bf16 backward") != std::string::npos);
     }
   }
 
