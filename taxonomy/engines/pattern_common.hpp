@@ -25,16 +25,17 @@
 namespace xfb {
 
 // Requests the cache lines of one row of d floats (16 floats a line), without waiting for them.
-inline void request_row(const float* row, std::int64_t d) {
-  for (std::int64_t c = 0; c < d; c += 16) __builtin_prefetch(row + c);
+template <class T>
+inline void request_row(const T* row, std::int64_t d) {
+  for (std::int64_t c = 0; c < d; c += 64 / static_cast<std::int64_t>(sizeof(T))) __builtin_prefetch(row + c);
 }
 
 // dst row r = rows[ids[r]] for r < count: rows of d floats, contiguous in both. The token rows of a
 // learned pattern lie scattered over the head, so each copy would wait for its row's cache misses;
 // the row kGatherAhead places ahead is requested first, keeping several rows' misses in flight.
 inline constexpr std::int64_t kGatherAhead = 8;
-inline void gather_token_rows(const float* rows, const std::int32_t* ids, std::int64_t count, std::int64_t d,
-                              float* dst) {
+template <class T>
+inline void gather_token_rows(const T* rows, const std::int32_t* ids, std::int64_t count, std::int64_t d, T* dst) {
   for (std::int64_t r = 0; r < count; ++r) {
     if (r + kGatherAhead < count) request_row(rows + ids[r + kGatherAhead] * d, d);
     std::copy_n(rows + ids[r] * d, d, dst + r * d);

@@ -7,11 +7,14 @@
 #include <cstring>
 #include <string>
 
+#include "lib/core/bf16.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
+#include "lib/core/tile_kernels_bf16.hpp"
+#include "taxonomy/engines/gathered_tile_bf16.hpp"
 
 namespace xfb {
 
@@ -33,20 +36,27 @@ std::int64_t affinity_block(std::int64_t n) { return std::clamp<std::int64_t>(n,
 // Rows of chunk `chunk` of the sorted order.
 std::int64_t chunk_rows(std::int64_t n, std::int64_t c, std::int64_t chunk) { return std::min(c, n - chunk * c); }
 
-// 4-byte element counts (floats and int32) of the workspace: kept through prepare, only while
-// fitting, and after fitting (the peak is kept + the larger of the other two).
-struct ForwardElements {
+// Bytes of the workspace: kept through prepare, only while fitting, and after fitting (the peak is
+// kept + the larger of the other two). Floats and int32 are 4 bytes.
+struct ForwardBytes {
   std::int64_t kept, fitting, after;
 };
 
-ForwardElements forward_elements(const Problem& p, const ClusterFormerConfig& config) {
+ForwardBytes forward_bytes(const Problem& p, const ClusterFormerConfig& config) {
+  constexpr std::int64_t kWord = 4, kHalf = sizeof(bf16);
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, threads = p.threads;
   const std::int64_t cl = cluster_former_clusters(p, config), c = cluster_former_chunk(p, config);
   const std::int64_t kept = p.heads * cl * (d + 1) + threads * affinity_block(n) * ops::padded_ld(cl);
   const std::int64_t fitting = threads * (2 * n * d + cl * d + cl + 2 * n);
+  const std::int64_t pattern = 4 * heads * n + threads * (cl + 1);
+  if (p.dtype == DType::BF16) {  // per thread: scores, acc, row statistics, widened keys; bf16 q and out rows
+    const std::int64_t words = c * ops::padded_ld(c) + c * d + 2 * c + affinity_block(n) * d;
+    const std::int64_t after = kWord * (pattern + threads * words) + kHalf * threads * 2 * c * d +
+                               GatheredScratchBf16::bytes(threads, c, c, d, false);
+    return {kWord * kept, kWord * fitting, after};
+  }
   const std::int64_t tile = 3 * c * d + c * ops::padded_ld(c) + c * d + 2 * c + tile_panel_floats(c, d);
-  const std::int64_t after = 4 * heads * n + threads * (cl + 1 + tile);
-  return {kept, fitting, after};
+  return {kWord * kept, kWord * fitting, kWord * (pattern + threads * tile)};
 }
 
 // ½‖μ_c‖² of head h's centroids, the offsets that turn k·μ into the nearest-centroid score.
@@ -83,10 +93,16 @@ void ClusterFormerAttention::prepare(const Tensor&, const Tensor&, const Tensor&
   counts_ = IndexBuffer(threads_ * (cl + 1));
   assignments_ = Tensor(Shape{p_.batch, p_.heads, n});
   permutation_ = Tensor(Shape{p_.batch, p_.heads, n});
-  gathered_ = Tensor(Shape{threads_, 3 * c, d});
   scores_ = Tensor(Shape{threads_, c, score_ld_});
   tile_out_ = Tensor(Shape{threads_, c, d});
   row_stats_ = Tensor(Shape{threads_, 2, c});
+  if (p_.dtype == DType::BF16) {
+    tiles16_ = GatheredScratchBf16(threads_, c, c, d, false);
+    rows16_ = Tensor(Shape{threads_, 2, c, d}, DType::BF16);
+    widened_keys_ = Tensor(Shape{threads_, affinity_block(n), d});
+    return;
+  }
+  gathered_ = Tensor(Shape{threads_, 3 * c, d});
   panels_ = Tensor(Shape{threads_, tile_panel_floats(c, d)});
 }
 
@@ -169,7 +185,18 @@ std::int64_t ClusterFormerAttention::assign_and_sort(const Tensor& k, std::int64
   std::int32_t* cluster = token_clusters_.data() + head * n;
   std::int32_t* order = order_.data() + head * n;
   std::int32_t* start = counts_.data() + thread * (cl + 1);
-  const std::int64_t flops = nearest_centroids(k.data() + head * n * d, n, head % p_.heads, cluster, thread);
+  std::int64_t flops = 0;
+  if (p_.dtype != DType::BF16) {
+    flops = nearest_centroids(k.data() + head * n * d, n, head % p_.heads, cluster, thread);
+  } else {  // the same blocks of rows, widened first
+    const std::int64_t block = affinity_block(n);
+    float* rows = widened_keys_.data() + thread * block * d;
+    for (std::int64_t first = 0; first < n; first += block) {
+      const std::int64_t count = std::min(block, n - first);
+      widen(k.bf16_data() + (head * n + first) * d, rows, count * d);
+      flops += nearest_centroids(rows, count, head % p_.heads, cluster + first, thread);
+    }
+  }
   std::fill(start, start + cl + 1, 0);
   for (std::int64_t i = 0; i < n; ++i) ++start[cluster[i] + 1];
   for (std::int64_t c = 0; c < cl; ++c) start[c + 1] += start[c];
@@ -195,7 +222,8 @@ void ClusterFormerAttention::forward(const Tensor& q, const Tensor& k, const Ten
     stage_clock::lap("route");
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < heads * chunks; ++task)
-      flops += attend_chunk(q, k, v, task / chunks, task % chunks, out, thread);
+      flops += p_.dtype == DType::BF16 ? attend_chunk_bf16(q, k, v, task / chunks, task % chunks, out, thread)
+                                       : attend_chunk(q, k, v, task / chunks, task % chunks, out, thread);
 #pragma omp master
     stage_clock::lap("attend");
   }
@@ -236,6 +264,32 @@ std::int64_t ClusterFormerAttention::attend_chunk(const Tensor& q, const Tensor&
   if (!lse_.empty())
     for (std::int64_t r = 0; r < rows; ++r) lse_.data()[head * n + ids[r]] = lse[r];
   return flops + rows * d;
+}
+
+// attend_chunk in bf16: the chunk's bf16 q, k, v rows gathered, S and the softmax in fp32 on the bf16
+// tile kernels (gathered_tile_bf16.hpp), each output row rounded once and copied to its token.
+std::int64_t ClusterFormerAttention::attend_chunk_bf16(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                       std::int64_t head, std::int64_t chunk, Tensor& out, int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, c = chunk_, first = chunk * c, at = head * n * d;
+  const std::int64_t rows = chunk_rows(n, c, chunk);
+  const std::int32_t* ids = order_.data() + head * n + first;
+  const GatheredBf16Buffers b = tiles16_.buffers(thread);
+  bf16* q_rows = rows16_.bf16_data() + thread * 2 * c * d;
+  bf16* o_rows = q_rows + c * d;
+  gather_token_rows(q.bf16_data() + at, ids, rows, d, q_rows);
+  gather_token_rows(k.bf16_data() + at, ids, rows, d, b.keys);
+  gather_token_rows(v.bf16_data() + at, ids, rows, d, b.values);
+  float* scores = scores_.data() + thread * c * score_ld_;
+  float* lse = row_stats_.data() + thread * 2 * c;
+  float* inverse = lse + c;
+  std::int64_t flops = gathered_scores_bf16(q_rows, rows, b.keys, rows, d, 1.0f / std::sqrt(static_cast<float>(d)), b,
+                                            scores, score_ld_);
+  flops += exp_rows_masked(
+      scores, rows, rows, score_ld_, [](std::int64_t, std::int64_t) { return true; }, lse, inverse);
+  flops += gathered_values_bf16(scores, score_ld_, rows, rows, b.values, d, inverse, b,
+                                tile_out_.data() + thread * c * d, o_rows, d);
+  for (std::int64_t r = 0; r < rows; ++r) std::copy_n(o_rows + r * d, d, out.bf16_data() + at + ids[r] * d);
+  return flops;
 }
 
 void ClusterFormerAttention::prepare_backward() {
@@ -307,6 +361,10 @@ std::int64_t ClusterFormerAttention::chunk_backward(const Tensor& q, const Tenso
   return flops + 2 * rows * d;
 }
 
+std::string unsupported(const Problem& p, const ClusterFormerConfig&) {
+  return tiles::bf16_head_dim_unsupported("cluster-former's bf16 form", p.dtype, p.head_dim);
+}
+
 std::unique_ptr<Mechanism> create(const Problem& problem, const ClusterFormerConfig& c, std::uint64_t seed) {
   return std::make_unique<ClusterFormerAttention>(problem, c, seed);
 }
@@ -323,8 +381,8 @@ std::int64_t flops(const Problem& p, const ClusterFormerConfig& config) {
 }
 
 std::int64_t workspace(const Problem& p, const ClusterFormerConfig& c) {
-  const ForwardElements e = forward_elements(p, c);
-  return 4 * (e.kept + std::max(e.fitting, e.after));
+  const ForwardBytes e = forward_bytes(p, c);
+  return e.kept + std::max(e.fitting, e.after);
 }
 
 std::int64_t backward_flops(const Problem& p, const ClusterFormerConfig& config) {
@@ -359,7 +417,9 @@ ClusterFormerConfig resolve(const Problem& p, ClusterFormerConfig c) {
 
 template <>
 Implementation implementation<ClusterFormerConfig>() {
-  return implement<ClusterFormerConfig>();
+  Implementation impl = implement<ClusterFormerConfig>();
+  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  return impl;
 }
 
 }  // namespace xfb

@@ -39,6 +39,12 @@
 // int32 counts [p + 1] and one tile: gathered q, k, v rows [3c, D], scores [c, ld(c)], output rows
 // [c, D], row statistics [2c] and, when D is a multiple of 16, key panels (engines/pattern_common).
 //
+// bf16 (--dtype bf16, forward only; D % 16 == 0): q, k, v, out bf16; the assignment from each block of
+// 256 key rows widened (the fp32 form's arithmetic on the same values); each chunk's bf16 rows gathered
+// and attended on the bf16 gathered tile (gathered_tile_bf16.hpp: scores and softmax fp32, P rounded,
+// the output rounded once); centroids stay fp32. Workspace: the tile's bf16 buffers instead of the
+// fp32 rows and panels, plus the widened key block per thread.
+//
 // Backward (assignment and sort held fixed): the forward also saves each token's log-sum-exp L
 // [B·H, N] (with the int32 order, saved_bytes). Every token lies in exactly one chunk, so chunks are
 // independent tasks: each regathers its q, k, v, dO rows, recomputes its scores and runs
@@ -51,6 +57,7 @@
 
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
+#include "taxonomy/engines/gathered_tile_bf16.hpp"
 #include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
@@ -97,6 +104,8 @@ class ClusterFormerAttention final : public Mechanism {
                     std::int64_t rows, int thread);
   std::int64_t attend_chunk(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head, std::int64_t chunk,
                             Tensor& out, int thread);
+  std::int64_t attend_chunk_bf16(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head,
+                                 std::int64_t chunk, Tensor& out, int thread);
   std::int64_t chunk_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
                               std::int64_t head, std::int64_t chunk, Tensor& dq, Tensor& dk, Tensor& dv, int thread);
   float* tile_rows(int thread) { return gathered_.data() + thread * 3 * chunk_ * p_.head_dim; }
@@ -113,6 +122,10 @@ class ClusterFormerAttention final : public Mechanism {
   // Per thread one chunk tile: q, k, v rows [3c, D], scores [c, ld], output rows [c, D], row
   // statistics [2c] (lse and 1/Σ, or lse and δ in the backward), key panels.
   Tensor gathered_, scores_, tile_out_, row_stats_, panels_;
+  // bf16 form: the gathered bf16 keys, values and their panels (GatheredScratchBf16), per thread bf16 q
+  // and output rows [2, c, D], and one block of key rows widened for the assignment [256, D].
+  GatheredScratchBf16 tiles16_;
+  Tensor rows16_, widened_keys_;
   // Backward: saved log-sum-exp [B·H, N]; per thread dO, dQ, dK, dV rows [4c, D] and dS [c, ld].
   Tensor lse_, grad_rows_, score_grads_;
 };
