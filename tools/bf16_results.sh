@@ -3,9 +3,9 @@
 # with a bf16 form (`xfbench list --format json`: dtypes holds bf16) at N = 4K and 16K in f32 and bf16,
 # forward non-causal and causal; the decoding ones at a 16K context (causal, 64 steps); the training
 # step at 4K; then the bf16/f32 ratio tables (tools/bf16_ratios.py) and the models without a bf16 form.
-#   tools/bf16_results.sh [XFBENCH [SWEEP OPTIONS…]]   (default build/release/xfbench; ~15 min on 2
-#   cores of the Zen 5 class for the seven models of stop 37; the options, e.g. --min-reps 3
-#   --min-time 0.2, go to every sweep)
+#   tools/bf16_results.sh [XFBENCH [SWEEP OPTIONS…]]   (default build/release/xfbench; the options,
+#   e.g. --min-reps 3 --min-time 0.2, go to every sweep; with those, ~7 min for 18 models on 2 cores
+#   of the Zen 5 class)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 x=${1:-build/release/xfbench}

@@ -134,37 +134,6 @@ class HeadBackward {
 extern template class HeadBackward<float>;
 extern template class HeadBackward<bf16>;
 
-// One decode step of a bf16 query (D values) over `count` cached bf16 rows, row(j) giving the
-// pair {key, value} of D bf16 values each, with the forward tile's roundings: s_j = scale·q·k_j
-// (fp32 sums of exact products), M = max_j s_j, p_j = exp(s_j − M), Σ = Σ_j p_j,
-// out = bf16((Σ_j bf16(p_j)·v_j)/Σ) (0 for no rows). scratch: 2·D + count floats. Counts no FLOPs
-// (the caller counts its fp32 form's).
-template <class Row>
-void attend_step_bf16(const bf16* q, std::int64_t d, std::int64_t count, const Row& row, float* scratch, bf16* out) {
-  float *query = scratch, *acc = scratch + d, *scores = acc + d;
-  widen(q, query, d);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-  float peak = -INFINITY, sum = 0.0f;
-  for (std::int64_t j = 0; j < count; ++j) {
-    const bf16* key = row(j).first;
-    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-    for (std::int64_t c = 0; c < d; ++c) dot += query[c] * to_float(key[c]);
-    scores[j] = scale * dot;
-    peak = std::max(peak, scores[j]);
-  }
-  std::fill(acc, acc + d, 0.0f);
-  for (std::int64_t j = 0; j < count; ++j) {
-    const float p = ops::fast_exp(scores[j] - peak), weight = round_to_bf16(p);
-    sum += p;
-    const bf16* value = row(j).second;
-#pragma omp simd
-    for (std::int64_t c = 0; c < d; ++c) acc[c] += weight * to_float(value[c]);
-  }
-  const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
-  for (std::int64_t c = 0; c < d; ++c) out[c] = to_bf16(acc[c] * inverse);
-}
-
 // The kernel of an element type.
 template <class T>
 using GatheredKernel = std::conditional_t<std::is_same_v<T, bf16>, TileAttentionBf16, TileAttention>;

@@ -56,11 +56,6 @@ std::int64_t projection_floats(const Problem& p, const LongformerConfig& c) { re
 std::int64_t bf16_forward_halves(const Problem& p, const LongformerConfig& c) { return c.tile * p.head_dim; }
 std::int64_t bf16_backward_floats(const Problem& p, const LongformerConfig& c) { return 2 * c.tile * p.head_dim; }
 
-// Decode, bf16: per head the step's fp32 scratch (attend_step_bf16: 2·D + the most keys a token sees).
-std::int64_t bf16_step_floats(const Problem& p, const WindowGlobalShape& shape) {
-  return 2 * p.head_dim + shape.globals + shape.before + 1;
-}
-
 constexpr std::int64_t kFloatBytes = sizeof(float), kHalfBytes = sizeof(bf16);
 
 // T: the element type of q, k, v, out, the gradients, the saved global projections and the
@@ -127,17 +122,18 @@ class Longformer final : public Mechanism {
     const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim;
     globals_cache_ = KvCache(heads, shape_.globals, d, p_.dtype);
     window_cache_ = KvCache(heads, ring_, d, p_.dtype);
-    if constexpr (kBf16)
-      step_buffers_ = Tensor(Shape{heads, bf16_step_floats(p_, shape_)});
-    else
-      step_buffers_ = Tensor(Shape{heads, 2, d});
+    step_buffers_ = Tensor(Shape{heads, 2, d});
   }
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    if constexpr (kBf16)
-      decode_step_bf16(q, k, v, out);
-    else
-      decode_step_f32(q, k, v, out);
+    const std::int64_t d = p_.head_dim, i = length_, g = shape_.globals;
+    attend_every_head(q, out, step_buffers_, p_.threads, [&](std::int64_t head, RowSoftmax& row, const float* query) {
+      window_cache_.store(head, i % ring_, elements<T>(k) + head * d, elements<T>(v) + head * d, 1);
+      std::int64_t flops = attend_rows(row, query, globals_cache_.keys<T>(head), globals_cache_.values<T>(head), g);
+      const auto [first, window] = step_window(head);
+      return flops + attend_ring(row, query, window_cache_.keys<T>(head), window_cache_.values<T>(head), ring_, first,
+                                 window, dilations_[static_cast<std::size_t>(head % p_.heads)]);
+    });
     ++length_;
   }
 
@@ -216,55 +212,6 @@ class Longformer final : public Mechanism {
     const std::int64_t dilation = dilations_[static_cast<std::size_t>(head % p_.heads)];
     const std::int64_t window = std::min(s, (i - g) / dilation) + 1;
     return {i - dilation * (window - 1), window};
-  }
-
-  void decode_step_f32(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
-    const std::int64_t d = p_.head_dim, i = length_, g = shape_.globals;
-    attend_every_head(q, out, step_buffers_, p_.threads, [&](std::int64_t head, RowSoftmax& row, const float* query) {
-      window_cache_.store(head, i % ring_, k.data() + head * d, v.data() + head * d, 1);
-      std::int64_t flops = attend_rows(row, query, globals_cache_.keys(head), globals_cache_.values(head), g);
-      const auto [first, window] = step_window(head);
-      return flops + attend_ring(row, query, window_cache_.keys(head), window_cache_.values(head), ring_, first, window,
-                                 dilations_[static_cast<std::size_t>(head % p_.heads)]);
-    });
-  }
-
-  // The fp32 step's FLOPs: D (scale) + attend_rows over the globals and each ring run + D (finish).
-  std::int64_t step_flops(std::int64_t head) const {
-    const std::int64_t d = p_.head_dim, step = dilations_[static_cast<std::size_t>(head % p_.heads)];
-    const auto [first, window] = step_window(head);
-    const std::int64_t begin = first % ring_, head_run = std::min(window, (ring_ - 1 - begin) / step + 1);
-    return 2 * d + attend_rows_flops(shape_.globals, d) + attend_rows_flops(head_run, d) +
-           (window > head_run ? attend_rows_flops(window - head_run, d) : 0);
-  }
-
-  void decode_step_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
-    const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, i = length_, g = shape_.globals;
-    std::int64_t flops = 0;
-    const auto attend_head = [&](std::int64_t head) {
-      window_cache_.store(head, i % ring_, k.bf16_data() + head * d, v.bf16_data() + head * d, 1);
-      const std::pair<std::int64_t, std::int64_t> span = step_window(head);
-      const std::int64_t first = span.first, window = span.second;
-      const std::int64_t step = dilations_[static_cast<std::size_t>(head % p_.heads)];
-      const bf16 *global_keys = globals_cache_.keys<bf16>(head), *global_values = globals_cache_.values<bf16>(head);
-      const bf16 *ring_keys = window_cache_.keys<bf16>(head), *ring_values = window_cache_.values<bf16>(head);
-      fixed::attend_step_bf16(
-          q.bf16_data() + head * d, d, g + window,
-          [&](std::int64_t j) {
-            if (j < g) return std::pair{global_keys + j * d, global_values + j * d};
-            const std::int64_t slot = (first + (j - g) * step) % ring_;
-            return std::pair{ring_keys + slot * d, ring_values + slot * d};
-          },
-          step_buffers_.data() + head * step_buffers_.dim(1), out.bf16_data() + head * d);
-      return step_flops(head);
-    };
-    if (2 * heads * (g + shape_.before + 1) * d >= kParallelStepFloats) {
-#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
-      for (std::int64_t head = 0; head < heads; ++head) flops += attend_head(head);
-    } else {
-      for (std::int64_t head = 0; head < heads; ++head) flops += attend_head(head);  // too small for a fork and join
-    }
-    FlopCounter::add(flops);
   }
 
   std::int64_t window_tile(const WindowGlobalTask& task, const TilePattern& tile, const Tensor& q, const Tensor& k,
@@ -409,7 +356,7 @@ class Longformer final : public Mechanism {
   std::vector<std::int64_t> dilations_;   // d_h per head index
   std::int64_t ring_;                     // window ring rows, window_ring()
   KvCache globals_cache_, window_cache_;  // of T
-  Tensor step_buffers_;  // per head: fp32 the scaled query and the accumulator; bf16 attend_step_bf16's scratch
+  Tensor step_buffers_;                   // per head: the fp32 scaled query and accumulator (both dtypes)
   std::int64_t length_ = 0;
 };
 
@@ -485,11 +432,8 @@ std::int64_t backward_workspace(const Problem& p, const LongformerConfig& c) {
 
 std::int64_t decode_workspace(const Problem& p, const LongformerConfig& c, std::int64_t) {
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim;
-  if (p.dtype == DType::BF16)
-    return KvCache::bytes(heads, c.globals, d, p.dtype) + KvCache::bytes(heads, window_ring(c), d, p.dtype) +
-           heads * bf16_step_floats(p, shape_of(p, c)) * kFloatBytes;
-  return KvCache::bytes(heads, c.globals, d) + KvCache::bytes(heads, window_ring(c), d) +
-         heads * 2 * d * static_cast<std::int64_t>(sizeof(float));
+  return KvCache::bytes(heads, c.globals, d, p.dtype) + KvCache::bytes(heads, window_ring(c), d, p.dtype) +
+         heads * 2 * d * kFloatBytes;
 }
 
 FieldTable<LongformerConfig> config_fields(const LongformerConfig*) {

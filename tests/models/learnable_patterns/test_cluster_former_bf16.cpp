@@ -37,7 +37,8 @@ void check_case(const Problem& shape, std::int64_t clusters, std::int64_t chunk,
   fp32->prepare(in.widened.q, in.widened.k, in.widened.v);
   fp32->forward(in.widened.q, in.widened.k, in.widened.v, out32);
   const auto* reference = dynamic_cast<const ClusterFormerAttention*>(fp32.get());
-  for (std::int64_t h = 0; h < p.heads; ++h) CHECK_MESSAGE(model->sort_order(0, h) == reference->sort_order(0, h), label);
+  for (std::int64_t h = 0; h < p.heads; ++h)
+    CHECK_MESSAGE(model->sort_order(0, h) == reference->sort_order(0, h), label);
 
   const std::int64_t c = model->chunk();
   check_bf16_masked(
