@@ -157,9 +157,10 @@ class Linformer final : public Mechanism {
 constexpr std::int64_t kWidenRows = 256;  // rows of K or V the bf16 projection widens at a time
 
 // The bf16 form's fp32 floats per thread: a widened chunk of K or V [min(N, kWidenRows), D] and the
-// projection's fp32 sum [k, D].
+// projection's fp32 sum [k, D] (the backward: a chunk's gradient rows, so at least a chunk).
 std::int64_t bf16_thread_floats(const Problem& p, const LinformerConfig& c) {
-  return (std::min(kWidenRows, p.seq_len) + projected_length(p, c)) * p.head_dim;
+  const std::int64_t chunk = std::min(kWidenRows, p.seq_len);
+  return (chunk + std::max(chunk, projected_length(p, c))) * p.head_dim;
 }
 
 // Linformer in bf16: q, k, v, out bf16 ([B, H, N, D]); E and F stay fp32 (the parameters the fp32 form
@@ -167,7 +168,7 @@ std::int64_t bf16_thread_floats(const Problem& p, const LinformerConfig& c) {
 // kWidenRows rows of K (widened, exact) on sgemm, rounded once. S = Q·K̄ᵀ/√D in fp32 on oneDNN's bf16
 // matmul (a dense [B·H, N, k] buffer, row stride k), the softmax in fp32 with P rounded to bf16 in
 // place (softmax_row_to_bf16: row stride 2k), O = bf16(P·V̄) on the bf16 matmul. FLOPs are the fp32
-// form's. Forward only: a bf16 backward or training point is `unsupported`.
+// form's. Backward: the fp32 form's on the saved bf16 P, K̄, V̄ (backward()).
 class LinformerBf16 final : public Mechanism {
  public:
   LinformerBf16(const Problem& problem, const LinformerConfig& config, std::uint64_t seed)
@@ -202,7 +203,96 @@ class LinformerBf16 final : public Mechanism {
     return {{"probabilities", &scores_}, {"projected_keys", &keys_}, {"projected_values", &values_}};
   }
 
+  void prepare_backward() override {
+    const std::int64_t bh = p_.batch * p_.heads;
+    score_grads_ = Tensor(scores_.shape());
+    key_grads_ = Tensor(Shape{bh, k_, p_.head_dim});
+    value_grads_ = Tensor(Shape{bh, k_, p_.head_dim});
+    de_ = Tensor(e_.shape());
+    if (c_.sharing != LinformerSharing::KeyValue) df_ = Tensor(f_.shape());
+    for (const auto& shape : {value_grad_shape(), key_grad_shape()}) ops::prepare_bf16_matmul(shape, false);
+    ops::prepare_bf16_matmul(probability_grad_shape(), false);
+    ops::prepare_bf16_matmul(query_grad_shape(), true);
+  }
+
+  // As the fp32 form, on the saved bf16 P, K̄, V̄: dV̄ = Pᵀ·dO and dP = dO·V̄ᵀ in fp32, dS = P·(dP − Σ P·dP)
+  // in fp32 rounded to bf16 in place, dq = bf16(dS·K̄/√D), dK̄ = dSᵀ·Q/√D in fp32; then dk = bf16(Eᵀ·dK̄),
+  // dE = Σ dK̄·Kᵀ (fp32) over the pairs sharing E, on K widened in chunks (V, F likewise).
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t rows = p_.batch * p_.heads * p_.seq_len;
+    const auto* probabilities = reinterpret_cast<const bf16*>(scores_.data());     // row stride 2k
+    const auto* score_grads = reinterpret_cast<const bf16*>(score_grads_.data());  // dS, row stride 2k
+    ops::matmul(value_grad_shape(), probabilities, dout.bf16_data(), value_grads_.data());
+    ops::matmul(probability_grad_shape(), dout.bf16_data(), values_.bf16_data(), score_grads_.data());
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t row = 0; row < rows; ++row)
+      softmax_backward_row_to_bf16(probabilities + row * 2 * k_, score_grads_.data() + row * k_, k_, k_);
+    FlopCounter::add(kSoftmaxBackwardFlopsPerElement * rows * k_);
+    ops::matmul(query_grad_shape(), score_grads, keys_.bf16_data(), dq.bf16_data());
+    ops::matmul(key_grad_shape(), score_grads, q.bf16_data(), key_grads_.data());
+    const bool shared_kv = c_.sharing == LinformerSharing::KeyValue;
+    project_backward(e_, key_grads_, k, dk, de_, false);
+    project_backward(shared_kv ? e_ : f_, value_grads_, v, dv, shared_kv ? de_ : df_, shared_kv);
+  }
+
+  std::vector<NamedTensor> parameter_gradients() const override {
+    if (c_.sharing == LinformerSharing::KeyValue) return {{"dprojection_ef", &de_}};
+    return {{"dprojection_e", &de_}, {"dprojection_f", &df_}};
+  }
+
  private:
+  ops::MatmulShape value_grad_shape() const {  // dV̄ = Pᵀ·dO, fp32
+    return {.batch = p_.batch * p_.heads, .m = k_, .n = p_.head_dim, .k = p_.seq_len, .trans_a = true, .lda = 2 * k_};
+  }
+  ops::MatmulShape probability_grad_shape() const {  // dP = dO·V̄ᵀ, fp32 [N, k]
+    return {.batch = p_.batch * p_.heads, .m = p_.seq_len, .n = k_, .k = p_.head_dim, .trans_b = true};
+  }
+  ops::MatmulShape query_grad_shape() const {  // dq = dS·K̄/√D, bf16
+    return {.batch = p_.batch * p_.heads,
+            .m = p_.seq_len,
+            .n = p_.head_dim,
+            .k = k_,
+            .lda = 2 * k_,
+            .alpha = 1.0f / std::sqrt(static_cast<float>(p_.head_dim))};
+  }
+  ops::MatmulShape key_grad_shape() const {  // dK̄ = dSᵀ·Q/√D, fp32
+    return {.batch = p_.batch * p_.heads,
+            .m = k_,
+            .n = p_.head_dim,
+            .k = p_.seq_len,
+            .trans_a = true,
+            .lda = 2 * k_,
+            .alpha = 1.0f / std::sqrt(static_cast<float>(p_.head_dim))};
+  }
+
+  // The backward of dst = bf16(P·src) for every (batch, head), dst_grad fp32 [B·H, k, D]:
+  // src_grad = bf16(Pᵀ·dst_grad) and dP (+)= Σ dst_grad·srcᵀ over the pairs sharing P (onto dP's
+  // contents when `add`). Tasks are (projection, chunk of kWidenRows columns): a task owns those
+  // columns of its dP and those rows of every sharing pair's src_grad, so no two tasks write alike.
+  void project_backward(const Tensor& projection, const Tensor& dst_grad, const Tensor& src, Tensor& src_grad,
+                        Tensor& projection_grad, bool add) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, chunks = (n + kWidenRows - 1) / kWidenRows;
+    const bool per_head = matrices_per_tensor(p_, c_) > 1;
+    const std::int64_t matrices = per_head ? p_.heads : 1, pairs = per_head ? p_.batch : p_.batch * p_.heads;
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t task = 0; task < matrices * chunks; ++task) {
+      const std::int64_t matrix = task / chunks, c0 = task % chunks * kWidenRows, rows = std::min(kWidenRows, n - c0);
+      float* widened = widened_.data() + omp_get_thread_num() * widened_.dim(1);
+      float* grad_rows = widened + std::min(kWidenRows, n) * d;
+      const float* e = projection.data() + matrix * k_ * n;
+      float* de = projection_grad.data() + matrix * k_ * n;
+      for (std::int64_t pair = 0; pair < pairs; ++pair) {
+        const std::int64_t head = per_head ? pair * p_.heads + matrix : pair;
+        const float* g = dst_grad.data() + head * k_ * d;
+        widen(src.bf16_data() + (head * n + c0) * d, widened, rows * d);
+        ops::gemm(false, true, k_, rows, d, 1.0f, g, d, widened, d, add || pair > 0 ? 1.0f : 0.0f, de + c0, n);
+        ops::gemm(true, false, rows, d, k_, 1.0f, e + c0, n, g, d, 0.0f, grad_rows, d);
+        narrow(grad_rows, src_grad.bf16_data() + (head * n + c0) * d, rows * d);
+      }
+    }
+  }
+
   ops::MatmulShape scores_shape() const {
     return {.batch = p_.batch * p_.heads,
             .m = p_.seq_len,
@@ -241,7 +331,8 @@ class LinformerBf16 final : public Mechanism {
   Tensor e_, f_;          // fp32 projections, as the fp32 form's
   Tensor keys_, values_;  // K̄, V̄ bf16 [B·H, k, D]
   Tensor scores_;         // fp32 S [B·H, N, k]; after the softmax, bf16 P over each row's first half
-  Tensor widened_;        // per thread: a widened chunk and the projection's fp32 sum
+  Tensor widened_;  // per thread: a widened chunk and the projection's fp32 sum (backward: a chunk's gradient rows)
+  Tensor score_grads_, key_grads_, value_grads_, de_, df_;  // training: fp32 dP (then bf16 dS), dK̄, dV̄, dE, dF
 };
 
 }  // namespace
@@ -280,7 +371,14 @@ std::int64_t backward_flops(const Problem& p, const LinformerConfig& c) {
 }
 
 // The gradients mirror the forward's buffers: dE, dF as E, F; dK̄, dV̄ as K̄, V̄; dS as the scores.
-std::int64_t backward_workspace(const Problem& p, const LinformerConfig& c) { return workspace(p, c); }
+// bf16: dK̄, dV̄ fp32, dP/dS fp32 [B·H, N, k]; the per-thread rows are the forward's.
+std::int64_t backward_workspace(const Problem& p, const LinformerConfig& c) {
+  if (p.dtype != DType::BF16) return workspace(p, c);
+  const std::int64_t k = projected_length(p, c), bh = p.batch * p.heads;
+  const std::int64_t tensors = c.sharing == LinformerSharing::KeyValue ? 1 : 2;
+  const std::int64_t projections = tensors * matrices_per_tensor(p, c) * k * p.seq_len;
+  return (projections + bh * p.seq_len * k + 2 * bh * k * p.head_dim) * kFloatBytes;
+}
 
 FieldTable<LinformerConfig> config_fields(const LinformerConfig*) {
   return {int_field("k", &LinformerConfig::k, 1, 1 << 20, "projected sequence length (rows of E, F), tokens"),
@@ -302,7 +400,8 @@ LinformerConfig resolve(const Problem& p, LinformerConfig c) {
 template <>
 Implementation implementation<LinformerConfig>() {
   Implementation impl = implement<LinformerConfig>();
-  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  impl.bf16_forward = true;  // not causal: no decode
+  impl.bf16_backward = true;
   return impl;
 }
 

@@ -15,10 +15,12 @@
 // runs softmax attention's backward over the k projected rows, then dK = Eᵀ·d(E·K) and
 // dE = Σ d(E·K)·Kᵀ over the (batch, head) pairs sharing E (V, F likewise; key-value sharing sums
 // both into dE). FLOPs B·H·(16·N·k·D + 4·N·k); workspace as much again as the forward's.
-// bf16 (--dtype bf16, forward only): q, k, v, out, K̄, V̄ and P bf16, E and F fp32; E·K summed in fp32
-// over widened chunks of K and rounded once; the scores fp32 [B·H, N, k] on the bf16 matmul, P
-// rounded in place; workspace: projections + scores (B·H·N·k floats) + per thread (min(N, 256) + k)·D
-// floats + K̄, V̄ at 2 bytes.
+// bf16 (--dtype bf16): q, k, v, out, K̄, V̄ and P bf16, E and F fp32; E·K summed in fp32 over widened
+// chunks of K and rounded once; the scores fp32 [B·H, N, k] on the bf16 matmul, P rounded in place;
+// workspace: projections + scores (B·H·N·k floats) + per thread (c + max(c, k))·D floats (c =
+// min(N, 256)) + K̄, V̄ at 2 bytes. Backward: dP and dK̄, dV̄ in fp32, dS rounded to bf16 in place, dq,
+// dk, dv rounded once, dE and dF fp32 (tasks of 256 columns of a projection); workspace: dE, dF, dP
+// (B·H·N·k floats) and dK̄, dV̄ (2·B·H·k·D floats).
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 

@@ -14,9 +14,11 @@
 #include <vector>
 
 #include "lib/core/bf16.hpp"
+#include "lib/core/rng.hpp"
 #include "taxonomy/low_rank/linformer.hpp"
 #include "tests/support/bf16_check.hpp"
 #include "tests/support/counter_point.hpp"
+#include "tests/support/gradient_check.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -91,6 +93,113 @@ void check_case(const Problem& shape, std::int64_t k, const std::string& sharing
     }
 }
 
+// The bf16 gradients with Gaussian projections, through the model's own saved K̄, V̄: the float64
+// attention backward over (q, K̄, V̄) gives dq and dK̄*, dV̄* with terms T, each within B = factor·T
+// (check_bf16_gradients' factor: the model's dq is rounded, its dK̄, dV̄ stay fp32); then
+//   dk* = Eᵀ·dK̄*, within (1 + u)·(Σ_r |E_rj|·B_rc + 1.01·k·ε·Σ_r |E_rj|·(|dK̄*_rc| + B_rc)) + u·|dk*|;
+//   dE* = Σ over the pairs sharing E of dK̄*·Kᵀ, within Σ B_rc·|K_jc| + 1.01·(pairs·D)·ε·Σ |terms|
+// (dE stays fp32); V and F alike (key-value sharing: one dE over both).
+void check_gradients(const Problem& shape, std::int64_t k, const std::string& sharing, std::uint64_t seed) {
+  const Problem p = on_test_threads(shape);
+  const std::int64_t n = p.seq_len, d = p.head_dim, rows = std::min(k, n);
+  const std::string label =
+      "linformer bf16 gradients N=" + std::to_string(n) + " k=" + std::to_string(k) + " " + sharing;
+  const Bf16Inputs in = bf16_inputs(p, seed);
+  Tensor dout32 = Tensor::bhnd(p.batch, p.heads, n, d);
+  CounterRng(9, "dout").fill_normal(dout32);
+  const Tensor dout = to_bf16(dout32), dout_wide = to_f32(dout);
+  auto mechanism = bf16_mechanism("linformer", p, {"k=" + std::to_string(k), "sharing=" + sharing});
+  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d, DType::BF16); };
+  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
+  mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
+  mechanism->prepare_backward();
+  mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
+  mechanism->backward(in.bf16.q, in.bf16.k, in.bf16.v, out, dout, dq, dk, dv);
+  const Tensor got_dq = to_f32(dq), got_dk = to_f32(dk), got_dv = to_f32(dv);
+  const bool shared_kv = sharing == "key-value", per_head = sharing == "per-head";
+  const auto parameters = mechanism->parameters(), saved = mechanism->saved(),
+             parameter_grads = mechanism->parameter_gradients();
+  const Tensor* projection[2] = {&named_tensor(parameters, shared_kv ? "projection_ef" : "projection_e"),
+                                 &named_tensor(parameters, shared_kv ? "projection_ef" : "projection_f")};
+  const Tensor* projection_grad[2] = {&named_tensor(parameter_grads, shared_kv ? "dprojection_ef" : "dprojection_e"),
+                                      &named_tensor(parameter_grads, shared_kv ? "dprojection_ef" : "dprojection_f")};
+  const Tensor projected[2] = {to_f32(named_tensor(saved, "projected_keys")),
+                               to_f32(named_tensor(saved, "projected_values"))};
+  const Tensor* got_src[2] = {&got_dk, &got_dv};
+  const Tensor* inputs[2] = {&in.widened.k, &in.widened.v};
+  const std::int64_t matrices = per_head ? p.heads : 1, size = rows * n;
+  // dE* (and dF*) per matrix, their bounds and magnitudes; [tensor][matrix · k · N].
+  std::vector<double> want_grad[2], grad_bound[2], grad_terms[2];
+  for (int t = 0; t < 2; ++t) {
+    want_grad[t].assign(static_cast<std::size_t>(matrices * size), 0.0);
+    grad_bound[t] = grad_terms[t] = want_grad[t];
+  }
+  const double scale = 1 / std::sqrt(static_cast<double>(d));
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const std::string where = label + " b=" + std::to_string(b) + " h=" + std::to_string(h);
+      const std::int64_t head = b * p.heads + h, matrix = per_head ? h : 0;
+      const float* q = in.widened.q.head(b, h);
+      const float* keys = projected[0].data() + head * rows * d;
+      const float* values = projected[1].data() + head * rows * d;
+      const auto ref =
+          reference_attention_backward(q, keys, values, dout_wide.head(b, h), n, rows, d, scale, MaskFn(full_mask));
+      const double factor = 3 * kU * (1 + kU) + gradient_error_factor(q, keys, n, rows, d, scale);
+      check_bf16_elements(
+          got_dq.head(b, h), ref.dq, n * d,
+          [&](std::int64_t e) { return factor * ref.dq_terms[static_cast<std::size_t>(e)] + 1e-30; }, where + " dq");
+      const std::vector<double>* bar[2] = {&ref.dk, &ref.dv};
+      const std::vector<double>* bar_terms[2] = {&ref.dk_terms, &ref.dv_terms};
+      for (int t = 0; t < 2; ++t) {
+        const float* e = projection[t]->data() + matrix * size;
+        const float* x = inputs[t]->head(b, h);
+        std::vector<double> want(static_cast<std::size_t>(n * d)), bound(want.size());
+        for (std::int64_t j = 0; j < n; ++j)
+          for (std::int64_t c = 0; c < d; ++c) {
+            double sum = 0, propagated = 0, terms = 0;
+            for (std::int64_t r = 0; r < rows; ++r) {
+              const double weight = e[r * n + j], g = (*bar[t])[static_cast<std::size_t>(r * d + c)];
+              const double g_bound = factor * (*bar_terms[t])[static_cast<std::size_t>(r * d + c)];
+              sum += weight * g;
+              propagated += std::fabs(weight) * g_bound;
+              terms += std::fabs(weight) * (std::fabs(g) + g_bound);
+            }
+            const std::size_t at = static_cast<std::size_t>(j * d + c);
+            want[at] = sum;
+            bound[at] = (1 + kU) * (propagated + 1.01 * static_cast<double>(rows) * kFloatEps * terms) +
+                        kU * std::fabs(sum) + 1e-30;
+          }
+        check_bf16_elements(
+            got_src[t]->head(b, h), want, n * d, [&](std::int64_t i) { return bound[static_cast<std::size_t>(i)]; },
+            where + (t == 0 ? " dk" : " dv"));
+        const int into = shared_kv ? 0 : t;
+        for (std::int64_t r = 0; r < rows; ++r)
+          for (std::int64_t j = 0; j < n; ++j) {
+            const std::size_t at = static_cast<std::size_t>(matrix * size + r * n + j);
+            for (std::int64_t c = 0; c < d; ++c) {
+              const double g = (*bar[t])[static_cast<std::size_t>(r * d + c)], value = x[j * d + c];
+              const double g_bound = factor * (*bar_terms[t])[static_cast<std::size_t>(r * d + c)];
+              want_grad[into][at] += g * value;
+              grad_bound[into][at] += g_bound * std::fabs(value);
+              grad_terms[into][at] += (std::fabs(g) + g_bound) * std::fabs(value);
+            }
+          }
+      }
+    }
+  const std::int64_t pairs = (per_head ? p.batch : p.batch * p.heads) * (shared_kv ? 2 : 1);
+  for (int t = 0; t < (shared_kv ? 1 : 2); ++t) {
+    const std::vector<double>& bounds = grad_bound[t];
+    const std::vector<double>& terms = grad_terms[t];
+    check_bf16_elements(
+        projection_grad[t]->data(), want_grad[t], matrices * size,
+        [&](std::int64_t i) {
+          const auto at = static_cast<std::size_t>(i);
+          return bounds[at] + 1.01 * static_cast<double>(pairs * d) * kFloatEps * terms[at] + 1e-30;
+        },
+        label + (t == 0 ? " dE" : " dF"));
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("linformer_bf16") {
@@ -124,14 +233,30 @@ TEST_SUITE("linformer_bf16") {
     });
   }
 
-  TEST_CASE("linformer bf16 rows: FLOPs as fp32's, halved inputs, estimates exact; no bf16 backward yet") {
+  TEST_CASE("linformer's bf16 gradients: exact attention's with projection=identity, through K̄, V̄ and E, F else") {
+    for_each_bf16_path([](const std::string& path) {
+      CAPTURE(path);
+      for (const std::string sharing : {"per-head", "key-value"})
+        for (std::int64_t n : {1, 17, 40}) {
+          const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16};
+          check_bf16_gradients("linformer", p, {"projection=identity", "sharing=" + sharing, "k=" + std::to_string(n)},
+                               static_cast<std::uint64_t>(n), "linformer identity bf16 " + sharing);
+        }
+      for (const std::string sharing : {"per-head", "headwise", "key-value"}) {
+        for (std::int64_t k : {5, 16, 17})  // k below N, and N one below, at (clamped to N)
+          check_gradients({.batch = 2, .heads = 2, .seq_len = 17, .head_dim = 16}, k, sharing,
+                          static_cast<std::uint64_t>(k));
+        for (std::int64_t n : {255, 256, 257})  // the 256-column tasks one below, at and above
+          check_gradients({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16}, 8, sharing,
+                          static_cast<std::uint64_t>(n));
+      }
+    });
+  }
+
+  TEST_CASE("linformer bf16 rows: FLOPs as fp32's, halved inputs and gradients, estimates exact") {
     for (std::int64_t n : {100, 300})
       for (const std::string sharing : {"per-head", "key-value"})
-        check_bf16_rows("linformer", n, false, Pass::Forward, {"k=64", "sharing=" + sharing});
-    for (Pass pass : {Pass::Backward, Pass::Train}) {
-      const ResultRow row = run_point(bf16_point("linformer", 100, false, pass));
-      CHECK(row.status == Status::Unsupported);
-      CHECK(row.reason.find("no bf16 backward") != std::string::npos);
-    }
+        for (Pass pass : {Pass::Forward, Pass::Train})
+          check_bf16_rows("linformer", n, false, pass, {"k=64", "sharing=" + sharing});
   }
 }
