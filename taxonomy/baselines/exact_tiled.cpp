@@ -455,25 +455,15 @@ class ExactTiledBf16 final : public Mechanism {
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
     const std::int64_t threads = p_.threads, heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
-    lds_ = score_stride(c_.block_k);
-    scores_ = Tensor(Shape{threads, kOnlineStripRows, lds_});
-    probs_ = Tensor(Shape{threads, kOnlineStripRows, lds_}, DType::BF16);
+    walk_ = OnlineBuffersBf16(threads, c_.block_q, c_.block_k, d);
     packed_keys_ = Tensor(Shape{heads, head_panel_elements(n, d)}, DType::BF16);
     packed_values_ = Tensor(Shape{heads, head_pair_elements(n, d)}, DType::BF16);
-    accumulators_ = Tensor(Shape{threads, c_.block_q, d});
-    row_stats_ = Tensor(Shape{threads, 2, c_.block_q});
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, heads = p_.batch * p_.heads;
     const std::int64_t query_blocks = (n + c_.block_q - 1) / c_.block_q, tasks = heads * query_blocks;
-#pragma omp parallel for num_threads(p_.threads) schedule(static)
-    for (std::int64_t head = 0; head < heads; ++head) {
-      tiles::pack_key_pair_panels(k.bf16_data() + head * n * d, d, n, d,
-                                  packed_keys_.bf16_data() + head * packed_keys_.dim(1));
-      tiles::pack_row_pairs(v.bf16_data() + head * n * d, d, n, d,
-                            packed_values_.bf16_data() + head * packed_values_.dim(1));
-    }
+    pack_heads_bf16(k, v, p_.threads, packed_keys_, packed_values_);
     std::int64_t kernel_flops = 0;
 #pragma omp parallel num_threads(p_.threads) reduction(+ : kernel_flops)
     {
@@ -586,13 +576,6 @@ class ExactTiledBf16 final : public Mechanism {
   // (attend_online_bf16). Returns its FLOPs.
   std::int64_t query_block(std::int64_t head, const bf16* q, bf16* out, std::int64_t q0, int thread) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim;
-    float* row_max = row_stats_.data() + thread * 2 * c_.block_q;
-    const OnlineScratchBf16 scratch{scores_.data() + thread * kOnlineStripRows * lds_,
-                                    probs_.bf16_data() + thread * kOnlineStripRows * lds_,
-                                    lds_,
-                                    accumulators_.data() + thread * c_.block_q * d,
-                                    row_max,
-                                    row_max + c_.block_q};
     const OnlineBlockBf16 block{q + q0 * d,
                                 q0,
                                 std::min(c_.block_q, n - q0),
@@ -603,7 +586,7 @@ class ExactTiledBf16 final : public Mechanism {
                                 d,
                                 p_.causal};
     float* lse = saves_log_sum_exp() ? log_sum_exp_.data() + head * n + q0 : nullptr;
-    return attend_online_bf16(block, scratch, out + q0 * d, lse);
+    return attend_online_bf16(block, walk_.scratch(thread), out + q0 * d, lse);
   }
 
   // One thread's packed copies of the head's operands for the backward's products.
@@ -694,9 +677,8 @@ class ExactTiledBf16 final : public Mechanism {
 
   Problem p_;
   ExactTiledConfig c_;
-  std::int64_t lds_ = 0;
-  Tensor scores_, probs_;  // per thread: a strip's fp32 scores and its bf16 probabilities
-  Tensor packed_keys_, packed_values_, accumulators_, row_stats_;
+  OnlineBuffersBf16 walk_;  // per thread: a strip's scores and probabilities, the block's accumulator and statistics
+  Tensor packed_keys_, packed_values_;
   // Training (prepare_backward): L and δ (fp32), per thread the fp32 P and dS tiles, their bf16
   // forms, the head's packed operands and the fp32 gradient accumulators.
   Tensor log_sum_exp_, deltas_, tile_grads_, tile_bf16_, head_pairs_, head_panels_, query_grads_, block_grads_;
@@ -736,11 +718,10 @@ namespace {
 constexpr std::int64_t kF32 = sizeof(float), kBf16 = 2;
 
 std::int64_t bf16_workspace(const Problem& p, const ExactTiledConfig& c) {
-  const std::int64_t d = p.head_dim, lds = score_stride(c.block_k);
-  const std::int64_t per_thread = kOnlineStripRows * lds * (kF32 + kBf16) + (c.block_q * d + 2 * c.block_q) * kF32;
+  const std::int64_t d = p.head_dim;
   const std::int64_t packed =
       p.batch * p.heads * (head_panel_elements(p.seq_len, d) + head_pair_elements(p.seq_len, d));
-  return p.threads * per_thread + packed * kBf16;
+  return OnlineBuffersBf16::bytes(p.threads, c.block_q, c.block_k, d) + packed * kBf16;
 }
 
 std::int64_t bf16_backward_workspace(const Problem& p, const ExactTiledConfig& c) {

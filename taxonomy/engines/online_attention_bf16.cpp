@@ -16,6 +16,46 @@ void round_tile_rows(const float* tile, std::int64_t ld, std::int64_t rows, std:
   }
 }
 
+namespace {
+std::int64_t score_stride(std::int64_t block_k) { return tiles::panels_for(block_k) * tiles::kPanel; }
+}  // namespace
+
+OnlineBuffersBf16::OnlineBuffersBf16(std::int64_t threads, std::int64_t block_q, std::int64_t block_k, std::int64_t d)
+    : block_q_(block_q),
+      d_(d),
+      lds_(score_stride(block_k)),
+      scores_(Shape{threads, kOnlineStripRows, lds_}),
+      probs_(Shape{threads, kOnlineStripRows, lds_}, DType::BF16),
+      accumulators_(Shape{threads, block_q, d}),
+      row_stats_(Shape{threads, 2, block_q}) {}
+
+std::int64_t OnlineBuffersBf16::bytes(std::int64_t threads, std::int64_t block_q, std::int64_t block_k,
+                                      std::int64_t d) {
+  constexpr std::int64_t kF32 = sizeof(float), kBf16 = sizeof(bf16);
+  return threads * (kOnlineStripRows * score_stride(block_k) * (kF32 + kBf16) + (block_q * d + 2 * block_q) * kF32);
+}
+
+OnlineScratchBf16 OnlineBuffersBf16::scratch(int thread) {
+  float* row_max = row_stats_.data() + thread * 2 * block_q_;
+  return {scores_.data() + thread * kOnlineStripRows * lds_,
+          probs_.bf16_data() + thread * kOnlineStripRows * lds_,
+          lds_,
+          accumulators_.data() + thread * block_q_ * d_,
+          row_max,
+          row_max + block_q_};
+}
+
+void pack_heads_bf16(const Tensor& k, const Tensor& v, int threads, Tensor& packed_keys, Tensor& packed_values) {
+  const std::int64_t heads = k.dim(0) * k.dim(1), n = k.dim(2), d = k.dim(3);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (std::int64_t head = 0; head < heads; ++head) {
+    tiles::pack_key_pair_panels(k.bf16_data() + head * n * d, d, n, d,
+                                packed_keys.bf16_data() + head * packed_keys.dim(1));
+    tiles::pack_row_pairs(v.bf16_data() + head * n * d, d, n, d,
+                          packed_values.bf16_data() + head * packed_values.dim(1));
+  }
+}
+
 std::int64_t attend_online_bf16(const OnlineBlockBf16& block, const OnlineScratchBf16& scratch, bf16* out, float* lse) {
   const std::int64_t d = block.d, rows = block.rows, lds = scratch.lds, q0 = block.q0;
   float *acc = scratch.acc, *row_max = scratch.row_max, *row_sum = scratch.row_sum;

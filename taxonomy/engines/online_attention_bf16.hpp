@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "lib/core/bf16.hpp"
+#include "lib/core/tensor.hpp"
 #include "lib/core/tile_kernels.hpp"
 
 namespace xfb {
@@ -36,6 +37,20 @@ struct OnlineScratchBf16 {
   float* row_sum;
 };
 
+// The per-thread buffers of OnlineScratchBf16 for blocks of ≤ block_q rows and key tiles of ≤ block_k
+// keys (lds = block_k rounded up to whole panels).
+class OnlineBuffersBf16 {
+ public:
+  OnlineBuffersBf16() = default;
+  OnlineBuffersBf16(std::int64_t threads, std::int64_t block_q, std::int64_t block_k, std::int64_t d);
+  static std::int64_t bytes(std::int64_t threads, std::int64_t block_q, std::int64_t block_k, std::int64_t d);
+  OnlineScratchBf16 scratch(int thread);
+
+ private:
+  std::int64_t block_q_ = 0, d_ = 0, lds_ = 0;
+  Tensor scores_, probs_, accumulators_, row_stats_;
+};
+
 // A block: `rows` query rows from q (the first at position q0) against `keys` keys.
 struct OnlineBlockBf16 {
   const bf16* q;
@@ -49,6 +64,11 @@ struct OnlineBlockBf16 {
 // Writes the block's output rows to out [rows, D] bf16 and, when lse is not null, each row's
 // log-sum-exp (fp32) to lse[r]. Returns the FLOPs (header).
 std::int64_t attend_online_bf16(const OnlineBlockBf16& block, const OnlineScratchBf16& scratch, bf16* out, float* lse);
+
+// Every head's keys of k ([B, H, N, D] bf16) into pair panels (packed_keys [B·H, head_panel_elements])
+// and values of v into row pairs (packed_values [B·H, head_pair_elements]), the operands of
+// attend_online_bf16.
+void pack_heads_bf16(const Tensor& k, const Tensor& v, int threads, Tensor& packed_keys, Tensor& packed_values);
 
 // fp32 rows (stride ld) of a [rows, cols] tile rounded to bf16 plain rows (stride ld; the entry
 // after an odd last column zeroed: the P·V kernel reads column pairs).

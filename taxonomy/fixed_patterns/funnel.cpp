@@ -354,27 +354,17 @@ class FunnelBf16 final : public Mechanism {
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, heads = p_.batch * p_.heads, threads = p_.threads;
-    lds_ = score_stride(c_.block_k);
     pooled_ = Tensor(Shape{heads, m_, d}, DType::BF16);
     packed_keys_ = Tensor(Shape{heads, head_panel_elements(n, d)}, DType::BF16);
     packed_values_ = Tensor(Shape{heads, head_pair_elements(n, d)}, DType::BF16);
-    scores_ = Tensor(Shape{threads, kOnlineStripRows, lds_});
-    probs_ = Tensor(Shape{threads, kOnlineStripRows, lds_}, DType::BF16);
-    accumulators_ = Tensor(Shape{threads, c_.block_q, d});
-    row_stats_ = Tensor(Shape{threads, 2, c_.block_q});
+    walk_ = OnlineBuffersBf16(threads, c_.block_q, c_.block_k, d);
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, heads = p_.batch * p_.heads;
+    const std::int64_t heads = p_.batch * p_.heads;
     const std::int64_t blocks = (m_ + c_.block_q - 1) / c_.block_q;
     std::int64_t flops = pool_every_head(p_, c_, q.bf16_data(), pooled_.bf16_data());
-#pragma omp parallel for num_threads(p_.threads) schedule(static)
-    for (std::int64_t head = 0; head < heads; ++head) {
-      tiles::pack_key_pair_panels(k.bf16_data() + head * n * d, d, n, d,
-                                  packed_keys_.bf16_data() + head * packed_keys_.dim(1));
-      tiles::pack_row_pairs(v.bf16_data() + head * n * d, d, n, d,
-                            packed_values_.bf16_data() + head * packed_values_.dim(1));
-    }
+    pack_heads_bf16(k, v, p_.threads, packed_keys_, packed_values_);
 #pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
     {
       const int thread = omp_get_thread_num();
@@ -391,13 +381,6 @@ class FunnelBf16 final : public Mechanism {
   // Pooled rows [q0, q0 + block_q) of one head against its N keys. Returns the FLOPs.
   std::int64_t query_block(std::int64_t head, std::int64_t q0, Tensor& out, int thread) {
     const std::int64_t d = p_.head_dim;
-    float* row_max = row_stats_.data() + thread * 2 * c_.block_q;
-    const OnlineScratchBf16 scratch{scores_.data() + thread * kOnlineStripRows * lds_,
-                                    probs_.bf16_data() + thread * kOnlineStripRows * lds_,
-                                    lds_,
-                                    accumulators_.data() + thread * c_.block_q * d,
-                                    row_max,
-                                    row_max + c_.block_q};
     const OnlineBlockBf16 block{pooled_.bf16_data() + (head * m_ + q0) * d,
                                 q0,
                                 std::min(c_.block_q, m_ - q0),
@@ -407,16 +390,15 @@ class FunnelBf16 final : public Mechanism {
                                 c_.block_k,
                                 d,
                                 false};
-    return attend_online_bf16(block, scratch, out.bf16_data() + (head * m_ + q0) * d, nullptr);
+    return attend_online_bf16(block, walk_.scratch(thread), out.bf16_data() + (head * m_ + q0) * d, nullptr);
   }
 
   Problem p_;
   FunnelConfig c_;
-  std::int64_t m_, lds_ = 0;
+  std::int64_t m_;
   Tensor pooled_;                       // Q̃ bf16 [B·H, M, D]
   Tensor packed_keys_, packed_values_;  // per head: K pair panels, V row pairs (bf16)
-  Tensor scores_, probs_;               // per thread: one strip's fp32 scores and bf16 P
-  Tensor accumulators_, row_stats_;     // per thread: fp32 accumulator [block_q, D], row max and sum
+  OnlineBuffersBf16 walk_;              // per thread: the walk's strip, accumulator and row statistics
 };
 
 }  // namespace
@@ -468,11 +450,9 @@ std::int64_t flops(const Problem& p, const FunnelConfig& c) {
 std::int64_t workspace(const Problem& p, const FunnelConfig& c) {
   const std::int64_t d = p.head_dim, m = pooled_rows(p.seq_len, c);
   if (p.dtype == DType::BF16) {  // Q̃ and the packed K, V in bf16; per thread as exact-tiled's bf16 walk
-    constexpr std::int64_t kF32 = sizeof(float), kBf16 = sizeof(bf16);
-    const std::int64_t per_thread =
-        kOnlineStripRows * score_stride(c.block_k) * (kF32 + kBf16) + (c.block_q * d + 2 * c.block_q) * kF32;
     const std::int64_t per_head = m * d + head_panel_elements(p.seq_len, d) + head_pair_elements(p.seq_len, d);
-    return p.batch * p.heads * per_head * kBf16 + p.threads * per_thread;
+    return p.batch * p.heads * per_head * static_cast<std::int64_t>(sizeof(bf16)) +
+           OnlineBuffersBf16::bytes(p.threads, c.block_q, c.block_k, d);
   }
   const std::int64_t per_thread = score_rows(c, d) * score_stride(c.block_k) + c.block_q * d + 2 * c.block_q;
   const std::int64_t floats = p.batch * p.heads * m * d + packed_key_floats(p) + p.threads * per_thread;

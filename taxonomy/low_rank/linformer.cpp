@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "lib/core/bf16.hpp"
 #include "lib/core/bf16_rows.hpp"
@@ -39,10 +40,12 @@ Tensor make_projection(const Problem& p, const LinformerConfig& c, std::uint64_t
   return t;
 }
 
-// The projections as named parameters: E and F, or the one E = F of key-value sharing.
-std::vector<NamedTensor> projection_parameters(const LinformerConfig& c, const Tensor& e, const Tensor& f) {
-  if (c.sharing == LinformerSharing::KeyValue) return {{"projection_ef", &e}};
-  return {{"projection_e", &e}, {"projection_f", &f}};
+// The projections (or, with prefix "d", their gradients) by name: E and F, or the one E = F of
+// key-value sharing.
+std::vector<NamedTensor> projection_parameters(const LinformerConfig& c, const Tensor& e, const Tensor& f,
+                                               const std::string& prefix = "") {
+  if (c.sharing == LinformerSharing::KeyValue) return {{prefix + "projection_ef", &e}};
+  return {{prefix + "projection_e", &e}, {prefix + "projection_f", &f}};
 }
 
 class Linformer final : public Mechanism {
@@ -110,10 +113,7 @@ class Linformer final : public Mechanism {
   std::vector<NamedTensor> saved() const override {
     return {{"probabilities", &scores_}, {"projected_keys", &keys_}, {"projected_values", &values_}};
   }
-  std::vector<NamedTensor> parameter_gradients() const override {
-    if (c_.sharing == LinformerSharing::KeyValue) return {{"dprojection_ef", &de_}};
-    return {{"dprojection_e", &de_}, {"dprojection_f", &df_}};
-  }
+  std::vector<NamedTensor> parameter_gradients() const override { return projection_parameters(c_, de_, df_, "d"); }
 
  private:
   // dst[b, h] = P_h · src[b, h]: [k, N]·[N, D]. Per-head projections: one matmul batched over the
@@ -236,10 +236,7 @@ class LinformerBf16 final : public Mechanism {
     project_backward(shared_kv ? e_ : f_, value_grads_, v, dv, shared_kv ? de_ : df_, shared_kv);
   }
 
-  std::vector<NamedTensor> parameter_gradients() const override {
-    if (c_.sharing == LinformerSharing::KeyValue) return {{"dprojection_ef", &de_}};
-    return {{"dprojection_e", &de_}, {"dprojection_f", &df_}};
-  }
+  std::vector<NamedTensor> parameter_gradients() const override { return projection_parameters(c_, de_, df_, "d"); }
 
  private:
   ops::MatmulShape value_grad_shape() const {  // dV̄ = Pᵀ·dO, fp32

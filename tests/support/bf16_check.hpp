@@ -102,6 +102,36 @@ inline double check_bf16_head_errors(const Tensor& got, const AttentionInputs& w
   return largest_over_fp32;
 }
 
+// One bf16 training step of a model on bf16_inputs(p, seed) with a seeded bf16 dout: the inputs,
+// dout (widened) and out, dq, dk, dv (widened), and the mechanism (for its saved tensors and
+// parameter gradients).
+struct Bf16GradientRun {
+  Bf16Inputs in;
+  Tensor dout_widened, out, dq, dk, dv;
+  std::unique_ptr<Mechanism> mechanism;
+};
+inline Bf16GradientRun run_bf16_gradients(const std::string& model, const Problem& p,
+                                          const std::vector<std::string>& params, std::uint64_t seed) {
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  Bf16GradientRun run{bf16_inputs(p, seed), {}, {}, {}, {}, {}, bf16_mechanism(model, p, params)};
+  Tensor dout32 = Tensor::bhnd(p.batch, p.heads, n, d);
+  CounterRng(9, "dout").fill_normal(dout32);
+  const Tensor dout = to_bf16(dout32);
+  run.dout_widened = to_f32(dout);
+  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d, DType::BF16); };
+  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
+  const AttentionInputs& in = run.in.bf16;
+  run.mechanism->prepare(in.q, in.k, in.v);
+  run.mechanism->prepare_backward();
+  run.mechanism->forward(in.q, in.k, in.v, out);
+  run.mechanism->backward(in.q, in.k, in.v, out, dout, dq, dk, dv);
+  run.out = to_f32(out);
+  run.dq = to_f32(dq);
+  run.dk = to_f32(dk);
+  run.dv = to_f32(dv);
+  return run;
+}
+
 // The model's bf16 gradients (dq, dk, dv for a seeded bf16 dout) against the float64 softmax
 // attention reference's. Per element with terms T (reference_attention_backward's *_terms):
 // rounding P perturbs dV's terms and dS's (P·(|dP| + Σ P·|dP|)) by ≤ u·T, rounding dS to bf16 by
@@ -109,18 +139,10 @@ inline double check_bf16_head_errors(const Tensor& got, const AttentionInputs& w
 inline void check_bf16_gradients(const std::string& model, Problem p, const std::vector<std::string>& params,
                                  std::uint64_t seed, const std::string& label) {
   const std::int64_t n = p.seq_len, d = p.head_dim;
-  const auto in = bf16_inputs(p, seed);
-  Tensor dout32 = Tensor::bhnd(p.batch, p.heads, n, d);
-  CounterRng(9, "dout").fill_normal(dout32);
-  const Tensor dout = to_bf16(dout32), dout_widened = to_f32(dout);
-  auto mechanism = bf16_mechanism(model, p, params);
-  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d, DType::BF16); };
-  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
-  mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
-  mechanism->prepare_backward();
-  mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
-  mechanism->backward(in.bf16.q, in.bf16.k, in.bf16.v, out, dout, dq, dk, dv);
-  const Tensor got[3] = {to_f32(dq), to_f32(dk), to_f32(dv)};
+  const Bf16GradientRun run = run_bf16_gradients(model, p, params, seed);
+  const Bf16Inputs& in = run.in;
+  const Tensor& dout_widened = run.dout_widened;
+  const Tensor* got[3] = {&run.dq, &run.dk, &run.dv};
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
@@ -134,11 +156,11 @@ inline void check_bf16_gradients(const std::string& model, Problem p, const std:
         std::int64_t failures = 0;
         for (std::int64_t e = 0; e < n * d; ++e) {
           const auto i = static_cast<std::size_t>(e);
-          const double error = std::fabs(got[g].head(b, h)[e] - (*want[g])[i]);
+          const double error = std::fabs(got[g]->head(b, h)[e] - (*want[g])[i]);
           if (!(error <= factor * (*terms[g])[i] + 1e-30) && failures++ < 3)
             FAIL_CHECK(label << " d"
                              << "qkv"[g] << " b=" << b << " h=" << h << " element " << e << ": got "
-                             << got[g].head(b, h)[e] << ", want " << (*want[g])[i] << " (bound "
+                             << got[g]->head(b, h)[e] << ", want " << (*want[g])[i] << " (bound "
                              << factor * (*terms[g])[i] << ")");
         }
         CHECK_MESSAGE(failures == 0, label << " d"

@@ -104,18 +104,11 @@ void check_gradients(const Problem& shape, std::int64_t k, const std::string& sh
   const std::int64_t n = p.seq_len, d = p.head_dim, rows = std::min(k, n);
   const std::string label =
       "linformer bf16 gradients N=" + std::to_string(n) + " k=" + std::to_string(k) + " " + sharing;
-  const Bf16Inputs in = bf16_inputs(p, seed);
-  Tensor dout32 = Tensor::bhnd(p.batch, p.heads, n, d);
-  CounterRng(9, "dout").fill_normal(dout32);
-  const Tensor dout = to_bf16(dout32), dout_wide = to_f32(dout);
-  auto mechanism = bf16_mechanism("linformer", p, {"k=" + std::to_string(k), "sharing=" + sharing});
-  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d, DType::BF16); };
-  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
-  mechanism->prepare(in.bf16.q, in.bf16.k, in.bf16.v);
-  mechanism->prepare_backward();
-  mechanism->forward(in.bf16.q, in.bf16.k, in.bf16.v, out);
-  mechanism->backward(in.bf16.q, in.bf16.k, in.bf16.v, out, dout, dq, dk, dv);
-  const Tensor got_dq = to_f32(dq), got_dk = to_f32(dk), got_dv = to_f32(dv);
+  const Bf16GradientRun run =
+      run_bf16_gradients("linformer", p, {"k=" + std::to_string(k), "sharing=" + sharing}, seed);
+  const Bf16Inputs& in = run.in;
+  const Tensor &dout_wide = run.dout_widened, &got_dq = run.dq, &got_dk = run.dk, &got_dv = run.dv;
+  const Mechanism* mechanism = run.mechanism.get();
   const bool shared_kv = sharing == "key-value", per_head = sharing == "per-head";
   const auto parameters = mechanism->parameters(), saved = mechanism->saved(),
              parameter_grads = mechanism->parameter_gradients();
