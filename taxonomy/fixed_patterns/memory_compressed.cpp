@@ -97,10 +97,81 @@ void make_weights(const Layout& l, std::int64_t d, std::uint64_t seed, const cha
           packed[(h * c * d + u * d + i) * d + o] = weights[((h * d + o) * d + i) * c + u];
 }
 
-class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories {
+// What both forms share: the layout and tasks, the weights (fp32), the compressed memories and the
+// decode caches (both of the problem's element type), and what only reads or fills those.
+class MemoryCompressedShared : public Mechanism, public MemoryCompressedMemories {
+ public:
+  MemoryCompressedShared(const Problem& problem, const Layout& layout, std::uint64_t seed)
+      : p_(problem), l_(layout), tasks_(tasks_of(layout, problem.heads)), seed_(seed) {}
+
+  std::vector<NamedTensor> parameters() const override {
+    if (l_.compressed_heads == 0) return {};
+    return {{"compress_wk", &weights_k_}, {"compress_wv", &weights_v_}};
+  }
+  std::vector<NamedTensor> decode_state() const override {
+    return {{"local_keys", &local_cache_.key_tensor()}, {"local_values", &local_cache_.value_tensor()},
+            {"slot_keys", &slot_cache_.key_tensor()},   {"slot_values", &slot_cache_.value_tensor()},
+            {"open_keys", &open_window_.key_tensor()},  {"open_values", &open_window_.value_tensor()}};
+  }
+  const Tensor& compressed_keys() const override { return memory_k_; }
+  const Tensor& compressed_values() const override { return memory_v_; }
+
+ protected:
+  // Decode: local heads a ring of their block; compressed heads the slots completed so far
+  // ([⌈(N+T)/c⌉, D] keys and values) and the open window's raw rows ([c, D]), compressed into the
+  // next slot when its last token arrives. A token sees the slots that end at or before it. The
+  // caches hold the problem's element type; the step's buffers (scaled query, accumulator) fp32.
+  void prepare_caches(std::int64_t tokens) {
+    const std::int64_t d = p_.head_dim, c = l_.compression, compressed = p_.batch * l_.compressed_heads;
+    local_cache_ = KvCache(p_.batch * l_.local_heads, l_.block, d, p_.dtype);
+    slot_cache_ = KvCache(compressed, decode_slots(l_, tokens), d, p_.dtype);
+    open_window_ = KvCache(compressed, c, d, p_.dtype);
+    step_buffers_ = Tensor(Shape{p_.batch * p_.heads, 2, d});
+  }
+
+  // The prefill's part of a decode: local heads keep their context's last block rows, compressed
+  // heads the completed slots and the open window's rows.
+  void load_decode_context(const Tensor& k, const Tensor& v) {
+    if (p_.dtype == DType::BF16) return load_context_rows<bf16>(k, v);
+    load_context_rows<float>(k, v);
+  }
+
+  Problem p_;
+  Layout l_;
+  std::vector<Task> tasks_;
+  std::uint64_t seed_;
+  Tensor weights_k_, weights_v_, packed_k_, packed_v_, memory_k_, memory_v_;
+  // Decoding only (prepare_caches).
+  KvCache local_cache_, slot_cache_, open_window_;
+  Tensor step_buffers_;  // per head the scaled query and the accumulator
+  std::int64_t length_ = 0;
+
+ private:
+  template <class T>
+  void load_context_rows(const Tensor& k, const Tensor& v) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, c = l_.compression, done = n / c;
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      const std::int64_t b = head / p_.heads, h = head % p_.heads;
+      const T *keys = elements<T>(k) + head * n * d, *values = elements<T>(v) + head * n * d;
+      if (h < l_.local_heads) {
+        const std::int64_t kept = std::min(n, l_.block), first = n - kept;
+        local_cache_.store(b * l_.local_heads + h, first % l_.block, keys + first * d, values + first * d, kept);
+      } else {
+        const std::int64_t hc = h - l_.local_heads, index = b * l_.compressed_heads + hc;
+        const std::int64_t memory_at = index * l_.slots * d;
+        slot_cache_.store(index, 0, elements<T>(memory_k_) + memory_at, elements<T>(memory_v_) + memory_at, done);
+        open_window_.store(index, 0, keys + done * c * d, values + done * c * d, n - done * c);
+      }
+    }
+    length_ = n;
+  }
+};
+
+class MemoryCompressed final : public MemoryCompressedShared {
  public:
   MemoryCompressed(const Problem& problem, const Layout& layout, std::uint64_t seed)
-      : p_(problem), l_(layout), tasks_(tasks_of(layout, problem.heads)), seed_(seed) {}
+      : MemoryCompressedShared(problem, layout, seed) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
     const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression;
@@ -208,20 +279,7 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
     return {{"dcompress_wk", &dweights_k_}, {"dcompress_wv", &dweights_v_}};
   }
 
-  std::vector<NamedTensor> parameters() const override {
-    if (l_.compressed_heads == 0) return {};
-    return {{"compress_wk", &weights_k_}, {"compress_wv", &weights_v_}};
-  }
-  // Decode: local heads a ring of their block; compressed heads the slots completed so far
-  // ([⌈(N+T)/c⌉, D] keys and values) and the open window's raw rows ([c, D]), compressed into the
-  // next slot when its last token arrives. A token sees the slots that end at or before it.
-  void prepare_decode(std::int64_t tokens) override {
-    const std::int64_t d = p_.head_dim, c = l_.compression;
-    local_cache_ = KvCache(p_.batch * l_.local_heads, l_.block, d);
-    slot_cache_ = KvCache(p_.batch * l_.compressed_heads, decode_slots(l_, tokens), d);
-    open_window_ = KvCache(p_.batch * l_.compressed_heads, c, d);
-    step_buffers_ = Tensor(Shape{p_.batch * p_.heads, 2, d});
-  }
+  void prepare_decode(std::int64_t tokens) override { prepare_caches(tokens); }
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     const std::int64_t d = p_.head_dim, i = length_;
@@ -240,15 +298,6 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
     });
     ++length_;
   }
-
-  std::vector<NamedTensor> decode_state() const override {
-    return {{"local_keys", &local_cache_.key_tensor()}, {"local_values", &local_cache_.value_tensor()},
-            {"slot_keys", &slot_cache_.key_tensor()},   {"slot_values", &slot_cache_.value_tensor()},
-            {"open_keys", &open_window_.key_tensor()},  {"open_values", &open_window_.value_tensor()}};
-  }
-
-  const Tensor& compressed_keys() const override { return memory_k_; }
-  const Tensor& compressed_values() const override { return memory_v_; }
 
  private:
   // The convolution's backward for one compressed head hc of one batch entry: x [N, D] its input
@@ -286,27 +335,6 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
     }
   }
 
-  // memory[b, h] = strided convolution of the compressed heads' rows of x (see header).
-  // The prefill's part of a decode: local heads keep their context's last block rows, compressed
-  // heads the completed slots and the open window's rows.
-  void load_decode_context(const Tensor& k, const Tensor& v) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, c = l_.compression, done = n / c;
-#pragma omp parallel for num_threads(p_.threads) schedule(static)
-    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
-      const std::int64_t b = head / p_.heads, h = head % p_.heads;
-      const float *keys = k.data() + head * n * d, *values = v.data() + head * n * d;
-      if (h < l_.local_heads) {
-        const std::int64_t kept = std::min(n, l_.block), first = n - kept;
-        local_cache_.store(b * l_.local_heads + h, first % l_.block, keys + first * d, values + first * d, kept);
-      } else {
-        const std::int64_t hc = h - l_.local_heads, index = b * l_.compressed_heads + hc;
-        slot_cache_.store(index, 0, memory_k_.head(b, hc), memory_v_.head(b, hc), done);
-        open_window_.store(index, 0, keys + done * c * d, values + done * c * d, n - done * c);
-      }
-    }
-    length_ = n;
-  }
-
   // Token i's raw key and value join the open window of compressed head (index, hc); the token that
   // completes it turns the window into slot i / c (one row of c·D times the packed weights, for K
   // and V). Returns the FLOPs outside ops::gemm (none).
@@ -323,6 +351,7 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
     return 0;
   }
 
+  // memory[b, h] = strided convolution of the compressed heads' rows of x (see header).
   void compress(const Tensor& x, const Tensor& packed, Tensor& memory) {
     const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression, n = p_.seq_len;
     const std::int64_t full = n / c, rest = n % c;
@@ -343,19 +372,11 @@ class MemoryCompressed final : public Mechanism, public MemoryCompressedMemories
     }
   }
 
-  Problem p_;
-  Layout l_;
-  std::vector<Task> tasks_;
-  std::uint64_t seed_;
-  Tensor weights_k_, weights_v_, packed_k_, packed_v_, memory_k_, memory_v_, tail_;
+  Tensor tail_;
   std::vector<TileAttention> kernels_;
   // Training only (prepare_backward).
   Tensor lse_, deltas_, memory_grads_, tail_rows_, packed_grads_, dweights_k_, dweights_v_;
   std::vector<std::size_t> ranges_;
-  // Decoding only (prepare_decode).
-  KvCache local_cache_, slot_cache_, open_window_;
-  Tensor step_buffers_;  // per head the scaled query and the accumulator
-  std::int64_t length_ = 0;
 };
 
 // One slot of the bf16 form's compression: slot[o] = Σ_{u<c, i<D} packed[u·D + i, o]·x[u·D + i] over
@@ -375,10 +396,10 @@ void compress_slot(const bf16* x, std::int64_t rows, const float* packed, std::i
 
 // The bf16 form (header), forward and decode: K̂, V̂ = bf16 slots of compress_slot; the tiles on the
 // bf16 gathered kernel; decoding on bf16 caches (decode_common's bf16 rows).
-class MemoryCompressedBf16 final : public Mechanism, public MemoryCompressedMemories {
+class MemoryCompressedBf16 final : public MemoryCompressedShared {
  public:
   MemoryCompressedBf16(const Problem& problem, const Layout& layout, std::uint64_t seed)
-      : p_(problem), l_(layout), tasks_(tasks_of(layout, problem.heads)), seed_(seed) {}
+      : MemoryCompressedShared(problem, layout, seed) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
     const std::int64_t hc = l_.compressed_heads, d = p_.head_dim;
@@ -413,18 +434,9 @@ class MemoryCompressedBf16 final : public Mechanism, public MemoryCompressedMemo
     if (!step_buffers_.empty()) load_decode_context(k, v);
   }
 
-  std::vector<NamedTensor> parameters() const override {
-    if (l_.compressed_heads == 0) return {};
-    return {{"compress_wk", &weights_k_}, {"compress_wv", &weights_v_}};
-  }
-
   void prepare_decode(std::int64_t tokens) override {
-    const std::int64_t d = p_.head_dim, c = l_.compression, compressed = p_.batch * l_.compressed_heads;
-    local_cache_ = KvCache(p_.batch * l_.local_heads, l_.block, d, DType::BF16);
-    slot_cache_ = KvCache(compressed, decode_slots(l_, tokens), d, DType::BF16);
-    open_window_ = KvCache(compressed, c, d, DType::BF16);
-    step_buffers_ = Tensor(Shape{p_.batch * p_.heads, 2, d});
-    step_sums_ = Tensor(Shape{p_.batch * p_.heads, d});
+    prepare_caches(tokens);
+    step_sums_ = Tensor(Shape{p_.batch * p_.heads, p_.head_dim});
   }
 
   // As the fp32 step, on bf16 rows (attend_rows rounds P as the forward's tiles do).
@@ -456,15 +468,6 @@ class MemoryCompressedBf16 final : public Mechanism, public MemoryCompressedMemo
     ++length_;
   }
 
-  std::vector<NamedTensor> decode_state() const override {
-    return {{"local_keys", &local_cache_.key_tensor()}, {"local_values", &local_cache_.value_tensor()},
-            {"slot_keys", &slot_cache_.key_tensor()},   {"slot_values", &slot_cache_.value_tensor()},
-            {"open_keys", &open_window_.key_tensor()},  {"open_values", &open_window_.value_tensor()}};
-  }
-
-  const Tensor& compressed_keys() const override { return memory_k_; }
-  const Tensor& compressed_values() const override { return memory_v_; }
-
  private:
   // K̂, V̂ of every compressed head: each slot by compress_slot; 2·2·N_c·c·D·D FLOPs per head.
   void compress(const Tensor& k, const Tensor& v) {
@@ -482,36 +485,9 @@ class MemoryCompressedBf16 final : public Mechanism, public MemoryCompressedMemo
     FlopCounter::add(heads * 2 * matmul_flops(slots, d, c * d));
   }
 
-  // As the fp32 form's: local heads their context's last block rows, compressed heads the completed
-  // slots and the open window's rows.
-  void load_decode_context(const Tensor& k, const Tensor& v) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, c = l_.compression, done = n / c;
-#pragma omp parallel for num_threads(p_.threads) schedule(static)
-    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
-      const std::int64_t b = head / p_.heads, h = head % p_.heads;
-      const bf16 *keys = k.bf16_data() + head * n * d, *values = v.bf16_data() + head * n * d;
-      if (h < l_.local_heads) {
-        const std::int64_t kept = std::min(n, l_.block), first = n - kept;
-        local_cache_.store(b * l_.local_heads + h, first % l_.block, keys + first * d, values + first * d, kept);
-      } else {
-        const std::int64_t hc = h - l_.local_heads, index = b * l_.compressed_heads + hc;
-        const std::int64_t memory_at = index * l_.slots * d;
-        slot_cache_.store(index, 0, memory_k_.bf16_data() + memory_at, memory_v_.bf16_data() + memory_at, done);
-        open_window_.store(index, 0, keys + done * c * d, values + done * c * d, n - done * c);
-      }
-    }
-    length_ = n;
-  }
-
-  Problem p_;
-  Layout l_;
-  std::vector<Task> tasks_;
-  std::uint64_t seed_;
-  Tensor weights_k_, weights_v_, packed_k_, packed_v_, memory_k_, memory_v_, sums_;  // sums_: [threads, D]
+  Tensor sums_;  // [threads, D] a slot's fp32 sums in the forward
   std::vector<fixed::TileAttentionBf16> kernels_;
-  KvCache local_cache_, slot_cache_, open_window_;  // bf16 rows (decoding only)
-  Tensor step_buffers_, step_sums_;                 // per head the query and accumulator; a slot's fp32 sums
-  std::int64_t length_ = 0;
+  Tensor step_sums_;  // decoding: per head a slot's fp32 sums
 };
 
 }  // namespace
