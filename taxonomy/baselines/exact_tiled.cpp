@@ -430,8 +430,6 @@ class ExactTiled final : public Mechanism {
 
 // --- bf16 (issue 31; contracts in exact_tiled.hpp) ------------------------------------------------
 
-// Elements of one head's keys in key pair panels and of its values (or any [N, D] rows) in row pairs.
-
 // Split s of a bf16 decode step over `keys` keys starts at a panel boundary (the cache's key
 // panels): [split_begin(s), split_begin(s + 1)), the last split ending at keys.
 std::int64_t bf16_split_begin(std::int64_t split, std::int64_t splits, std::int64_t keys) {

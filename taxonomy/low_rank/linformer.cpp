@@ -350,10 +350,14 @@ std::int64_t flops(const Problem& p, const LinformerConfig& c) {
   return p.batch * p.heads * (4 * matmul_flops(n, k, d) + kSoftmaxFlopsPerElement * n * k);
 }
 
-std::int64_t workspace(const Problem& p, const LinformerConfig& c) {
-  const std::int64_t k = projected_length(p, c), bh = p.batch * p.heads;
+// Floats of E and F (or the one E of key-value sharing); their gradients have as many.
+std::int64_t projection_floats(const Problem& p, const LinformerConfig& c) {
   const std::int64_t tensors = c.sharing == LinformerSharing::KeyValue ? 1 : 2;
-  const std::int64_t projections = tensors * matrices_per_tensor(p, c) * k * p.seq_len;
+  return tensors * matrices_per_tensor(p, c) * projected_length(p, c) * p.seq_len;
+}
+
+std::int64_t workspace(const Problem& p, const LinformerConfig& c) {
+  const std::int64_t k = projected_length(p, c), bh = p.batch * p.heads, projections = projection_floats(p, c);
   if (p.dtype == DType::BF16)  // bf16 K̄, V̄; fp32 scores with row stride k; the per-thread rows
     return (projections + bh * p.seq_len * k + p.threads * bf16_thread_floats(p, c)) * kFloatBytes +
            2 * bh * k * p.head_dim * element_bytes(DType::BF16);
@@ -372,9 +376,7 @@ std::int64_t backward_flops(const Problem& p, const LinformerConfig& c) {
 std::int64_t backward_workspace(const Problem& p, const LinformerConfig& c) {
   if (p.dtype != DType::BF16) return workspace(p, c);
   const std::int64_t k = projected_length(p, c), bh = p.batch * p.heads;
-  const std::int64_t tensors = c.sharing == LinformerSharing::KeyValue ? 1 : 2;
-  const std::int64_t projections = tensors * matrices_per_tensor(p, c) * k * p.seq_len;
-  return (projections + bh * p.seq_len * k + 2 * bh * k * p.head_dim) * kFloatBytes;
+  return (projection_floats(p, c) + bh * p.seq_len * k + 2 * bh * k * p.head_dim) * kFloatBytes;
 }
 
 FieldTable<LinformerConfig> config_fields(const LinformerConfig*) {
