@@ -106,6 +106,22 @@ namespace xfb::ops {
 // max(start, x[0..n)), on the row kernels of the run-time kernel ISA (tiles::row_max).
 inline float row_max(const float* x, std::int64_t n, float start) { return tiles::row_max(x, n, start); }
 
+// One score row's step of the online (tiled) softmax: with the running max M and sum l of the row so
+// far, its first `valid` (≥ 1) of `cols` scores become exp(s − M') in place (the rest 0,
+// tiles::exp_interval), M' = max(M, the row's max); l ← l·exp(M − M') + Σ exp(s − M'), and the
+// row's accumulator acc [d] is rescaled by exp(M − M'). kOnlineSoftmaxFlopsPerElement·valid + d FLOPs
+// (the caller counts them).
+inline void online_softmax_step(float* row, std::int64_t valid, std::int64_t cols, float& running_max,
+                                float& running_sum, float* acc, std::int64_t d) {
+  const float peak = tiles::interval_max(row, 0, valid, running_max);
+  const float sum = tiles::exp_interval(row, 0, valid, cols, peak);
+  const float rescale = fast_exp(running_max - peak);
+  running_sum = running_sum * rescale + sum;
+  running_max = peak;
+#pragma omp simd
+  for (std::int64_t j = 0; j < d; ++j) acc[j] *= rescale;
+}
+
 // A LayerNorm row's statistics over n values: the mean and 1/sqrt(variance + eps) (population
 // variance, two passes). Shared by the LayerNorm backward and the Set Transformer's own LayerNorms.
 struct RowMoments {

@@ -366,14 +366,7 @@ class ExactTiled final : public Mechanism {
             std::fill(row, row + cols, 0.0f);
             continue;
           }
-          const float peak = tiles::interval_max(row, 0, valid, row_max[i]);
-          const float sum = tiles::exp_interval(row, 0, valid, cols, peak);
-          const float rescale = ops::fast_exp(row_max[i] - peak);
-          row_sum[i] = row_sum[i] * rescale + sum;
-          row_max[i] = peak;
-          float* acc_row = acc + i * d;
-#pragma omp simd
-          for (std::int64_t j = 0; j < d; ++j) acc_row[j] *= rescale;
+          ops::online_softmax_step(row, valid, cols, row_max[i], row_sum[i], acc + i * d, d);
           flops += kOnlineSoftmaxFlopsPerElement * valid + d;
         }
         if (uses_tile_kernels(d)) {

@@ -209,14 +209,7 @@ class Funnel final : public Mechanism {
         for (std::int64_t r = 0; r < strip_rows; ++r) {
           float* row = scores + r * ld;
           const std::int64_t i = s0 + r;
-          const float peak = tiles::interval_max(row, 0, cols, row_max[i]);
-          const float sum = tiles::exp_interval(row, 0, cols, cols, peak);
-          const float rescale = ops::fast_exp(row_max[i] - peak);
-          row_sum[i] = row_sum[i] * rescale + sum;
-          row_max[i] = peak;
-          float* acc_row = acc + i * d;
-#pragma omp simd
-          for (std::int64_t j = 0; j < d; ++j) acc_row[j] *= rescale;
+          ops::online_softmax_step(row, cols, cols, row_max[i], row_sum[i], acc + i * d, d);
         }
         flops += strip_rows * (kOnlineSoftmaxFlopsPerElement * cols + d);
         if (uses_tile_kernels(d)) {
