@@ -15,16 +15,24 @@
 
 namespace xfb::test {
 
+// The tensor called `name` in a mechanism's list of named tensors (parameters(), saved(),
+// parameter_gradients(), decode_state()); fails the test when there is none.
+inline const Tensor& tensor_named(const std::vector<NamedTensor>& tensors, const std::string& name) {
+  for (const auto& named : tensors)
+    if (named.name == name) return *named.tensor;
+  FAIL("no tensor named " << name);
+  throw std::logic_error("unreachable");
+}
+// The mechanism's parameter tensor called `name`.
+inline const Tensor& parameter(const Mechanism& mechanism, const std::string& name) {
+  return tensor_named(mechanism.parameters(), name);
+}
+
 struct MechanismRun {
   std::unique_ptr<Mechanism> mechanism;
   Tensor out;
 
-  const Tensor& parameter(const std::string& name) const {
-    for (const auto& named : mechanism->parameters())
-      if (named.name == name) return *named.tensor;
-    FAIL("no parameter tensor named " << name);
-    throw std::logic_error("unreachable");
-  }
+  const Tensor& parameter(const std::string& name) const { return test::parameter(*mechanism, name); }
 };
 
 inline MechanismRun run_keeping(const std::string& model, const Problem& p, const AttentionInputs& in,

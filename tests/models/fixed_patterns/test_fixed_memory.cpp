@@ -16,6 +16,7 @@
 #include "taxonomy/registry.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/gradient_check.hpp"
+#include "tests/support/mechanism_run.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -38,13 +39,6 @@ Ran run_model(const std::string& model, const Problem& p, const AttentionInputs&
   ran.out.fill(std::nanf(""));  // every element must be written
   ran.mechanism->forward(in.q, in.k, in.v, ran.out);
   return ran;
-}
-
-const Tensor& parameter(const Mechanism& mechanism, const std::string& name) {
-  for (const auto& named : mechanism.parameters())
-    if (named.name == name) return *named.tensor;
-  FAIL("no parameter named " << name);
-  throw std::logic_error("unreachable");
 }
 
 std::string describe(const std::string& model, const Problem& p, const std::vector<std::string>& params) {

@@ -23,6 +23,7 @@
 #include "taxonomy/registry.hpp"
 #include "tests/support/bf16_check.hpp"
 #include "tests/support/counter_point.hpp"
+#include "tests/support/mechanism_run.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -45,13 +46,6 @@ MaskFn longformer_mask(std::int64_t window, std::int64_t dilation, std::int64_t 
     if (offset % dilation != 0) return false;
     return causal ? offset >= 0 && offset <= reach : std::abs(offset) <= reach;
   };
-}
-
-const Tensor& parameter(const Mechanism& mechanism, const std::string& name) {
-  for (const auto& named : mechanism.parameters())
-    if (named.name == name) return *named.tensor;
-  FAIL("no parameter named " << name);
-  throw std::logic_error("unreachable");
 }
 
 // BigBird's pattern of head h from the random blocks the mechanism exposes ([H, nb, r], −1 unused).

@@ -21,6 +21,7 @@
 #include "taxonomy/registry.hpp"
 #include "tests/support/bf16_check.hpp"
 #include "tests/support/counter_point.hpp"
+#include "tests/support/mechanism_run.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -42,13 +43,6 @@ struct Case {
     return mode == "local" ? heads : mode == "compressed" ? 0 : (heads + 1) / 2;
   }
 };
-
-const Tensor& parameter_of(const Mechanism& m, const std::string& name) {
-  for (const auto& named : m.parameters())
-    if (named.name == name) return *named.tensor;
-  FAIL("no parameter " << name);
-  throw std::logic_error("unreachable");
-}
 
 // One compressed head's memory [slots, D] against the float64 convolution of its bf16 rows x [n, D]
 // with its weights w [D_out, D_in, c]; returns the memory widened.
@@ -103,8 +97,8 @@ void check_case(const Problem& shape, const Case& c, std::uint64_t seed) {
       MaskFn mask = [&](std::int64_t i, std::int64_t j) { return i / block == j / block && (!p.causal || j <= i); };
       if (h >= local) {
         const std::int64_t hc = h - local, at = (b * hc_count + hc) * slots * d;
-        const float* wk = parameter_of(*mechanism, "compress_wk").data() + hc * d * d * c.compression;
-        const float* wv = parameter_of(*mechanism, "compress_wv").data() + hc * d * d * c.compression;
+        const float* wk = parameter(*mechanism, "compress_wk").data() + hc * d * d * c.compression;
+        const float* wv = parameter(*mechanism, "compress_wv").data() + hc * d * d * c.compression;
         keys = check_memory(memories->compressed_keys().bf16_data() + at, in.widened.k.head(b, h), wk, n, d,
                             c.compression, where + " K̂");
         values = check_memory(memories->compressed_values().bf16_data() + at, in.widened.v.head(b, h), wv, n, d,

@@ -19,6 +19,7 @@
 #include "tests/support/bf16_check.hpp"
 #include "tests/support/counter_point.hpp"
 #include "tests/support/gradient_check.hpp"
+#include "tests/support/mechanism_run.hpp"
 #include "tests/support/reference.hpp"
 
 using namespace xfb;
@@ -27,13 +28,6 @@ using namespace xfb::test;
 namespace {
 
 constexpr double kU = kBf16Roundoff;
-
-const Tensor& named_tensor(const std::vector<NamedTensor>& tensors, const std::string& name) {
-  for (const auto& named : tensors)
-    if (named.name == name) return *named.tensor;
-  FAIL("no tensor " << name);
-  throw std::logic_error("unreachable");
-}
 
 // One head's projected rows got [k, D] (bf16) against the float64 product of its projection e [k, N]
 // (fp32) with its bf16 rows x [N, D]; returns the rows widened.
@@ -69,9 +63,9 @@ void check_case(const Problem& shape, std::int64_t k, const std::string& sharing
   const Tensor got = run_bf16(*mechanism, p, in.bf16);
   const auto parameters = mechanism->parameters(), saved = mechanism->saved();
   const bool shared_kv = sharing == "key-value", per_head = sharing == "per-head";
-  const Tensor& e = named_tensor(parameters, shared_kv ? "projection_ef" : "projection_e");
-  const Tensor& f = named_tensor(parameters, shared_kv ? "projection_ef" : "projection_f");
-  const Tensor &keys = named_tensor(saved, "projected_keys"), &values = named_tensor(saved, "projected_values");
+  const Tensor& e = tensor_named(parameters, shared_kv ? "projection_ef" : "projection_e");
+  const Tensor& f = tensor_named(parameters, shared_kv ? "projection_ef" : "projection_f");
+  const Tensor &keys = tensor_named(saved, "projected_keys"), &values = tensor_named(saved, "projected_values");
   REQUIRE(keys.dtype() == DType::BF16);
   REQUIRE(values.dtype() == DType::BF16);
   const double scale = 1 / std::sqrt(static_cast<double>(d));
@@ -112,12 +106,12 @@ void check_gradients(const Problem& shape, std::int64_t k, const std::string& sh
   const bool shared_kv = sharing == "key-value", per_head = sharing == "per-head";
   const auto parameters = mechanism->parameters(), saved = mechanism->saved(),
              parameter_grads = mechanism->parameter_gradients();
-  const Tensor* projection[2] = {&named_tensor(parameters, shared_kv ? "projection_ef" : "projection_e"),
-                                 &named_tensor(parameters, shared_kv ? "projection_ef" : "projection_f")};
-  const Tensor* projection_grad[2] = {&named_tensor(parameter_grads, shared_kv ? "dprojection_ef" : "dprojection_e"),
-                                      &named_tensor(parameter_grads, shared_kv ? "dprojection_ef" : "dprojection_f")};
-  const Tensor projected[2] = {to_f32(named_tensor(saved, "projected_keys")),
-                               to_f32(named_tensor(saved, "projected_values"))};
+  const Tensor* projection[2] = {&tensor_named(parameters, shared_kv ? "projection_ef" : "projection_e"),
+                                 &tensor_named(parameters, shared_kv ? "projection_ef" : "projection_f")};
+  const Tensor* projection_grad[2] = {&tensor_named(parameter_grads, shared_kv ? "dprojection_ef" : "dprojection_e"),
+                                      &tensor_named(parameter_grads, shared_kv ? "dprojection_ef" : "dprojection_f")};
+  const Tensor projected[2] = {to_f32(tensor_named(saved, "projected_keys")),
+                               to_f32(tensor_named(saved, "projected_values"))};
   const Tensor* got_src[2] = {&got_dk, &got_dv};
   const Tensor* inputs[2] = {&in.widened.k, &in.widened.v};
   const std::int64_t matrices = per_head ? p.heads : 1, size = rows * n;

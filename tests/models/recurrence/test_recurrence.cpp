@@ -28,13 +28,6 @@ namespace {
 
 using Rows = std::vector<std::vector<double>>;
 
-const Tensor& parameter(const Mechanism& mechanism, const std::string& name) {
-  for (const auto& named : mechanism.parameters())
-    if (named.name == name) return *named.tensor;
-  FAIL("no parameter " << name);
-  throw std::logic_error("unreachable");
-}
-
 // A mechanism from the registry, prepared and run once; keeps the mechanism for its state.
 struct Run {
   std::unique_ptr<Mechanism> mechanism;
