@@ -42,6 +42,7 @@ const T* elements(const Tensor& t) {
 inline void convert(const float* src, float* dst, std::int64_t n) { std::copy_n(src, n, dst); }
 inline void convert(const bf16* src, float* dst, std::int64_t n) { widen(src, dst, n); }
 inline void convert(const float* src, bf16* dst, std::int64_t n) { narrow(src, dst, n); }
+inline void convert(const bf16* src, bf16* dst, std::int64_t n) { std::copy_n(src, n, dst); }
 
 // n elements as fp32: x itself (fp32), or widened into scratch [n] (bf16).
 inline const float* fp32_elements(const float* x, std::int64_t, float*) { return x; }

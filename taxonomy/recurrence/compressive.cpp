@@ -42,7 +42,10 @@ SegmentAttentionConfig compressive_config(const ParamValues& values) {
 
 template <>
 Implementation implementation<CompressiveConfig>() {
-  return implement<CompressiveConfig>();
+  Implementation impl = implement<CompressiveConfig>();
+  impl.bf16_forward = true;  // storage only (segment_attention.hpp): forward, decode and backward
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

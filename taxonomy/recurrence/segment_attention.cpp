@@ -7,7 +7,9 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
 
+#include "lib/core/bf16.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
@@ -73,6 +75,47 @@ float add_relative_and_exponentiate(float* row, const float* relative, std::int6
   std::fill(row + valid, row + cols, 0.0f);
   if (lse != nullptr) *lse = peak + std::log(sum);
   return 1.0f / sum;
+}
+
+// The bf16 form's slots: each compressed slot rounded to bf16 once, as the compressed memory keeps it.
+void round_slots(float* slots, std::int64_t count) {
+#pragma omp simd
+  for (std::int64_t i = 0; i < count; ++i) slots[i] = round_to_bf16(slots[i]);
+}
+
+// scores[x] = scale·q·key_x over `count` key rows [count, D] (fp32 through ops::gemm, which counts
+// its FLOPs; bf16 rows widened in the dot products, FLOPs returned).
+std::int64_t row_scores(const float* q, const float* keys, std::int64_t count, std::int64_t d, float scale,
+                        float* scores) {
+  ops::gemm(false, true, 1, count, d, scale, q, d, keys, d, 0.0f, scores, count);
+  return 0;
+}
+std::int64_t row_scores(const float* q, const bf16* keys, std::int64_t count, std::int64_t d, float scale,
+                        float* scores) {
+  for (std::int64_t x = 0; x < count; ++x) {
+    const bf16* key = keys + x * d;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (std::int64_t j = 0; j < d; ++j) dot += q[j] * to_float(key[j]);
+    scores[x] = dot * scale;
+  }
+  return matmul_flops(1, count, d);
+}
+
+// out = Σ_x p[x]·value_x over `count` value rows [count, D] (as row_scores for the FLOPs).
+std::int64_t weigh_rows(const float* p, const float* values, std::int64_t count, std::int64_t d, float* out) {
+  ops::gemm(false, false, 1, d, count, 1.0f, p, count, values, d, 0.0f, out, d);
+  return 0;
+}
+std::int64_t weigh_rows(const float* p, const bf16* values, std::int64_t count, std::int64_t d, float* out) {
+  std::fill(out, out + d, 0.0f);
+  for (std::int64_t x = 0; x < count; ++x) {
+    const bf16* value = values + x * d;
+    const float weight = p[x];
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) out[j] += weight * to_float(value[j]);
+  }
+  return matmul_flops(1, d, count);
 }
 
 }  // namespace
@@ -154,7 +197,8 @@ void SegmentAttention::prepare(const Tensor&, const Tensor&, const Tensor&) {
   }
   if (c_.compression != Compression::None) compressed_slots_ = Tensor(Shape{threads, ceil_div(s.segment, c_.rate), d});
 
-  windows_ = Tensor(Shape{2, p_.batch * h, s.rows, d});
+  windows_ = Tensor(Shape{2, p_.batch * h, s.rows, d}, p_.dtype);
+  if (p_.dtype == DType::BF16) widened_ = Tensor(Shape{threads, 2 * s.rows * d + 2 * s.block * d});
   biased_queries_ = Tensor(Shape{threads, 2, s.block, d});
   scores_ = Tensor(Shape{threads, s.block, ops::padded_ld(s.rows)});
   relative_scores_ = Tensor(Shape{threads, s.block, ops::padded_ld(s.rows + s.block - 1)});
@@ -191,21 +235,24 @@ void SegmentAttention::prepare_decode(std::int64_t tokens) {
     compressed_slots_ = Tensor();
     compressed_slots_ = Tensor(Shape{p_.threads, ceil_div(decode_segment_, c_.rate), d});
   }
-  decode_windows_ = Tensor(Shape{2, heads, rows, d});
+  if (p_.dtype == DType::BF16 && decode_segment_ * d > widened_.dim(1)) {  // the update widens ≤ L_dec rows
+    widened_ = Tensor();
+    widened_ = Tensor(Shape{p_.threads, decode_segment_ * d});
+  }
+  decode_windows_ = Tensor(Shape{2, heads, rows, d}, p_.dtype);
   decode_scores_ = Tensor(Shape{heads, 2, ops::padded_ld(rows)});
   decode_queries_ = Tensor(Shape{heads, 2, d});
 }
 
+template <class T>
 void SegmentAttention::load_decode_context(const Tensor& k, const Tensor& v) {
-  const std::int64_t n = p_.seq_len, d = p_.head_dim, segment = decode_segment_, complete = n / segment * segment;
+  const std::int64_t n = p_.seq_len, segment = decode_segment_, complete = n / segment * segment;
 #pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1)
   for (std::int64_t bh = 0; bh < p_.batch * p_.heads; ++bh) {
-    float* const win[2] = {decode_window(false, bh), decode_window(true, bh)};
+    T* const win[2] = {decode_window<T>(false, bh), decode_window<T>(true, bh)};
     SegmentCache cache;
     for (std::int64_t s0 = 0; s0 <= complete; s0 += segment) {
-      const std::int64_t rows = std::min(segment, n - s0), offset = (bh * n + s0) * d;
-      std::copy(k.data() + offset, k.data() + offset + rows * d, win[0] + context_ * d);
-      std::copy(v.data() + offset, v.data() + offset + rows * d, win[1] + context_ * d);
+      copy_segment(k, v, win, bh, s0, std::min(segment, n - s0));
       if (s0 == complete) break;  // the open segment (possibly empty) stays in the window
       update_memory(win, bh % p_.heads, segment, cache, omp_get_thread_num());
       advance(cache, segment, c_);
@@ -217,12 +264,18 @@ void SegmentAttention::load_decode_context(const Tensor& k, const Tensor& v) {
 }
 
 void SegmentAttention::decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  if (p_.dtype == DType::BF16) return decode_rows<bf16>(q, k, v, out);
+  decode_rows<float>(q, k, v, out);
+}
+
+template <class T>
+void SegmentAttention::decode_rows(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
   const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, segment = decode_segment_;
   std::int64_t flops = 0;
   if (decode_filled_ == segment) {  // the previous token closed a segment: the FIFO update
 #pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
     for (std::int64_t bh = 0; bh < heads; ++bh) {
-      float* const win[2] = {decode_window(false, bh), decode_window(true, bh)};
+      T* const win[2] = {decode_window<T>(false, bh), decode_window<T>(true, bh)};
       flops += update_memory(win, bh % p_.heads, segment, decode_cache_, omp_get_thread_num());
     }
     advance(decode_cache_, segment, c_);
@@ -236,25 +289,27 @@ void SegmentAttention::decode_step(const Tensor& q, const Tensor& k, const Tenso
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
 #pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
   for (std::int64_t bh = 0; bh < heads; ++bh) {
-    float* const win[2] = {decode_window(false, bh), decode_window(true, bh)};
-    std::copy_n(k.data() + bh * d, d, win[0] + row * d);
-    std::copy_n(v.data() + bh * d, d, win[1] + row * d);
+    T* const win[2] = {decode_window<T>(false, bh), decode_window<T>(true, bh)};
+    std::copy_n(elements<T>(k) + bh * d, d, win[0] + row * d);
+    std::copy_n(elements<T>(v) + bh * d, d, win[1] + row * d);
     const std::int64_t head = bh % p_.heads;
+    const T* query = elements<T>(q) + bh * d;
     float* with_u = decode_queries_.data() + bh * 2 * d;
     float* with_v = with_u + d;
     for (std::int64_t j = 0; j < d; ++j) {
-      with_u[j] = q[bh * d + j] + bias_u_[head * d + j];
-      with_v[j] = q[bh * d + j] + bias_v_[head * d + j];
+      with_u[j] = as_float(query[j]) + bias_u_[head * d + j];
+      with_v[j] = as_float(query[j]) + bias_v_[head * d + j];
     }
     float* scores = decode_scores_.data() + bh * 2 * ld;
     float* relative = scores + ld;
-    ops::gemm(false, true, 1, cols, d, scale, with_u, d, win[0] + lo * d, d, 0.0f, scores, ld);
+    flops += row_scores(with_u, win[0] + lo * d, cols, d, scale, scores);
     ops::gemm(false, true, 1, cols, d, scale, with_v, d,
               relative_keys_.data() + (head * table_rows + first_table_row) * d, d, 0.0f, relative, ld);
     const float inverse = add_relative_and_exponentiate(scores, relative, cols, cols, nullptr);
-    float* dst = out.data() + bh * d;
-    ops::gemm(false, false, 1, d, cols, 1.0f, scores, ld, win[1] + lo * d, d, 0.0f, dst, d);
-    for (std::int64_t j = 0; j < d; ++j) dst[j] *= inverse;
+    float* weighted = with_u;  // q + u is no longer needed
+    flops += weigh_rows(scores, win[1] + lo * d, cols, d, weighted);
+    T* dst = elements<T>(out) + bh * d;
+    for (std::int64_t j = 0; j < d; ++j) dst[j] = stored<T>(weighted[j] * inverse);
     flops += 3 * d + kFlopsPerVisibleEntry * cols;
   }
   FlopCounter::add(flops);
@@ -266,28 +321,36 @@ void SegmentAttention::forward(const Tensor& q, const Tensor& k, const Tensor& v
   // Segments are sequential per (batch, head). With at least one (batch, head) per thread each
   // thread runs whole heads without synchronisation; otherwise the threads share each segment's
   // query tiles and meet at the memory update.
-  const bool per_head = p_.batch * p_.heads >= p_.threads;
-  FlopCounter::add(per_head ? run_heads(q, k, v, out) : run_lockstep(q, k, v, out));
+  const bool per_head = p_.batch * p_.heads >= p_.threads, bf16_form = p_.dtype == DType::BF16;
+  if (bf16_form)
+    FlopCounter::add(per_head ? run_heads<bf16>(q, k, v, out) : run_lockstep<bf16>(q, k, v, out));
+  else
+    FlopCounter::add(per_head ? run_heads<float>(q, k, v, out) : run_lockstep<float>(q, k, v, out));
   cache_ = {};
   for (std::int64_t s0 = 0; s0 < p_.seq_len; s0 += segment_) advance(cache_, std::min(segment_, p_.seq_len - s0), c_);
-  if (!decode_windows_.empty()) load_decode_context(k, v);
+  if (decode_windows_.empty()) return;
+  if (bf16_form)
+    load_decode_context<bf16>(k, v);
+  else
+    load_decode_context<float>(k, v);
 }
 
+template <class T>
 std::int64_t SegmentAttention::run_heads(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, block = biased_queries_.dim(2);
   std::int64_t flops = 0;
 #pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
   for (std::int64_t bh = 0; bh < p_.batch * p_.heads; ++bh) {
     const int thread = omp_get_thread_num();
-    float* const win[2] = {window(false, bh), window(true, bh)};
+    T* const win[2] = {window<T>(false, bh), window<T>(true, bh)};
     SegmentCache cache;
     for (std::int64_t s0 = 0; s0 < n; s0 += segment_) {
       const std::int64_t segment_rows = std::min(segment_, n - s0);
       copy_segment(k, v, win, bh, s0, segment_rows);
       for (std::int64_t r0 = 0; r0 < segment_rows; r0 += block) {
         const std::int64_t offset = (bh * n + s0 + r0) * d;
-        flops += attend_tile(q.data() + offset, out.data() + offset, saved_lse(bh, s0 + r0), win, bh % p_.heads, r0,
-                             segment_rows, cache, thread);
+        flops += attend_tile<T>(elements<T>(q) + offset, elements<T>(out) + offset, saved_lse(bh, s0 + r0), win,
+                                bh % p_.heads, r0, segment_rows, cache, thread);
       }
       flops += update_memory(win, bh % p_.heads, segment_rows, cache, thread);
       advance(cache, segment_rows, c_);
@@ -296,6 +359,7 @@ std::int64_t SegmentAttention::run_heads(const Tensor& q, const Tensor& k, const
   return flops;
 }
 
+template <class T>
 std::int64_t SegmentAttention::run_lockstep(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
   const std::int64_t n = p_.seq_len, d = p_.head_dim, bh_count = p_.batch * p_.heads;
   const std::int64_t block = biased_queries_.dim(2);
@@ -308,7 +372,7 @@ std::int64_t SegmentAttention::run_lockstep(const Tensor& q, const Tensor& k, co
       const int thread = omp_get_thread_num();
 #pragma omp for
       for (std::int64_t bh = 0; bh < bh_count; ++bh) {
-        float* const win[2] = {window(false, bh), window(true, bh)};
+        T* const win[2] = {window<T>(false, bh), window<T>(true, bh)};
         copy_segment(k, v, win, bh, s0, segment_rows);
       }
 #pragma omp for schedule(dynamic, 1)
@@ -317,13 +381,13 @@ std::int64_t SegmentAttention::run_lockstep(const Tensor& q, const Tensor& k, co
         // Causal tiles late in the segment see more keys: start them first.
         const std::int64_t tile = p_.causal ? tiles - 1 - task % tiles : task % tiles;
         const std::int64_t offset = (bh * n + s0 + tile * block) * d;
-        const float* const win[2] = {window(false, bh), window(true, bh)};
-        flops += attend_tile(q.data() + offset, out.data() + offset, saved_lse(bh, s0 + tile * block), win,
-                             bh % p_.heads, tile * block, segment_rows, cache, thread);
+        const T* const win[2] = {window<T>(false, bh), window<T>(true, bh)};
+        flops += attend_tile<T>(elements<T>(q) + offset, elements<T>(out) + offset, saved_lse(bh, s0 + tile * block),
+                                win, bh % p_.heads, tile * block, segment_rows, cache, thread);
       }
 #pragma omp for
       for (std::int64_t bh = 0; bh < bh_count; ++bh) {
-        float* const win[2] = {window(false, bh), window(true, bh)};
+        T* const win[2] = {window<T>(false, bh), window<T>(true, bh)};
         flops += update_memory(win, bh % p_.heads, segment_rows, cache, thread);
       }
     }
@@ -342,27 +406,17 @@ std::vector<NamedTensor> SegmentAttention::parameters() const {
   return list;
 }
 
-const float* SegmentAttention::memory_rows(bool values, std::int64_t b, std::int64_t h) const {
-  return window(values, b * p_.heads + h) + (context_ - cache_.memory) * p_.head_dim;
-}
-
-const float* SegmentAttention::compressed_rows(bool values, std::int64_t b, std::int64_t h) const {
-  return window(values, b * p_.heads + h) + (c_.compressed_len - cache_.compressed) * p_.head_dim;
-}
-
-float* SegmentAttention::window(bool values, std::int64_t bh) {
-  return windows_.data() + ((values ? p_.batch * p_.heads : 0) + bh) * rows_ * p_.head_dim;
-}
-
-const float* SegmentAttention::window(bool values, std::int64_t bh) const {
-  return windows_.data() + ((values ? p_.batch * p_.heads : 0) + bh) * rows_ * p_.head_dim;
-}
-
-void SegmentAttention::copy_segment(const Tensor& k, const Tensor& v, float* const* win, std::int64_t bh,
-                                    std::int64_t s0, std::int64_t rows) const {
+template <class T>
+void SegmentAttention::copy_segment(const Tensor& k, const Tensor& v, T* const* win, std::int64_t bh, std::int64_t s0,
+                                    std::int64_t rows) const {
   const std::int64_t d = p_.head_dim, offset = (bh * p_.seq_len + s0) * d;
-  std::copy(k.data() + offset, k.data() + offset + rows * d, win[0] + context_ * d);
-  std::copy(v.data() + offset, v.data() + offset + rows * d, win[1] + context_ * d);
+  const Tensor* inputs[2] = {&k, &v};
+  for (int t = 0; t < 2; ++t) {
+    if (inputs[t]->dtype() == DType::BF16)
+      convert(inputs[t]->bf16_data() + offset, win[t] + context_ * d, rows * d);
+    else
+      convert(inputs[t]->data() + offset, win[t] + context_ * d, rows * d);
+  }
 }
 
 SegmentAttention::TileGeometry SegmentAttention::tile_geometry(std::int64_t r0, std::int64_t segment_rows,
@@ -409,11 +463,32 @@ void SegmentAttention::tile_scores(const float* q, const float* keys, std::int64
 // (and lse, when given). Score column x is window row lo + x; the relative term of (r, x) is
 // column rows − 1 − r + x of the relative product, whose column y holds distance δ_hi − y (δ_hi:
 // row r0 + rows − 1, column 0).
-std::int64_t SegmentAttention::attend_tile(const float* q, float* out, float* lse, const float* const* win,
-                                           std::int64_t head, std::int64_t r0, std::int64_t segment_rows,
-                                           const SegmentCache& cache, int thread) {
-  const std::int64_t d = p_.head_dim, block = biased_queries_.dim(2);
+template <class T>
+std::int64_t SegmentAttention::attend_tile(const T* q, T* out, float* lse, const T* const* win, std::int64_t head,
+                                           std::int64_t r0, std::int64_t segment_rows, const SegmentCache& cache,
+                                           int thread) {
   const TileGeometry t = tile_geometry(r0, segment_rows, cache);
+  if constexpr (std::is_same_v<T, float>) {
+    return attend_tile_rows(q, out, lse, win, head, t, thread);
+  } else {  // the tile's visible window rows, its queries and its output in fp32
+    const std::int64_t d = p_.head_dim, block = biased_queries_.dim(2);
+    float* keys = tile_window(thread);
+    float* values = keys + rows_ * d;
+    float* queries = values + rows_ * d;
+    float* outputs = queries + block * d;
+    widen(win[0] + t.lo * d, keys + t.lo * d, t.cols * d);
+    widen(win[1] + t.lo * d, values + t.lo * d, t.cols * d);
+    widen(q, queries, t.rows * d);
+    const float* const widened[2] = {keys, values};
+    const std::int64_t flops = attend_tile_rows(queries, outputs, lse, widened, head, t, thread);
+    narrow(outputs, out, t.rows * d);
+    return flops;
+  }
+}
+
+std::int64_t SegmentAttention::attend_tile_rows(const float* q, float* out, float* lse, const float* const* win,
+                                                std::int64_t head, const TileGeometry& t, int thread) {
+  const std::int64_t d = p_.head_dim, block = biased_queries_.dim(2);
   tile_scores(q, win[0], head, t, thread);
   const std::int64_t ld = scores_.dim(2), ld_relative = relative_scores_.dim(2);
   float* scores = scores_.data() + thread * block * ld;
@@ -435,38 +510,43 @@ std::int64_t SegmentAttention::attend_tile(const float* q, float* out, float* ls
 
 // FIFO update of one (batch, head) after a segment of `segment_rows` tokens; compresses the
 // evicted rows first. Returns the non-gemm FLOPs executed.
-std::int64_t SegmentAttention::update_memory(float* const* win, std::int64_t head, std::int64_t segment_rows,
+template <class T>
+std::int64_t SegmentAttention::update_memory(T* const* win, std::int64_t head, std::int64_t segment_rows,
                                              const SegmentCache& cache, int thread) {
   const std::int64_t d = p_.head_dim;
   const std::int64_t total = cache.memory + segment_rows;
   const std::int64_t kept = std::min(c_.memory_len, total), evicted = total - kept;
   std::int64_t flops = 0;
   for (bool values : {false, true}) {
-    float* rows = win[values ? 1 : 0];
+    T* rows = win[values ? 1 : 0];
     if (c_.compression != Compression::None && evicted > 0) {
       float* slots = compressed_slots_.data() + thread * compressed_slots_.dim(1) * d;
       const float* weights = c_.compression == Compression::Conv
                                  ? conv_weights_.data() + ((values ? p_.heads : 0) + head) * c_.rate * d * d
                                  : nullptr;
-      flops += compress_rows(c_.compression, rows + (context_ - cache.memory) * d, evicted, d, c_.rate, weights, slots);
-      push_compressed(rows, slots, ceil_div(evicted, c_.rate), cache.compressed);
+      const float* oldest = fp32_rows(rows, context_ - cache.memory, evicted, d,
+                                      std::is_same_v<T, float> ? nullptr : tile_window(thread));
+      flops += compress_rows(c_.compression, oldest, evicted, d, c_.rate, weights, slots);
+      const std::int64_t count = ceil_div(evicted, c_.rate);
+      if (p_.dtype == DType::BF16) round_slots(slots, count * d);  // also on the backward's fp32 replay
+      push_compressed(rows, slots, count, cache.compressed);
     }
     std::memmove(rows + (context_ - kept) * d, rows + (context_ + segment_rows - kept) * d,
-                 static_cast<std::size_t>(kept * d) * sizeof(float));
+                 static_cast<std::size_t>(kept * d) * sizeof(T));
   }
   return flops;
 }
 
 // Appends `count` slots to the compressed memory of one window, which holds `valid` slots,
 // keeping the newest n_cm.
-void SegmentAttention::push_compressed(float* window, const float* slots, std::int64_t count,
-                                       std::int64_t valid) const {
+template <class T>
+void SegmentAttention::push_compressed(T* window, const float* slots, std::int64_t count, std::int64_t valid) const {
   const std::int64_t d = p_.head_dim, capacity = c_.compressed_len;
   const std::int64_t length = std::min(capacity, valid + count);
   const std::int64_t fresh = std::min(count, length), kept = length - fresh;
   std::memmove(window + (capacity - length) * d, window + (capacity - kept) * d,
-               static_cast<std::size_t>(kept * d) * sizeof(float));
-  std::copy(slots + (count - fresh) * d, slots + count * d, window + (capacity - fresh) * d);
+               static_cast<std::size_t>(kept * d) * sizeof(T));
+  convert(slots + (count - fresh) * d, window + (capacity - fresh) * d, fresh * d);
 }
 
 void SegmentAttention::prepare_backward() {
@@ -481,6 +561,7 @@ void SegmentAttention::prepare_backward() {
   score_grads_ = Tensor(Shape{threads, s.block, ops::padded_ld(s.rows)});
   relative_grads_ = Tensor(Shape{threads, s.block, ops::padded_ld(s.rows + s.block - 1)});
   query_grads_ = Tensor(Shape{threads, 2, s.block, d});
+  if (p_.dtype == DType::BF16) widened_segments_ = Tensor(Shape{threads, 6, s.segment, d});
   if (c_.compression == Compression::Conv) conv_grads_ = Tensor(Shape{2, h, c_.rate * d, d});
   if (c_.aux_loss) {
     const std::int64_t slots = ceil_div(s.segment, c_.rate);
@@ -533,15 +614,19 @@ std::int64_t SegmentAttention::backward_head(const Grads& g, std::int64_t head, 
   std::int64_t flops = 0;
   for (std::int64_t b = 0; b < p_.batch; ++b) {
     const std::int64_t bh = b * p_.heads + head;
-    std::fill(g.dk.data() + bh * n * d, g.dk.data() + (bh + 1) * n * d, 0.0f);
-    std::fill(g.dv.data() + bh * n * d, g.dv.data() + (bh + 1) * n * d, 0.0f);
+    if (g.dk.dtype() == DType::F32) {  // fp32: the tiles accumulate into dK, dV themselves
+      std::fill(g.dk.data() + bh * n * d, g.dk.data() + (bh + 1) * n * d, 0.0f);
+      std::fill(g.dv.data() + bh * n * d, g.dv.data() + (bh + 1) * n * d, 0.0f);
+    }
     SegmentCache cache;
     for (std::int64_t s0 = 0; s0 < n; s0 += segment_) {
       const std::int64_t segment_rows = std::min(segment_, n - s0);
+      const SegmentRows rows = segment_view(g, bh, s0, segment_rows, thread);
       copy_segment(g.k, g.v, win, bh, s0, segment_rows);
       for (std::int64_t r0 = 0; r0 < segment_rows; r0 += block)
-        flops += tile_backward(g, win, bh, s0, tile_geometry(r0, segment_rows, cache), thread);
-      if (c_.aux_loss) flops += reconstruction_backward(g, win, bh, s0, segment_rows, cache, thread);
+        flops += tile_backward(rows, win, head, tile_geometry(r0, segment_rows, cache), thread);
+      if (c_.aux_loss) flops += reconstruction_backward(rows, win, head, segment_rows, cache, thread);
+      store_segment_gradients(rows, g, bh, s0, segment_rows);
       flops += update_memory(win, head, segment_rows, cache, thread);
       advance(cache, segment_rows, c_);
     }
@@ -552,15 +637,46 @@ std::int64_t SegmentAttention::backward_head(const Grads& g, std::int64_t head, 
   return flops;
 }
 
+SegmentAttention::SegmentRows SegmentAttention::segment_view(const Grads& g, std::int64_t bh, std::int64_t s0,
+                                                             std::int64_t rows, int thread) {
+  const std::int64_t d = p_.head_dim, at = (bh * p_.seq_len + s0) * d;
+  const float* lse = lse_.data() + bh * p_.seq_len + s0;
+  if (g.q.dtype() == DType::F32)
+    return {g.q.data() + at,  g.out.data() + at, g.dout.data() + at, lse,
+            g.dq.data() + at, g.dk.data() + at,  g.dv.data() + at};
+  float* buffers = widened_segments_.data() + thread * widened_segments_.dim(1) * widened_segments_.dim(2) * d;
+  const std::int64_t stride = widened_segments_.dim(2) * d;
+  const Tensor* inputs[3] = {&g.q, &g.out, &g.dout};
+  for (int t = 0; t < 3; ++t) widen(inputs[t]->bf16_data() + at, buffers + t * stride, rows * d);
+  std::fill(buffers + 4 * stride, buffers + 4 * stride + 2 * stride, 0.0f);  // dK, dV accumulate
+  return {buffers,
+          buffers + stride,
+          buffers + 2 * stride,
+          lse,
+          buffers + 3 * stride,
+          buffers + 4 * stride,
+          buffers + 5 * stride};
+}
+
+// bf16: the segment's dQ, dK, dV rounded into the gradient tensors (fp32: written in place already).
+void SegmentAttention::store_segment_gradients(const SegmentRows& s, const Grads& g, std::int64_t bh, std::int64_t s0,
+                                               std::int64_t rows) const {
+  if (g.dq.dtype() == DType::F32) return;
+  const std::int64_t at = (bh * p_.seq_len + s0) * p_.head_dim, count = rows * p_.head_dim;
+  narrow(s.dq, g.dq.bf16_data() + at, count);
+  narrow(s.dk, g.dk.bf16_data() + at, count);
+  narrow(s.dv, g.dv.bf16_data() + at, count);
+}
+
 // The backward of one query tile of segment s0 (FlashAttention-2 recomputation from the saved L):
 // P = exp(A − L), dS = P ⊙ (dO·Vᵀ − δ); dQ = (dS·K + dS_rel·R)/√D with dS_rel the relative layout
 // of dS; du, dv (biases) sum those two parts over the rows; dK, dV only for the current segment's
 // columns (the cached memory is a constant: stop-gradient); d(relative keys) += dS_relᵀ·(q + v)/√D.
-std::int64_t SegmentAttention::tile_backward(const Grads& g, const float* const* win, std::int64_t bh, std::int64_t s0,
+std::int64_t SegmentAttention::tile_backward(const SegmentRows& s, const float* const* win, std::int64_t head,
                                              const TileGeometry& t, int thread) {
-  const std::int64_t n = p_.seq_len, d = p_.head_dim, head = bh % p_.heads, block = biased_queries_.dim(2);
-  const std::int64_t n_rel = relative_keys_.dim(1), at = (bh * n + s0 + t.r0) * d;
-  tile_scores(g.q.data() + at, win[0], head, t, thread);
+  const std::int64_t d = p_.head_dim, block = biased_queries_.dim(2);
+  const std::int64_t n_rel = relative_keys_.dim(1), at = t.r0 * d;
+  tile_scores(s.q + at, win[0], head, t, thread);
   const std::int64_t ld = scores_.dim(2), ld_relative = relative_scores_.dim(2);
   float* p = scores_.data() + thread * block * ld;
   const float* relative = relative_scores_.data() + thread * block * ld_relative;
@@ -568,13 +684,13 @@ std::int64_t SegmentAttention::tile_backward(const Grads& g, const float* const*
   float* ds_relative = relative_grads_.data() + thread * block * ld_relative;
   const float* with_u = biased_queries_.data() + thread * 2 * block * d;
   const float* with_v = with_u + block * d;
-  const float* lse = lse_.data() + bh * n + s0 + t.r0;
-  const float* dout = g.dout.data() + at;
+  const float* lse = s.lse + t.r0;
+  const float* dout = s.dout + at;
   ops::gemm(false, true, t.rows, t.cols, d, 1.0f, dout, d, win[1] + t.lo * d, d, 0.0f, ds, ld);
   std::int64_t visible = 0;
   for (std::int64_t r = 0; r < t.rows; ++r) {
     const std::int64_t valid = valid_columns(t, r);
-    const float* o = g.out.data() + at + r * d;
+    const float* o = s.out + at + r * d;
     float delta = 0.0f;
 #pragma omp simd reduction(+ : delta)
     for (std::int64_t j = 0; j < d; ++j) delta += o[j] * dout[r * d + j];
@@ -595,8 +711,8 @@ std::int64_t SegmentAttention::tile_backward(const Grads& g, const float* const*
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const std::int64_t first_segment_column = context_ - t.lo, segment_columns = t.cols - first_segment_column;
-  float* dk = g.dk.data() + (bh * n + s0) * d;
-  float* dv = g.dv.data() + (bh * n + s0) * d;
+  float* dk = s.dk;
+  float* dv = s.dv;
   ops::gemm(true, false, segment_columns, d, t.rows, 1.0f, p + first_segment_column, ld, dout, d, 1.0f, dv, d);
   ops::gemm(true, false, segment_columns, d, t.rows, scale, ds + first_segment_column, ld, with_u, d, 1.0f, dk, d);
   float* content = query_grads_.data() + thread * 2 * block * d;
@@ -607,7 +723,7 @@ std::int64_t SegmentAttention::tile_backward(const Grads& g, const float* const*
             d);
   ops::gemm(true, false, t.relative, d, t.rows, scale, ds_relative, ld_relative, with_v, d, 1.0f,
             relative_key_grads_.data() + (head * n_rel + t.first_table_row) * d, d);
-  float* dq = g.dq.data() + at;
+  float* dq = s.dq + at;
   float* du = bias_u_grads_.data() + head * d;
   float* dv_bias = bias_v_grads_.data() + head * d;
   for (std::int64_t r = 0; r < t.rows; ++r)
@@ -624,10 +740,10 @@ std::int64_t SegmentAttention::tile_backward(const Grads& g, const float* const*
 // head): a = attn(Q_s, K_e, V_e), b = attn(Q_s, f_c(K_e), f_c(V_e)), loss ‖a − b‖²; its gradient
 // −2(a − b) through b's attention to f_c(K_e), f_c(V_e) and into the conv weights (K_e, V_e, Q_s
 // are constants to this loss). Runs before update_memory, while the evicted rows are in the window.
-std::int64_t SegmentAttention::reconstruction_backward(const Grads& g, const float* const* win, std::int64_t bh,
-                                                       std::int64_t s0, std::int64_t segment_rows,
-                                                       const SegmentCache& cache, int thread) {
-  const std::int64_t d = p_.head_dim, head = bh % p_.heads, rate = c_.rate;
+std::int64_t SegmentAttention::reconstruction_backward(const SegmentRows& s, const float* const* win, std::int64_t head,
+                                                       std::int64_t segment_rows, const SegmentCache& cache,
+                                                       int thread) {
+  const std::int64_t d = p_.head_dim, rate = c_.rate;
   const std::int64_t total = cache.memory + segment_rows, evicted = total - std::min(c_.memory_len, total);
   if (evicted == 0) return 0;
   const std::int64_t slots = ceil_div(evicted, rate), capacity = reconstruction_slots_.dim(2);
@@ -645,7 +761,7 @@ std::int64_t SegmentAttention::reconstruction_backward(const Grads& g, const flo
   float* slot_score_grads = slot_scores + segment_ * ld_slots;
   float* target = reconstruction_outputs_.data() + thread * 2 * segment_ * d;
   float* reconstructed = target + segment_ * d;
-  const float* q = g.q.data() + (bh * p_.seq_len + s0) * d;
+  const float* q = s.q;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   auto softmax_rows = [&](float* scores, std::int64_t cols, std::int64_t ld) {
     for (std::int64_t r = 0; r < segment_rows; ++r) {
@@ -703,12 +819,14 @@ std::int64_t segment_attention_decode_workspace(const Problem& p, const SegmentA
   const Sizes s = sizes_of(p, c);
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim, segment = std::min(c.segment_len, p.seq_len + tokens);
   const std::int64_t rows = s.context + segment;
-  std::int64_t floats = 2 * heads * rows * d + heads * 2 * ops::padded_ld(rows) + heads * 2 * d;
+  std::int64_t floats = heads * 2 * ops::padded_ld(rows) + heads * 2 * d;
   if (rows > s.relative)
     floats += (rows - s.relative) * (p.heads * d + p.heads * d);  // sinusoid [·, d_r], relative keys
   if (c.compression != Compression::None)
     floats += p.threads * std::max<std::int64_t>(0, ceil_div(segment, c.rate) - ceil_div(s.segment, c.rate)) * d;
-  return floats * static_cast<std::int64_t>(sizeof(float));
+  if (p.dtype == DType::BF16)  // the widening scratch grows to the evicted rows of an L_dec segment
+    floats += p.threads * std::max<std::int64_t>(0, segment * d - (2 * s.rows * d + 2 * s.block * d));
+  return floats * static_cast<std::int64_t>(sizeof(float)) + 2 * heads * rows * d * element_bytes(p.dtype);
 }
 
 std::int64_t segment_attention_workspace(const Problem& p, const SegmentAttentionConfig& c) {
@@ -717,10 +835,10 @@ std::int64_t segment_attention_workspace(const Problem& p, const SegmentAttentio
   std::int64_t floats = 2 * h * d + h * d_r * d + s.relative * d_r + h * s.relative * d;
   if (c.compression == Compression::Conv) floats += 2 * h * c.rate * d * d;
   if (c.compression != Compression::None) floats += threads * ceil_div(s.segment, c.rate) * d;
-  floats += 2 * p.batch * h * s.rows * d;
   floats +=
       threads * (2 * s.block * d + s.block * ops::padded_ld(s.rows) + s.block * ops::padded_ld(s.rows + s.block - 1));
-  return floats * static_cast<std::int64_t>(sizeof(float));
+  if (p.dtype == DType::BF16) floats += threads * (2 * s.rows * d + 2 * s.block * d);  // tile_window
+  return floats * static_cast<std::int64_t>(sizeof(float)) + 2 * p.batch * h * s.rows * d * element_bytes(p.dtype);
 }
 
 std::int64_t segment_attention_backward_flops(const Problem& p, const SegmentAttentionConfig& c) {
@@ -764,6 +882,7 @@ std::int64_t segment_attention_backward_workspace(const Problem& p, const Segmen
     floats += threads * (4 * slots * d + s.segment * ops::padded_ld(s.segment) + 2 * s.segment * ops::padded_ld(slots) +
                          2 * s.segment * d);
   }
+  if (p.dtype == DType::BF16) floats += threads * 6 * s.segment * d;  // widened_segments_
   return floats * static_cast<std::int64_t>(sizeof(float));
 }
 

@@ -43,6 +43,17 @@
 // for K and V each: compression FLOPs (compress_flops). Total O(N·(n_cm + M + L)·D): linear in N.
 // Workspace: windows 2·B·H·(W + L)·D, relative tables, per-thread tiles — independent of N.
 //
+// bf16 (--dtype bf16; storage only): q, k, v, out, the gradients and the windows — memory,
+// compressed memory and the decode state — are bf16; the compressed slots are computed in fp32 and
+// rounded once as they enter the compressed memory; every product and the softmax run in fp32 on
+// rows widened per query tile (the tile's visible window rows, its query rows; the output rounded
+// once), the backward on each segment's rows widened per (batch, head) (dQ, dK, dV accumulated in
+// fp32, rounded once per segment) and its replay windows in fp32 holding the same bf16 values. The
+// relative tables, u, v, W_R, the conv weights, the saved log-sum-exp and the parameter gradients
+// stay fp32. Hence a bf16 point's error is the fp32 form's on its bf16 inputs plus the output's
+// (and the gradients') rounding and, with mean or conv compression, the slots'. FLOPs as fp32; per
+// thread 2·(W + L)·D + 2·block·D floats more in the forward, 6·L·D more in the backward.
+//
 // Backward (prepare_backward): the forward saves each query row's log-sum-exp L; the backward replays
 // the segments of every (batch, head) on per-thread windows (the caches rebuilt, compression
 // included; one task per head index, which sums the batch's parameter gradients), recomputes each
@@ -67,6 +78,7 @@
 #include <string>
 #include <utility>
 
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
@@ -128,11 +140,18 @@ class SegmentAttention final : public Mechanism {
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override;
   std::vector<NamedTensor> decode_state() const override { return {{"windows", &decode_windows_}}; }
 
-  // State after the last forward, for tests: valid slots, oldest first, rows of D floats.
+  // State after the last forward, for tests: valid slots, oldest first, rows of D elements (T: the
+  // problem's element type).
   std::int64_t memory_length() const { return cache_.memory; }
   std::int64_t compressed_length() const { return cache_.compressed; }
-  const float* memory_rows(bool values, std::int64_t b, std::int64_t h) const;
-  const float* compressed_rows(bool values, std::int64_t b, std::int64_t h) const;
+  template <class T = float>
+  const T* memory_rows(bool values, std::int64_t b, std::int64_t h) const {
+    return window<T>(values, b * p_.heads + h) + (context_ - cache_.memory) * p_.head_dim;
+  }
+  template <class T = float>
+  const T* compressed_rows(bool values, std::int64_t b, std::int64_t h) const {
+    return window<T>(values, b * p_.heads + h) + (c_.compressed_len - cache_.compressed) * p_.head_dim;
+  }
 
  private:
   // One query tile of a segment: rows r0 … r0 + rows − 1; window rows [lo, lo + cols) are its
@@ -145,34 +164,66 @@ class SegmentAttention final : public Mechanism {
   float* saved_lse(std::int64_t bh, std::int64_t token) {
     return lse_.empty() ? nullptr : lse_.data() + bh * p_.seq_len + token;
   }
+  // T: the element type of q, k, v, out and the windows (float, or bf16 in the bf16 form).
+  template <class T>
   std::int64_t run_heads(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+  template <class T>
   std::int64_t run_lockstep(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
-  // win: the key and value windows [W + L, D] of one (batch, head).
-  void copy_segment(const Tensor& k, const Tensor& v, float* const* win, std::int64_t bh, std::int64_t s0,
+  // win: the key and value windows [W + L, D] of one (batch, head); k, v fp32 or bf16.
+  template <class T>
+  void copy_segment(const Tensor& k, const Tensor& v, T* const* win, std::int64_t bh, std::int64_t s0,
                     std::int64_t rows) const;
   void tile_scores(const float* q, const float* keys, std::int64_t head, const TileGeometry& t, int thread);
-  std::int64_t attend_tile(const float* q, float* out, float* lse, const float* const* win, std::int64_t head,
-                           std::int64_t r0, std::int64_t segment_rows, const SegmentCache& cache, int thread);
-  std::int64_t update_memory(float* const* win, std::int64_t head, std::int64_t segment_rows, const SegmentCache& cache,
+  template <class T>
+  std::int64_t attend_tile(const T* q, T* out, float* lse, const T* const* win, std::int64_t head, std::int64_t r0,
+                           std::int64_t segment_rows, const SegmentCache& cache, int thread);
+  std::int64_t attend_tile_rows(const float* q, float* out, float* lse, const float* const* win, std::int64_t head,
+                                const TileGeometry& t, int thread);
+  template <class T>
+  std::int64_t update_memory(T* const* win, std::int64_t head, std::int64_t segment_rows, const SegmentCache& cache,
                              int thread);
-  void push_compressed(float* window, const float* slots, std::int64_t count, std::int64_t valid) const;
+  template <class T>
+  void push_compressed(T* window, const float* slots, std::int64_t count, std::int64_t valid) const;
   struct Grads {  // the backward's tensors
     const Tensor &q, &k, &v, &out, &dout;
     Tensor &dq, &dk, &dv;
   };
+  // One segment's rows of one (batch, head) as fp32, from its first token: the tensors' own rows
+  // (fp32) or the thread's widened copies and fp32 gradient accumulators (bf16); lse the saved rows.
+  struct SegmentRows {
+    const float *q, *out, *dout, *lse;
+    float *dq, *dk, *dv;
+  };
+  SegmentRows segment_view(const Grads& g, std::int64_t bh, std::int64_t s0, std::int64_t rows, int thread);
+  void store_segment_gradients(const SegmentRows& s, const Grads& g, std::int64_t bh, std::int64_t s0,
+                               std::int64_t rows) const;
   std::int64_t backward_head(const Grads& g, std::int64_t head, int thread);
-  std::int64_t tile_backward(const Grads& g, const float* const* win, std::int64_t bh, std::int64_t s0,
-                             const TileGeometry& t, int thread);
-  std::int64_t reconstruction_backward(const Grads& g, const float* const* win, std::int64_t bh, std::int64_t s0,
+  std::int64_t tile_backward(const SegmentRows& s, const float* const* win, std::int64_t head, const TileGeometry& t,
+                             int thread);
+  std::int64_t reconstruction_backward(const SegmentRows& s, const float* const* win, std::int64_t head,
                                        std::int64_t segment_rows, const SegmentCache& cache, int thread);
-  float* window(bool values, std::int64_t bh);
-  const float* window(bool values, std::int64_t bh) const;
+  template <class T>
+  T* window(bool values, std::int64_t bh) {
+    return elements<T>(windows_) + ((values ? p_.batch * p_.heads : 0) + bh) * rows_ * p_.head_dim;
+  }
+  template <class T>
+  const T* window(bool values, std::int64_t bh) const {
+    return elements<T>(windows_) + ((values ? p_.batch * p_.heads : 0) + bh) * rows_ * p_.head_dim;
+  }
+  // The bf16 form's per-thread fp32 rows: a tile's widened K and V windows [2, W + L, D], then its
+  // query and output rows [2, block, D]; the update's evicted rows reuse the K part.
+  float* tile_window(int thread) { return widened_.data() + thread * widened_.dim(1); }
   // The relative table for distances up to rows − 1 (sinusoid_, relative_keys_, delta_max_).
   void build_relative_table(std::int64_t rows);
   // After a prefill: the decode windows replayed from the context's keys and values.
+  template <class T>
   void load_decode_context(const Tensor& k, const Tensor& v);
-  float* decode_window(bool values, std::int64_t bh) {
-    return decode_windows_.data() + ((values ? p_.batch * p_.heads : 0) + bh) * decode_windows_.dim(2) * p_.head_dim;
+  template <class T>
+  void decode_rows(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+  template <class T>
+  T* decode_window(bool values, std::int64_t bh) {
+    return elements<T>(decode_windows_) +
+           ((values ? p_.batch * p_.heads : 0) + bh) * decode_windows_.dim(2) * p_.head_dim;
   }
 
   Problem p_;
@@ -182,11 +233,13 @@ class SegmentAttention final : public Mechanism {
   SegmentCache cache_;                                                 // after the last forward
   Tensor bias_u_, bias_v_, w_r_, sinusoid_, relative_keys_, conv_weights_;
   Tensor windows_, biased_queries_, scores_, relative_scores_, compressed_slots_;
+  Tensor widened_;  // bf16 form: per thread fp32 rows (tile_window)
   // Backward only: each query row's log-sum-exp [B·H, N] (saved by the forward), per thread replay
   // windows [2, W + L, D], the parameter gradients (d relative keys [H, n_rel, D] on the way to dW_R),
   // per thread dS tiles in the content and relative layouts and the two parts of dQ.
   Tensor lse_, replay_windows_, bias_u_grads_, bias_v_grads_, relative_key_grads_, w_r_grads_;
   Tensor score_grads_, relative_grads_, query_grads_;
+  Tensor widened_segments_;  // bf16 form: per thread q, out, dout, dq, dk, dv of a segment [6, L, D]
   // Conv: the weights' gradient [2, H, c·D, D] (only the reconstruction loss reaches it); with
   // aux_loss, per thread the compressed K, V of the evicted rows and their gradients [4, ⌈L/c⌉, D],
   // score tiles [L, L] (evicted) and [2, L, ⌈L/c⌉] (compressed, and dP/dS), both outputs [2, L, D].

@@ -23,7 +23,10 @@ SegmentAttentionConfig transformer_xl_config(const ParamValues& values) {
 
 template <>
 Implementation implementation<TransformerXlConfig>() {
-  return implement<TransformerXlConfig>();
+  Implementation impl = implement<TransformerXlConfig>();
+  impl.bf16_forward = true;  // storage only (segment_attention.hpp): forward, decode and backward
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb
