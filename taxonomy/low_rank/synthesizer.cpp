@@ -4,6 +4,9 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "lib/core/bf16.hpp"
+#include "lib/core/bf16_rows.hpp"
+#include "lib/core/bf16_softmax.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -11,6 +14,10 @@
 
 namespace xfb {
 namespace {
+
+// The logits' row stride: padded for fp32's sgemm; dense rows in bf16 (oneDNN's bf16 matmul
+// kernels write dense rows; vanilla's choice too).
+std::int64_t logits_ld(const Problem& p) { return p.dtype == DType::BF16 ? p.seq_len : ops::padded_ld(p.seq_len); }
 
 std::int64_t softmax_entries(const Problem& p) {
   return p.causal ? p.seq_len * (p.seq_len + 1) / 2 : p.seq_len * p.seq_len;
@@ -62,7 +69,7 @@ class Synthesizer final : public Mechanism {
       : p_(problem),
         c_(config),
         seed_(seed),
-        ld_(ops::padded_ld(problem.seq_len)),
+        ld_(logits_ld(problem)),
         mix_(static_cast<float>(config.vanilla_weight)) {}
 
   void prepare(const Tensor&, const Tensor&, const Tensor&) override {
@@ -95,9 +102,15 @@ class Synthesizer final : public Mechanism {
       }
     }
     logits_ = Tensor(Shape{bh, n, ld_});
+    if (bf16_form()) {
+      if (c_.variant == SynthesizerVariant::Dense) widened_queries_ = Tensor(Shape{bh, n, d});
+      if (mix_ > 0.0f) ops::prepare_bf16_matmul(scores_shape(), false);
+      ops::prepare_bf16_matmul(output_shape(), true);
+    }
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    if (bf16_form()) return forward_bf16(q, k, v, out);
     const std::int64_t n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
     if (mix_ > 0.0f)
       ops::matmul({.batch = bh,
@@ -110,7 +123,7 @@ class Synthesizer final : public Mechanism {
                   q.data(), k.data(), logits_.data());
     switch (c_.variant) {
       case SynthesizerVariant::Dense:
-        dense_logits(q);
+        dense_logits(q.data());
         break;
       case SynthesizerVariant::Random:
         random_logits();
@@ -137,8 +150,8 @@ class Synthesizer final : public Mechanism {
   // [H, N+T, k]) — the same draws as a model built for N + T tokens (position_draw).
   void prepare_decode(std::int64_t tokens) override {
     const std::int64_t h = p_.heads, d = p_.head_dim, n = p_.seq_len, total = n + tokens, bh = p_.batch * p_.heads;
-    decode_values_ = Tensor(Shape{bh, total, d});
-    if (mix_ > 0.0f) decode_keys_ = Tensor(Shape{bh, total, d});
+    decode_values_ = Tensor(Shape{bh, total, d}, p_.dtype);
+    if (mix_ > 0.0f) decode_keys_ = Tensor(Shape{bh, total, d}, p_.dtype);
     switch (c_.variant) {
       case SynthesizerVariant::Dense:
         decode_synthetic_ = stacked_output_weights(h, d, total, seed_);
@@ -155,9 +168,11 @@ class Synthesizer final : public Mechanism {
       }
     }
     decode_logits_ = Tensor(Shape{bh, ops::padded_ld(total)});
+    if (bf16_form()) decode_queries_ = Tensor(Shape{bh, d});
   }
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    if (bf16_form()) return decode_step_bf16(q, k, v, out);
     const std::int64_t d = p_.head_dim, i = length_, total = decode_values_.dim(1), keys = i + 1;
     if (i >= total) throw std::logic_error("synthesizer: decode step past the prepared capacity");
     std::int64_t flops = 0;
@@ -282,9 +297,19 @@ class Synthesizer final : public Mechanism {
     const std::int64_t h = bh % p_.heads, d = p_.head_dim, n = p_.seq_len, keys = i + 1;
     const std::int64_t total = decode_values_.dim(1);
     std::int64_t flops = 0;
-    if (mix_ > 0.0f)
-      ops::gemm(false, true, 1, keys, d, mix_ / std::sqrt(static_cast<float>(d)), q, d,
-                decode_keys_.data() + bh * total * d, d, 0.0f, logits, keys);
+    const float mix_scale = mix_ / std::sqrt(static_cast<float>(d));
+    if (mix_ > 0.0f && bf16_form()) {  // bf16 keys: exact products summed in fp32
+      const bf16* cached = decode_keys_.bf16_data() + bh * total * d;
+      for (std::int64_t j = 0; j < keys; ++j) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (std::int64_t c = 0; c < d; ++c) dot += q[c] * to_float(cached[j * d + c]);
+        logits[j] = mix_scale * dot;
+      }
+      flops += matmul_flops(1, keys, d);
+    } else if (mix_ > 0.0f) {
+      ops::gemm(false, true, 1, keys, d, mix_scale, q, d, decode_keys_.data() + bh * total * d, d, 0.0f, logits, keys);
+    }
     const float beta = accumulate() ? 1.0f : 0.0f;
     switch (c_.variant) {
       case SynthesizerVariant::Dense: {
@@ -318,6 +343,86 @@ class Synthesizer final : public Mechanism {
     return flops;
   }
 
+  bool bf16_form() const { return p_.dtype == DType::BF16; }
+  ops::MatmulShape scores_shape() const {  // α·Q·Kᵀ/√D into the logits
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    return {.batch = p_.batch * p_.heads,
+            .m = n,
+            .n = n,
+            .k = d,
+            .trans_b = true,
+            .ldc = ld_,
+            .alpha = mix_ / std::sqrt(static_cast<float>(d))};
+  }
+  ops::MatmulShape output_shape() const {  // P·V, P bf16 over the logits' bytes (row stride 2·ld)
+    const std::int64_t n = p_.seq_len;
+    return {.batch = p_.batch * p_.heads, .m = n, .n = p_.head_dim, .k = n, .lda = 2 * ld_, .stride_a = 2 * n * ld_};
+  }
+  const bf16* probabilities() const { return reinterpret_cast<const bf16*>(logits_.data()); }
+
+  // The bf16 form (header of synthesizer.hpp): α·Q·Kᵀ/√D on the bf16 matmul into fp32 logits, the
+  // synthetic logits in fp32 (dense: on the queries widened), softmax in fp32 with P rounded to
+  // bf16 in place, O = P·V on the bf16 matmul rounded to bf16.
+  void forward_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
+    if (mix_ > 0.0f) ops::matmul(scores_shape(), q.bf16_data(), k.bf16_data(), logits_.data());
+    switch (c_.variant) {
+      case SynthesizerVariant::Dense:
+        widen(q.bf16_data(), widened_queries_.data(), q.size());
+        dense_logits(widened_queries_.data());
+        break;
+      case SynthesizerVariant::Random:
+        random_logits();
+        break;
+      case SynthesizerVariant::FactorizedRandom:
+        factorized_logits();
+        break;
+    }
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t r = 0; r < bh * n; ++r)
+      softmax_row_to_bf16(logits_.data() + r * ld_, n, p_.causal ? r % n + 1 : n);
+    FlopCounter::add(bh * kSoftmaxFlopsPerElement * softmax_entries(p_));
+    ops::matmul(output_shape(), probabilities(), v.bf16_data(), out.bf16_data());
+    if (!decode_values_.empty()) {
+      const std::int64_t total = decode_values_.dim(1);
+      for (std::int64_t head = 0; head < bh; ++head) {
+        std::copy_n(v.bf16_data() + head * n * d, n * d, decode_values_.bf16_data() + head * total * d);
+        if (mix_ > 0.0f) std::copy_n(k.bf16_data() + head * n * d, n * d, decode_keys_.bf16_data() + head * total * d);
+      }
+      length_ = n;
+    }
+  }
+
+  // A bf16 step: the cached values (and keys) bf16, the query widened; the logit row and softmax in
+  // fp32, P rounded to bf16 as the forward rounds it, P·V summed in fp32 and rounded once.
+  void decode_step_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    const std::int64_t d = p_.head_dim, i = length_, total = decode_values_.dim(1), keys = i + 1;
+    if (i >= total) throw std::logic_error("synthesizer: decode step past the prepared capacity");
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops)
+    for (std::int64_t bh = 0; bh < p_.batch * p_.heads; ++bh) {
+      bf16* values = decode_values_.bf16_data() + bh * total * d;
+      std::copy_n(v.bf16_data() + bh * d, d, values + i * d);
+      if (mix_ > 0.0f) std::copy_n(k.bf16_data() + bh * d, d, decode_keys_.bf16_data() + (bh * total + i) * d);
+      float* query = decode_queries_.data() + bh * d;
+      widen(q.bf16_data() + bh * d, query, d);
+      float* logits = decode_logits_.data() + bh * decode_logits_.dim(1);
+      flops += step_logits(bh, i, query, logits);
+      const float inverse = 1.0f / ops::exp_and_sum(logits, keys, ops::row_max(logits, keys, logits[0]));
+      float* acc = query;  // the query is no longer needed
+      std::fill(acc, acc + d, 0.0f);
+      for (std::int64_t j = 0; j < keys; ++j) {
+        const float weight = round_to_bf16(logits[j] * inverse);
+#pragma omp simd
+        for (std::int64_t c = 0; c < d; ++c) acc[c] += weight * to_float(values[j * d + c]);
+      }
+      narrow(acc, out.bf16_data() + bh * d, d);
+      flops += kSoftmaxFlopsPerElement * keys + matmul_flops(1, d, keys);
+    }
+    FlopCounter::add(flops);
+    ++length_;
+  }
+
   float synthetic_weight() const { return 1.0f - mix_; }
   bool accumulate() const { return mix_ > 0.0f; }
   float* logits(std::int64_t b, std::int64_t h) { return logits_.data() + (b * p_.heads + h) * p_.seq_len * ld_; }
@@ -333,11 +438,12 @@ class Synthesizer final : public Mechanism {
     return stacked;
   }
 
-  // hidden = [ReLU(Q·W₁ + b₁) | 1]: [B·H, N, D+1];  logits (+)= (1 − α)·hidden·[W₂; b₂].
-  void dense_logits(const Tensor& q) {
+  // hidden = [ReLU(Q·W₁ + b₁) | 1]: [B·H, N, D+1];  logits (+)= (1 − α)·hidden·[W₂; b₂]. q: fp32
+  // [B, H, N, D].
+  void dense_logits(const float* q) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, h = p_.heads, ld = d + 1;
     for (std::int64_t b = 0; b < p_.batch; ++b)
-      ops::matmul({.batch = h, .m = n, .n = d, .k = d, .ldc = ld}, q.head(b, 0), w1_.data(),
+      ops::matmul({.batch = h, .m = n, .n = d, .k = d, .ldc = ld}, q + b * h * n * d, w1_.data(),
                   hidden_.data() + b * h * n * ld);
     const std::int64_t rows = p_.batch * h * n;
 #pragma omp parallel for num_threads(p_.threads) schedule(static)
@@ -477,11 +583,13 @@ class Synthesizer final : public Mechanism {
   std::int64_t ld_;
   float mix_;
   Tensor w1_, b1_, w2_, b2_, w2_with_bias_, hidden_, r_, r1_, r2_, logits_;
+  Tensor widened_queries_;  // bf16 form, dense: Q widened [B·H, N, D]
   // Training only (prepare_backward).
   Tensor logit_grads_, dw1_, db1_, dw2_, db2_, stacked_grads_, hidden_grads_, dr_, dr1_, dr2_;
-  // Decoding only (prepare_decode): caches [B·H, N+T, D], the extended synthesiser parameters,
+  // Decoding only (prepare_decode): caches [B·H, N+T, D] (bf16 in the bf16 form), the extended synthesiser parameters,
   // per head the hidden layer and the logit row.
   Tensor decode_values_, decode_keys_, decode_synthetic_, decode_factor_rows_, decode_hidden_, decode_logits_;
+  Tensor decode_queries_;  // bf16 form: per head the step's query widened (then its fp32 output) [B·H, D]
   std::int64_t length_ = 0;
 };
 
@@ -512,7 +620,8 @@ std::int64_t flops(const Problem& p, const SynthesizerConfig& c) {
 
 std::int64_t decode_workspace(const Problem& p, const SynthesizerConfig& c, std::int64_t tokens) {
   const std::int64_t h = p.heads, d = p.head_dim, n = p.seq_len, total = n + tokens, bh = p.batch * p.heads;
-  std::int64_t floats = bh * total * d * (c.vanilla_weight > 0 ? 2 : 1) + bh * ops::padded_ld(total);
+  const std::int64_t cache_bytes = bh * total * d * (c.vanilla_weight > 0 ? 2 : 1) * element_bytes(p.dtype);
+  std::int64_t floats = bh * ops::padded_ld(total) + (p.dtype == DType::BF16 ? bh * d : 0);
   switch (c.variant) {
     case SynthesizerVariant::Dense:
       floats += h * (d + 1) * total + bh * (d + 1);
@@ -524,15 +633,16 @@ std::int64_t decode_workspace(const Problem& p, const SynthesizerConfig& c, std:
       floats += h * (tokens + total) * c.factor_rank;
       break;
   }
-  return floats * static_cast<std::int64_t>(sizeof(float));
+  return floats * static_cast<std::int64_t>(sizeof(float)) + cache_bytes;
 }
 
 std::int64_t workspace(const Problem& p, const SynthesizerConfig& c) {
   const std::int64_t h = p.heads, n = p.seq_len, d = p.head_dim, bh = p.batch * p.heads;
-  std::int64_t floats = bh * n * ops::padded_ld(n);
+  std::int64_t floats = bh * n * logits_ld(p);
   switch (c.variant) {
     case SynthesizerVariant::Dense:
       floats += h * (d * d + d + d * n + n) + h * (d + 1) * n + bh * n * (d + 1);
+      if (p.dtype == DType::BF16) floats += bh * n * d;  // widened_queries_
       break;
     case SynthesizerVariant::Random:
       floats += h * n * n;
@@ -583,7 +693,9 @@ FieldTable<SynthesizerConfig> config_fields(const SynthesizerConfig*) {
 
 template <>
 Implementation implementation<SynthesizerConfig>() {
-  return implement<SynthesizerConfig>();
+  Implementation impl = implement<SynthesizerConfig>();
+  impl.bf16_forward = true;  // forward and decode; no bf16 backward yet
+  return impl;
 }
 
 }  // namespace xfb

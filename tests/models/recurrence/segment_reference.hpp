@@ -29,7 +29,7 @@ struct Run {
 };
 
 inline Run run_model(const std::string& model, const Problem& p, const AttentionInputs& in,
-              const std::vector<std::string>& params, std::uint64_t seed = 42) {
+                     const std::vector<std::string>& params, std::uint64_t seed = 42) {
   const ModelInfo* info = find_model(model);
   REQUIRE(info != nullptr);
   Run run{info->impl.create(on_test_threads(p), resolve_params(model, info->impl.params, params), seed),
@@ -184,7 +184,7 @@ inline NaiveResult naive_segments(const float* q, const float* k, const float* v
 }
 
 inline HeadParams head_params(const Mechanism& m, const SegmentAttentionConfig& c, std::int64_t heads, std::int64_t h,
-                       std::int64_t d) {
+                              std::int64_t d) {
   const float* conv = c.compression == Compression::Conv ? parameter(m, "conv_weights").data() : nullptr;
   return {parameter(m, "pos_bias_u").data() + h * d, parameter(m, "pos_bias_v").data() + h * d,
           conv ? conv + h * c.rate * d * d : nullptr, conv ? conv + (heads + h) * c.rate * d * d : nullptr,

@@ -82,11 +82,14 @@ void check_forward(const std::string& model, const Problem& p, const std::vector
   const bool rounded_slots = c.compression == Compression::MeanPool || c.compression == Compression::Conv;
   if (rounded_slots) REQUIRE(state.compressed_length() < c.compressed_len);  // no slot was dropped
   double largest_input = 0, largest_weight = 0;
-  for (const Tensor* t : {&in.widened.k, &in.widened.v}) largest_input = std::max(largest_input, max_abs(t->data(), t->size()));
-  if (c.compression == Compression::Conv) largest_weight = max_abs(parameter(*mechanism, "conv_weights").data(), parameter(*mechanism, "conv_weights").size());
-  const double slot_bound = c.compression == Compression::Conv
-                                ? 2 * kFloatEps * double(c.rate * d) * double(c.rate * d) * largest_input * largest_weight
-                                : 2 * kFloatEps * double(c.rate) * largest_input;
+  for (const Tensor* t : {&in.widened.k, &in.widened.v})
+    largest_input = std::max(largest_input, max_abs(t->data(), t->size()));
+  if (c.compression == Compression::Conv)
+    largest_weight =
+        max_abs(parameter(*mechanism, "conv_weights").data(), parameter(*mechanism, "conv_weights").size());
+  const double slot_bound = c.compression == Compression::Conv ? 2 * kFloatEps * double(c.rate * d) *
+                                                                     double(c.rate * d) * largest_input * largest_weight
+                                                               : 2 * kFloatEps * double(c.rate) * largest_input;
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
       const std::string where = label + " b=" + std::to_string(b) + " h=" + std::to_string(h);
@@ -170,9 +173,9 @@ void check_backward(const std::string& model, const Problem& shape, const std::v
 const std::vector<std::string> kXl{"segment_len=16", "memory_len=7", "block_q=5"};
 
 std::vector<std::string> compressive_params(const std::string& f, std::int64_t slots, std::int64_t rate = 3) {
-  return {"segment_len=16",          "memory_len=7",
-          "block_q=5",               "compressed_len=" + std::to_string(slots),
-          "compression=" + f,        "compression_rate=" + std::to_string(rate)};
+  return {"segment_len=16",   "memory_len=7",
+          "block_q=5",        "compressed_len=" + std::to_string(slots),
+          "compression=" + f, "compression_rate=" + std::to_string(rate)};
 }
 
 }  // namespace
