@@ -112,36 +112,11 @@ class Synthesizer final : public Mechanism {
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     if (bf16_form()) return forward_bf16(q, k, v, out);
     const std::int64_t n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
-    if (mix_ > 0.0f)
-      ops::matmul({.batch = bh,
-                   .m = n,
-                   .n = n,
-                   .k = d,
-                   .trans_b = true,
-                   .ldc = ld_,
-                   .alpha = mix_ / std::sqrt(static_cast<float>(d))},
-                  q.data(), k.data(), logits_.data());
-    switch (c_.variant) {
-      case SynthesizerVariant::Dense:
-        dense_logits(q.data());
-        break;
-      case SynthesizerVariant::Random:
-        random_logits();
-        break;
-      case SynthesizerVariant::FactorizedRandom:
-        factorized_logits();
-        break;
-    }
+    if (mix_ > 0.0f) ops::matmul(scores_shape(), q.data(), k.data(), logits_.data());
+    synthetic_logits(q.data());
     ops::softmax_rows_masked(logits_.data(), bh, n, n, ld_, p_.causal);
     ops::matmul({.batch = bh, .m = n, .n = d, .k = n, .lda = ld_}, logits_.data(), v.data(), out.data());
-    if (!decode_values_.empty()) {  // the prefill of a decode: the context's values (and keys)
-      const std::int64_t total = decode_values_.dim(1);
-      for (std::int64_t head = 0; head < bh; ++head) {
-        std::copy_n(v.data() + head * n * d, n * d, decode_values_.data() + head * total * d);
-        if (mix_ > 0.0f) std::copy_n(k.data() + head * n * d, n * d, decode_keys_.data() + head * total * d);
-      }
-      length_ = n;
-    }
+    if (!decode_values_.empty()) load_caches<float>(k, v);  // the prefill of a decode
   }
 
   // Decode: the cached values (and keys when α > 0) of every token, and the synthesiser's
@@ -366,10 +341,21 @@ class Synthesizer final : public Mechanism {
   void forward_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
     if (mix_ > 0.0f) ops::matmul(scores_shape(), q.bf16_data(), k.bf16_data(), logits_.data());
+    if (c_.variant == SynthesizerVariant::Dense) widen(q.bf16_data(), widened_queries_.data(), q.size());
+    synthetic_logits(widened_queries_.empty() ? nullptr : widened_queries_.data());
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t r = 0; r < bh * n; ++r)
+      softmax_row_to_bf16(logits_.data() + r * ld_, n, p_.causal ? r % n + 1 : n);
+    FlopCounter::add(bh * kSoftmaxFlopsPerElement * softmax_entries(p_));
+    ops::matmul(output_shape(), probabilities(), v.bf16_data(), out.bf16_data());
+    if (!decode_values_.empty()) load_caches<bf16>(k, v);
+  }
+
+  // (1 − α)·L_syn into the logits, added to α·Q·Kᵀ/√D when α > 0; q: fp32 [B, H, N, D] (dense only).
+  void synthetic_logits(const float* q) {
     switch (c_.variant) {
       case SynthesizerVariant::Dense:
-        widen(q.bf16_data(), widened_queries_.data(), q.size());
-        dense_logits(widened_queries_.data());
+        dense_logits(q);
         break;
       case SynthesizerVariant::Random:
         random_logits();
@@ -378,19 +364,17 @@ class Synthesizer final : public Mechanism {
         factorized_logits();
         break;
     }
-#pragma omp parallel for num_threads(p_.threads) schedule(static)
-    for (std::int64_t r = 0; r < bh * n; ++r)
-      softmax_row_to_bf16(logits_.data() + r * ld_, n, p_.causal ? r % n + 1 : n);
-    FlopCounter::add(bh * kSoftmaxFlopsPerElement * softmax_entries(p_));
-    ops::matmul(output_shape(), probabilities(), v.bf16_data(), out.bf16_data());
-    if (!decode_values_.empty()) {
-      const std::int64_t total = decode_values_.dim(1);
-      for (std::int64_t head = 0; head < bh; ++head) {
-        std::copy_n(v.bf16_data() + head * n * d, n * d, decode_values_.bf16_data() + head * total * d);
-        if (mix_ > 0.0f) std::copy_n(k.bf16_data() + head * n * d, n * d, decode_keys_.bf16_data() + head * total * d);
-      }
-      length_ = n;
+  }
+
+  // The prefill of a decode: the context's values (and keys) into the caches (T: their type).
+  template <class T>
+  void load_caches(const Tensor& k, const Tensor& v) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, total = decode_values_.dim(1);
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      std::copy_n(elements<T>(v) + head * n * d, n * d, elements<T>(decode_values_) + head * total * d);
+      if (mix_ > 0.0f) std::copy_n(elements<T>(k) + head * n * d, n * d, elements<T>(decode_keys_) + head * total * d);
     }
+    length_ = n;
   }
 
   // A bf16 step: the cached values (and keys) bf16, the query widened; the logit row and softmax in

@@ -17,7 +17,7 @@ struct Logits {
 };
 
 inline Logits synthesizer_logits(const MechanismRun& run, const std::string& variant, double mix, const float* q,
-                          const float* k, std::int64_t head, std::int64_t n, std::int64_t d) {
+                                 const float* k, std::int64_t head, std::int64_t n, std::int64_t d) {
   Logits l{std::vector<double>(static_cast<std::size_t>(n * n)), std::vector<double>(static_cast<std::size_t>(n * n))};
   std::vector<double> hidden(static_cast<std::size_t>(n * d)), hidden_terms(static_cast<std::size_t>(n * d));
   if (variant == "dense") {
@@ -70,7 +70,8 @@ inline Logits synthesizer_logits(const MechanismRun& run, const std::string& var
   return l;
 }
 
-inline std::vector<double> softmax_times_v(const Logits& l, const float* v, std::int64_t n, std::int64_t d, bool causal) {
+inline std::vector<double> softmax_times_v(const Logits& l, const float* v, std::int64_t n, std::int64_t d,
+                                           bool causal) {
   std::vector<double> out(static_cast<std::size_t>(n * d), 0.0);
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t valid = causal ? i + 1 : n;

@@ -34,10 +34,10 @@ void check_case(const std::string& variant, double mix, const Problem& p, std::u
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
       const float* v = in.widened.v.head(b, h);
-      const Logits logits = synthesizer_logits(run, variant, mix, in.widened.q.head(b, h), in.widened.k.head(b, h), h,
-                                               n, d);
-      const double bound = 2 * kBf16Roundoff * (1 + kBf16Roundoff) * max_abs_of(v, n * d) +
-                           logits_tolerance(logits, v, n, d);
+      const Logits logits =
+          synthesizer_logits(run, variant, mix, in.widened.q.head(b, h), in.widened.k.head(b, h), h, n, d);
+      const double bound =
+          2 * kBf16Roundoff * (1 + kBf16Roundoff) * max_abs_of(v, n * d) + logits_tolerance(logits, v, n, d);
       check_bf16_elements(
           got.head(b, h), softmax_times_v(logits, v, n, d, p.causal), n * d, [&](std::int64_t) { return bound; },
           label + " b=" + std::to_string(b) + " h=" + std::to_string(h));
