@@ -339,7 +339,7 @@ class Synthesizer final : public Mechanism {
   // synthetic logits in fp32 (dense: on the queries widened), softmax in fp32 with P rounded to
   // bf16 in place, O = P·V on the bf16 matmul rounded to bf16.
   void forward_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
+    const std::int64_t n = p_.seq_len, bh = p_.batch * p_.heads;
     if (mix_ > 0.0f) ops::matmul(scores_shape(), q.bf16_data(), k.bf16_data(), logits_.data());
     if (c_.variant == SynthesizerVariant::Dense) widen(q.bf16_data(), widened_queries_.data(), q.size());
     synthetic_logits(widened_queries_.empty() ? nullptr : widened_queries_.data());
