@@ -214,12 +214,22 @@ class Synthesizer final : public Mechanism {
         dr2_ = Tensor(r2_.shape());
         break;
     }
+    if (bf16_form()) {
+      if (c_.variant == SynthesizerVariant::Dense) query_grads_ = Tensor(Shape{bh, n, d});
+      ops::prepare_bf16_matmul(value_grad_shape(), true);
+      ops::prepare_bf16_matmul(probability_grad_shape(), false);
+      if (accumulate()) {
+        ops::prepare_bf16_matmul(query_grad_shape(), c_.variant != SynthesizerVariant::Dense);
+        ops::prepare_bf16_matmul(key_grad_shape(), true);
+      }
+    }
   }
 
   // Softmax attention's backward from the saved P to dL (the logits' gradient), then dL through
   // α·Q·Kᵀ/√D and (1 − α)·L_syn to Q, K and the synthesiser's parameters (summed over the batch).
   void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor& dout, Tensor& dq,
                 Tensor& dk, Tensor& dv) override {
+    if (bf16_form()) return backward_bf16(q, k, v, dout, dq, dk, dv);
     const std::int64_t n = p_.seq_len, d = p_.head_dim, bh = p_.batch * p_.heads;
     ops::matmul({.batch = bh, .m = n, .n = d, .k = n, .trans_a = true, .lda = ld_}, logits_.data(), dout.data(),
                 dv.data());
@@ -238,7 +248,7 @@ class Synthesizer final : public Mechanism {
     }
     switch (c_.variant) {
       case SynthesizerVariant::Dense:
-        dense_backward(q, dq);
+        dense_backward(q.data(), dq.data(), accumulate());
         break;
       case SynthesizerVariant::Random:
         random_backward();
@@ -334,6 +344,91 @@ class Synthesizer final : public Mechanism {
     return {.batch = p_.batch * p_.heads, .m = n, .n = p_.head_dim, .k = n, .lda = 2 * ld_, .stride_a = 2 * n * ld_};
   }
   const bf16* probabilities() const { return reinterpret_cast<const bf16*>(logits_.data()); }
+  // The bf16 backward's products (P and dS bf16 over their fp32 buffers, row stride 2·ld): dV = Pᵀ·dO,
+  // dP = dO·Vᵀ (fp32), dQ (+)= α/√D·dS·K (fp32 into the dense form's accumulator, else bf16), dK =
+  // α/√D·dSᵀ·Q.
+  ops::MatmulShape value_grad_shape() const {
+    const std::int64_t n = p_.seq_len;
+    return {.batch = p_.batch * p_.heads,
+            .m = n,
+            .n = p_.head_dim,
+            .k = n,
+            .trans_a = true,
+            .lda = 2 * ld_,
+            .stride_a = 2 * n * ld_};
+  }
+  ops::MatmulShape probability_grad_shape() const {
+    return {
+        .batch = p_.batch * p_.heads, .m = p_.seq_len, .n = p_.seq_len, .k = p_.head_dim, .trans_b = true, .ldc = ld_};
+  }
+  ops::MatmulShape query_grad_shape() const {
+    const std::int64_t n = p_.seq_len;
+    return {.batch = p_.batch * p_.heads,
+            .m = n,
+            .n = p_.head_dim,
+            .k = n,
+            .lda = 2 * ld_,
+            .stride_a = 2 * n * ld_,
+            .alpha = mix_ / std::sqrt(static_cast<float>(p_.head_dim)),
+            .accumulate = c_.variant == SynthesizerVariant::Dense};
+  }
+  ops::MatmulShape key_grad_shape() const {
+    ops::MatmulShape shape = query_grad_shape();
+    shape.trans_a = true;
+    shape.accumulate = false;
+    return shape;
+  }
+
+  // The bf16 backward (synthesizer.hpp): dV and dP on the bf16 matmul from the saved bf16 P; dL =
+  // P·(dP − Σ P·dP) in fp32, which feeds the synthesiser's parameter gradients as in fp32 (dense: on
+  // Q widened, dQ's part into an fp32 accumulator); then, α > 0, dL rounded to bf16 in place for
+  // dQ and dK on the bf16 matmul. dq, dk, dv are rounded once.
+  void backward_bf16(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout, Tensor& dq, Tensor& dk,
+                     Tensor& dv) {
+    const std::int64_t n = p_.seq_len, bh = p_.batch * p_.heads;
+    ops::matmul(value_grad_shape(), probabilities(), dout.bf16_data(), dv.bf16_data());
+    ops::matmul(probability_grad_shape(), dout.bf16_data(), v.bf16_data(), logit_grads_.data());
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+    for (std::int64_t r = 0; r < bh * n; ++r) {
+      const std::int64_t valid = p_.causal ? r % n + 1 : n;
+      const bf16* p = probabilities() + r * 2 * ld_;
+      float* grad = logit_grads_.data() + r * ld_;
+      float delta = 0.0f;
+      for (std::int64_t j = 0; j < valid; ++j) delta += to_float(p[j]) * grad[j];
+#pragma omp simd
+      for (std::int64_t j = 0; j < valid; ++j) grad[j] = to_float(p[j]) * (grad[j] - delta);
+      std::fill(grad + valid, grad + n, 0.0f);
+    }
+    FlopCounter::add(bh * kSoftmaxBackwardFlopsPerElement * softmax_entries(p_));
+    const bool dense = c_.variant == SynthesizerVariant::Dense;
+    switch (c_.variant) {
+      case SynthesizerVariant::Dense:
+        widen(q.bf16_data(), widened_queries_.data(), q.size());
+        dense_backward(widened_queries_.data(), query_grads_.data(), false);
+        break;
+      case SynthesizerVariant::Random:
+        random_backward();
+        break;
+      case SynthesizerVariant::FactorizedRandom:
+        factorized_backward();
+        break;
+    }
+    if (accumulate()) {
+#pragma omp parallel for num_threads(p_.threads) schedule(static)
+      for (std::int64_t r = 0; r < bh * n; ++r)
+        round_row_in_place(logit_grads_.data() + r * ld_, n, [](std::int64_t, float x) { return x; });
+      const auto* score_grads = reinterpret_cast<const bf16*>(logit_grads_.data());
+      if (dense)
+        ops::matmul(query_grad_shape(), score_grads, k.bf16_data(), query_grads_.data());
+      else
+        ops::matmul(query_grad_shape(), score_grads, k.bf16_data(), dq.bf16_data());
+      ops::matmul(key_grad_shape(), score_grads, q.bf16_data(), dk.bf16_data());
+    } else {
+      std::fill_n(dk.bf16_data(), dk.size(), bf16{});
+      if (!dense) std::fill_n(dq.bf16_data(), dq.size(), bf16{});
+    }
+    if (dense) narrow(query_grads_.data(), dq.bf16_data(), dq.size());
+  }
 
   // The bf16 form (header of synthesizer.hpp): α·Q·Kᵀ/√D on the bf16 matmul into fp32 logits, the
   // synthetic logits in fp32 (dense: on the queries widened), softmax in fp32 with P rounded to
@@ -480,8 +575,8 @@ class Synthesizer final : public Mechanism {
   }
 
   // d[W₂; b₂] = (1 − α)·Σ_b hiddenᵀ·dL;  d hidden = (1 − α)·dL·[W₂; b₂]ᵀ, masked by the ReLU;
-  // db₁ = Σ rows of it, dW₁ = Σ_b Qᵀ·it, dQ += it·W₁ᵀ.
-  void dense_backward(const Tensor& q, Tensor& dq) {
+  // db₁ = Σ rows of it, dW₁ = Σ_b Qᵀ·it, dQ (+)= it·W₁ᵀ (added with add_to_dq). q, dq: fp32 [B, H, N, D].
+  void dense_backward(const float* q, float* dq, bool add_to_dq) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, h = p_.heads, ld = d + 1;
     for (std::int64_t b = 0; b < p_.batch; ++b) {
       const float* logit_grads = logit_grads_.data() + b * h * n * ld_;
@@ -514,10 +609,10 @@ class Synthesizer final : public Mechanism {
       for (std::int64_t c = 0; c < d; ++c) bias[c] += grad[c];
     }
     for (std::int64_t b = 0; b < p_.batch; ++b) {
-      ops::matmul({.batch = h, .m = d, .n = d, .k = n, .trans_a = true, .ldb = ld, .accumulate = b > 0}, q.head(b, 0),
-                  hidden_grads_.data() + b * h * n * ld, dw1_.data());
-      ops::matmul({.batch = h, .m = n, .n = d, .k = d, .trans_b = true, .lda = ld, .accumulate = accumulate()},
-                  hidden_grads_.data() + b * h * n * ld, w1_.data(), dq.head(b, 0));
+      ops::matmul({.batch = h, .m = d, .n = d, .k = n, .trans_a = true, .ldb = ld, .accumulate = b > 0},
+                  q + b * h * n * d, hidden_grads_.data() + b * h * n * ld, dw1_.data());
+      ops::matmul({.batch = h, .m = n, .n = d, .k = d, .trans_b = true, .lda = ld, .accumulate = add_to_dq},
+                  hidden_grads_.data() + b * h * n * ld, w1_.data(), dq + b * h * n * d);
     }
     for (std::int64_t head = 0; head < h; ++head) {
       std::copy_n(stacked_grads_.data() + head * ld * n, d * n, dw2_.data() + head * d * n);
@@ -570,6 +665,7 @@ class Synthesizer final : public Mechanism {
   Tensor widened_queries_;  // bf16 form, dense: Q widened [B·H, N, D]
   // Training only (prepare_backward).
   Tensor logit_grads_, dw1_, db1_, dw2_, db2_, stacked_grads_, hidden_grads_, dr_, dr1_, dr2_;
+  Tensor query_grads_;  // bf16 form, dense: dQ accumulated in fp32 [B·H, N, D]
   // Decoding only (prepare_decode): caches [B·H, N+T, D] (bf16 in the bf16 form), the extended synthesiser parameters,
   // per head the hidden layer and the logit row.
   Tensor decode_values_, decode_keys_, decode_synthetic_, decode_factor_rows_, decode_hidden_, decode_logits_;
@@ -660,7 +756,8 @@ std::int64_t backward_flops(const Problem& p, const SynthesizerConfig& c) {
 }
 
 // The gradients mirror the forward's buffers: dL as the logits, each parameter's gradient as the
-// parameter, and (dense) the stacked [W₂; b₂] and hidden-layer gradients as those buffers.
+// parameter, and (dense) the stacked [W₂; b₂] and hidden-layer gradients as those buffers; bf16
+// dense: dQ's fp32 accumulator as the widened queries.
 std::int64_t backward_workspace(const Problem& p, const SynthesizerConfig& c) { return workspace(p, c); }
 
 FieldTable<SynthesizerConfig> config_fields(const SynthesizerConfig*) {
@@ -678,7 +775,8 @@ FieldTable<SynthesizerConfig> config_fields(const SynthesizerConfig*) {
 template <>
 Implementation implementation<SynthesizerConfig>() {
   Implementation impl = implement<SynthesizerConfig>();
-  impl.bf16_forward = true;  // forward and decode; no bf16 backward yet
+  impl.bf16_forward = true;  // forward and decode
+  impl.bf16_backward = true;
   return impl;
 }
 

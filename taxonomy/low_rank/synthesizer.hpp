@@ -32,12 +32,15 @@
 // draws of a model built for N + T tokens: dense "w2_b2" [H, D+1, N+T] (rows 0 … D−1 W₂, row D b₂;
 // with w1 and b1 of parameters()); random "r_decoded_rows" [H, T, N+T] (R's rows N … N+T−1);
 // factorized "r1_decoded_rows" [H, T, k] (R₁'s rows N … N+T−1) and "r2" [H, N+T, k] (R₂ whole).
-// bf16 (--dtype bf16; forward and decode, no backward yet): q, k, v, out and the decode caches bf16;
+// bf16 (--dtype bf16; forward, backward, decode): q, k, v, out, the gradients and the caches bf16;
 // α·Q·Kᵀ/√D on oneDNN's bf16 matmul into fp32 logits (dense rows, ld = N), the synthetic logits in
 // fp32 from the fp32 parameters (dense: Q widened, [B·H, N, D] floats more), softmax in fp32 with P
 // rounded to bf16 over the logits' own bytes, O = P·V on the bf16 matmul, rounded once. A step: the
-// same logit row in fp32 on the bf16 cache, P rounded to bf16, P·V summed in fp32. FLOPs as fp32;
-// its error that of softmax attention in bf16 (tests/support/bf16_check.hpp) on the logits' fp32 error.
+// same logit row in fp32 on the bf16 cache, P rounded to bf16, P·V summed in fp32. Backward: dV =
+// Pᵀ·dO and dP = dO·Vᵀ on the bf16 matmul from the saved bf16 P, dL = P·(dP − Σ P·dP) in fp32 for the
+// synthesiser's (fp32) parameter gradients (dense: Q widened, dQ's part in an fp32 accumulator
+// [B·H, N, D]), then dL rounded to bf16 in place for dQ, dK on the bf16 matmul. FLOPs as fp32; its
+// error that of softmax attention in bf16 (tests/support/bf16_check.hpp) on the logits' fp32 error.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
