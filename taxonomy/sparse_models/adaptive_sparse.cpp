@@ -3,11 +3,13 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
 #include <stdexcept>
 #include <string>
 
+#include "lib/core/bf16.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -229,6 +231,11 @@ std::int64_t block_columns(const Problem& p, std::int64_t q0, std::int64_t rows)
 }
 std::int64_t valid_keys(const Problem& p, std::int64_t i) { return p.causal ? i + 1 : p.seq_len; }
 
+// The bf16 form's fp32 rows per thread in the forward: a head's K and V, a block's q and output.
+std::int64_t bf16_forward_floats(const Problem& p, const AdaptiveSparseConfig& c) {
+  return 2 * p.seq_len * p.head_dim + 2 * c.block_q * p.head_dim;
+}
+
 // Σ over the rows of [q0, q0 + rows) of the keys they see.
 std::int64_t block_valid(const Problem& p, std::int64_t q0, std::int64_t rows) {
   return p.causal ? rows * q0 + rows * (rows + 1) / 2 : rows * p.seq_len;
@@ -261,6 +268,7 @@ class AdaptiveSparse final : public Mechanism {
     ld_ = ops::padded_ld(p_.seq_len);
     scores_ = Tensor(Shape{p_.threads, c_.block_q, ld_});
     candidates_ = Tensor(Shape{p_.threads, p_.seq_len});
+    if (bf16_form()) widened_ = Tensor(Shape{p_.threads, bf16_forward_floats(p_, c_)});
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
@@ -276,9 +284,10 @@ class AdaptiveSparse final : public Mechanism {
         const std::int64_t head = task / blocks;
         // Causal blocks near the end of a head are the longest: start them first.
         const std::int64_t block = p_.causal ? blocks - 1 - task % blocks : task % blocks;
-        const std::int64_t offset = head * n * d;
-        flops += query_block(head, q.data() + offset, k.data() + offset, v.data() + offset, out.data() + offset,
-                             block * c_.block_q, thread);
+        const std::int64_t offset = head * n * d, q0 = block * c_.block_q;
+        flops += bf16_form() ? widened_block(head, q, k, v, out, q0, thread)
+                             : query_block(head, q.data() + offset + q0 * d, k.data() + offset, v.data() + offset,
+                                           out.data() + offset + q0 * d, q0, thread);
       }
     }
     FlopCounter::add(flops);
@@ -294,6 +303,7 @@ class AdaptiveSparse final : public Mechanism {
   void prepare_backward() override {
     thresholds_ = Tensor(Shape{p_.batch * p_.heads * p_.seq_len});
     score_grads_ = Tensor(Shape{p_.threads, c_.block_q, ld_});
+    if (bf16_form()) widened_heads_ = Tensor(Shape{p_.threads, 7, p_.seq_len, p_.head_dim});
     if (c_.learn_alpha) {
       dalpha_logit_ = Tensor(Shape{p_.heads});
       alpha_partials_ = Tensor(Shape{p_.batch * p_.heads});
@@ -310,6 +320,10 @@ class AdaptiveSparse final : public Mechanism {
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t head = 0; head < heads; ++head) {
         const std::int64_t offset = head * n * d;
+        if (bf16_form()) {
+          flops += widened_head_backward(head, {&q, &k, &v, &dout}, {&dq, &dk, &dv}, thread);
+          continue;
+        }
         flops += head_backward(head,
                                {q.data() + offset, k.data() + offset, v.data() + offset, dout.data() + offset,
                                 dq.data() + offset, dk.data() + offset, dv.data() + offset},
@@ -337,13 +351,15 @@ class AdaptiveSparse final : public Mechanism {
 
   void prepare_decode(std::int64_t tokens) override {
     const std::int64_t heads = p_.batch * p_.heads, capacity = p_.seq_len + tokens;
-    cache_ = KvCache(heads, capacity, p_.head_dim);
+    cache_ = KvCache(heads, capacity, p_.head_dim, p_.dtype);
     step_scores_ = Tensor(Shape{heads, ops::padded_ld(capacity)});
     step_candidates_ = Tensor(Shape{heads, capacity});
+    if (bf16_form()) step_rows_ = Tensor(Shape{heads, 2, p_.head_dim});
   }
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     if (length_ >= cache_.capacity()) throw std::logic_error("adaptive-sparse: decode step past the prepared capacity");
+    if (bf16_form()) return decode_step_bf16(q, k, v, out);
     const std::int64_t d = p_.head_dim, keys = length_ + 1, ld = step_scores_.dim(1);
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     // The step reads every head's cached K and V once; below kParallelStepFloats a team costs more than it saves.
@@ -376,6 +392,82 @@ class AdaptiveSparse final : public Mechanism {
     float *dq, *dk, *dv;
   };
 
+  bool bf16_form() const { return p_.dtype == DType::BF16; }
+
+  // The bf16 form (adaptive_sparse.hpp): one block with the head's visible K, V rows and the
+  // block's q rows widened into the thread's fp32 rows (bf16_forward_floats), the output rounded once.
+  std::int64_t widened_block(std::int64_t head, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
+                             std::int64_t q0, int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, rows = std::min(c_.block_q, n - q0);
+    const std::int64_t cols = block_columns(p_, q0, rows), offset = head * n * d;
+    float* keys = widened_.data() + thread * widened_.dim(1);
+    float* values = keys + n * d;
+    float* queries = values + n * d;
+    float* outputs = queries + c_.block_q * d;
+    widen(k.bf16_data() + offset, keys, cols * d);
+    widen(v.bf16_data() + offset, values, cols * d);
+    widen(q.bf16_data() + offset + q0 * d, queries, rows * d);
+    const std::int64_t flops = query_block(head, queries, keys, values, outputs, q0, thread);
+    narrow(outputs, out.bf16_data() + offset + q0 * d, rows * d);
+    return flops;
+  }
+
+  // The bf16 backward of one head: its q, k, v, dO widened, the fp32 backward into the thread's
+  // fp32 dQ, dK, dV, each rounded once.
+  std::int64_t widened_head_backward(std::int64_t head, const std::array<const Tensor*, 4>& inputs,
+                                     const std::array<Tensor*, 3>& grads, int thread) {
+    const std::int64_t size = p_.seq_len * p_.head_dim, offset = head * size;
+    float* rows = widened_heads_.data() + thread * 7 * size;
+    for (std::size_t t = 0; t < inputs.size(); ++t)
+      widen(inputs[t]->bf16_data() + offset, rows + static_cast<std::int64_t>(t) * size, size);
+    const std::int64_t flops = head_backward(
+        head, {rows, rows + size, rows + 2 * size, rows + 3 * size, rows + 4 * size, rows + 5 * size, rows + 6 * size},
+        thread);
+    for (std::size_t t = 0; t < grads.size(); ++t)
+      narrow(rows + static_cast<std::int64_t>(4 + t) * size, grads[t]->bf16_data() + offset, size);
+    return flops;
+  }
+
+  // A bf16 step: the key and value appended to the bf16 cache; scores and entmax in fp32 on the
+  // widened query, P·V summed in fp32 over the bf16 rows and rounded once.
+  void decode_step_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    const std::int64_t d = p_.head_dim, keys = length_ + 1, ld = step_scores_.dim(1);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const bool parallel = 2 * p_.batch * p_.heads * keys * d >= kParallelStepFloats;
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops) if (parallel)
+    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
+      cache_.store(head, length_, k.bf16_data() + head * d, v.bf16_data() + head * d, 1);
+      const double alpha = alpha_[head % p_.heads];
+      float* scores = step_scores_.data() + head * ld;
+      float* query = step_rows_.data() + head * 2 * d;
+      float* acc = query + d;
+      widen(q.bf16_data() + head * d, query, d);
+      const bf16* cached_keys = cache_.keys<bf16>(head);
+      const bf16* cached_values = cache_.values<bf16>(head);
+      for (std::int64_t j = 0; j < keys; ++j) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (std::int64_t c = 0; c < d; ++c) dot += query[c] * to_float(cached_keys[j * d + c]);
+        scores[j] = dot * scale;
+      }
+      const float theta =
+          entmax_threshold(scores, keys, alpha, sorts(alpha), step_candidates_.data() + head * step_candidates_.dim(1));
+      entmax_probabilities(scores, keys, alpha, theta, scores);
+      std::fill(acc, acc + d, 0.0f);
+      for (std::int64_t j = 0; j < keys; ++j) {
+        if (scores[j] == 0.0f) continue;  // off the support: adds nothing (its FLOPs are counted all the same)
+        const float weight = scores[j];
+#pragma omp simd
+        for (std::int64_t c = 0; c < d; ++c) acc[c] += weight * to_float(cached_values[j * d + c]);
+      }
+      narrow(acc, out.bf16_data() + head * d, d);
+      flops += kEntmaxFlopsPerElement * keys + 2 * matmul_flops(1, keys, d);
+    }
+    FlopCounter::add(flops);
+    ++length_;
+  }
+
   bool sorts(double alpha) const { return c_.algorithm == EntmaxAlgorithm::Auto && (alpha == 1.5 || alpha == 2.0); }
 
   void update_alphas() {
@@ -402,16 +494,17 @@ class AdaptiveSparse final : public Mechanism {
     }
   }
 
-  // Rows [q0, q0 + block_q) of one head. Returns the FLOPs it executed outside oneDNN.
+  // Rows [q0, q0 + block_q) of one head: q and out point at row q0, k and v at the head's row 0.
+  // Returns the FLOPs it executed outside oneDNN.
   std::int64_t query_block(std::int64_t head, const float* q, const float* k, const float* v, float* out,
                            std::int64_t q0, int thread) {
     const std::int64_t d = p_.head_dim, rows = std::min(c_.block_q, p_.seq_len - q0);
     const std::int64_t cols = block_columns(p_, q0, rows);
     float* scores = scores_.data() + thread * c_.block_q * ld_;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    ops::gemm(false, true, rows, cols, d, scale, q + q0 * d, d, k, d, 0.0f, scores, ld_);
+    ops::gemm(false, true, rows, cols, d, scale, q, d, k, d, 0.0f, scores, ld_);
     entmax_rows(head, q0, rows, cols, scores, thread, false);
-    ops::gemm(false, false, rows, d, cols, 1.0f, scores, ld_, v, d, 0.0f, out + q0 * d, d);
+    ops::gemm(false, false, rows, d, cols, 1.0f, scores, ld_, v, d, 0.0f, out, d);
     return kEntmaxFlopsPerElement * block_valid(p_, q0, rows);
   }
 
@@ -487,6 +580,9 @@ class AdaptiveSparse final : public Mechanism {
   KvCache cache_;               // decode: every token's keys and values, [B·H, N + T, D] each
   Tensor step_scores_;          // decode: a score row per head, [B·H, padded(N + T)]
   Tensor step_candidates_;      // decode: a candidate buffer per head, [B·H, N + T]
+  Tensor step_rows_;            // bf16 decode: per head the widened query and the fp32 output, [B·H, 2, D]
+  Tensor widened_;              // bf16: per thread bf16_forward_floats
+  Tensor widened_heads_;        // bf16 training: per thread a head's q, k, v, dO, dQ, dK, dV, [7, N, D]
   std::int64_t length_ = 0;     // decode: tokens in the cache
 };
 
@@ -507,7 +603,8 @@ std::int64_t flops(const Problem& p, const AdaptiveSparseConfig& c) {
 
 std::int64_t workspace(const Problem& p, const AdaptiveSparseConfig& c) {
   const std::int64_t parameters = c.learn_alpha ? 2 * p.heads : p.heads;
-  return (parameters + p.threads * (c.block_q * ops::padded_ld(p.seq_len) + p.seq_len)) * kFloat;
+  const std::int64_t widened = p.dtype == DType::BF16 ? p.threads * bf16_forward_floats(p, c) : 0;
+  return (parameters + p.threads * (c.block_q * ops::padded_ld(p.seq_len) + p.seq_len) + widened) * kFloat;
 }
 
 std::int64_t backward_flops(const Problem& p, const AdaptiveSparseConfig& c) {
@@ -522,12 +619,15 @@ std::int64_t backward_flops(const Problem& p, const AdaptiveSparseConfig& c) {
 
 std::int64_t backward_workspace(const Problem& p, const AdaptiveSparseConfig& c) {
   const std::int64_t alpha = c.learn_alpha ? p.heads + p.batch * p.heads : 0;
-  return (p.batch * p.heads * p.seq_len + p.threads * c.block_q * ops::padded_ld(p.seq_len) + alpha) * kFloat;
+  const std::int64_t widened = p.dtype == DType::BF16 ? p.threads * 7 * p.seq_len * p.head_dim : 0;
+  return (p.batch * p.heads * p.seq_len + p.threads * c.block_q * ops::padded_ld(p.seq_len) + alpha + widened) * kFloat;
 }
 
 std::int64_t decode_workspace(const Problem& p, const AdaptiveSparseConfig&, std::int64_t tokens) {
   const std::int64_t heads = p.batch * p.heads, capacity = p.seq_len + tokens;
-  return KvCache::bytes(heads, capacity, p.head_dim) + heads * (ops::padded_ld(capacity) + capacity) * kFloat;
+  const std::int64_t step_rows = p.dtype == DType::BF16 ? heads * 2 * p.head_dim : 0;
+  return KvCache::bytes(heads, capacity, p.head_dim, p.dtype) +
+         (heads * (ops::padded_ld(capacity) + capacity) + step_rows) * kFloat;
 }
 
 FieldTable<AdaptiveSparseConfig> config_fields(const AdaptiveSparseConfig*) {
@@ -544,7 +644,10 @@ FieldTable<AdaptiveSparseConfig> config_fields(const AdaptiveSparseConfig*) {
 
 template <>
 Implementation implementation<AdaptiveSparseConfig>() {
-  return implement<AdaptiveSparseConfig>();
+  Implementation impl = implement<AdaptiveSparseConfig>();
+  impl.bf16_forward = true;  // storage only (adaptive_sparse.hpp): forward, decode and backward
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

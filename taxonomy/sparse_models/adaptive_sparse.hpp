@@ -56,6 +56,12 @@
 // Decode: a KV cache of every token ([B·H, N + T, D] each, the state); a step appends its key and
 // value and computes one row of entmax over the cache: 4·L·D + 5·L FLOPs per head for L cached
 // tokens (O(N) per token).
+// bf16 (--dtype bf16; storage only, any D): q, k, v, out, the gradients and the KV cache bf16; each
+// task widens its head's visible K and V rows and its block's q rows into the thread's fp32 rows
+// (2·N·D + 2·block_q·D floats), computes as above in fp32 (the entmax on fp32 scores) and rounds
+// the output once; the backward widens a head's q, k, v, dO (7·N·D floats per thread with its fp32
+// dQ, dK, dV, rounded once); a step reads the bf16 cache in fp32 dot products. The error is the fp32
+// form's on the bf16 inputs plus the output's rounding; its speed about fp32's.
 #include <cstdint>
 
 #include "lib/core/config_table.hpp"
