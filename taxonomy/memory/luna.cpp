@@ -3,8 +3,10 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
+#include "lib/core/bf16.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -164,9 +166,11 @@ class Luna final : public Mechanism {
       unpack_scores_ = Tensor(Shape{threads, c_.chunk, l_});
       vectors_ = Tensor(Shape{threads, 2, l_});
     }
+    if (bf16_form()) widened_ = Tensor(Shape{threads, 4, p_.seq_len, d});
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
+    if (bf16_form()) return widened_forward(q, k, v, out);
     if (p_.causal)
       causal_forward(q, k, v, out);
     else
@@ -187,6 +191,7 @@ class Luna final : public Mechanism {
       saved_unpack_ = Tensor(Shape{bh, n, l_});
       packed_grads_ = Tensor(Shape{p_.threads, l_, d});
     }
+    if (bf16_form()) widened_gradients_ = Tensor(Shape{p_.threads, 7, n, d});
   }
 
   std::vector<NamedTensor> saved() const override {
@@ -207,6 +212,10 @@ class Luna final : public Mechanism {
       std::fill(d_projected, d_projected + ld, 0.0f);
       for (std::int64_t b = 0; b < p_.batch; ++b) {
         const std::int64_t bh = b * p_.heads + head, at = bh * nd;
+        if (bf16_form()) {
+          flops += widened_backward(bh, {&q, &k, &v, &dout}, {&dq, &dk, &dv}, d_projected, thread);
+          continue;
+        }
         const Rows rows{q.data() + at, k.data() + at, v.data() + at};
         const Grads grads{dout.data() + at, dq.data() + at, dk.data() + at, dv.data() + at, d_projected};
         flops += p_.causal ? causal_backward(bh, rows, grads, thread) : noncausal_backward(bh, rows, grads, thread);
@@ -217,8 +226,8 @@ class Luna final : public Mechanism {
 
   void prepare_decode(std::int64_t) override {
     if (!p_.causal) throw std::logic_error("luna: decoding needs a causal problem");
-    decode_keys_ = Tensor(Shape{p_.batch * p_.heads, l_, p_.head_dim});
-    decode_values_ = Tensor(Shape{p_.batch * p_.heads, l_, p_.head_dim});
+    decode_keys_ = Tensor(Shape{p_.batch * p_.heads, l_, p_.head_dim}, p_.dtype);
+    decode_values_ = Tensor(Shape{p_.batch * p_.heads, l_, p_.head_dim}, p_.dtype);
   }
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
@@ -230,16 +239,12 @@ class Luna final : public Mechanism {
 #pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops) if (parallel)
     for (std::int64_t bh = 0; bh < tasks; ++bh) {
       const int thread = omp_get_thread_num();
-      float* weights = vectors_.data() + (thread * 2 + 1) * l_;
-      const float* projected = projected_.data() + bh % p_.heads * l_ * d;
-      const float* key = k.data() + bh * d;
-      const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-      for (std::int64_t j = 0; j < l_; ++j) {
-        weights[j] = scale * dot(key, projected + j * d, d);
+      if (bf16_form()) {
+        widened_step(bh, q, k, v, out, t, thread);
+      } else {
+        step_rows(bh, q.data() + bh * d, k.data() + bh * d, v.data() + bh * d, t, decode_keys_.data() + bh * d * l_,
+                  decode_values_.data() + bh * l_ * d, out.data() + bh * d, thread);
       }
-      elu_plus_one(weights, l_);
-      causal_step(q.data() + bh * d, key, v.data() + bh * d, weights, t, decode_keys_.data() + bh * d * l_,
-                  decode_values_.data() + bh * l_ * d, vectors_.data() + thread * 2 * l_, nullptr, out.data() + bh * d);
       flops += 2 * l_ * d + 2 * l_ + causal_step_flops(l_, d);
     }
     FlopCounter::add(flops);
@@ -262,6 +267,91 @@ class Luna final : public Mechanism {
   };
 
   float scale() const { return 1.0f / std::sqrt(static_cast<float>(p_.head_dim)); }
+  bool bf16_form() const { return p_.dtype == DType::BF16; }
+
+  // One decode step of (batch, head) bh on fp32 rows: the pack weights of k, then causal_step on
+  // the sums keys = Aᵀ, values = B [l, D].
+  void step_rows(std::int64_t bh, const float* q, const float* k, const float* v, std::int64_t t, float* keys,
+                 float* values, float* out, int thread) {
+    const std::int64_t d = p_.head_dim;
+    float* weights = vectors_.data() + (thread * 2 + 1) * l_;
+    for (std::int64_t j = 0; j < l_; ++j) weights[j] = scale() * dot(k, projected(bh) + j * d, d);
+    elu_plus_one(weights, l_);
+    causal_step(q, k, v, weights, t, keys, values, vectors_.data() + thread * 2 * l_, nullptr, out);
+  }
+
+  // The bf16 forms (luna.hpp): a head's rows widened into the thread's fp32 rows [4, N, D] (q, k,
+  // v, out), the fp32 computation, the output (and, decoding, the sums) rounded once.
+  void widened_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    const std::int64_t tasks = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim, nd = n * d;
+    const bool decoding = !decode_keys_.empty();
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
+    for (std::int64_t bh = 0; bh < tasks; ++bh) {
+      const int thread = omp_get_thread_num();
+      float* rows = widened_.data() + thread * 4 * nd;
+      const Rows x{rows, rows + nd, rows + 2 * nd};
+      float* out_rows = rows + 3 * nd;
+      widen(q.bf16_data() + bh * nd, rows, nd);
+      widen(k.bf16_data() + bh * nd, rows + nd, nd);
+      widen(v.bf16_data() + bh * nd, rows + 2 * nd, nd);
+      if (p_.causal) {
+        float* keys = key_sums_.data() + thread * d * l_;
+        float* values = value_sums_.data() + thread * l_ * d;
+        std::fill(keys, keys + d * l_, 0.0f);
+        std::fill(values, values + l_ * d, 0.0f);
+        flops += causal_head(bh, x, out_rows, keys, values, thread);
+        if (decoding) {
+          narrow(keys, decode_keys_.bf16_data() + bh * d * l_, d * l_);
+          narrow(values, decode_values_.bf16_data() + bh * l_ * d, l_ * d);
+        }
+      } else {
+        flops += pack(bh, x.k, x.v, thread);
+        for (std::int64_t r0 = 0; r0 < n; r0 += c_.chunk)
+          flops += unpack(bh, r0, x.q + r0 * d, out_rows + r0 * d, thread);
+      }
+      narrow(out_rows, out.bf16_data() + bh * nd, nd);
+    }
+    if (p_.causal) steps_ = n;
+    FlopCounter::add(flops);
+  }
+
+  // A bf16 step: the state widened into the thread's fp32 sums, the step in fp32, the state and
+  // the output rounded back (one rounding per state element per token).
+  void widened_step(std::int64_t bh, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, std::int64_t t,
+                    int thread) {
+    const std::int64_t d = p_.head_dim;
+    float* keys = key_sums_.data() + thread * d * l_;
+    float* values = value_sums_.data() + thread * l_ * d;
+    bf16* state_keys = decode_keys_.bf16_data() + bh * d * l_;
+    bf16* state_values = decode_values_.bf16_data() + bh * l_ * d;
+    widen(state_keys, keys, d * l_);
+    widen(state_values, values, l_ * d);
+    float* rows = widened_.data() + thread * widened_.dim(1) * widened_.dim(2) * d;  // q, k, v, out [4, D]
+    widen(q.bf16_data() + bh * d, rows, d);
+    widen(k.bf16_data() + bh * d, rows + d, d);
+    widen(v.bf16_data() + bh * d, rows + 2 * d, d);
+    step_rows(bh, rows, rows + d, rows + 2 * d, t, keys, values, rows + 3 * d, thread);
+    narrow(keys, state_keys, d * l_);
+    narrow(values, state_values, l_ * d);
+    narrow(rows + 3 * d, out.bf16_data() + bh * d, d);
+  }
+
+  // The bf16 backward of (batch, head) bh: q, k, v, dO widened into the thread's fp32 rows
+  // [7, N, D] with fp32 dQ, dK, dV (rounded once); dP accumulates in fp32 as in the fp32 form.
+  std::int64_t widened_backward(std::int64_t bh, const std::array<const Tensor*, 4>& inputs,
+                                const std::array<Tensor*, 3>& grads, float* d_projected, int thread) {
+    const std::int64_t nd = p_.seq_len * p_.head_dim;
+    float* rows = widened_gradients_.data() + thread * 7 * nd;
+    for (std::size_t t = 0; t < inputs.size(); ++t)
+      widen(inputs[t]->bf16_data() + bh * nd, rows + static_cast<std::int64_t>(t) * nd, nd);
+    const Rows x{rows, rows + nd, rows + 2 * nd};
+    const Grads g{rows + 3 * nd, rows + 4 * nd, rows + 5 * nd, rows + 6 * nd, d_projected};
+    const std::int64_t flops = p_.causal ? causal_backward(bh, x, g, thread) : noncausal_backward(bh, x, g, thread);
+    for (std::size_t t = 0; t < grads.size(); ++t)
+      narrow(rows + static_cast<std::int64_t>(4 + t) * nd, grads[t]->bf16_data() + bh * nd, nd);
+    return flops;
+  }
   const float* projected(std::int64_t bh) const { return projected_.data() + bh % p_.heads * l_ * p_.head_dim; }
 
   // ---- non-causal ----
@@ -465,6 +555,8 @@ class Luna final : public Mechanism {
   // Decoding: Aᵀ and B per (batch, head); the tokens seen.
   Tensor decode_keys_, decode_values_;
   std::int64_t steps_ = 0;
+  // bf16 only: per thread a head's fp32 rows: q, k, v, out [4, N, D]; in training q, k, v, dO, dQ, dK, dV.
+  Tensor widened_, widened_gradients_;
 };
 
 std::int64_t heads_of(const Problem& p) { return p.batch * p.heads; }
@@ -484,8 +576,9 @@ std::int64_t flops(const Problem& p, const LunaConfig& c) {
 std::int64_t workspace(const Problem& p, const LunaConfig& c) {
   const std::int64_t d = p.head_dim, l = rows_used(c), threads = p.threads;
   const std::int64_t parameters = p.heads * l * d;
-  if (p.causal) return (parameters + threads * (c.chunk * l + 2 * d * l + 2 * l)) * kFloat;
-  return (parameters + heads_of(p) * l * d + threads * (l * p.seq_len + c.chunk * l + 2 * l)) * kFloat;
+  const std::int64_t widened = p.dtype == DType::BF16 ? threads * 4 * p.seq_len * d : 0;
+  if (p.causal) return (parameters + threads * (c.chunk * l + 2 * d * l + 2 * l) + widened) * kFloat;
+  return (parameters + heads_of(p) * l * d + threads * (l * p.seq_len + c.chunk * l + 2 * l) + widened) * kFloat;
 }
 
 std::int64_t backward_flops(const Problem& p, const LunaConfig& c) {
@@ -497,13 +590,13 @@ std::int64_t backward_flops(const Problem& p, const LunaConfig& c) {
 
 std::int64_t backward_workspace(const Problem& p, const LunaConfig& c) {
   const std::int64_t n = p.seq_len, d = p.head_dim, l = rows_used(c);
-  const std::int64_t gradients = p.heads * l * d;
+  const std::int64_t gradients = p.heads * l * d + (p.dtype == DType::BF16 ? p.threads * 7 * n * d : 0);
   if (p.causal) return (gradients + 2 * heads_of(p) * n * l + p.threads * n * l) * kFloat;
   return (gradients + 2 * heads_of(p) * n * l + p.threads * l * d) * kFloat;
 }
 
 std::int64_t decode_workspace(const Problem& p, const LunaConfig& c, std::int64_t) {
-  return 2 * heads_of(p) * rows_used(c) * p.head_dim * kFloat;
+  return 2 * heads_of(p) * rows_used(c) * p.head_dim * element_bytes(p.dtype);
 }
 
 FieldTable<LunaConfig> config_fields(const LunaConfig*) {
@@ -521,7 +614,10 @@ LunaConfig resolve(const Problem& p, LunaConfig c) {
 
 template <>
 Implementation implementation<LunaConfig>() {
-  return implement<LunaConfig>();
+  Implementation impl = implement<LunaConfig>();
+  impl.bf16_forward = true;  // storage only (luna.hpp): forward, decode and backward
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

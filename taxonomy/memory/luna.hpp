@@ -61,6 +61,13 @@
 // [chunk, L] unpack block and two L-vectors; causal per thread a [chunk, l] weight block, Aᵀ, B and two l-vectors.
 // Backward adds dP, the saved probabilities (or a and π) and per thread dY_P [L, D] (causal: the
 // ds/dz rows [N, l]); decoding adds Aᵀ and B per (batch, head).
+// bf16 (--dtype bf16; storage only, any D): q, k, v, out, the gradients and the decode state Aᵀ, B
+// bf16; each (batch, head) widens its rows into the thread's fp32 rows (4·N·D floats; 7·N·D in
+// training with its fp32 dQ, dK, dV), runs the fp32 computation above and rounds the output once.
+// The prefill rounds the sums once; a step widens its head's Aᵀ and B, updates and answers in fp32
+// and stores them rounded — one rounding per state element per token, so after the prefill and s
+// steps an entry is within (s + 1)·u of its magnitude sum (Σ a·|k|, Σ a·|v|), as linear attention's
+// state (tests/models/memory/test_luna_bf16.cpp). FLOPs as fp32; speed about fp32's.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
