@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -306,6 +307,7 @@ class Nystromformer final : public Mechanism {
     saved_f_ = Tensor(Shape{bh, s_.n, s_.ldm});
     grad_f_ = Tensor(Shape{threads, s_.n, s_.ldm});
     if (s_.k > 0) d_conv_weights_ = Tensor(conv_weights_.shape());
+    if (p_.dtype == DType::BF16) widened_gradients_ = Tensor(Shape{threads, 7, s_.n * d});
     if (s_.exact) return;
     saved_b_ = Tensor(Shape{bh, m, s_.ldn});
     saved_a_ = Tensor(Shape{bh, m, s_.ldm});
@@ -334,14 +336,39 @@ class Nystromformer final : public Mechanism {
 #pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
     {
       const int thread = omp_get_thread_num();
+      const std::int64_t size = s_.n * s_.d;
+      float* rows = widened_gradients_.empty() ? nullptr : widened_gradients_.data() + thread * 7 * size;
 #pragma omp for schedule(dynamic, 1)
-      for (std::int64_t bh = 0; bh < bh_count; ++bh) flops += backward_head(bh, q, k, v, dout, dq, dk, dv, thread);
+      for (std::int64_t bh = 0; bh < bh_count; ++bh) {
+        const std::int64_t at = bh * size;
+        if (rows == nullptr) {
+          flops += backward_head(bh, {q.data() + at, k.data() + at, v.data() + at, dout.data() + at},
+                                 {dq.data() + at, dk.data() + at, dv.data() + at}, thread);
+          continue;
+        }
+        // bf16: q, k, v, dO widened, the fp32 backward into fp32 dQ, dK, dV, each rounded once.
+        const Tensor* inputs[4] = {&q, &k, &v, &dout};
+        for (std::int64_t t = 0; t < 4; ++t) widen(inputs[t]->bf16_data() + at, rows + t * size, size);
+        flops += backward_head(bh, {rows, rows + size, rows + 2 * size, rows + 3 * size},
+                               {rows + 4 * size, rows + 5 * size, rows + 6 * size}, thread);
+        Tensor* grads[3] = {&dq, &dk, &dv};
+        for (std::int64_t t = 0; t < 3; ++t) narrow(rows + (4 + t) * size, grads[t]->bf16_data() + at, size);
+      }
       if (s_.k > 0) {
 #pragma omp for schedule(dynamic, 1)
         for (std::int64_t h = 0; h < p_.heads; ++h) {
           float* dw = d_conv_weights_.data() + h * s_.k;
           std::fill_n(dw, s_.k, 0.0f);
-          for (std::int64_t b = 0; b < p_.batch; ++b) conv_backward_taps(dout.head(b, h), v.head(b, h), dw, s_);
+          for (std::int64_t b = 0; b < p_.batch; ++b) {
+            const std::int64_t at = (b * p_.heads + h) * size;
+            if (rows == nullptr) {
+              conv_backward_taps(dout.data() + at, v.data() + at, dw, s_);
+              continue;
+            }
+            widen(dout.bf16_data() + at, rows, size);
+            widen(v.bf16_data() + at, rows + size, size);
+            conv_backward_taps(rows, rows + size, dw, s_);
+          }
         }
       }
     }
@@ -405,12 +432,13 @@ class Nystromformer final : public Mechanism {
 
   // One (batch, head) of the backward: dq, dk, dv written; returns the FLOPs ops::gemm does not
   // count (the convolution taps' gradient is counted by the caller).
-  std::int64_t backward_head(std::int64_t bh, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
-                             Tensor& dq, Tensor& dk, Tensor& dv, int thread) {
-    const std::int64_t n = s_.n, d = s_.d, at = bh * n * d, ldm = s_.ldm;
+  // One (batch, head) of the backward on fp32 rows [N, D]: x = q, k, v, dO; grads = dQ, dK, dV.
+  std::int64_t backward_head(std::int64_t bh, const std::array<const float*, 4>& x, const std::array<float*, 3>& grads,
+                             int thread) {
+    const std::int64_t n = s_.n, d = s_.d, ldm = s_.ldm;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    const float *qh = q.data() + at, *kh = k.data() + at, *vh = v.data() + at, *g = dout.data() + at;
-    float *dqh = dq.data() + at, *dkh = dk.data() + at, *dvh = dv.data() + at;
+    const float *qh = x[0], *kh = x[1], *vh = x[2], *g = x[3];
+    float *dqh = grads[0], *dkh = grads[1], *dvh = grads[2];
     const float* f = saved_f_.data() + bh * n * ldm;
     float* df = grad_f_.data() + thread * n * ldm;
     std::int64_t flops = 0;
@@ -525,7 +553,8 @@ class Nystromformer final : public Mechanism {
   Tensor conv_weights_;  // [H, k]
   // Per thread: F [N, m], and for m < N B [m, N], A [m, m], the iterations' slots, the [m, D] parts.
   Tensor kernel_f_, kernel_b_, kernel_a_, chain_, small_;
-  Tensor widened_;  // bf16 form: per thread one head's q, k, v and output rows in fp32 [4, N·D]
+  Tensor widened_;            // bf16 form: per thread one head's q, k, v and output rows in fp32 [4, N·D]
+  Tensor widened_gradients_;  // bf16 training: per thread a head's q, k, v, dO, dQ, dK, dV in fp32 [7, N·D]
   // Training (prepare_backward): per (batch, head) F, B, A and the [m, D] parts; per thread their
   // gradients, the iterations' history and its gradients; the taps' gradient.
   Tensor saved_f_, saved_b_, saved_a_, saved_small_;
@@ -601,6 +630,7 @@ std::int64_t backward_workspace(const Problem& p, const NystromformerConfig& c) 
     saved += m * s.ldn + m * s.ldm + 4 * m * s.d;
     per_thread += m * s.ldn + 4 * m * s.d + (Chain::slots(s, true) + 6) * m * s.ldm;
   }
+  if (p.dtype == DType::BF16) per_thread += 7 * s.n * s.d;  // widened_gradients_
   return (bh * saved + p.threads * per_thread + p.heads * s.k) * static_cast<std::int64_t>(sizeof(float));
 }
 
@@ -616,7 +646,8 @@ FieldTable<NystromformerConfig> config_fields(const NystromformerConfig*) {
 template <>
 Implementation implementation<NystromformerConfig>() {
   Implementation impl = implement<NystromformerConfig>();
-  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  impl.bf16_forward = true;  // not causal: no decode
+  impl.bf16_backward = true;
   return impl;
 }
 

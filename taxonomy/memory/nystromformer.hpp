@@ -46,9 +46,11 @@
 //   + 4mND + 4mN (dB, dv, dS_B) + 4mND (dQ̃, dk) + I·(16m³ + m²) + 4m² + m (dA) + 4m² (dS_A)
 //   + 4m²D (dQ̃, dK̃ from A) + 2·(N·D + m·D) (landmarks) + 4·D·P (conv: dv and dw);
 //   m = N: 8N²D + 4N² + 4·D·P.
-// bf16 (--dtype bf16, forward only): q, k, v and out bf16; each (batch, head) widened whole into its
-// thread's fp32 rows [4, N·D] (q, k, v, out), computed exactly as above, the output rounded once:
-// the fp32 error plus the output's rounding, about fp32's speed, 4·N·D floats per thread more.
+// bf16 (--dtype bf16; storage only): q, k, v, out and the gradients bf16; each (batch, head) widened
+// whole into its thread's fp32 rows [4, N·D] (q, k, v, out), computed exactly as above, the output
+// rounded once: the fp32 error plus the output's rounding, about fp32's speed, 4·N·D floats per
+// thread more. The backward likewise on [7, N·D] (q, k, v, dO and fp32 dQ, dK, dV, each rounded once);
+// the saved kernels and dconv_weights stay fp32.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 

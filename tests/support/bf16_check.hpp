@@ -169,6 +169,52 @@ inline void check_bf16_gradients(const std::string& model, Problem p, const std:
     }
 }
 
+// |got − want| ≤ (rounded ? u·|want| : 0) + 16·N·ε·max|want| per element: a bf16 storage-only
+// result (rounded once) against the fp32 form's on the same values, up to fp32 summation order.
+inline void check_rounded_fp32(const float* got, const float* want, std::int64_t count, std::int64_t n, bool rounded,
+                               const std::string& label) {
+  const double largest = max_abs_of(want, count);
+  std::int64_t failures = 0;
+  for (std::int64_t e = 0; e < count; ++e) {
+    const double bound = (rounded ? kBf16Roundoff * std::fabs(want[e]) : 0.0) + 16 * double(n) * kFloatEps * largest;
+    if (!(std::fabs(got[e] - want[e]) <= bound) && failures++ < 3)
+      FAIL_CHECK(label << " element " << e << ": got " << got[e] << ", want " << want[e] << " (bound " << bound << ")");
+  }
+  CHECK_MESSAGE(failures == 0, label << ": " << failures << " out of the bound");
+}
+
+// A storage-only bf16 form's training step (the fp32 computation on widened rows, each result
+// rounded once) against the fp32 form's on the same values — the bf16 inputs, dout and the bf16
+// output (which a backward may read) widened:
+// out, dq, dk, dv within the rounding u·|g| (check_rounded_fp32), the fp32 parameter gradients
+// within summation order. The fp32 form is checked against float64 in its own tests.
+inline void check_bf16_storage_gradients(const std::string& model, const Problem& shape,
+                                         const std::vector<std::string>& params, std::uint64_t seed,
+                                         const std::string& label) {
+  const Problem p = on_test_threads(shape);
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  const Bf16GradientRun run = run_bf16_gradients(model, p, params, seed);
+  const ModelInfo* info = find_model(model);
+  REQUIRE(info != nullptr);
+  auto f32 = info->impl.create(p, resolve_params(model, info->impl.params, params), 42);
+  const AttentionInputs& in = run.in.widened;
+  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d); };
+  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
+  f32->prepare(in.q, in.k, in.v);
+  f32->prepare_backward();
+  f32->forward(in.q, in.k, in.v, out);
+  check_rounded_fp32(run.out.data(), out.data(), out.size(), n, true, label + " out");
+  f32->backward(in.q, in.k, in.v, run.out, run.dout_widened, dq, dk, dv);  // the bf16 form's own output
+  check_rounded_fp32(run.dq.data(), dq.data(), dq.size(), n, true, label + " dq");
+  check_rounded_fp32(run.dk.data(), dk.data(), dk.size(), n, true, label + " dk");
+  check_rounded_fp32(run.dv.data(), dv.data(), dv.size(), n, true, label + " dv");
+  const auto want = f32->parameter_gradients(), got = run.mechanism->parameter_gradients();
+  REQUIRE(want.size() == got.size());
+  for (std::size_t i = 0; i < want.size(); ++i)
+    check_rounded_fp32(got[i].tensor->data(), want[i].tensor->data(), want[i].tensor->size(), n, false,
+                       label + " " + want[i].name);
+}
+
 // The model's bf16 decode steps after a prefill of `context` tokens against its bf16 causal forward
 // over context + tokens. The step rounds the same fp32 values as the forward (scores, softmax, P to
 // bf16, O to bf16) up to fp32 summation order and the running max a probability is taken against,

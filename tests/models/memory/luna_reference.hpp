@@ -31,7 +31,7 @@ inline void luna_softmax(double* x, std::int64_t n) {
 
 // Non-causal Luna of one head: Y = softmax_N(c·P·Kᵀ)·V, O = softmax_l(c·Q·Yᵀ)·Y; P [l, d].
 inline Matrix noncausal_head(const double* q, const double* k, const double* v, const double* p, std::int64_t n,
-                      std::int64_t l, std::int64_t d, ErrorScale& e) {
+                             std::int64_t l, std::int64_t d, ErrorScale& e) {
   const double c = 1.0 / std::sqrt(static_cast<double>(d));
   Matrix packed(static_cast<std::size_t>(l * d), 0.0), out(static_cast<std::size_t>(n * d), 0.0);
   std::vector<double> scores(static_cast<std::size_t>(std::max(n, l)));
@@ -65,8 +65,8 @@ inline Matrix noncausal_head(const double* q, const double* k, const double* v, 
 
 // Causal Luna of one head straight from its definition, no prefix sums: a_s = elu(c·P·k_s) + 1,
 // s_t = (1/t)·Σ_{s≤t} c·(q_t·k_s)·a_s, π_t = softmax(s_t), o_t = (1/t)·Σ_j π_tj·Σ_{s≤t} a_sj·v_s.
-inline Matrix causal_head(const double* q, const double* k, const double* v, const double* p, std::int64_t n, std::int64_t l,
-                   std::int64_t d, ErrorScale& e) {
+inline Matrix causal_head(const double* q, const double* k, const double* v, const double* p, std::int64_t n,
+                          std::int64_t l, std::int64_t d, ErrorScale& e) {
   const double c = 1.0 / std::sqrt(static_cast<double>(d));
   Matrix a(static_cast<std::size_t>(n * l)), out(static_cast<std::size_t>(n * d), 0.0);
   for (std::int64_t s = 0; s < n; ++s)
@@ -103,7 +103,7 @@ inline Matrix causal_head(const double* q, const double* k, const double* v, con
 
 // Every head's reference output ([B, H, N, D] order) from the named inputs.
 inline Matrix luna_reference(const NamedValues& x, const Problem& p, std::int64_t l,
-                      std::vector<ErrorScale>* scales = nullptr) {
+                             std::vector<ErrorScale>* scales = nullptr) {
   const std::int64_t n = p.seq_len, d = p.head_dim;
   Matrix all;
   for (std::int64_t b = 0; b < p.batch; ++b)

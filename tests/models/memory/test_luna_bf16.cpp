@@ -46,42 +46,6 @@ void check_forward(const Problem& p, const std::vector<std::string>& params) {
   }
 }
 
-// |got − want| ≤ (rounded ? u·|want| : 0) + 16·N·ε·max|want| per element.
-void check_close_to(const float* got, const float* want, std::int64_t count, std::int64_t n, bool rounded,
-                    const std::string& label) {
-  const double largest = max_abs_of(want, count);
-  std::int64_t failures = 0;
-  for (std::int64_t e = 0; e < count; ++e) {
-    const double bound = (rounded ? kU * std::fabs(want[e]) : 0.0) + 16 * double(n) * kFloatEps * largest;
-    if (!(std::fabs(got[e] - want[e]) <= bound) && failures++ < 3)
-      FAIL_CHECK(label << " element " << e << ": got " << got[e] << ", want " << want[e] << " (bound " << bound << ")");
-  }
-  CHECK_MESSAGE(failures == 0, label << ": " << failures << " out of the bound");
-}
-
-void check_backward(const Problem& shape, const std::vector<std::string>& params) {
-  const Problem p = on_test_threads(shape);
-  const std::int64_t n = p.seq_len, d = p.head_dim;
-  const std::string label = std::string("luna bf16 backward ") + (p.causal ? "causal " : "") + "N=" + std::to_string(n);
-  const Bf16GradientRun run = run_bf16_gradients("luna", p, params, static_cast<std::uint64_t>(n) + 3);
-  const ModelInfo* info = find_model("luna");
-  auto f32 = info->impl.create(p, info->impl.resolved(p, resolve_params("luna", info->impl.params, params)), 42);
-  const AttentionInputs& in = run.in.widened;
-  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d); };
-  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
-  f32->prepare(in.q, in.k, in.v);
-  f32->prepare_backward();
-  f32->forward(in.q, in.k, in.v, out);
-  check_close_to(run.out.data(), out.data(), out.size(), n, true, label + " out");
-  f32->backward(in.q, in.k, in.v, out, run.dout_widened, dq, dk, dv);
-  check_close_to(run.dq.data(), dq.data(), dq.size(), n, true, label + " dq");
-  check_close_to(run.dk.data(), dk.data(), dk.size(), n, true, label + " dk");
-  check_close_to(run.dv.data(), dv.data(), dv.size(), n, true, label + " dv");
-  const Tensor& got = tensor_named(run.mechanism->parameter_gradients(), "dprojected_sequence");
-  const Tensor& want = tensor_named(f32->parameter_gradients(), "dprojected_sequence");
-  check_close_to(got.data(), want.data(), want.size(), n, false, label + " dP");
-}
-
 // The prefill of `context` tokens and `tokens` steps (the header's decode checks): each step's
 // output against the step computed in double from the model's own bf16 state (read back before the
 // step) and the step's token, within fp32 rounding (the scores' d-term sums and the l-term sums of
@@ -143,7 +107,8 @@ void check_decode(std::int64_t context, std::int64_t tokens, const std::vector<s
       const double want[2] = {exact_keys[e], exact_values[e]}, terms[2] = {key_terms[e], value_terms[e]};
       for (int t = 0; t < 2; ++t)
         if (!(std::fabs(got[t] - want[t]) <= (roundings * kBf16Roundoff + 2 * fp32) * terms[t]) && failures++ < 3)
-          FAIL_CHECK(where << " state " << "AB"[t] << " entry " << e << ": got " << got[t] << ", want " << want[t]);
+          FAIL_CHECK(where << " state "
+                           << "AB"[t] << " entry " << e << ": got " << got[t] << ", want " << want[t]);
     }
     CHECK_MESSAGE(failures == 0, where << ": state out of its drift");
   };
@@ -209,8 +174,10 @@ TEST_SUITE("luna_bf16") {
   TEST_CASE("luna bf16 backward: the fp32 form's gradients on the same values, rounded, both forms") {
     for (bool causal : {false, true})
       for (std::int64_t n : {1, 8, 9, 33})
-        check_backward({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal},
-                       {"projected_length=8", "chunk=8"});
+        check_bf16_storage_gradients(
+            "luna", {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal},
+            {"projected_length=8", "chunk=8"}, static_cast<std::uint64_t>(n) + 3,
+            std::string("luna bf16 backward ") + (causal ? "causal " : "") + "N=" + std::to_string(n));
   }
 
   TEST_CASE("luna bf16 decode: the state within its rounding drift, each step exact on it up to fp32 and u·|o|") {

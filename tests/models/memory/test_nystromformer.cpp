@@ -276,13 +276,22 @@ TEST_SUITE("nystromformer") {
       }
   }
 
-  TEST_CASE("nystromformer bf16 rows: FLOPs as fp32's, halved inputs, estimates exact; no bf16 backward yet") {
-    for (std::int64_t n : {50, 200}) check_bf16_rows("nystromformer", n, false, Pass::Forward);
-    for (Pass pass : {Pass::Backward, Pass::Train}) {
-      const ResultRow row = run_point(bf16_point("nystromformer", 100, false, pass));
-      CHECK(row.status == Status::Unsupported);
-      CHECK(row.reason.find("no bf16 backward") != std::string::npos);
-    }
+  TEST_CASE("nystromformer bf16 backward: the fp32 form's gradients on the same values, rounded (storage only)") {
+    for (const Settings& s :
+         {Settings{.landmarks = 8, .conv_kernel = 5, .iterations = 6}, Settings{.landmarks = 3, .conv_kernel = 0}})
+      for (std::int64_t n : {2, 8, 9, 25}) {  // m ≥ N (exact attention) and m < N
+        const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = false};
+        check_bf16_storage_gradients("nystromformer", p, params_of(s), static_cast<std::uint64_t>(n),
+                                     "nystromformer bf16 backward " + size_label(n, s));
+      }
+  }
+
+  TEST_CASE("nystromformer bf16 rows: FLOPs as fp32's, halved inputs and gradients, estimates exact") {
+    for (std::int64_t n : {50, 200})
+      for (Pass pass : {Pass::Forward, Pass::Backward, Pass::Train}) {
+        const auto [a, b] = check_bf16_rows("nystromformer", n, false, pass);
+        CHECK(b.saved_bytes == a.saved_bytes);  // the saved kernels stay fp32
+      }
   }
 
   TEST_CASE("nystromformer at its defaults (64 landmarks, 35 taps) around N = m and 2m") {

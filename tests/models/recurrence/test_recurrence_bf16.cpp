@@ -125,51 +125,6 @@ void check_forward(const std::string& model, const Problem& p, const std::vector
     }
 }
 
-// |got − want| ≤ u·|want| + 16·N·ε·max|want| per element (the header).
-void check_rounded(const float* got, const float* want, std::int64_t count, std::int64_t n, const std::string& label) {
-  const double largest = max_abs_of(want, count);
-  std::int64_t failures = 0;
-  for (std::int64_t e = 0; e < count; ++e) {
-    const double bound = kU * std::fabs(want[e]) + 16 * double(n) * kFloatEps * largest;
-    if (!(std::fabs(got[e] - want[e]) <= bound) && failures++ < 3)
-      FAIL_CHECK(label << " element " << e << ": got " << got[e] << ", want " << want[e] << " (bound " << bound << ")");
-  }
-  CHECK_MESSAGE(failures == 0, label << ": " << failures << " out of the bound");
-}
-
-void check_backward(const std::string& model, const Problem& shape, const std::vector<std::string>& params) {
-  const Problem p = on_test_threads(shape);
-  const std::int64_t n = p.seq_len, d = p.head_dim;
-  std::string label = model + " bf16 backward N=" + std::to_string(n) + (p.causal ? " causal" : "");
-  for (const auto& param : params) label += " " + param;
-  const Bf16GradientRun run = run_bf16_gradients(model, p, params, static_cast<std::uint64_t>(n));
-  const ModelInfo* info = find_model(model);
-  auto f32 = info->impl.create(p, resolve_params(model, info->impl.params, params), 42);
-  const AttentionInputs& in = run.in.widened;
-  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d); };
-  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
-  f32->prepare(in.q, in.k, in.v);
-  f32->prepare_backward();
-  f32->forward(in.q, in.k, in.v, out);
-  check_rounded(run.out.data(), out.data(), out.size(), n, label + " out");
-  f32->backward(in.q, in.k, in.v, run.out, run.dout_widened, dq, dk, dv);
-  check_rounded(run.dq.data(), dq.data(), dq.size(), n, label + " dq");
-  check_rounded(run.dk.data(), dk.data(), dk.size(), n, label + " dk");
-  check_rounded(run.dv.data(), dv.data(), dv.size(), n, label + " dv");
-  const auto want = f32->parameter_gradients(), got = run.mechanism->parameter_gradients();
-  REQUIRE(want.size() == got.size());
-  for (std::size_t i = 0; i < want.size(); ++i) {  // fp32 in both forms: summation order only
-    const Tensor &a = *got[i].tensor, &b = *want[i].tensor;
-    const double largest = max_abs(b.data(), b.size());
-    CHECK(largest > 0);
-    for (std::int64_t e = 0; e < b.size(); ++e)
-      if (!(std::fabs(a[e] - b[e]) <= 16 * double(n) * kFloatEps * largest)) {
-        FAIL_CHECK(label << " " << want[i].name << " element " << e << ": got " << a[e] << ", want " << b[e]);
-        break;
-      }
-  }
-}
-
 const std::vector<std::string> kXl{"segment_len=16", "memory_len=7", "block_q=5"};
 
 std::vector<std::string> compressive_params(const std::string& f, std::int64_t slots, std::int64_t rate = 3) {
@@ -204,8 +159,10 @@ TEST_SUITE("recurrence_bf16") {
     for (bool causal : {false, true})
       for (std::int64_t n : {5, 16, 17, 40}) {
         const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
-        check_backward("transformer-xl", p, kXl);
-        check_backward("compressive", p, compressive_params("max", 2));
+        const std::string label = std::string(" bf16 backward N=") + std::to_string(n) + (causal ? " causal" : "");
+        check_bf16_storage_gradients("transformer-xl", p, kXl, static_cast<std::uint64_t>(n), "transformer-xl" + label);
+        check_bf16_storage_gradients("compressive", p, compressive_params("max", 2), static_cast<std::uint64_t>(n),
+                                     "compressive max" + label);
       }
   }
 

@@ -48,46 +48,6 @@ void check_forward(double alpha, const Problem& p) {
   }
 }
 
-// |got − want| ≤ (rounded ? u·|want| : 0) + 16·N·ε·max|want| per element.
-void check_close_to(const float* got, const float* want, std::int64_t count, std::int64_t n, bool rounded,
-                    const std::string& label) {
-  const double largest = max_abs_of(want, count);
-  std::int64_t failures = 0;
-  for (std::int64_t e = 0; e < count; ++e) {
-    const double bound = (rounded ? kU * std::fabs(want[e]) : 0.0) + 16 * double(n) * kFloatEps * largest;
-    if (!(std::fabs(got[e] - want[e]) <= bound) && failures++ < 3)
-      FAIL_CHECK(label << " element " << e << ": got " << got[e] << ", want " << want[e] << " (bound " << bound << ")");
-  }
-  CHECK_MESSAGE(failures == 0, label << ": " << failures << " out of the bound");
-}
-
-void check_backward(double alpha, bool learn, const Problem& shape) {
-  const Problem p = on_test_threads(shape);
-  const std::int64_t n = p.seq_len, d = p.head_dim;
-  const std::string label = "adaptive-sparse bf16 backward alpha=" + std::to_string(alpha) + (learn ? " learned" : "") +
-                            " N=" + std::to_string(n) + (p.causal ? " causal" : "");
-  const auto params = params_of(alpha, learn);
-  const Bf16GradientRun run = run_bf16_gradients("adaptive-sparse", p, params, static_cast<std::uint64_t>(n) + 1);
-  const ModelInfo* info = find_model("adaptive-sparse");
-  auto f32 = info->impl.create(p, resolve_params("adaptive-sparse", info->impl.params, params), 42);
-  const AttentionInputs& in = run.in.widened;
-  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d); };
-  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
-  f32->prepare(in.q, in.k, in.v);
-  f32->prepare_backward();
-  f32->forward(in.q, in.k, in.v, out);
-  check_close_to(run.out.data(), out.data(), out.size(), n, true, label + " out");
-  f32->backward(in.q, in.k, in.v, out, run.dout_widened, dq, dk, dv);
-  check_close_to(run.dq.data(), dq.data(), dq.size(), n, true, label + " dq");
-  check_close_to(run.dk.data(), dk.data(), dk.size(), n, true, label + " dk");
-  check_close_to(run.dv.data(), dv.data(), dv.size(), n, true, label + " dv");
-  const auto want = f32->parameter_gradients(), got = run.mechanism->parameter_gradients();
-  REQUIRE(want.size() == got.size());
-  for (std::size_t i = 0; i < want.size(); ++i)
-    check_close_to(got[i].tensor->data(), want[i].tensor->data(), want[i].tensor->size(), n, false,
-                   label + " " + want[i].name);
-}
-
 }  // namespace
 
 TEST_SUITE("adaptive_sparse_bf16") {
@@ -104,8 +64,13 @@ TEST_SUITE("adaptive_sparse_bf16") {
       for (std::int64_t n : {5, 16, 17, 40})
         for (bool causal : {false, true}) {
           const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
-          check_backward(alpha, false, p);
-          if (alpha == 1.5) check_backward(alpha, true, p);
+          for (bool learn : {false, true}) {
+            if (learn && alpha != 1.5) continue;
+            check_bf16_storage_gradients(
+                "adaptive-sparse", p, params_of(alpha, learn), static_cast<std::uint64_t>(n) + 1,
+                "adaptive-sparse bf16 backward alpha=" + std::to_string(alpha) + (learn ? " learned" : "") +
+                    " N=" + std::to_string(n) + (causal ? " causal" : ""));
+          }
         }
   }
 
