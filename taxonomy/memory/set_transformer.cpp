@@ -102,6 +102,7 @@ class SetTransformer final : public Mechanism {
     query_score_grads_ = Tensor(Shape{threads, query_scores_.dim(1), query_scores_.dim(2)});
     summary_score_grads_ = Tensor(Shape{threads, m, summary_scores_.dim(2)});
     summary_grads_ = Tensor(Shape{threads, 3, m, d});
+    if (p_.dtype == DType::BF16) widened_gradients_ = Tensor(Shape{threads, 7, p_.seq_len, d});
     norm_grads_ = Tensor(Shape{threads, 2, d});
   }
 
@@ -122,9 +123,20 @@ class SetTransformer final : public Mechanism {
       const int thread = omp_get_thread_num();
       zero_head_gradients(head);
       for (std::int64_t b = 0; b < p_.batch; ++b) {
-        const std::int64_t bh = b * p_.heads + head, at = bh * p_.seq_len * p_.head_dim;
-        flops += read_out_backward(bh, q.data() + at, dout.data() + at, dq.data() + at, thread);
-        flops += summarise_backward(bh, k.data() + at, v.data() + at, dk.data() + at, dv.data() + at, thread);
+        const std::int64_t bh = b * p_.heads + head, size = p_.seq_len * p_.head_dim, at = bh * size;
+        if (p_.dtype != DType::BF16) {
+          flops += read_out_backward(bh, q.data() + at, dout.data() + at, dq.data() + at, thread);
+          flops += summarise_backward(bh, k.data() + at, v.data() + at, dk.data() + at, dv.data() + at, thread);
+          continue;
+        }
+        // bf16 (storage only): q, dO, k, v widened, the fp32 backward into fp32 dQ, dK, dV, each rounded once.
+        float* rows = widened_gradients_.data() + thread * 7 * size;
+        const Tensor* inputs[4] = {&q, &dout, &k, &v};
+        for (std::int64_t t = 0; t < 4; ++t) widen(inputs[t]->bf16_data() + at, rows + t * size, size);
+        flops += read_out_backward(bh, rows, rows + size, rows + 4 * size, thread);
+        flops += summarise_backward(bh, rows + 2 * size, rows + 3 * size, rows + 5 * size, rows + 6 * size, thread);
+        Tensor* grads[3] = {&dq, &dk, &dv};
+        for (std::int64_t t = 0; t < 3; ++t) narrow(rows + (4 + t) * size, grads[t]->bf16_data() + at, size);
       }
     }
     FlopCounter::add(flops);
@@ -382,7 +394,8 @@ class SetTransformer final : public Mechanism {
   std::uint64_t seed_;
   Tensor inducing_, projections_, ff_weights_, ff_biases_, ln_gains_, ln_shifts_;
   Tensor summaries_, summary_scores_, query_scores_, hidden_;
-  Tensor widened_;  // bf16 form: per thread fp32 rows (bf16_thread_floats)
+  Tensor widened_;            // bf16 form: per thread fp32 rows (bf16_thread_floats)
+  Tensor widened_gradients_;  // bf16 training: per thread a head's q, dO, k, v, dQ, dK, dV in fp32 [7, N, D]
   // Backward (prepare_backward): saved LN inputs and rFF outputs ([2, B·H, m, D] of MAB 1,
   // [2, B·H, N, D] of MAB 2), the parameter gradients, per thread buffers.
   Tensor saved_summary_, saved_rows_;
@@ -445,7 +458,8 @@ std::int64_t backward_workspace(const Problem& p, const SetTransformerConfig& c)
   const std::int64_t gradients = h * m * d + 4 * h * d * d + 2 * h * d + 8 * h * d;
   const std::int64_t per_thread =
       6 * std::max(rows, m) * d + rows * ops::padded_ld(m) + m * ops::padded_ld(p.seq_len) + 3 * m * d + 2 * d;
-  return (saved + gradients + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t widened = p.dtype == DType::BF16 ? 7 * p.seq_len * d : 0;  // widened_gradients_
+  return (saved + gradients + p.threads * (per_thread + widened)) * static_cast<std::int64_t>(sizeof(float));
 }
 
 FieldTable<SetTransformerConfig> config_fields(const SetTransformerConfig*) {
@@ -463,7 +477,8 @@ SetTransformerConfig resolve(const Problem& p, SetTransformerConfig c) {
 template <>
 Implementation implementation<SetTransformerConfig>() {
   Implementation impl = implement<SetTransformerConfig>();
-  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  impl.bf16_forward = true;  // not causal: no decode
+  impl.bf16_backward = true;
   return impl;
 }
 

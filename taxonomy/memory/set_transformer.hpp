@@ -24,11 +24,12 @@
 //   MAB 1: 2·m·N·D (scores) + 2·m·N·D (values) + 5·m·N (softmax) + tail(m) + 2·2·m·D·D (Wk, Wv)
 //   MAB 2: 2·N·m·D (scores) + 2·N·m·D (values) + 5·N·m (softmax) + tail(N)
 //   tail(r) = 2·r·D·D (rFF product) + 18·r·D (residual 1 + LN 7, bias + ReLU 2, residual 1 + LN 7)
-// bf16 (--dtype bf16, forward only): q, k, v and out bf16; every product, softmax and LayerNorm in
+// bf16 (--dtype bf16; storage only): q, k, v, out and the gradients bf16; every product, softmax and LayerNorm in
 // fp32 as above, on K and V widened 256 keys at a time and each query block widened, the output
 // rounded once; parameters and S, S·Wk, S·Wv stay fp32. Its error is the fp32 form's plus the
 // output's rounding; its speed about fp32's (storage halves, the compute does not change); per
-// thread (min(N, 256) + 2·block_q)·D floats more.
+// thread (min(N, 256) + 2·block_q)·D floats more. The backward widens a head's q, dO, k, v (7·N·D
+// floats per thread with its fp32 dQ, dK, dV, each rounded once); saved activations stay fp32.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
