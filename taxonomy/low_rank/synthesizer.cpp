@@ -246,17 +246,7 @@ class Synthesizer final : public Mechanism {
       dk.fill(0.0f);
       if (c_.variant != SynthesizerVariant::Dense) dq.fill(0.0f);
     }
-    switch (c_.variant) {
-      case SynthesizerVariant::Dense:
-        dense_backward(q.data(), dq.data(), accumulate());
-        break;
-      case SynthesizerVariant::Random:
-        random_backward();
-        break;
-      case SynthesizerVariant::FactorizedRandom:
-        factorized_backward();
-        break;
-    }
+    synthetic_backward(q.data(), dq.data(), accumulate());
   }
 
   std::vector<NamedTensor> saved() const override {
@@ -401,18 +391,8 @@ class Synthesizer final : public Mechanism {
     }
     FlopCounter::add(bh * kSoftmaxBackwardFlopsPerElement * softmax_entries(p_));
     const bool dense = c_.variant == SynthesizerVariant::Dense;
-    switch (c_.variant) {
-      case SynthesizerVariant::Dense:
-        widen(q.bf16_data(), widened_queries_.data(), q.size());
-        dense_backward(widened_queries_.data(), query_grads_.data(), false);
-        break;
-      case SynthesizerVariant::Random:
-        random_backward();
-        break;
-      case SynthesizerVariant::FactorizedRandom:
-        factorized_backward();
-        break;
-    }
+    if (dense) widen(q.bf16_data(), widened_queries_.data(), q.size());
+    synthetic_backward(dense ? widened_queries_.data() : nullptr, dense ? query_grads_.data() : nullptr, false);
     if (accumulate()) {
 #pragma omp parallel for num_threads(p_.threads) schedule(static)
       for (std::int64_t r = 0; r < bh * n; ++r)
@@ -457,6 +437,22 @@ class Synthesizer final : public Mechanism {
         break;
       case SynthesizerVariant::FactorizedRandom:
         factorized_logits();
+        break;
+    }
+  }
+
+  // dL (logit_grads_) through (1 − α)·L_syn into the synthesiser's parameters; dense: q, dq fp32
+  // [B, H, N, D], dQ's part added to dq with add_to_dq.
+  void synthetic_backward(const float* q, float* dq, bool add_to_dq) {
+    switch (c_.variant) {
+      case SynthesizerVariant::Dense:
+        dense_backward(q, dq, add_to_dq);
+        break;
+      case SynthesizerVariant::Random:
+        random_backward();
+        break;
+      case SynthesizerVariant::FactorizedRandom:
+        factorized_backward();
         break;
     }
   }
