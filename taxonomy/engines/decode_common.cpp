@@ -124,6 +124,41 @@ std::int64_t attend_ring(RowSoftmax& row, const float* q_scaled, const bf16* key
   return attend_ring_of(row, q_scaled, keys, values, capacity, first, count, step);
 }
 
+std::int64_t row_scores(const float* q, const float* rows, std::int64_t count, std::int64_t d, float scale,
+                        float* scores) {
+  ops::gemm(false, true, 1, count, d, scale, q, d, rows, d, 0.0f, scores, count);
+  return 0;
+}
+
+std::int64_t row_scores(const float* q, const bf16* rows, std::int64_t count, std::int64_t d, float scale,
+                        float* scores) {
+  for (std::int64_t x = 0; x < count; ++x) {
+    const bf16* row = rows + x * d;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (std::int64_t j = 0; j < d; ++j) dot += q[j] * to_float(row[j]);
+    scores[x] = dot * scale;
+  }
+  return matmul_flops(1, count, d);
+}
+
+std::int64_t weigh_rows(const float* p, const float* rows, std::int64_t count, std::int64_t d, float* out) {
+  ops::gemm(false, false, 1, d, count, 1.0f, p, count, rows, d, 0.0f, out, d);
+  return 0;
+}
+
+std::int64_t weigh_rows(const float* p, const bf16* rows, std::int64_t count, std::int64_t d, float* out) {
+  std::fill(out, out + d, 0.0f);
+  for (std::int64_t x = 0; x < count; ++x) {
+    if (p[x] == 0.0f) continue;
+    const bf16* row = rows + x * d;
+    const float weight = p[x];
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) out[j] += weight * to_float(row[j]);
+  }
+  return matmul_flops(1, d, count);
+}
+
 std::int64_t attend_rows_flops(std::int64_t rows, std::int64_t head_dim) {
   const std::int64_t chunks = (rows + kDecodeChunk - 1) / kDecodeChunk;
   return rows * (4 * head_dim + 4) + chunks * (head_dim + 2);

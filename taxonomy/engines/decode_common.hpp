@@ -131,6 +131,19 @@ void attend_every_head(const Tensor& q, Tensor& out, Tensor& buffers, int thread
 
 // The FLOPs of attend_rows over `rows` keys.
 std::int64_t attend_rows_flops(std::int64_t rows, std::int64_t head_dim);
+
+// One query row against `count` cached rows [count, D] of fp32 or bf16 (a bf16 model's state)
+// without a softmax, for steps that need the scores themselves (relative terms, entmax, synthetic
+// logits). row_scores: scores[x] = scale·q·row_x; weigh_rows: out = Σ_x p[x]·row_x (rows whose weight
+// is exactly 0 are skipped: they add nothing). fp32 rows go through ops::gemm, which counts its
+// FLOPs (these return 0); bf16 rows are widened in fp32 dot products and sums (exact products, fp32
+// accumulation; these return their 2·count·D FLOPs).
+std::int64_t row_scores(const float* q, const float* rows, std::int64_t count, std::int64_t d, float scale,
+                        float* scores);
+std::int64_t row_scores(const float* q, const bf16* rows, std::int64_t count, std::int64_t d, float scale,
+                        float* scores);
+std::int64_t weigh_rows(const float* p, const float* rows, std::int64_t count, std::int64_t d, float* out);
+std::int64_t weigh_rows(const float* p, const bf16* rows, std::int64_t count, std::int64_t d, float* out);
 // The same update for a long run of rows as one block through two sgemm calls (scores = q·Kᵀ into
 // `scores` [rows], then acc += p·V), where the calls' overhead is amortised (a split of a KV
 // cache). Returns the FLOPs outside the sgemm calls, which count themselves (2·rows·D each):

@@ -11,6 +11,7 @@
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 
 namespace xfb {
 namespace {
@@ -273,18 +274,9 @@ class Synthesizer final : public Mechanism {
     const std::int64_t total = decode_values_.dim(1);
     std::int64_t flops = 0;
     const float mix_scale = mix_ / std::sqrt(static_cast<float>(d));
-    if (mix_ > 0.0f && bf16_form()) {  // bf16 keys: exact products summed in fp32
-      const bf16* cached = decode_keys_.bf16_data() + bh * total * d;
-      for (std::int64_t j = 0; j < keys; ++j) {
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (std::int64_t c = 0; c < d; ++c) dot += q[c] * to_float(cached[j * d + c]);
-        logits[j] = mix_scale * dot;
-      }
-      flops += matmul_flops(1, keys, d);
-    } else if (mix_ > 0.0f) {
-      ops::gemm(false, true, 1, keys, d, mix_scale, q, d, decode_keys_.data() + bh * total * d, d, 0.0f, logits, keys);
-    }
+    if (mix_ > 0.0f)
+      flops += bf16_form() ? row_scores(q, decode_keys_.bf16_data() + bh * total * d, keys, d, mix_scale, logits)
+                           : row_scores(q, decode_keys_.data() + bh * total * d, keys, d, mix_scale, logits);
     const float beta = accumulate() ? 1.0f : 0.0f;
     switch (c_.variant) {
       case SynthesizerVariant::Dense: {
@@ -484,15 +476,10 @@ class Synthesizer final : public Mechanism {
       float* logits = decode_logits_.data() + bh * decode_logits_.dim(1);
       flops += step_logits(bh, i, query, logits);
       const float inverse = 1.0f / ops::exp_and_sum(logits, keys, ops::row_max(logits, keys, logits[0]));
+      for (std::int64_t j = 0; j < keys; ++j) logits[j] = round_to_bf16(logits[j] * inverse);
       float* acc = query;  // the query is no longer needed
-      std::fill(acc, acc + d, 0.0f);
-      for (std::int64_t j = 0; j < keys; ++j) {
-        const float weight = round_to_bf16(logits[j] * inverse);
-#pragma omp simd
-        for (std::int64_t c = 0; c < d; ++c) acc[c] += weight * to_float(values[j * d + c]);
-      }
+      flops += kSoftmaxFlopsPerElement * keys + weigh_rows(logits, values, keys, d, acc);
       narrow(acc, out.bf16_data() + bh * d, d);
-      flops += kSoftmaxFlopsPerElement * keys + matmul_flops(1, d, keys);
     }
     FlopCounter::add(flops);
     ++length_;

@@ -14,6 +14,7 @@
 #include "lib/core/ops.hpp"
 #include "lib/core/rng.hpp"
 #include "lib/core/stage_clock.hpp"
+#include "taxonomy/engines/decode_common.hpp"
 #include "taxonomy/engines/pattern_common.hpp"
 
 namespace xfb {
@@ -81,41 +82,6 @@ float add_relative_and_exponentiate(float* row, const float* relative, std::int6
 void round_slots(float* slots, std::int64_t count) {
 #pragma omp simd
   for (std::int64_t i = 0; i < count; ++i) slots[i] = round_to_bf16(slots[i]);
-}
-
-// scores[x] = scale·q·key_x over `count` key rows [count, D] (fp32 through ops::gemm, which counts
-// its FLOPs; bf16 rows widened in the dot products, FLOPs returned).
-std::int64_t row_scores(const float* q, const float* keys, std::int64_t count, std::int64_t d, float scale,
-                        float* scores) {
-  ops::gemm(false, true, 1, count, d, scale, q, d, keys, d, 0.0f, scores, count);
-  return 0;
-}
-std::int64_t row_scores(const float* q, const bf16* keys, std::int64_t count, std::int64_t d, float scale,
-                        float* scores) {
-  for (std::int64_t x = 0; x < count; ++x) {
-    const bf16* key = keys + x * d;
-    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-    for (std::int64_t j = 0; j < d; ++j) dot += q[j] * to_float(key[j]);
-    scores[x] = dot * scale;
-  }
-  return matmul_flops(1, count, d);
-}
-
-// out = Σ_x p[x]·value_x over `count` value rows [count, D] (as row_scores for the FLOPs).
-std::int64_t weigh_rows(const float* p, const float* values, std::int64_t count, std::int64_t d, float* out) {
-  ops::gemm(false, false, 1, d, count, 1.0f, p, count, values, d, 0.0f, out, d);
-  return 0;
-}
-std::int64_t weigh_rows(const float* p, const bf16* values, std::int64_t count, std::int64_t d, float* out) {
-  std::fill(out, out + d, 0.0f);
-  for (std::int64_t x = 0; x < count; ++x) {
-    const bf16* value = values + x * d;
-    const float weight = p[x];
-#pragma omp simd
-    for (std::int64_t j = 0; j < d; ++j) out[j] += weight * to_float(value[j]);
-  }
-  return matmul_flops(1, d, count);
 }
 
 }  // namespace

@@ -8,8 +8,10 @@
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "lib/core/bf16.hpp"
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -359,25 +361,10 @@ class AdaptiveSparse final : public Mechanism {
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     if (length_ >= cache_.capacity()) throw std::logic_error("adaptive-sparse: decode step past the prepared capacity");
-    if (bf16_form()) return decode_step_bf16(q, k, v, out);
-    const std::int64_t d = p_.head_dim, keys = length_ + 1, ld = step_scores_.dim(1);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    // The step reads every head's cached K and V once; below kParallelStepFloats a team costs more than it saves.
-    const bool parallel = 2 * p_.batch * p_.heads * keys * d >= kParallelStepFloats;
-    std::int64_t flops = 0;
-#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops) if (parallel)
-    for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
-      cache_.store(head, length_, k.data() + head * d, v.data() + head * d, 1);
-      const double alpha = alpha_[head % p_.heads];
-      float* scores = step_scores_.data() + head * ld;
-      ops::gemm(false, true, 1, keys, d, scale, q.data() + head * d, d, cache_.keys(head), d, 0.0f, scores, ld);
-      const float theta =
-          entmax_threshold(scores, keys, alpha, sorts(alpha), step_candidates_.data() + head * step_candidates_.dim(1));
-      entmax_probabilities(scores, keys, alpha, theta, scores);
-      ops::gemm(false, false, 1, d, keys, 1.0f, scores, ld, cache_.values(head), d, 0.0f, out.data() + head * d, d);
-      flops += kEntmaxFlopsPerElement * keys;
-    }
-    FlopCounter::add(flops);
+    if (bf16_form())
+      step_heads<bf16>(q, k, v, out);
+    else
+      step_heads<float>(q, k, v, out);
     ++length_;
   }
 
@@ -428,44 +415,33 @@ class AdaptiveSparse final : public Mechanism {
     return flops;
   }
 
-  // A bf16 step: the key and value appended to the bf16 cache; scores and entmax in fp32 on the
-  // widened query, P·V summed in fp32 over the bf16 rows and rounded once.
-  void decode_step_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+  // One step of every head on T = float or bf16 tensors and cache: the key and value appended, the
+  // scores and entmax in fp32 (a bf16 query widened into step_rows_), P·V on the cached values
+  // (decode_common's row_scores and weigh_rows), the output rounded once in bf16.
+  template <class T>
+  void step_heads(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
     const std::int64_t d = p_.head_dim, keys = length_ + 1, ld = step_scores_.dim(1);
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    // The step reads every head's cached K and V once; below kParallelStepFloats a team costs more than it saves.
     const bool parallel = 2 * p_.batch * p_.heads * keys * d >= kParallelStepFloats;
     std::int64_t flops = 0;
 #pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops) if (parallel)
     for (std::int64_t head = 0; head < p_.batch * p_.heads; ++head) {
-      cache_.store(head, length_, k.bf16_data() + head * d, v.bf16_data() + head * d, 1);
+      cache_.store(head, length_, elements<T>(k) + head * d, elements<T>(v) + head * d, 1);
       const double alpha = alpha_[head % p_.heads];
       float* scores = step_scores_.data() + head * ld;
-      float* query = step_rows_.data() + head * 2 * d;
-      float* acc = query + d;
-      widen(q.bf16_data() + head * d, query, d);
-      const bf16* cached_keys = cache_.keys<bf16>(head);
-      const bf16* cached_values = cache_.values<bf16>(head);
-      for (std::int64_t j = 0; j < keys; ++j) {
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (std::int64_t c = 0; c < d; ++c) dot += query[c] * to_float(cached_keys[j * d + c]);
-        scores[j] = dot * scale;
-      }
+      float* rows = std::is_same_v<T, float> ? nullptr : step_rows_.data() + head * 2 * d;  // query, output
+      const float* query = fp32_elements(elements<T>(q) + head * d, d, rows);
+      flops += row_scores(query, cache_.keys<T>(head), keys, d, scale, scores);
       const float theta =
           entmax_threshold(scores, keys, alpha, sorts(alpha), step_candidates_.data() + head * step_candidates_.dim(1));
       entmax_probabilities(scores, keys, alpha, theta, scores);
-      std::fill(acc, acc + d, 0.0f);
-      for (std::int64_t j = 0; j < keys; ++j) {
-        if (scores[j] == 0.0f) continue;  // off the support: adds nothing (its FLOPs are counted all the same)
-        const float weight = scores[j];
-#pragma omp simd
-        for (std::int64_t c = 0; c < d; ++c) acc[c] += weight * to_float(cached_values[j * d + c]);
-      }
-      narrow(acc, out.bf16_data() + head * d, d);
-      flops += kEntmaxFlopsPerElement * keys + 2 * matmul_flops(1, keys, d);
+      T* dst = elements<T>(out) + head * d;
+      float* result = fp32_target(dst, 0, d, rows == nullptr ? nullptr : rows + d);
+      flops += kEntmaxFlopsPerElement * keys + weigh_rows(scores, cache_.values<T>(head), keys, d, result);
+      store_rows(result, dst, 0, 1, d);
     }
     FlopCounter::add(flops);
-    ++length_;
   }
 
   bool sorts(double alpha) const { return c_.algorithm == EntmaxAlgorithm::Auto && (alpha == 1.5 || alpha == 2.0); }
