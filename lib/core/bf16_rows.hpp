@@ -5,6 +5,7 @@
 // write rounds to nearest even, once.
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <type_traits>
 
 #include "lib/core/bf16.hpp"
@@ -60,6 +61,20 @@ const float* fp32_rows(const T* x, std::int64_t c0, std::int64_t rows, std::int6
 // The rows an earlier fp32_rows(x, c0, …, scratch) returned, without widening them again.
 inline const float* widened_rows(const float* x, std::int64_t c0, std::int64_t d, const float*) { return x + c0 * d; }
 inline const float* widened_rows(const bf16*, std::int64_t, std::int64_t, const float* scratch) { return scratch; }
+
+// Elements [at, at + count) of each bf16 tensor widened into rows + t·stride (t: its place in the
+// list); and back: rows + t·stride [count] rounded into elements [at, at + count) of the t-th tensor.
+// The storage-only bf16 forms' per-head fp32 rows.
+inline void widen_spans(std::span<const Tensor* const> tensors, std::int64_t at, std::int64_t count, float* rows,
+                        std::int64_t stride) {
+  for (std::size_t t = 0; t < tensors.size(); ++t)
+    widen(tensors[t]->bf16_data() + at, rows + static_cast<std::int64_t>(t) * stride, count);
+}
+inline void narrow_spans(const float* rows, std::int64_t stride, std::span<Tensor* const> tensors, std::int64_t at,
+                         std::int64_t count) {
+  for (std::size_t t = 0; t < tensors.size(); ++t)
+    narrow(rows + static_cast<std::int64_t>(t) * stride, tensors[t]->bf16_data() + at, count);
+}
 
 // Where rows [c0, …) of an fp32 result go: the result itself (fp32), or scratch, rounded into the
 // bf16 result by store_rows afterwards.

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "lib/core/bf16.hpp"
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -343,13 +344,11 @@ class Luna final : public Mechanism {
                                 const std::array<Tensor*, 3>& grads, float* d_projected, int thread) {
     const std::int64_t nd = p_.seq_len * p_.head_dim;
     float* rows = widened_gradients_.data() + thread * 7 * nd;
-    for (std::size_t t = 0; t < inputs.size(); ++t)
-      widen(inputs[t]->bf16_data() + bh * nd, rows + static_cast<std::int64_t>(t) * nd, nd);
+    widen_spans(inputs, bh * nd, nd, rows, nd);
     const Rows x{rows, rows + nd, rows + 2 * nd};
     const Grads g{rows + 3 * nd, rows + 4 * nd, rows + 5 * nd, rows + 6 * nd, d_projected};
     const std::int64_t flops = p_.causal ? causal_backward(bh, x, g, thread) : noncausal_backward(bh, x, g, thread);
-    for (std::size_t t = 0; t < grads.size(); ++t)
-      narrow(rows + static_cast<std::int64_t>(4 + t) * nd, grads[t]->bf16_data() + bh * nd, nd);
+    narrow_spans(rows + 4 * nd, nd, grads, bh * nd, nd);
     return flops;
   }
   const float* projected(std::int64_t bh) const { return projected_.data() + bh % p_.heads * l_ * p_.head_dim; }

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "lib/core/bf16.hpp"
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -348,11 +349,11 @@ class Nystromformer final : public Mechanism {
         }
         // bf16: q, k, v, dO widened, the fp32 backward into fp32 dQ, dK, dV, each rounded once.
         const Tensor* inputs[4] = {&q, &k, &v, &dout};
-        for (std::int64_t t = 0; t < 4; ++t) widen(inputs[t]->bf16_data() + at, rows + t * size, size);
+        widen_spans(inputs, at, size, rows, size);
         flops += backward_head(bh, {rows, rows + size, rows + 2 * size, rows + 3 * size},
                                {rows + 4 * size, rows + 5 * size, rows + 6 * size}, thread);
         Tensor* grads[3] = {&dq, &dk, &dv};
-        for (std::int64_t t = 0; t < 3; ++t) narrow(rows + (4 + t) * size, grads[t]->bf16_data() + at, size);
+        narrow_spans(rows + 4 * size, size, grads, at, size);
       }
       if (s_.k > 0) {
 #pragma omp for schedule(dynamic, 1)

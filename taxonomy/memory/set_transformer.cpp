@@ -132,11 +132,11 @@ class SetTransformer final : public Mechanism {
         // bf16 (storage only): q, dO, k, v widened, the fp32 backward into fp32 dQ, dK, dV, each rounded once.
         float* rows = widened_gradients_.data() + thread * 7 * size;
         const Tensor* inputs[4] = {&q, &dout, &k, &v};
-        for (std::int64_t t = 0; t < 4; ++t) widen(inputs[t]->bf16_data() + at, rows + t * size, size);
+        widen_spans(inputs, at, size, rows, size);
         flops += read_out_backward(bh, rows, rows + size, rows + 4 * size, thread);
         flops += summarise_backward(bh, rows + 2 * size, rows + 3 * size, rows + 5 * size, rows + 6 * size, thread);
         Tensor* grads[3] = {&dq, &dk, &dv};
-        for (std::int64_t t = 0; t < 3; ++t) narrow(rows + (4 + t) * size, grads[t]->bf16_data() + at, size);
+        narrow_spans(rows + 4 * size, size, grads, at, size);
       }
     }
     FlopCounter::add(flops);

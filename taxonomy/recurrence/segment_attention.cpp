@@ -613,7 +613,7 @@ SegmentAttention::SegmentRows SegmentAttention::segment_view(const Grads& g, std
   float* buffers = widened_segments_.data() + thread * widened_segments_.dim(1) * widened_segments_.dim(2) * d;
   const std::int64_t stride = widened_segments_.dim(2) * d;
   const Tensor* inputs[3] = {&g.q, &g.out, &g.dout};
-  for (int t = 0; t < 3; ++t) widen(inputs[t]->bf16_data() + at, buffers + t * stride, rows * d);
+  widen_spans(inputs, at, rows * d, buffers, stride);
   std::fill(buffers + 4 * stride, buffers + 4 * stride + 2 * stride, 0.0f);  // dK, dV accumulate
   return {buffers,
           buffers + stride,

@@ -405,13 +405,11 @@ class AdaptiveSparse final : public Mechanism {
                                      const std::array<Tensor*, 3>& grads, int thread) {
     const std::int64_t size = p_.seq_len * p_.head_dim, offset = head * size;
     float* rows = widened_heads_.data() + thread * 7 * size;
-    for (std::size_t t = 0; t < inputs.size(); ++t)
-      widen(inputs[t]->bf16_data() + offset, rows + static_cast<std::int64_t>(t) * size, size);
+    widen_spans(inputs, offset, size, rows, size);
     const std::int64_t flops = head_backward(
         head, {rows, rows + size, rows + 2 * size, rows + 3 * size, rows + 4 * size, rows + 5 * size, rows + 6 * size},
         thread);
-    for (std::size_t t = 0; t < grads.size(); ++t)
-      narrow(rows + static_cast<std::int64_t>(4 + t) * size, grads[t]->bf16_data() + offset, size);
+    narrow_spans(rows + 4 * size, size, grads, offset, size);
     return flops;
   }
 
