@@ -82,7 +82,7 @@ std::int64_t attend_rows_of(RowSoftmax& row, const float* q_scaled, const T* key
     }
     absorb_scores(row, scores, n, std::max(row.max, chunk_max));
     for (std::int64_t j = 0; j < n; ++j) {
-      const float p = std::is_same_v<T, bf16> ? round_to_bf16(scores[j]) : scores[j];
+      const float p = std::is_same_v<T, bf16> && !row.fp32_probabilities ? round_to_bf16(scores[j]) : scores[j];
       const T* value = values + (c0 + j) * step;
 #pragma omp simd
       for (std::int64_t c = 0; c < d; ++c) acc[c] += p * element(value[c]);

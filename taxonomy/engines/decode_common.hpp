@@ -77,6 +77,9 @@ struct RowSoftmax {
   float sum = 0.0f;
   float* acc = nullptr;  // [D], zeroed by begin_row
   std::int64_t head_dim = 0;
+  // On bf16 rows: false rounds each exponential to bf16 before it weighs its value (a bf16 form's P),
+  // true keeps it fp32 (a storage-only form's step, whose forward computes in fp32).
+  bool fp32_probabilities = false;
 };
 
 // acc: D floats the row accumulates into (zeroed here).
@@ -87,7 +90,8 @@ std::int64_t scale_query(const bf16* q, std::int64_t head_dim, float* q_scaled);
 // Attends q_scaled to `rows` cached rows, row r at keys + r·stride (and values likewise; stride 0
 // means D: consecutive rows). Returns its FLOPs. On bf16 rows (a bf16 model's cache) the products
 // are exact in fp32 and summed in fp32, and each exponential is rounded to bf16 before it weighs its
-// value row (the bf16 forward's rounding of P); the statistics stay fp32; the FLOPs are the same.
+// value row (the bf16 forward's rounding of P; not with row.fp32_probabilities); the statistics stay
+// fp32; the FLOPs are the same.
 std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const float* keys, const float* values,
                          std::int64_t rows, std::int64_t stride = 0);
 std::int64_t attend_rows(RowSoftmax& row, const float* q_scaled, const bf16* keys, const bf16* values,

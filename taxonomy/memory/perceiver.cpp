@@ -7,6 +7,7 @@
 #include <limits>
 #include <stdexcept>
 
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -64,6 +65,14 @@ std::int64_t latent_softmax_flops(const Problem& p, std::int64_t m) {
   return kSoftmaxFlopsPerElement * (p.causal ? m * (m + 1) / 2 : m * m);
 }
 
+// The bf16 form's fp32 rows per thread (perceiver.hpp): forward k, v [N, D] each, causal q's last M
+// rows and the output [M, D]; backward dK, dV [N, D] each, dO and causal dQc [M, D].
+std::int64_t bf16_forward_floats(const Problem& p, const PerceiverConfig& c) {
+  const std::int64_t m = latent_rows(p, c);
+  return (2 * p.seq_len + (p.causal ? 2 * m : m)) * p.head_dim;
+}
+std::int64_t bf16_backward_floats(const Problem& p, const PerceiverConfig& c) { return bf16_forward_floats(p, c); }
+
 class Perceiver final : public Mechanism {
  public:
   Perceiver(const Problem& problem, const PerceiverConfig& config, std::uint64_t seed)
@@ -83,13 +92,25 @@ class Perceiver final : public Mechanism {
     tile_ = Tensor(Shape{threads, tile_rows(p_, c_), ops::padded_ld(tile_cols(p_, c_))});
     latent_rows_ = Tensor(Shape{threads, 3, m_, d});
     latent_scores_ = Tensor(Shape{threads, m_, ops::padded_ld(m_)});
+    if (bf16_form()) widened_ = Tensor(Shape{threads, bf16_forward_floats(p_, c_)});
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
     const std::int64_t bh_count = p_.batch * p_.heads;
     std::int64_t flops = 0;
 #pragma omp parallel for num_threads(p_.threads) schedule(dynamic, 1) reduction(+ : flops)
-    for (std::int64_t bh = 0; bh < bh_count; ++bh) flops += forward_head(bh, q, k, v, out, omp_get_thread_num());
+    for (std::int64_t bh = 0; bh < bh_count; ++bh) {
+      const int thread = omp_get_thread_num();
+      const std::int64_t at = bh * m_ * p_.head_dim;
+      if (!bf16_form()) {
+        flops += forward_head(bh, fp32_inputs(bh, q, k, v), out.data() + at, thread);
+        continue;
+      }
+      float* rows = thread_rows(widened_, thread);
+      float* result = rows + bf16_forward_floats(p_, c_) - m_ * p_.head_dim;
+      flops += forward_head(bh, widened_inputs(bh, q, k, v, rows), result, thread);
+      narrow(result, out.bf16_data() + at, m_ * p_.head_dim);
+    }
     FlopCounter::add(flops);
     if (cross_cache_.capacity() > 0) {
       cross_cache_.load_context(k, v, p_.threads);
@@ -113,6 +134,7 @@ class Perceiver final : public Mechanism {
     latent_score_grads_ = Tensor(Shape{threads, m_, latent_scores_.dim(2)});
     tile_grads_ = Tensor(Shape{threads, tile_.dim(1), tile_.dim(2)});
     deltas_ = Tensor(Shape{threads, m_});
+    if (bf16_form()) widened_grads_ = Tensor(Shape{threads, bf16_backward_floats(p_, c_)});
   }
 
   std::vector<NamedTensor> saved() const override {
@@ -132,7 +154,8 @@ class Perceiver final : public Mechanism {
       const int thread = omp_get_thread_num();
       zero_head_gradients(head);
       for (std::int64_t b = 0; b < p_.batch; ++b)
-        flops += backward_head(b * p_.heads + head, q, k, v, dout, dq, dk, dv, thread);
+        flops += bf16_form() ? widened_backward(b * p_.heads + head, q, k, v, dout, dq, dk, dv, thread)
+                             : fp32_backward(b * p_.heads + head, q, k, v, dout, dq, dk, dv, thread);
     }
     FlopCounter::add(flops);
   }
@@ -140,8 +163,8 @@ class Perceiver final : public Mechanism {
   void prepare_decode(std::int64_t tokens) override {
     if (!p_.causal) throw std::logic_error("perceiver decodes in its causal form (Perceiver AR) only");
     const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim;
-    cross_cache_ = KvCache(heads, cross_capacity(p_, c_, tokens), d);
-    latent_cache_ = KvCache(heads, latent_capacity(p_, c_, tokens), d);
+    cross_cache_ = KvCache(heads, cross_capacity(p_, c_, tokens), d, p_.dtype);
+    latent_cache_ = KvCache(heads, latent_capacity(p_, c_, tokens), d, p_.dtype);
     step_ = Tensor(Shape{heads, kStepRows, d});
   }
 
@@ -151,7 +174,8 @@ class Perceiver final : public Mechanism {
     const bool parallel = 2 * heads * (span + c_.latents) * p_.head_dim >= kParallelStepFloats;
     std::int64_t flops = 0;
 #pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops) if (parallel)
-    for (std::int64_t head = 0; head < heads; ++head) flops += step_head(head, q, k, v, out);
+    for (std::int64_t head = 0; head < heads; ++head)
+      flops += bf16_form() ? step_head<bf16>(head, q, k, v, out) : step_head<float>(head, q, k, v, out);
     FlopCounter::add(flops);
     ++length_;
   }
@@ -185,9 +209,25 @@ class Perceiver final : public Mechanism {
         }
   }
 
-  const float* queries(std::int64_t bh, const Tensor& q) const {
-    if (!p_.causal) return latents_.data() + bh % p_.heads * m_ * p_.head_dim;
-    return q.data() + (bh * p_.seq_len + p_.seq_len - m_) * p_.head_dim;
+  bool bf16_form() const { return p_.dtype == DType::BF16; }
+  const float* latent_queries(std::int64_t bh) const { return latents_.data() + bh % p_.heads * m_ * p_.head_dim; }
+  // One head's cross-attention queries Qc [M, D] and its k, v [N, D] as fp32 rows.
+  struct HeadInputs {
+    const float *queries, *k, *v;
+  };
+  HeadInputs fp32_inputs(std::int64_t bh, const Tensor& q, const Tensor& k, const Tensor& v) const {
+    const std::int64_t at = bh * p_.seq_len * p_.head_dim;
+    const float* queries = p_.causal ? q.data() + at + (p_.seq_len - m_) * p_.head_dim : latent_queries(bh);
+    return {queries, k.data() + at, v.data() + at};
+  }
+  // The bf16 form: the head's k, v and causal q's last M rows widened into rows [2N (+ M), D].
+  HeadInputs widened_inputs(std::int64_t bh, const Tensor& q, const Tensor& k, const Tensor& v, float* rows) const {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, at = bh * n * d;
+    const Tensor* inputs[] = {&k, &v};
+    widen_spans(inputs, at, n * d, rows, n * d);
+    if (!p_.causal) return {latent_queries(bh), rows, rows + n * d};
+    widen(q.bf16_data() + at + (n - m_) * d, rows + 2 * n * d, m_ * d);
+    return {rows + 2 * n * d, rows, rows + n * d};
   }
   const float* projection(std::int64_t head, std::int64_t which) const {
     return projections_.data() + (head * 3 + which) * p_.head_dim * p_.head_dim;
@@ -197,18 +237,31 @@ class Perceiver final : public Mechanism {
 
   // One (batch, head): the cross-attention into C (the saved one when the backward is prepared),
   // then the latent layer into out. Returns the FLOPs outside the products.
-  std::int64_t forward_head(std::int64_t bh, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                            int thread) {
+  std::int64_t forward_head(std::int64_t bh, const HeadInputs& in, float* out, int thread) {
     const std::int64_t d = p_.head_dim, n = p_.seq_len;
     float* cross = saved_cross_.empty() ? thread_rows(cross_out_, thread) : saved_cross_.data() + bh * m_ * d;
     float* lse = saved_lse_.empty() ? nullptr : saved_lse_.data() + bh * m_;
-    std::int64_t flops =
-        cross_attention(queries(bh, q), k.data() + bh * n * d, v.data() + bh * n * d, cross, lse, thread);
+    std::int64_t flops = cross_attention(in.queries, in.k, in.v, cross, lse, thread);
     float* rows = thread_rows(latent_rows_, thread);
-    flops += latent_layer(bh % p_.heads, cross, rows, out.data() + bh * m_ * d, thread);
-    if (latent_cache_.capacity() > 0)  // the prefill keeps the latents' keys and values
-      latent_cache_.store(bh, (n - m_) % latent_cache_.capacity(), rows + m_ * d, rows + 2 * m_ * d, m_);
+    flops += latent_layer(bh % p_.heads, cross, rows, out, thread);
+    if (latent_cache_.capacity() == 0) return flops;
+    // The prefill keeps the latents' keys and values (rounded once in the bf16 form).
+    if (bf16_form())
+      store_latents<bf16>(bh, n - m_, rows + m_ * d, rows + 2 * m_ * d, m_);
+    else
+      store_latents<float>(bh, n - m_, rows + m_ * d, rows + 2 * m_ * d, m_);
     return flops;
+  }
+
+  // Latent keys and values [count, D] of positions first, first + 1, … into head's latent ring.
+  template <class T>
+  void store_latents(std::int64_t head, std::int64_t first, const float* lk, const float* lv, std::int64_t count) {
+    const std::int64_t d = p_.head_dim, capacity = latent_cache_.capacity();
+    for (std::int64_t r = 0; r < count; ++r) {
+      const std::int64_t slot = (first + r) % capacity * d;
+      convert(lk + r * d, latent_cache_.keys<T>(head) + slot, d);
+      convert(lv + r * d, latent_cache_.values<T>(head) + slot, d);
+    }
   }
 
   // C = the masked softmax of s·Qc·Kᵀ times V, by key tiles with an online softmax per row; with
@@ -288,21 +341,44 @@ class Perceiver final : public Mechanism {
 
   // One (batch, head): the latent layer's backward (recomputed from the saved C), then the cross
   // attention's, tile by tile from the saved log-sum-exp. Returns the FLOPs outside the products.
-  std::int64_t backward_head(std::int64_t bh, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
-                             Tensor& dq, Tensor& dk, Tensor& dv, int thread) {
-    const std::int64_t d = p_.head_dim, n = p_.seq_len, head = bh % p_.heads;
+  // dk, dv [N, D] and (causal) d_queries [M, D] must be zero; non-causal d_queries is the head's
+  // dlatents, which every batch element adds to.
+  std::int64_t backward_head(std::int64_t bh, const HeadInputs& in, const float* dout, float* d_queries, float* dk,
+                             float* dv, int thread) {
+    const std::int64_t d = p_.head_dim;
     const float* cross = saved_cross_.data() + bh * m_ * d;
     float* d_cross = thread_rows(cross_grads_, thread);
-    std::int64_t flops = latent_backward(head, cross, dout.data() + bh * m_ * d, d_cross, thread);
-    float* dq_head = dq.data() + bh * n * d;
-    float* dk_head = dk.data() + bh * n * d;
-    float* dv_head = dv.data() + bh * n * d;
-    std::fill_n(dq_head, n * d, 0.0f);
-    std::fill_n(dk_head, n * d, 0.0f);
-    std::fill_n(dv_head, n * d, 0.0f);
-    float* d_queries = p_.causal ? dq_head + (n - m_) * d : d_latents_.data() + head * m_ * d;
-    flops += cross_backward(queries(bh, q), k.data() + bh * n * d, v.data() + bh * n * d, cross,
-                            saved_lse_.data() + bh * m_, d_cross, d_queries, dk_head, dv_head, thread);
+    std::int64_t flops = latent_backward(bh % p_.heads, cross, dout, d_cross, thread);
+    return flops + cross_backward(in.queries, in.k, in.v, cross, saved_lse_.data() + bh * m_, d_cross, d_queries, dk,
+                                  dv, thread);
+  }
+
+  std::int64_t fp32_backward(std::int64_t bh, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
+                             Tensor& dq, Tensor& dk, Tensor& dv, int thread) {
+    const std::int64_t d = p_.head_dim, n = p_.seq_len, at = bh * n * d;
+    for (Tensor* g : {&dq, &dk, &dv}) std::fill_n(g->data() + at, n * d, 0.0f);
+    float* d_queries = p_.causal ? dq.data() + at + (n - m_) * d : d_latents_.data() + bh % p_.heads * m_ * d;
+    return backward_head(bh, fp32_inputs(bh, q, k, v), dout.data() + bh * m_ * d, d_queries, dk.data() + at,
+                         dv.data() + at, thread);
+  }
+
+  // The bf16 form's backward of one head on the thread's fp32 rows (widened_, widened_grads_: dK,
+  // dV, dO, causal dQc), its gradients rounded once.
+  std::int64_t widened_backward(std::int64_t bh, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& dout,
+                                Tensor& dq, Tensor& dk, Tensor& dv, int thread) {
+    const std::int64_t d = p_.head_dim, n = p_.seq_len, at = bh * n * d;
+    float* grads = thread_rows(widened_grads_, thread);
+    float* d_out = grads + 2 * n * d;
+    float* d_queries = p_.causal ? d_out + m_ * d : d_latents_.data() + bh % p_.heads * m_ * d;
+    std::fill_n(grads, 2 * n * d, 0.0f);
+    if (p_.causal) std::fill_n(d_queries, m_ * d, 0.0f);
+    widen(dout.bf16_data() + bh * m_ * d, d_out, m_ * d);
+    const std::int64_t flops = backward_head(bh, widened_inputs(bh, q, k, v, thread_rows(widened_, thread)), d_out,
+                                             d_queries, grads, grads + n * d, thread);
+    Tensor* const gradients[] = {&dk, &dv};
+    narrow_spans(grads, n * d, gradients, at, n * d);
+    std::fill_n(dq.bf16_data() + at, n * d, bf16{});
+    if (p_.causal) narrow(d_queries, dq.bf16_data() + at + (n - m_) * d, m_ * d);
     return flops;
   }
 
@@ -397,18 +473,22 @@ class Perceiver final : public Mechanism {
   }
 
   // One decode step of one head: the token's cross-attention over the cached inputs, its latent
-  // keys and values into the latent ring, its latent query over the last `latents` positions.
+  // keys and values into the latent ring, its latent query over the last `latents` positions. On
+  // T = bf16 tensors and caches: the query widened, the products and P in fp32 (storage only), the
+  // latent key and value rounded into the ring, the output rounded.
+  template <class T>
   std::int64_t step_head(std::int64_t head, const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
     const std::int64_t d = p_.head_dim, position = length_, h = head % p_.heads;
     float* buffers = step_.data() + head * kStepRows * d;
     float *query = buffers, *acc = buffers + d, *cross = buffers + 2 * d, *lq = buffers + 3 * d;
     float *lk = buffers + 4 * d, *lv = buffers + 5 * d, *latent_query = buffers + 6 * d, *latent_acc = buffers + 7 * d;
     const std::int64_t cross_cap = cross_cache_.capacity(), latent_cap = latent_cache_.capacity();
-    cross_cache_.store(head, position % cross_cap, k.data() + head * d, v.data() + head * d, 1);
+    cross_cache_.store(head, position % cross_cap, elements<T>(k) + head * d, elements<T>(v) + head * d, 1);
     const std::int64_t first = c_.cross_window > 0 ? std::max<std::int64_t>(0, position - c_.cross_window + 1) : 0;
     RowSoftmax row = begin_row(acc, d);
-    std::int64_t flops = scale_query(q.data() + head * d, d, query);
-    flops += attend_ring(row, query, cross_cache_.keys(head), cross_cache_.values(head), cross_cap, first,
+    row.fp32_probabilities = true;
+    std::int64_t flops = scale_query(elements<T>(q) + head * d, d, query);
+    flops += attend_ring(row, query, cross_cache_.keys<T>(head), cross_cache_.values<T>(head), cross_cap, first,
                          position - first + 1);
     flops += finish_row(row, cross);
     float* projected[3] = {lq, lk, lv};
@@ -423,13 +503,14 @@ class Perceiver final : public Mechanism {
       }
     }
     flops += 3 * matmul_flops(1, d, d);
-    latent_cache_.store(head, position % latent_cap, lk, lv, 1);
+    store_latents<T>(head, position, lk, lv, 1);
     const std::int64_t count = std::min(c_.latents, position + 1);
     RowSoftmax latent = begin_row(latent_acc, d);
+    latent.fp32_probabilities = true;
     flops += scale_query(lq, d, latent_query);
-    flops += attend_ring(latent, latent_query, latent_cache_.keys(head), latent_cache_.values(head), latent_cap,
+    flops += attend_ring(latent, latent_query, latent_cache_.keys<T>(head), latent_cache_.values<T>(head), latent_cap,
                          position - count + 1, count);
-    return flops + finish_row(latent, out.data() + head * d);
+    return flops + finish_row(latent, elements<T>(out) + head * d);
   }
 
   Problem p_;
@@ -443,6 +524,8 @@ class Perceiver final : public Mechanism {
   // [dLq; dLk; dLv], latent score gradients, a cross gradient tile, the rows' dC·C.
   Tensor saved_cross_, saved_lse_, d_latents_, d_projections_;
   Tensor cross_grads_, latent_grads_, latent_score_grads_, tile_grads_, deltas_;
+  // bf16: per thread bf16_forward_floats and bf16_backward_floats of fp32 rows.
+  Tensor widened_, widened_grads_;
   // Decode (prepare_decode): the cross keys and values, the latent ring, the step's buffers.
   KvCache cross_cache_, latent_cache_;
   Tensor step_;
@@ -502,8 +585,8 @@ std::int64_t flops(const Problem& p, const PerceiverConfig& c) {
 std::int64_t workspace(const Problem& p, const PerceiverConfig& c) {
   const std::int64_t h = p.heads, d = p.head_dim, m = latent_rows(p, c);
   const std::int64_t parameters = (p.causal ? 0 : h * m * d) + h * 3 * d * d;
-  const std::int64_t per_thread =
-      m * d + 2 * m + tile_rows(p, c) * ops::padded_ld(tile_cols(p, c)) + 3 * m * d + m * ops::padded_ld(m);
+  const std::int64_t per_thread = m * d + 2 * m + tile_rows(p, c) * ops::padded_ld(tile_cols(p, c)) + 3 * m * d +
+                                  m * ops::padded_ld(m) + (p.dtype == DType::BF16 ? bf16_forward_floats(p, c) : 0);
   return (parameters + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
@@ -522,15 +605,16 @@ std::int64_t backward_workspace(const Problem& p, const PerceiverConfig& c) {
   const std::int64_t h = p.heads, d = p.head_dim, m = latent_rows(p, c), bh = p.batch * h;
   const std::int64_t saved = bh * m * d + bh * m;
   const std::int64_t gradients = (p.causal ? 0 : h * m * d) + h * 3 * d * d;
-  const std::int64_t per_thread =
-      m * d + 3 * m * d + m * ops::padded_ld(m) + tile_rows(p, c) * ops::padded_ld(tile_cols(p, c)) + m;
+  const std::int64_t per_thread = m * d + 3 * m * d + m * ops::padded_ld(m) +
+                                  tile_rows(p, c) * ops::padded_ld(tile_cols(p, c)) + m +
+                                  (p.dtype == DType::BF16 ? bf16_backward_floats(p, c) : 0);
   return (saved + gradients + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
 std::int64_t decode_workspace(const Problem& p, const PerceiverConfig& c, std::int64_t tokens) {
   const std::int64_t heads = p.batch * p.heads, d = p.head_dim;
-  return KvCache::bytes(heads, Perceiver::cross_capacity(p, c, tokens), d) +
-         KvCache::bytes(heads, Perceiver::latent_capacity(p, c, tokens), d) +
+  return KvCache::bytes(heads, Perceiver::cross_capacity(p, c, tokens), d, p.dtype) +
+         KvCache::bytes(heads, Perceiver::latent_capacity(p, c, tokens), d, p.dtype) +
          heads * kStepRows * d * static_cast<std::int64_t>(sizeof(float));
 }
 
@@ -554,7 +638,10 @@ PerceiverConfig resolve(const Problem& p, PerceiverConfig c) {
 
 template <>
 Implementation implementation<PerceiverConfig>() {
-  return implement<PerceiverConfig>();
+  Implementation impl = implement<PerceiverConfig>();
+  impl.bf16_forward = true;  // storage only (perceiver.hpp): forward, decode and backward
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

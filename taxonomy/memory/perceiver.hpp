@@ -46,6 +46,14 @@
 // again) + 5·2·M²·D (scores, dLv, dP, dLq, dLk) + 6·2·M·D² (dW, dC) + 9·Σ_i valid(i) (softmax again
 // and its backward).
 // Work O(M·N·D + M²·D + M·D²); never an N×N matrix; workspace O(M·(D + block) + M²) per thread.
+// bf16 (--dtype bf16; storage only, any D): q, k, v, the output, the gradients and the decode state
+// (cross keys and values, the latent ring) bf16. Each (batch, head) widens its k, v and causal q's
+// last M rows into the thread's fp32 rows ((2N + 2M)·D floats causal, (2N + M)·D non-causal; the
+// backward as many more for dK, dV, dO, dQc), computes as fp32 and rounds its output and gradients
+// once; C, the log-sum-exp and the parameters stay fp32 (the saved C is M·D per head, against the
+// inputs' 3·N·D). A decode step keeps P in fp32 and rounds the latent key and value it adds to the
+// ring, so the ring holds the rounded rows of the forward's fp32 Lk, Lv; the step is exact on that
+// state (tests/models/memory/test_perceiver_bf16.cpp). FLOPs as fp32; speed about fp32's.
 // `latents` is recorded as given (resolve does not clamp it: a decoder's latent window grows to it
 // as tokens arrive); cross_window resolves to 0 in the non-causal form, where it has no meaning.
 #include "lib/core/config_table.hpp"

@@ -104,7 +104,7 @@ inline double check_bf16_head_errors(const Tensor& got, const AttentionInputs& w
 
 // One bf16 training step of a model on bf16_inputs(p, seed) with a seeded bf16 dout: the inputs,
 // dout (widened) and out, dq, dk, dv (widened), and the mechanism (for its saved tensors and
-// parameter gradients).
+// parameter gradients). out and dout have the model's output rows (N, or M of a downsampling model).
 struct Bf16GradientRun {
   Bf16Inputs in;
   Tensor dout_widened, out, dq, dk, dv;
@@ -112,14 +112,14 @@ struct Bf16GradientRun {
 };
 inline Bf16GradientRun run_bf16_gradients(const std::string& model, const Problem& p,
                                           const std::vector<std::string>& params, std::uint64_t seed) {
-  const std::int64_t n = p.seq_len, d = p.head_dim;
+  const std::int64_t n = p.seq_len, d = p.head_dim, m = model_output_rows(model, p, params);
   Bf16GradientRun run{bf16_inputs(p, seed), {}, {}, {}, {}, {}, bf16_mechanism(model, p, params)};
-  Tensor dout32 = Tensor::bhnd(p.batch, p.heads, n, d);
+  Tensor dout32 = Tensor::bhnd(p.batch, p.heads, m, d);
   CounterRng(9, "dout").fill_normal(dout32);
   const Tensor dout = to_bf16(dout32);
   run.dout_widened = to_f32(dout);
-  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d, DType::BF16); };
-  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
+  const auto bhnd = [&](std::int64_t rows) { return Tensor::bhnd(p.batch, p.heads, rows, d, DType::BF16); };
+  Tensor out = bhnd(m), dq = bhnd(n), dk = bhnd(n), dv = bhnd(n);
   const AttentionInputs& in = run.in.bf16;
   run.mechanism->prepare(in.q, in.k, in.v);
   run.mechanism->prepare_backward();
@@ -198,8 +198,8 @@ inline void check_bf16_storage_gradients(const std::string& model, const Problem
   REQUIRE(info != nullptr);
   auto f32 = info->impl.create(p, resolve_params(model, info->impl.params, params), 42);
   const AttentionInputs& in = run.in.widened;
-  const auto bhnd = [&] { return Tensor::bhnd(p.batch, p.heads, n, d); };
-  Tensor out = bhnd(), dq = bhnd(), dk = bhnd(), dv = bhnd();
+  const auto bhnd = [&](std::int64_t rows) { return Tensor::bhnd(p.batch, p.heads, rows, d); };
+  Tensor out = bhnd(model_output_rows(model, p, params)), dq = bhnd(n), dk = bhnd(n), dv = bhnd(n);
   f32->prepare(in.q, in.k, in.v);
   f32->prepare_backward();
   f32->forward(in.q, in.k, in.v, out);

@@ -54,6 +54,13 @@ inline NamedValues named_inputs(const AttentionInputs& in) {
           {"k", widened(in.k.data(), in.k.size())},
           {"v", widened(in.v.data(), in.v.size())}};
 }
+// The inputs and the mechanism's parameters (by their names), widened.
+inline NamedValues named_inputs(const AttentionInputs& in, const Mechanism& mechanism) {
+  NamedValues named = named_inputs(in);
+  for (const auto& parameter : mechanism.parameters())
+    named[parameter.name] = widened(parameter.tensor->data(), parameter.tensor->size());
+  return named;
+}
 // The model's output in double (the layout of dO), from the named inputs.
 using ModelReference = std::function<std::vector<double>(const NamedValues& inputs)>;
 

@@ -166,15 +166,6 @@ double tolerance_of(const ErrorScale& e, const Problem& p, const Settings& s) {
          e.amplification * std::max(1.0, e.values);
 }
 
-NamedValues named_inputs(const AttentionInputs& in, const Mechanism& mechanism) {
-  NamedValues named{{"q", widened(in.q.data(), in.q.size())},
-                    {"k", widened(in.k.data(), in.k.size())},
-                    {"v", widened(in.v.data(), in.v.size())}};
-  for (const auto& parameter : mechanism.parameters())
-    named[parameter.name] = widened(parameter.tensor->data(), parameter.tensor->size());
-  return named;
-}
-
 std::string label_of(const Problem& p, const std::vector<std::string>& params) {
   std::string text = (p.causal ? "causal N=" : "N=") + std::to_string(p.seq_len);
   for (const auto& param : params) text += " " + param;

@@ -137,13 +137,4 @@ inline double tolerance_of(const ErrorScale& e, const Problem& p, std::int64_t l
   return 8 * kFloatEps * (e.score_terms + sums + static_cast<double>(p.head_dim + l) + 1) * std::max(1.0, e.values);
 }
 
-inline NamedValues named_inputs(const AttentionInputs& in, const Mechanism& mechanism) {
-  NamedValues named{{"q", widened(in.q.data(), in.q.size())},
-                    {"k", widened(in.k.data(), in.k.size())},
-                    {"v", widened(in.v.data(), in.v.size())}};
-  for (const auto& parameter : mechanism.parameters())
-    named[parameter.name] = widened(parameter.tensor->data(), parameter.tensor->size());
-  return named;
-}
-
 }  // namespace xfb::test
