@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/config_table.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
@@ -168,6 +169,18 @@ void ln_backward_rows(const float* x, const float* dy, float* dx, std::int64_t r
   }
 }
 
+// The bf16 form's fp32 rows per thread (long_short.hpp): q, k, v, out [N, D] each in the forward and
+// as many again (dO, dQ, dK, dV) in the backward.
+std::int64_t bf16_floats(const Problem& p) { return p.dtype == DType::BF16 ? 4 * p.seq_len * p.head_dim : 0; }
+// A decode chunk's compression scratch per thread: Pᵀ [R, l]; bf16 also its widened raw rows [2, l, D]
+// and the compressed rows before rounding [2, R, D].
+std::int64_t chunk_scratch_floats(const Problem& p, const LongShortConfig& c) {
+  const std::int64_t widened = p.dtype == DType::BF16 ? 2 * (c.chunk + c.chunk_rank) * p.head_dim : 0;
+  return c.chunk_rank * c.chunk + widened;
+}
+
+std::int64_t parameter_floats(const Problem& p, const Geometry& g) { return p.heads * p.head_dim * (g.rank + 4); }
+
 class LongShort final : public Mechanism {
  public:
   LongShort(const Problem& problem, const LongShortConfig& config, std::uint64_t seed)
@@ -194,6 +207,7 @@ class LongShort final : public Mechanism {
     window_ = Tensor(Shape{threads, f.window});
     tile_ = Tensor(Shape{threads, f.tile});
     lse_ = Tensor(Shape{threads, f.lse});
+    if (bf16_form()) widened_ = Tensor(Shape{threads, bf16_floats(p_)});
   }
 
   void forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
@@ -203,11 +217,15 @@ class LongShort final : public Mechanism {
     for (std::int64_t bh = 0; bh < tasks; ++bh) {
       const int thread = omp_get_thread_num();
       const std::int64_t at = bh * nd;
-      flops += prepare_keys(bh % p_.heads, k.data() + at, v.data() + at, thread);
-      float* lse = saved_lse_.empty() ? lse_.data() + thread * p_.seq_len : saved_lse_.data() + bh * p_.seq_len;
-      for (std::int64_t i = 0; i < spans(g_); ++i)
-        flops += attend_span(span_of(g_, i), q.data() + at, out.data() + at, lse, thread);
-      if (!decode_comp_k_.empty()) load_decode_state(bh, k.data() + at, v.data() + at, thread);
+      if (!bf16_form()) {
+        flops += forward_head(bh, q.data() + at, k.data() + at, v.data() + at, out.data() + at, thread);
+        continue;
+      }
+      float* rows = thread_rows(widened_, thread);  // q, k, v, out
+      const Tensor* inputs[] = {&q, &k, &v};
+      widen_spans(inputs, at, nd, rows, nd);
+      flops += forward_head(bh, rows, rows + nd, rows + 2 * nd, rows + 3 * nd, thread);
+      narrow(rows + 3 * nd, out.bf16_data() + at, nd);
     }
     if (!decode_comp_k_.empty()) length_ = p_.seq_len;
     FlopCounter::add(flops);
@@ -234,6 +252,7 @@ class LongShort final : public Mechanism {
     d_window_ = Tensor(Shape{p_.threads, f.window});
     d_tile_ = Tensor(Shape{p_.threads, f.tile});
     delta_ = Tensor(Shape{p_.threads, span_rows(g_)});
+    if (bf16_form()) widened_grads_ = Tensor(Shape{p_.threads, bf16_floats(p_)});
   }
 
   std::vector<NamedTensor> saved() const override { return {{"log_sum_exp", &saved_lse_}}; }
@@ -262,8 +281,21 @@ class LongShort final : public Mechanism {
         std::fill(x, x + d, 0.0f);
       for (std::int64_t b = 0; b < p_.batch; ++b) {
         const std::int64_t bh = b * p_.heads + head, at = bh * nd;
-        const Rows x{q.data() + at, k.data() + at, v.data() + at, out.data() + at, dout.data() + at};
-        flops += head_backward(bh, x, dq.data() + at, dk.data() + at, dv.data() + at, grads, thread);
+        if (!bf16_form()) {
+          const Rows x{q.data() + at, k.data() + at, v.data() + at, out.data() + at, dout.data() + at};
+          flops += head_backward(bh, x, dq.data() + at, dk.data() + at, dv.data() + at, grads, thread);
+          continue;
+        }
+        // bf16: the head's q, k, v, out and dO widened, its dQ, dK, dV in fp32, rounded once.
+        float* rows = thread_rows(widened_, thread);
+        float* grad_rows = thread_rows(widened_grads_, thread);
+        const Tensor* inputs[] = {&q, &k, &v, &out};
+        widen_spans(inputs, at, nd, rows, nd);
+        widen(dout.bf16_data() + at, grad_rows, nd);
+        const Rows x{rows, rows + nd, rows + 2 * nd, rows + 3 * nd, grad_rows};
+        flops += head_backward(bh, x, grad_rows + nd, grad_rows + 2 * nd, grad_rows + 3 * nd, grads, thread);
+        Tensor* const gradients[] = {&dq, &dk, &dv};
+        narrow_spans(grad_rows + nd, nd, gradients, at, nd);
       }
     }
     FlopCounter::add(flops);
@@ -273,48 +305,21 @@ class LongShort final : public Mechanism {
     if (!p_.causal) throw std::logic_error("long-short: decoding needs a causal problem");
     const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, total = p_.seq_len + tokens;
     const std::int64_t rows = std::max<std::int64_t>(total / c_.chunk * g_.rank, 1);
-    decode_comp_k_ = Tensor(Shape{heads, rows, d});
-    decode_comp_v_ = Tensor(Shape{heads, rows, d});
-    ring_ = KvCache(heads, std::min(c_.window, total), d);
-    chunk_k_ = Tensor(Shape{heads, c_.chunk, d});
-    chunk_v_ = Tensor(Shape{heads, c_.chunk, d});
+    decode_comp_k_ = Tensor(Shape{heads, rows, d}, p_.dtype);
+    decode_comp_v_ = Tensor(Shape{heads, rows, d}, p_.dtype);
+    ring_ = KvCache(heads, std::min(c_.window, total), d, p_.dtype);
+    chunk_k_ = Tensor(Shape{heads, c_.chunk, d}, p_.dtype);
+    chunk_v_ = Tensor(Shape{heads, c_.chunk, d}, p_.dtype);
     step_buffers_ = Tensor(Shape{heads, 2, d});
-    step_scores_ = Tensor(Shape{p_.threads, g_.rank * c_.chunk});
+    step_scores_ = Tensor(Shape{p_.threads, chunk_scratch_floats(p_, c_)});
     compressed_scores_ = Tensor(Shape{heads, rows});
   }
 
   void decode_step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) override {
-    const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, pos = length_, l = c_.chunk;
-    const std::int64_t cap = ring_.capacity(), slot = pos % cap;
-    const bool parallel = heads * (cap + pos / l * g_.rank) * d >= kParallelStepFloats;
-    std::int64_t flops = 0;
-#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops) if (parallel)
-    for (std::int64_t bh = 0; bh < heads; ++bh) {
-      const std::int64_t h = bh % p_.heads;
-      ln_rows(k.data() + bh * d, ring_.keys(bh) + slot * d, 1, d, short_gain_.data() + h * d,
-              short_shift_.data() + h * d);
-      ln_rows(v.data() + bh * d, ring_.values(bh) + slot * d, 1, d, short_gain_.data() + h * d,
-              short_shift_.data() + h * d);
-      std::copy(k.data() + bh * d, k.data() + (bh + 1) * d, chunk_k_.data() + (bh * l + pos % l) * d);
-      std::copy(v.data() + bh * d, v.data() + (bh + 1) * d, chunk_v_.data() + (bh * l + pos % l) * d);
-      flops += 2 * kLayerNormFlopsPerElement * d;
-    }
-    FlopCounter::add(flops);
-    const std::int64_t comp_rows = pos / l * g_.rank, first = std::max<std::int64_t>(0, pos - c_.window + 1);
-    attend_every_head(
-        q, out, step_buffers_, p_.threads,
-        [&](std::int64_t bh, RowSoftmax& row, const float* query) {
-          const std::int64_t rows_at = bh * decode_comp_k_.dim(1) * d;
-          const float *comp_k = decode_comp_k_.data() + rows_at, *comp_v = decode_comp_v_.data() + rows_at;
-          const std::int64_t compressed = comp_rows >= kBlockStepRows
-                                              ? attend_block(row, query, comp_k, comp_v, comp_rows,
-                                                             compressed_scores_.data() + bh * compressed_scores_.dim(1))
-                                              : attend_rows(row, query, comp_k, comp_v, comp_rows);
-          return compressed + attend_ring(row, query, ring_.keys(bh), ring_.values(bh), cap, first, pos - first + 1);
-        },
-        parallel);
-    if ((pos + 1) % l == 0) compress_decoded_chunk((pos + 1) / l - 1, parallel);
-    ++length_;
+    if (bf16_form())
+      step<bf16>(q, k, v, out);
+    else
+      step<float>(q, k, v, out);
   }
 
   std::vector<NamedTensor> decode_state() const override {
@@ -333,6 +338,69 @@ class LongShort final : public Mechanism {
   struct Rows {
     const float *q, *k, *v, *out, *dout;
   };
+
+  bool bf16_form() const { return p_.dtype == DType::BF16; }
+  static float* thread_rows(Tensor& t, int thread) { return t.data() + thread * t.dim(1); }
+
+  // One (batch, head)'s forward on fp32 rows [N, D]; the prefill's decode state from them.
+  std::int64_t forward_head(std::int64_t bh, const float* q, const float* k, const float* v, float* out, int thread) {
+    std::int64_t flops = prepare_keys(bh % p_.heads, k, v, thread);
+    float* lse = saved_lse_.empty() ? lse_.data() + thread * p_.seq_len : saved_lse_.data() + bh * p_.seq_len;
+    for (std::int64_t i = 0; i < spans(g_); ++i) flops += attend_span(span_of(g_, i), q, out, lse, thread);
+    if (decode_comp_k_.empty()) return flops;
+    if (bf16_form())
+      load_decode_state<bf16>(bh, k, v, thread);
+    else
+      load_decode_state<float>(bh, k, v, thread);
+    return flops;
+  }
+
+  // A decode step on T = float or bf16 tensors and state (long_short.hpp): the token's LN'd key and
+  // value into the ring and its raw ones into the chunk (rounded once in bf16), the query over the
+  // compressed rows and the ring (bf16: attend_rows on the bf16 rows with fp32 P), a completed chunk
+  // compressed.
+  template <class T>
+  void step(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
+    const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, pos = length_, l = c_.chunk;
+    const std::int64_t cap = ring_.capacity(), slot = pos % cap;
+    const bool parallel = heads * (cap + pos / l * g_.rank) * d >= kParallelStepFloats;
+    std::int64_t flops = 0;
+#pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops) if (parallel)
+    for (std::int64_t bh = 0; bh < heads; ++bh) {
+      const std::int64_t h = bh % p_.heads, chunk_at = (bh * l + pos % l) * d;
+      float* row = step_buffers_.data() + bh * 2 * d;  // scratch until attend_every_head uses it
+      const T* token[2] = {elements<T>(k) + bh * d, elements<T>(v) + bh * d};
+      T* windows[2] = {ring_.keys<T>(bh) + slot * d, ring_.values<T>(bh) + slot * d};
+      T* chunks[2] = {elements<T>(chunk_k_) + chunk_at, elements<T>(chunk_v_) + chunk_at};
+      for (int x = 0; x < 2; ++x) {
+        convert(token[x], row, d);
+        ln_rows(row, row, 1, d, short_gain_.data() + h * d, short_shift_.data() + h * d);
+        convert(row, windows[x], d);
+        std::copy_n(token[x], d, chunks[x]);
+      }
+      flops += 2 * kLayerNormFlopsPerElement * d;
+    }
+    FlopCounter::add(flops);
+    const std::int64_t comp_rows = pos / l * g_.rank, first = std::max<std::int64_t>(0, pos - c_.window + 1);
+    attend_every_head(
+        q, out, step_buffers_, p_.threads,
+        [&](std::int64_t bh, RowSoftmax& row, const float* query) {
+          const std::int64_t rows_at = bh * decode_comp_k_.dim(1) * d;
+          const T *comp_k = elements<T>(decode_comp_k_) + rows_at, *comp_v = elements<T>(decode_comp_v_) + rows_at;
+          row.fp32_probabilities = true;
+          std::int64_t compressed = 0;
+          if constexpr (std::is_same_v<T, float>)
+            if (comp_rows >= kBlockStepRows)
+              compressed = attend_block(row, query, comp_k, comp_v, comp_rows,
+                                        compressed_scores_.data() + bh * compressed_scores_.dim(1));
+          if (compressed == 0) compressed = attend_rows(row, query, comp_k, comp_v, comp_rows);
+          return compressed +
+                 attend_ring(row, query, ring_.keys<T>(bh), ring_.values<T>(bh), cap, first, pos - first + 1);
+        },
+        parallel);
+    if ((pos + 1) % l == 0) compress_decoded_chunk<T>((pos + 1) / l - 1, parallel);
+    ++length_;
+  }
   struct HeadGrads {
     float *projection, *long_gain, *long_shift, *short_gain, *short_shift;
   };
@@ -542,38 +610,50 @@ class LongShort final : public Mechanism {
     return kSoftmaxBackwardFlopsPerElement * r * np;
   }
 
-  // After a prefill's (batch, head): its compressed rows, the last window of LN'd keys and values in
-  // the ring, and the raw keys and values of its incomplete last chunk.
+  // After a prefill's (batch, head) (its fp32 rows k, v): its compressed rows, the last window of
+  // LN'd keys and values in the ring, and the raw keys and values of its incomplete last chunk, as T.
+  template <class T>
   void load_decode_state(std::int64_t bh, const float* k, const float* v, int thread) {
     const std::int64_t n = p_.seq_len, d = p_.head_dim, c = g_.compressed(), np = g_.grouped();
     const std::int64_t rows_at = bh * decode_comp_k_.dim(1) * d;
     const float* comp_k = normed(thread);
-    std::copy(comp_k, comp_k + c * d, decode_comp_k_.data() + rows_at);
-    std::copy(comp_k + values_at(), comp_k + values_at() + c * d, decode_comp_v_.data() + rows_at);
+    convert(comp_k, elements<T>(decode_comp_k_) + rows_at, c * d);
+    convert(comp_k + values_at(), elements<T>(decode_comp_v_) + rows_at, c * d);
     const std::int64_t cap = ring_.capacity(), from = std::max<std::int64_t>(0, n - cap);
     const float* win_k = window(thread);
-    for (std::int64_t i = from; i < n; ++i) ring_.store(bh, i % cap, win_k + i * d, win_k + (n + i) * d, 1);
-    std::copy(k + np * d, k + n * d, chunk_k_.data() + bh * c_.chunk * d);
-    std::copy(v + np * d, v + n * d, chunk_v_.data() + bh * c_.chunk * d);
+    for (std::int64_t i = from; i < n; ++i) {
+      convert(win_k + i * d, ring_.keys<T>(bh) + i % cap * d, d);
+      convert(win_k + (n + i) * d, ring_.values<T>(bh) + i % cap * d, d);
+    }
+    convert(k + np * d, elements<T>(chunk_k_) + bh * c_.chunk * d, (n - np) * d);
+    convert(v + np * d, elements<T>(chunk_v_) + bh * c_.chunk * d, (n - np) * d);
   }
 
-  // Compresses chunk `group` (its raw keys and values in chunk_k_, chunk_v_) into the compressed rows.
+  // Compresses chunk `group` (its raw keys and values in chunk_k_, chunk_v_) into the compressed rows
+  // (bf16: the chunk widened and the rows computed in the thread's scratch, rounded once).
+  template <class T>
   void compress_decoded_chunk(std::int64_t group, bool parallel) {
     const std::int64_t heads = p_.batch * p_.heads, d = p_.head_dim, r = g_.rank, l = c_.chunk;
     std::int64_t flops = 0;
 #pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops) if (parallel)
     for (std::int64_t bh = 0; bh < heads; ++bh) {
-      const std::int64_t h = bh % p_.heads;
-      float* pt = step_scores_.data() + omp_get_thread_num() * r * l;
-      const float *k = chunk_k_.data() + bh * l * d, *v = chunk_v_.data() + bh * l * d;
-      float* comp_k = decode_comp_k_.data() + (bh * decode_comp_k_.dim(1) + group * r) * d;
-      float* comp_v = decode_comp_v_.data() + (bh * decode_comp_v_.dim(1) + group * r) * d;
+      const std::int64_t h = bh % p_.heads, rows_at = (bh * decode_comp_k_.dim(1) + group * r) * d;
+      float* pt = step_scores_.data() + omp_get_thread_num() * step_scores_.dim(1);
+      float* scratch = pt + r * l;  // bf16: raw k, v [2, l, D], then comp k, v [2, R, D]
+      const T *chunk_k = elements<T>(chunk_k_) + bh * l * d, *chunk_v = elements<T>(chunk_v_) + bh * l * d;
+      const float* k = fp32_elements(chunk_k, l * d, scratch);
+      const float* v = fp32_elements(chunk_v, l * d, scratch + l * d);
+      T *state_k = elements<T>(decode_comp_k_) + rows_at, *state_v = elements<T>(decode_comp_v_) + rows_at;
+      float* comp_k = fp32_target(state_k, 0, d, scratch + 2 * l * d);
+      float* comp_v = fp32_target(state_v, 0, d, scratch + 2 * l * d + r * d);
       ops::gemm(true, true, r, l, d, 1.0f, weights(h), r, k, d, 0.0f, pt, l);
       for (std::int64_t j = 0; j < r; ++j) ops::softmax_in_place(pt + j * l, l);
       ops::gemm(false, false, r, d, l, 1.0f, pt, l, k, d, 0.0f, comp_k, d);
       ops::gemm(false, false, r, d, l, 1.0f, pt, l, v, d, 0.0f, comp_v, d);
       ln_rows(comp_k, comp_k, r, d, long_gain_.data() + h * d, long_shift_.data() + h * d);
       ln_rows(comp_v, comp_v, r, d, long_gain_.data() + h * d, long_shift_.data() + h * d);
+      store_rows(comp_k, state_k, 0, r, d);
+      store_rows(comp_v, state_v, 0, r, d);
       flops += kSoftmaxFlopsPerElement * r * l + 2 * kLayerNormFlopsPerElement * r * d;
     }
     FlopCounter::add(flops);
@@ -593,14 +673,13 @@ class LongShort final : public Mechanism {
   Tensor d_projected_, d_compressed_, d_window_, d_tile_, delta_;
   // Decoding: compressed rows, the window ring, the incomplete chunk's raw rows, step buffers.
   Tensor decode_comp_k_, decode_comp_v_, chunk_k_, chunk_v_, step_buffers_, step_scores_;
-  Tensor compressed_scores_;  // per head a step's scores over the compressed rows [heads, rows] (attend_block)
+  Tensor compressed_scores_;        // per head a step's scores over the compressed rows [heads, rows] (attend_block)
+  Tensor widened_, widened_grads_;  // bf16: per thread bf16_floats of fp32 rows, forward and backward
   KvCache ring_;
   std::int64_t length_ = 0;
 };
 
 std::int64_t heads_of(const Problem& p) { return p.batch * p.heads; }
-
-std::int64_t parameter_floats(const Problem& p, const Geometry& g) { return p.heads * p.head_dim * (g.rank + 4); }
 
 }  // namespace
 
@@ -618,7 +697,9 @@ std::int64_t flops(const Problem& p, const LongShortConfig& c) {
 std::int64_t workspace(const Problem& p, const LongShortConfig& c) {
   const Geometry g = geometry(p, c);
   const ThreadFloats f = thread_floats(g);
-  return (parameter_floats(p, g) + p.threads * (f.projection + 2 * f.compressed + f.window + f.tile + f.lse)) * kFloat;
+  return (parameter_floats(p, g) +
+          p.threads * (f.projection + 2 * f.compressed + f.window + f.tile + f.lse + bf16_floats(p))) *
+         kFloat;
 }
 
 std::int64_t backward_flops(const Problem& p, const LongShortConfig& c) {
@@ -632,17 +713,16 @@ std::int64_t backward_workspace(const Problem& p, const LongShortConfig& c) {
   const Geometry g = geometry(p, c);
   const ThreadFloats f = thread_floats(g);
   return (heads_of(p) * p.seq_len + parameter_floats(p, g) +
-          p.threads * (f.projection + f.compressed + f.window + f.tile + span_rows(g))) *
+          p.threads * (f.projection + f.compressed + f.window + f.tile + span_rows(g) + bf16_floats(p))) *
          kFloat;
 }
 
 std::int64_t decode_workspace(const Problem& p, const LongShortConfig& c, std::int64_t tokens) {
   const std::int64_t heads = heads_of(p), d = p.head_dim, total = p.seq_len + tokens;
   const std::int64_t rows = std::max<std::int64_t>(total / c.chunk * c.chunk_rank, 1);
-  return KvCache::bytes(heads, std::min(c.window, total), d) +
-         (2 * heads * rows * d + 2 * heads * c.chunk * d + 2 * heads * d + p.threads * c.chunk_rank * c.chunk +
-          heads * rows) *
-             kFloat;
+  const std::int64_t state = (2 * heads * rows * d + 2 * heads * c.chunk * d) * element_bytes(p.dtype);
+  return KvCache::bytes(heads, std::min(c.window, total), d, p.dtype) + state +
+         (2 * heads * d + p.threads * chunk_scratch_floats(p, c) + heads * rows) * kFloat;
 }
 
 FieldTable<LongShortConfig> config_fields(const LongShortConfig*) {
@@ -662,7 +742,10 @@ LongShortConfig resolve(const Problem& p, LongShortConfig c) {
 
 template <>
 Implementation implementation<LongShortConfig>() {
-  return implement<LongShortConfig>();
+  Implementation impl = implement<LongShortConfig>();
+  impl.bf16_forward = true;  // storage only (long_short.hpp): forward, decode and backward
+  impl.bf16_backward = true;
+  return impl;
 }
 
 }  // namespace xfb

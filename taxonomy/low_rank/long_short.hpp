@@ -67,6 +67,16 @@
 // Backward adds the saved log-sum-exps, the parameter gradients and per thread dPᵀ, dK̄|dV̄, dK_s|dV_s,
 // a tile of dP and the tile's Δ. Decoding adds the state above and the step's buffers (per head the
 // query and accumulator [2, D] and the compressed rows' scores [⌊(N+T)/l⌋·R], per thread R·l chunk scores).
+// bf16 (--dtype bf16; storage only, any D): q, k, v, the output, the gradients and the decode state
+// (compressed rows, the window ring, the incomplete chunk) bf16. Each (batch, head) widens its q, k, v
+// (and out, dO in training) into the thread's fp32 rows (4·N·D floats; as many again for dO, dQ, dK,
+// dV), computes as fp32 and rounds the output and gradients once; the log-sum-exps and parameters stay
+// fp32. The prefill's compressed rows and LN'd window rows are rounded once into the state; a step
+// LNs its key and value in fp32 and rounds them into the ring, attends with fp32 P (attend_rows on the
+// bf16 rows, also from 128 compressed rows, so its FLOPs count attend_rows' chunk rescales there
+// instead of attend_block's one), and a completed chunk is compressed from its widened raw rows and
+// rounded once (per thread 2·(l + R)·D more floats). The state is the rounded fp32 rows; a step is
+// exact on it (tests/models/low_rank/test_long_short_bf16.cpp). Speed about fp32's.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 

@@ -23,8 +23,8 @@ struct PerceiverErrors {
 };
 
 // softmax over keys [first, last] of scale·query·key, times values; rows of d.
-inline std::vector<double> perceiver_attend(const double* query, const double* keys, const double* values, std::int64_t first,
-                           std::int64_t last, std::int64_t d, double& terms_out) {
+inline std::vector<double> perceiver_attend(const double* query, const double* keys, const double* values,
+                                            std::int64_t first, std::int64_t last, std::int64_t d, double& terms_out) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   std::vector<double> scores(static_cast<std::size_t>(last - first + 1));
   double peak = -INFINITY;
@@ -102,7 +102,7 @@ inline std::vector<double> perceiver_reference(const Problem& p, const Perceiver
       }
       for (std::int64_t i = 0; i < m; ++i) {
         const auto row = perceiver_attend(latent.data() + i * d, latent.data() + m * d, latent.data() + 2 * m * d, 0,
-                                p.causal ? i : m - 1, d, e.latent_terms);
+                                          p.causal ? i : m - 1, d, e.latent_terms);
         std::copy(row.begin(), row.end(), out.begin() + ((b * p.heads + h) * m + i) * d);
       }
     }

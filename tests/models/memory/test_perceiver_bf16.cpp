@@ -104,8 +104,9 @@ void check_decode(std::int64_t context, std::int64_t steps, std::int64_t d, cons
             const double want = lq[(which * m + i) * d + f];
             const double got = to_float(ring_row(which == 1 ? ring_keys : ring_values, i)[f]);
             if (!(std::fabs(got - want) <= kU * std::fabs(want) + row_error * (1 + kU)) && failures++ < 3)
-              FAIL_CHECK(where << " bh=" << bh << " ring L" << "kv"[which - 1] << " latent " << i << " feature " << f
-                               << ": got " << got << ", want " << want);
+              FAIL_CHECK(where << " bh=" << bh << " ring L"
+                               << "kv"[which - 1] << " latent " << i << " feature " << f << ": got " << got << ", want "
+                               << want);
           }
       if (step_out == nullptr) continue;
       std::vector<double> keys(static_cast<std::size_t>(m * d)), vals(keys.size());
@@ -175,10 +176,10 @@ TEST_SUITE("perceiver_bf16") {
 
   TEST_CASE("gradients: the fp32 form's on the same values, rounded once") {
     for (bool causal : {false, true}) {
-      for (const auto& params : std::vector<std::vector<std::string>>{
-               {"latents=5", "block_rows=2", "block_keys=3"},
-               {"latents=7", "block_rows=3", "block_keys=4", "cross_window=3"},
-               {"latents=9", "block_rows=4", "block_keys=4"}}) {
+      for (const auto& params :
+           std::vector<std::vector<std::string>>{{"latents=5", "block_rows=2", "block_keys=3"},
+                                                 {"latents=7", "block_rows=3", "block_keys=4", "cross_window=3"},
+                                                 {"latents=9", "block_rows=4", "block_keys=4"}}) {
         const Problem p{.batch = 2, .heads = 2, .seq_len = 8, .head_dim = 4, .causal = causal};
         check_bf16_storage_gradients("perceiver", p, params, 7, label_of(p, params));
       }
@@ -188,11 +189,11 @@ TEST_SUITE("perceiver_bf16") {
   }
 
   TEST_CASE("decode: the cross cache and latent ring, and each step exact on its own state") {
-    for (const auto& params : std::vector<std::vector<std::string>>{
-             {"latents=6", "block_rows=4", "block_keys=5"},
-             {"latents=6", "block_rows=4", "block_keys=5", "cross_window=4"},
-             {"latents=6", "block_rows=4", "block_keys=5", "cross_window=1"},
-             {"latents=3", "cross_window=20"}})
+    for (const auto& params :
+         std::vector<std::vector<std::string>>{{"latents=6", "block_rows=4", "block_keys=5"},
+                                               {"latents=6", "block_rows=4", "block_keys=5", "cross_window=4"},
+                                               {"latents=6", "block_rows=4", "block_keys=5", "cross_window=1"},
+                                               {"latents=3", "cross_window=20"}})
       for (std::int64_t context : {1, 5, 6, 7, 13}) check_decode(context, 9, 8, params);
     check_decode(40, 6, 16, {"latents=16"});
   }
