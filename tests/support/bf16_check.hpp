@@ -270,6 +270,20 @@ inline std::int64_t check_bf16_decode(const std::string& model, const Problem& s
   return mechanism->state_bytes();
 }
 
+// Decodes tokens context, …, context + steps − 1 of the widened inputs ([B, H, N, D]), rounded to
+// bf16, one step at a time after the mechanism's prefill; after each step check(length, out), length
+// the tokens seen so far and out the step's bf16 output [B, H, 1, D].
+template <class Check>
+void decode_bf16_steps(Mechanism& mechanism, const AttentionInputs& widened, std::int64_t context, std::int64_t steps,
+                       const Check& check) {
+  for (std::int64_t token = context; token < context + steps; ++token) {
+    Tensor out = Tensor::bhnd(widened.q.dim(0), widened.q.dim(1), 1, widened.q.dim(3), DType::BF16);
+    mechanism.decode_step(to_bf16(rows_of(widened.q, token, 1)), to_bf16(rows_of(widened.k, token, 1)),
+                          to_bf16(rows_of(widened.v, token, 1)), out);
+    check(token + 1, out);
+  }
+}
+
 // A quick_point (B=1 H=2 D=32) in bf16; decode points run 5 tokens.
 inline PointConfig bf16_point(const std::string& model, std::int64_t n, bool causal, Pass pass = Pass::Forward,
                               std::vector<std::string> params = {}) {

@@ -153,13 +153,8 @@ void check_decode(std::int64_t context, std::int64_t steps, const std::vector<st
     CHECK_MESSAGE(mismatches == 0, where << ": the chunk's raw rows differ from the inputs");
   };
   check_state_and_step(context, nullptr);
-  for (std::int64_t t = 0; t < steps; ++t) {
-    const std::int64_t token = context + t;
-    Tensor out = Tensor::bhnd(whole.batch, whole.heads, 1, d, DType::BF16);
-    mechanism->decode_step(to_bf16(rows_of(in.widened.q, token, 1)), to_bf16(rows_of(in.widened.k, token, 1)),
-                           to_bf16(rows_of(in.widened.v, token, 1)), out);
-    check_state_and_step(token + 1, &out);
-  }
+  decode_bf16_steps(*mechanism, in.widened, context, steps,
+                    [&](std::int64_t length, const Tensor& out) { check_state_and_step(length, &out); });
   for (const auto& named : state) CHECK(named.tensor->dtype() == DType::BF16);
 }
 
