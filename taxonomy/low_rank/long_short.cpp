@@ -368,14 +368,15 @@ class LongShort final : public Mechanism {
 #pragma omp parallel for num_threads(p_.threads) schedule(static) reduction(+ : flops) if (parallel)
     for (std::int64_t bh = 0; bh < heads; ++bh) {
       const std::int64_t h = bh % p_.heads, chunk_at = (bh * l + pos % l) * d;
-      float* row = step_buffers_.data() + bh * 2 * d;  // scratch until attend_every_head uses it
+      float* scratch = step_buffers_.data() + bh * 2 * d;  // bf16: the widened token, its LN; until attend_every_head
       const T* token[2] = {elements<T>(k) + bh * d, elements<T>(v) + bh * d};
       T* windows[2] = {ring_.keys<T>(bh) + slot * d, ring_.values<T>(bh) + slot * d};
       T* chunks[2] = {elements<T>(chunk_k_) + chunk_at, elements<T>(chunk_v_) + chunk_at};
       for (int x = 0; x < 2; ++x) {
-        convert(token[x], row, d);
-        ln_rows(row, row, 1, d, short_gain_.data() + h * d, short_shift_.data() + h * d);
-        convert(row, windows[x], d);
+        float* normed_row = fp32_target(windows[x], 0, d, scratch + d);
+        ln_rows(fp32_elements(token[x], d, scratch), normed_row, 1, d, short_gain_.data() + h * d,
+                short_shift_.data() + h * d);
+        store_rows(normed_row, windows[x], 0, 1, d);
         std::copy_n(token[x], d, chunks[x]);
       }
       flops += 2 * kLayerNormFlopsPerElement * d;
@@ -388,19 +389,25 @@ class LongShort final : public Mechanism {
           const std::int64_t rows_at = bh * decode_comp_k_.dim(1) * d;
           const T *comp_k = elements<T>(decode_comp_k_) + rows_at, *comp_v = elements<T>(decode_comp_v_) + rows_at;
           row.fp32_probabilities = true;
-          std::int64_t compressed = 0;
-          if constexpr (std::is_same_v<T, float>)
-            if (comp_rows >= kBlockStepRows)
-              compressed = attend_block(row, query, comp_k, comp_v, comp_rows,
-                                        compressed_scores_.data() + bh * compressed_scores_.dim(1));
-          if (compressed == 0) compressed = attend_rows(row, query, comp_k, comp_v, comp_rows);
-          return compressed +
+          return attend_compressed(row, query, comp_k, comp_v, comp_rows, bh) +
                  attend_ring(row, query, ring_.keys<T>(bh), ring_.values<T>(bh), cap, first, pos - first + 1);
         },
         parallel);
     if ((pos + 1) % l == 0) compress_decoded_chunk<T>((pos + 1) / l - 1, parallel);
     ++length_;
   }
+  // A step's query over head bh's first `rows` compressed rows: fp32 rows from kBlockStepRows on as
+  // one attend_block (two sgemm calls), bf16 rows always by attend_rows (long_short.hpp).
+  std::int64_t attend_compressed(RowSoftmax& row, const float* query, const float* keys, const float* values,
+                                 std::int64_t rows, std::int64_t bh) {
+    if (rows < kBlockStepRows) return attend_rows(row, query, keys, values, rows);
+    return attend_block(row, query, keys, values, rows, compressed_scores_.data() + bh * compressed_scores_.dim(1));
+  }
+  std::int64_t attend_compressed(RowSoftmax& row, const float* query, const bf16* keys, const bf16* values,
+                                 std::int64_t rows, std::int64_t) {
+    return attend_rows(row, query, keys, values, rows);
+  }
+
   struct HeadGrads {
     float *projection, *long_gain, *long_shift, *short_gain, *short_shift;
   };
