@@ -5,27 +5,36 @@
 # step at 4K; then the bf16/f32 ratio tables (tools/bf16_ratios.py) and the models without a bf16 form.
 #   tools/bf16_results.sh [XFBENCH [SWEEP OPTIONS…]]   (default build/release/xfbench; the options,
 #   e.g. --min-reps 3 --min-time 0.2, go to every sweep; with those, ~7 min for 18 models on 2 cores
-#   of the Zen 5 class)
+#   of the Zen 5 class, ~26 min for 29 on the Zen 4 class)
+# Environment: BF16_RESULTS_DIR (default results) is where the five files go; BF16_MODELS (a comma
+# list) limits the sweeps to those of the bf16 models.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 x=${1:-build/release/xfbench}
 shift $(($# > 0 ? 1 : 0))
-models=$($x list --format json | python3 -c 'import json, sys
-print(",".join(r["name"] for r in json.load(sys.stdin) if "bf16" in r["dtypes"]))')
-decoders=$($x list --format json | python3 -c 'import json, sys
-print(",".join(r["name"] for r in json.load(sys.stdin) if "bf16" in r["dtypes"] and r["decodes"]))')
+out=${BF16_RESULTS_DIR:-results}
+mkdir -p "$out"
+export BF16_MODELS=${BF16_MODELS:-}
+bf16_models() {  # the bf16 models (decoding ones only with "decodes"), as a comma list
+  $x list --format json | python3 -c 'import json, os, sys
+wanted = set(filter(None, os.environ["BF16_MODELS"].split(",")))
+print(",".join(r["name"] for r in json.load(sys.stdin) if "bf16" in r["dtypes"] and (not wanted or r["name"] in wanted)
+               and (sys.argv[1] != "decodes" or r["decodes"])))' "$1"
+}
+models=$(bf16_models all)
+decoders=$(bf16_models decodes)
 without=$($x list --format json | python3 -c 'import json, sys
 print(", ".join("`" + r["name"] + "`" for r in json.load(sys.stdin) if r["implemented"] and "bf16" not in r["dtypes"]))')
 common=(--batch 1 --heads 8 --head-dim 64 --threads 2 --dtype f32,bf16 --no-table "$@")
-$x sweep --models "$models" --seq-lens 4096,16384 "${common[@]}" --out results/bf16-sweep.json
-$x sweep --models "$models" --seq-lens 4096,16384 --causal "${common[@]}" --out results/bf16-sweep-causal.json
+$x sweep --models "$models" --seq-lens 4096,16384 "${common[@]}" --out "$out/bf16-sweep.json"
+$x sweep --models "$models" --seq-lens 4096,16384 --causal "${common[@]}" --out "$out/bf16-sweep-causal.json"
 $x sweep --models "$decoders" --seq-lens 16384 --causal --pass decode --decode-tokens 64 "${common[@]}" \
-  --out results/bf16-decode.json
-$x sweep --models "$models" --seq-lens 4096 --pass train "${common[@]}" --out results/bf16-train.json
+  --out "$out/bf16-decode.json"
+$x sweep --models "$models" --seq-lens 4096 --pass train "${common[@]}" --out "$out/bf16-train.json"
 {
   echo "# bf16 against f32 (issue 31)"
   echo
-  python3 - results/bf16-sweep.json <<'PY'
+  python3 - "$out/bf16-sweep.json" <<'PY'
 import json, sys
 c = json.load(open(sys.argv[1]))["context"]
 print("Machine: {cpu_model} ({logical_cores} shared cores, {threads} threads; kernels {kernel_isa}, bf16 kernels "
@@ -43,9 +52,9 @@ PY
     echo
     echo "## ${part%%:*}"
     echo
-    python3 tools/bf16_ratios.py "results/${part##*:}.json"
+    python3 tools/bf16_ratios.py "$out/${part##*:}.json"
   done
   echo
   echo "Models without a bf16 form yet (their bf16 points are \`unsupported\` rows): $without."
-} > results/bf16-sweep.md
-echo "wrote results/bf16-sweep.md"
+} >"$out/bf16-sweep.md"
+echo "wrote $out/bf16-sweep.md"
