@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/flop_counter.hpp"
 #include "lib/core/ops.hpp"
 #include "lib/core/tile_kernels.hpp"
@@ -30,15 +31,16 @@ inline void request_row(const T* row, std::int64_t d) {
   for (std::int64_t c = 0; c < d; c += 64 / static_cast<std::int64_t>(sizeof(T))) __builtin_prefetch(row + c);
 }
 
-// dst row r = rows[ids[r]] for r < count: rows of d floats, contiguous in both. The token rows of a
-// learned pattern lie scattered over the head, so each copy would wait for its row's cache misses;
-// the row kGatherAhead places ahead is requested first, keeping several rows' misses in flight.
+// dst row r = rows[ids[r]] for r < count: rows of d elements, contiguous in both (bf16 rows into
+// fp32 ones are widened, bf16_rows.hpp's convert). The token rows of a learned pattern lie
+// scattered over the head, so each copy would wait for its row's cache misses; the row
+// kGatherAhead places ahead is requested first, keeping several rows' misses in flight.
 inline constexpr std::int64_t kGatherAhead = 8;
-template <class T>
-inline void gather_token_rows(const T* rows, const std::int32_t* ids, std::int64_t count, std::int64_t d, T* dst) {
+template <class S, class T>
+inline void gather_token_rows(const S* rows, const std::int32_t* ids, std::int64_t count, std::int64_t d, T* dst) {
   for (std::int64_t r = 0; r < count; ++r) {
     if (r + kGatherAhead < count) request_row(rows + ids[r + kGatherAhead] * d, d);
-    std::copy_n(rows + ids[r] * d, d, dst + r * d);
+    convert(rows + ids[r] * d, dst + r * d, d);
   }
 }
 

@@ -56,6 +56,17 @@
 // sums) [+ 2·2·C·N·D + 2·(C−1)·N non-causal: affinities, argmax], + 6·C·D per routed head index.
 // Backward workspace: L [B·H, N], the updated centroids [H, C, D], per thread centroid sums [C, D]
 // and dO, dQ [w, D], dK, dV [cols, D] rows and a dS tile; causal: key-sorted dK, dV [routed heads, N, D].
+//
+// bf16 (issue 31; forward, backward, decode; any D): q, k, v, the output, the causal key-sorted
+// copies of K and V (saved) and the decode rings are bf16; everything is computed in fp32 from rows
+// widened as they are read — an affinity block's rows [256, D] (the routing gemm and norms), a
+// cluster's gathered q, k, v rows, a local tile's rows, the causal query row (the sorted Kᵀ, V are
+// read as bf16 and widened in the dot products) — and each output row is rounded once. The
+// centroids, affinities, P and the log-sum-exp stay fp32, so the routing is the fp32 form's on the
+// same (rounded) values and the FLOPs are unchanged. The backward widens a head's q, k, v, out, dout
+// into per-thread fp32 rows [8, N, D] with fp32 dQ, dK, dV, rounded once per head. Decode steps keep
+// P in fp32 (as the forward) against the bf16 rings. Extra workspace per thread: forward
+// max(256, 2w + 2·cols with local heads, 2)·D floats, backward 8·N·D floats.
 #include <cstdint>
 #include <vector>
 
@@ -125,25 +136,44 @@ class RoutingAttention final : public Mechanism {
   std::vector<std::int32_t> key_clusters(std::int64_t b, std::int64_t h) const;
 
  private:
+  bool bf16_form() const { return p_.dtype == DType::BF16; }
+  // The bf16 form's fp32 rows of a thread, from float `offset` on (fp32 form: none, nullptr).
+  float* widened_rows_of(int thread, std::int64_t offset = 0) {
+    return widened_.empty() ? nullptr : widened_.data() + thread * widened_.dim(1) + offset;
+  }
+  // T: the element type of q, k, v, out and the key-sorted copies (float or bf16).
+  template <class T>
+  void forward_as(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
   void fit_centroids();
   float* affinity_block_of(const float* mu, const float* rows, std::int64_t cols, int thread);
-  void assign_nearest(const float* mu, const float* rows, std::int32_t* nearest, int thread);
+  template <class T>
+  void assign_nearest(const float* mu, const T* rows, std::int32_t* nearest, int thread);
+  template <class T>
   std::int64_t route_balanced(const Tensor& q, const Tensor& k, std::int64_t head, int thread);
+  template <class T>
   std::int64_t attend_cluster(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head,
                               std::int64_t cluster, int thread);
-  std::int64_t merge_clusters(std::int64_t head, std::int64_t token, Tensor& out);
+  template <class T>
+  std::int64_t merge_clusters(std::int64_t head, std::int64_t token, Tensor& out, int thread);
+  template <class T>
   std::int64_t route_nearest(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head, int thread);
+  template <class T>
   std::int64_t attend_recent(const Tensor& q, std::int64_t head, std::int64_t token, Tensor& out, int thread);
+  template <class T>
   std::int64_t attend_local(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head, std::int64_t block,
                             Tensor& out, int thread);
-  struct Grads {  // the backward's tensors
-    const Tensor &q, &k, &v, &out, &dout;
-    Tensor &dq, &dk, &dv;
+  // One head's rows [N, D] of the backward's tensors: the tensors' own (fp32) or the thread's
+  // widened rows (bf16).
+  struct HeadGrads {
+    const float *q, *k, *v, *out, *dout;
+    float *dq, *dk, *dv;
   };
-  float token_delta(const Grads& g, std::int64_t bh, std::int64_t token) const;
-  std::int64_t clusters_backward(const Grads& g, std::int64_t r, int thread);
-  std::int64_t recent_backward(const Grads& g, std::int64_t r, int thread);
-  std::int64_t local_backward(const Grads& g, std::int64_t head, int thread);
+  float token_delta(const HeadGrads& g, std::int64_t token) const;
+  std::int64_t clusters_backward(const HeadGrads& g, std::int64_t r, int thread);
+  template <class T>
+  std::int64_t recent_backward(const HeadGrads& g, std::int64_t r, int thread);
+  std::int64_t local_backward(const HeadGrads& g, std::int64_t head, int thread);
+  template <class T>
   std::int64_t update_centroids(const Tensor& q, const Tensor& k, std::int64_t h, int thread);
 
   Problem p_;
@@ -165,7 +195,8 @@ class RoutingAttention final : public Mechanism {
   // Causal pattern: clusters per token, key order, end of each query's key range, query order,
   // cluster starts.
   IndexBuffer token_clusters_, key_order_, key_end_, query_order_, cluster_start_;
-  Tensor sorted_kt_, sorted_v_;  // keys transposed [D, N] per head, values [N, D]
+  Tensor sorted_kt_, sorted_v_;     // keys transposed [D, N] per head, values [N, D] (the input's dtype)
+  Tensor widened_, widened_grads_;  // bf16 form: per thread fp32 rows (see the contract above)
   // Backward: merged log-sum-exp per token [B·H, N]; per thread gradient rows, dS tile and centroid
   // sums; causal: key-sorted dK, dV; the updated centroids.
   Tensor token_lse_, grad_rows_, score_grads_, centroid_sums_, sorted_dk_, sorted_dv_, updated_centroids_;
@@ -175,9 +206,15 @@ class RoutingAttention final : public Mechanism {
   Tensor decode_buffers_;
   IndexBuffer cluster_counts_, step_clusters_;
   std::int64_t length_ = 0;
-  std::int32_t nearest_centroid(const float* x, std::int64_t h) const;
-  void append_routed(std::int64_t r, std::int32_t cluster, const float* key, const float* value);
-  std::int64_t decode_head(std::int64_t bh, const float* q, const float* k, const float* v, float* out);
+  template <class T>
+  std::int32_t nearest_centroid(const T* x, std::int64_t h) const;
+  template <class T>
+  void append_routed(std::int64_t r, std::int32_t cluster, const T* key, const T* value);
+  template <class T>
+  void decode_as(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
+  template <class T>
+  std::int64_t decode_head(std::int64_t bh, const T* q, const T* k, const T* v, T* out);
+  template <class T>
   void load_decode_context(const Tensor& k, const Tensor& v);
 };
 
