@@ -778,8 +778,10 @@ std::int64_t workspace(const Problem& p, const SinkhornConfig& c) {
                               threads * (2 * d + 2 * nb + b * ops::padded_ld(score_cols(p, c)) + 2 * b);
   const std::int64_t sorted = 2 * heads * sorted_rows(p, c) * b * d;
   if (p.dtype != DType::BF16) return 4 * (floats + sorted);
-  // bf16: K̃, Ṽ in bf16; per thread the tile's fp32 accumulator and mixing row, and its bf16 buffers.
-  return 4 * (floats + threads * 2 * b * d) + 2 * sorted +
+  // bf16: K̃, Ṽ in bf16; per thread the tile's fp32 accumulator, the mixing's widened head and sums,
+  // and its bf16 buffers.
+  const std::int64_t mixing = p.causal ? b * d : (p.seq_len + sorted_rows(p, c) * b) * d;
+  return 4 * (floats + threads * (b * d + mixing)) + 2 * sorted +
          GatheredScratchBf16::bytes(threads, b, score_cols(p, c), d, false);
 }
 

@@ -57,11 +57,10 @@
 // dq, dk, dv and the decode state (block cache, E, the open block's K̃, Ṽ) bf16; the sorting part
 // (E, the network, the balance, P, R, their gradients) fp32 from the bf16 keys. Roundings: causal E
 // as E_{i+1} = bf16(E_i + Σ block i) (the decode state's recurrence; non-causal E unrounded);
-// K̃ = bf16(Σ_j P_ij·K_j) (fp32 sums); per query block S on the bf16 tile kernels, the fp32 masked
-// softmax, P rounded to bf16, O = bf16(P·V/Σ). Backward: gathered_tile_backward_bf16 per block (P, dS
-// rounded to bf16; dQ rounded once); dP from the bf16 blocks in fp32; per key block dK, dV = bf16(the
-// attention's share, already rounded once + Σ_i P_ij·dK̃_i [+ dE]). FLOPs, saved lse and the sorting
-// tensors as fp32's; K̃, Ṽ and the state half.
+// K̃ = bf16(Σ_j P_ij·K_j) (sgemm on a head's widened K, fp32 sums); per query block S on the bf16 tile kernels, the fp32
+// masked softmax, P rounded to bf16, O = bf16(P·V/Σ). Backward: gathered_tile_backward_bf16 per block (P, dS rounded to
+// bf16; dQ rounded once); dP from the bf16 blocks in fp32; per key block dK, dV = bf16(the attention's share, already
+// rounded once + Σ_i P_ij·dK̃_i [+ dE]). FLOPs, saved lse and the sorting tensors as fp32's; K̃, Ṽ and the state half.
 #include <cstdint>
 #include <vector>
 
@@ -144,7 +143,7 @@ class SinkhornAttention final : public Mechanism {
   // The bf16 form (sinkhorn_bf16.cpp).
   void prepare_bf16();
   void forward_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out);
-  void mix_blocks_bf16(const Tensor& x, Tensor& sorted);
+  std::int64_t mix_blocks_bf16(const Tensor& x, Tensor& sorted);
   std::int64_t gather_block_bf16(const Tensor& k, const Tensor& v, std::int64_t head, std::int64_t block,
                                  const GatheredBf16Buffers& b, const bf16** keys, const bf16** values) const;
   std::int64_t attend_block_bf16(const Tensor& q, const Tensor& k, const Tensor& v, std::int64_t head,
@@ -171,7 +170,9 @@ class SinkhornAttention final : public Mechanism {
   std::int64_t block_, blocks_, sortcut_, sorted_rows_, score_cols_, score_ld_, threads_ = 1;
   bool bf16_ = false;
   // bf16 form: per thread the gathered tile's bf16 buffers (forward; backward), an fp32 [b, D]
-  // accumulator (the tile's output, the backward's dQ) and an fp32 [b·D] mixing row.
+  // accumulator (the tile's output, the backward's dQ) and fp32 mixing rows: non-causal a head's
+  // widened x [N, D] and its sums [n_r, b·D], causal one row [b·D] (the backward and decode use the
+  // first b·D).
   GatheredScratchBf16 tiles16_, grads16_;
   Tensor tile_acc_, mix_rows_;
   Tensor w1_, b1_, w2_, b2_;

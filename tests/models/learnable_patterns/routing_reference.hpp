@@ -23,8 +23,8 @@ using KeysOf = std::function<std::vector<std::int64_t>(std::int64_t i)>;
 // out_i = Σ_j softmax(q_i·k_j/√d over keys_of(i)) v_j in double; zero when the list is empty.
 // lse (optional) receives log Σ exp of the scores (−inf when empty).
 inline std::vector<double> list_attention(const std::vector<double>& q, const std::vector<double>& k,
-                                   const std::vector<double>& v, std::int64_t n, std::int64_t d, const KeysOf& keys_of,
-                                   std::vector<double>* lse = nullptr) {
+                                          const std::vector<double>& v, std::int64_t n, std::int64_t d,
+                                          const KeysOf& keys_of, std::vector<double>* lse = nullptr) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   std::vector<double> out(n * d, 0.0);
   if (lse) lse->assign(n, -INFINITY);
@@ -49,7 +49,7 @@ inline std::vector<double> list_attention(const std::vector<double>& q, const st
 
 // Cosine affinities x̂·μ_c of every token (rows of x) to every centroid of head h, in double.
 inline std::vector<double> cosine_affinities(const float* x, const Tensor& centroids, std::int64_t h, std::int64_t n,
-                                      std::int64_t d, std::int64_t clusters) {
+                                             std::int64_t d, std::int64_t clusters) {
   std::vector<double> a(n * clusters);
   for (std::int64_t i = 0; i < n; ++i) {
     double squares = 0;
@@ -67,7 +67,7 @@ inline std::vector<double> cosine_affinities(const float* x, const Tensor& centr
 // Every token's keys in head (b, h) by the pattern the model exposed (repeats kept: a query taken
 // by several clusters sees each cluster's keys).
 inline std::vector<std::vector<std::int64_t>> routing_key_lists(const RoutingAttention& model, const Problem& p,
-                                                         std::int64_t b, std::int64_t h) {
+                                                                std::int64_t b, std::int64_t h) {
   const std::int64_t n = p.seq_len, w = model.window();
   std::vector<std::vector<std::int64_t>> lists(n);
   if (model.is_local_head(h)) {

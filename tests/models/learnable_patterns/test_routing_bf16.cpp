@@ -28,8 +28,8 @@ namespace {
 constexpr double kU = kBf16Roundoff;
 
 void check_forward(const Problem& p, const std::vector<std::string>& params) {
-  std::string label = "routing bf16 N=" + std::to_string(p.seq_len) + " D=" + std::to_string(p.head_dim) +
-                      (p.causal ? " causal" : "");
+  std::string label =
+      "routing bf16 N=" + std::to_string(p.seq_len) + " D=" + std::to_string(p.head_dim) + (p.causal ? " causal" : "");
   for (const auto& param : params) label += " " + param;
   const Bf16Inputs in = bf16_inputs(p, static_cast<std::uint64_t>(p.seq_len * 3 + 1));
   auto mechanism = bf16_mechanism("routing", p, params);
@@ -44,8 +44,8 @@ void check_forward(const Problem& p, const std::vector<std::string>& params) {
       check_routing_pattern(*model, p, x, b, h);
       const auto lists = routing_key_lists(*model, p, b, h);
       const std::vector<double> want =
-          list_attention(widened(x.q.head(b, h), n * d), widened(x.k.head(b, h), n * d),
-                         widened(x.v.head(b, h), n * d), n, d, [&](std::int64_t i) { return lists[i]; });
+          list_attention(widened(x.q.head(b, h), n * d), widened(x.k.head(b, h), n * d), widened(x.v.head(b, h), n * d),
+                         n, d, [&](std::int64_t i) { return lists[i]; });
       const double tolerance =
           attention_tolerance(x.q.head(b, h), x.k.head(b, h), x.v.head(b, h), n, n, d, scale) * (1 + kU);
       check_bf16_elements(
@@ -74,11 +74,10 @@ TEST_SUITE("routing_bf16") {
 
   TEST_CASE("routing bf16 backward: the fp32 form's gradients and centroid update on the same values, rounded") {
     for (bool causal : {false, true})
-      for (const auto& [n, params] :
-           {std::pair<std::int64_t, std::vector<std::string>>{11, {"clusters=4"}},
-            {13, {"clusters=4", "local_heads=true"}},
-            {40, {"clusters=5", "local_heads=true"}},
-            {300, {"clusters=3"}}}) {
+      for (const auto& [n, params] : {std::pair<std::int64_t, std::vector<std::string>>{11, {"clusters=4"}},
+                                      {13, {"clusters=4", "local_heads=true"}},
+                                      {40, {"clusters=5", "local_heads=true"}},
+                                      {300, {"clusters=3"}}}) {
         std::string label = "routing bf16 backward N=" + std::to_string(n) + (causal ? " causal" : "");
         for (const auto& param : params) label += " " + param;
         check_bf16_storage_gradients("routing", {.batch = 2, .heads = 2, .seq_len = n, .head_dim = 8, .causal = causal},

@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "apps/bench/point.hpp"
@@ -262,7 +263,12 @@ TEST_SUITE("sinkhorn_bf16") {
           const std::vector<std::string> params{"block=16", "sinkhorn_iters=3"};
           over_fp32 = std::max(over_fp32, check_forward(p, params, label_of(p, params, path)));
         }
-        for (std::int64_t n : {49, 50, 51, 130}) {  // the default block of 50
+        for (std::int64_t n : {61, 64, 65, 68, 133}) {  // 16 to 34 blocks of 4, whole and short last ones
+          const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = 16, .causal = causal};
+          const std::vector<std::string> params{"block=4", "sinkhorn_iters=3"};
+          check_forward(p, params, label_of(p, params, path));
+        }
+        for (std::int64_t n : {49, 50, 51, 130}) {  // the default block of 50 (b·D = 1600: chunks of 256 and 64)
           const Problem p{.batch = 2, .heads = 2, .seq_len = n, .head_dim = 32, .causal = causal};
           check_forward(p, {}, label_of(p, {}, path));
         }
@@ -311,6 +317,44 @@ TEST_SUITE("sinkhorn_bf16") {
         if (!causal)
           for (std::int64_t h = 0; h < 2; ++h) CHECK(run.model->permutation(0, h) == fp32.model->permutation(0, h));
       }
+  }
+
+  TEST_CASE("sinkhorn's bf16 K̃, Ṽ: the fp32 form's mixing of the same values, rounded once") {
+    // Non-causal, where both forms have the same P. Both sum in fp32 (oneDNN's batched matmul, and
+    // sgemm per head on the widened rows), so within δ = 2·n_B·ε·max|x| (Σ_j P_ij ≤ 1) of each
+    // other; then one rounding, u·(|K̃| + δ).
+    for (const auto& [n, d, params] :
+         {std::tuple<std::int64_t, std::int64_t, std::vector<std::string>>{68, 16, {"block=4", "sinkhorn_iters=3"}},
+          {133, 16, {"block=4", "sinkhorn_iters=3"}},
+          {130, 32, {}}}) {
+      const Problem p{.batch = 1, .heads = 2, .seq_len = n, .head_dim = d, .causal = false};
+      const auto in = bf16_inputs(p, 11);
+      const Run run = run_sinkhorn(p, in.bf16, params, DType::BF16);
+      const Run fp32 = run_sinkhorn(p, in.widened, params, DType::F32);
+      for (std::int64_t h = 0; h < 2; ++h) REQUIRE(run.model->permutation(0, h) == fp32.model->permutation(0, h));
+      const auto saved = [](const Run& r, const std::string& name) {
+        for (const auto& named : r.mechanism->saved())
+          if (named.name == name) return named.tensor;
+        FAIL("no saved " << name);
+        return static_cast<const Tensor*>(nullptr);
+      };
+      for (const auto& [name, x] : {std::pair<std::string, const Tensor*>{"sorted_k", &in.widened.k},
+                                    std::pair<std::string, const Tensor*>{"sorted_v", &in.widened.v}}) {
+        const Tensor got = to_f32(*saved(run, name));
+        const Tensor& want = *saved(fp32, name);
+        REQUIRE(got.size() == want.size());
+        const double delta =
+            2.0 * static_cast<double>(run.model->blocks()) * kFloatEps * max_abs_of(x->data(), x->size());
+        std::int64_t failures = 0;
+        for (std::int64_t e = 0; e < got.size(); ++e) {
+          const double bound = kU * (std::fabs(want.data()[e]) + delta) + delta;
+          if (!(std::fabs(got.data()[e] - want.data()[e]) <= bound) && failures++ < 3)
+            FAIL_CHECK(name << " N=" << n << " element " << e << ": got " << got.data()[e] << ", want "
+                            << want.data()[e]);
+        }
+        CHECK_MESSAGE(failures == 0, name << " N=" << n);
+      }
+    }
   }
 
   TEST_CASE("sinkhorn's bf16 gradients equal the float64 reference's within the bf16 bound, at block ± 1") {
