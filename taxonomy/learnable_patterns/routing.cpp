@@ -674,17 +674,27 @@ void RoutingAttention::backward(const Tensor& q, const Tensor& k, const Tensor& 
   {
     const int thread = omp_get_thread_num();
     // bf16: head bh's q, k, v, out, dout widened into the thread's rows [8, N, D], its fp32 dq, dk,
-    // dv after them and rounded once when the head is done.
+    // dv after them and rounded once when the head is done. A causal routing head reads its keys and
+    // values from the key-sorted copies (recent_backward): its k, v are not widened (keys false: nullptr).
     float* rows = widens ? widened_grads_.data() + thread * 8 * nd : nullptr;
-    auto head_grads = [&](std::int64_t bh) -> HeadGrads {
+    auto head_grads = [&](std::int64_t bh, bool keys) -> HeadGrads {
       const std::int64_t at = bh * nd;
       if (!widens)
         return {q.data() + at,    k.data() + at,  v.data() + at,  out.data() + at,
                 dout.data() + at, dq.data() + at, dk.data() + at, dv.data() + at};
-      const std::array<const Tensor*, 5> inputs{&q, &k, &v, &out, &dout};
-      widen_spans(inputs, at, nd, rows, nd);
-      return {rows,          rows + nd,     rows + 2 * nd, rows + 3 * nd,
-              rows + 4 * nd, rows + 5 * nd, rows + 6 * nd, rows + 7 * nd};
+      const std::array<const Tensor*, 1> query{&q};
+      const std::array<const Tensor*, 2> keys_and_values{&k, &v}, outputs{&out, &dout};
+      widen_spans(query, at, nd, rows, nd);
+      if (keys) widen_spans(keys_and_values, at, nd, rows + nd, nd);
+      widen_spans(outputs, at, nd, rows + 3 * nd, nd);
+      return {rows,
+              keys ? rows + nd : nullptr,
+              keys ? rows + 2 * nd : nullptr,
+              rows + 3 * nd,
+              rows + 4 * nd,
+              rows + 5 * nd,
+              rows + 6 * nd,
+              rows + 7 * nd};
     };
     auto store_grads = [&](std::int64_t bh) {
       const std::array<Tensor*, 3> grads{&dq, &dk, &dv};
@@ -692,7 +702,7 @@ void RoutingAttention::backward(const Tensor& q, const Tensor& k, const Tensor& 
     };
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t r = 0; r < routed; ++r) {
-      const HeadGrads g = head_grads(routed_heads_[r]);
+      const HeadGrads g = head_grads(routed_heads_[r], !p_.causal);
       if (!p_.causal)
         flops += clusters_backward(g, r, thread);
       else
@@ -701,7 +711,7 @@ void RoutingAttention::backward(const Tensor& q, const Tensor& k, const Tensor& 
     }
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < local; ++task) {
-      flops += local_backward(head_grads(local_heads_[task]), local_heads_[task], thread);
+      flops += local_backward(head_grads(local_heads_[task], true), local_heads_[task], thread);
       store_grads(local_heads_[task]);
     }
   }

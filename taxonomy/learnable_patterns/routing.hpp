@@ -64,7 +64,8 @@
 // read as bf16 and widened in the dot products) — and each output row is rounded once. The
 // centroids, affinities, P and the log-sum-exp stay fp32, so the routing is the fp32 form's on the
 // same (rounded) values and the FLOPs are unchanged. The backward widens a head's q, k, v, out, dout
-// into per-thread fp32 rows [8, N, D] with fp32 dQ, dK, dV, rounded once per head. Decode steps keep
+// (causal routing heads: not k, v, read from the sorted copies) into per-thread fp32 rows [8, N, D]
+// with fp32 dQ, dK, dV, rounded once per head. Decode steps keep
 // P in fp32 (as the forward) against the bf16 rings. Extra workspace per thread: forward
 // max(256, 2w + 2·cols with local heads, 2)·D floats, backward 8·N·D floats.
 #include <cstdint>
