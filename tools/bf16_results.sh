@@ -15,16 +15,18 @@ shift $(($# > 0 ? 1 : 0))
 out=${BF16_RESULTS_DIR:-results}
 mkdir -p "$out"
 export BF16_MODELS=${BF16_MODELS:-}
+listing=$($x list --format json)
 bf16_models() {  # the bf16 models (decoding ones only with "decodes"), as a comma list
-  $x list --format json | python3 -c 'import json, os, sys
+  python3 -c 'import json, os, sys
 wanted = set(filter(None, os.environ["BF16_MODELS"].split(",")))
 print(",".join(r["name"] for r in json.load(sys.stdin) if "bf16" in r["dtypes"] and (not wanted or r["name"] in wanted)
-               and (sys.argv[1] != "decodes" or r["decodes"])))' "$1"
+               and (sys.argv[1] != "decodes" or r["decodes"])))' "$1" <<<"$listing"
 }
 models=$(bf16_models all)
 decoders=$(bf16_models decodes)
-without=$($x list --format json | python3 -c 'import json, sys
-print(", ".join("`" + r["name"] + "`" for r in json.load(sys.stdin) if r["implemented"] and "bf16" not in r["dtypes"]))')
+without=$(python3 -c 'import json, sys
+print(", ".join("`" + r["name"] + "`" for r in json.load(sys.stdin) if r["implemented"] and "bf16" not in r["dtypes"]))' \
+  <<<"$listing")
 common=(--batch 1 --heads 8 --head-dim 64 --threads 2 --dtype f32,bf16 --no-table "$@")
 $x sweep --models "$models" --seq-lens 4096,16384 "${common[@]}" --out "$out/bf16-sweep.json"
 $x sweep --models "$models" --seq-lens 4096,16384 --causal "${common[@]}" --out "$out/bf16-sweep-causal.json"
