@@ -107,6 +107,11 @@ void exp_in_place(float* x, std::int64_t n) {
 
 }  // namespace
 
+std::int64_t sinkhorn_bf16_mixing_floats(const Problem& p, const SinkhornConfig& c) {
+  const std::int64_t b = sinkhorn_block(p, c), d = p.head_dim;
+  return p.causal ? b * d : (p.seq_len + sorted_rows(p, c) * b) * d;
+}
+
 SinkhornAttention::SinkhornAttention(const Problem& problem, const SinkhornConfig& config, std::uint64_t seed)
     : p_(problem),
       c_(config),
@@ -780,8 +785,7 @@ std::int64_t workspace(const Problem& p, const SinkhornConfig& c) {
   if (p.dtype != DType::BF16) return 4 * (floats + sorted);
   // bf16: K̃, Ṽ in bf16; per thread the tile's fp32 accumulator, the mixing's widened head and sums,
   // and its bf16 buffers.
-  const std::int64_t mixing = p.causal ? b * d : (p.seq_len + sorted_rows(p, c) * b) * d;
-  return 4 * (floats + threads * (b * d + mixing)) + 2 * sorted +
+  return 4 * (floats + threads * (b * d + sinkhorn_bf16_mixing_floats(p, c))) + 2 * sorted +
          GatheredScratchBf16::bytes(threads, b, score_cols(p, c), d, false);
 }
 

@@ -79,6 +79,9 @@ struct SinkhornConfig {
 
 std::int64_t sinkhorn_block(const Problem& p, const SinkhornConfig& c);   // b clamped to [1, N]
 std::int64_t sinkhorn_blocks(const Problem& p, const SinkhornConfig& c);  // n_B
+// The bf16 form's fp32 mixing rows per thread: non-causal a head's widened x [N, D] and its sums
+// [n_r, b·D]; causal one row [b·D].
+std::int64_t sinkhorn_bf16_mixing_floats(const Problem& p, const SinkhornConfig& c);
 
 class SinkhornAttention final : public Mechanism {
  public:

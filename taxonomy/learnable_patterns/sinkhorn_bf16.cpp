@@ -67,7 +67,7 @@ void SinkhornAttention::prepare_bf16() {
   const std::int64_t d = p_.head_dim, b = block_;
   tiles16_ = GatheredScratchBf16(threads_, b, score_cols_, d, false);
   tile_acc_ = Tensor(Shape{threads_, b, d});
-  mix_rows_ = Tensor(Shape{threads_, p_.causal ? b * d : (p_.seq_len + sorted_rows_ * b) * d});
+  mix_rows_ = Tensor(Shape{threads_, sinkhorn_bf16_mixing_floats(p_, c_)});
 }
 
 void SinkhornAttention::forward_bf16(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out) {
