@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "lib/core/bf16_rows.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/flop_counter.hpp"
 
@@ -346,27 +347,31 @@ void gelu_backward(const float* z, float* grad, std::int64_t n) {
   FlopCounter::add(kGeluBackwardFlopsPerElement * n);
 }
 
-void layer_norm_backward(const float* x, const float* dy, std::int64_t rows, std::int64_t cols, const float* gamma,
-                         float* dx, float* dgamma, float* dbeta, float* normalised, float eps) {
+namespace {
+// dx := dx + the LayerNorm backward of each row (fp32 dx), or round(dx + it) (bf16 dx); x fp32 or bf16.
+template <class X, class DX>
+void layer_norm_backward_rows(const X* x, const float* dy, std::int64_t rows, std::int64_t cols, const float* gamma,
+                              DX* dx, float* dgamma, float* dbeta, float* normalised, float eps) {
   const float inverse_cols = 1.0f / static_cast<float>(cols);
 #pragma omp parallel for schedule(static)
   for (std::int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * cols;
+    const X* xr = x + r * cols;
     const float* gr = dy + r * cols;
     float* nr = normalised + r * cols;
     const auto [mean, rstd] = row_moments(xr, cols, eps);
     float sum_grad = 0.0f, sum_grad_normalised = 0.0f;
 #pragma omp simd reduction(+ : sum_grad, sum_grad_normalised)
     for (std::int64_t c = 0; c < cols; ++c) {
-      nr[c] = (xr[c] - mean) * rstd;
+      nr[c] = (as_float(xr[c]) - mean) * rstd;
       const float g = gr[c] * gamma[c];
       sum_grad += g;
       sum_grad_normalised += g * nr[c];
     }
     const float m1 = sum_grad * inverse_cols, m2 = sum_grad_normalised * inverse_cols;
-    float* dr = dx + r * cols;
+    DX* dr = dx + r * cols;
 #pragma omp simd
-    for (std::int64_t c = 0; c < cols; ++c) dr[c] += rstd * (gr[c] * gamma[c] - m1 - nr[c] * m2);
+    for (std::int64_t c = 0; c < cols; ++c)
+      dr[c] = stored<DX>(as_float(dr[c]) + rstd * (gr[c] * gamma[c] - m1 - nr[c] * m2));
   }
   constexpr std::int64_t kColumns = 16;
 #pragma omp parallel for schedule(static)
@@ -382,6 +387,64 @@ void layer_norm_backward(const float* x, const float* dy, std::int64_t rows, std
     std::copy_n(shift, width, dbeta + c0);
   }
   FlopCounter::add(kLayerNormBackwardFlopsPerElement * rows * cols);
+}
+}  // namespace
+
+void layer_norm_backward(const float* x, const float* dy, std::int64_t rows, std::int64_t cols, const float* gamma,
+                         float* dx, float* dgamma, float* dbeta, float* normalised, float eps) {
+  layer_norm_backward_rows(x, dy, rows, cols, gamma, dx, dgamma, dbeta, normalised, eps);
+}
+
+void layer_norm_backward(const bf16* x, const float* dy, std::int64_t rows, std::int64_t cols, const float* gamma,
+                         float* dx, float* dgamma, float* dbeta, float* normalised, float eps) {
+  layer_norm_backward_rows(x, dy, rows, cols, gamma, dx, dgamma, dbeta, normalised, eps);
+}
+
+void layer_norm_backward(const bf16* x, const float* dy, std::int64_t rows, std::int64_t cols, const float* gamma,
+                         bf16* dx, float* dgamma, float* dbeta, float* normalised, float eps) {
+  layer_norm_backward_rows(x, dy, rows, cols, gamma, dx, dgamma, dbeta, normalised, eps);
+}
+
+void layer_norm(const bf16* x, bf16* y, std::int64_t rows, std::int64_t cols, const float* gamma, const float* beta,
+                float eps) {
+#pragma omp parallel for schedule(static)
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const bf16* in = x + r * cols;
+    bf16* out = y + r * cols;
+    const auto [mean, inverse_std] = row_moments(in, cols, eps);
+#pragma omp simd
+    for (std::int64_t c = 0; c < cols; ++c)
+      out[c] = to_bf16((to_float(in[c]) - mean) * inverse_std * gamma[c] + beta[c]);
+  }
+  FlopCounter::add(kLayerNormFlopsPerElement * rows * cols);
+}
+
+void gelu(const float* z, float* out, std::int64_t n, float*) {
+  if (z != out) std::copy_n(z, n, out);
+  gelu(out, n);
+}
+
+void gelu_backward(const float* z, float* grad, std::int64_t n, float*) { gelu_backward(z, grad, n); }
+
+void gelu(const bf16* z, bf16* out, std::int64_t n, float* scratch) {
+  for (std::int64_t at = 0; at < n; at += kBf16EltwiseChunk) {
+    const std::int64_t count = std::min(kBf16EltwiseChunk, n - at);
+    widen(z + at, scratch, count);
+    gelu(scratch, count);
+    narrow(scratch, out + at, count);
+  }
+}
+
+void gelu_backward(const bf16* z, bf16* grad, std::int64_t n, float* scratch) {
+  const std::int64_t chunk = std::min(kBf16EltwiseChunk, n);
+  float* values = scratch + chunk;
+  for (std::int64_t at = 0; at < n; at += chunk) {
+    const std::int64_t count = std::min(chunk, n - at);
+    widen(z + at, values, count);
+    widen(grad + at, scratch, count);
+    gelu_backward(values, scratch, count);
+    narrow(scratch, grad + at, count);
+  }
 }
 
 void add(const float* a, const float* b, float* c, std::int64_t n) {

@@ -2,7 +2,9 @@
 // Dense operations on fp32 row-major buffers. Each adds its executed FLOPs to FlopCounter
 // (conventions in lib/core/flop_counter.hpp). Primitive-backed ops create their oneDNN primitive on the
 // first call with a given shape; later calls reuse it.
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "lib/core/bf16.hpp"
 #include "lib/core/exp_polynomial.hpp"
@@ -81,6 +83,28 @@ void gelu_backward(const float* z, float* grad, std::int64_t n);
 void layer_norm_backward(const float* x, const float* dy, std::int64_t rows, std::int64_t cols, const float* gamma,
                          float* dx, float* dgamma, float* dbeta, float* normalised, float eps = 1e-5f);
 
+// The same LayerNorm on bf16 rows (the encoder layer's bf16 form): statistics and the normalised value in
+// fp32 from the widened row, each output rounded once. Project kernel (OpenMP over rows); the same FLOPs.
+void layer_norm(const bf16* x, bf16* y, std::int64_t rows, std::int64_t cols, const float* gamma, const float* beta,
+                float eps = 1e-5f);
+// Its backward on bf16 x: as above, into fp32 dx, or into bf16 dx as dx := round(dx + the row's gradient)
+// (one rounding per element; dx holds the residual branch's bf16 gradient, or zeros, on entry).
+void layer_norm_backward(const bf16* x, const float* dy, std::int64_t rows, std::int64_t cols, const float* gamma,
+                         float* dx, float* dgamma, float* dbeta, float* normalised, float eps = 1e-5f);
+void layer_norm_backward(const bf16* x, const float* dy, std::int64_t rows, std::int64_t cols, const float* gamma,
+                         bf16* dx, float* dgamma, float* dbeta, float* normalised, float eps = 1e-5f);
+
+// GELU on bf16 values: out = round(GELU(z)) (out may alias z), and its backward grad := round(grad·GELU'(z)),
+// both in fp32 on oneDNN's eltwise (erf form) over chunks of up to kBf16EltwiseChunk widened values in
+// scratch [bf16_eltwise_scratch_floats(n') floats for some n' ≥ n]. The same FLOPs as the fp32 forms.
+inline constexpr std::int64_t kBf16EltwiseChunk = 16384;
+inline std::int64_t bf16_eltwise_scratch_floats(std::int64_t n) { return 2 * std::min(n, kBf16EltwiseChunk); }
+void gelu(const bf16* z, bf16* out, std::int64_t n, float* scratch);
+void gelu_backward(const bf16* z, bf16* grad, std::int64_t n, float* scratch);
+// The fp32 forms with the same signature (no scratch used), for code written once over both types.
+void gelu(const float* z, float* out, std::int64_t n, float* scratch);
+void gelu_backward(const float* z, float* grad, std::int64_t n, float* scratch);
+
 // c = a + b over n values (oneDNN binary); c may alias a or b.
 void add(const float* a, const float* b, float* c, std::int64_t n);
 
@@ -127,15 +151,23 @@ inline void online_softmax_step(float* row, std::int64_t valid, std::int64_t col
 struct RowMoments {
   float mean, inverse_std;
 };
-inline RowMoments row_moments(const float* x, std::int64_t n, float eps) {
+// x: fp32 or bf16 values (widened exactly as read).
+template <class T>
+inline RowMoments row_moments(const T* x, std::int64_t n, float eps) {
+  auto value = [](T v) {
+    if constexpr (std::is_same_v<T, bf16>)
+      return to_float(v);
+    else
+      return v;
+  };
   const float inverse_n = 1.0f / static_cast<float>(n);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-  for (std::int64_t j = 0; j < n; ++j) sum += x[j];
+  for (std::int64_t j = 0; j < n; ++j) sum += value(x[j]);
   const float mean = sum * inverse_n;
   float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
-  for (std::int64_t j = 0; j < n; ++j) squares += (x[j] - mean) * (x[j] - mean);
+  for (std::int64_t j = 0; j < n; ++j) squares += (value(x[j]) - mean) * (value(x[j]) - mean);
   return {mean, 1.0f / __builtin_sqrtf(squares * inverse_n + eps)};
 }
 
