@@ -61,8 +61,14 @@ nlohmann::json dump_manifest(const Point& point, const ResultRow& row,
       "attention tensors are [B, H, N, D] (out and dout [B, H, M, D], M = out_len); little-endian float32, C order";
   if (point.config.problem.dtype == DType::BF16)
     manifest["dtype_note"] =
-        "dtype bf16: q, k, v, out, dout, dq, dk, dv and state_* hold bf16 values, written as the float32 values "
-        "exactly equal to them (bf16 widens exactly); parameters are float32 as the model holds them";
+        point.config.scope == Scope::Layer
+            ? "dtype bf16: x, out, dout, dx, q, k, v, attention_out, attention_dout, dq, dk, dv and the layer's weight "
+              "matrices (layer_w_qkv, layer_w_o, layer_w_1, layer_w_2, moe_w_1, moe_w_2) hold bf16 values, written as "
+              "the float32 values exactly equal to them (bf16 widens exactly); LayerNorm gains and shifts, "
+              "moe_w_router, "
+              "the routing, every weight's gradient and the mechanism's parameters are float32 as the layer holds them"
+            : "dtype bf16: q, k, v, out, dout, dq, dk, dv and state_* hold bf16 values, written as the float32 values "
+              "exactly equal to them (bf16 widens exactly); parameters are float32 as the model holds them";
   if (point.config.pass == Pass::Decode)
     manifest["decode"] = "q, k, v hold the " + std::to_string(point.config.problem.seq_len) +
                          " context rows and out the " + std::to_string(row.out_len) +
@@ -249,7 +255,6 @@ std::string bf16_unsupported(const ModelInfo& model, const PointConfig& config) 
   if (config.problem.dtype != DType::BF16) return "";
   const std::string name = model.display_name;
   if (!model.impl.bf16_forward) return name + " has no bf16 form yet (issue 31), so no bf16 point";
-  if (config.scope == Scope::Layer) return "the encoder layer has no bf16 form yet, so no bf16 point in layer scope";
   if ((config.pass == Pass::Backward || config.pass == Pass::Train) && !model.impl.bf16_backward)
     return name + " has no bf16 backward yet, so no bf16 " + pass_name(config.pass) + " pass";
   return "";

@@ -65,11 +65,11 @@ class LayerWorkload final : public Workload {
     const Problem& p = c.problem;
     const std::int64_t rows = point_output_rows(point);
     const Shape shape{p.batch, p.seq_len, p.heads * p.head_dim}, out_shape{p.batch, rows, p.heads * p.head_dim};
-    x_ = seeded(Tensor(shape), c.seed, "input/x");
-    out_ = Tensor(out_shape);
+    x_ = seeded(Tensor(shape, p.dtype), c.seed, "input/x");
+    out_ = Tensor(out_shape, p.dtype);
     if (training_) {
-      dout_ = seeded(Tensor(out_shape), c.seed, "input/dout");
-      dx_ = Tensor(shape);
+      dout_ = seeded(Tensor(out_shape, p.dtype), c.seed, "input/dout");
+      dx_ = Tensor(shape, p.dtype);
     }
     mechanism_ = point.model->impl.create(p, point.requested, c.seed);
     layer_ =

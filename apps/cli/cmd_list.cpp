@@ -43,8 +43,7 @@ nlohmann::json model_json(const ModelInfo& m) {
           {"implemented", m.implemented()},
           {"backward", m.impl.has_backward()},
           {"incremental", m.impl.has_decode()},
-          {"dtypes", m.impl.bf16_forward && m.ffn.empty() ? std::vector<std::string>{"f32", "bf16"}
-                                                          : std::vector<std::string>{"f32"}},
+          {"dtypes", m.impl.bf16_forward ? std::vector<std::string>{"f32", "bf16"} : std::vector<std::string>{"f32"}},
           {"decode_cost", m.decode_cost},
           {"params", params}};
 }

@@ -21,6 +21,14 @@
 // Backward FLOPs beyond the mechanism: twice the forward's products + 19·B·(N + M)·E (LN backward) +
 // 11·B·M·F (GELU backward); M = N but for a downsampling mechanism.
 //
+// bf16 (Problem::dtype, issue 31): x, y, dy, dx, the weight matrices (the fp32 draws rounded), q, k, v, o and
+// every saved activation are bf16; products accumulate in fp32 (ops::matmul on bf16) and round once into
+// their bf16 result, or stay fp32 where the next step reads fp32 (the weights' gradients, dLN). LayerNorm
+// statistics, GELU and the LayerNorm backward run in fp32 on widened values; gains, shifts and their
+// gradients are fp32. The residual adds are the products' accumulation (one rounding of h and y); dh is
+// accumulated in fp32 and rounded once for the products that read it, dx = round(round(dh) + LN₁ᵀ).
+// FLOPs are the fp32 layer's.
+//
 // With a mixture of experts (`ffn` Switch or GShard, taxonomy/layer/moe_ffn.hpp) the FFN sublayer is
 // y = h + moe(LN₂(h)): W₁, W₂, z and GELU(z) are the experts' own, and the FFN's FLOPs are MoeFfn's,
 // which depend on the routing (R, the kept token-expert pairs, known after the forward).
@@ -62,6 +70,9 @@ class EncoderLayer {
   std::vector<NamedTensor> parameter_gradients() const;
   // The mechanism's gradients inside the last backward: do (its output's) and dq, dk, dv.
   std::vector<NamedTensor> attention_gradients() const;
+  // Test only, after a backward: dz (the dense FFN's pre-activation gradient, "layer_dffn_pre"), dh in fp32
+  // ("layer_dhidden") and, bf16 only, dh rounded for the products ("layer_dhidden_rounded").
+  std::vector<NamedTensor> backward_intermediates() const;
   const Tensor& q() const { return q_; }
   const Tensor& k() const { return k_; }
   const Tensor& v() const { return v_; }
@@ -69,7 +80,7 @@ class EncoderLayer {
   // The mixture of experts, nullptr for the dense FFN.
   const MoeFfn* moe() const { return moe_.get(); }
 
-  // routed: R of a mixture of experts' forward (ignored for the dense FFN).
+  // routed: R of a mixture of experts' forward (ignored for the dense FFN). The byte estimates are in p.dtype.
   static std::int64_t flops_outside_mechanism(const Problem& p, std::int64_t d_ff, std::int64_t out_rows,
                                               const MoeSettings& ffn = {}, std::int64_t routed = 0);
   static std::int64_t workspace_bytes(const Problem& p, std::int64_t d_ff, std::int64_t out_rows,
@@ -81,8 +92,14 @@ class EncoderLayer {
                                                const MoeSettings& ffn = {});
 
  private:
+  template <class T>
   void project_qkv(const Tensor& x);
+  template <class T>
+  void forward_as(Mechanism& mechanism, const Tensor& x, Tensor& y);
+  template <class T>
+  void backward_as(Mechanism& mechanism, const Tensor& x, const Tensor& dy, Tensor& dx);
   bool training() const { return training_; }
+  bool bf16_form() const { return p_.dtype == DType::BF16; }
   const Tensor& first_normed() const { return training() ? first_normed_ : normed_; }
 
   Problem p_;
@@ -91,9 +108,11 @@ class EncoderLayer {
   std::unique_ptr<MoeFfn> moe_;
   Tensor w_qkv_, w_o_, w_1_, w_2_, ln1_gain_, ln1_shift_, ln2_gain_, ln2_shift_;
   Tensor normed_, qkv_, q_, k_, v_, o_, merged_, hidden_, ffn_;
-  // Training only: saved activations, gradients of activations and of the weights.
+  Tensor gelu_scratch_;  // bf16 dense FFN: GELU's fp32 chunks (ops::gelu on bf16)
+  // Training only: saved activations, gradients of activations and of the weights. d_normed_,
+  // ln_scratch_ and d_hidden_ are fp32 in either dtype; d_hidden_rounded_ is dh rounded (bf16 only).
   Tensor first_normed_, ffn_pre_;
-  Tensor d_ffn_, d_normed_, d_hidden_, d_merged_, d_qkv_, ln_scratch_, do_, dq_, dk_, dv_;
+  Tensor d_ffn_, d_normed_, d_hidden_, d_hidden_rounded_, d_merged_, d_qkv_, ln_scratch_, do_, dq_, dk_, dv_;
   Tensor dw_qkv_, dw_o_, dw_1_, dw_2_, d_ln1_gain_, d_ln1_shift_, d_ln2_gain_, d_ln2_shift_;
 };
 

@@ -27,6 +27,13 @@
 //   dlogits, dW_r = aᵀ·dlogits, da += dlogits·W_rᵀ. FLOPs: R·(8·d·F + 11·F + 4·d) + 4·T·d·X + 4·T·X + T·X
 //   (aux term) + 6·T (GShard's renormalisation).
 // The training forward keeps the experts' inputs, pre-activations, activations and outputs (slots rows each).
+//
+// bf16 (the layer's dtype, issue 31): a, y, dy, W₁, W₂ (the fp32 draws rounded) and the experts' buffers
+// (inputs, pre-activations, activations, outputs and their gradients) are bf16; the router stays fp32 as
+// Switch's selective precision has it (a widened exactly, W_r, the probabilities, gates and dW_r fp32). The
+// expert products accumulate in fp32 and round once into their bf16 buffer; GELU and its backward run in
+// fp32 on widened chunks; y_t = round(h_t + Σ g·out) and da (fp32) sum in fp32. Weight gradients are fp32.
+// The FLOPs are the fp32 form's.
 #include <cstdint>
 #include <vector>
 
@@ -44,14 +51,17 @@ class MoeFfn {
   // rows T, width d, FFN width F; weights N(0, 1/fan_in) from `seed` under the streams moe/w_router,
   // moe/w_1 ([X, d, F]), moe/w_2 ([X, F, d]), moe/second_draw ([T]).
   MoeFfn(const MoeSettings& settings, std::int64_t rows, std::int64_t width, std::int64_t d_ff, int threads,
-         std::uint64_t seed);
+         std::uint64_t seed, DType dtype = DType::F32);
 
-  // Timed: y += moe(a); a, y [T, d]. Routes, gathers, runs the experts, combines; sets the counts below.
+  // Timed: y += moe(a); a, y [T, d] in the dtype. Routes, gathers, runs the experts, combines; sets the
+  // counts below.
   void forward(const float* a, float* y);
+  void forward(const bf16* a, bf16* y);
   // Untimed: the training buffers (from then on the forward keeps what the backward reads).
   void prepare_training();
   // Timed, after a forward of the same a: da = ∂(⟨dy, y⟩ + L)/∂a (overwritten), dW_r, dW₁, dW₂.
   void backward(const float* a, const float* dy, float* da);
+  void backward(const bf16* a, const bf16* dy, float* da);
 
   std::int64_t tokens_dropped() const { return dropped_; }  // rows whose every choice was dropped
   std::int64_t routed_pairs() const { return routed_; }     // R, the kept token-expert pairs
@@ -68,6 +78,9 @@ class MoeFfn {
   std::vector<NamedTensor> parameters() const;
   std::vector<NamedTensor> saved() const;
   std::vector<NamedTensor> parameter_gradients() const;  // "d" + each weight's name
+  // Test only, after a backward: the experts' output gradients g·dy ("moe_d_expert_out"), pre-activation
+  // gradients ("moe_d_expert_pre"), input gradients ("moe_d_expert_in") and dlogits ("moe_d_logits", [T, X]).
+  std::vector<NamedTensor> backward_intermediates() const;
 
   static std::int64_t groups(const MoeSettings& s, std::int64_t rows);
   static std::int64_t capacity(const MoeSettings& s, std::int64_t group_rows);
@@ -76,21 +89,32 @@ class MoeFfn {
                             std::int64_t routed);
   static std::int64_t backward_flops(const MoeSettings& s, std::int64_t rows, std::int64_t width, std::int64_t d_ff,
                                      std::int64_t routed);
-  static std::int64_t workspace_bytes(const MoeSettings& s, std::int64_t rows, std::int64_t width, std::int64_t d_ff);
+  static std::int64_t workspace_bytes(const MoeSettings& s, std::int64_t rows, std::int64_t width, std::int64_t d_ff,
+                                      DType dtype = DType::F32);
   static std::int64_t backward_workspace_bytes(const MoeSettings& s, std::int64_t rows, std::int64_t width,
-                                               std::int64_t d_ff);
+                                               std::int64_t d_ff, DType dtype = DType::F32);
 
  private:
   void route();  // probs_ → choice_, gate_, slot_, counts_, first_fraction_, aux_loss_
   bool training() const { return !expert_pre_.empty(); }
+  template <class T>
+  void forward_as(const T* a, T* y);
+  template <class T>
+  void backward_as(const T* a, const T* dy, float* da);
+  void router_logits(const float* a);
+  void router_logits(const bf16* a);
+  void router_weight_gradient(const float* a, const float* dlogits);
+  void router_weight_gradient(const bf16* a, const float* dlogits);
 
   MoeSettings s_;
+  DType dtype_;
   std::int64_t t_, d_, f_, x_, k_, slots_;
   int threads_;
   Tensor w_router_, w_1_, w_2_, second_draw_;
   Tensor probs_, choice_, gate_, slot_, aux_;      // [T, X], [T, k] × 3, [1]
   Tensor first_fraction_;                          // [G, X]: f_gi
-  Tensor expert_in_, expert_hidden_, expert_out_;  // [X, slots, d], [X, slots, F], [X, slots, d]
+  Tensor expert_in_, expert_hidden_, expert_out_;  // [X, slots, d], [X, slots, F], [X, slots, d] (dtype)
+  Tensor router_rows_, gelu_scratch_;  // bf16 only, fp32: [min(T, 1024), d], GELU's chunks (ops::gelu on bf16)
   std::vector<std::int64_t> counts_;
   std::int64_t dropped_ = 0, routed_ = 0;
   double aux_loss_ = 0;

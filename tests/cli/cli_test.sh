@@ -193,10 +193,15 @@ rm -rf "$work/bf16-train"
 "$bin" run --model vanilla --seq-len 37 --causal --pass train --dtype bf16 "${quick[@]}" --dump "$work/bf16-train" \
   >/dev/null && grep -q '"dtype": "bf16"' "$work/bf16-train/manifest.json" && [ -s "$work/bf16-train/dq.npy" ] \
   && pass || fail "run --pass train --dtype bf16 --dump: a vanilla training step in bf16"
-"$bin" run --model switch --scope layer --seq-len 64 --dtype bf16 "${quick[@]}" --json >"$work/bf16-switch.json" \
-  && python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
-assert r["status"] == "unsupported" and "no bf16 form yet" in r["reason"], r' "$work/bf16-switch.json" \
-  && pass || fail "run --dtype bf16: the layer scope (switch's mixture of experts) gives an unsupported row"
+"$bin" run --model switch --scope layer --seq-len 64 --dtype bf16 --pass train "${quick[@]}" --json \
+  >"$work/bf16-switch.json" && python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+assert r["status"] == "ok" and r["dtype"] == "bf16" and r["ffn"] == "switch" and r["flops"] > 0, r
+assert r["peak_owned_bytes"] - 2 * 2 * 64 * 32 * 2 == r["estimated_workspace_bytes"], r' "$work/bf16-switch.json" \
+  && pass || fail "run --dtype bf16: a switch layer training step in bf16 (x, y, dy, dx bf16; the estimate exact)"
+"$bin" run --model tokenlearner --scope layer --seq-len 64 --dtype bf16 --pass train "${quick[@]}" --json \
+  >"$work/bf16-unsupported.json" && python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
+assert r["status"] == "unsupported" and "no bf16 backward" in r["reason"], r' "$work/bf16-unsupported.json" \
+  && pass || fail "run --dtype bf16: a layer training step around a model without a bf16 backward is unsupported"
 "$bin" sweep --models vanilla --seq-lens 64 --dtype f32,bf16 "${quick[@]}" --no-measure \
   --out "$work/bf16-grid.json" >"$work/bf16-grid.txt" 2>/dev/null \
   && python3 -c 'import json, sys; r = json.load(open(sys.argv[1]))
@@ -248,7 +253,7 @@ registry_rows=$(grep -c '^  row(model<' "$(dirname "$0")/../../taxonomy/registry
 assert all(r["backward"] for r in m.values() if r["implemented"]), m
 assert all(r["incremental"] == r["decodes"] and bool(r["decode_cost"]) == r["decodes"] for r in m.values()), m
 bf16 = [n for n, r in m.items() if "bf16" in r["dtypes"]]
-assert {"vanilla", "exact-tiled", "performer", "linear-transformer", "local", "image-transformer", "reformer", "rfa", "sinkhorn", "longformer", "bigbird", "etc", "tokenlearner", "poolingformer", "memory-compressed", "linformer", "funnel", "set-transformer", "nystromformer", "cluster-former", "transformer-xl", "compressive", "synthesizer", "adaptive-sparse", "luna", "perceiver", "long-short", "routing"} <= set(bf16) and "switch" not in bf16 and "gshard" not in bf16 and all(r["dtypes"][0] == "f32" for r in m.values()), bf16' \
+assert {"vanilla", "exact-tiled", "performer", "linear-transformer", "local", "image-transformer", "reformer", "rfa", "sinkhorn", "longformer", "bigbird", "etc", "tokenlearner", "poolingformer", "memory-compressed", "linformer", "funnel", "set-transformer", "nystromformer", "cluster-former", "transformer-xl", "compressive", "synthesizer", "adaptive-sparse", "luna", "perceiver", "long-short", "routing", "switch", "gshard"} <= set(bf16) and all(r["dtypes"][0] == "f32" for r in m.values()), bf16' \
   && pass || fail "list --format json: backward, incremental form, decode cost and dtypes"
 "$bin" list --class kernels --format md | grep -q "Performer" && pass || fail "list --class kernels"
 "$bin" env --json | grep -q '"onednn_version"' && pass || fail "env"
