@@ -2,11 +2,12 @@
 # Regenerates results/bf16-sweep.{json,md} and its decode and training parts (issue 31): every model
 # with a bf16 form (`xfbench list --format json`: dtypes holds bf16) at N = 4K and 16K in f32 and bf16,
 # forward non-causal and causal; the decoding ones at a 16K context (causal, 64 steps); the training
-# step at 4K; then the bf16/f32 ratio tables (tools/bf16_ratios.py) and the models without a bf16 form.
+# step at 4K; the encoder layer (vanilla, switch, gshard) forward and training at 4K; then the bf16/f32
+# ratio tables (tools/bf16_ratios.py) and the models without a bf16 form.
 #   tools/bf16_results.sh [XFBENCH [SWEEP OPTIONS…]]   (default build/release/xfbench; the options,
 #   e.g. --min-reps 3 --min-time 0.2, go to every sweep; with those, ~7 min for 18 models on 2 cores
 #   of the Zen 5 class, ~26 min for 29 on the Zen 4 class)
-# Environment: BF16_RESULTS_DIR (default results) is where the five files go; BF16_MODELS (a comma
+# Environment: BF16_RESULTS_DIR (default results) is where the six files go; BF16_MODELS (a comma
 # list) limits the sweeps to those of the bf16 models.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,7 @@ bf16_models() {  # the bf16 models (decoding ones only with "decodes"), as a com
   python3 -c 'import json, os, sys
 wanted = set(filter(None, os.environ["BF16_MODELS"].split(",")))
 print(",".join(r["name"] for r in json.load(sys.stdin) if "bf16" in r["dtypes"] and (not wanted or r["name"] in wanted)
-               and (sys.argv[1] != "decodes" or r["decodes"])))' "$1" <<<"$listing"
+               and not r["ffn"] and (sys.argv[1] != "decodes" or r["decodes"])))' "$1" <<<"$listing"
 }
 models=$(bf16_models all)
 decoders=$(bf16_models decodes)
@@ -33,6 +34,9 @@ $x sweep --models "$models" --seq-lens 4096,16384 --causal "${common[@]}" --out 
 $x sweep --models "$decoders" --seq-lens 16384 --causal --pass decode --decode-tokens 64 "${common[@]}" \
   --out "$out/bf16-decode.json"
 $x sweep --models "$models" --seq-lens 4096 --pass train "${common[@]}" --out "$out/bf16-train.json"
+# The encoder layer (dense FFN around vanilla; Switch and GShard), forward and training step at 4K.
+$x sweep --models vanilla,switch,gshard --scope layer --seq-lens 4096 --pass forward,train "${common[@]}" \
+  --out "$out/bf16-layer.json"
 {
   echo "# bf16 against f32 (issue 31)"
   echo
@@ -50,13 +54,17 @@ PY
   echo "the other in one sweep (not interleaved: \`xfbench ab --b-dtype bf16\` gives interleaved ratios)."
   for part in "forward, non-causal:bf16-sweep" "forward, causal:bf16-sweep-causal" \
               "decode at a 16K context (time per step; state bytes in the note):bf16-decode" \
-              "training step at 4K:bf16-train"; do
+              "training step at 4K:bf16-train" "encoder layer (--scope layer) at 4K:bf16-layer"; do
     echo
     echo "## ${part%%:*}"
     echo
     python3 tools/bf16_ratios.py "$out/${part##*:}.json"
   done
   echo
-  echo "Models without a bf16 form yet (their bf16 points are \`unsupported\` rows): $without."
+  if [ -n "$without" ]; then
+    echo "Models without a bf16 form yet (their bf16 points are \`unsupported\` rows): $without."
+  else
+    echo "Every model has a bf16 forward; a bf16 training point of a model without a bf16 backward is an \`unsupported\` row."
+  fi
 } >"$out/bf16-sweep.md"
 echo "wrote $out/bf16-sweep.md"

@@ -44,6 +44,7 @@ nlohmann::json model_json(const ModelInfo& m) {
           {"backward", m.impl.has_backward()},
           {"incremental", m.impl.has_decode()},
           {"dtypes", m.impl.bf16_forward ? std::vector<std::string>{"f32", "bf16"} : std::vector<std::string>{"f32"}},
+          {"ffn", m.ffn},
           {"decode_cost", m.decode_cost},
           {"params", params}};
 }

@@ -434,12 +434,6 @@ std::int64_t bf16_split_capacity(std::int64_t capacity, std::int64_t splits) {
   return split_capacity(capacity, splits) + tiles::kPanel;
 }
 
-// The same tile rounded to bf16 row pairs with ld (the missing odd row 0).
-void round_tile_pairs(const float* tile, std::int64_t ld, std::int64_t rows, std::int64_t cols, bf16* out) {
-  for (std::int64_t r = 0; r < rows; r += 2)
-    tiles::round_row_pair(tile + r * ld, r + 1 < rows ? tile + (r + 1) * ld : nullptr, cols, out + r * ld);
-}
-
 class ExactTiledBf16 final : public Mechanism {
  public:
   ExactTiledBf16(const Problem& problem, const ExactTiledConfig& config) : p_(problem), c_(config) {}
@@ -473,16 +467,10 @@ class ExactTiledBf16 final : public Mechanism {
   }
 
   void prepare_backward() override {
-    const std::int64_t threads = p_.threads, n = p_.seq_len, d = p_.head_dim, rows = p_.batch * p_.heads * n;
-    const std::int64_t ld = score_stride(c_.backward_block_k), strip = kBackwardStripRows;
+    const std::int64_t n = p_.seq_len, rows = p_.batch * p_.heads * n;
     log_sum_exp_ = Tensor(Shape{rows});
     deltas_ = Tensor(Shape{rows});
-    tile_grads_ = Tensor(Shape{threads, 2, strip, ld});
-    tile_bf16_ = Tensor(Shape{threads, 3, strip, ld}, DType::BF16);                    // P pairs, dS rows, dS pairs
-    head_pairs_ = Tensor(Shape{threads, 3, head_pair_elements(n, d)}, DType::BF16);    // Q, dO, K pairs
-    head_panels_ = Tensor(Shape{threads, 2, head_panel_elements(n, d)}, DType::BF16);  // K, V panels
-    query_grads_ = Tensor(Shape{threads, n, d});
-    block_grads_ = Tensor(Shape{threads, 2, c_.backward_block_k, d});  // dK, dV of a key block
+    backward_ = OnlineBackwardBf16(p_.threads, n, n, c_.backward_block_k, p_.head_dim);
   }
 
   void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
@@ -495,11 +483,12 @@ class ExactTiledBf16 final : public Mechanism {
 #pragma omp for schedule(dynamic, 1)
       for (std::int64_t head = 0; head < heads; ++head) {
         const std::int64_t at = head * n * d;
-        own_flops +=
-            head_backward(head,
-                          {q.bf16_data() + at, k.bf16_data() + at, v.bf16_data() + at, out.bf16_data() + at,
-                           dout.bf16_data() + at, dq.bf16_data() + at, dk.bf16_data() + at, dv.bf16_data() + at},
-                          thread);
+        own_flops += backward_.head_backward(
+            {q.bf16_data() + at, k.bf16_data() + at, v.bf16_data() + at, out.bf16_data() + at, dout.bf16_data() + at,
+             dk.bf16_data() + at, dv.bf16_data() + at, log_sum_exp_.data() + head * n, deltas_.data() + head * n, n, n,
+             d, c_.backward_block_k, p_.causal},
+            thread);
+        tiles::round_row(backward_.query_grads(thread), n * d, dq.bf16_data() + at);
       }
     }
     FlopCounter::add(own_flops);
@@ -556,11 +545,6 @@ class ExactTiledBf16 final : public Mechanism {
   }
 
  private:
-  struct HeadGrads {
-    const bf16 *q, *k, *v, *out, *dout;
-    bf16 *dq, *dk, *dv;
-  };
-
   bool saves_log_sum_exp() const { return !log_sum_exp_.empty(); }
 
   // Rows [q0, q0 + bq) of one head: the fp32 form's walk on the bf16 kernels
@@ -580,99 +564,13 @@ class ExactTiledBf16 final : public Mechanism {
     return attend_online_bf16(block, walk_.scratch(thread), out + q0 * d, lse);
   }
 
-  // One thread's packed copies of the head's operands for the backward's products.
-  struct HeadPacks {
-    bf16 *query_pairs, *dout_pairs, *key_pairs, *key_panels, *value_panels;
-  };
-  HeadPacks head_packs(int thread) {
-    const std::int64_t pairs = head_pairs_.dim(2), panels = head_panels_.dim(2);
-    bf16* pair_base = head_pairs_.bf16_data() + thread * 3 * pairs;
-    bf16* panel_base = head_panels_.bf16_data() + thread * 2 * panels;
-    return {pair_base, pair_base + pairs, pair_base + 2 * pairs, panel_base, panel_base + panels};
-  }
-
-  // The backward of one head, the fp32 form's walk: per key block of backward_block_k keys (dK, dV
-  // accumulated in fp32 and rounded once), every strip of 128 query rows that sees it; dQ
-  // accumulated in fp32 over the whole head and rounded at the end. Returns its FLOPs.
-  std::int64_t head_backward(std::int64_t head, const HeadGrads& g, int thread) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, bk = c_.backward_block_k, strip = kBackwardStripRows;
-    float* delta = deltas_.data() + head * n;
-    for (std::int64_t i = 0; i < n; ++i) {
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (std::int64_t c = 0; c < d; ++c) dot += to_float(g.dout[i * d + c]) * to_float(g.out[i * d + c]);
-      delta[i] = dot;
-    }
-    const HeadPacks packs = head_packs(thread);
-    tiles::pack_row_pairs(g.q, d, n, d, packs.query_pairs);
-    tiles::pack_row_pairs(g.dout, d, n, d, packs.dout_pairs);
-    tiles::pack_row_pairs(g.k, d, n, d, packs.key_pairs);
-    tiles::pack_key_pair_panels(g.k, d, n, d, packs.key_panels);
-    tiles::pack_key_pair_panels(g.v, d, n, d, packs.value_panels);
-    float* dq = query_grads_.data() + thread * n * d;
-    float* dk = block_grads_.data() + thread * 2 * bk * d;
-    float* dv = dk + bk * d;
-    std::fill(dq, dq + n * d, 0.0f);
-    std::int64_t flops = 2 * n * d;
-    for (std::int64_t k0 = 0; k0 < n; k0 += bk) {
-      const std::int64_t block_keys = std::min(bk, n - k0);
-      std::fill(dk, dk + block_keys * d, 0.0f);
-      std::fill(dv, dv + block_keys * d, 0.0f);
-      for (std::int64_t q0 = p_.causal ? k0 / strip * strip : 0; q0 < n; q0 += strip) {
-        const std::int64_t rows = std::min(strip, n - q0);
-        flops += tile_backward(head, g, packs, q0, rows, k0, tile_columns(p_, k0, q0, rows, bk), {dq, dk, dv}, thread);
-      }
-      tiles::round_row(dk, block_keys * d, g.dk + k0 * d);
-      tiles::round_row(dv, block_keys * d, g.dv + k0 * d);
-    }
-    tiles::round_row(dq, n * d, g.dq);
-    return flops;
-  }
-
-  struct GradAccumulators {
-    float *dq, *dk, *dv;  // dQ of the head [N, D]; dK, dV of the key block [bk, D]
-  };
-
-  // The [rows, cols] tile at (q0, k0): S and dP on the bf16 kernels, P and dS in fp32 from the saved
-  // log-sum-exp, rounded to bf16 (P in row pairs; dS in rows and row pairs), then dV += Pᵀ·dO,
-  // dK += scale·dSᵀ·Q, dQ += scale·dS·K. Returns its FLOPs (the fp32 form's).
-  std::int64_t tile_backward(std::int64_t head, const HeadGrads& g, const HeadPacks& packs, std::int64_t q0,
-                             std::int64_t rows, std::int64_t k0, std::int64_t cols, const GradAccumulators& acc,
-                             int thread) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, ld = score_stride(c_.backward_block_k);
-    const std::int64_t strip = kBackwardStripRows, panels = tiles::panels_for(cols);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    float* probs = tile_grads_.data() + thread * 2 * strip * ld;
-    float* grads = probs + strip * ld;
-    bf16* prob_pairs = tile_bf16_.bf16_data() + thread * 3 * strip * ld;
-    bf16* grad_rows = prob_pairs + strip * ld;
-    bf16* grad_pairs = grad_rows + strip * ld;
-    const float* lse = log_sum_exp_.data() + head * n + q0;
-    const float* delta = deltas_.data() + head * n + q0;
-    tiles::scores_bf16(g.q + q0 * d, d, rows, packs.key_panels + k0 * d, panels, d, scale, probs, ld);
-    tiles::scores_bf16(g.dout + q0 * d, d, rows, packs.value_panels + k0 * d, panels, d, 1.0f, grads, ld);
-    std::int64_t flops = 2 * matmul_flops(rows, score_columns(cols, d), d);
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t valid = valid_in_row(p_.causal, q0 + r, k0, cols);
-      tiles::softmax_grad_interval(probs + r * ld, grads + r * ld, 0, valid, cols, lse[r], delta[r]);
-      flops += kRecomputedSoftmaxBackwardFlopsPerElement * valid;
-    }
-    round_tile_pairs(probs, ld, rows, cols, prob_pairs);
-    round_tile_rows(grads, ld, rows, cols, grad_rows);
-    round_tile_pairs(grads, ld, rows, cols, grad_pairs);
-    tiles::accumulate_transposed_bf16(prob_pairs, ld, rows, cols, packs.dout_pairs + q0 * d, d, 1.0f, acc.dv, d);
-    tiles::accumulate_transposed_bf16(grad_pairs, ld, rows, cols, packs.query_pairs + q0 * d, d, scale, acc.dk, d);
-    tiles::accumulate_pv_bf16(grad_rows, ld, rows, cols, packs.key_pairs + k0 * d, d, acc.dq + q0 * d, d, scale);
-    return flops + 3 * matmul_flops(rows, cols, d);
-  }
-
   Problem p_;
   ExactTiledConfig c_;
   OnlineBuffersBf16 walk_;  // per thread: a strip's scores and probabilities, the block's accumulator and statistics
   Tensor packed_keys_, packed_values_;
-  // Training (prepare_backward): L and δ (fp32), per thread the fp32 P and dS tiles, their bf16
-  // forms, the head's packed operands and the fp32 gradient accumulators.
-  Tensor log_sum_exp_, deltas_, tile_grads_, tile_bf16_, head_pairs_, head_panels_, query_grads_, block_grads_;
+  // Training (prepare_backward): L and δ (fp32) and the backward's per-thread buffers.
+  Tensor log_sum_exp_, deltas_;
+  OnlineBackwardBf16 backward_;
   Bf16KvCache cache_;  // decode
   SplitRows split_rows_;
   Tensor split_scores_, split_probs_;
@@ -716,12 +614,8 @@ std::int64_t bf16_workspace(const Problem& p, const ExactTiledConfig& c) {
 }
 
 std::int64_t bf16_backward_workspace(const Problem& p, const ExactTiledConfig& c) {
-  const std::int64_t n = p.seq_len, d = p.head_dim, ld = score_stride(c.backward_block_k);
-  const std::int64_t strip = kBackwardStripRows;
-  const std::int64_t per_thread =
-      (2 * strip * ld + n * d + 2 * c.backward_block_k * d) * kF32 +
-      (3 * strip * ld + 3 * head_pair_elements(n, d) + 2 * head_panel_elements(n, d)) * kBf16;
-  return 2 * p.batch * p.heads * n * kF32 + p.threads * per_thread;
+  const std::int64_t n = p.seq_len;
+  return 2 * p.batch * p.heads * n * kF32 + OnlineBackwardBf16::bytes(p.threads, n, n, c.backward_block_k, p.head_dim);
 }
 
 std::int64_t bf16_decode_workspace(const Problem& p, const ExactTiledConfig& c, std::int64_t tokens) {

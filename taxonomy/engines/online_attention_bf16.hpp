@@ -1,7 +1,7 @@
 #pragma once
 // One block of query rows of a head against the head's keys on the bf16 tile kernels, with the
-// online softmax of exact-tiled (issue 31): exact-tiled's bf16 forward and funnel's pooled queries
-// run on it.
+// online softmax of exact-tiled (issue 31), and the backward of one head from its saved log-sum-exp:
+// exact-tiled's bf16 forward and backward and funnel's pooled queries run on them.
 //
 // Operands: q [rows, D] bf16 (row stride D); the head's `keys` keys in pair panels
 // (tiles::pack_key_pair_panels) and its values in row pairs (tiles::pack_row_pairs); D % 16 == 0.
@@ -69,6 +69,50 @@ std::int64_t attend_online_bf16(const OnlineBlockBf16& block, const OnlineScratc
 // and values of v into row pairs (packed_values [B·H, head_pair_elements]), the operands of
 // attend_online_bf16.
 void pack_heads_bf16(const Tensor& k, const Tensor& v, int threads, Tensor& packed_keys, Tensor& packed_values);
+
+// The backward of one head: `rows` query rows (q, out, dout [rows, D] bf16; their saved log-sum-exp
+// lse [rows]) against `keys` keys (k, v [keys, D] bf16), D % 16 == 0; causal: row i sees keys j ≤ i.
+// δ_i = Σ dO_i·O_i (fp32, written to delta [rows]); per key block of block_k keys (whole panels) and
+// strip of kOnlineBackwardStripRows rows that sees it: S = Q·Kᵀ/√D and dP = dO·Vᵀ on the bf16 kernels,
+// P = exp(S − lse) and dS = P·(dP − δ) in fp32, rounded to bf16 for the products dV += Pᵀ·dO,
+// dK += dSᵀ·Q/√D (fp32 per key block, rounded once into dk, dv [keys, D]) and dQ += dS·K/√D (fp32 over
+// the whole head, in query_grads(thread) [rows, D]: the caller rounds it or maps it).
+// FLOPs (returned, not added to FlopCounter): 2·rows·D + per tile of r rows and c keys
+// 2·2·r·16⌈c/16⌉·D + 3·2·r·c·D + kRecomputedSoftmaxBackwardFlopsPerElement·(entries kept).
+inline constexpr std::int64_t kOnlineBackwardStripRows = 128;  // exact-tiled's measured strip (exact_tiled.cpp)
+
+struct OnlineBackwardHeadBf16 {
+  const bf16 *q, *k, *v, *out, *dout;
+  bf16 *dk, *dv;
+  const float* lse;
+  float* delta;
+  std::int64_t rows, keys, d, block_k;
+  bool causal;
+};
+
+// One thread's buffers of the backward for heads of ≤ rows query rows and ≤ keys keys: P and dP
+// tiles in fp32 and their bf16 roundings, Q, dO and K in row pairs, K and V in pair panels, dQ of the
+// head and dK, dV of a key block in fp32.
+class OnlineBackwardBf16 {
+ public:
+  OnlineBackwardBf16() = default;
+  OnlineBackwardBf16(std::int64_t threads, std::int64_t rows, std::int64_t keys, std::int64_t block_k, std::int64_t d);
+  static std::int64_t bytes(std::int64_t threads, std::int64_t rows, std::int64_t keys, std::int64_t block_k,
+                            std::int64_t d);
+  std::int64_t head_backward(const OnlineBackwardHeadBf16& head, int thread);
+  float* query_grads(int thread) { return query_grads_.data() + thread * query_grads_.dim(1) * query_grads_.dim(2); }
+
+ private:
+  struct Packs {
+    bf16 *query_pairs, *dout_pairs, *key_pairs, *key_panels, *value_panels;
+  };
+  Packs packs(int thread);
+  std::int64_t tile_backward(const OnlineBackwardHeadBf16& g, const Packs& packs, std::int64_t q0, std::int64_t rows,
+                             std::int64_t k0, std::int64_t cols, float* dk, float* dv, int thread);
+
+  std::int64_t rows_ = 0, keys_ = 0, ld_ = 0;
+  Tensor tile_grads_, tile_bf16_, query_pairs_, key_pairs_, panels_, query_grads_, block_grads_;
+};
 
 // fp32 rows (stride ld) of a [rows, cols] tile rounded to bf16 plain rows (stride ld; the entry
 // after an odd last column zeroed: the P·V kernel reads column pairs).

@@ -97,6 +97,25 @@ std::int64_t pool_every_head(const Problem& p, const FunnelConfig& c, const T* q
   return heads * 2 * d * paired_rows(n, c);
 }
 
+// dq of one head [N, D] from dQ̃ [M, D] (fp32): each source row gets dQ̃_i / count (stored as T, rounded
+// once for bf16); rows in no pooled row get 0. Returns its FLOPs.
+template <class T>
+std::int64_t unpool_head(std::int64_t n, std::int64_t d, const FunnelConfig& c, const float* dqp, T* dqh) {
+  std::fill(dqh, dqh + n * d, stored<T>(0.0f));
+  for (std::int64_t i = 0; i < pooled_rows(n, c); ++i) {
+    const PoolSource s = pool_source(n, c, i);
+    const float* g = dqp + i * d;
+    T* a = dqh + s.first * d;
+    if (s.count == 1) {
+      convert(g, a, d);
+      continue;
+    }
+#pragma omp simd
+    for (std::int64_t j = 0; j < d; ++j) a[j] = a[d + j] = stored<T>(g[j] * 0.5f);
+  }
+  return d * paired_rows(n, c);
+}
+
 class Funnel final : public Mechanism {
  public:
   Funnel(const Problem& problem, const FunnelConfig& config)
@@ -261,7 +280,7 @@ class Funnel final : public Mechanism {
       for (std::int64_t q0 = 0; q0 < m_; q0 += strip)
         flops += tile_backward(t, q0, std::min(strip, m_ - q0), k0, cols, thread);
     }
-    return flops + unpool(dqp, dq.data() + head * n * d);
+    return flops + unpool_head(n, d, c_, dqp, dq.data() + head * n * d);
   }
 
   struct TileHead {
@@ -309,24 +328,6 @@ class Funnel final : public Mechanism {
     return flops;
   }
 
-  // dq of one head from dQ̃: each source row gets dQ̃_i / count; rows in no pooled row get 0.
-  std::int64_t unpool(const float* dqp, float* dqh) const {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim;
-    std::fill(dqh, dqh + n * d, 0.0f);
-    for (std::int64_t i = 0; i < m_; ++i) {
-      const PoolSource s = pool_source(n, c_, i);
-      const float* g = dqp + i * d;
-      float* a = dqh + s.first * d;
-      if (s.count == 1) {
-        std::copy(g, g + d, a);
-        continue;
-      }
-#pragma omp simd
-      for (std::int64_t j = 0; j < d; ++j) a[j] = a[d + j] = g[j] * 0.5f;
-    }
-    return d * paired_rows(n, c_);
-  }
-
   Problem p_;
   FunnelConfig c_;
   std::int64_t m_;
@@ -336,10 +337,13 @@ class Funnel final : public Mechanism {
   Tensor log_sum_exp_, deltas_, tile_grads_, pooled_grads_, value_panels_;
 };
 
-// Funnel in bf16 (D % 16 == 0; forward only): q, k, v, out bf16; Q̃ = bf16 of the fp32 mean of its
-// one or two bf16 source rows ([B·H, M, D], kept); K in pair panels and V in row pairs (bf16, packed
-// once per call); each block of block_q pooled rows against all N keys on attend_online_bf16
-// (exact-tiled's bf16 walk, not causal). FLOPs are the fp32 form's on the tile kernels.
+// Funnel in bf16 (D % 16 == 0): q, k, v, out bf16; Q̃ = bf16 of the fp32 mean of its one or two bf16
+// source rows ([B·H, M, D], kept); K in pair panels and V in row pairs (bf16, packed once per call);
+// each block of block_q pooled rows against all N keys on attend_online_bf16 (exact-tiled's bf16 walk,
+// not causal), keeping each pooled row's log-sum-exp when training. The backward is exact-tiled's bf16
+// backward (OnlineBackwardBf16) of the M pooled rows against the N keys: dK, dV rounded once, dQ̃ in
+// fp32 unpooled into dq (halved for a two-source row) and rounded once. FLOPs are the fp32 form's on the
+// tile kernels.
 class FunnelBf16 final : public Mechanism {
  public:
   FunnelBf16(const Problem& problem, const FunnelConfig& config)
@@ -368,10 +372,43 @@ class FunnelBf16 final : public Mechanism {
     FlopCounter::add(flops);
   }
 
-  std::vector<NamedTensor> saved() const override { return {{"pooled_queries", &pooled_}}; }
+  void prepare_backward() override {
+    const std::int64_t rows = p_.batch * p_.heads * m_;
+    log_sum_exp_ = Tensor(Shape{rows});
+    deltas_ = Tensor(Shape{rows});
+    backward_ = OnlineBackwardBf16(p_.threads, m_, p_.seq_len, c_.backward_block_k, p_.head_dim);
+  }
+
+  void backward(const Tensor&, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, heads = p_.batch * p_.heads;
+    std::int64_t flops = 0;
+#pragma omp parallel num_threads(p_.threads) reduction(+ : flops)
+    {
+      const int thread = omp_get_thread_num();
+#pragma omp for schedule(dynamic, 1)
+      for (std::int64_t head = 0; head < heads; ++head) {
+        const std::int64_t keys = head * n * d, rows = head * m_ * d;
+        flops += backward_.head_backward(
+            {pooled_.bf16_data() + rows, k.bf16_data() + keys, v.bf16_data() + keys, out.bf16_data() + rows,
+             dout.bf16_data() + rows, dk.bf16_data() + keys, dv.bf16_data() + keys, log_sum_exp_.data() + head * m_,
+             deltas_.data() + head * m_, m_, n, d, c_.backward_block_k, false},
+            thread);
+        flops += unpool_head(n, d, c_, backward_.query_grads(thread), dq.bf16_data() + keys);
+      }
+    }
+    FlopCounter::add(flops);
+  }
+
+  std::vector<NamedTensor> saved() const override {
+    std::vector<NamedTensor> kept{{"pooled_queries", &pooled_}};
+    if (!log_sum_exp_.empty()) kept.push_back({"log_sum_exp", &log_sum_exp_});
+    return kept;
+  }
 
  private:
-  // Pooled rows [q0, q0 + block_q) of one head against its N keys. Returns the FLOPs.
+  // Pooled rows [q0, q0 + block_q) of one head against its N keys (with their log-sum-exp when
+  // training). Returns the FLOPs.
   std::int64_t query_block(std::int64_t head, std::int64_t q0, Tensor& out, int thread) {
     const std::int64_t d = p_.head_dim;
     const OnlineBlockBf16 block{pooled_.bf16_data() + (head * m_ + q0) * d,
@@ -383,7 +420,8 @@ class FunnelBf16 final : public Mechanism {
                                 c_.block_k,
                                 d,
                                 false};
-    return attend_online_bf16(block, walk_.scratch(thread), out.bf16_data() + (head * m_ + q0) * d, nullptr);
+    float* lse = log_sum_exp_.empty() ? nullptr : log_sum_exp_.data() + head * m_ + q0;
+    return attend_online_bf16(block, walk_.scratch(thread), out.bf16_data() + (head * m_ + q0) * d, lse);
   }
 
   Problem p_;
@@ -392,6 +430,9 @@ class FunnelBf16 final : public Mechanism {
   Tensor pooled_;                       // Q̃ bf16 [B·H, M, D]
   Tensor packed_keys_, packed_values_;  // per head: K pair panels, V row pairs (bf16)
   OnlineBuffersBf16 walk_;              // per thread: the walk's strip, accumulator and row statistics
+  // Training (prepare_backward): the pooled rows' log-sum-exp and δ (fp32), the backward's buffers.
+  Tensor log_sum_exp_, deltas_;
+  OnlineBackwardBf16 backward_;
 };
 
 }  // namespace
@@ -465,6 +506,9 @@ std::int64_t backward_flops(const Problem& p, const FunnelConfig& c) {
 
 std::int64_t backward_workspace(const Problem& p, const FunnelConfig& c) {
   const std::int64_t d = p.head_dim, m = pooled_rows(p.seq_len, c);
+  if (p.dtype == DType::BF16)
+    return 2 * p.batch * p.heads * m * static_cast<std::int64_t>(sizeof(float)) +
+           OnlineBackwardBf16::bytes(p.threads, m, p.seq_len, c.backward_block_k, d);
   const std::int64_t per_thread =
       2 * backward_rows(c, d) * score_stride(c.backward_block_k) + m * d + value_panel_floats(c, d);
   return (2 * p.batch * p.heads * m + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
@@ -485,7 +529,8 @@ FieldTable<FunnelConfig> config_fields(const FunnelConfig*) {
 template <>
 Implementation implementation<FunnelConfig>() {
   Implementation impl = implement<FunnelConfig>();
-  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  impl.bf16_forward = true;  // not causal: no decode
+  impl.bf16_backward = true;
   return impl;
 }
 

@@ -4,7 +4,10 @@
 //     two-source row is (a + b)·½ in fp32 (one rounding) and then rounded to bf16, so
 //     |Q̃ − Q̃*| ≤ (u + ε(1 + u))·|Q̃*|; a one-source row is the bf16 row itself, exactly;
 //   - the output against float64 softmax attention of the model's own Q̃ over the bf16 keys and
-//     values, within the softmax bound 2u(1 + u)·max|v| + the fp32 bound (tests/support/bf16_check.hpp).
+//     values, within the softmax bound 2u(1 + u)·max|v| + the fp32 bound (tests/support/bf16_check.hpp);
+//   - the gradients against float64 attention gradients of that Q̃ (dK, dV; dQ̃ unpooled into dq:
+//     a two-source row gets dQ̃/2, exact in binary), within exact-tiled's bf16 bound 3u(1 + u)·T + the
+//     fp32 factor·T (T the element's reference terms; halved for a two-source row).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -27,7 +30,8 @@ struct Pooling {
   bool separate_cls = false, truncate_seq = false;
   std::vector<std::string> params() const {
     return {"separate_cls=" + std::string(separate_cls ? "true" : "false"),
-            "truncate_seq=" + std::string(truncate_seq ? "true" : "false"), "block_q=16", "block_k=32"};
+            "truncate_seq=" + std::string(truncate_seq ? "true" : "false"), "block_q=16", "block_k=32",
+            "backward_block_k=32"};
   }
   std::string name() const { return separate_cls ? (truncate_seq ? "cls+truncate" : "cls") : "plain"; }
 };
@@ -90,6 +94,52 @@ void check_case(const Problem& shape, const Pooling& pooling, std::uint64_t seed
     }
 }
 
+// The bf16 training step's dq, dk, dv against float64 attention gradients of the model's own Q̃.
+void check_gradients(const Problem& shape, const Pooling& pooling, std::uint64_t seed) {
+  const Problem p = on_test_threads(shape);
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  const std::string label = "funnel bf16 gradients N=" + std::to_string(n) + " " + pooling.name();
+  const Bf16GradientRun run = run_bf16_gradients("funnel", p, pooling.params(), seed);
+  const Tensor& pooled = *run.mechanism->saved().at(0).tensor;
+  const std::int64_t m = pooled.dim(1);
+  const double scale = 1 / std::sqrt(static_cast<double>(d));
+  const Tensor pooled_widened = to_f32(pooled);
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const std::string where = label + " b=" + std::to_string(b) + " h=" + std::to_string(h);
+      const float* queries = pooled_widened.data() + (b * p.heads + h) * m * d;
+      const float *k = run.in.widened.k.head(b, h), *v = run.in.widened.v.head(b, h);
+      const auto ref =
+          reference_attention_backward(queries, k, v, run.dout_widened.head(b, h), m, n, d, scale, MaskFn(full_mask));
+      const double factor = 3 * kU * (1 + kU) + gradient_error_factor(queries, k, m, n, d, scale);
+      check_bf16_elements(
+          run.dk.head(b, h), ref.dk, n * d, [&](std::int64_t e) { return factor * ref.dk_terms[e] + 1e-30; },
+          where + " dk");
+      check_bf16_elements(
+          run.dv.head(b, h), ref.dv, n * d, [&](std::int64_t e) { return factor * ref.dv_terms[e] + 1e-30; },
+          where + " dv");
+      // dq: the pooled row's gradient over its sources (halved for two), 0 for a row in no pooled row.
+      std::vector<double> dq(static_cast<std::size_t>(n * d), 0.0), terms(dq.size(), 0.0);
+      const std::vector<double> first = pooled_reference(run.in.widened.q.head(b, h), n, d, pooling);
+      for (std::int64_t i = 0; i < m; ++i) {
+        std::int64_t start = 2 * i, count = std::min<std::int64_t>(2, n - 2 * i);
+        if (pooling.separate_cls) {
+          const std::int64_t length = pooling.truncate_seq ? n : n + 1;
+          start = i == 0 ? 0 : 2 * i - 1;
+          count = i == 0 ? 1 : (2 * i + 1 < length ? 2 : 1);
+        }
+        for (std::int64_t r = start; r < start + count; ++r)
+          for (std::int64_t c = 0; c < d; ++c) {
+            dq[r * d + c] = ref.dq[i * d + c] / static_cast<double>(count);
+            terms[r * d + c] = ref.dq_terms[i * d + c] / static_cast<double>(count);
+          }
+      }
+      CHECK(static_cast<std::int64_t>(first.size()) == m * d);
+      check_bf16_elements(
+          run.dq.head(b, h), dq, n * d, [&](std::int64_t e) { return factor * terms[e] + 1e-30; }, where + " dq");
+    }
+}
+
 }  // namespace
 
 TEST_SUITE("funnel_bf16") {
@@ -106,13 +156,22 @@ TEST_SUITE("funnel_bf16") {
     });
   }
 
-  TEST_CASE("funnel bf16 rows: FLOPs as fp32's, halved inputs and output, estimates exact; unsupported points") {
-    for (std::int64_t n : {100, 257}) check_bf16_rows("funnel", n, false, Pass::Forward);
-    for (Pass pass : {Pass::Backward, Pass::Train}) {
-      const ResultRow row = run_point(bf16_point("funnel", 100, false, pass));
-      CHECK(row.status == Status::Unsupported);
-      CHECK(row.reason.find("no bf16 backward") != std::string::npos);
-    }
+  TEST_CASE("funnel in bf16: gradients against float64 attention gradients of Q̃, at awkward sizes, every path") {
+    for_each_bf16_path([](const std::string& path) {
+      CAPTURE(path);
+      for (const Pooling pooling : {Pooling{}, Pooling{true, false}, Pooling{true, true}})
+        // Keys one below, at and above a panel and the backward's key block of 32; pooled rows around
+        // the backward's 128-row strip (N = 255–257).
+        for (std::int64_t n : {1, 2, 15, 16, 17, 31, 32, 33, 100, 255, 256, 257})
+          check_gradients({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16}, pooling,
+                          static_cast<std::uint64_t>(n));
+      check_gradients({.batch = 1, .heads = 3, .seq_len = 129, .head_dim = 64}, Pooling{}, 7);
+    });
+  }
+
+  TEST_CASE("funnel bf16 rows: FLOPs as fp32's, halved inputs and output, estimates exact (forward, backward, train)") {
+    for (std::int64_t n : {100, 257})
+      for (Pass pass : {Pass::Forward, Pass::Backward, Pass::Train}) check_bf16_rows("funnel", n, false, pass);
     check_bf16_head_dim_unsupported("funnel");
   }
 }
