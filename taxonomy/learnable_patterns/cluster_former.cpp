@@ -289,14 +289,22 @@ std::int64_t ClusterFormerAttention::attend_chunk_bf16(const Tensor& q, const Te
   flops += gathered_values_bf16(scores, score_ld_, rows, rows, b.values, d, inverse, b,
                                 tile_out_.data() + thread * c * d, o_rows, d);
   for (std::int64_t r = 0; r < rows; ++r) std::copy_n(o_rows + r * d, d, out.bf16_data() + at + ids[r] * d);
+  if (!lse_.empty())
+    for (std::int64_t r = 0; r < rows; ++r) lse_.data()[head * n + ids[r]] = lse[r];
   return flops;
 }
 
 void ClusterFormerAttention::prepare_backward() {
   const std::int64_t c = chunk_, d = p_.head_dim;
   lse_ = Tensor(Shape{p_.batch * p_.heads, p_.seq_len});
-  grad_rows_ = Tensor(Shape{threads_, 4 * c, d});
   score_grads_ = Tensor(Shape{threads_, c, score_ld_});
+  if (p_.dtype == DType::BF16) {
+    grad_rows_ = Tensor(Shape{threads_, 3 * c, d});
+    grad_rows16_ = Tensor(Shape{threads_, 2, c, d}, DType::BF16);
+    grads16_ = GatheredScratchBf16(threads_, c, c, d, true);
+    return;
+  }
+  grad_rows_ = Tensor(Shape{threads_, 4 * c, d});
 }
 
 void ClusterFormerAttention::backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -306,7 +314,10 @@ void ClusterFormerAttention::backward(const Tensor& q, const Tensor& k, const Te
   // Every token lies in one chunk: the chunks write disjoint rows of dq, dk, dv.
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1) reduction(+ : flops)
   for (std::int64_t task = 0; task < heads * chunks; ++task)
-    flops += chunk_backward(q, k, v, out, dout, task / chunks, task % chunks, dq, dk, dv, omp_get_thread_num());
+    flops +=
+        p_.dtype == DType::BF16
+            ? chunk_backward_bf16(q, k, v, out, dout, task / chunks, task % chunks, dq, dk, dv, omp_get_thread_num())
+            : chunk_backward(q, k, v, out, dout, task / chunks, task % chunks, dq, dk, dv, omp_get_thread_num());
   FlopCounter::add(flops);
 }
 
@@ -361,6 +372,56 @@ std::int64_t ClusterFormerAttention::chunk_backward(const Tensor& q, const Tenso
   return flops + 2 * rows * d;
 }
 
+// chunk_backward in bf16: the chunk's bf16 q, k, v, dO and output rows gathered, scores recomputed and
+// the tile's backward on the bf16 kernels (gathered_tile_backward_bf16: P and dS rounded to bf16 for the
+// products, fp32 accumulation), each gradient row rounded once and written to its token.
+std::int64_t ClusterFormerAttention::chunk_backward_bf16(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                         const Tensor& out, const Tensor& dout, std::int64_t head,
+                                                         std::int64_t chunk, Tensor& dq, Tensor& dk, Tensor& dv,
+                                                         int thread) {
+  const std::int64_t n = p_.seq_len, d = p_.head_dim, c = chunk_, first = chunk * c, at = head * n * d;
+  const std::int64_t rows = chunk_rows(n, c, chunk);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const std::int32_t* ids = order_.data() + head * n + first;
+  const GatheredBf16Buffers b = grads16_.buffers(thread);
+  bf16* q_rows = rows16_.bf16_data() + thread * 2 * c * d;
+  bf16* dout_rows = grad_rows16_.bf16_data() + thread * 2 * c * d;
+  bf16* out_rows = dout_rows + c * d;
+  gather_token_rows(q.bf16_data() + at, ids, rows, d, q_rows);
+  gather_token_rows(k.bf16_data() + at, ids, rows, d, b.keys);
+  gather_token_rows(v.bf16_data() + at, ids, rows, d, b.values);
+  gather_token_rows(dout.bf16_data() + at, ids, rows, d, dout_rows);
+  gather_token_rows(out.bf16_data() + at, ids, rows, d, out_rows);
+  float* scores = scores_.data() + thread * c * score_ld_;
+  std::int64_t flops = gathered_scores_bf16(q_rows, rows, b.keys, rows, d, scale, b, scores, score_ld_);
+  float* lse = row_stats_.data() + thread * 2 * c;
+  float* delta = lse + c;
+  flops += row_dots_bf16(dout_rows, out_rows, rows, d, delta);
+  for (std::int64_t r = 0; r < rows; ++r) lse[r] = lse_.data()[head * n + ids[r]];
+  const GatheredTileBf16 tile{.rows = rows,
+                              .cols = rows,
+                              .d = d,
+                              .ld = score_ld_,
+                              .q = q_rows,
+                              .k = b.keys,
+                              .v = b.values,
+                              .dout = dout_rows,
+                              .lse = lse,
+                              .delta = delta};
+  float* dq_rows = grad_rows_.data() + thread * 3 * c * d;
+  float* dk_rows = dq_rows + c * d;
+  float* dv_rows = dk_rows + c * d;
+  flops += gathered_tile_backward_bf16(tile, scale, scores, score_grads_.data() + thread * c * score_ld_, b, dq_rows,
+                                       dk_rows, dv_rows);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t row = at + ids[r] * d;
+    tiles::round_row(dq_rows + r * d, d, dq.bf16_data() + row);
+    tiles::round_row(dk_rows + r * d, d, dk.bf16_data() + row);
+    tiles::round_row(dv_rows + r * d, d, dv.bf16_data() + row);
+  }
+  return flops;
+}
+
 std::string unsupported(const Problem& p, const ClusterFormerConfig&) {
   return tiles::bf16_head_dim_unsupported("cluster-former's bf16 form", p.dtype, p.head_dim);
 }
@@ -396,8 +457,12 @@ std::int64_t backward_flops(const Problem& p, const ClusterFormerConfig& config)
 }
 
 std::int64_t backward_workspace(const Problem& p, const ClusterFormerConfig& config) {
-  const std::int64_t c = cluster_former_chunk(p, config);
-  return 4 * (p.batch * p.heads * p.seq_len + p.threads * (4 * c * p.head_dim + c * ops::padded_ld(c)));
+  const std::int64_t c = cluster_former_chunk(p, config), d = p.head_dim;
+  if (p.dtype == DType::BF16)  // lse, per thread dQ, dK, dV rows and dS (fp32), dO and output rows (bf16), buffers
+    return 4 * (p.batch * p.heads * p.seq_len + p.threads * (3 * c * d + c * ops::padded_ld(c))) +
+           static_cast<std::int64_t>(sizeof(bf16)) * p.threads * 2 * c * d +
+           GatheredScratchBf16::bytes(p.threads, c, c, d, true);
+  return 4 * (p.batch * p.heads * p.seq_len + p.threads * (4 * c * d + c * ops::padded_ld(c)));
 }
 
 FieldTable<ClusterFormerConfig> config_fields(const ClusterFormerConfig*) {
@@ -418,7 +483,8 @@ ClusterFormerConfig resolve(const Problem& p, ClusterFormerConfig c) {
 template <>
 Implementation implementation<ClusterFormerConfig>() {
   Implementation impl = implement<ClusterFormerConfig>();
-  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  impl.bf16_forward = true;  // not causal: no decode
+  impl.bf16_backward = true;
   return impl;
 }
 

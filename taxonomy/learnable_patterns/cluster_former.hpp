@@ -108,6 +108,9 @@ class ClusterFormerAttention final : public Mechanism {
                                  std::int64_t chunk, Tensor& out, int thread);
   std::int64_t chunk_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
                               std::int64_t head, std::int64_t chunk, Tensor& dq, Tensor& dk, Tensor& dv, int thread);
+  std::int64_t chunk_backward_bf16(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                   const Tensor& dout, std::int64_t head, std::int64_t chunk, Tensor& dq, Tensor& dk,
+                                   Tensor& dv, int thread);
   float* tile_rows(int thread) { return gathered_.data() + thread * 3 * chunk_ * p_.head_dim; }
 
   Problem p_;
@@ -126,8 +129,10 @@ class ClusterFormerAttention final : public Mechanism {
   // and output rows [2, c, D], and one block of key rows widened for the assignment [256, D].
   GatheredScratchBf16 tiles16_;
   Tensor rows16_, widened_keys_;
-  // Backward: saved log-sum-exp [B·H, N]; per thread dO, dQ, dK, dV rows [4c, D] and dS [c, ld].
-  Tensor lse_, grad_rows_, score_grads_;
+  // Backward: saved log-sum-exp [B·H, N]; per thread dO, dQ, dK, dV rows [4c, D] and dS [c, ld]. bf16
+  // form: dQ, dK, dV rows [3c, D] fp32, bf16 dO and output rows [2, c, D], the tile's bf16 backward buffers.
+  Tensor lse_, grad_rows_, score_grads_, grad_rows16_;
+  GatheredScratchBf16 grads16_;
 };
 
 template <>

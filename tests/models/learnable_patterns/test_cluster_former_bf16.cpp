@@ -1,9 +1,11 @@
 // cluster-former in bf16 (taxonomy/learnable_patterns/cluster_former.hpp): the assignment is the fp32
 // form's on the same (widened) values, and the output is softmax attention restricted to each
 // query's chunk of the model's own sorted order, within the bf16 forward bound 2u(1 + u)·max|v| + the
-// fp32 bound (tests/support/bf16_check.hpp).
+// fp32 bound (tests/support/bf16_check.hpp); the gradients are float64 attention gradients under the same
+// chunk mask, within the bf16 gradient bound 3u(1 + u)·T + the fp32 factor·T (check_bf16_gradients').
 #include <doctest/doctest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -54,6 +56,43 @@ void check_case(const Problem& shape, std::int64_t clusters, std::int64_t chunk,
       0, label);
 }
 
+// The chunk mask of head h of a cluster-former: i sees j when their sorted positions share a chunk.
+MaskFn chunk_mask(const ClusterFormerAttention& model, std::int64_t n, std::int64_t h) {
+  std::vector<std::int64_t> position(static_cast<std::size_t>(n));
+  const auto order = model.sort_order(0, h);
+  for (std::int64_t s = 0; s < n; ++s) position[static_cast<std::size_t>(order[s])] = s;
+  const std::int64_t c = model.chunk();
+  return MaskFn([position, c](std::int64_t i, std::int64_t j) {
+    return position[static_cast<std::size_t>(i)] / c == position[static_cast<std::size_t>(j)] / c;
+  });
+}
+
+// The bf16 training step's dq, dk, dv against float64 attention gradients under the model's chunk mask.
+void check_gradients(const Problem& shape, std::int64_t clusters, std::int64_t chunk, std::uint64_t seed) {
+  const Problem p = on_test_threads(shape);
+  REQUIRE(p.batch == 1);
+  const std::int64_t n = p.seq_len, d = p.head_dim;
+  const std::vector<std::string> params{"clusters=" + std::to_string(clusters), "chunk_len=" + std::to_string(chunk)};
+  const std::string label = "cluster-former bf16 gradients N=" + std::to_string(n) + " c=" + std::to_string(chunk);
+  const Bf16GradientRun run = run_bf16_gradients("cluster-former", p, params, seed);
+  const auto* model = dynamic_cast<const ClusterFormerAttention*>(run.mechanism.get());
+  REQUIRE(model != nullptr);
+  const double scale = 1 / std::sqrt(static_cast<double>(d));
+  const Tensor* got[3] = {&run.dq, &run.dk, &run.dv};
+  for (std::int64_t h = 0; h < p.heads; ++h) {
+    const float *q = run.in.widened.q.head(0, h), *k = run.in.widened.k.head(0, h), *v = run.in.widened.v.head(0, h);
+    const auto ref =
+        reference_attention_backward(q, k, v, run.dout_widened.head(0, h), n, n, d, scale, chunk_mask(*model, n, h));
+    const double factor = 3 * kBf16Roundoff * (1 + kBf16Roundoff) + gradient_error_factor(q, k, n, n, d, scale);
+    const std::vector<double>* want[3] = {&ref.dq, &ref.dk, &ref.dv};
+    const std::vector<double>* terms[3] = {&ref.dq_terms, &ref.dk_terms, &ref.dv_terms};
+    for (int g = 0; g < 3; ++g)
+      check_bf16_elements(
+          got[g]->head(0, h), *want[g], n * d, [&](std::int64_t e) { return factor * (*terms[g])[e] + 1e-30; },
+          label + " h=" + std::to_string(h) + " d" + "qkv"[g]);
+  }
+}
+
 }  // namespace
 
 TEST_SUITE("cluster_former_bf16") {
@@ -69,13 +108,19 @@ TEST_SUITE("cluster_former_bf16") {
     });
   }
 
-  TEST_CASE("cluster-former bf16 rows: FLOPs as fp32's, halved inputs, estimates exact; unsupported points") {
-    for (std::int64_t n : {100, 300}) check_bf16_rows("cluster-former", n, false, Pass::Forward, {"clusters=16"});
-    for (Pass pass : {Pass::Backward, Pass::Train}) {
-      const ResultRow row = run_point(bf16_point("cluster-former", 100, false, pass));
-      CHECK(row.status == Status::Unsupported);
-      CHECK(row.reason.find("no bf16 backward") != std::string::npos);
-    }
+  TEST_CASE("cluster-former in bf16: gradients within each sorted chunk against float64, every path") {
+    for_each_bf16_path([](const std::string& path) {
+      CAPTURE(path);
+      for (std::int64_t n : {1, 2, 15, 16, 17, 33, 100})
+        check_gradients({.batch = 1, .heads = 3, .seq_len = n, .head_dim = 16}, 4, 16, static_cast<std::uint64_t>(n));
+      check_gradients({.batch = 1, .heads = 2, .seq_len = 257, .head_dim = 32}, 8, 256, 5);
+    });
+  }
+
+  TEST_CASE("cluster-former bf16 rows: FLOPs as fp32's, halved inputs, estimates exact (forward, backward, train)") {
+    for (std::int64_t n : {100, 300})
+      for (Pass pass : {Pass::Forward, Pass::Backward, Pass::Train})
+        check_bf16_rows("cluster-former", n, false, pass, {"clusters=16"});
     check_bf16_head_dim_unsupported("cluster-former");
   }
 }
