@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "lib/core/bf16_rows.hpp"
 #include "lib/core/flop_counter.hpp"
@@ -222,7 +223,7 @@ void EncoderLayer::backward_as(Mechanism& mechanism, const Tensor& x, const Tens
   // Attention block: h = x + merge(o)·W_o (h = merge(o)·W_o without the residual when M ≠ N). A bf16
   // layer rounds dh once for the products (d_hidden_rounded_).
   T* d_hidden = elements<T>(bf16_form() ? d_hidden_rounded_ : d_hidden_);
-  convert(d_hidden_.data(), d_hidden, d_hidden_.size());
+  if constexpr (std::is_same_v<T, bf16>) narrow(d_hidden_.data(), d_hidden, d_hidden_.size());
   T* d_merged = elements<T>(d_merged_);
   ops::matmul({.m = e, .n = e, .k = tokens, .trans_a = true}, elements<T>(merged_), d_hidden, dw_o_.data());
   ops::matmul({.m = tokens, .n = e, .k = e, .trans_b = true}, d_hidden, elements<T>(w_o_), d_merged);
