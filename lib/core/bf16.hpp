@@ -19,6 +19,10 @@ inline bf16 to_bf16(float x) {
   return static_cast<bf16>(nan ? (bits >> 16) | 0x40u : rounded);
 }
 
+// A value of either element type as fp32 (bf16 widened exactly), for code written once over both.
+inline float as_float(float x) { return x; }
+inline float as_float(bf16 x) { return to_float(x); }
+
 // x rounded to the nearest bf16 value, as fp32.
 inline float round_to_bf16(float x) { return to_float(to_bf16(x)); }
 

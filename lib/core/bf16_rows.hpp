@@ -13,8 +13,6 @@
 
 namespace xfb {
 
-inline float as_float(float x) { return x; }
-inline float as_float(bf16 x) { return to_float(x); }
 template <class T>
 inline T stored(float x) {
   if constexpr (std::is_same_v<T, bf16>)

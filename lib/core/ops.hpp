@@ -4,7 +4,6 @@
 // first call with a given shape; later calls reuse it.
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 
 #include "lib/core/bf16.hpp"
 #include "lib/core/exp_polynomial.hpp"
@@ -154,20 +153,14 @@ struct RowMoments {
 // x: fp32 or bf16 values (widened exactly as read).
 template <class T>
 inline RowMoments row_moments(const T* x, std::int64_t n, float eps) {
-  auto value = [](T v) {
-    if constexpr (std::is_same_v<T, bf16>)
-      return to_float(v);
-    else
-      return v;
-  };
   const float inverse_n = 1.0f / static_cast<float>(n);
   float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-  for (std::int64_t j = 0; j < n; ++j) sum += value(x[j]);
+  for (std::int64_t j = 0; j < n; ++j) sum += as_float(x[j]);
   const float mean = sum * inverse_n;
   float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
-  for (std::int64_t j = 0; j < n; ++j) squares += (value(x[j]) - mean) * (value(x[j]) - mean);
+  for (std::int64_t j = 0; j < n; ++j) squares += (as_float(x[j]) - mean) * (as_float(x[j]) - mean);
   return {mean, 1.0f / __builtin_sqrtf(squares * inverse_n + eps)};
 }
 

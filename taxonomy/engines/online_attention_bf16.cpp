@@ -108,9 +108,7 @@ std::int64_t attend_online_bf16(const OnlineBlockBf16& block, const OnlineScratc
 
 OnlineBackwardBf16::OnlineBackwardBf16(std::int64_t threads, std::int64_t rows, std::int64_t keys, std::int64_t block_k,
                                        std::int64_t d)
-    : rows_(rows),
-      keys_(keys),
-      ld_(score_stride(block_k)),
+    : ld_(score_stride(block_k)),
       tile_grads_(Shape{threads, 2, kOnlineBackwardStripRows, ld_}),
       tile_bf16_(Shape{threads, 3, kOnlineBackwardStripRows, ld_}, DType::BF16),  // P pairs, dS rows, dS pairs
       query_pairs_(Shape{threads, 2, head_pair_elements(rows, d)}, DType::BF16),  // Q, dO

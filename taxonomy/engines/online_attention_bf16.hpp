@@ -110,7 +110,7 @@ class OnlineBackwardBf16 {
   std::int64_t tile_backward(const OnlineBackwardHeadBf16& g, const Packs& packs, std::int64_t q0, std::int64_t rows,
                              std::int64_t k0, std::int64_t cols, float* dk, float* dv, int thread);
 
-  std::int64_t rows_ = 0, keys_ = 0, ld_ = 0;
+  std::int64_t ld_ = 0;
   Tensor tile_grads_, tile_bf16_, query_pairs_, key_pairs_, panels_, query_grads_, block_grads_;
 };
 
