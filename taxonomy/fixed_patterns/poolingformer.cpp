@@ -11,6 +11,7 @@
 #include "taxonomy/engines/block_sparse.hpp"
 #include "taxonomy/engines/gathered_attention.hpp"
 #include "taxonomy/engines/gathered_attention_bf16.hpp"
+#include "taxonomy/engines/gathered_tile_bf16.hpp"
 
 namespace xfb {
 namespace {
@@ -140,6 +141,22 @@ void pool_rows(const Problem& p, const Layout& l, const Tensor& k, const Tensor&
   FlopCounter::add(heads * 2 * d * l.pooled_members());
 }
 
+// dx_t += dX̄_m / c_m for every token t of every pooled row m of one head (fp32 gradients [N, D], or
+// the bf16 form's fp32 accumulators). Returns 2·D·Σ c_m.
+std::int64_t unpool(const Layout& l, std::int64_t d, const float* pooled_grads, float* grads) {
+  for (std::int64_t m = 0; m < l.pooled; ++m) {
+    const std::int64_t count = l.members(m);
+    const float scale = 1.0f / static_cast<float>(count);
+    for (std::int64_t t = 0; t < count; ++t) {
+      float* row = grads + (m * l.stride + t) * d;
+      const float* pooled = pooled_grads + m * d;
+#pragma omp simd
+      for (std::int64_t c = 0; c < d; ++c) row[c] += scale * pooled[c];
+    }
+  }
+  return 2 * d * l.pooled_members();
+}
+
 class Poolingformer final : public Mechanism {
  public:
   Poolingformer(const Problem& problem, const Layout& layout)
@@ -262,7 +279,7 @@ class Poolingformer final : public Mechanism {
           flops += kernel.backward(tile, grads, k.data() + offset, v.data() + offset, false);
         }
       }
-      if (l_.pool) flops += unpool(dk_pooled, g.dk) + unpool(dv_pooled, g.dv);
+      if (l_.pool) flops += unpool(l_, d, dk_pooled, g.dk) + unpool(l_, d, dv_pooled, g.dv);
       return flops;
     });
   }
@@ -298,24 +315,6 @@ class Poolingformer final : public Mechanism {
                                           delta_window + task.start);
   }
 
-  // dx_t += dX̄_m / c_m for every token t of every pooled row m of one head. Returns 2·D·Σ c_m.
-  std::int64_t unpool(const float* pooled_grads, float* grads) const {
-    const std::int64_t d = p_.head_dim;
-    for (std::int64_t m = 0; m < l_.pooled; ++m) {
-      const std::int64_t count = l_.members(m);
-      const float scale = 1.0f / static_cast<float>(count);
-      for (std::int64_t t = 0; t < count; ++t)
-        add_rows(grads + (m * l_.stride + t) * d, pooled_grads + m * d, scale, d);
-    }
-    return 2 * d * l_.pooled_members();
-  }
-
-  // dst += factor·src over d values.
-  static void add_rows(float* dst, const float* src, float factor, std::int64_t d) {
-#pragma omp simd
-    for (std::int64_t c = 0; c < d; ++c) dst[c] += factor * src[c];
-  }
-
   Problem p_;
   Layout l_;
   std::vector<Task> tasks_;
@@ -327,9 +326,10 @@ class Poolingformer final : public Mechanism {
   std::vector<std::size_t> ranges_;
 };
 
-// The bf16 form (header), forward only: K̄, V̄ = bf16(fp32 means of the bf16 rows); each level on the
-// bf16 gathered kernel (P rounded to bf16); one level alone rounds its output, both keep y and z in
-// fp32 and round y + z once (stacked: level 2's query is bf16(y)).
+// The bf16 form (header): K̄, V̄ = bf16(fp32 means of the bf16 rows); each level on the bf16 gathered
+// kernel (P rounded to bf16); one level alone rounds its output, both keep y and z in fp32 and round
+// y + z once (stacked: level 2's query is bf16(y)). Training keeps each level's log-sum-exp and, with
+// both levels, bf16(y); the backward is the fp32 form's on the bf16 kernel (below).
 class PoolingformerBf16 final : public Mechanism {
  public:
   PoolingformerBf16(const Problem& problem, const Layout& layout)
@@ -342,7 +342,7 @@ class PoolingformerBf16 final : public Mechanism {
       pooled_v_ = Tensor::bhnd(p_.batch, p_.heads, l_.pooled, d, DType::BF16);
     }
     if (l_.both()) levels_ = Tensor(Shape{p_.threads, 2, l_.tile, d});
-    if (l_.stacked) stacked_queries_ = Tensor(Shape{p_.threads, l_.tile, d}, DType::BF16);
+    if (l_.stacked) stacked_rows_ = Tensor(Shape{p_.threads, l_.tile, d}, DType::BF16);
     kernels_.clear();
     for (std::int64_t t = 0; t < p_.threads; ++t) kernels_.emplace_back(tile_capacity(l_, tasks_), d);
   }
@@ -354,54 +354,198 @@ class PoolingformerBf16 final : public Mechanism {
         p_.batch, tasks_, kernels_,
         [&](std::int64_t b, const Task& task, fixed::TileAttentionBf16& kernel, TilePattern& tile) {
           const std::int64_t head = b * p_.heads + task.head, rows = head * n * d + task.start * d;
-          const bf16* keys = k.bf16_data() + head * n * d;
-          const bf16* values = v.bf16_data() + head * n * d;
-          const bf16* pooled_keys = l_.pool ? pooled_k_.bf16_data() + head * l_.pooled * d : nullptr;
-          const bf16* pooled_values = l_.pool ? pooled_v_.bf16_data() + head * l_.pooled * d : nullptr;
+          const Head h{.head = head,
+                       .rows = rows,
+                       .keys = k.bf16_data() + head * n * d,
+                       .values = v.bf16_data() + head * n * d,
+                       .pooled_keys = l_.pool ? pooled_k_.bf16_data() + head * l_.pooled * d : nullptr,
+                       .pooled_values = l_.pool ? pooled_v_.bf16_data() + head * l_.pooled * d : nullptr};
           const bf16* query = q.bf16_data() + rows;
           bf16* result = out.bf16_data() + rows;
           if (!l_.both()) {
             if (l_.window) plan_window(l_, task, tile);
             if (l_.pool) plan_pooled(l_, task, tile);
-            return l_.window ? kernel.attend(tile, query, d, keys, values, result, d)
-                             : kernel.attend(tile, query, d, pooled_keys, pooled_values, result, d);
+            return l_.window ? kernel.attend(tile, query, d, h.keys, h.values, result, d, lse_at(lse_window_, h, task))
+                             : kernel.attend(tile, query, d, h.pooled_keys, h.pooled_values, result, d,
+                                             lse_at(lse_pooled_, h, task));
           }
-          return both_levels(task, kernel, tile, query, keys, values, pooled_keys, pooled_values, result);
+          return both_levels(task, h, kernel, tile, query, result);
         });
   }
 
   std::vector<NamedTensor> parameters() const override { return {}; }
 
+  void prepare_backward() override {
+    const std::int64_t heads = p_.batch * p_.heads, n = p_.seq_len, d = p_.head_dim;
+    for (auto& kernel : kernels_) kernel.enable_backward();
+    if (l_.window) lse_window_ = Tensor(Shape{heads, n});
+    if (l_.pool) {
+      lse_pooled_ = Tensor(Shape{heads, n});
+      pooled_grads_ = Tensor(Shape{p_.threads, 2, l_.pooled, d});
+    }
+    if (l_.both()) {
+      saved_y_ = Tensor::bhnd(p_.batch, p_.heads, n, d, DType::BF16);
+      window_deltas_ = Tensor(Shape{p_.threads, n});
+    }
+    heads_ = fixed::HeadBackward<bf16>(p_.threads, n, d);
+    ranges_ = fixed::task_ranges_by_head(tasks_, p_.heads);
+  }
+
+  // One task per (batch, head), as the fp32 form. δ = dO·out (fp32 from the bf16 rows); with both
+  // levels δ₁ = dO·bf16(y) and δ₂ = δ − δ₁. dK, dV (and dK̄, dV̄) accumulate in fp32 and are rounded
+  // once per head; a query row's dq₁ + dq₂ is summed in fp32 and rounded once. Stacked: dY = bf16(dO
+  // + dq₂) is level 1's output gradient and δ₁ = dY·bf16(y).
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    const block_sparse::BackwardTensors t{q, k, v, out, dout, dq, dk, dv};
+    block_sparse::run_heads(p_.batch * p_.heads, p_.threads, [&](std::int64_t head, int thread) {
+      const std::int64_t h = head % p_.heads, offset = head * n * d;
+      std::int64_t flops = 0;
+      const fixed::HeadRowsOf<bf16> rows = heads_.begin(t, offset, nullptr, thread, flops);
+      float* delta_window = rows.delta;
+      if (l_.both()) {
+        delta_window = window_deltas_.data() + thread * n;
+        flops += row_dots_bf16(rows.dout, saved_y_.bf16_data() + offset, n, d, delta_window) + n;
+        for (std::int64_t i = 0; i < n; ++i) rows.delta[i] -= delta_window[i];
+      }
+      float* dk_pooled = l_.pool ? pooled_grads_.data() + thread * 2 * l_.pooled * d : nullptr;
+      if (l_.pool) std::fill_n(dk_pooled, 2 * l_.pooled * d, 0.0f);
+      const HeadGrads g{.head = head,
+                        .offset = offset,
+                        .rows = rows,
+                        .delta_window = delta_window,
+                        .dk_pooled = dk_pooled,
+                        .dv_pooled = dk_pooled + (l_.pool ? l_.pooled * d : 0)};
+      fixed::TileAttentionBf16& kernel = kernels_[static_cast<std::size_t>(thread)];
+      TilePattern tile;
+      for (std::size_t i = ranges_[static_cast<std::size_t>(h)]; i < ranges_[static_cast<std::size_t>(h + 1)]; ++i)
+        flops += task_backward(tasks_[i], g, k, v, kernel, tile, thread);
+      if (l_.pool) flops += unpool(l_, d, g.dk_pooled, rows.dk) + unpool(l_, d, g.dv_pooled, rows.dv);
+      heads_.finish(t, offset, thread);
+      return flops;
+    });
+  }
+
+  std::vector<NamedTensor> saved() const override {
+    std::vector<NamedTensor> kept;
+    if (l_.window) kept.push_back({"window_log_sum_exp", &lse_window_});
+    if (l_.pool) {
+      kept.push_back({"pooled_log_sum_exp", &lse_pooled_});
+      kept.push_back({"pooled_keys", &pooled_k_});
+      kept.push_back({"pooled_values", &pooled_v_});
+    }
+    if (l_.both()) kept.push_back({"window_output", &saved_y_});
+    return kept;
+  }
+  std::vector<NamedTensor> parameter_gradients() const override { return {}; }
+
  private:
+  // One head's bf16 rows: its element offset (of its first query row of the task in `rows`).
+  struct Head {
+    std::int64_t head = 0, rows = 0;
+    const bf16 *keys = nullptr, *values = nullptr, *pooled_keys = nullptr, *pooled_values = nullptr;
+  };
+  // One head's backward state: its query-side rows and fp32 key-side accumulators, δ₁'s rows and the
+  // thread's dK̄, dV̄ [M, D] each.
+  struct HeadGrads {
+    std::int64_t head = 0, offset = 0;
+    fixed::HeadRowsOf<bf16> rows;
+    float* delta_window = nullptr;
+    float *dk_pooled = nullptr, *dv_pooled = nullptr;
+  };
+
+  float* lse_at(Tensor& lse, const Head& h, const Task& task) const {
+    return lse.empty() ? nullptr : lse.data() + h.head * p_.seq_len + task.start;
+  }
+
   // levels=both for one task: y, z [rows, D] fp32 in the thread's levels_, out = bf16(y + z).
-  std::int64_t both_levels(const Task& task, fixed::TileAttentionBf16& kernel, TilePattern& tile, const bf16* query,
-                           const bf16* keys, const bf16* values, const bf16* pooled_keys, const bf16* pooled_values,
-                           bf16* result) {
+  // Training also keeps bf16(y) (the stacked query, which otherwise goes to the thread's rows).
+  std::int64_t both_levels(const Task& task, const Head& h, fixed::TileAttentionBf16& kernel, TilePattern& tile,
+                           const bf16* query, bf16* result) {
     const std::int64_t d = p_.head_dim, count = task.rows * d;
     const int thread = omp_get_thread_num();
     float* y = levels_.data() + thread * 2 * l_.tile * d;
     float* z = y + l_.tile * d;
     plan_window(l_, task, tile);
-    std::int64_t flops = kernel.attend(tile, query, d, keys, values, y, d);
-    if (l_.stacked) {
-      bf16* rounded = stacked_queries_.bf16_data() + thread * l_.tile * d;
-      narrow(y, rounded, count);
-      query = rounded;
-    }
+    std::int64_t flops = kernel.attend(tile, query, d, h.keys, h.values, y, d, lse_at(lse_window_, h, task));
+    bf16* rounded = !saved_y_.empty() ? saved_y_.bf16_data() + h.rows
+                                      : (l_.stacked ? stacked_rows_.bf16_data() + thread * l_.tile * d : nullptr);
+    if (rounded != nullptr) narrow(y, rounded, count);
     plan_pooled(l_, task, tile);
-    flops += kernel.attend(tile, query, d, pooled_keys, pooled_values, z, d);
+    flops += kernel.attend(tile, l_.stacked ? rounded : query, d, h.pooled_keys, h.pooled_values, z, d,
+                           lse_at(lse_pooled_, h, task));
 #pragma omp simd
     for (std::int64_t e = 0; e < count; ++e) result[e] = to_bf16(y[e] + z[e]);
     return flops + count;
   }
 
+  // Both levels' backward of one task (level 2 first, as the fp32 form). A level whose dQ is not the
+  // row's whole gradient leaves it in the kernel's fp32 tile: both levels in parallel hold dq₂ in the
+  // thread's levels_ and round dq₁ + dq₂; stacked turns dq₂ into dY (the thread's stacked_rows_).
+  std::int64_t task_backward(const Task& task, const HeadGrads& g, const Tensor& k, const Tensor& v,
+                             fixed::TileAttentionBf16& kernel, TilePattern& tile, int thread) {
+    const std::int64_t d = p_.head_dim, n = p_.seq_len, count = task.rows * d, first = task.start * d;
+    const fixed::TileGradsOf<bf16> grads{.q = g.rows.q + first,
+                                         .dout = g.rows.dout + first,
+                                         .dq = l_.both() ? nullptr : g.rows.dq + first,
+                                         .ld = d,
+                                         .lse = nullptr,
+                                         .delta = nullptr,
+                                         .stats_step = 1,
+                                         .dk = g.rows.dk,
+                                         .dv = g.rows.dv};
+    float* held = l_.both() ? levels_.data() + thread * 2 * l_.tile * d : nullptr;
+    std::int64_t flops = 0;
+    if (l_.pool) {
+      plan_pooled(l_, task, tile);
+      fixed::TileGradsOf<bf16> pooled = grads;
+      pooled.lse = lse_pooled_.data() + g.head * n + task.start;
+      pooled.delta = g.rows.delta + task.start;
+      pooled.dk = g.dk_pooled;
+      pooled.dv = g.dv_pooled;
+      if (l_.stacked) pooled.q = saved_y_.bf16_data() + g.offset + first;
+      flops += kernel.backward(tile, pooled, pooled_k_.bf16_data() + g.head * l_.pooled * d,
+                               pooled_v_.bf16_data() + g.head * l_.pooled * d, false);
+      if (l_.both()) std::copy_n(kernel.dq_tile(), count, held);
+    }
+    fixed::TileGradsOf<bf16> window = grads;
+    if (l_.stacked) {
+      bf16* dy = stacked_rows_.bf16_data() + thread * l_.tile * d;
+#pragma omp simd
+      for (std::int64_t e = 0; e < count; ++e) dy[e] = to_bf16(held[e] + to_float(grads.dout[e]));
+      flops +=
+          count + row_dots_bf16(dy, saved_y_.bf16_data() + g.offset + first, task.rows, d, g.delta_window + task.start);
+      window.dout = dy;
+      window.dq = g.rows.dq + first;
+    }
+    if (l_.window) {
+      plan_window(l_, task, tile);
+      window.lse = lse_window_.data() + g.head * n + task.start;
+      window.delta = g.delta_window + task.start;
+      flops += kernel.backward(tile, window, k.bf16_data() + g.offset, v.bf16_data() + g.offset, false);
+    }
+    if (l_.both() && !l_.stacked) {
+      const float* dq1 = kernel.dq_tile();
+      bf16* dq = g.rows.dq + first;
+#pragma omp simd
+      for (std::int64_t e = 0; e < count; ++e) dq[e] = to_bf16(held[e] + dq1[e]);
+    }
+    return flops;
+  }
+
   Problem p_;
   Layout l_;
   std::vector<Task> tasks_;
-  // K̄, V̄ [B, H, M, D] bf16; both levels: y, z of a tile per thread [threads, 2, tile, D] fp32;
-  // stacked: bf16(y) per thread [threads, tile, D].
-  Tensor pooled_k_, pooled_v_, levels_, stacked_queries_;
+  // K̄, V̄ [B, H, M, D] bf16; both levels: y, z of a tile per thread [threads, 2, tile, D] fp32 (the
+  // backward: dq₂ of a tile); stacked: bf16(y) per thread [threads, tile, D] (the backward: dY).
+  Tensor pooled_k_, pooled_v_, levels_, stacked_rows_;
   std::vector<fixed::TileAttentionBf16> kernels_;
+  // Training only (prepare_backward): each level's log-sum-exp [B·H, N], bf16(y) [B, H, N, D] (both
+  // levels), δ₁ per thread [threads, N], dK̄ and dV̄ per thread [threads, 2, M, D].
+  Tensor lse_window_, lse_pooled_, saved_y_, window_deltas_, pooled_grads_;
+  fixed::HeadBackward<bf16> heads_;
+  std::vector<std::size_t> ranges_;
 };
 
 }  // namespace
@@ -482,6 +626,14 @@ std::int64_t backward_flops(const Problem& p, const PoolingformerConfig& c) {
 std::int64_t backward_workspace(const Problem& p, const PoolingformerConfig& c) {
   const Layout l(p, c);
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, threads = p.threads;
+  if (p.dtype == DType::BF16) {
+    std::int64_t floats = (l.window ? heads * n : 0) + (l.pool ? heads * n + threads * 2 * l.pooled * d : 0) +
+                          (l.both() ? threads * n : 0);
+    const std::int64_t halves = l.both() ? heads * n * d : 0;
+    return floats * static_cast<std::int64_t>(sizeof(float)) + halves * static_cast<std::int64_t>(sizeof(bf16)) +
+           fixed::HeadBackward<bf16>::bytes(threads, n, d) +
+           threads * fixed::TileAttentionBf16::backward_bytes(tile_capacity(l, tasks_of(l, p.heads)), d);
+  }
   std::int64_t floats = threads * 2 * n;
   if (l.window) floats += heads * n;
   if (l.pool) floats += heads * n + threads * 2 * l.pooled * d;
@@ -510,7 +662,8 @@ FieldTable<PoolingformerConfig> config_fields(const PoolingformerConfig*) {
 template <>
 Implementation implementation<PoolingformerConfig>() {
   Implementation impl = implement<PoolingformerConfig>();
-  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  impl.bf16_forward = true;  // not causal: no decode
+  impl.bf16_backward = true;
   return impl;
 }
 

@@ -35,11 +35,16 @@
 // gradient dY (δ₁ = dY·y), then level 1's backward. Backward FLOPs: 2·N·D (δ) per head, + 2·N·D + N
 // (δ₁, δ₂) with both levels, + 3·N·D stacked, + 4·D·Σ_m c_m (spreading back) + Σ tiles
 // tile_backward_flops of each level.
-// bf16 (--dtype bf16, forward only so far: a bf16 backward or training point is `unsupported`; D % 16 == 0,
-// the bf16 gathered kernel's): q, k, v, K̄, V̄ and out bf16. K̄, V̄ = bf16(the fp32 means of the bf16
-// rows); each level on the bf16 gathered kernel (engines/gathered_attention_bf16.hpp: fp32 scores and
-// softmax, P rounded to bf16); one level alone rounds its output once, both levels keep y and z in
-// fp32 and round y + z once (stacked: level 2's query is bf16(y)). FLOPs as in fp32.
+// bf16 (--dtype bf16, forward and backward; D % 16 == 0, the bf16 gathered kernel's): q, k, v, K̄, V̄,
+// out and the gradients bf16. K̄, V̄ = bf16(the fp32 means of the bf16 rows); each level on the bf16
+// gathered kernel (engines/gathered_attention_bf16.hpp: fp32 scores and softmax, P rounded to bf16);
+// one level alone rounds its output once, both levels keep y and z in fp32 and round y + z once
+// (stacked: level 2's query is bf16(y)). Training keeps each level's log-sum-exp (fp32) and, with both
+// levels, bf16(y) [B, H, N, D]. Backward as in fp32 on the bf16 kernel's backward (dS from the fp32 P,
+// P and dS rounded for the products): δ = dO·out, δ₁ = dO·bf16(y), δ₂ = δ − δ₁; a head's dK, dV and
+// dK̄, dV̄ accumulate in fp32 (dK̄_m / c_m spread into dK) and are rounded once; a query row's dq₁ + dq₂
+// is summed in fp32 and rounded once; stacked, dY = bf16(dO + dq₂) and δ₁ = dY·bf16(y). FLOPs (forward
+// and backward) as in fp32.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 

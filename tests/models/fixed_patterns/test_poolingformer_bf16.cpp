@@ -12,11 +12,24 @@
 //     e_z = perturbed_attention_error(those shifts, V̄ with e_V, P rounded).
 //   One level alone: (1 + 2u)·(e + u·|o|); both: (1 + 2u)·(e_y + e_z + (u + ε)·|y + z|) (y and z fp32,
 //   their fp32 sum rounded once).
+//
+// The gradients, level by level in float64, each level on the tensors the model stored before it (as
+// funnel's test uses the model's Q̃): level 1 on q, k, v; level 2 on the model's bf16 K̄, V̄ with the
+// query q or, stacked, the model's bf16(y) ("window_output"). Per level (level_backward has the
+// derivation) the bf16 kernel's own roundings — P for dV (u·Σ P·|dO|), dS for dQ and dK
+// (u·σ·Σ|dS|·|K|, |Q|): tighter than the terms bound 3u(1 + u)·T the other models' tests use, which
+// here would hide a wrong combination of the levels — plus the fp32 factor·T, plus what the level's
+// inputs carry, propagated to first order: δ_i read off a stored output (bf16(o); level 2 beside
+// level 1: out − bf16(y)) and, stacked, level 1's output gradient bf16(dO + dq₂). The levels' parts
+// are summed in fp32 and rounded once: dq = dq₁ + dq₂ (stacked: dq₁), dk_t = dk₁_t + Σ_{m ∋ t} dK̄_m /
+// c_m (dv likewise), within the parts' bounds + (κ + 2)·ε·T + u·|dq|.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "apps/bench/point.hpp"
@@ -125,6 +138,210 @@ Pooled pool(const double* x, std::int64_t n, std::int64_t d, const Case& c) {
   return pooled;
 }
 
+// One level's backward in float64 for one head: query rows [nq, d] over keys, values [nk, d], row i
+// over the contiguous keys keys_of(i); dout [nq, d]. With each gradient, `bound` is what the bf16
+// kernel's backward (engines/gathered_attention_bf16.hpp) may be off by before the gradient is
+// rounded, σ = 1/√D:
+//   - P rounded to bf16 for dV = Pᵀ·dO: u·Σ_i P_ij·|dO_i|; dS = P ⊙ (dP − δ) is formed in fp32 from
+//     the unrounded P and rounded to bf16 for dQ = σ·dS·K and dK = σ·dSᵀ·Q: u·σ·Σ|dS|·|K|, |Q|
+//     (q, k, v, dO are bf16 values, exact in the products);
+//   - fp32 rounding: the fp32 factor (gradient_error_factor) times the element's terms T
+//     (reference_attention_backward's);
+//   - the level's inputs: dout off by ≤ dout_error [nq, d] (empty: exact) and δ_i read by the model off
+//     a stored output off by ≤ out_error + stored_error (out_error: the level's fp32 forward with P
+//     rounded, perturbed_attention_error), so
+//       Δδ_i ≤ Σ_c E_ic·(|o_ic| + s_ic) + |dO_ic|·s_ic + 2.02·D·ε·Σ_c (|dO_ic| + E_ic)·(|o_ic| + s_ic);
+//     they move dV_j by Σ_i P_ij·E_i and dS_ij by P_ij·(Σ_c E_ic·|v_jc| + Δδ_i), so dQ, dK by
+//     σ·Σ|ΔdS|·|K|, |Q| — times (1 + 4u) for their second-order terms.
+using KeysOf = std::function<std::pair<std::int64_t, std::int64_t>(std::int64_t)>;
+struct LevelGrads {
+  std::vector<double> out, out_error;
+  std::vector<double> dq, dk, dv, dq_terms, dk_terms, dv_terms, dq_bound, dk_bound, dv_bound;
+};
+LevelGrads level_backward(const float* query, const float* keys, const float* values, const std::vector<double>& dout,
+                          const std::vector<double>& dout_error, const std::vector<double>& stored_error,
+                          std::int64_t nq, std::int64_t nk, std::int64_t d, const KeysOf& keys_of) {
+  const double scale = 1 / std::sqrt(static_cast<double>(d));
+  const auto zeros = [](std::int64_t count) { return std::vector<double>(static_cast<std::size_t>(count), 0.0); };
+  LevelGrads g{zeros(nq * d), zeros(nq * d), zeros(nq * d), zeros(nk * d), zeros(nk * d), zeros(nq * d),
+               zeros(nk * d), zeros(nk * d), zeros(nq * d), zeros(nk * d), zeros(nk * d)};
+  std::vector<double> dq_extra = zeros(nq * d), dk_extra = zeros(nk * d), dv_extra = zeros(nk * d);
+  const std::vector<double> q = widened(query, nq * d), k = widened(keys, nk * d), v = widened(values, nk * d);
+  for (std::int64_t i = 0; i < nq; ++i) {
+    const auto [first, last] = keys_of(i);
+    const Row row =
+        attend(std::vector<double>(q.begin() + i * d, q.begin() + (i + 1) * d), k.data(), v.data(), first, last, d);
+    const std::vector<double> error = perturbed_attention_error(row.probs, std::vector<double>(row.probs.size(), 0.0),
+                                                                v.data() + first * d, nullptr, d, kU);
+    const auto at = [&](std::int64_t c) { return static_cast<std::size_t>(i * d + c); };
+    const auto e_dout = [&](std::int64_t c) { return dout_error.empty() ? 0.0 : dout_error[at(c)]; };
+    double delta_error = 0;
+    for (std::int64_t c = 0; c < d; ++c) {
+      g.out[at(c)] = row.out[static_cast<std::size_t>(c)];
+      g.out_error[at(c)] = error[static_cast<std::size_t>(c)];
+      const double o = std::fabs(g.out[at(c)]), s = g.out_error[at(c)] + stored_error[at(c)];
+      const double dy = std::fabs(dout[at(c)]);
+      delta_error +=
+          e_dout(c) * (o + s) + dy * s + 2.02 * static_cast<double>(d) * kFloatEps * (dy + e_dout(c)) * (o + s);
+    }
+    std::vector<double> dp(static_cast<std::size_t>(last - first)), dp_terms(dp.size()), dp_error(dp.size());
+    double delta = 0, delta_terms = 0;
+    for (std::int64_t j = first; j < last; ++j) {
+      const auto js = static_cast<std::size_t>(j - first);
+      for (std::int64_t c = 0; c < d; ++c) {
+        dp[js] += dout[at(c)] * v[j * d + c];
+        dp_terms[js] += std::fabs(dout[at(c)] * v[j * d + c]);
+        dp_error[js] += e_dout(c) * std::fabs(v[j * d + c]);
+      }
+      delta += row.probs[js] * dp[js];
+      delta_terms += row.probs[js] * dp_terms[js];
+    }
+    for (std::int64_t j = first; j < last; ++j) {
+      const auto js = static_cast<std::size_t>(j - first);
+      const double p = row.probs[js], ds = p * (dp[js] - delta), ds_terms = p * (dp_terms[js] + delta_terms),
+                   ds_error = p * (dp_error[js] + delta_error);
+      for (std::int64_t c = 0; c < d; ++c) {
+        const auto key = static_cast<std::size_t>(j * d + c);
+        const double kc = std::fabs(k[key]), qc = std::fabs(q[at(c)]);
+        g.dv[key] += p * dout[at(c)];
+        g.dv_terms[key] += p * std::fabs(dout[at(c)]);
+        g.dv_bound[key] += kU * p * std::fabs(dout[at(c)]);
+        dv_extra[key] += p * e_dout(c);
+        g.dq[at(c)] += scale * ds * k[key];
+        g.dq_terms[at(c)] += scale * ds_terms * kc;
+        g.dq_bound[at(c)] += kU * scale * std::fabs(ds) * kc;
+        dq_extra[at(c)] += scale * ds_error * kc;
+        g.dk[key] += scale * ds * q[at(c)];
+        g.dk_terms[key] += scale * ds_terms * qc;
+        g.dk_bound[key] += kU * scale * std::fabs(ds) * qc;
+        dk_extra[key] += scale * ds_error * qc;
+      }
+    }
+  }
+  const double fp32 = gradient_error_factor(query, keys, nq, nk, d, scale);
+  const auto finish = [&](std::vector<double>& bound, const std::vector<double>& terms,
+                          const std::vector<double>& extra) {
+    for (std::size_t e = 0; e < bound.size(); ++e) bound[e] += fp32 * terms[e] + (1 + 4 * kU) * extra[e];
+  };
+  finish(g.dq_bound, g.dq_terms, dq_extra);
+  finish(g.dk_bound, g.dk_terms, dk_extra);
+  finish(g.dv_bound, g.dv_terms, dv_extra);
+  return g;
+}
+
+// u/(1 − u)·|x| per element of bf16 values x (widened): the rounding that made them, bounded by them.
+std::vector<double> rounding_of(const float* x, std::int64_t count) {
+  std::vector<double> r(static_cast<std::size_t>(count));
+  for (std::int64_t e = 0; e < count; ++e) r[static_cast<std::size_t>(e)] = kU / (1 - kU) * std::fabs(x[e]);
+  return r;
+}
+
+// A gradient's reference value, its parts' bounds and terms per element, summed from the levels.
+struct Expected {
+  std::vector<double> want, bound, terms;
+  explicit Expected(std::int64_t count)
+      : want(static_cast<std::size_t>(count)), bound(want.size()), terms(want.size()) {}
+  // Adds weight·(element `from` of a level's gradient) at element `to`.
+  void add(std::int64_t to, std::int64_t from, double weight, const std::vector<double>& value,
+           const std::vector<double>& part_bound, const std::vector<double>& part_terms) {
+    const auto t = static_cast<std::size_t>(to), f = static_cast<std::size_t>(from);
+    want[t] += weight * value[f];
+    bound[t] += weight * part_bound[f];
+    terms[t] += weight * part_terms[f];
+  }
+  // The stored gradient's bound: the parts', the fp32 sum of at most κ + 2 of them ((κ + 2)·ε·T) and
+  // the rounding to bf16 (u·|computed|).
+  double total(std::int64_t e, std::int64_t kernel) const {
+    const auto at = static_cast<std::size_t>(e);
+    const double computed = bound[at] + static_cast<double>(kernel + 2) * kFloatEps * terms[at];
+    return computed + kU * (std::fabs(want[at]) + computed) + 1e-30;
+  }
+};
+
+// The bf16 training step's dq, dk, dv against the float64 levels (the bound in the header).
+void check_gradients(const Problem& shape, const Case& c, std::uint64_t seed) {
+  const Problem p = on_test_threads(shape);
+  const std::int64_t n = p.seq_len, d = p.head_dim, rows = (n + c.stride - 1) / c.stride;
+  const bool window = c.levels != "pooled", pooled_level = c.levels != "window",
+             stacked = c.pooled_query == "window_output";
+  const Bf16GradientRun run = run_bf16_gradients("poolingformer", p, c.params(), seed);
+  const auto saved = [&](const std::string& name) {
+    for (const auto& t : run.mechanism->saved())
+      if (t.name == name) {
+        REQUIRE(t.tensor->dtype() == DType::BF16);
+        return to_f32(*t.tensor);
+      }
+    FAIL("no saved tensor " << name);
+    return Tensor();
+  };
+  const Tensor pooled_k = pooled_level ? saved("pooled_keys") : Tensor(),
+               pooled_v = pooled_level ? saved("pooled_values") : Tensor(),
+               window_y = window && pooled_level ? saved("window_output") : Tensor();
+  const KeysOf window_keys = [&](std::int64_t i) {
+    return std::pair{std::max<std::int64_t>(i - c.window / 2, 0), std::min(i + c.window / 2 + 1, n)};
+  };
+  const KeysOf pooled_keys = [&](std::int64_t i) {
+    return std::pair{(std::max<std::int64_t>(i - c.pool_window / 2, 0) + c.stride - 1) / c.stride,
+                     std::min((i + c.pool_window / 2) / c.stride + 1, rows)};
+  };
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads; ++h) {
+      const std::string where = c.describe(n) + " gradients b=" + std::to_string(b) + " h=" + std::to_string(h);
+      const float *q = run.in.widened.q.head(b, h), *k = run.in.widened.k.head(b, h), *v = run.in.widened.v.head(b, h);
+      const float* out = run.out.head(b, h);
+      const std::vector<double> dout = widened(run.dout_widened.head(b, h), n * d);
+      const float* y = window && pooled_level ? window_y.head(b, h) : nullptr;
+      Expected dq(n * d), dk(n * d), dv(n * d);
+      // Level 2 first: stacked, its query gradient joins dO as level 1's output gradient.
+      LevelGrads two;
+      if (pooled_level) {
+        std::vector<double> stored = rounding_of(out, n * d);  // δ₂ is read off out (− bf16(y) beside level 1)
+        if (window) {
+          const std::vector<double> of_y = rounding_of(y, n * d);
+          for (std::size_t e = 0; e < stored.size(); ++e) stored[e] += of_y[e];
+        }
+        two = level_backward(stacked ? y : q, pooled_k.head(b, h), pooled_v.head(b, h), dout, {}, stored, n, rows, d,
+                             pooled_keys);
+        if (!stacked)
+          for (std::int64_t e = 0; e < n * d; ++e) dq.add(e, e, 1, two.dq, two.dq_bound, two.dq_terms);
+        for (std::int64_t m = 0; m < rows; ++m) {
+          const std::int64_t count = std::min(c.kernel, n - m * c.stride);
+          for (std::int64_t t = m * c.stride; t < m * c.stride + count; ++t)
+            for (std::int64_t f = 0; f < d; ++f) {
+              const double weight = 1 / static_cast<double>(count);
+              dk.add(t * d + f, m * d + f, weight, two.dk, two.dk_bound, two.dk_terms);
+              dv.add(t * d + f, m * d + f, weight, two.dv, two.dv_bound, two.dv_terms);
+            }
+        }
+      }
+      if (window) {
+        // Level 1's output gradient: dO, or stacked dY = dO + dq₂, which the model stores as bf16(dY).
+        std::vector<double> dy = dout, dy_error;
+        if (stacked)
+          for (std::int64_t e = 0; e < n * d; ++e) {
+            const auto i = static_cast<std::size_t>(e);
+            dy[i] += two.dq[i];
+            const double error = two.dq_bound[i] + kFloatEps * (std::fabs(dout[i]) + two.dq_terms[i]);
+            dy_error.push_back(error + kU * (std::fabs(dy[i]) + error));
+          }
+        const std::vector<double> stored = rounding_of(pooled_level ? y : out, n * d);
+        const LevelGrads one = level_backward(q, k, v, dy, dy_error, stored, n, n, d, window_keys);
+        for (std::int64_t e = 0; e < n * d; ++e) {
+          dq.add(e, e, 1, one.dq, one.dq_bound, one.dq_terms);
+          dk.add(e, e, 1, one.dk, one.dk_bound, one.dk_terms);
+          dv.add(e, e, 1, one.dv, one.dv_bound, one.dv_terms);
+        }
+      }
+      const std::pair<const Tensor*, const Expected*> checks[] = {{&run.dq, &dq}, {&run.dk, &dk}, {&run.dv, &dv}};
+      for (int g = 0; g < 3; ++g) {
+        const Expected& e = *checks[g].second;
+        check_bf16_elements(
+            checks[g].first->head(b, h), e.want, n * d, [&](std::int64_t i) { return e.total(i, c.kernel); },
+            where + " d" + "qkv"[g]);
+      }
+    }
+}
+
 void check_case(const Problem& shape, const Case& c, std::uint64_t seed) {
   const Problem p = on_test_threads(shape);
   const std::int64_t n = p.seq_len, d = p.head_dim;
@@ -205,14 +422,42 @@ TEST_SUITE("poolingformer_bf16") {
     });
   }
 
-  TEST_CASE("poolingformer bf16 rows: FLOPs as fp32's, halved inputs and pooled rows, the estimate exact") {
+  TEST_CASE("poolingformer in bf16: gradients against the float64 levels on the model's stored tensors, every path") {
+    for_each_bf16_path([](const std::string& path) {
+      CAPTURE(path);
+      for (const std::string levels : {"both", "window", "pooled"}) {
+        Case c{.window = 9, .pool_window = 24, .kernel = 5, .stride = 4, .levels = levels, .tile = 16};
+        // N one below, at and above the 16-row tile and the stride, and longer than the windows.
+        for (std::int64_t n : {1, 3, 4, 5, 15, 16, 17, 70})
+          check_gradients({.batch = 2, .heads = 2, .seq_len = n, .head_dim = 16}, c, static_cast<std::uint64_t>(n));
+      }
+      Case stacked{
+          .window = 9, .pool_window = 24, .kernel = 3, .stride = 2, .pooled_query = "window_output", .tile = 16};
+      for (std::int64_t n : {2, 17, 40})
+        check_gradients({.batch = 1, .heads = 2, .seq_len = n, .head_dim = 32}, stacked, 5);
+      // κ = ξ = 1: K̄, V̄ are the rows themselves, so level 2's gradients are as large as level 1's and an
+      // error in combining them shows; parallel and stacked.
+      for (const std::string query : {"input", "window_output"}) {
+        const Case unpooled{
+            .window = 9, .pool_window = 24, .kernel = 1, .stride = 1, .pooled_query = query, .tile = 16};
+        check_gradients({.batch = 1, .heads = 2, .seq_len = 40, .head_dim = 16}, unpooled, 11);
+      }
+      // κ < ξ (tokens in no pooled row) and the defaults around their 64-row tile.
+      Case gaps{.window = 9, .pool_window = 24, .kernel = 2, .stride = 3, .tile = 16};
+      check_gradients({.batch = 1, .heads = 2, .seq_len = 50, .head_dim = 16}, gaps, 3);
+      for (std::int64_t n : {63, 64, 65})
+        check_gradients({.batch = 1, .heads = 1, .seq_len = n, .head_dim = 16}, {}, 9);
+    });
+  }
+
+  TEST_CASE("poolingformer bf16 rows: FLOPs as fp32's, halved inputs and outputs, estimates exact (every pass)") {
     for (const char* levels : {"levels=both", "levels=window", "levels=pooled"})
       for (std::int64_t n : {100, 257}) check_bf16_rows("poolingformer", n, false, Pass::Forward, {levels});
     check_bf16_rows("poolingformer", 100, false, Pass::Forward, {"pooled_query=window_output"});
     for (Pass pass : {Pass::Backward, Pass::Train}) {
-      const ResultRow row = run_point(bf16_point("poolingformer", 100, false, pass));
-      CHECK(row.status == Status::Unsupported);
-      CHECK(row.reason.find("no bf16 backward") != std::string::npos);
+      for (const char* levels : {"levels=both", "levels=window", "levels=pooled"})
+        for (std::int64_t n : {100, 257}) check_bf16_rows("poolingformer", n, false, pass, {levels});
+      check_bf16_rows("poolingformer", 100, false, pass, {"pooled_query=window_output"});
     }
     check_bf16_head_dim_unsupported("poolingformer");
   }
