@@ -97,6 +97,21 @@ void make_weights(const Layout& l, std::int64_t d, std::uint64_t seed, const cha
           packed[(h * c * d + u * d + i) * d + o] = weights[((h * d + o) * d + i) * c + u];
 }
 
+// d weights [H_c, D_out, D_in, c] from the packed gradients [2, H_c, c·D_in, D_out] (make_weights' layout).
+void unpack_weight_grads(const Layout& l, std::int64_t d, const Tensor& packed_grads, Tensor& dweights_k,
+                         Tensor& dweights_v) {
+  const std::int64_t hc = l.compressed_heads, c = l.compression;
+  for (int which = 0; which < 2; ++which) {
+    Tensor& grads = which == 0 ? dweights_k : dweights_v;
+    const float* packed = packed_grads.data() + which * hc * c * d * d;
+    for (std::int64_t h = 0; h < hc; ++h)
+      for (std::int64_t o = 0; o < d; ++o)
+        for (std::int64_t i = 0; i < d; ++i)
+          for (std::int64_t u = 0; u < c; ++u)
+            grads[((h * d + o) * d + i) * c + u] = packed[(h * c * d + u * d + i) * d + o];
+  }
+}
+
 // What both forms share: the layout and tasks, the weights (fp32), the compressed memories and the
 // decode caches (both of the problem's element type), and what only reads or fills those.
 class MemoryCompressedShared : public Mechanism, public MemoryCompressedMemories {
@@ -267,7 +282,7 @@ class MemoryCompressed final : public MemoryCompressedShared {
       }
       return flops;
     });
-    unpack_weight_grads();
+    unpack_weight_grads(l_, d, packed_grads_, dweights_k_, dweights_v_);
   }
 
   std::vector<NamedTensor> saved() const override {
@@ -318,20 +333,6 @@ class MemoryCompressed final : public MemoryCompressedShared {
       std::fill_n(tail, c * d, 0.0f);
       std::copy_n(x + full * c * d, rest * d, tail);  // the zero-padded last window
       ops::gemm(true, false, c * d, d, 1, 1.0f, tail, c * d, memory_grads + full * d, d, 1.0f, packed_grad, d);
-    }
-  }
-
-  // d weights [H_c, D_out, D_in, c] from the packed gradients [H_c, c·D_in, D_out] (make_weights' layout).
-  void unpack_weight_grads() {
-    const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression;
-    for (int which = 0; which < 2; ++which) {
-      Tensor& grads = which == 0 ? dweights_k_ : dweights_v_;
-      const float* packed = packed_grads_.data() + which * hc * c * d * d;
-      for (std::int64_t h = 0; h < hc; ++h)
-        for (std::int64_t o = 0; o < d; ++o)
-          for (std::int64_t i = 0; i < d; ++i)
-            for (std::int64_t u = 0; u < c; ++u)
-              grads[((h * d + o) * d + i) * c + u] = packed[(h * c * d + u * d + i) * d + o];
     }
   }
 
@@ -394,8 +395,16 @@ void compress_slot(const bf16* x, std::int64_t rows, const float* packed, std::i
   narrow(sum, slot, d);
 }
 
-// The bf16 form (header), forward and decode: K̂, V̂ = bf16 slots of compress_slot; the tiles on the
-// bf16 gathered kernel; decoding on bf16 caches (decode_common's bf16 rows).
+// Slots per chunk of the bf16 backward's widened convolution input (compress_backward_bf16).
+constexpr std::int64_t kWidenedSlots = 256;
+// Windows the bf16 backward widens at once: a chunk of the full ones, or the padded last one alone.
+std::int64_t widened_slots(const Layout& l) {
+  return std::max<std::int64_t>(std::min(kWidenedSlots, l.tokens / l.compression), 1);
+}
+
+// The bf16 form (header): K̂, V̂ = bf16 slots of compress_slot; the tiles on the bf16 gathered kernel;
+// decoding on bf16 caches (decode_common's bf16 rows); the backward as the fp32 form's on the bf16
+// kernel's backward, the convolution's in fp32 on widened rows.
 class MemoryCompressedBf16 final : public MemoryCompressedShared {
  public:
   MemoryCompressedBf16(const Problem& problem, const Layout& layout, std::uint64_t seed)
@@ -429,9 +438,73 @@ class MemoryCompressedBf16 final : public MemoryCompressedShared {
           const bf16* keys = local ? k.bf16_data() + head * n * d : memory_k_.bf16_data() + memory_at;
           const bf16* values = local ? v.bf16_data() + head * n * d : memory_v_.bf16_data() + memory_at;
           const std::int64_t rows = head * n * d + task.start * d;
-          return kernel.attend(tile, q.bf16_data() + rows, d, keys, values, out.bf16_data() + rows, d);
+          float* lse = lse_.empty() ? nullptr : lse_.data() + head * n + task.start;
+          return kernel.attend(tile, q.bf16_data() + rows, d, keys, values, out.bf16_data() + rows, d, lse);
         });
     if (!step_buffers_.empty()) load_decode_context(k, v);
+  }
+
+  void prepare_backward() override {
+    const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression, n = p_.seq_len;
+    for (auto& kernel : kernels_) kernel.enable_backward();
+    lse_ = Tensor(Shape{p_.batch * p_.heads, n});
+    heads_ = fixed::HeadBackward<bf16>(p_.threads, n, d);
+    ranges_ = fixed::task_ranges_by_head(tasks_, p_.heads);
+    if (hc == 0) return;
+    memory_grads_ = Tensor(Shape{p_.threads, 2, l_.slots, d});
+    widened_ = Tensor(Shape{p_.threads, widened_slots(l_) * c * d});
+    packed_grads_ = Tensor(Shape{2, hc, c * d, d});
+    dweights_k_ = Tensor(weights_k_.shape());
+    dweights_v_ = Tensor(weights_v_.shape());
+  }
+
+  // As the fp32 form: one task per head index h (batch entries in turn). δ = dO·out in fp32 from the
+  // bf16 rows; a head's dK, dV accumulate in fp32 (local heads: the tiles; compressed heads: the
+  // convolution's input gradient from the fp32 dK̂, dV̂) and are rounded once; dq rounded per tile.
+  void backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout, Tensor& dq,
+                Tensor& dk, Tensor& dv) override {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim;
+    const block_sparse::BackwardTensors t{q, k, v, out, dout, dq, dk, dv};
+    if (!packed_grads_.empty()) packed_grads_.fill(0.0f);
+    block_sparse::run_heads(p_.heads, p_.threads, [&](std::int64_t h, int thread) {
+      std::int64_t flops = 0;
+      for (std::int64_t b = 0; b < p_.batch; ++b) {
+        const std::int64_t head = b * p_.heads + h, offset = head * n * d;
+        const fixed::HeadRowsOf<bf16> rows = heads_.begin(t, offset, lse_.data() + head * n, thread, flops);
+        const bool local = h < l_.local_heads;
+        const std::int64_t memory_at = (b * l_.compressed_heads + h - l_.local_heads) * l_.slots * d;
+        const bf16* keys = local ? k.bf16_data() + offset : memory_k_.bf16_data() + memory_at;
+        const bf16* values = local ? v.bf16_data() + offset : memory_v_.bf16_data() + memory_at;
+        float* key_grads = local ? rows.dk : memory_grads_.data() + thread * 2 * l_.slots * d;
+        float* value_grads = local ? rows.dv : key_grads + l_.slots * d;
+        if (!local) std::fill_n(key_grads, 2 * l_.slots * d, 0.0f);
+        TilePattern tile;
+        for (std::size_t i = ranges_[static_cast<std::size_t>(h)]; i < ranges_[static_cast<std::size_t>(h + 1)]; ++i) {
+          const Task& task = tasks_[i];
+          plan(l_, task, tile);
+          fixed::TileGradsOf<bf16> grads = fixed::rows_grads(rows, task.start, 1, d);
+          grads.dk = key_grads;
+          grads.dv = value_grads;
+          flops += kernels_[static_cast<std::size_t>(thread)].backward(tile, grads, keys, values, false);
+        }
+        if (!local) {
+          compress_backward_bf16(k.bf16_data() + offset, key_grads, h - l_.local_heads, 0, rows.dk, thread);
+          compress_backward_bf16(v.bf16_data() + offset, value_grads, h - l_.local_heads, 1, rows.dv, thread);
+        }
+        heads_.finish(t, offset, thread);
+      }
+      return flops;
+    });
+    unpack_weight_grads(l_, d, packed_grads_, dweights_k_, dweights_v_);
+  }
+
+  std::vector<NamedTensor> saved() const override {
+    if (l_.compressed_heads == 0) return {{"log_sum_exp", &lse_}};
+    return {{"log_sum_exp", &lse_}, {"compressed_keys", &memory_k_}, {"compressed_values", &memory_v_}};
+  }
+  std::vector<NamedTensor> parameter_gradients() const override {
+    if (l_.compressed_heads == 0) return {};
+    return {{"dcompress_wk", &dweights_k_}, {"dcompress_wv", &dweights_v_}};
   }
 
   void prepare_decode(std::int64_t tokens) override {
@@ -485,9 +558,40 @@ class MemoryCompressedBf16 final : public MemoryCompressedShared {
     FlopCounter::add(heads * 2 * matmul_flops(slots, d, c * d));
   }
 
+  // The convolution's backward for one compressed head hc of one batch entry, as the fp32 form's
+  // compress_backward: x [N, D] its bf16 input rows, memory_grads [N_c, D] the fp32 gradient of its
+  // slots. Writes dx [N, D] (fp32: the head's accumulator) and adds Xᵀ·d(memory) to the packed weight
+  // gradient, X widened kWidenedSlots windows at a time (the zero-padded last window on its own).
+  void compress_backward_bf16(const bf16* x, const float* memory_grads, std::int64_t hc, int which, float* dx,
+                              int thread) {
+    const std::int64_t d = p_.head_dim, c = l_.compression, n = p_.seq_len, full = n / c, rest = n % c;
+    const float* packed = (which == 0 ? packed_k_ : packed_v_).data() + hc * c * d * d;
+    float* packed_grad = packed_grads_.data() + (which * l_.compressed_heads + hc) * c * d * d;
+    float* rows = widened_.data() + thread * widened_slots(l_) * c * d;
+    if (full > 0) ops::gemm(false, true, full, c * d, d, 1.0f, memory_grads, d, packed, d, 0.0f, dx, c * d);
+    for (std::int64_t first = 0; first < full; first += kWidenedSlots) {
+      const std::int64_t slots = std::min(kWidenedSlots, full - first);
+      widen(x + first * c * d, rows, slots * c * d);
+      ops::gemm(true, false, c * d, d, slots, 1.0f, rows, c * d, memory_grads + first * d, d, 1.0f, packed_grad, d);
+    }
+    if (rest > 0) {
+      ops::gemm(false, true, 1, c * d, d, 1.0f, memory_grads + full * d, d, packed, d, 0.0f, rows, c * d);
+      std::copy_n(rows, rest * d, dx + full * c * d);
+      std::fill_n(rows, c * d, 0.0f);
+      widen(x + full * c * d, rows, rest * d);  // the zero-padded last window
+      ops::gemm(true, false, c * d, d, 1, 1.0f, rows, c * d, memory_grads + full * d, d, 1.0f, packed_grad, d);
+    }
+  }
+
   Tensor sums_;  // [threads, D] a slot's fp32 sums in the forward
   std::vector<fixed::TileAttentionBf16> kernels_;
   Tensor step_sums_;  // decoding: per head a slot's fp32 sums
+  // Training only (prepare_backward): the log-sum-exp [B·H, N]; dK̂, dV̂ per thread [threads, 2, N_c, D];
+  // widened input windows per thread [threads, widened_slots·c·D]; the packed and unpacked weight
+  // gradients (fp32).
+  Tensor lse_, memory_grads_, widened_, packed_grads_, dweights_k_, dweights_v_;
+  fixed::HeadBackward<bf16> heads_;
+  std::vector<std::size_t> ranges_;
 };
 
 }  // namespace
@@ -543,6 +647,14 @@ std::int64_t backward_flops(const Problem& p, const MemoryCompressedConfig& c) {
 std::int64_t backward_workspace(const Problem& p, const MemoryCompressedConfig& config) {
   const Layout l(p, config);
   const std::int64_t d = p.head_dim, c = l.compression, hc = l.compressed_heads, threads = p.threads;
+  if (p.dtype == DType::BF16) {
+    std::int64_t floats = p.batch * p.heads * p.seq_len;
+    if (hc > 0) floats += threads * 2 * l.slots * d + threads * widened_slots(l) * c * d + 4 * hc * c * d * d;
+    const auto capacity = fixed::most_tile_capacity(tasks_of(l, p.heads),
+                                                    [&](const Task& task, TilePattern& tile) { plan(l, task, tile); });
+    return floats * static_cast<std::int64_t>(sizeof(float)) + fixed::HeadBackward<bf16>::bytes(threads, p.seq_len, d) +
+           threads * fixed::TileAttentionBf16::backward_bytes(capacity, d);
+  }
   std::int64_t floats = p.batch * p.heads * p.seq_len + threads * p.seq_len;
   if (hc > 0) floats += threads * 2 * l.slots * d + threads * c * d + 2 * hc * c * d * d + 2 * hc * d * d * c;
   return floats * static_cast<std::int64_t>(sizeof(float)) +
@@ -578,7 +690,8 @@ std::string unsupported(const Problem& p, const MemoryCompressedConfig&) { retur
 template <>
 Implementation implementation<MemoryCompressedConfig>() {
   Implementation impl = implement<MemoryCompressedConfig>();
-  impl.bf16_forward = true;  // forward and decode; no bf16 backward yet
+  impl.bf16_forward = true;  // forward and decode
+  impl.bf16_backward = true;
   return impl;
 }
 

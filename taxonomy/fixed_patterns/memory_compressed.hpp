@@ -27,11 +27,14 @@
 // ([⌈(N+T)/c⌉, D] keys and values) and the open window's raw rows ([c, D]). The token that completes
 // a window compresses it into the next slot (2·2·c·D² FLOPs); a token attends to the ⌊(i+1)/c⌋
 // completed slots: O(N/c) per token (O(block) on local heads), state O(N/c).
-// bf16 (--dtype bf16, forward and decode; a bf16 backward or training point is `unsupported`; D % 16 == 0,
-// the bf16 gathered kernel's): q, k, v, out, K̂, V̂ and the decode state bf16, the weights fp32. A slot
-// is Σ packed·x over its window's bf16 rows in fp32, in one fixed order (the forward and decoding
-// compute it bit for bit alike), rounded once; the tiles on the bf16 gathered kernel (P rounded to
-// bf16, O rounded once); a step on bf16 rows (P rounded as the tiles round it). FLOPs as in fp32.
+// bf16 (--dtype bf16, forward, backward and decode; D % 16 == 0, the bf16 gathered kernel's): q, k, v,
+// out, the gradients, K̂, V̂ and the decode state bf16, the weights and their gradients fp32. A slot is
+// Σ packed·x over its window's bf16 rows in fp32, in one fixed order (the forward and decoding compute
+// it bit for bit alike), rounded once; the tiles on the bf16 gathered kernel (P rounded to bf16, O
+// rounded once); a step on bf16 rows (P rounded as the tiles round it). Backward: the tiles on the
+// bf16 kernel's backward, a head's dK, dV accumulated in fp32 (compressed heads: dx = dK̂·packedᵀ from
+// the fp32 dK̂, dV̂) and rounded once; d(packed) += Xᵀ·dK̂ in fp32 with X widened 256 windows at a time.
+// FLOPs (forward and backward) as in fp32.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
