@@ -249,8 +249,8 @@ ResultRow run_decode_point(const Point& point, ResultRow row, const std::optiona
   return row;
 }
 
-// Why a bf16 point cannot run ("" when it can, or the point is f32): the one place the harness
-// checks the Implementation's bf16 flags, so no model computes a bf16 point in fp32 silently.
+}  // namespace
+
 std::string bf16_unsupported(const ModelInfo& model, const PointConfig& config) {
   if (config.problem.dtype != DType::BF16) return "";
   const std::string name = model.display_name;
@@ -259,8 +259,6 @@ std::string bf16_unsupported(const ModelInfo& model, const PointConfig& config) 
     return name + " has no bf16 backward yet, so no bf16 " + pass_name(config.pass) + " pass";
   return "";
 }
-
-}  // namespace
 
 Point resolve_point(const PointConfig& config) {
   for (const auto& field : point_fields()) check_field_value(field, field.get(config), field.long_flag());

@@ -33,6 +33,10 @@ struct Point {
 // constraints) and resolves; a decode point is made causal. Throws InputError (ParamError for parameters) with a
 // one-line message.
 Point resolve_point(const PointConfig& config);
+
+// Why a bf16 point of `model` cannot run ("" when it can, or the point is f32): the one place the
+// harness checks the Implementation's bf16 flags, so no model computes a bf16 point in fp32 silently.
+std::string bf16_unsupported(const ModelInfo& model, const PointConfig& config);
 void validate_point(const PointConfig& config);
 
 // M, the rows of the mechanism's output per (batch, head): N, or a downsampling model's own count.

@@ -55,6 +55,13 @@ std::int64_t bf16_thread_floats(const Problem& p, const TokenLearnerConfig& c) {
   return std::max(s * ops::padded_ld(p.seq_len) + chunk_rows(p) * d, 4 * s * d + s * s);
 }
 
+// The bf16 form's backward adds per thread fp32 Q̃, K̃, Ṽ [3, S, D], P [S, S], dO [S, D] (widened) and
+// a chunk's gradient rows [chunk rows, D]; α and a chunk of x widen into bf16_thread_floats.
+std::int64_t bf16_backward_floats(const Problem& p, const TokenLearnerConfig& c) {
+  const std::int64_t d = p.head_dim, s = c.tokens;
+  return 4 * s * d + s * s + chunk_rows(p) * d;
+}
+
 class TokenLearner final : public Mechanism {
  public:
   TokenLearner(const Problem& problem, const TokenLearnerConfig& config, std::uint64_t seed)
@@ -113,6 +120,7 @@ class TokenLearner final : public Mechanism {
     mlp_grads_ = Tensor(Shape{p_.threads, 2, rows, f});
     row_grads_ = Tensor(Shape{p_.threads, 2, rows, d});
     norm_grads_ = Tensor(Shape{p_.threads, 2, d});
+    if (p_.dtype == DType::BF16) bf16_grads_ = Tensor(Shape{p_.threads, bf16_backward_floats(p_, c_)});
   }
 
   std::vector<NamedTensor> saved() const override {
@@ -135,8 +143,11 @@ class TokenLearner final : public Mechanism {
     for (std::int64_t head = 0; head < p_.heads; ++head) {
       const int thread = omp_get_thread_num();
       zero_head_gradients(head);
-      for (std::int64_t b = 0; b < p_.batch; ++b)
-        flops += head_backward(b * p_.heads + head, {q, k, v, dout, dq, dk, dv}, thread);
+      for (std::int64_t b = 0; b < p_.batch; ++b) {
+        const Grads g{q, k, v, dout, dq, dk, dv};
+        flops += p_.dtype == DType::BF16 ? head_backward_bf16(b * p_.heads + head, g, thread)
+                                         : head_backward(b * p_.heads + head, g, thread);
+      }
     }
     FlopCounter::add(flops);
   }
@@ -286,23 +297,77 @@ class TokenLearner final : public Mechanism {
   // The backward of one (batch, head); adds its parameter gradients to the head's. Returns the
   // FLOPs outside oneDNN.
   std::int64_t head_backward(std::int64_t bh, const Grads& g, int thread) {
-    const std::int64_t n = p_.seq_len, d = p_.head_dim, s = c_.tokens, at = bh * n * d;
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, s = c_.tokens, at = bh * n * d, all = p_.batch * p_.heads;
     const float* alpha = weights_.data() + bh * s * ld_;
-    float* dtq = token_grads_.data() + thread * token_grads_.dim(1);
-    float* dtk = dtq + s * d;
-    float* dtv = dtk + s * d;
-    float* dattention = dtv + s * d;
-    std::int64_t flops = token_attention_backward(bh, g.dout.data() + bh * s * d, dtq, dtk, dtv, dattention);
+    const TokenGrads t = token_grads(thread);
+    std::int64_t flops =
+        token_attention_backward(probs_.data() + bh * s * s, g.dout.data() + bh * s * d, pooled_.data() + bh * s * d,
+                                 pooled_.data() + (all + bh) * s * d, pooled_.data() + (2 * all + bh) * s * d, t);
     // Through the pooling: dx = αᵀ·dx̃ and dα = Σ dx̃·xᵀ.
-    ops::gemm(true, false, n, d, s, 1.0f, alpha, ld_, dtq, d, 0.0f, g.dq.data() + at, d);
-    ops::gemm(true, false, n, d, s, 1.0f, alpha, ld_, dtk, d, 0.0f, g.dk.data() + at, d);
-    ops::gemm(true, false, n, d, s, 1.0f, alpha, ld_, dtv, d, 0.0f, g.dv.data() + at, d);
+    ops::gemm(true, false, n, d, s, 1.0f, alpha, ld_, t.dq, d, 0.0f, g.dq.data() + at, d);
+    ops::gemm(true, false, n, d, s, 1.0f, alpha, ld_, t.dk, d, 0.0f, g.dk.data() + at, d);
+    ops::gemm(true, false, n, d, s, 1.0f, alpha, ld_, t.dv, d, 0.0f, g.dv.data() + at, d);
     float* dalpha = weight_grads_.data() + thread * s * ld_;
-    ops::gemm(false, true, s, n, d, 1.0f, dtq, d, g.q.data() + at, d, 0.0f, dalpha, ld_);
-    ops::gemm(false, true, s, n, d, 1.0f, dtk, d, g.k.data() + at, d, 1.0f, dalpha, ld_);
-    ops::gemm(false, true, s, n, d, 1.0f, dtv, d, g.v.data() + at, d, 1.0f, dalpha, ld_);
-    flops += softmax_backward_rows(alpha, dalpha, s, n, ld_);  // dα → d logitsᵀ
+    ops::gemm(false, true, s, n, d, 1.0f, t.dq, d, g.q.data() + at, d, 0.0f, dalpha, ld_);
+    ops::gemm(false, true, s, n, d, 1.0f, t.dk, d, g.k.data() + at, d, 1.0f, dalpha, ld_);
+    ops::gemm(false, true, s, n, d, 1.0f, t.dv, d, g.v.data() + at, d, 1.0f, dalpha, ld_);
     const std::int64_t head = bh % p_.heads;
+    flops += logit_grads(head, alpha, dalpha);
+    for (std::int64_t r0 = 0; r0 < n; r0 += kChunkRows)
+      flops += mlp_backward(head, g.v.data() + at + r0 * d, g.dv.data() + at + r0 * d, dalpha + r0,
+                            std::min(kChunkRows, n - r0), thread);
+    return flops;
+  }
+
+  // The bf16 form's backward of one (batch, head), the fp32 form's computation on widened values:
+  // α, the tokens, P and dO widened (the thread's floats and bf16_grads_), x widened a chunk of rows at
+  // a time; dq, dk, dv of a chunk summed in fp32 (dv with LN's input gradient) and rounded once.
+  std::int64_t head_backward_bf16(std::int64_t bh, const Grads& g, int thread) {
+    const std::int64_t n = p_.seq_len, d = p_.head_dim, s = c_.tokens, at = bh * n * d, all = p_.batch * p_.heads;
+    float* alpha = thread_floats(thread);  // α [S, ld_], then a chunk of widened rows [chunk rows, D]
+    float* rows_buffer = alpha + s * ld_;
+    float* tokens = bf16_grads_.data() + thread * bf16_grads_.dim(1);  // Q̃ K̃ Ṽ [3, S, D], P [S, S], dO [S, D]
+    float *probs = tokens + 3 * s * d, *dout = probs + s * s, *grad = dout + s * d;  // grad: [chunk rows, D]
+    for (std::int64_t t = 0; t < s; ++t) widen(weights_.bf16_data() + (bh * s + t) * ld_, alpha + t * ld_, n);
+    for (std::int64_t which = 0; which < 3; ++which)
+      widen(pooled_.bf16_data() + (which * all + bh) * s * d, tokens + which * s * d, s * d);
+    widen(probs_.bf16_data() + bh * s * s, probs, s * s);
+    widen(g.dout.bf16_data() + bh * s * d, dout, s * d);
+    const TokenGrads t = token_grads(thread);
+    std::int64_t flops = token_attention_backward(probs, dout, tokens, tokens + s * d, tokens + 2 * s * d, t);
+    float* dalpha = weight_grads_.data() + thread * s * ld_;
+    const Tensor* inputs[3] = {&g.q, &g.k, &g.v};
+    const float* token_grads[3] = {t.dq, t.dk, t.dv};
+    for (std::int64_t r0 = 0; r0 < n; r0 += kChunkRows) {
+      const std::int64_t rows = std::min(kChunkRows, n - r0);
+      for (int which = 0; which < 3; ++which) {
+        widen(inputs[which]->bf16_data() + at + r0 * d, rows_buffer, rows * d);
+        ops::gemm(false, true, s, rows, d, 1.0f, token_grads[which], d, rows_buffer, d, which == 0 ? 0.0f : 1.0f,
+                  dalpha + r0, ld_);
+      }
+    }
+    const std::int64_t head = bh % p_.heads;
+    flops += logit_grads(head, alpha, dalpha);
+    Tensor* outputs[3] = {&g.dq, &g.dk, &g.dv};
+    for (std::int64_t r0 = 0; r0 < n; r0 += kChunkRows) {
+      const std::int64_t rows = std::min(kChunkRows, n - r0);
+      for (int which = 0; which < 3; ++which) {
+        ops::gemm(true, false, rows, d, s, 1.0f, alpha + r0, ld_, token_grads[which], d, 0.0f, grad, d);
+        if (which == 2) {
+          widen(g.v.bf16_data() + at + r0 * d, rows_buffer, rows * d);
+          flops += mlp_backward(head, rows_buffer, grad, dalpha + r0, rows, thread);
+        }
+        narrow(grad, outputs[which]->bf16_data() + at + r0 * d, rows * d);
+      }
+    }
+    return flops;
+  }
+
+  // dα [S, ld_] → d logitsᵀ in place (the softmax over N with the weights α), and their sums into db2.
+  // Returns the FLOPs.
+  std::int64_t logit_grads(std::int64_t head, const float* alpha, float* dalpha) {
+    const std::int64_t n = p_.seq_len, s = c_.tokens;
+    const std::int64_t flops = softmax_backward_rows(alpha, dalpha, s, n, ld_);
     float* db2 = d_b2_.data() + head * s;
     for (std::int64_t t = 0; t < s; ++t) {
       float sum = 0.0f;
@@ -311,32 +376,37 @@ class TokenLearner final : public Mechanism {
       for (std::int64_t j = 0; j < n; ++j) sum += row[j];
       db2[t] += sum;
     }
-    flops += s * n;
-    for (std::int64_t r0 = 0; r0 < n; r0 += kChunkRows)
-      flops += mlp_backward(head, g.v.data() + at, g.dv.data() + at, dalpha, r0, std::min(kChunkRows, n - r0), thread);
-    return flops;
+    return flops + s * n;
   }
 
-  // The attention over the S tokens backward: dQ̃, dK̃, dṼ from dO (dattention: S×S scratch).
-  std::int64_t token_attention_backward(std::int64_t bh, const float* dout, float* dtq, float* dtk, float* dtv,
-                                        float* dattention) {
+  // A thread's token gradients dQ̃, dK̃, dṼ [S, D] each and the S×S score gradient.
+  struct TokenGrads {
+    float *dq, *dk, *dv, *dscores;
+  };
+  TokenGrads token_grads(int thread) {
+    const std::int64_t s = c_.tokens, d = p_.head_dim;
+    float* base = token_grads_.data() + thread * token_grads_.dim(1);
+    return {base, base + s * d, base + 2 * s * d, base + 3 * s * d};
+  }
+
+  // The attention over the S tokens backward: dQ̃, dK̃, dṼ from dO and the token attention P [S, S]
+  // over the tokens tq, tk, tv [S, D] (fp32). Returns the FLOPs outside oneDNN.
+  std::int64_t token_attention_backward(const float* attention, const float* dout, const float* tq, const float* tk,
+                                        const float* tv, const TokenGrads& t) {
     const std::int64_t d = p_.head_dim, s = c_.tokens;
-    const float* attention = probs_.data() + bh * s * s;
-    const float* tq = pooled_.data() + bh * s * d;
-    const float* tk = pooled_.data() + (p_.batch * p_.heads + bh) * s * d;
-    const float* tv = pooled_.data() + (2 * p_.batch * p_.heads + bh) * s * d;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
-    ops::gemm(true, false, s, d, s, 1.0f, attention, s, dout, d, 0.0f, dtv, d);
-    ops::gemm(false, true, s, s, d, 1.0f, dout, d, tv, d, 0.0f, dattention, s);
-    const std::int64_t flops = softmax_backward_rows(attention, dattention, s, s, s);
-    ops::gemm(false, false, s, d, s, scale, dattention, s, tk, d, 0.0f, dtq, d);
-    ops::gemm(true, false, s, d, s, scale, dattention, s, tq, d, 0.0f, dtk, d);
+    ops::gemm(true, false, s, d, s, 1.0f, attention, s, dout, d, 0.0f, t.dv, d);
+    ops::gemm(false, true, s, s, d, 1.0f, dout, d, tv, d, 0.0f, t.dscores, s);
+    const std::int64_t flops = softmax_backward_rows(attention, t.dscores, s, s, s);
+    ops::gemm(false, false, s, d, s, scale, t.dscores, s, tk, d, 0.0f, t.dq, d);
+    ops::gemm(true, false, s, d, s, scale, t.dscores, s, tq, d, 0.0f, t.dk, d);
     return flops;
   }
 
-  // Rows [r0, r0 + rows) of the weight MLP backward, from d logitsᵀ (dlogits [S, ld]): the MLP and
-  // LN recomputed, their parameter gradients added, LN's input gradient added to dv.
-  std::int64_t mlp_backward(std::int64_t head, const float* vh, float* dvh, const float* dlogits, std::int64_t r0,
+  // `rows` rows of the weight MLP backward: v_rows [rows, D] fp32, their d logitsᵀ the columns at
+  // dlogits (row stride ld_); the MLP and LN recomputed, their parameter gradients added, LN's input
+  // gradient added to dv_rows [rows, D] (fp32).
+  std::int64_t mlp_backward(std::int64_t head, const float* v_rows, float* dv_rows, const float* dlogits,
                             std::int64_t rows, int thread) {
     const std::int64_t d = p_.head_dim, f = c_.bottleneck, s = c_.tokens;
     const HeadParams w = head_params(head);
@@ -345,7 +415,7 @@ class TokenLearner final : public Mechanism {
     float* dz = pre + mlp_grads_.dim(2) * f;
     float* dxn = row_grads_.data() + thread * 2 * row_grads_.dim(2) * d;
     float* scratch = dxn + row_grads_.dim(2) * d;
-    ops::layer_norm_rows(vh + r0 * d, xn, rows, d, w.gain, w.shift, kLayerNormEps);
+    ops::layer_norm_rows(v_rows, xn, rows, d, w.gain, w.shift, kLayerNormEps);
     ops::gemm(false, false, rows, f, d, 1.0f, xn, d, w.w1, f, 0.0f, pre, f);
     float* hid = hidden_.data() + thread * hidden_.dim(1) * f;
     for (std::int64_t r = 0; r < rows; ++r) {
@@ -356,8 +426,8 @@ class TokenLearner final : public Mechanism {
         hid[r * f + j] = 0.5f * z * (1.0f + fast_erf(z * kInverseSqrt2));
       }
     }
-    ops::gemm(true, true, f, s, rows, 1.0f, hid, f, dlogits + r0, ld_, 1.0f, d_w2_.data() + head * f * s, s);
-    ops::gemm(true, true, rows, f, s, 1.0f, dlogits + r0, ld_, w.w2, s, 0.0f, dz, f);  // dGELU
+    ops::gemm(true, true, f, s, rows, 1.0f, hid, f, dlogits, ld_, 1.0f, d_w2_.data() + head * f * s, s);
+    ops::gemm(true, true, rows, f, s, 1.0f, dlogits, ld_, w.w2, s, 0.0f, dz, f);  // dGELU
     float* db1 = d_b1_.data() + head * f;
     for (std::int64_t r = 0; r < rows; ++r) {
 #pragma omp simd
@@ -372,8 +442,7 @@ class TokenLearner final : public Mechanism {
     ops::gemm(true, false, d, f, rows, 1.0f, xn, d, dz, f, 1.0f, d_w1_.data() + head * d * f, f);
     ops::gemm(false, true, rows, d, f, 1.0f, dz, f, w.w1, f, 0.0f, dxn, d);
     float* norm_grads = norm_grads_.data() + thread * 2 * d;
-    ops::layer_norm_backward(vh + r0 * d, dxn, rows, d, w.gain, dvh + r0 * d, norm_grads, norm_grads + d, scratch,
-                             kLayerNormEps);
+    ops::layer_norm_backward(v_rows, dxn, rows, d, w.gain, dv_rows, norm_grads, norm_grads + d, scratch, kLayerNormEps);
     add_row(d_ln_gains_.data() + head * d, norm_grads, d);
     add_row(d_ln_shifts_.data() + head * d, norm_grads + d, d);
     return kLayerNormFlopsPerElement * rows * d + (1 + kGeluFlopsPerElement) * rows * f +
@@ -392,6 +461,7 @@ class TokenLearner final : public Mechanism {
   // the S×S score gradient, the MLP's pre-activations and gradients, dLN and LN scratch, LN sums.
   Tensor d_ln_gains_, d_ln_shifts_, d_w1_, d_b1_, d_w2_, d_b2_;
   Tensor weight_grads_, token_grads_, mlp_grads_, row_grads_, norm_grads_;
+  Tensor bf16_grads_;  // bf16 form: per thread the widened tokens, P and dO, a chunk's fp32 gradient rows
 };
 
 std::int64_t parameter_floats(const Problem& p, const TokenLearnerConfig& c) {
@@ -453,8 +523,8 @@ std::int64_t backward_flops(const Problem& p, const TokenLearnerConfig& c) {
 
 std::int64_t backward_workspace(const Problem& p, const TokenLearnerConfig& c) {
   const std::int64_t d = p.head_dim, f = c.bottleneck, s = c.tokens, rows = chunk_rows(p);
-  const std::int64_t per_thread =
-      s * ops::padded_ld(p.seq_len) + 3 * s * d + s * s + 2 * rows * f + 2 * rows * d + 2 * d;
+  std::int64_t per_thread = s * ops::padded_ld(p.seq_len) + 3 * s * d + s * s + 2 * rows * f + 2 * rows * d + 2 * d;
+  if (p.dtype == DType::BF16) per_thread += bf16_backward_floats(p, c);
   return (parameter_floats(p, c) + p.threads * per_thread) * static_cast<std::int64_t>(sizeof(float));
 }
 
@@ -467,7 +537,8 @@ FieldTable<TokenLearnerConfig> config_fields(const TokenLearnerConfig*) {
 template <>
 Implementation implementation<TokenLearnerConfig>() {
   Implementation impl = implement<TokenLearnerConfig>();
-  impl.bf16_forward = true;  // not causal: no decode; no bf16 backward yet
+  impl.bf16_forward = true;  // not causal: no decode
+  impl.bf16_backward = true;
   return impl;
 }
 

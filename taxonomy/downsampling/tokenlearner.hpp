@@ -41,12 +41,15 @@
 //   (softmax) + S·N (db2) + 7·N·D + 2·N·F·D + N·F + 5·N·F (recompute) + 2·F·S·N (dW2) + 2·N·F·S
 //   (dG) + 11·N·F (GELU) + N·F (db1) + 2·D·F·N (dW1) + 2·N·D·F (dLN) + 19·N·D (LN backward)
 //   + 2·D per 256-row chunk (LN gain and shift sums).
-// bf16 (--dtype bf16, forward only so far: a bf16 backward or training point is `unsupported`): q, k,
-// v, out and the kept α, Q̃, K̃, Ṽ and token attention are bf16; the parameters and every sum fp32.
-// Roundings, each once: α (computed in fp32 from the bf16 v, a chunk of rows widened at a time);
-// Q̃, K̃, Ṽ = bf16(α·x) (oneDNN's bf16 matmul, or its widening fallback below AVX-512: fp32 sums);
-// the token attention's P (its scores and softmax fp32 on the widened tokens); out = bf16(P·Ṽ).
-// FLOPs are the fp32 form's; the workspace adds per thread fp32 α [S, ld] and a widened chunk of v.
+// bf16 (--dtype bf16, forward and backward): q, k, v, out, dq, dk, dv and the kept α, Q̃, K̃, Ṽ and
+// token attention are bf16; the parameters, their gradients and every sum fp32. Roundings, each once:
+// α (computed in fp32 from the bf16 v, a chunk of rows widened at a time); Q̃, K̃, Ṽ = bf16(α·x)
+// (oneDNN's bf16 matmul, or its widening fallback below AVX-512: fp32 sums); the token attention's P
+// (its scores and softmax fp32 on the widened tokens); out = bf16(P·Ṽ). The backward is the fp32
+// form's on the widened kept tensors (α, the tokens, P, dO; x a 256-row chunk at a time), dq, dk and
+// dv (with LN's input gradient) of a chunk rounded once. FLOPs are the fp32 form's; the workspace adds
+// per thread fp32 α [S, ld] and a widened chunk of v, and in training the widened tokens, P, dO
+// (4·S·D + S²) and a chunk's gradient rows.
 #include "lib/core/config_table.hpp"
 #include "lib/core/mechanism.hpp"
 
