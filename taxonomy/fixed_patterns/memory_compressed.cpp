@@ -130,6 +130,14 @@ class MemoryCompressedShared : public Mechanism, public MemoryCompressedMemories
   }
   const Tensor& compressed_keys() const override { return memory_k_; }
   const Tensor& compressed_values() const override { return memory_v_; }
+  std::vector<NamedTensor> saved() const override {
+    if (l_.compressed_heads == 0) return {{"log_sum_exp", &lse_}};
+    return {{"log_sum_exp", &lse_}, {"compressed_keys", &memory_k_}, {"compressed_values", &memory_v_}};
+  }
+  std::vector<NamedTensor> parameter_gradients() const override {
+    if (l_.compressed_heads == 0) return {};
+    return {{"dcompress_wk", &dweights_k_}, {"dcompress_wv", &dweights_v_}};
+  }
 
  protected:
   // Decode: local heads a ring of their block; compressed heads the slots completed so far
@@ -142,6 +150,18 @@ class MemoryCompressedShared : public Mechanism, public MemoryCompressedMemories
     slot_cache_ = KvCache(compressed, decode_slots(l_, tokens), d, p_.dtype);
     open_window_ = KvCache(compressed, c, d, p_.dtype);
     step_buffers_ = Tensor(Shape{p_.batch * p_.heads, 2, d});
+  }
+
+  // The training tensors both forms keep (the members below).
+  void prepare_shared_backward() {
+    const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression;
+    lse_ = Tensor(Shape{p_.batch * p_.heads, p_.seq_len});
+    ranges_ = fixed::task_ranges_by_head(tasks_, p_.heads);
+    if (hc == 0) return;
+    memory_grads_ = Tensor(Shape{p_.threads, 2, l_.slots, d});
+    packed_grads_ = Tensor(Shape{2, hc, c * d, d});
+    dweights_k_ = Tensor(weights_k_.shape());
+    dweights_v_ = Tensor(weights_v_.shape());
   }
 
   // The prefill's part of a decode: local heads keep their context's last block rows, compressed
@@ -160,6 +180,10 @@ class MemoryCompressedShared : public Mechanism, public MemoryCompressedMemories
   KvCache local_cache_, slot_cache_, open_window_;
   Tensor step_buffers_;  // per head the scaled query and the accumulator
   std::int64_t length_ = 0;
+  // Training only (prepare_backward): the log-sum-exp [B·H, N], dK̂ and dV̂ per thread
+  // [threads, 2, N_c, D], the packed weight gradients [2, H_c, c·D, D] and the weights' (fp32).
+  Tensor lse_, memory_grads_, packed_grads_, dweights_k_, dweights_v_;
+  std::vector<std::size_t> ranges_;  // tasks of each head
 
  private:
   template <class T>
@@ -223,17 +247,10 @@ class MemoryCompressed final : public MemoryCompressedShared {
   }
 
   void prepare_backward() override {
-    const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression;
     for (auto& kernel : kernels_) kernel.enable_backward();
-    lse_ = Tensor(Shape{p_.batch * p_.heads, p_.seq_len});
+    prepare_shared_backward();
     deltas_ = Tensor(Shape{p_.threads, p_.seq_len});
-    ranges_ = fixed::task_ranges_by_head(tasks_, p_.heads);
-    if (hc == 0) return;
-    memory_grads_ = Tensor(Shape{p_.threads, 2, l_.slots, d});
-    tail_rows_ = Tensor(Shape{p_.threads, c * d});
-    packed_grads_ = Tensor(Shape{2, hc, c * d, d});
-    dweights_k_ = Tensor(weights_k_.shape());
-    dweights_v_ = Tensor(weights_v_.shape());
+    if (l_.compressed_heads > 0) tail_rows_ = Tensor(Shape{p_.threads, l_.compression * p_.head_dim});
   }
 
   // One task per head index h (batch entries in turn): the convolution weights' gradients of a
@@ -283,15 +300,6 @@ class MemoryCompressed final : public MemoryCompressedShared {
       return flops;
     });
     unpack_weight_grads(l_, d, packed_grads_, dweights_k_, dweights_v_);
-  }
-
-  std::vector<NamedTensor> saved() const override {
-    if (l_.compressed_heads == 0) return {{"log_sum_exp", &lse_}};
-    return {{"log_sum_exp", &lse_}, {"compressed_keys", &memory_k_}, {"compressed_values", &memory_v_}};
-  }
-  std::vector<NamedTensor> parameter_gradients() const override {
-    if (l_.compressed_heads == 0) return {};
-    return {{"dcompress_wk", &dweights_k_}, {"dcompress_wv", &dweights_v_}};
   }
 
   void prepare_decode(std::int64_t tokens) override { prepare_caches(tokens); }
@@ -376,8 +384,7 @@ class MemoryCompressed final : public MemoryCompressedShared {
   Tensor tail_;
   std::vector<TileAttention> kernels_;
   // Training only (prepare_backward).
-  Tensor lse_, deltas_, memory_grads_, tail_rows_, packed_grads_, dweights_k_, dweights_v_;
-  std::vector<std::size_t> ranges_;
+  Tensor deltas_, tail_rows_;
 };
 
 // One slot of the bf16 form's compression: slot[o] = Σ_{u<c, i<D} packed[u·D + i, o]·x[u·D + i] over
@@ -445,17 +452,10 @@ class MemoryCompressedBf16 final : public MemoryCompressedShared {
   }
 
   void prepare_backward() override {
-    const std::int64_t hc = l_.compressed_heads, d = p_.head_dim, c = l_.compression, n = p_.seq_len;
     for (auto& kernel : kernels_) kernel.enable_backward();
-    lse_ = Tensor(Shape{p_.batch * p_.heads, n});
-    heads_ = fixed::HeadBackward<bf16>(p_.threads, n, d);
-    ranges_ = fixed::task_ranges_by_head(tasks_, p_.heads);
-    if (hc == 0) return;
-    memory_grads_ = Tensor(Shape{p_.threads, 2, l_.slots, d});
-    widened_ = Tensor(Shape{p_.threads, widened_slots(l_) * c * d});
-    packed_grads_ = Tensor(Shape{2, hc, c * d, d});
-    dweights_k_ = Tensor(weights_k_.shape());
-    dweights_v_ = Tensor(weights_v_.shape());
+    prepare_shared_backward();
+    heads_ = fixed::HeadBackward<bf16>(p_.threads, p_.seq_len, p_.head_dim);
+    if (l_.compressed_heads > 0) widened_ = Tensor(Shape{p_.threads, widened_slots(l_) * l_.compression * p_.head_dim});
   }
 
   // As the fp32 form: one task per head index h (batch entries in turn). δ = dO·out in fp32 from the
@@ -496,15 +496,6 @@ class MemoryCompressedBf16 final : public MemoryCompressedShared {
       return flops;
     });
     unpack_weight_grads(l_, d, packed_grads_, dweights_k_, dweights_v_);
-  }
-
-  std::vector<NamedTensor> saved() const override {
-    if (l_.compressed_heads == 0) return {{"log_sum_exp", &lse_}};
-    return {{"log_sum_exp", &lse_}, {"compressed_keys", &memory_k_}, {"compressed_values", &memory_v_}};
-  }
-  std::vector<NamedTensor> parameter_gradients() const override {
-    if (l_.compressed_heads == 0) return {};
-    return {{"dcompress_wk", &dweights_k_}, {"dcompress_wv", &dweights_v_}};
   }
 
   void prepare_decode(std::int64_t tokens) override {
@@ -586,12 +577,9 @@ class MemoryCompressedBf16 final : public MemoryCompressedShared {
   Tensor sums_;  // [threads, D] a slot's fp32 sums in the forward
   std::vector<fixed::TileAttentionBf16> kernels_;
   Tensor step_sums_;  // decoding: per head a slot's fp32 sums
-  // Training only (prepare_backward): the log-sum-exp [B·H, N]; dK̂, dV̂ per thread [threads, 2, N_c, D];
-  // widened input windows per thread [threads, widened_slots·c·D]; the packed and unpacked weight
-  // gradients (fp32).
-  Tensor lse_, memory_grads_, widened_, packed_grads_, dweights_k_, dweights_v_;
+  // Training only (prepare_backward): widened input windows per thread [threads, widened_slots·c·D].
+  Tensor widened_;
   fixed::HeadBackward<bf16> heads_;
-  std::vector<std::size_t> ranges_;
 };
 
 }  // namespace

@@ -157,6 +157,20 @@ std::int64_t unpool(const Layout& l, std::int64_t d, const float* pooled_grads, 
   return 2 * d * l.pooled_members();
 }
 
+// What a training forward keeps, in either form: each level's log-sum-exp, K̄ and V̄, and y (both levels).
+std::vector<NamedTensor> kept_tensors(const Layout& l, const Tensor& lse_window, const Tensor& lse_pooled,
+                                      const Tensor& pooled_k, const Tensor& pooled_v, const Tensor& window_output) {
+  std::vector<NamedTensor> kept;
+  if (l.window) kept.push_back({"window_log_sum_exp", &lse_window});
+  if (l.pool) {
+    kept.push_back({"pooled_log_sum_exp", &lse_pooled});
+    kept.push_back({"pooled_keys", &pooled_k});
+    kept.push_back({"pooled_values", &pooled_v});
+  }
+  if (l.both()) kept.push_back({"window_output", &window_output});
+  return kept;
+}
+
 class Poolingformer final : public Mechanism {
  public:
   Poolingformer(const Problem& problem, const Layout& layout)
@@ -285,15 +299,7 @@ class Poolingformer final : public Mechanism {
   }
 
   std::vector<NamedTensor> saved() const override {
-    std::vector<NamedTensor> kept;
-    if (l_.window) kept.push_back({"window_log_sum_exp", &lse_window_});
-    if (l_.pool) {
-      kept.push_back({"pooled_log_sum_exp", &lse_pooled_});
-      kept.push_back({"pooled_keys", &pooled_k_});
-      kept.push_back({"pooled_values", &pooled_v_});
-    }
-    if (l_.both()) kept.push_back({"window_output", &saved_y_});
-    return kept;
+    return kept_tensors(l_, lse_window_, lse_pooled_, pooled_k_, pooled_v_, saved_y_);
   }
   std::vector<NamedTensor> parameter_gradients() const override { return {}; }
 
@@ -428,20 +434,13 @@ class PoolingformerBf16 final : public Mechanism {
   }
 
   std::vector<NamedTensor> saved() const override {
-    std::vector<NamedTensor> kept;
-    if (l_.window) kept.push_back({"window_log_sum_exp", &lse_window_});
-    if (l_.pool) {
-      kept.push_back({"pooled_log_sum_exp", &lse_pooled_});
-      kept.push_back({"pooled_keys", &pooled_k_});
-      kept.push_back({"pooled_values", &pooled_v_});
-    }
-    if (l_.both()) kept.push_back({"window_output", &saved_y_});
-    return kept;
+    return kept_tensors(l_, lse_window_, lse_pooled_, pooled_k_, pooled_v_, saved_y_);
   }
   std::vector<NamedTensor> parameter_gradients() const override { return {}; }
 
  private:
-  // One head's bf16 rows: its element offset (of its first query row of the task in `rows`).
+  // A task's head: its index in [0, B·H), `rows` the element offset of the task's first query row, and
+  // the head's bf16 keys, values and pooled rows.
   struct Head {
     std::int64_t head = 0, rows = 0;
     const bf16 *keys = nullptr, *values = nullptr, *pooled_keys = nullptr, *pooled_values = nullptr;
@@ -627,8 +626,8 @@ std::int64_t backward_workspace(const Problem& p, const PoolingformerConfig& c) 
   const Layout l(p, c);
   const std::int64_t heads = p.batch * p.heads, n = p.seq_len, d = p.head_dim, threads = p.threads;
   if (p.dtype == DType::BF16) {
-    std::int64_t floats = (l.window ? heads * n : 0) + (l.pool ? heads * n + threads * 2 * l.pooled * d : 0) +
-                          (l.both() ? threads * n : 0);
+    const std::int64_t floats = (l.window ? heads * n : 0) + (l.pool ? heads * n + threads * 2 * l.pooled * d : 0) +
+                                (l.both() ? threads * n : 0);
     const std::int64_t halves = l.both() ? heads * n * d : 0;
     return floats * static_cast<std::int64_t>(sizeof(float)) + halves * static_cast<std::int64_t>(sizeof(bf16)) +
            fixed::HeadBackward<bf16>::bytes(threads, n, d) +
