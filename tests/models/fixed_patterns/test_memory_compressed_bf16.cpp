@@ -146,6 +146,7 @@ void check_gradients(const Problem& shape, const Case& c, std::uint64_t seed) {
   const Bf16GradientRun run = run_bf16_gradients("memory-compressed", p, c.params(), seed);
   const auto* memories = dynamic_cast<const MemoryCompressedMemories*>(run.mechanism.get());
   REQUIRE(memories != nullptr);
+  const Tensor memory_k = to_f32(memories->compressed_keys()), memory_v = to_f32(memories->compressed_values());
   const KeysOf block_keys = [&](std::int64_t i) {
     const std::int64_t first = i / block * block;
     return std::pair{first, p.causal ? i + 1 : std::min(first + block, n)};
@@ -181,7 +182,6 @@ void check_gradients(const Problem& shape, const Case& c, std::uint64_t seed) {
         continue;
       }
       const std::int64_t at = (b * hc_count + hc) * slots * d;
-      const Tensor memory_k = to_f32(memories->compressed_keys()), memory_v = to_f32(memories->compressed_values());
       const LevelGrads g =
           level_backward(q, memory_k.data() + at, memory_v.data() + at, dout, {}, stored, n, slots, d, slot_keys);
       check_rounded(run.dq.head(b, h), g.dq, g.dq_bound, n * d, where + " dq");
