@@ -69,7 +69,8 @@ AttentionGradients reference_attention_backward(const float* q32, const float* k
   const auto q = widened(q32, nq * d), k = widened(k32, nk * d), v = widened(v32, nk * d),
              dout = widened(dout32, nq * d);
   const auto zeros = [](std::int64_t count) { return std::vector<double>(static_cast<std::size_t>(count), 0.0); };
-  AttentionGradients g{zeros(nq * d), zeros(nk * d), zeros(nk * d), zeros(nq * d), zeros(nk * d), zeros(nk * d)};
+  AttentionGradients g{zeros(nq * d), zeros(nk * d), zeros(nk * d), zeros(nq * d),
+                       zeros(nk * d), zeros(nk * d), zeros(nq * d), zeros(nk * d)};
   std::vector<double> probs(static_cast<std::size_t>(nk)), dp(static_cast<std::size_t>(nk)), dp_terms(dp.size());
   for (std::int64_t i = 0; i < nq; ++i) {
     if (!reference_probabilities(q.data(), k.data(), i, nk, d, scale, allowed, probs)) continue;
@@ -93,6 +94,8 @@ AttentionGradients reference_attention_backward(const float* q32, const float* k
         g.dq_terms[i * d + c] += scale * ds_terms * std::fabs(k[j * d + c]);
         g.dk[j * d + c] += scale * ds * q[i * d + c];
         g.dk_terms[j * d + c] += scale * ds_terms * std::fabs(q[i * d + c]);
+        g.dq_abs_ds[i * d + c] += scale * std::fabs(ds * k[j * d + c]);
+        g.dk_abs_ds[j * d + c] += scale * std::fabs(ds * q[i * d + c]);
       }
     }
   }

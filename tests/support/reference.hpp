@@ -44,10 +44,13 @@ std::vector<double> reference_attention(const float* q, const float* k, const fl
 // The analytic gradient of reference_attention for an output gradient dO [nq, d]:
 //   dV = Pᵀ·dO;  dS = P ⊙ (dO·Vᵀ − rowsum(P ⊙ dO·Vᵀ));  dQ = scale·dS·K;  dK = scale·dSᵀ·Q.
 // Each *_terms holds, per element, the sum of the absolute values of the terms the element is a sum
-// of (with |dP| taken as Σ_c |dO·V|): what fp32 rounding errors scale with.
+// of (with |dP| taken as Σ_c |dO·V|): what fp32 rounding errors scale with. dq_abs_ds and dk_abs_ds
+// hold scale·Σ_j |dS_ij|·|K_jc| and scale·Σ_i |dS_ij|·|Q_ic|: what rounding dS to a relative u moves
+// dQ and dK by, per unit of u (the bf16 kernels round dS once; tests/support/bf16_check.hpp).
 struct AttentionGradients {
   std::vector<double> dq, dk, dv;
   std::vector<double> dq_terms, dk_terms, dv_terms;
+  std::vector<double> dq_abs_ds, dk_abs_ds;
 };
 AttentionGradients reference_attention_backward(const float* q, const float* k, const float* v, const float* dout,
                                                 std::int64_t nq, std::int64_t nk, std::int64_t d, double scale,

@@ -6,8 +6,8 @@
 //   - the output against float64 softmax attention of the model's own Q̃ over the bf16 keys and
 //     values, within the softmax bound 2u(1 + u)·max|v| + the fp32 bound (tests/support/bf16_check.hpp);
 //   - the gradients against float64 attention gradients of that Q̃ (dK, dV; dQ̃ unpooled into dq:
-//     a two-source row gets dQ̃/2, exact in binary), within exact-tiled's bf16 bound 3u(1 + u)·T + the
-//     fp32 factor·T (T the element's reference terms; halved for a two-source row).
+//     a two-source row gets dQ̃/2, exact in binary), within the per-rounding bound of exact-tiled's
+//     online backward (bf16_head_gradients; halved for a two-source row).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -102,24 +102,21 @@ void check_gradients(const Problem& shape, const Pooling& pooling, std::uint64_t
   const Bf16GradientRun run = run_bf16_gradients("funnel", p, pooling.params(), seed);
   const Tensor& pooled = *run.mechanism->saved().at(0).tensor;
   const std::int64_t m = pooled.dim(1);
-  const double scale = 1 / std::sqrt(static_cast<double>(d));
   const Tensor pooled_widened = to_f32(pooled);
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads; ++h) {
       const std::string where = label + " b=" + std::to_string(b) + " h=" + std::to_string(h);
       const float* queries = pooled_widened.data() + (b * p.heads + h) * m * d;
       const float *k = run.in.widened.k.head(b, h), *v = run.in.widened.v.head(b, h);
-      const auto ref =
-          reference_attention_backward(queries, k, v, run.dout_widened.head(b, h), m, n, d, scale, MaskFn(full_mask));
-      const double factor = 3 * kU * (1 + kU) + gradient_error_factor(queries, k, m, n, d, scale);
+      const Bf16HeadGradients ref = bf16_head_gradients(queries, k, v, run.dout_widened.head(b, h), run.out.head(b, h),
+                                                        m, n, d, MaskFn(full_mask));
       check_bf16_elements(
-          run.dk.head(b, h), ref.dk, n * d, [&](std::int64_t e) { return factor * ref.dk_terms[e] + 1e-30; },
-          where + " dk");
+          run.dk.head(b, h), ref.want.dk, n * d, [&](std::int64_t e) { return ref.dk_bound[e]; }, where + " dk");
       check_bf16_elements(
-          run.dv.head(b, h), ref.dv, n * d, [&](std::int64_t e) { return factor * ref.dv_terms[e] + 1e-30; },
-          where + " dv");
-      // dq: the pooled row's gradient over its sources (halved for two), 0 for a row in no pooled row.
-      std::vector<double> dq(static_cast<std::size_t>(n * d), 0.0), terms(dq.size(), 0.0);
+          run.dv.head(b, h), ref.want.dv, n * d, [&](std::int64_t e) { return ref.dv_bound[e]; }, where + " dv");
+      // dq: the pooled row's gradient and bound over its sources (halved for two), 0 for a row in no
+      // pooled row.
+      std::vector<double> dq(static_cast<std::size_t>(n * d), 0.0), bound(dq.size(), 1e-30);
       const std::vector<double> first = pooled_reference(run.in.widened.q.head(b, h), n, d, pooling);
       for (std::int64_t i = 0; i < m; ++i) {
         std::int64_t start = 2 * i, count = std::min<std::int64_t>(2, n - 2 * i);
@@ -130,13 +127,13 @@ void check_gradients(const Problem& shape, const Pooling& pooling, std::uint64_t
         }
         for (std::int64_t r = start; r < start + count; ++r)
           for (std::int64_t c = 0; c < d; ++c) {
-            dq[r * d + c] = ref.dq[i * d + c] / static_cast<double>(count);
-            terms[r * d + c] = ref.dq_terms[i * d + c] / static_cast<double>(count);
+            dq[r * d + c] = ref.want.dq[i * d + c] / static_cast<double>(count);
+            bound[r * d + c] = ref.dq_bound[i * d + c] / static_cast<double>(count);
           }
       }
       CHECK(static_cast<std::int64_t>(first.size()) == m * d);
       check_bf16_elements(
-          run.dq.head(b, h), dq, n * d, [&](std::int64_t e) { return factor * terms[e] + 1e-30; }, where + " dq");
+          run.dq.head(b, h), dq, n * d, [&](std::int64_t e) { return bound[e]; }, where + " dq");
     }
 }
 

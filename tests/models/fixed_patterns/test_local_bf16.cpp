@@ -11,12 +11,10 @@
 // so an output element by ≤ u·Σ_j p_j·|v_j|/Σ ≤ u·max|v|; rounding the output moves it by ≤ u·|o|
 // ≤ u·max|v| more:  |o − o_ref| ≤ 2u(1 + u)·max|v| + attention_tolerance.
 //
-// The gradient bound, per element with terms T (reference_attention_backward's *_terms): rounding
-// P (dV's terms, and dS = P·(dP − δ)) and dS to bf16 perturbs by ≤ u·T each, rounding the gradient
-// by ≤ u·|g| ≤ u·T: 3u(1 + u)·T + gradient_error_factor·T, as vanilla's. δ_r = dO_r·O_r is
-// computed from the stored bf16 output, whose elements are off by ≤ e_O (the forward bound), so
-// Δδ_r ≤ e_O·Σ_c|dO_rc| (1.01: its own fp32 sum), and dS_rj moves by P_rj·Δδ_r more:
-//   dQ[r, c] by scale·Δδ_r·Σ_j P_rj·|K_jc|,   dK[j, c] by scale·Σ_r P_rj·Δδ_r·|Q_rc|   (dV: none).
+// The gradient bound is check_bf16_masked_gradients' (tests/support/bf16_check.hpp), per rounding:
+// P rounded for dV (u·Σ P·|dO|), dS rounded for dQ and dK (u·scale·Σ|dS|·|K|, |Q|), the fp32 factor·T,
+// δ_r = dO_r·O_r read off the stored bf16 output (its actual error carried through dS), and the
+// gradient's own rounding u·|g|.
 #include <doctest/doctest.h>
 
 #include <cmath>

@@ -2,7 +2,7 @@
 // form's on the same (widened) values, and the output is softmax attention restricted to each
 // query's chunk of the model's own sorted order, within the bf16 forward bound 2u(1 + u)·max|v| + the
 // fp32 bound (tests/support/bf16_check.hpp); the gradients are float64 attention gradients under the same
-// chunk mask, within the bf16 gradient bound 3u(1 + u)·T + the fp32 factor·T (check_bf16_gradients').
+// chunk mask, within the per-rounding bf16 gradient bound of check_bf16_run_gradients.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -67,30 +67,19 @@ MaskFn chunk_mask(const ClusterFormerAttention& model, std::int64_t n, std::int6
   });
 }
 
-// The bf16 training step's dq, dk, dv against float64 attention gradients under the model's chunk mask.
+// The bf16 training step's dq, dk, dv against float64 attention gradients under the model's chunk mask
+// (check_bf16_run_gradients: the gathered tile's backward rounds P and dS once each, δ from the bf16 output).
 void check_gradients(const Problem& shape, std::int64_t clusters, std::int64_t chunk, std::uint64_t seed) {
   const Problem p = on_test_threads(shape);
   REQUIRE(p.batch == 1);
-  const std::int64_t n = p.seq_len, d = p.head_dim;
   const std::vector<std::string> params{"clusters=" + std::to_string(clusters), "chunk_len=" + std::to_string(chunk)};
-  const std::string label = "cluster-former bf16 gradients N=" + std::to_string(n) + " c=" + std::to_string(chunk);
+  const std::string label =
+      "cluster-former bf16 gradients N=" + std::to_string(p.seq_len) + " c=" + std::to_string(chunk);
   const Bf16GradientRun run = run_bf16_gradients("cluster-former", p, params, seed);
   const auto* model = dynamic_cast<const ClusterFormerAttention*>(run.mechanism.get());
   REQUIRE(model != nullptr);
-  const double scale = 1 / std::sqrt(static_cast<double>(d));
-  const Tensor* got[3] = {&run.dq, &run.dk, &run.dv};
-  for (std::int64_t h = 0; h < p.heads; ++h) {
-    const float *q = run.in.widened.q.head(0, h), *k = run.in.widened.k.head(0, h), *v = run.in.widened.v.head(0, h);
-    const auto ref =
-        reference_attention_backward(q, k, v, run.dout_widened.head(0, h), n, n, d, scale, chunk_mask(*model, n, h));
-    const double factor = 3 * kBf16Roundoff * (1 + kBf16Roundoff) + gradient_error_factor(q, k, n, n, d, scale);
-    const std::vector<double>* want[3] = {&ref.dq, &ref.dk, &ref.dv};
-    const std::vector<double>* terms[3] = {&ref.dq_terms, &ref.dk_terms, &ref.dv_terms};
-    for (int g = 0; g < 3; ++g)
-      check_bf16_elements(
-          got[g]->head(0, h), *want[g], n * d, [&](std::int64_t e) { return factor * (*terms[g])[e] + 1e-30; },
-          label + " h=" + std::to_string(h) + " d" + "qkv"[g]);
-  }
+  check_bf16_run_gradients(
+      run, p, [&](std::int64_t h) { return chunk_mask(*model, p.seq_len, h); }, label);
 }
 
 }  // namespace
