@@ -17,8 +17,8 @@
 // funnel's test uses the model's Q̃): level 1 on q, k, v; level 2 on the model's bf16 K̄, V̄ with the
 // query q or, stacked, the model's bf16(y) ("window_output"). Per level (level_backward has the
 // derivation) the bf16 kernel's own roundings — P for dV (u·Σ P·|dO|), dS for dQ and dK
-// (u·σ·Σ|dS|·|K|, |Q|): tighter than the terms bound 3u(1 + u)·T the other models' tests use, which
-// here would hide a wrong combination of the levels — plus the fp32 factor·T, plus what the level's
+// (u·σ·Σ|dS|·|K|, |Q|), as bf16_head_gradients for a single softmax: tighter than the terms bound
+// 3u(1 + u)·T, which here would hide a wrong combination of the levels — plus the fp32 factor·T, plus what the level's
 // inputs carry, propagated to first order: δ_i read off a stored output (bf16(o); level 2 beside
 // level 1: out − bf16(y)) and, stacked, level 1's output gradient bf16(dO + dq₂). The levels' parts
 // are summed in fp32 and rounded once: dq = dq₁ + dq₂ (stacked: dq₁), dk_t = dk₁_t + Σ_{m ∋ t} dK̄_m /
