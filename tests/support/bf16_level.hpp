@@ -55,7 +55,9 @@ inline ReferenceRow reference_row(const std::vector<double>& query, const double
 //     rounded, perturbed_attention_error), so
 //       Δδ_i ≤ Σ_c E_ic·(|o_ic| + s_ic) + |dO_ic|·s_ic + 2.02·D·ε·Σ_c (|dO_ic| + E_ic)·(|o_ic| + s_ic);
 //     they move dV_j by Σ_i P_ij·E_i and dS_ij by P_ij·(Σ_c E_ic·|v_jc| + Δδ_i), so dQ, dK by
-//     σ·Σ|ΔdS|·|K|, |Q| — times (1 + 4u) for their second-order terms.
+//     σ·Σ|ΔdS|·|K|, |Q| — times (1 + 4u) for their second-order terms. With `stored_output` [nq, d]
+//     (the widened bf16 output δ is read off, when it is this level's alone), s_ic is its actual
+//     error |stored − o| instead of the bound out_error + stored_error.
 using KeysOf = std::function<std::pair<std::int64_t, std::int64_t>(std::int64_t)>;
 struct LevelGrads {
   std::vector<double> out, out_error;
@@ -64,7 +66,7 @@ struct LevelGrads {
 inline LevelGrads level_backward(const float* query, const float* keys, const float* values,
                                  const std::vector<double>& dout, const std::vector<double>& dout_error,
                                  const std::vector<double>& stored_error, std::int64_t nq, std::int64_t nk,
-                                 std::int64_t d, const KeysOf& keys_of) {
+                                 std::int64_t d, const KeysOf& keys_of, const float* stored_output = nullptr) {
   const double scale = 1 / std::sqrt(static_cast<double>(d));
   const auto zeros = [](std::int64_t count) { return std::vector<double>(static_cast<std::size_t>(count), 0.0); };
   LevelGrads g{zeros(nq * d), zeros(nq * d), zeros(nq * d), zeros(nk * d), zeros(nk * d), zeros(nq * d),
@@ -83,7 +85,9 @@ inline LevelGrads level_backward(const float* query, const float* keys, const fl
     for (std::int64_t c = 0; c < d; ++c) {
       g.out[at(c)] = row.out[static_cast<std::size_t>(c)];
       g.out_error[at(c)] = error[static_cast<std::size_t>(c)];
-      const double o = std::fabs(g.out[at(c)]), s = g.out_error[at(c)] + stored_error[at(c)];
+      const double o = std::fabs(g.out[at(c)]);
+      const double s = stored_output != nullptr ? std::fabs(stored_output[at(c)] - g.out[at(c)])
+                                                : g.out_error[at(c)] + stored_error[at(c)];
       const double dy = std::fabs(dout[at(c)]);
       delta_error +=
           e_dout(c) * (o + s) + dy * s + 2.02 * static_cast<double>(d) * kFloatEps * (dy + e_dout(c)) * (o + s);

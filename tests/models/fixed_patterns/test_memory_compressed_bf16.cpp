@@ -7,7 +7,8 @@
 //     of its block (local heads) or the model's own bf16 slots (compressed heads) — with the mask of
 //     the pattern, within the softmax bound 2u(1 + u)·max|v| + the fp32 bound (tests/support/bf16_check.hpp).
 // The gradients (tests/support/bf16_level.hpp) on the tensors the model stored: a local head's dq, dk, dv
-// are one level over its block, each within the level's bound + u·|computed| (the one rounding); a
+// are one level over its block, each within the level's bound + u·|computed| (the one rounding; δ's
+// error is the stored output's actual error, as every query sees one level); a
 // compressed head's dq likewise over its slots, whose fp32 dK̂, dV̂ (within the level's bound B) go
 // through the convolution's backward in double:
 //   dk[t·c + u, i] = Σ_o W[o, i, u]·dK̂[t, o]: within Σ_o |W|·B + 1.01·D·ε·Σ_o |W|·(|dK̂| + B), then u·|computed|;
@@ -172,10 +173,10 @@ void check_gradients(const Problem& shape, const Case& c, std::uint64_t seed) {
       const std::string where = label + " b=" + std::to_string(b) + " h=" + std::to_string(h);
       const float* q = run.in.widened.q.head(b, h);
       const std::vector<double> dout = widened(run.dout_widened.head(b, h), n * d);
-      const std::vector<double> stored = rounding_of(run.out.head(b, h), n * d);
+      const float* stored = run.out.head(b, h);  // δ is read off it: its actual error goes into the bound
       if (h < local) {
-        const LevelGrads g = level_backward(q, run.in.widened.k.head(b, h), run.in.widened.v.head(b, h), dout, {},
-                                            stored, n, n, d, block_keys);
+        const LevelGrads g = level_backward(q, run.in.widened.k.head(b, h), run.in.widened.v.head(b, h), dout, {}, {},
+                                            n, n, d, block_keys, stored);
         check_rounded(run.dq.head(b, h), g.dq, g.dq_bound, n * d, where + " dq");
         check_rounded(run.dk.head(b, h), g.dk, g.dk_bound, n * d, where + " dk");
         check_rounded(run.dv.head(b, h), g.dv, g.dv_bound, n * d, where + " dv");
@@ -183,7 +184,7 @@ void check_gradients(const Problem& shape, const Case& c, std::uint64_t seed) {
       }
       const std::int64_t at = (b * hc_count + hc) * slots * d;
       const LevelGrads g =
-          level_backward(q, memory_k.data() + at, memory_v.data() + at, dout, {}, stored, n, slots, d, slot_keys);
+          level_backward(q, memory_k.data() + at, memory_v.data() + at, dout, {}, {}, n, slots, d, slot_keys, stored);
       check_rounded(run.dq.head(b, h), g.dq, g.dq_bound, n * d, where + " dq");
       for (int which = 0; which < 2; ++which) {
         const std::vector<double>& dmemory = which == 0 ? g.dk : g.dv;
