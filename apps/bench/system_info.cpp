@@ -173,6 +173,7 @@ nlohmann::json capture_context(int threads) {
       {"onednn_isa", dnnl_isa_name(dnnl::get_effective_cpu_isa())},
       {"kernel_isa", kernel_isa_name(kernel_isa())},
       {"bf16_kernels", bf16_kernels_name()},
+      {"kernels_emulated", kEmulatedAvx512},
       {"compiler", compiler_name()},
       {"cxx_flags", XFBENCH_CXX_FLAGS},
       {"build_type", XFBENCH_BUILD_TYPE},

@@ -20,6 +20,7 @@ KernelIsa parse_cap(const std::string& text) {
 std::string kernel_isa_name(KernelIsa isa) { return isa == KernelIsa::Avx512 ? "avx512" : "avx2"; }
 
 KernelIsa detected_kernel_isa() {
+  if (kEmulatedAvx512) return KernelIsa::Avx512;
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
@@ -51,6 +52,7 @@ void force_kernel_isa(KernelIsa isa) {
 }
 
 bool cpu_has_bf16_dot() {
+  if (kEmulatedAvx512) return true;
   __builtin_cpu_init();
   return detected_kernel_isa() == KernelIsa::Avx512 && __builtin_cpu_supports("avx512bf16");
 }

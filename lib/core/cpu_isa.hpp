@@ -10,6 +10,15 @@ namespace xfb {
 
 enum class KernelIsa { Avx2, Avx512 };  // ascending: a cap keeps everything at or below it
 
+// An XFBENCH_EMULATE_AVX512 build (tests only): the 512-bit kernels' instructions are emulated
+// (lib/core/avx512_emulation.hpp) and the host counts as having AVX-512 and AVX512_BF16 whatever
+// its CPUID says. Reports record it (`kernels_emulated` in the context).
+#ifdef XFB_EMULATE_AVX512
+inline constexpr bool kEmulatedAvx512 = true;
+#else
+inline constexpr bool kEmulatedAvx512 = false;
+#endif
+
 std::string kernel_isa_name(KernelIsa isa);
 // The best ISA this CPU and this build support (Avx2 is the floor the project requires).
 KernelIsa detected_kernel_isa();

@@ -5,6 +5,12 @@
 #include "lib/core/exp_polynomial.hpp"
 #include "lib/core/tile_kernels_isa.hpp"
 
+#ifdef XFB_EMULATE_AVX512
+namespace xfb::tiles {
+#include "lib/core/avx512_emulation.hpp"
+}
+#endif
+
 namespace xfb::tiles::avx512 {
 #define XFB_VECTOR_FLOATS 16
 #define XFB_BLOCK_ROWS 12

@@ -3,6 +3,12 @@
 
 #include "lib/core/tile_kernels_isa.hpp"
 
+#ifdef XFB_EMULATE_AVX512
+namespace xfb::tiles {
+#include "lib/core/avx512_emulation.hpp"
+}
+#endif
+
 namespace xfb::tiles::bf16_avx512bf16 {
 #define XFB_VECTOR_FLOATS 16
 #define XFB_BLOCK_ROWS 12
