@@ -56,8 +56,9 @@ inline ReferenceRow reference_row(const std::vector<double>& query, const double
 //       Δδ_i ≤ Σ_c E_ic·(|o_ic| + s_ic) + |dO_ic|·s_ic + 2.02·D·ε·Σ_c (|dO_ic| + E_ic)·(|o_ic| + s_ic);
 //     they move dV_j by Σ_i P_ij·E_i and dS_ij by P_ij·(Σ_c E_ic·|v_jc| + Δδ_i), so dQ, dK by
 //     σ·Σ|ΔdS|·|K|, |Q| — times (1 + 4u) for their second-order terms. With `stored_output` [nq, d]
-//     (the widened bf16 output δ is read off, when it is this level's alone), s_ic is its actual
-//     error |stored − o| instead of the bound out_error + stored_error.
+//     (the values δ is read off as this level's output: its widened bf16 output, or a difference of
+//     stored outputs), s_ic is their actual error |stored − o| plus stored_error (then only what the
+//     reading adds, e.g. a difference's fp32 rounding) instead of out_error + stored_error.
 using KeysOf = std::function<std::pair<std::int64_t, std::int64_t>(std::int64_t)>;
 struct LevelGrads {
   std::vector<double> out, out_error;
@@ -86,8 +87,9 @@ inline LevelGrads level_backward(const float* query, const float* keys, const fl
       g.out[at(c)] = row.out[static_cast<std::size_t>(c)];
       g.out_error[at(c)] = error[static_cast<std::size_t>(c)];
       const double o = std::fabs(g.out[at(c)]);
-      const double s = stored_output != nullptr ? std::fabs(stored_output[at(c)] - g.out[at(c)])
-                                                : g.out_error[at(c)] + stored_error[at(c)];
+      const double extra = stored_error.empty() ? 0.0 : stored_error[at(c)];
+      const double s = stored_output != nullptr ? std::fabs(stored_output[at(c)] - g.out[at(c)]) + extra
+                                                : g.out_error[at(c)] + extra;
       const double dy = std::fabs(dout[at(c)]);
       delta_error +=
           e_dout(c) * (o + s) + dy * s + 2.02 * static_cast<double>(d) * kFloatEps * (dy + e_dout(c)) * (o + s);
@@ -135,14 +137,6 @@ inline LevelGrads level_backward(const float* query, const float* keys, const fl
   finish(g.dk_bound, g.dk_terms, dk_extra);
   finish(g.dv_bound, g.dv_terms, dv_extra);
   return g;
-}
-
-// u/(1 − u)·|x| per element of bf16 values x (widened): the rounding that made them, bounded by them.
-inline std::vector<double> rounding_of(const float* x, std::int64_t count) {
-  std::vector<double> r(static_cast<std::size_t>(count));
-  for (std::int64_t e = 0; e < count; ++e)
-    r[static_cast<std::size_t>(e)] = kBf16Roundoff / (1 - kBf16Roundoff) * std::fabs(x[e]);
-  return r;
 }
 
 }  // namespace xfb::test

@@ -20,7 +20,8 @@
 // (u·σ·Σ|dS|·|K|, |Q|), as bf16_head_gradients for a single softmax: tighter than the terms bound
 // 3u(1 + u)·T, which here would hide a wrong combination of the levels — plus the fp32 factor·T, plus what the level's
 // inputs carry, propagated to first order: δ_i read off a stored output (bf16(o); level 2 beside
-// level 1: out − bf16(y)) and, stacked, level 1's output gradient bf16(dO + dq₂). The levels' parts
+// level 1: out − bf16(y)) with that output's actual error against the level's float64 output, and,
+// stacked, level 1's output gradient bf16(dO + dq₂). The levels' parts
 // are summed in fp32 and rounded once: dq = dq₁ + dq₂ (stacked: dq₁), dk_t = dk₁_t + Σ_{m ∋ t} dK̄_m /
 // c_m (dv likewise), within the parts' bounds + (κ + 2)·ε·T + u·|dq|.
 #include <doctest/doctest.h>
@@ -172,13 +173,17 @@ void check_gradients(const Problem& shape, const Case& c, std::uint64_t seed) {
       // Level 2 first: stacked, its query gradient joins dO as level 1's output gradient.
       LevelGrads two;
       if (pooled_level) {
-        std::vector<double> stored = rounding_of(out, n * d);  // δ₂ is read off out (− bf16(y) beside level 1)
-        if (window) {
-          const std::vector<double> of_y = rounding_of(y, n * d);
-          for (std::size_t e = 0; e < stored.size(); ++e) stored[e] += of_y[e];
-        }
-        two = level_backward(stacked ? y : q, pooled_k.head(b, h), pooled_v.head(b, h), dout, {}, stored, n, rows, d,
-                             pooled_keys);
+        // δ₂ is read off out, or beside level 1 off out − bf16(y) as dO·out − dO·bf16(y) in fp32: the
+        // actual error of out − bf16(y), plus the second dot product's fp32 rounding.
+        std::vector<float> z_read(out, out + n * d);
+        std::vector<double> z_reading;
+        if (window)
+          for (std::int64_t e = 0; e < n * d; ++e) {
+            z_read[static_cast<std::size_t>(e)] = out[e] - y[e];
+            z_reading.push_back(2.02 * static_cast<double>(d) * kFloatEps * (std::fabs(out[e]) + std::fabs(y[e])));
+          }
+        two = level_backward(stacked ? y : q, pooled_k.head(b, h), pooled_v.head(b, h), dout, {}, z_reading, n, rows, d,
+                             pooled_keys, z_read.data());
         if (!stacked)
           for (std::int64_t e = 0; e < n * d; ++e) dq.add(e, e, 1, two.dq, two.dq_bound, two.dq_terms);
         for (std::int64_t m = 0; m < rows; ++m) {
@@ -201,8 +206,7 @@ void check_gradients(const Problem& shape, const Case& c, std::uint64_t seed) {
             const double error = two.dq_bound[i] + kFloatEps * (std::fabs(dout[i]) + two.dq_terms[i]);
             dy_error.push_back(error + kU * (std::fabs(dy[i]) + error));
           }
-        const std::vector<double> stored = rounding_of(pooled_level ? y : out, n * d);
-        const LevelGrads one = level_backward(q, k, v, dy, dy_error, stored, n, n, d, window_keys);
+        const LevelGrads one = level_backward(q, k, v, dy, dy_error, {}, n, n, d, window_keys, pooled_level ? y : out);
         for (std::int64_t e = 0; e < n * d; ++e) {
           dq.add(e, e, 1, one.dq, one.dq_bound, one.dq_terms);
           dk.add(e, e, 1, one.dk, one.dk_bound, one.dk_terms);
