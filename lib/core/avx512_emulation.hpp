@@ -10,7 +10,9 @@
 // Included inside namespace xfb::tiles before the kernels' namespaces open, so an unqualified call
 // in a kernel finds these before the global intrinsics (which need AVX-512 at their call site).
 // The vector types (__m512, __mmask16, __m512bh, …) are the compiler's own: immintrin.h declares
-// them whatever the target flags. No standard header (see tile_kernels_isa.inc): builtins only.
+// them whatever the target flags. The including file includes lib/core/bf16.hpp first, at file
+// scope: in this build it compiles with AVX2 flags, so tile_kernels_isa.inc's rule against headers
+// (no AVX-512 copy of an inline function) holds.
 
 // Lanes as plain arrays (GCC 12 at -O1 with sanitizers misreports subscripted vectors as
 // uninitialised).
@@ -126,7 +128,7 @@ inline __m512 _mm512_maskz_compress_ps(__mmask16 k, __m512 a) {
 // vdpbf16ps, as the SDM gives it: per lane, acc += a.hi·b.hi, then += a.lo·b.lo, each a fused
 // multiply-add rounded to nearest even (a product of two bf16 values is exact in fp32), with
 // denormal inputs read as zero and denormal results flushed to zero.
-inline float bf16_value(unsigned short x) { return flush_denormal(__builtin_bit_cast(float, unsigned{x} << 16)); }
+inline float bf16_value(unsigned short x) { return flush_denormal(to_float(static_cast<bf16>(x))); }
 inline __m512 _mm512_dpbf16_ps(__m512 acc, __m512bh a, __m512bh b) {
   FloatLanes sum = emulated_lanes(acc);
   const auto x = __builtin_bit_cast(WordLanes, a), y = __builtin_bit_cast(WordLanes, b);
@@ -141,16 +143,11 @@ inline __m512 _mm512_dpbf16_ps(__m512 acc, __m512bh a, __m512bh b) {
   return as_m512(sum);
 }
 
-// vcvtneps2bf16: round to nearest even, a denormal input as zero, a NaN kept quiet.
+// vcvtneps2bf16: to_bf16's rounding (nearest even, a NaN kept quiet) of the input, a denormal read as zero.
 inline __m256bh _mm512_cvtneps_pbh(__m512 a) {
   const FloatLanes x = emulated_lanes(a);
   HalfwordLanes rounded;
-  for (int i = 0; i < kEmulatedLanes; ++i) {
-    const unsigned bits = __builtin_bit_cast(unsigned, flush_denormal(x.at[i]));
-    if ((bits & 0x7fffffffu) > 0x7f800000u)
-      rounded.at[i] = static_cast<unsigned short>((bits >> 16) | 0x40u);
-    else
-      rounded.at[i] = static_cast<unsigned short>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-  }
+  for (int i = 0; i < kEmulatedLanes; ++i)
+    rounded.at[i] = static_cast<unsigned short>(to_bf16(flush_denormal(x.at[i])));
   return __builtin_bit_cast(__m256bh, rounded);
 }

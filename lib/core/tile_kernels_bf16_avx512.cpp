@@ -4,6 +4,7 @@
 #include "lib/core/tile_kernels_isa.hpp"
 
 #ifdef XFB_EMULATE_AVX512
+#include "lib/core/bf16.hpp"  // AVX2 flags here: no AVX-512 copy of its inline functions
 namespace xfb::tiles {
 #include "lib/core/avx512_emulation.hpp"
 }
