@@ -12,6 +12,8 @@
 #
 #   tools/ci_regression.sh [XFBENCH] [BASELINE]     check (defaults: build/dev/xfbench,
 #                                                   results/ci-baseline.json)
+#   tools/ci_regression.sh --keep NEW.json ...      check, and keep the new sweep's report
+#   tools/ci_regression.sh --new NEW.json ...       check a kept report instead of sweeping
 #   ONEDNN_MAX_CPU_ISA=AVX2 tools/ci_regression.sh --update [XFBENCH]
 #                                                   rewrite the baseline after an intended change
 #
@@ -21,10 +23,25 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 update=0
-if [ "${1:-}" = "--update" ]; then
-  update=1
+keep=""
+given=""
+usage_error() {
+  echo "ci_regression.sh: $1" >&2
+  exit 2
+}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --update) update=1 ;;
+    --keep | --new)
+      [ $# -ge 2 ] || usage_error "$1 needs a file"
+      if [ "$1" = "--keep" ]; then keep="$2"; else given="$2"; fi
+      shift
+      ;;
+    *) break ;;
+  esac
   shift
-fi
+done
+[ "$update" -eq 0 ] || [ -z "$given" ] || usage_error "--update records a sweep of its own, not --new's report"
 bin="${1:-$root/build/dev/xfbench}"
 baseline="${2:-$root/results/ci-baseline.json}"
 work=$(mktemp -d)
@@ -32,11 +49,16 @@ trap 'rm -rf "$work"' EXIT
 
 # Small, fixed problems: a size below, at and above common block sizes, two threads (the oneDNN
 # scratchpad depends on the thread count), one quick repetition (time is not gated here).
-"$bin" -q sweep --models implemented --seq-lens 64,100,257 --heads 2 --head-dim 16 --threads 2 --seed 42 \
-  --warmup 1 --min-reps 1 --min-time 0 --no-measure --no-table --out "$work/new.json" 2>"$work/sweep.err" || {
-  cat "$work/sweep.err" >&2
-  exit 3
-}
+if [ -n "$given" ]; then
+  cp "$given" "$work/new.json" || exit 2
+else
+  "$bin" -q sweep --models implemented --seq-lens 64,100,257 --heads 2 --head-dim 16 --threads 2 --seed 42 \
+    --warmup 1 --min-reps 1 --min-time 0 --no-measure --no-table --out "$work/new.json" 2>"$work/sweep.err" || {
+    cat "$work/sweep.err" >&2
+    exit 3
+  }
+  if [ -n "$keep" ]; then cp "$work/new.json" "$keep" || exit 2; fi
+fi
 if [ "$update" -eq 1 ]; then
   if [ "${ONEDNN_MAX_CPU_ISA:-}" != "AVX2" ]; then
     echo "ci_regression.sh --update: run with ONEDNN_MAX_CPU_ISA=AVX2 (the baseline's ISA)" >&2
