@@ -1,5 +1,5 @@
 #!/bin/bash
-# One shard of a sweep per task of a Slurm job array (docs/ci.md#a-slurm-job-array). The array is
+# One shard of a sweep per task of a Slurm job array (docs/ci.md#shards-and-merge). The array is
 # the shard numbers, 1-based and contiguous; the arguments are the sweep's options:
 #
 #   sbatch --wait --array=1-8 tools/slurm_sweep.sh --models all --seq-lens 256:16384:x2 \

@@ -38,6 +38,7 @@ int main(int argc, char** argv) {
   bool verbose = false, quiet = false;
   app.add_flag("-v,--verbose", verbose, "debug logging");
   app.add_flag("-q,--quiet", quiet, "warnings and errors only");
+  app.fallthrough();  // commands made after this pass -v and -q on: `xfbench sweep -q …` as `xfbench -q sweep …`
   cli::Action action;
   cli::build_app(app, action);
   const std::string unknown = cli::unknown_command(app, argc, argv);

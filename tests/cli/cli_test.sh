@@ -219,6 +219,9 @@ assert all(("--dtype" in row["reproducer"]) == (row["dtype"] == "bf16") for row 
   --memory-limit 0.0001 --out "$work/sweep.json" >"$work/sweep.txt" 2>"$work/sweep.err"
 [ $? -eq 0 ] && pass || fail "sweep failed: $(tail -3 "$work/sweep.err")"
 grep -q "\[6/6\]" "$work/sweep.err" && pass || fail "sweep progress lines missing"
+# -q after the command, as before it: no progress lines.
+"$bin" sweep --models vanilla --seq-lens 64 "${quick[@]}" --no-measure --no-table --out "$work/quiet.json" -q \
+  2>"$work/quiet.err" && ! grep -q "\[1/1\]" "$work/quiet.err" && pass || fail "sweep … -q: $(cat "$work/quiet.err")"
 grep -q '"status": "skipped"' "$work/sweep.json" && pass || fail "memory-limit skip missing"
 grep -q '"status": "unsupported"' "$work/sweep.json" && pass || fail "unsupported row missing"
 "$bin" sweep --models vanilla,exact-tiled --seq-lens 64,100 "${quick[@]}" --no-measure --out "$work/s2.json" \
@@ -315,6 +318,60 @@ expect_error 2 compare "$work/base.json" "$work/nosuch.json"
 expect_error 2 compare "$work/base.json" "$work/base.json" --metrics time,speed
 expect_error 2 compare "$work/base.json" "$work/base.json" --max-slowdown fast
 expect_error 2 compare "$work/base.json"
+# A point's key, as docs/report-schema.md#matching-points lists it: every field of an ok row changed
+# alone in NEW, compare matches the two rows exactly when the field is not in the list; on a forward
+# and a decode row. Arrays and objects of measurements are not tried.
+"$bin" sweep --models vanilla --seq-lens 64 --pass decode --decode-tokens 2 "${timed[@]}" \
+  --out "$work/decode-key.json" >/dev/null 2>&1 || fail "decode sweep for the key check"
+python3 - "$bin" "$src/docs/report-schema.md" "$work" "$work/base.json" "$work/decode-key.json" \
+  >"$work/key.txt" 2>&1 <<'PY'
+import copy, json, re, subprocess, sys
+binary, schema, work, reports = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+section = open(schema).read().split("## Matching points", 1)[1].split("\n## ", 1)[0]
+sentence = section.split("identify a point by its key:", 1)[1].split(".\n", 1)[0]
+documented = set(re.findall(r"`(\w+)`", sentence))
+valid_other = {"model": "exact-tiled", "scope": "layer", "pass": "train", "dtype": "bf16", "ffn": "switch",
+               "status": "error", "kernel_isa": "avx512", "params": {"nosuch": 1}}
+problems, tried = [], set()
+for report in reports:
+    base = json.load(open(report))
+    base["results"] = [r for r in base["results"] if r["status"] == "ok"][:1]
+    row = base["results"][0]
+    json.dump(base, open(f"{work}/key-base.json", "w"))
+    for field, value in row.items():
+        if field in valid_other:
+            changed = valid_other[field]
+        elif field in ("median_ns", "out_len"):  # kept within the row's own bounds (min ≤ median; ≤ N)
+            changed = row["min_ns"] if field == "median_ns" else value - 1
+        elif isinstance(value, bool):
+            changed = not value
+        elif isinstance(value, int):
+            changed = value + 1
+        elif isinstance(value, float):  # within min_ns ≤ median_ns ≤ max_ns and host_busy ≤ 1
+            changed = value * 0.5 if field in ("min_ns", "host_busy") else value + 1
+        elif isinstance(value, str):
+            changed = value + "x"
+        else:
+            continue
+        new = copy.deepcopy(base)
+        new["results"][0][field] = changed
+        json.dump(new, open(f"{work}/key-new.json", "w"))
+        run = subprocess.run([binary, "compare", f"{work}/key-base.json", f"{work}/key-new.json", "--format", "json",
+                              "--metrics", "memory"], capture_output=True, text=True)
+        if run.returncode == 2:
+            problems.append(f"{field}: the changed row was refused: {run.stderr.strip()}")
+            continue
+        tried.add(field)
+        verdicts = sorted(p["verdict"] for p in json.loads(run.stdout)["points"])
+        if (verdicts != ["missing", "new"]) == (field in documented):
+            problems.append(f"{row['pass']} row, {field} changed alone: verdicts {verdicts}, in the documented key: "
+                            f"{field in documented}")
+if documented - tried:
+    problems.append("documented but in no row: " + ", ".join(sorted(documented - tried)))
+print("\n".join(problems) if problems else f"{len(tried)} fields tried; the key is the documented one")
+sys.exit(1 if problems else 0)
+PY
+[ $? -eq 0 ] && pass || fail "docs/report-schema.md's key and compare's disagree: $(cat "$work/key.txt")"
 
 # --- ab: interleaved A/B, contention fields, dashboard exports ----------------------------------
 tiny=(--seq-lens 64 --heads 2 --head-dim 16 --threads 2 --min-reps 3 --min-time 0 --rounds 4)
@@ -406,6 +463,19 @@ expect_error 2 plot "$work/base.json" --metric nosuch --out "$work/p.svg"
   && pass || fail "complexity: vanilla and exact-tiled execute O(N²) FLOPs: $(cat "$work/fit.txt")"
 "$bin" complexity "$work/fit.json" --format json | grep -q '"best": "N²"' && pass || fail "complexity --format json"
 "$bin" table "$work/fit.json" --complexity | grep -q "N² ✓" && pass || fail "table --complexity"
+# docs/cli.md#complexity's two mapping tables name every complexity and decode cost the registry prints.
+"$bin" list --format json | python3 -c 'import json, re, sys
+section = open(sys.argv[1]).read().split("\n## complexity\n", 1)[1].split("\n## ", 1)[0]
+tables = re.findall(r"\| (?:survey.s string|decode cost) \|.*?\n\n", section, re.S)
+def cells(table):
+    rows = [line.split("|")[1] for line in table.splitlines()[2:] if line.startswith("|")]
+    return {re.sub(r"\s", "", c).lower() for row in rows for c in row.split(", ")}
+survey, decode = (cells(t) for t in tables)
+norm = lambda text: re.sub(r"\s", "", text).lower()
+models = json.load(sys.stdin)
+gaps = [m["name"] + ": " + m["complexity"] for m in models if norm(m["complexity"]) not in survey]
+gaps += [m["name"] + " decodes at " + m["decode_cost"] for m in models if m["decode_cost"] and norm(m["decode_cost"]) not in decode]
+assert len(tables) == 2 and not gaps, gaps' "$src/docs/cli.md" && pass || fail "docs/cli.md#complexity misses a mapping"
 expect_error 2 complexity "$work/empty.json"
 expect_error 2 complexity "$work/future.json"
 "$bin" taxonomy --format md | grep -q "| 14 | v1 | Performer" && pass || fail "taxonomy md"
