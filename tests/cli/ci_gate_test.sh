@@ -8,12 +8,7 @@
 set -u
 bin="$1"
 src="$(cd "$(dirname "$0")/../.." && pwd)"
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-passes=0
-failures=0
-pass() { passes=$((passes + 1)); }
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+source "$src/tests/cli/common.sh"
 source "$src/tests/cli/doctor.sh"
 
 gate="$src/tools/ci_regression.sh"

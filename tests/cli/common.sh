@@ -1,8 +1,8 @@
-# The checks the command-line tests share, sourced by tests/cli/cli_reports_test.sh and
-# tests/cli/cli_points_test.sh. Expects $bin and $src; sets $work (a temporary folder, removed at
-# exit), $out (the folder every output a
-# command might create goes to: it must stay empty on a refusal) and $valid (a copy of the CI
-# baseline, an input that must stay unchanged).
+# The checks the command-line tests share, sourced by tests/cli/cli_reports_test.sh,
+# tests/cli/cli_points_test.sh and tests/cli/ci_gate_test.sh. Expects $bin and $src; sets $work (a
+# temporary folder, removed at exit), $out (the folder every output a command might create goes to:
+# it must stay empty on a refusal) and $valid (a copy of the CI baseline, an input that must stay
+# unchanged).
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 passes=0
