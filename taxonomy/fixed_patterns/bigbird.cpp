@@ -48,16 +48,20 @@ struct BlockLayout {
   std::pair<std::int64_t, std::int64_t> window(std::int64_t qb) const {
     return {std::max(qb - before, front), std::min(qb + after, blocks - back - 1) + 1};
   }
-  std::vector<std::int64_t> candidates(std::int64_t qb) const {
+  // The candidates for a non-global query block's random blocks are the non-global, full blocks
+  // outside its window, ascending: [front, first) then [last, blocks − back), less a partial last
+  // block. Their count and the i-th of them in O(1), without listing them (a list per block made
+  // planning O(blocks²)).
+  std::int64_t candidate_count(std::int64_t qb) const {
     const auto [first, last] = window(qb);
-    std::vector<std::int64_t> list;
-    for (std::int64_t blk = 0; blk < blocks; ++blk)
-      if (!global(blk) && (blk < first || blk >= last) && end(blk) - begin(blk) == block) list.push_back(blk);
-    return list;
+    const bool partial_last = tokens % block != 0 && back == 0 && blocks - 1 >= last;
+    return (first - front) + (blocks - back - last) - (partial_last ? 1 : 0);
   }
-  std::int64_t random_count(std::int64_t qb) const {
-    return std::min<std::int64_t>(random, static_cast<std::int64_t>(candidates(qb).size()));
+  std::int64_t candidate(std::int64_t qb, std::int64_t i) const {
+    const auto [first, last] = window(qb);
+    return i < first - front ? front + i : last + (i - (first - front));
   }
+  std::int64_t random_count(std::int64_t qb) const { return global(qb) ? 0 : std::min(random, candidate_count(qb)); }
 };
 
 // Key runs of query block qb; `chosen` are its random blocks in ascending order.
@@ -84,10 +88,37 @@ void plan_block(const BlockLayout& layout, std::int64_t qb, const std::vector<st
 
 // The first r candidates: a stand-in draw with the same FLOPs and buffer sizes as any real one.
 std::vector<std::int64_t> any_draw(const BlockLayout& layout, std::int64_t qb) {
-  auto list = layout.candidates(qb);
-  list.resize(static_cast<std::size_t>(layout.random_count(qb)));
+  std::vector<std::int64_t> list(static_cast<std::size_t>(layout.random_count(qb)));
+  for (std::size_t i = 0; i < list.size(); ++i) list[i] = layout.candidate(qb, static_cast<std::int64_t>(i));
   return list;
 }
+
+// Position i of the candidate list as a partial Fisher–Yates has left it: the swapped value when
+// the shuffle moved one there, else the i-th candidate (only the ≤ 2r touched positions are held).
+struct SparseShuffle {
+  const BlockLayout& layout;
+  std::int64_t qb;
+  std::vector<std::pair<std::int64_t, std::int64_t>> moved;  // (position, value)
+
+  std::int64_t at(std::int64_t i) const {
+    for (const auto& [position, value] : moved)
+      if (position == i) return value;
+    return layout.candidate(qb, i);
+  }
+  void set(std::int64_t i, std::int64_t value) {
+    for (auto& [position, held] : moved)
+      if (position == i) {
+        held = value;
+        return;
+      }
+    moved.emplace_back(i, value);
+  }
+  void swap(std::int64_t i, std::int64_t j) {
+    const std::int64_t at_i = at(i), at_j = at(j);
+    set(i, at_j);
+    set(j, at_i);
+  }
+};
 
 struct TileSizes {
   std::int64_t scores = 0, gathered = 0;
@@ -199,15 +230,18 @@ class BigBird final : public Mechanism {
     for (std::int64_t h = 0; h < p_.heads; ++h)
       for (std::int64_t qb = 0; qb < blocks; ++qb) {
         if (layout_.global(qb)) continue;
-        auto list = layout_.candidates(qb);
-        const auto count = static_cast<std::size_t>(layout_.random_count(qb));
-        for (std::size_t t = 0; t < count; ++t) {
-          const auto index = static_cast<std::uint64_t>((h * blocks + qb) * r) + t;
-          std::swap(list[t], list[t + rng.bits(index) % (list.size() - t)]);
+        const auto size = static_cast<std::uint64_t>(layout_.candidate_count(qb));
+        const std::int64_t count = layout_.random_count(qb);
+        SparseShuffle list{layout_, qb, {}};
+        std::vector<std::int64_t> chosen;
+        for (std::int64_t t = 0; t < count; ++t) {
+          const auto index = static_cast<std::uint64_t>((h * blocks + qb) * r + t);
+          list.swap(t, t + static_cast<std::int64_t>(rng.bits(index) % (size - static_cast<std::uint64_t>(t))));
+          chosen.push_back(list.at(t));
         }
-        std::sort(list.begin(), list.begin() + static_cast<std::ptrdiff_t>(count));
-        for (std::size_t t = 0; t < count; ++t)
-          random_[(h * blocks + qb) * r + static_cast<std::int64_t>(t)] = static_cast<float>(list[t]);
+        std::sort(chosen.begin(), chosen.end());
+        for (std::int64_t t = 0; t < count; ++t)
+          random_[(h * blocks + qb) * r + t] = static_cast<float>(chosen[static_cast<std::size_t>(t)]);
       }
   }
 
