@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <stdexcept>
 
 namespace xfb {
@@ -17,6 +18,12 @@ void close_fd(int& fd) {
   fd = -1;
 }
 }  // namespace
+
+std::string self_path() {
+  std::error_code error;
+  const std::filesystem::path resolved = std::filesystem::read_symlink("/proc/self/exe", error);
+  return error ? std::string("/proc/self/exe") : resolved.string();
+}
 
 ChildResult run_self(const std::vector<std::string>& args, double timeout_s) {
   return run_program("/proc/self/exe", args, timeout_s);

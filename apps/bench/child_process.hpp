@@ -15,6 +15,9 @@ struct ChildResult {
   std::int64_t peak_rss_bytes = 0;
 };
 
+// The running executable's path (/proc/self/exe resolved; that link itself if it cannot be read):
+// what run_self starts, an input no output may replace.
+std::string self_path();
 ChildResult run_self(const std::vector<std::string>& args, double timeout_s);
 // The same for another executable (a path); exit code 127 when it cannot be started.
 ChildResult run_program(const std::string& program, const std::vector<std::string>& args, double timeout_s);

@@ -91,6 +91,7 @@ void write_dump(const std::string& dir, const Point& point, const ResultRow& row
   while (pattern.size() > 1 && pattern.back() == '/') pattern.pop_back();
   pattern += ".partial-XXXXXX";
   if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("cannot create a folder beside " + dir);
+  const UnfinishedOutput unfinished(pattern, /*folder=*/true);
   try {
     for (const auto& [name, tensor] : files) write_npy(pattern + "/" + name + ".npy", *tensor);
     write_file_atomically(pattern + "/manifest.json", dump_manifest(point, row, files).dump(2) + "\n");

@@ -96,6 +96,8 @@ std::vector<std::int64_t> parse_seq_lens(const std::string& text) {
     if (step[0] == 'x' && k < 2) throw InputError("--seq-lens geometric step must be at least x2");
     if (lo > hi) throw InputError("--seq-lens range is empty");
     const bool geometric = step[0] == 'x';
+    if (!geometric && (hi - lo) / k >= kMaxSeqLens)
+      throw InputError("--seq-lens " + text + " has more than " + std::to_string(kMaxSeqLens) + " lengths");
     for (std::int64_t n = lo;; n = geometric ? n * k : n + k) {
       lens.push_back(n);
       if (geometric ? n > hi / k : n > hi - k) break;  // the next length would pass hi (and never overflows)
@@ -103,7 +105,10 @@ std::vector<std::int64_t> parse_seq_lens(const std::string& text) {
     return lens;
   }
   if (range.size() != 1) throw InputError("--seq-lens expects a,b,c or lo:hi:xK, got '" + text + "'");
-  for (const auto& item : comma_items(text)) {
+  const auto items = comma_items(text);
+  if (static_cast<std::int64_t>(items.size()) > kMaxSeqLens)
+    throw InputError("--seq-lens has more than " + std::to_string(kMaxSeqLens) + " lengths");
+  for (const auto& item : items) {
     if (item.empty()) throw InputError("--seq-lens has an empty entry");
     lens.push_back(parse_length(item, "--seq-lens"));
   }

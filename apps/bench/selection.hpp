@@ -20,8 +20,11 @@ std::vector<std::string> comma_items(const std::string& text);
 // empty term, an unknown name or class, a term that selects nothing, or an empty result.
 std::vector<std::string> parse_model_selection(const std::string& text, const std::string& exclude = "");
 
+inline constexpr std::int64_t kMaxSeqLens = 10'000;  // lengths one --seq-lens may give
+
 // --seq-lens: `256,512,1K` or `256:16K:x2` (geometric) or `1000:4000:+1000` (arithmetic); every
-// length and step is a token count (lib/core/token_count.hpp: 1K = 1024), spaces around items trimmed.
+// length and step is a token count (lib/core/token_count.hpp: 1K = 1024), spaces around items
+// trimmed; at most kMaxSeqLens lengths (InputError beyond, before any is listed).
 std::vector<std::int64_t> parse_seq_lens(const std::string& text);
 
 }  // namespace xfb

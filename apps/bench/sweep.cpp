@@ -160,6 +160,8 @@ struct PlannedPoint {
   ResultRow row;
 };
 
+constexpr std::size_t kMaxSweepPoints = 100'000;  // models × grid × parameter sets × passes × lengths
+
 // The grid's base points: every combination of the gridded fields, or the base alone.
 std::vector<PointConfig> base_points(const SweepSettings& s) {
   return s.grid.empty() ? std::vector<PointConfig>{s.base} : s.grid;
@@ -168,6 +170,13 @@ std::vector<PointConfig> base_points(const SweepSettings& s) {
 // Every point of the grid — per model, each base point, parameter set, pass and length — resolved
 // (InputError on any invalid one, before anything is written).
 std::vector<PlannedPoint> plan_points(const SweepSettings& s) {
+  std::size_t total = 0;
+  for (const auto& model : s.models)
+    total += base_points(s).size() * param_grid(params_for_model(model, s.params)).size() * s.passes.size() *
+             s.seq_lens.size();
+  if (total > kMaxSweepPoints)
+    throw InputError("the sweep has " + std::to_string(total) + " points, more than " +
+                     std::to_string(kMaxSweepPoints) + ": select fewer models, lengths or grid values");
   std::vector<PlannedPoint> planned;
   for (const auto& model : s.models) {
     const auto param_sets = param_grid(params_for_model(model, s.params));
@@ -408,7 +417,7 @@ std::string render_dry_run(const SweepSettings& s) {
 Report run_sweep(const SweepSettings& s, const std::string& command_line) {
   // Validate everything before writing anything.
   if (s.out_path == "-") throw InputError("--out -: a sweep rewrites its report after every point; name a file");
-  check_output_path(s.out_path);
+  check_output_path(s.out_path, {self_path()});  // not the binary that runs the points
   const std::vector<PlannedPoint> points = shard_points(s);
 
   Report report;

@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "apps/bench/ab.hpp"
+#include "apps/bench/child_process.hpp"
 #include "apps/bench/sweep.hpp"
 #include "apps/cli/commands.hpp"
 #include "apps/report/compare.hpp"
@@ -29,7 +30,10 @@ int run(AbOptions& o) {
   s.max_slowdown = parse_fraction(o.max_slowdown, "--max-slowdown");
   if (!s.b.model.empty() && s.models.size() != 1) throw InputError("--b-model needs exactly one model in --models");
   if (o.out == "-") throw InputError("--out -: ab prints its table on standard output (--format json prints JSON)");
-  if (!o.out.empty()) check_output_path(o.out);
+  // The binaries the sides run are inputs too: --out must not replace one of them.
+  if (!o.out.empty())
+    check_output_path(o.out, {self_path(), s.a.program.empty() ? self_path() : s.a.program,
+                              s.b.program.empty() ? self_path() : s.b.program});
   const AbReport report = run_ab(s, command_line());
   const AbFormat format = o.format == "md"                 ? AbFormat::Markdown
                           : o.format == "json"             ? AbFormat::Json

@@ -96,7 +96,8 @@ void add_list(CLI::App& app, Action& action) {
   auto class_filter = std::make_shared<std::string>();
   auto implemented_only = std::make_shared<bool>(false);
   auto format = std::make_shared<std::string>("text");
-  command->add_option("--class", *class_filter, "only this class (fixed_patterns, FP, learnable_patterns, …)");
+  command->add_option("--class", *class_filter, "only this class (fixed_patterns, FP, learnable_patterns, …)")
+      ->check(kNonEmpty);
   command->add_flag("--implemented", *implemented_only, "only implemented models");
   command->add_option("--format", *format, "text, md or json")->check(CLI::IsMember({"text", "md", "json"}));
   command->callback([=, &action] { action = [=] { return run_list(*class_filter, *implemented_only, *format); }; });

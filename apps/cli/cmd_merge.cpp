@@ -1,7 +1,9 @@
 // `xfbench merge A.json B.json … -o ALL.json`: joins the shards of a sweep into one report.
 #include <cstdio>
+#include <string>
 
 #include "apps/cli/commands.hpp"
+#include "apps/report/files.hpp"
 #include "apps/report/merge.hpp"
 #include "lib/core/errors.hpp"
 
@@ -19,7 +21,11 @@ void add_merge(CLI::App& app, Action& action) {
       std::vector<NamedReport> reports;
       for (const auto& path : *inputs) reports.push_back({path, load_report(path)});
       const Report merged = merge_reports(reports);
-      write_output(*out, report_to_json(merged).dump(2) + "\n", *inputs);
+      const std::string text = report_to_json(merged).dump(2) + "\n";
+      if (text.size() > kMaxInputBytes)  // a report no command could read back
+        throw InputError("the merged report would be " + std::to_string(text.size()) + " bytes, more than the " +
+                         std::to_string(kMaxInputBytes >> 20) + " MiB a report may have; merge fewer reports");
+      write_output(*out, text, *inputs);
       std::fprintf(stderr, "merged %zu report(s), %zu point(s) into %s\n", reports.size(), merged.results.size(),
                    *out == "-" ? "standard output" : out->c_str());
       return kExitOk;

@@ -139,10 +139,15 @@ int run(RunOptions& o) {
   }
   if (!optimised_build()) spdlog::warn("this build is not optimised: times are not representative");
   if (row.contended) spdlog::warn("{}", contended_warning(row));
-  if (o.json)
+  if (o.json) {
     std::printf("%s\n", nlohmann::json(row).dump().c_str());
-  else
+  } else {
     print_human(row);
+    // The row holds the reason; stderr says it too, on one line (the JSON protocol's caller reads the row).
+    std::string reason = row.reason;
+    std::replace(reason.begin(), reason.end(), '\n', ' ');
+    if (row.status == Status::Error) std::fprintf(stderr, "xfbench: runtime error: %s\n", reason.c_str());
+  }
   return row.status == Status::Error ? kExitRuntime : kExitOk;
 }
 
@@ -160,7 +165,8 @@ void add_run(CLI::App& app, Action& action) {
                   "GiB; refuse the point when its estimated tracked memory exceeds it (0: no check; "
                   "default: the memory available)");
   command->add_flag("--json", options->json, "print the report row as JSON");
-  command->add_option("--dump", options->dump_dir, "write q/k/v/out/parameters .npy files and manifest.json here");
+  command->add_option("--dump", options->dump_dir, "write q/k/v/out/parameters .npy files and manifest.json here")
+      ->check(kNonEmpty);
   command->callback([options, &action] {
     options->resolved = resolve_point(point_config(*options));
     action = [options] { return run(*options); };

@@ -127,7 +127,8 @@ void add_sweep(CLI::App& app, Action& action) {
   command->add_flag("--no-measure", o->no_measure, "do not measure FMA peak and bandwidth for the context");
   command->add_flag("--no-table", o->no_table, "do not print the table at the end");
   command->add_option("--shard", o->shard, "run shard i of n (1-based, e.g. 2/4); join the parts with `xfbench merge`");
-  command->add_option("--preset", o->preset, "lra: Long Range Arena's efficiency configuration (see docs/lra.md)");
+  command->add_option("--preset", o->preset, "lra: Long Range Arena's efficiency configuration (see docs/lra.md)")
+      ->check(kNonEmpty);
   command->callback([o, command, &action] { action = [o, command] { return run(*command, *o); }; });
 }
 

@@ -17,6 +17,11 @@ namespace xfb::cli {
 
 using Action = std::function<int()>;
 
+// A check for string options whose empty value would read as "not given" (`--dump ""`): refused.
+inline const CLI::Validator kNonEmpty{
+    [](std::string& value) { return value.empty() ? std::string("must not be empty") : std::string(); }, "",
+    "NONEMPTY"};
+
 void add_list(CLI::App& app, Action& action);
 void add_env(CLI::App& app, Action& action);
 void add_run(CLI::App& app, Action& action);

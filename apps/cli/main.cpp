@@ -3,10 +3,13 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "apps/cli/commands.hpp"
+#include "apps/report/files.hpp"
 #include "lib/core/errors.hpp"
 
 namespace xfb::cli {
@@ -34,6 +37,7 @@ std::string known_commands(const CLI::App& app) {
 int main(int argc, char** argv) {
   using namespace xfb;
   cli::set_command_line(argc, argv);
+  install_interrupt_cleanup();  // an interrupted write leaves no temporary behind
   CLI::App app{"xfbench — benchmarks of the efficient-attention models of 'Efficient Transformers: A Survey'"};
   bool verbose = false, quiet = false;
   app.add_flag("-v,--verbose", verbose, "debug logging");
@@ -63,7 +67,14 @@ int main(int argc, char** argv) {
   logger->set_level(verbose ? spdlog::level::debug : quiet ? spdlog::level::warn : spdlog::level::info);
   spdlog::set_default_logger(logger);
   try {
-    return action();
+    const int code = action();
+    // Output lost to a full disk or a closed stream is a failure, not a success (exit 3).
+    if (std::fflush(stdout) != 0 || std::ferror(stdout) != 0) {
+      std::fprintf(stderr, "xfbench: runtime error: cannot write to standard output: %s\n",
+                   std::strerror(errno != 0 ? errno : EIO));
+      return kExitRuntime;
+    }
+    return code;
   } catch (const InputError& e) {
     std::fprintf(stderr, "xfbench: error: %s\n", e.what());
     return kExitUsage;

@@ -59,7 +59,11 @@ void add_point_options(CLI::App& command, const std::shared_ptr<PointOptions>& o
 
 PointConfig point_of(const PointOptions& options, std::vector<Pass>* passes) {
   FieldTexts texts = options.texts;
+  PointConfig defaults = options.defaults;
   if (passes != nullptr) {
+    // Sweep and ab: the lengths come from --seq-lens and each point is checked at its own
+    // (plan_points, run_ab); the size limits here must not judge the default --seq-len.
+    defaults.problem.seq_len = 1;
     // Sweep and ab: --pass may list passes; the point carries the first, the grid all of them.
     const auto pass = texts.find("pass");
     *passes = pass == texts.end() ? std::vector<Pass>{options.defaults.pass} : std::vector<Pass>{};
@@ -70,7 +74,7 @@ PointConfig point_of(const PointOptions& options, std::vector<Pass>* passes) {
       pass->second = {pass_name(passes->front())};
     }
   }
-  return apply_field_texts(options.defaults, texts);
+  return apply_field_texts(defaults, texts);
 }
 
 namespace {

@@ -1,9 +1,12 @@
 #include "apps/report/files.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <array>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -84,6 +87,54 @@ int fill_and_close(int fd, const std::string& content, mode_t mode) {
   return error;
 }
 
+// The registry of unfinished outputs the interrupt handler removes: fixed storage, no allocation,
+// read by the handler with only async-signal-safe calls. An entry is complete before the depth
+// counts it.
+struct UnfinishedEntry {
+  std::array<char, 4096> path{};
+  bool folder = false;
+};
+std::array<UnfinishedEntry, 8> g_unfinished;
+volatile std::sig_atomic_t g_unfinished_depth = 0;
+
+// Unlinks every entry of the folder `fd` (getdents64 and unlinkat: system calls, safe in a handler).
+void remove_folder_entries(int fd) {
+  alignas(8) std::array<char, 4096> buffer{};
+  for (;;) {
+    const long n = ::syscall(SYS_getdents64, fd, buffer.data(), buffer.size());
+    if (n <= 0) return;
+    bool removed = false;
+    for (long at = 0; at < n;) {
+      const auto* entry = reinterpret_cast<const struct dirent64*>(buffer.data() + at);
+      const char* name = entry->d_name;
+      const bool dots = name[0] == '.' && (name[1] == '\0' || (name[1] == '.' && name[2] == '\0'));
+      if (!dots && ::unlinkat(fd, name, 0) == 0) removed = true;
+      at += entry->d_reclen;
+    }
+    if (!removed) return;  // nothing more this pass could remove
+    ::lseek(fd, 0, SEEK_SET);
+  }
+}
+
+extern "C" void remove_unfinished_and_reraise(int signal_number) {
+  for (std::sig_atomic_t i = g_unfinished_depth; i-- > 0;) {
+    const UnfinishedEntry& entry = g_unfinished[static_cast<std::size_t>(i)];
+    if (!entry.folder) {
+      ::unlink(entry.path.data());
+      continue;
+    }
+    const int fd = ::open(entry.path.data(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+      remove_folder_entries(fd);
+      ::close(fd);
+    }
+    ::rmdir(entry.path.data());
+  }
+  g_unfinished_depth = 0;
+  std::signal(signal_number, SIG_DFL);
+  std::raise(signal_number);
+}
+
 void sync_folder(const fs::path& folder) {
   const int fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return;
@@ -151,15 +202,20 @@ void write_file_atomically(const std::string& path, const std::string& content) 
   // process with the temporary left behind.
   const auto previous = std::signal(SIGXFSZ, SIG_IGN);
   std::string temporary;
-  int error = 0;
+  int fd = -1;
   try {
-    error = fill_and_close(create_temporary(target, temporary), content, mode);
+    fd = create_temporary(target, temporary);
   } catch (...) {
     std::signal(SIGXFSZ, previous);
     throw;
   }
-  std::signal(SIGXFSZ, previous);
-  if (error == 0 && std::rename(temporary.c_str(), target.c_str()) != 0) error = errno;
+  int error = 0;
+  {
+    const UnfinishedOutput unfinished(temporary);
+    error = fill_and_close(fd, content, mode);
+    std::signal(SIGXFSZ, previous);
+    if (error == 0 && std::rename(temporary.c_str(), target.c_str()) != 0) error = errno;
+  }
   if (error != 0) {
     ::unlink(temporary.c_str());
     throw std::runtime_error("cannot write " + path + ": " + system_error_text(error) + " (the file is unchanged)");
@@ -172,6 +228,34 @@ void write_output(const std::string& path, const std::string& content, const std
   if (path != "-") return write_file_atomically(path, content);
   if (std::fwrite(content.data(), 1, content.size(), stdout) != content.size() || std::fflush(stdout) != 0)
     throw std::runtime_error("cannot write to standard output: " + system_error_text(errno));
+}
+
+void install_interrupt_cleanup() {
+  std::signal(SIGXFSZ, SIG_IGN);
+  for (const int signal_number : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction current {};
+    if (::sigaction(signal_number, nullptr, &current) != 0 || current.sa_handler == SIG_IGN) continue;
+    struct sigaction cleanup {};
+    cleanup.sa_handler = remove_unfinished_and_reraise;
+    sigemptyset(&cleanup.sa_mask);
+    for (const int other : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&cleanup.sa_mask, other);  // one cleanup at a time
+    ::sigaction(signal_number, &cleanup, nullptr);
+  }
+}
+
+UnfinishedOutput::UnfinishedOutput(const std::string& path, bool folder) {
+  const std::sig_atomic_t depth = g_unfinished_depth;
+  if (depth >= static_cast<std::sig_atomic_t>(g_unfinished.size()) || path.size() >= g_unfinished[0].path.size())
+    return;
+  UnfinishedEntry& entry = g_unfinished[static_cast<std::size_t>(depth)];
+  std::memcpy(entry.path.data(), path.c_str(), path.size() + 1);
+  entry.folder = folder;
+  g_unfinished_depth = depth + 1;
+  registered_ = true;
+}
+
+UnfinishedOutput::~UnfinishedOutput() {
+  if (registered_) g_unfinished_depth = g_unfinished_depth - 1;
 }
 
 std::string quoted(const std::string& text, std::size_t limit) {

@@ -35,6 +35,28 @@ void write_file_atomically(const std::string& path, const std::string& content);
 // check_output_path, then write_file_atomically (or standard output for "-").
 void write_output(const std::string& path, const std::string& content, const std::vector<std::string>& inputs = {});
 
+// Unfinished outputs removed on interruption. install_interrupt_cleanup() (once, in main) makes
+// SIGINT, SIGTERM and SIGHUP (unless ignored, as under nohup) remove every output registered with an
+// UnfinishedOutput, newest first, before the signal's default action; and ignores SIGXFSZ, so that a
+// write past the file size limit (ulimit -f) fails with EFBIG, an error the writer reports, instead
+// of killing the process mid-file.
+void install_interrupt_cleanup();
+
+// Registers `path` for removal on interruption while the object lives: a file is unlinked; with
+// `folder`, the folder's entries (one level: dump folders are flat) and then the folder. Objects
+// are destroyed in reverse order of creation (scopes), as the registry is a stack of at most 8
+// entries (beyond that, registration is skipped: best effort). Single-threaded use.
+class UnfinishedOutput {
+ public:
+  explicit UnfinishedOutput(const std::string& path, bool folder = false);
+  ~UnfinishedOutput();
+  UnfinishedOutput(const UnfinishedOutput&) = delete;
+  UnfinishedOutput& operator=(const UnfinishedOutput&) = delete;
+
+ private:
+  bool registered_ = false;
+};
+
 // `text` as a JSON string literal, at most `limit` bytes of it (cut at a character boundary, "…"
 // appended): safe to put in a one-line message whatever the text holds.
 std::string quoted(const std::string& text, std::size_t limit = 60);

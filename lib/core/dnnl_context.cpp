@@ -2,6 +2,13 @@
 
 #include <omp.h>
 
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <vector>
+
 #include "lib/core/memory_tracker.hpp"
 
 namespace xfb {
@@ -18,8 +25,35 @@ int DnnlContext::default_threads() {
   return threads;
 }
 
+namespace {
+// Starting a team of `threads` can fail (ulimit -u, or ulimit -v against 8 MiB stacks), and libgomp
+// then prints its own text and exits with status 1 from inside a parallel region. So, once per
+// larger team, threads − 1 threads with the default stack (as libgomp's) are started and held
+// together as a team is, and a failure becomes an exception that names --threads.
+void check_team_can_start(int threads) {
+  static int checked = 1;
+  if (threads <= checked) return;
+  std::mutex gate;
+  gate.lock();
+  std::vector<std::thread> team;
+  std::string failure;
+  try {
+    for (int i = 1; i < threads; ++i) team.emplace_back([&gate] { const std::lock_guard<std::mutex> hold(gate); });
+  } catch (const std::system_error& e) {
+    failure = e.code().message();
+  }
+  gate.unlock();
+  for (auto& thread : team) thread.join();
+  if (!failure.empty())
+    throw std::runtime_error("cannot start " + std::to_string(threads) + " threads (--threads): " + failure);
+  checked = threads;
+}
+}  // namespace
+
 void DnnlContext::set_threads(int threads) {
-  if (threads > 0) omp_set_num_threads(threads);
+  if (threads <= 0) return;
+  check_team_can_start(threads);
+  omp_set_num_threads(threads);
 }
 
 int DnnlContext::threads() const { return omp_get_max_threads(); }

@@ -20,7 +20,8 @@ class DnnlContext {
   dnnl::engine& engine() { return engine_; }
   dnnl::stream& stream() { return stream_; }
 
-  // Governs oneDNN (OpenMP runtime) and the project's own OpenMP loops.
+  // Governs oneDNN (OpenMP runtime) and the project's own OpenMP loops. Throws std::runtime_error
+  // when a team of `threads` cannot be started (a resource limit), before OpenMP would try.
   void set_threads(int threads);
   int threads() const;
   // The team size the process started with (OMP_NUM_THREADS, else every core): the default of

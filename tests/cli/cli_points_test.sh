@@ -52,6 +52,37 @@ expect_refusal 2 "given more than once" ab --models local --seq-lens 64 --out "$
 expect_refusal 2 "one value per field" ab --models local --seq-lens 64 --out "$out/ab.json" --heads 2,4
 expect_refusal 2 "given the value 8 twice" sweep --models local --seq-lens 64 --out "$out/s.json" -p block=8,8
 
+# Sizes are judged at the lengths a sweep runs, not at run's default --seq-len: 8192 heads of 16384
+# at N = 1 is one 2²⁷-element tensor per input, within the limits.
+"$bin" sweep --models vanilla --seq-lens 1 --heads 8192 --head-dim 16384 --no-measure --dry-run >"$work/stdout" 2>&1 \
+  && grep -q "1 would run" "$work/stdout" && pass || fail "sweep at N = 1 judged at another length: $(cat "$work/stdout")"
+# How many lengths and points a sweep may plan (docs/cli.md#limits): refused before any is listed.
+expect_refusal 2 "more than 10000 lengths" sweep --models local --seq-lens 1:2147483647:+1 --out "$out/s.json"
+expect_refusal 2 "more than 10000 lengths" ab --models local --seq-lens 1:2147483647:+1 --out "$out/ab.json"
+expect_refusal 2 "more than 10000 lengths" sweep --models local --seq-lens "$(seq -s, 1 10001)" --out "$out/s.json"
+expect_refusal 2 "more than 100000" sweep --models all --seq-lens 1:9000:+1 --out "$out/s.json"
+# Planning costs O(blocks) per point, not O(blocks²) (Big Bird's random-block candidates were listed
+# per block): a point at 4M tokens is judged against the memory limit at once.
+expect_refusal 2 "--memory-limit" run -m bigbird -n 4M --heads 1 --head-dim 1 --memory-limit 0.001
+timeout 20 "$bin" sweep --models bigbird --seq-lens 256K -p block=1 --no-measure --dry-run >/dev/null 2>&1 \
+  && pass || fail "sweep --dry-run of bigbird at 256K tokens in blocks of 1 took over 20 s or failed"
+# No output may replace the binary that runs the points (sweep, ab) or a side's binary (ab).
+cp "$bin" "$work/xfbench-copy"
+before=$(sha256sum <"$work/xfbench-copy")
+for command in "sweep --models local --seq-lens 64 --no-measure --out" \
+  "ab --models local --seq-lens 64 --rounds 2 --out" \
+  "ab --models local --seq-lens 64 --rounds 2 --a-bin $(realpath "$bin") --b-bin $work/xfbench-copy --out"; do
+  # shellcheck disable=SC2086
+  (cd "$work" && "./xfbench-copy" $command ./xfbench-copy >/dev/null 2>"$work/stderr")
+  code=$?
+  [ "$code" -eq 2 ] && grep -q "is the input" "$work/stderr" && [ "$(sha256sum <"$work/xfbench-copy")" = "$before" ] \
+    && pass || fail "$command onto its binary: exit $code: $(cat "$work/stderr")"
+  cp "$bin" "$work/xfbench-copy"
+done
+# An empty value that would read as "not given" is refused.
+expect_refusal 2 "--dump" run -m local -n 64 --dump ""
+expect_refusal 2 "--preset" sweep --models local --seq-lens 64 --preset "" --out "$out/s.json"
+
 # --- run alone ---------------------------------------------------------------------------------
 expect_refusal 2 --seq-len run -m local -n 9223372036854775807
 expect_refusal 2 --seq-len run -m local -n 0

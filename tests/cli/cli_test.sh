@@ -49,6 +49,25 @@ expect_error 2 run --model exact-tiled --seq-len 64 --param block_q=abc
 expect_error 2 run --model vanilla --seq-len 64 --scope nosuch
 expect_error 2 run --model vanilla --seq-len 64 --warmup 0
 expect_error 2 run --model vanilla --seq-len 64 --dump "$work/missing/deeper/dir"
+expect_error 2 run --model vanilla --seq-len 64 --dump ""
+expect_error 2 list --class ""
+# A team of threads that cannot start (1000 stacks of 8 MiB past an 8 GB address space) is a
+# runtime error on one line, not libgomp's exit. Not under the sanitizers (a Debug build), whose
+# shadow memory needs more address space than any such limit allows.
+if ! "$bin" --version | grep -q "Debug build"; then
+  (ulimit -s 8192 -v 8000000; "$bin" run --model local --seq-len 64 --heads 1 --head-dim 16 --min-reps 1 --min-time 0 \
+    --threads 1000 >/dev/null 2>"$work/err")
+  code=$?
+  [ "$code" -eq 3 ] && [ "$(wc -l <"$work/err")" -eq 1 ] && grep -q "cannot start 1000 threads" "$work/err" && pass \
+    || fail "--threads 1000 under ulimit -v (exit $code): $(cat "$work/err")"
+fi
+# A dump that fails to write (file size limit): exit 3, one stderr line, neither the folder nor its
+# temporary sibling left.
+(ulimit -f 1; "$bin" run --model local --seq-len 64 "${quick[@]}" --dump "$work/limited" >/dev/null 2>"$work/err")
+code=$?
+[ "$code" -eq 3 ] && [ "$(grep -vc "this build is not optimised" "$work/err")" -eq 1 ] \
+  && [ -z "$(find "$work" -maxdepth 1 -name 'limited*')" ] && pass \
+  || fail "a dump past the file size limit (exit $code): $(cat "$work/err"); $(ls -d "$work"/limited* 2>/dev/null)"
 expect_error 2 sweep --models vanilla --seq-lens 64 --out "$work/missing/r.json"
 [ ! -e "$work/missing" ] && pass || fail "a folder was created for a bad --out"
 expect_error 2 sweep --models nosuch --seq-lens 64 --out "$work/r.json"
@@ -262,6 +281,14 @@ assert {"vanilla", "exact-tiled", "performer", "linear-transformer", "local", "i
   && pass || fail "list --format json: backward, incremental form, decode cost and dtypes"
 "$bin" list --class kernels --format md | grep -q "Performer" && pass || fail "list --class kernels"
 "$bin" env --json | grep -q '"onednn_version"' && pass || fail "env"
+# Standard output that cannot be written (a full disk) is a runtime error, not a silent success.
+for command in "list" "list --format json" "table $src/results/ci-baseline.json" "env --json"; do
+  # shellcheck disable=SC2086
+  "$bin" $command >/dev/full 2>"$work/err"
+  code=$?
+  [ "$code" -eq 3 ] && [ "$(grep -vc "this build is not optimised" "$work/err")" -eq 1 ] && grep -q "standard output" "$work/err" \
+    && pass || fail "xfbench $command >/dev/full exited $code: $(cat "$work/err")"
+done
 
 # --- compare on doctored reports ------------------------------------------------------------------
 source "$src/tests/cli/doctor.sh"
