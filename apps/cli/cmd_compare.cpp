@@ -19,7 +19,6 @@ struct CompareCommand {
 };
 
 int run(CompareCommand& c) {
-  if (!(c.options.alpha > 0 && c.options.alpha < 1)) throw InputError("--alpha must be in (0, 1)");
   parse_metrics(c.metrics, c.options);
   c.options.max_slowdown = parse_fraction(c.max_slowdown, "--max-slowdown");
   c.options.max_memory_growth = parse_fraction(c.max_memory_growth, "--max-memory-growth");
@@ -46,8 +45,8 @@ void add_compare(CLI::App& app, Action& action) {
   command->add_option("base", c->base, "baseline report (JSON)")->required();
   command->add_option("new", c->now, "new report (JSON)")->required();
   command->add_option("--metrics", c->metrics, "gates that apply: any of time,memory,flops")->capture_default_str();
-  command->add_option("--alpha", c->options.alpha, "significance level of the Mann–Whitney U test")
-      ->capture_default_str();
+  add_real_option(*command, "--alpha", c->options.alpha, 1e-9, 0.999,
+                  "significance level of the Mann–Whitney U test");  // as ab's --alpha
   command
       ->add_option("--max-slowdown", c->max_slowdown,
                    "slow-down a significant point may have (5% or 0.05; a bare number above 1 is refused)")

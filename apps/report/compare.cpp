@@ -1,6 +1,7 @@
 #include "apps/report/compare.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -35,14 +36,9 @@ void parse_metrics(const std::string& text, CompareOptions& options) {
 double parse_fraction(const std::string& text, const std::string& option) {
   const bool percent = !text.empty() && text.back() == '%';
   const std::string number = percent ? text.substr(0, text.size() - 1) : text;
-  std::size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(number, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || used != number.size() || !std::isfinite(value))
+  double value = 0;  // decimal only, as every number the command line takes (no hex, no spaces)
+  const auto [end, error] = std::from_chars(number.data(), number.data() + number.size(), value);
+  if (number.empty() || error != std::errc() || end != number.data() + number.size() || !std::isfinite(value))
     throw InputError(option + ": '" + text + "' is not a number or percentage (e.g. 5% or 0.05)");
   if (value < 0) throw InputError(option + ": " + text + " must not be negative");
   // A bare 5 could mean 5% or 500%: only a percentage or a fraction up to 1 is unambiguous.

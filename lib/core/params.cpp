@@ -41,14 +41,9 @@ ParamValue parse_value(const std::string& model, const ParamSpec& spec, const st
       return value;
     }
     case ParamType::Float: {
-      double value = 0;
-      std::size_t used = 0;
-      try {
-        value = std::stod(text, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      if (used != text.size() || text.empty() || !std::isfinite(value))
+      double value = 0;  // decimal only, as the point options (no hex, no spaces)
+      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+      if (ec != std::errc() || end != text.data() + text.size() || text.empty() || !std::isfinite(value))
         throw ParamError(where + " must be a number, got '" + text + "'");
       if (value < spec.min || value > spec.max)
         throw ParamError(where + " must be in " + range_text(spec) + ", got " + text);

@@ -225,6 +225,14 @@ expect_refusal 2 "--max-slowdown" compare "$valid" "$valid" --max-slowdown=-1%
 expect_refusal 2 "--max-slowdown" compare "$valid" "$valid" --max-slowdown nan
 expect_refusal 2 "--max-slowdown" compare "$valid" "$valid" --max-slowdown inf%
 expect_refusal 2 "--max-memory-growth" compare "$valid" "$valid" --max-memory-growth 2
+# Numbers are decimal, without spaces, as every option of a point reads them: no hex, no padding.
+expect_refusal 2 "--max-slowdown" compare "$valid" "$valid" --max-slowdown " 5%"
+expect_refusal 2 "--max-slowdown" compare "$valid" "$valid" --max-slowdown 0x10%
+expect_refusal 2 "--alpha" compare "$valid" "$valid" --alpha 0x1p-2
+expect_refusal 2 "--alpha" compare "$valid" "$valid" --alpha " 0.5"
+expect_refusal 2 "--alpha" compare "$valid" "$valid" --alpha 1e-300
+expect_refusal 2 "floor" run -m rfa -n 64 -p floor=0x10
+expect_refusal 2 "floor" run -m rfa -n 64 -p "floor= 0.5"
 "$bin" compare "$valid" "$valid" --max-slowdown 0.05 --max-memory-growth 150% --metrics memory,flops >/dev/null 2>&1 \
   && pass || fail "a fraction and a percentage above 100% are accepted"
 expect_refusal 2 "--baseline \"nosuch\"" table "$valid" --baseline nosuch
