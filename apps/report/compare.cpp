@@ -1,7 +1,6 @@
 #include "apps/report/compare.hpp"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -10,6 +9,7 @@
 
 #include "apps/report/json_fields.hpp"
 #include "apps/report/table.hpp"
+#include "lib/core/decimal.hpp"
 #include "lib/core/errors.hpp"
 
 namespace xfb {
@@ -36,10 +36,9 @@ void parse_metrics(const std::string& text, CompareOptions& options) {
 double parse_fraction(const std::string& text, const std::string& option) {
   const bool percent = !text.empty() && text.back() == '%';
   const std::string number = percent ? text.substr(0, text.size() - 1) : text;
-  double value = 0;  // decimal only, as every number the command line takes (no hex, no spaces)
-  const auto [end, error] = std::from_chars(number.data(), number.data() + number.size(), value);
-  if (number.empty() || error != std::errc() || end != number.data() + number.size() || !std::isfinite(value))
-    throw InputError(option + ": '" + text + "' is not a number or percentage (e.g. 5% or 0.05)");
+  const auto parsed = parse_decimal(number);
+  if (!parsed) throw InputError(option + ": '" + text + "' is not a decimal number or percentage (e.g. 5% or 0.05)");
+  const double value = *parsed;
   if (value < 0) throw InputError(option + ": " + text + " must not be negative");
   // A bare 5 could mean 5% or 500%: only a percentage or a fraction up to 1 is unambiguous.
   if (!percent && value > 1)

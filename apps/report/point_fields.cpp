@@ -5,6 +5,7 @@
 #include <limits>
 #include <stdexcept>
 
+#include "lib/core/decimal.hpp"
 #include "lib/core/errors.hpp"
 #include "lib/core/token_count.hpp"
 
@@ -416,11 +417,9 @@ json parse_field_text(const PointField& f, const std::string& text) {
       return value;
     }
     case FieldType::Real: {
-      double value = 0;
-      const auto [ptr, ec] = std::from_chars(begin, end, value);
-      if (ec != std::errc() || ptr != end || !std::isfinite(value) || value < f.real_min || value > f.real_max)
-        refuse(f, where, "'" + text + "'");
-      return value;
+      const auto value = parse_decimal(text);
+      if (!value || *value < f.real_min || *value > f.real_max) refuse(f, where, "'" + text + "'");
+      return *value;
     }
     case FieldType::Flag:
       if (text == "true") return true;

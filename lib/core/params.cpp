@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "lib/core/decimal.hpp"
+
 namespace xfb {
 namespace {
 
@@ -41,13 +43,11 @@ ParamValue parse_value(const std::string& model, const ParamSpec& spec, const st
       return value;
     }
     case ParamType::Float: {
-      double value = 0;  // decimal only, as the point options (no hex, no spaces)
-      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-      if (ec != std::errc() || end != text.data() + text.size() || text.empty() || !std::isfinite(value))
-        throw ParamError(where + " must be a number, got '" + text + "'");
-      if (value < spec.min || value > spec.max)
+      const auto value = parse_decimal(text);
+      if (!value) throw ParamError(where + " must be a decimal number, got '" + text + "'");
+      if (*value < spec.min || *value > spec.max)
         throw ParamError(where + " must be in " + range_text(spec) + ", got " + text);
-      return value;
+      return *value;
     }
     case ParamType::Bool:
       if (text == "true" || text == "1") return true;

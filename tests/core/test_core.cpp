@@ -4,9 +4,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <set>
 
 #include "apps/bench/sweep.hpp"
+#include "lib/core/decimal.hpp"
 #include "lib/core/errors.hpp"
 #include "lib/core/memory_tracker.hpp"
 #include "lib/core/params.hpp"
@@ -89,6 +91,18 @@ TEST_SUITE("core") {
     CHECK(flat.cv == 0);
     CHECK(flat.mad == 0);
     CHECK(summarize({4}).stddev == 0);
+  }
+
+  TEST_CASE("decimal numbers: whole plain decimals; subnormals are numbers, overflow and hex are not") {
+    CHECK(parse_decimal("0.05") == 0.05);
+    CHECK(parse_decimal("-3") == -3.0);
+    CHECK(parse_decimal("1E+3") == 1000.0);
+    CHECK(parse_decimal("1e-320") == 1e-320);  // subnormal: from_chars alone reports it out of range
+    CHECK(parse_decimal("4.9406564584124654e-324") == std::numeric_limits<double>::denorm_min());
+    CHECK(parse_decimal("1e-400") == 0.0);  // below the smallest subnormal: rounds to zero
+    CHECK(parse_decimal("1.7976931348623157e308") == std::numeric_limits<double>::max());
+    for (const char* bad : {"", "1e400", "-1e400", "inf", "nan", "0x10", "0x1p-2", "+1", " 1", "1 ", "1,5", "1%", "."})
+      CHECK_MESSAGE(!parse_decimal(bad), bad);
   }
 
   TEST_CASE("parameters: defaults, overrides, types, ranges, unknown names") {
