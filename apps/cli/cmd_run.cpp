@@ -111,6 +111,8 @@ void check_dump_folder(const std::string& dir) {
     throw InputError("--dump " + dir + ": the folder " + parent.string() + " does not exist");
   const auto status = fs::symlink_status(dir, error);
   if (!fs::exists(status)) return;
+  if (fs::is_symlink(status))  // the finished dump is renamed onto the path, which a link is not
+    throw InputError("--dump " + dir + " is a symbolic link; name a new folder");
   if (!fs::is_directory(status) || !fs::is_empty(dir, error) || error)
     throw InputError("--dump " + dir + " exists and is not an empty folder; name a new one");
 }
@@ -144,9 +146,11 @@ int run(RunOptions& o) {
   } else {
     print_human(row);
     // The row holds the reason; stderr says it too, on one line (the JSON protocol's caller reads the row).
-    std::string reason = row.reason;
-    std::replace(reason.begin(), reason.end(), '\n', ' ');
-    if (row.status == Status::Error) std::fprintf(stderr, "xfbench: runtime error: %s\n", reason.c_str());
+    if (row.status == Status::Error) {
+      std::string reason = row.reason;
+      std::replace(reason.begin(), reason.end(), '\n', ' ');
+      std::fprintf(stderr, "xfbench: runtime error: %s\n", reason.c_str());
+    }
   }
   return row.status == Status::Error ? kExitRuntime : kExitOk;
 }

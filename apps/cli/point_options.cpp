@@ -1,5 +1,6 @@
 // The point options of run, sweep, ab and env, registered from the point field table.
 #include <algorithm>
+#include <cstdlib>
 
 #include "apps/cli/commands.hpp"
 #include "lib/core/errors.hpp"
@@ -57,9 +58,28 @@ void add_point_options(CLI::App& command, const std::shared_ptr<PointOptions>& o
   }
 }
 
+namespace {
+
+// The default --threads is OpenMP's (OMP_NUM_THREADS, else the cores): out of range, the message
+// names where it came from, not an option the user never gave.
+void check_default_threads(const PointConfig& defaults) {
+  const PointField& field = point_field("threads");
+  const int threads = defaults.problem.threads;
+  if (threads >= field.min && threads <= field.max) return;
+  const char* variable = std::getenv("OMP_NUM_THREADS");
+  const std::string source =
+      variable != nullptr ? "OMP_NUM_THREADS=" + std::string(variable).substr(0, 40) + " gives" : "OpenMP's default is";
+  throw InputError(source + " " + std::to_string(threads) + " threads, outside " + field.long_flag() + "'s [" +
+                   std::to_string(field.min) + ", " + std::to_string(field.max) + "]; give " + field.long_flag() +
+                   " or set OMP_NUM_THREADS in that range");
+}
+
+}  // namespace
+
 PointConfig point_of(const PointOptions& options, std::vector<Pass>* passes) {
   FieldTexts texts = options.texts;
   PointConfig defaults = options.defaults;
+  if (texts.count("threads") == 0 || texts.at("threads").empty()) check_default_threads(defaults);
   if (passes != nullptr) {
     // Sweep and ab: the lengths come from --seq-lens and each point is checked at its own
     // (plan_points, run_ab); the size limits here must not judge the default --seq-len.

@@ -73,8 +73,10 @@ int create_temporary(const fs::path& target, std::string& name) {
   const int fd = ::mkstemp(name.data());
   if (fd >= 0) return fd;
   const int error = errno;
-  if (error == ENOENT || error == ENOTDIR) throw InputError("output folder " + folder.string() + " does not exist");
-  if (error == EACCES || error == EROFS || error == EPERM)
+  std::error_code status;
+  if ((error == ENOENT || error == ENOTDIR) && !fs::is_directory(folder, status))
+    throw InputError("output folder " + folder.string() + " does not exist");
+  if (error == ENOENT || error == EACCES || error == EROFS || error == EPERM)  // ENOENT: /proc, say
     throw InputError("cannot write in folder " + folder.string() + ": " + system_error_text(error));
   throw std::runtime_error("cannot create a temporary file in " + folder.string() + ": " + system_error_text(error));
 }
@@ -198,22 +200,12 @@ void check_output_path(const std::string& path, const std::vector<std::string>& 
 void write_file_atomically(const std::string& path, const std::string& content) {
   const fs::path target = output_target(path);
   const mode_t mode = new_file_mode(target);
-  // Past a file size limit (ulimit -f) write() must fail with EFBIG instead of killing the
-  // process with the temporary left behind.
-  const auto previous = std::signal(SIGXFSZ, SIG_IGN);
   std::string temporary;
-  int fd = -1;
-  try {
-    fd = create_temporary(target, temporary);
-  } catch (...) {
-    std::signal(SIGXFSZ, previous);
-    throw;
-  }
+  const int fd = create_temporary(target, temporary);
   int error = 0;
   {
     const UnfinishedOutput unfinished(temporary);
     error = fill_and_close(fd, content, mode);
-    std::signal(SIGXFSZ, previous);
     if (error == 0 && std::rename(temporary.c_str(), target.c_str()) != 0) error = errno;
   }
   if (error != 0) {

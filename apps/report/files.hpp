@@ -29,7 +29,8 @@ void check_output_path(const std::string& path, const std::vector<std::string>& 
 // link to a regular file has its target replaced. Readers see the old content or the new one,
 // never a mixture. On any failure (disk full, file size limit, permissions) the temporary is
 // removed, the old content is untouched and a std::runtime_error names the path. A new file gets
-// the permissions 0666 minus the umask; a replaced one keeps its own.
+// the permissions 0666 minus the umask; a replaced one keeps its own. A file size limit is a failure
+// only where SIGXFSZ is ignored (install_interrupt_cleanup); otherwise the signal kills the process.
 void write_file_atomically(const std::string& path, const std::string& content);
 
 // check_output_path, then write_file_atomically (or standard output for "-").

@@ -192,6 +192,8 @@ expect_refusal 2 "is a directory" taxonomy --format svg --out "$work/adir"
 "$bin" plot "$valid" --out "$work/target.svg" && cp "$work/target.svg" "$work/first.svg" && ln -s "$work/target.svg" "$work/link.svg" \
   && "$bin" plot "$valid" --metric memory --out "$work/link.svg" && [ -L "$work/link.svg" ] && ! cmp -s "$work/target.svg" "$work/first.svg" \
   && pass || fail "plot --out a symbolic link to a regular file replaces its target, keeping the link"
+# A folder that exists but takes no new file (procfs) is not called missing.
+expect_refusal 2 "cannot write in folder /proc" plot "$valid" --out /proc/xfbench-test.svg
 # A write that fails (file size limit) leaves the old content and no temporary behind.
 echo "old content" >"$out/kept.svg"
 (ulimit -f 1; "$bin" plot "$valid" --out "$out/kept.svg" >/dev/null 2>"$work/stderr")
@@ -231,6 +233,10 @@ expect_refusal 2 "--max-slowdown" compare "$valid" "$valid" --max-slowdown 0x10%
 expect_refusal 2 "--alpha" compare "$valid" "$valid" --alpha 0x1p-2
 expect_refusal 2 "--alpha" compare "$valid" "$valid" --alpha " 0.5"
 expect_refusal 2 "--alpha" compare "$valid" "$valid" --alpha 1e-300
+expect_refusal 2 "not a decimal number" compare "$valid" "$valid" --max-slowdown 1e400
+# A subnormal is a number (from_chars alone calls it out of range): as small a threshold as asked.
+"$bin" compare "$valid" "$valid" --max-slowdown 1e-320 --metrics memory,flops >/dev/null 2>&1 \
+  && pass || fail "a subnormal threshold is a number"
 expect_refusal 2 "floor" run -m rfa -n 64 -p floor=0x10
 expect_refusal 2 "floor" run -m rfa -n 64 -p "floor= 0.5"
 "$bin" compare "$valid" "$valid" --max-slowdown 0.05 --max-memory-growth 150% --metrics memory,flops >/dev/null 2>&1 \

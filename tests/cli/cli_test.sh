@@ -50,6 +50,18 @@ expect_error 2 run --model vanilla --seq-len 64 --scope nosuch
 expect_error 2 run --model vanilla --seq-len 64 --warmup 0
 expect_error 2 run --model vanilla --seq-len 64 --dump "$work/missing/deeper/dir"
 expect_error 2 run --model vanilla --seq-len 64 --dump ""
+# A symbolic link, even to an empty folder, cannot take the finished dump's rename: said so.
+mkdir -p "$work/empty-target" && ln -s "$work/empty-target" "$work/dump-link"
+expect_error 2 run --model vanilla --seq-len 64 --dump "$work/dump-link"
+grep -q "is a symbolic link" "$work/err" && pass || fail "--dump onto a link: $(cat "$work/err")"
+# The default --threads comes from OMP_NUM_THREADS: out of range, the message names the variable
+# (99999999999 wraps in libgomp), and --threads given in range overrides it.
+for threads in 5000 99999999999; do
+  OMP_NUM_THREADS=$threads expect_error 2 run --model vanilla --seq-len 64
+  grep -q "OMP_NUM_THREADS=$threads gives" "$work/err" && pass || fail "OMP_NUM_THREADS=$threads: $(cat "$work/err")"
+done
+OMP_NUM_THREADS=5000 "$bin" run --model vanilla --seq-len 64 --heads 1 --head-dim 16 --min-reps 1 --min-time 0 \
+  --threads 1 >/dev/null 2>&1 && pass || fail "--threads 1 overrides an out-of-range OMP_NUM_THREADS"
 expect_error 2 list --class ""
 # A team of threads that cannot start (1000 stacks of 8 MiB past an 8 GB address space) is a
 # runtime error on one line, not libgomp's exit. Not under the sanitizers (a Debug build), whose
