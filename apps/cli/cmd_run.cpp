@@ -10,6 +10,7 @@
 #include "apps/bench/point.hpp"
 #include "apps/bench/system_info.hpp"
 #include "apps/cli/commands.hpp"
+#include "apps/report/json_fields.hpp"
 #include "lib/core/dnnl_context.hpp"
 #include "lib/core/errors.hpp"
 
@@ -35,13 +36,7 @@ PointConfig point_config(const RunOptions& o) {
   if (!o.point->texts.empty())
     throw InputError("--point holds the whole point: give no other point option (" + o.point->texts.begin()->first +
                      ")");
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(o.point_json);
-  } catch (const nlohmann::json::exception&) {
-    throw InputError("--point is not valid JSON");
-  }
-  return point_from_json(json);
+  return point_from_json(parse_json_text(o.point_json, "--point"));
 }
 
 // The point's estimated tracked bytes against --memory-limit (default: the memory available), before

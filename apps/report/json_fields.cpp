@@ -2,6 +2,9 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
+#include <unordered_set>
+#include <vector>
 
 #include "apps/report/files.hpp"
 #include "lib/core/errors.hpp"
@@ -187,15 +190,20 @@ nlohmann::json FieldReader::object(const char* name, bool optional) const {
 }
 
 nlohmann::json parse_json_text(const std::string& text, const std::string& where, int max_depth) {
-  const auto limit_depth = [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json&) {
-    const bool opens =
-        event == nlohmann::json::parse_event_t::object_start || event == nlohmann::json::parse_event_t::array_start;
-    if (opens && depth >= max_depth)
-      throw InputError(where + ": nesting deeper than " + std::to_string(max_depth) + " levels, not a report");
+  using Event = nlohmann::json::parse_event_t;
+  // The keys of each open object: nlohmann keeps the last of two equal keys without a word.
+  std::vector<std::unordered_set<std::string>> open_objects;
+  const auto check_structure = [&](int depth, Event event, nlohmann::json& parsed) {
+    if ((event == Event::object_start || event == Event::array_start) && depth >= max_depth)
+      throw InputError(where + ": nesting deeper than " + std::to_string(max_depth) + " levels");
+    if (event == Event::object_start) open_objects.emplace_back();
+    if (event == Event::object_end) open_objects.pop_back();
+    if (event == Event::key && !open_objects.back().insert(parsed.get<std::string>()).second)
+      throw InputError(where + ": the key " + describe_json(parsed) + " appears twice in one object");
     return true;
   };
   try {
-    return nlohmann::json::parse(text, limit_depth);
+    return nlohmann::json::parse(text, check_structure);
   } catch (const nlohmann::json::parse_error& e) {
     throw InputError(where + ": not valid JSON (syntax error at byte " + std::to_string(e.byte) + ")");
   } catch (const nlohmann::json::out_of_range&) {

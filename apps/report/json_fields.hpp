@@ -53,8 +53,8 @@ class FieldReader {
 // How a value appears in a message: a quoted, shortened string, a number, null, "an object"…
 std::string describe_json(const nlohmann::json& value);
 
-// Parses JSON text, refusing nesting deeper than `max_depth`; throws InputError "<where>: …"
-// naming the byte offset of a syntax error.
+// Parses JSON text, refusing nesting deeper than `max_depth` and a key given twice in one object
+// (which JSON leaves undefined); throws InputError "<where>: …" naming the byte offset of a syntax error.
 nlohmann::json parse_json_text(const std::string& text, const std::string& where, int max_depth = 16);
 
 }  // namespace xfb

@@ -93,6 +93,8 @@ expect_refusal 2 "--memory-limit" run -m local -n 64 --memory-limit -1
 expect_refusal 2 "--memory-limit" run -m vanilla -n 50000 --memory-limit 0.001
 expect_refusal 2 "--model" run -n 64
 expect_refusal 2 "--point" run --point '{"model":'
+expect_refusal 2 'the key "model" appears twice' run --point '{"model": "vanilla", "model": "local", "seq_len": 64}'
+expect_refusal 2 "nesting" run --point "{\"model\": $(printf '[%.0s' {1..100})$(printf ']%.0s' {1..100})}"
 expect_refusal 2 "seq_len" run --point '{"model": "local"}'
 expect_refusal 2 "--point" run --point '{}' --batch 2
 point_json=$(python3 - <<'PY'

@@ -120,6 +120,15 @@ text = open(sys.argv[1]).read().replace('"params": {', '"params": {"deep": ' + "
 open(sys.argv[2], "w").write(text)
 PY
 refuse_everywhere "$work/hostile/deep-params.json" "nesting"
+# A key twice in one object (the parser would keep the last): in a row, and at the top level.
+python3 - "$valid" "$work/hostile/duplicate-key.json" "$work/hostile/duplicate-top.json" <<'PY'
+import sys
+text = open(sys.argv[1]).read()
+open(sys.argv[2], "w").write(text.replace('"model": ', '"model": "vanilla", "model": ', 1))
+open(sys.argv[3], "w").write(text.replace("{", '{"schema_version": 0, ', 1))
+PY
+refuse_everywhere "$work/hostile/duplicate-key.json" 'the key "model" appears twice'
+refuse_everywhere "$work/hostile/duplicate-top.json" 'the key "schema_version" appears twice'
 echo "{ broken" >"$work/hostile/broken.json"
 refuse_everywhere "$work/hostile/broken.json" "not valid JSON"
 head -c 4096 /dev/urandom >"$work/hostile/random.bin"
