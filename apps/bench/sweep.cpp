@@ -204,6 +204,7 @@ std::vector<PlannedPoint> plan_points(const SweepSettings& s) {
 
 // The shard's part of the points, dealt by estimated FLOPs (0 for points that will not run).
 std::vector<PlannedPoint> points_of_shard(std::vector<PlannedPoint> points, int index, int count) {
+  if (index < 1 || index > count) throw InputError("--shard index out of range");
   if (count <= 1) return points;
   std::vector<std::int64_t> costs;
   for (const auto& [point, row] : points)
@@ -217,7 +218,6 @@ std::vector<PlannedPoint> points_of_shard(std::vector<PlannedPoint> points, int 
 
 // This shard's points of the sweep, planned and validated (InputError before anything is written).
 std::vector<PlannedPoint> shard_points(const SweepSettings& s) {
-  if (s.shard_index < 1 || s.shard_index > s.shard_count) throw InputError("--shard index out of range");
   return points_of_shard(plan_points(s), s.shard_index, s.shard_count);
 }
 
@@ -336,6 +336,35 @@ void check_resumable(const Report& previous, const nlohmann::json& settings, con
       throw InputError("--resume: " + path + " has settings." + key + ", this sweep has none");
 }
 
+// The finished rows of a resumed report that this run keeps, and their keys. Every row must be a
+// point of this sweep, once (else the report was not written by it: InputError). A row that is
+// another shard's now (a grown grid deals the points anew) is dropped, as are error rows under
+// --retry-errors: both run again.
+std::vector<ResultRow> resumed_rows(std::vector<ResultRow> previous, const std::vector<PlannedPoint>& sweep,
+                                    const std::vector<PlannedPoint>& shard, const SweepSettings& s) {
+  std::set<std::string> sweep_keys, shard_keys, seen;
+  for (const auto& planned : sweep) sweep_keys.insert(planned.row.key());
+  for (const auto& planned : shard) shard_keys.insert(planned.row.key());
+  std::vector<ResultRow> kept;
+  std::size_t moved = 0;
+  for (std::size_t i = 0; i < previous.size(); ++i) {
+    ResultRow& row = previous[i];
+    const std::string key = row.key();
+    const std::string which = "--resume: " + s.out_path + ": results[" + std::to_string(i) + "] (" + row.model +
+                              " N=" + std::to_string(row.seq_len) + ", " + configuration_text(row) + ")";
+    if (sweep_keys.count(key) == 0) throw InputError(which + " is not a point of this sweep; write a new report");
+    if (!seen.insert(key).second) throw InputError(which + " repeats a point; write a new report");
+    if (shard_keys.count(key) == 0)
+      ++moved;
+    else if (!(s.retry_errors && row.status == Status::Error))
+      kept.push_back(std::move(row));
+  }
+  if (moved > 0)
+    spdlog::warn("--resume: {} finished point(s) of {} belong to another shard of the grown sweep; dropped here", moved,
+                 s.out_path);
+  return kept;
+}
+
 }  // namespace
 
 ResultRow run_point_in_child(const Point& point, const ResultRow& described, double timeout_s,
@@ -418,7 +447,9 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
   // Validate everything before writing anything.
   if (s.out_path == "-") throw InputError("--out -: a sweep rewrites its report after every point; name a file");
   check_output_path(s.out_path, {self_path()});  // not the binary that runs the points
-  const std::vector<PlannedPoint> points = shard_points(s);
+  if (s.retry_errors && !s.resume) throw InputError("--retry-errors needs --resume");
+  const std::vector<PlannedPoint> sweep = plan_points(s);
+  const std::vector<PlannedPoint> points = points_of_shard(sweep, s.shard_index, s.shard_count);
 
   Report report;
   report.settings = sweep_settings(s);
@@ -427,7 +458,7 @@ Report run_sweep(const SweepSettings& s, const std::string& command_line) {
     Report previous = load_report(s.out_path);
     check_resumable(previous, report.settings, capture_context(grid_threads(s).back()), s.out_path);
     report.context = previous.context;
-    report.results = std::move(previous.results);
+    report.results = resumed_rows(std::move(previous.results), sweep, points, s);
     for (const auto& row : report.results) done.insert(row.key());
   }
   if (report.context.empty()) report.context = sweep_context(s, command_line);

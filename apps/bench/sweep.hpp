@@ -25,6 +25,7 @@ struct SweepSettings {
   std::int64_t memory_limit_bytes = 0;         // 0: no limit
   std::string out_path;
   bool resume = false;
+  bool retry_errors = false;    // with resume: run the error rows of the report again
   bool measure_machine = true;  // record FMA peak and bandwidth in the context
   bool progress = true;         // progress lines on stderr: each point as it starts, its figures as it lands
   bool colour = false;          // colour in the progress lines (a terminal without NO_COLOR)

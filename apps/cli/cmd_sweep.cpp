@@ -124,6 +124,8 @@ void add_sweep(CLI::App& app, Action& action) {
   command->add_flag("--dry-run", o->dry_run,
                     "list the points, their estimated memory and FLOPs and which would be skipped; run none");
   command->add_flag("--resume", o->settings.resume, "keep the finished points of an existing --out report");
+  command->add_flag("--retry-errors", o->settings.retry_errors,
+                    "with --resume: run again the points that ended in an error (a timeout, a crash)");
   command->add_flag("--no-measure", o->no_measure, "do not measure FMA peak and bandwidth for the context");
   command->add_flag("--no-table", o->no_table, "do not print the table at the end");
   command->add_option("--shard", o->shard, "run shard i of n (1-based, e.g. 2/4); join the parts with `xfbench merge`");

@@ -263,6 +263,31 @@ cp "$work/s2.json" "$work/s3.json"
   --out "$work/s3.json" >/dev/null 2>"$work/resume.err"
 [ "$(grep -c '"status": "ok"' "$work/s3.json")" -eq 6 ] && [ "$(grep -c "^\[" "$work/resume.err")" -eq 2 ] \
   && pass || fail "resume did not run exactly the 2 missing points"
+# A resumed report must be this sweep's: a row at a length it does not have, or a point twice, is
+# refused (the report is left as it was).
+for doctoring in 'r["results"][0]["seq_len"] = 65|is not a point of this sweep' \
+  'r["results"].append(r["results"][0])|repeats a point'; do
+  python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); exec(sys.argv[2]); json.dump(r, open(sys.argv[3], "w"))' \
+    "$work/s2.json" "${doctoring%%|*}" "$work/doctored.json"
+  cp "$work/doctored.json" "$work/doctored-copy.json"
+  expect_error 2 sweep --models vanilla,exact-tiled --seq-lens 64,100 "${quick[@]}" --no-measure --resume \
+    --out "$work/doctored.json"
+  grep -q "${doctoring##*|}" "$work/err" && cmp -s "$work/doctored.json" "$work/doctored-copy.json" && pass \
+    || fail "--resume of a doctored report ($doctoring): $(cat "$work/err")"
+done
+# Shards of a grown sweep: the points are dealt anew, so a finished point may now be the other
+# shard's. Each shard drops what is no longer its own, and the two merge without a duplicate.
+for shard in 1/2 2/2; do
+  "$bin" sweep --models vanilla --seq-lens 64,100 "${quick[@]}" --no-measure --no-table --shard "$shard" \
+    --out "$work/shard-${shard%/*}.json" 2>/dev/null
+done
+for shard in 1/2 2/2; do
+  "$bin" sweep --models vanilla,exact-tiled --seq-lens 64,100 "${quick[@]}" --no-measure --no-table --shard "$shard" \
+    --resume --out "$work/shard-${shard%/*}.json" 2>/dev/null
+done
+"$bin" merge "$work/shard-1.json" "$work/shard-2.json" --out "$work/shards.json" 2>"$work/err" \
+  && [ "$(grep -c '"status": "ok"' "$work/shards.json")" -eq 4 ] && pass \
+  || fail "the resumed shards of a grown sweep do not merge: $(cat "$work/err")"
 # One thread: with two on an oversubscribed machine, preempted OpenMP barriers stretch the 1000
 # quick repetitions of N=64 past the timeout.
 "$bin" sweep --models vanilla --seq-lens 64,4096 --heads 2 --head-dim 16 --threads 1 --no-measure --min-time 30 --timeout 8 \
@@ -272,6 +297,16 @@ grep -q 'timed out after 8 s' "$work/timeout.json" && [ "$(grep -c '"status": "o
 "$bin" sweep --models vanilla --seq-lens 64,400000 "${quick[@]}" --no-measure --out "$work/oom.json" >/dev/null 2>&1
 grep -q 'out of memory' "$work/oom.json" && [ "$(grep -c '"status": "ok"' "$work/oom.json")" -eq 1 ] \
   && pass || fail "an out-of-memory point did not become an error row while the sweep went on"
+# --resume keeps error rows; with --retry-errors it runs them again (here: out of memory again).
+"$bin" sweep --models vanilla --seq-lens 64,400000 "${quick[@]}" --no-measure --resume --out "$work/oom.json" \
+  >/dev/null 2>"$work/resume.err" && [ "$(grep -c "^\[" "$work/resume.err")" -eq 0 ] && pass \
+  || fail "--resume ran a finished error row again: $(cat "$work/resume.err")"
+"$bin" sweep --models vanilla --seq-lens 64,400000 "${quick[@]}" --no-measure --resume --retry-errors \
+  --out "$work/oom.json" >/dev/null 2>"$work/resume.err" && grep -q "^\[2/2\] vanilla N=400000" "$work/resume.err" \
+  && [ "$(grep -c "^\[" "$work/resume.err")" -eq 1 ] && [ "$(grep -c '"status": "error"' "$work/oom.json")" -eq 1 ] \
+  && [ "$(grep -c '"status": "ok"' "$work/oom.json")" -eq 1 ] && pass \
+  || fail "--resume --retry-errors: $(cat "$work/resume.err")"
+expect_error 2 sweep --models vanilla --seq-lens 64 --no-measure --retry-errors --out "$work/never.json"
 for metric in time speedup memory memory-ratio gflops; do
   for format in text md csv; do
     "$bin" table "$work/s2.json" --metric "$metric" --format "$format" >"$work/t.txt" && grep -q "vanilla" "$work/t.txt" \
