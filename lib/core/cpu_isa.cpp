@@ -27,9 +27,22 @@ KernelIsa detected_kernel_isa() {
   return avx512 ? KernelIsa::Avx512 : KernelIsa::Avx2;
 }
 
+// XFBENCH_BF16_DOT=0: the bf16 kernels convert and FMA even where vdpbf16ps exists. InputError for
+// another value than 0 or 1.
+static bool bf16_dot_held() {
+  static const bool held = [] {
+    const char* setting = std::getenv("XFBENCH_BF16_DOT");
+    if (setting != nullptr && *setting != '\0' && std::string(setting) != "0" && std::string(setting) != "1")
+      throw InputError("XFBENCH_BF16_DOT='" + std::string(setting) + "' is not 0 or 1");
+    return setting != nullptr && std::string(setting) == "0";
+  }();
+  return held;
+}
+
 KernelIsa kernel_isa() {
   if (g_forced) return *g_forced;
   static const KernelIsa chosen = [] {
+    bf16_dot_held();  // the kernel settings are read together, on every CPU class alike
     KernelIsa isa = detected_kernel_isa();
     if (const char* cap = std::getenv("XFBENCH_MAX_ISA"); cap != nullptr && *cap != '\0') {
       const KernelIsa limit = parse_cap(cap);
@@ -60,14 +73,7 @@ bool cpu_has_bf16_dot() {
 bool bf16_dot_product() {
   if (kernel_isa() != KernelIsa::Avx512) return false;
   if (g_forced_bf16_dot) return *g_forced_bf16_dot;
-  static const bool chosen = [] {
-    const char* setting = std::getenv("XFBENCH_BF16_DOT");
-    if (setting != nullptr && *setting != '\0' && std::string(setting) != "0" && std::string(setting) != "1")
-      throw InputError("XFBENCH_BF16_DOT='" + std::string(setting) + "' is not 0 or 1");
-    const bool held = setting != nullptr && std::string(setting) == "0";
-    return cpu_has_bf16_dot() && !held;
-  }();
-  return chosen;
+  return cpu_has_bf16_dot() && !bf16_dot_held();
 }
 
 std::string bf16_kernels_name() {

@@ -54,6 +54,14 @@ expect_error 2 run --model vanilla --seq-len 64 --dump ""
 mkdir -p "$work/empty-target" && ln -s "$work/empty-target" "$work/dump-link"
 expect_error 2 run --model vanilla --seq-len 64 --dump "$work/dump-link"
 grep -q "is a symbolic link" "$work/err" && pass || fail "--dump onto a link: $(cat "$work/err")"
+# The project's own variables are checked on every CPU class, with one line naming the variable.
+for setting in "XFBENCH_MAX_ISA=avx9" "XFBENCH_MAX_ISA=avx2 " "XFBENCH_BF16_DOT=yes"; do
+  env "$setting" "$bin" run --model vanilla --seq-len 64 --dtype bf16 --heads 1 --head-dim 16 --min-reps 1 \
+    --min-time 0 >/dev/null 2>"$work/err"
+  code=$?
+  [ "$code" -eq 2 ] && [ "$(grep -vc "this build is not optimised" "$work/err")" -eq 1 ] \
+    && grep -q "${setting%%=*}" "$work/err" && pass || fail "$setting (exit $code): $(cat "$work/err")"
+done
 # The default --threads comes from OMP_NUM_THREADS: out of range, the message names the variable
 # (99999999999 wraps in libgomp), and --threads given in range overrides it.
 for threads in 5000 99999999999; do
