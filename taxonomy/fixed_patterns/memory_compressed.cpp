@@ -673,7 +673,12 @@ MemoryCompressedConfig resolve(const Problem& p, MemoryCompressedConfig c) {
   return c;
 }
 
-std::string unsupported(const Problem& p, const MemoryCompressedConfig&) { return fixed::gathered_bf16_unsupported(p); }
+std::string unsupported(const Problem& p, const MemoryCompressedConfig& c) {
+  if (c.mode == "split" && p.heads < 2)  // the one head would be local: no compressed attention at all
+    return "mode=split gives half the heads local and half compressed attention: with --heads 1 only local "
+           "attention would run; give --heads 2 or more, or --param mode=compressed (or mode=local)";
+  return fixed::gathered_bf16_unsupported(p);
+}
 
 template <>
 Implementation implementation<MemoryCompressedConfig>() {

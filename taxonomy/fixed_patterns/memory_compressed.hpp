@@ -3,7 +3,8 @@
 // local attention within blocks and memory-compressed attention, split across heads.
 //
 // Heads: mode=local → every head local; mode=compressed → every head compressed; mode=split →
-// heads 0 … ⌈H/2⌉−1 local, the rest compressed. Per head (q, k, v: the head's [N, D] rows):
+// heads 0 … ⌈H/2⌉−1 local, the rest compressed (H = 1: an `unsupported` row, not local alone).
+// Per head (q, k, v: the head's [N, D] rows):
 //   local: blocks of `block` tokens (the last may be partial); query i in block [s, e) sees keys
 //     j ∈ [s, e) (causal: j ∈ [s, i]).
 //   compressed: K and V are shortened by a strided 1-D convolution (kernel = stride = c,

@@ -553,6 +553,9 @@ SparseTransformerConfig resolve(const Problem& p, SparseTransformerConfig c) {
 }
 
 std::string unsupported(const Problem& p, const SparseTransformerConfig&) {
+  if (p.heads < 2)  // the mechanism would run A1 alone: not the factorised pattern the row names
+    return "the factorised pattern puts A1 and A2 on different heads: with --heads 1 only A1 would run; give "
+           "--heads 2 or more";
   return bs::single_plan_bf16_unsupported(p);
 }
 

@@ -1,8 +1,9 @@
 #pragma once
 // `sparse-transformer`: the factorised attention patterns of the Sparse Transformer (Child et al.
 // 2019), split across heads: heads h < ⌈H/2⌉ use A1, the others A2 (the paper's multi-head
-// integration, each head one factor; with H = 1 the only head uses A1). Stride l (⌈√N⌉ unless
-// given), summary width c (fixed pattern; clamped to l when l is automatic).
+// integration, each head one factor; with H = 1 the only head would use A1, so such a point is an
+// `unsupported` row). Stride l (⌈√N⌉ unless given), summary width c (fixed pattern; clamped to l
+// when l is automatic).
 //   strided  A1(i) = {j : i − l ≤ j ≤ i}   (non-causal: |i − j| ≤ l)
 //            A2(i) = {j : (i − j) mod l = 0}
 //   fixed    A1(i) = {j : ⌊j/l⌋ = ⌊i/l⌋}

@@ -273,7 +273,7 @@ TEST_SUITE("decode") {
       PointConfig config;
       config.model = model.name;
       config.pass = Pass::Decode;
-      config.problem = {.batch = 1, .heads = 1, .seq_len = 64, .head_dim = 16};
+      config.problem = {.batch = 1, .heads = 2, .seq_len = 64, .head_dim = 16};
       const ResultRow row = describe_point(config);
       CHECK(row.causal);
       if (!model.decodes()) {

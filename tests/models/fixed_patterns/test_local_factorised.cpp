@@ -123,6 +123,30 @@ PointConfig counter_point(const std::string& model, std::int64_t n, std::vector<
 }  // namespace
 
 TEST_SUITE("local_factorised") {
+  TEST_CASE("a head-split pattern on one head is an unsupported row, not half the mechanism") {
+    const auto row_of = [](const std::string& model, std::int64_t heads, std::vector<std::string> params, Pass pass) {
+      PointConfig config;
+      config.model = model;
+      config.pass = pass;
+      config.params = std::move(params);
+      config.problem = {.batch = 1, .heads = heads, .seq_len = 64, .head_dim = 16, .causal = pass == Pass::Decode};
+      return describe_point(config);
+    };
+    for (const Pass pass : {Pass::Forward, Pass::Train, Pass::Decode}) {
+      CAPTURE(pass_name(pass));
+      const ResultRow sparse = row_of("sparse-transformer", 1, {}, pass);
+      CHECK(sparse.status == Status::Unsupported);
+      CHECK(sparse.reason.find("only A1 would run") != std::string::npos);
+      const ResultRow split = row_of("memory-compressed", 1, {}, pass);
+      CHECK(split.status == Status::Unsupported);
+      CHECK(split.reason.find("only local attention would run") != std::string::npos);
+      CHECK(row_of("sparse-transformer", 2, {}, pass).status == Status::Ok);
+      CHECK(row_of("memory-compressed", 2, {}, pass).status == Status::Ok);
+      for (const char* mode : {"mode=local", "mode=compressed"})
+        CHECK(row_of("memory-compressed", 1, {mode}, pass).status == Status::Ok);
+    }
+  }
+
   TEST_CASE("local equals block-local naive attention at, below and above the block and the 64-row tile") {
     struct Case {
       std::vector<std::string> params;
