@@ -124,7 +124,7 @@ void record_timing(ResultRow& row, const TimingResult& timed) {
   row.max_ns = stats.max;
   row.mad_ns = stats.mad;
   row.cv = stats.cv;
-  row.unstable = stats.cv > kUnstableCv;
+  row.unstable = stats.cv > kUnstableCv || row.samples_ns.size() < 2;  // one sample: a spread never seen
   for (const auto& [stage, samples] : timed.stage_samples_ns) row.stage_median_ns[stage] = summarize(samples).median;
   if (timed.primitives_created_while_timed > 0)
     row.warnings.push_back(std::to_string(timed.primitives_created_while_timed) +

@@ -44,7 +44,7 @@ struct ResultRow {
   std::string reason;              // why the point is not ok; empty when ok
   std::vector<double> samples_ns;  // every timed repetition, nanoseconds
   double median_ns = 0, min_ns = 0, max_ns = 0, mad_ns = 0, cv = 0;
-  bool unstable = false;  // cv > 5%
+  bool unstable = false;  // cv > 5%, or a single sample (its spread unknown)
   // Contention (lib/core/contention.hpp): samples during which the point's threads waited for a CPU
   // are kept apart in `contended_samples_ns` and left out of the statistics above.
   std::int64_t contended_samples = 0;             // timed repetitions marked descheduled

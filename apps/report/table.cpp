@@ -24,13 +24,15 @@ std::string metric_title(const TableOptions& o, bool decode) {
       return decode ? "median time per generated token (µs; ~ marks CV > 5%, ! a contended point)"
                     : "median time (ms; ~ marks CV > 5%, ! a contended point)";
     case TableMetric::Speedup:
-      return "speed-up over " + o.baseline + " (× , higher is faster; ! a contended point)";
+      return "speed-up over " + o.baseline +
+             " (×, higher is faster; ~ marks CV > 5%, ! a contended point, in either row)";
     case TableMetric::Memory:
       return "peak tracked memory (MiB)";
     case TableMetric::MemoryRatio:
       return "peak tracked memory relative to " + o.baseline + " (×, lower is smaller)";
     case TableMetric::Gflops:
-      return "executed GFLOP/s (% of measured FMA peak)";
+      return "executed GFLOP/s (~ marks CV > 5%, ! a contended point; in parentheses the share of the measured FMA "
+             "peak, for bf16 rows of the bf16 dot-product peak, where the report has it)";
     case TableMetric::State:
       return "decode state kept between steps (MiB; - for other passes)";
     case TableMetric::Crossover:
@@ -41,6 +43,11 @@ std::string metric_title(const TableOptions& o, bool decode) {
                     : "time–memory front (median ms, peak tracked MiB)";
   }
   return "";
+}
+
+// The stability marks after a measured figure: ~ a spread over 5% (CV), ! a contended point.
+std::string stability_marks(const ResultRow& row) {
+  return std::string(row.unstable ? "~" : "") + (row.contended ? "!" : "");
 }
 
 std::string status_cell(const ResultRow& row) {
@@ -66,7 +73,8 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
     case TableMetric::Speedup:
       if (baseline == nullptr || baseline->status != Status::Ok) return "-";
       if (const auto ratio = finite_ratio(baseline->median_ns, row.median_ns))
-        return format_number("%.2f×", *ratio) + (row.contended || baseline->contended ? "!" : "");
+        return format_number("%.2f×", *ratio) + (row.unstable || baseline->unstable ? "~" : "") +
+               (row.contended || baseline->contended ? "!" : "");
       return "-";
     case TableMetric::Memory:
       return memory_cell(row);
@@ -81,8 +89,8 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
       const double peak = dot_peak_for_row(context, row);
       const auto share = finite_ratio(100.0 * row.gflops_per_s, peak);
       const std::string figure = format_number("%.1f", row.gflops_per_s);
-      if (row.dtype == DType::BF16 && !(peak > 0)) return figure + " (no bf16 peak)";
-      return figure + (share ? format_number(" (%.0f%%)", *share) : "");
+      if (row.dtype == DType::BF16 && !(peak > 0)) return figure + stability_marks(row) + " (no bf16 peak)";
+      return figure + stability_marks(row) + (share ? format_number(" (%.0f%%)", *share) : "");
     }
     case TableMetric::State:
       return row.pass == Pass::Decode ? format_number("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0))
@@ -188,7 +196,7 @@ std::string time_cell(const ResultRow& row) {
   if (row.status != Status::Ok) return "";
   return (row.pass == Pass::Decode ? format_number("%.1f", row.median_ns * 1e-3)
                                    : format_number("%.3f", row.median_ns * 1e-6)) +
-         (row.unstable ? "~" : "") + (row.contended ? "!" : "");
+         stability_marks(row);
 }
 
 std::string memory_cell(const ResultRow& row) {

@@ -125,6 +125,10 @@ expect_error 2
   && pass || fail "run --json: $(cat "$work/err")"
 "$bin" run --model exact-tiled --seq-len 100 "${quick[@]}" >"$work/run.txt" && grep -q "^median" "$work/run.txt" \
   && pass || fail "run prints a human summary"
+# One sample has a CV of 0 that says nothing: the row is unstable (~ in tables), not steady.
+"$bin" run --model exact-tiled --seq-len 100 --heads 2 --head-dim 16 --min-reps 1 --max-reps 1 --min-time 0 --json \
+  >"$work/single.json" 2>/dev/null && grep -q '"samples_ns":\[[0-9.e+]*\]' "$work/single.json" \
+  && grep -q '"unstable":true' "$work/single.json" && pass || fail "a single-sample row is not marked unstable"
 # The reproducer line reruns the same point.
 # (Under XFBENCH_MAX_ISA the reproducer starts with that assignment, which this environment already has.)
 reproducer=$(sed -n 's/.*"reproducer":"[^"]*xfbench \([^"]*\)".*/\1/p' "$work/run.json")

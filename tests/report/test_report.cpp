@@ -158,6 +158,31 @@ TEST_SUITE("report") {
     CHECK(text.find("4.000") != std::string::npos);
   }
 
+  TEST_CASE("tables: every measured figure carries its row's stability marks (~ unstable, ! contended)") {
+    Report report;
+    report.context["fma_peak_gflops"] = 100.0;
+    report.results.push_back(sample_row("vanilla", 1024, 4e6));
+    ResultRow shaky = sample_row("exact-tiled", 1024, 2e6);
+    shaky.unstable = true;
+    shaky.contended = true;
+    report.results.push_back(shaky);
+    const auto line_of = [](const std::string& table, const std::string& model) {
+      const auto start = table.find("| " + model + " ");
+      REQUIRE(start != std::string::npos);
+      return table.substr(start, table.find('\n', start) - start);
+    };
+    const auto with = [&](TableMetric metric) {
+      return render_table(report, {.metric = metric, .format = TableFormat::Markdown});
+    };
+    CHECK(line_of(with(TableMetric::Time), "exact-tiled").find("2.000~!") != std::string::npos);
+    CHECK(line_of(with(TableMetric::Speedup), "exact-tiled").find("2.00×~!") != std::string::npos);
+    CHECK(line_of(with(TableMetric::Gflops), "exact-tiled").find("61.7~! (62%)") != std::string::npos);
+    for (TableMetric metric : {TableMetric::Time, TableMetric::Speedup, TableMetric::Gflops}) {
+      const auto steady = line_of(with(metric), "vanilla");
+      CHECK_MESSAGE(steady.find_first_of("~!") == std::string::npos, steady);
+    }
+  }
+
   TEST_CASE("npy files round trip") {
     const auto dir = temp_dir("npy");
     Tensor t(Shape{3, 1, 5});
