@@ -23,6 +23,9 @@ struct MachineMeasurement {
   // points are quoted against; 0 without AVX512_BF16.
   double bf16_dot_peak_gflops = 0;
   double triad_bandwidth_gbs = 0;  // STREAM triad a = b + s·c over 3×64 MiB arrays
+  // Each figure is the best of 3 trials the contention probe saw undisturbed (of at most 10); true
+  // when some figure had none and is the best of disturbed trials (it may read low).
+  bool contended = false;
 };
 MachineMeasurement measure_machine(int threads);
 // The measurement as a context records it (apps/report/report.hpp's kMachineFigureFields).

@@ -384,6 +384,7 @@ std::string context_html(const nlohmann::json& context) {
       {"command_line", "command line"},
       {"fma_peak_gflops", "FMA peak (GFLOP/s)"},
       {"triad_bandwidth_gbs", "triad bandwidth (GB/s)"},
+      {"machine_contended", "peaks measured while the machine was busy"},
   };
   std::ostringstream out;
   out << "<table class=\"xr-context\">\n<tbody>\n";

@@ -87,6 +87,7 @@ nlohmann::json machine_by_threads(const nlohmann::json& context) {
   nlohmann::json figures = nlohmann::json::object();
   for (const char* field : kMachineFigureFields)
     if (context.contains(field)) figures[field] = context[field];
+  if (context.contains(kMachineContendedField)) figures[kMachineContendedField] = context[kMachineContendedField];
   nlohmann::json by_threads = nlohmann::json::object();
   if (context.contains("threads") && !figures.empty()) by_threads[context["threads"].dump()] = figures;
   return by_threads;
@@ -104,6 +105,7 @@ void merge_thread_contexts(const std::vector<NamedReport>& inputs, nlohmann::jso
   if (largest->contains("threads")) context["threads"] = (*largest)["threads"];
   for (const char* field : kMachineFigureFields)
     if (largest->contains(field)) context[field] = (*largest)[field];
+  if (largest->contains(kMachineContendedField)) context[kMachineContendedField] = (*largest)[kMachineContendedField];
   context["machine_by_threads"] = by_threads;
 }
 

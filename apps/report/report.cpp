@@ -41,6 +41,13 @@ double fma_peak_for_threads(const nlohmann::json& context, int threads) {
   return machine_figure_for_threads(context, threads, "fma_peak_gflops");
 }
 
+bool peak_contended_for_row(const nlohmann::json& context, const ResultRow& row) {
+  const std::string key = std::to_string(row.threads);
+  if (context.contains("machine_by_threads") && context["machine_by_threads"].contains(key))
+    return context["machine_by_threads"][key].value(kMachineContendedField, false);
+  return context.value(kMachineContendedField, false);
+}
+
 double dot_peak_for_row(const nlohmann::json& context, const ResultRow& row) {
   if (row.dtype == DType::BF16) return machine_figure_for_threads(context, row.threads, "bf16_dot_peak_gflops");
   return fma_peak_for_threads(context, row.threads);
@@ -231,6 +238,7 @@ void read_work(ResultRow& r, const FieldReader& f) {
 void check_machine_figures(const FieldReader& f) {
   for (const char* field : kMachineFigureFields)
     if (f.has(field)) f.number(field, 0, kMaxFigure);
+  if (f.has(kMachineContendedField)) f.flag(kMachineContendedField);
 }
 
 // The context fields commands read or compare, where present: strings, non-negative numbers;

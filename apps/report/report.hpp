@@ -97,6 +97,8 @@ std::optional<double> finite_ratio(double numerator, double denominator);
 // MachineMeasurement), top level or per thread count under `machine_by_threads`.
 inline constexpr const char* kMachineFigureFields[] = {"fma_peak_gflops", "fma_peak_256_gflops", "fma_peak_512_gflops",
                                                        "bf16_dot_peak_gflops", "triad_bandwidth_gbs"};
+// Beside them, a boolean: true when some figure had no undisturbed trial (MachineMeasurement).
+inline constexpr const char* kMachineContendedField = "machine_contended";
 
 // The measured FMA peak (GFLOP/s) a row that ran on `threads` threads is quoted against: the
 // context's `machine_by_threads` entry for that count, else `fma_peak_gflops` when the context ran
@@ -106,6 +108,9 @@ double fma_peak_for_threads(const nlohmann::json& context, int threads);
 // the context's `bf16_dot_peak_gflops` (top level or per thread count, as above) for a bf16 row;
 // 0 when that figure is not measured (the caller says so rather than using the fp32 peak).
 double dot_peak_for_row(const nlohmann::json& context, const ResultRow& row);
+// Whether that peak was measured with no undisturbed trial (`machine_contended`): it may read low,
+// so a share of it is an upper bound.
+bool peak_contended_for_row(const nlohmann::json& context, const ResultRow& row);
 
 // The row's contention warning (the one in `warnings` that starts "contended:"), or a summary.
 std::string contended_warning(const ResultRow& row);

@@ -32,7 +32,8 @@ std::string metric_title(const TableOptions& o, bool decode) {
       return "peak tracked memory relative to " + o.baseline + " (×, lower is smaller)";
     case TableMetric::Gflops:
       return "executed GFLOP/s (~ marks CV > 5%, ! a contended point; in parentheses the share of the measured FMA "
-             "peak, for bf16 rows of the bf16 dot-product peak, where the report has it)";
+             "peak, for bf16 rows of the bf16 dot-product peak, where the report has it; ≤ where the peak was measured "
+             "on a busy machine)";
     case TableMetric::State:
       return "decode state kept between steps (MiB; - for other passes)";
     case TableMetric::Crossover:
@@ -90,7 +91,9 @@ std::string cell(const ResultRow& row, const ResultRow* baseline, const TableOpt
       const auto share = finite_ratio(100.0 * row.gflops_per_s, peak);
       const std::string figure = format_number("%.1f", row.gflops_per_s);
       if (row.dtype == DType::BF16 && !(peak > 0)) return figure + stability_marks(row) + " (no bf16 peak)";
-      return figure + stability_marks(row) + (share ? format_number(" (%.0f%%)", *share) : "");
+      const bool upper_bound = peak_contended_for_row(context, row);  // a peak measured on a busy machine
+      return figure + stability_marks(row) +
+             (share ? format_number(upper_bound ? " (≤%.0f%%)" : " (%.0f%%)", *share) : "");
     }
     case TableMetric::State:
       return row.pass == Pass::Decode ? format_number("%.3f", static_cast<double>(row.state_bytes) / (1024.0 * 1024.0))
