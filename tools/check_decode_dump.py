@@ -10,8 +10,14 @@ and sinkhorn (its open block so far and the sorted block the network chose over 
 The decode state files are checked too: a KV cache holds the sequence's keys and values, a window
 ring the last tokens' in their slots.
 
-Plain Python (no NumPy). Exit 0 when every decoded element is within 1e-4 of the largest output
-magnitude, 1 otherwise, 2 for a dump this script cannot check.
+A bf16 dump (manifest dtype "bf16") is checked against the same float64 recomputation of its bf16
+inputs, within check_gradient_dump's bf16 tolerance; the bf16 KV cache of vanilla and exact-tiled
+(D a multiple of 16) is held in the tile kernels' layouts, which state_errors reads: keys in key
+pair panels of 16 tokens, values in row pairs (lib/core/tile_kernels_bf16.hpp).
+
+Plain Python (no NumPy). Exit 0 when every decoded element is within the dtype's tolerance (fp32
+1e-4) of the largest output magnitude and the state holds exactly the keys and values it should,
+1 otherwise, 2 for a dump this script cannot check.
 """
 import json
 import math
@@ -19,7 +25,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_gradient_dump import read_npy  # noqa: E402
+from check_gradient_dump import read_npy, tolerance  # noqa: E402
 
 
 def visible_keys(model, params, i):
@@ -128,22 +134,44 @@ def output_row(model, params, q, k, v, i, d):
     return [sum(w * v[j * d + c] for w, j in zip(weights, keys)) / total for c in range(d)]
 
 
-def state_errors(model, params, folder, k, v, heads, length, d):
+PANEL = 16  # keys per key pair panel of the bf16 tile kernels
+
+
+def plain_row(state, head_size, head, slot, d):
+    return state[head * head_size + slot * d:head * head_size + (slot + 1) * d]
+
+
+def panel_row(state, head_size, head, token, d):
+    """Key `token` from key pair panels: packed[p·d·16 + (c2·16 + t)·2 + e] = K[p·16 + t][2·c2 + e]."""
+    base, (p, t) = head * head_size, divmod(token, PANEL)
+    return [state[base + p * d * PANEL + ((c // 2) * PANEL + t) * 2 + c % 2] for c in range(d)]
+
+
+def pair_row(state, head_size, head, token, d):
+    """Row `token` from row pairs: pairs[(r2·d + f)·2 + e] = X[2·r2 + e][f]."""
+    base, (r2, e) = head * head_size, divmod(token, 2)
+    return [state[base + (r2 * d + f) * 2 + e] for f in range(d)]
+
+
+def state_errors(model, params, dump, k, v, heads, length, d, bf16):
     """Largest difference between the dumped cache or window and the keys and values it should hold."""
     if model in ("vanilla", "exact-tiled"):
         names, capacity = ("state_key_cache", "state_value_cache"), length
+        kernel_layouts = bf16 and d % PANEL == 0  # Bf16KvCache; else plain rows
+        readers = (panel_row, pair_row) if kernel_layouts else (plain_row, plain_row)
     elif model in ("local", "image-transformer"):
         names = ("state_key_window", "state_value_window")
         capacity = params["block"] if model == "local" else params["query_block"] + params["memory_flange"]
+        readers = (plain_row, plain_row)
     else:
         return 0.0
     worst = 0.0
-    for name, source in zip(names, (k, v)):
-        state = read_npy(folder + "/" + name + ".npy")
+    for name, source, read_row in zip(names, (k, v), readers):
+        state = dump[name]
+        head_size = len(state) // heads
         for head in range(heads):
             for token in range(max(0, length - capacity), length):
-                slot = token % capacity
-                got = state[(head * capacity + slot) * d:(head * capacity + slot + 1) * d]
+                got = read_row(state, head_size, head, token % capacity, d)
                 want = source[(head * length + token) * d:(head * length + token + 1) * d]
                 worst = max(worst, max(abs(g - w) for g, w in zip(got, want)))
     return worst
@@ -175,9 +203,10 @@ def main(folder):
                 want = output_row(model, params, q[part], k[part], v[part], i, d)
             got = out[part][i * d:(i + 1) * d]
             worst = max(worst, max(abs(g - w) for g, w in zip(got, want)) / largest)
-    state = state_errors(model, params, folder, k, v, heads, length, d)
-    print("largest decoded-output error relative to the largest output: %.3g; state error %.3g" % (worst, state))
-    return 0 if worst <= 1e-4 and state == 0.0 else 1
+    state = state_errors(model, params, dump, k, v, heads, length, d, manifest.get("dtype") == "bf16")
+    print("largest decoded-output error relative to the largest output: %.3g (tolerance %.3g); state error %.3g"
+          % (worst, tolerance(manifest), state))
+    return 0 if worst <= tolerance(manifest) and state == 0.0 else 1
 
 
 if __name__ == "__main__":
