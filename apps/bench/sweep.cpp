@@ -336,7 +336,7 @@ void check_resumable(const Report& previous, const nlohmann::json& settings, con
       throw InputError("--resume: " + path + " has settings." + key + ", this sweep has none");
 }
 
-// The finished rows of a resumed report that this run keeps, and their keys. Every row must be a
+// The finished rows of a resumed report that this run keeps. Every row must be a
 // point of this sweep, once (else the report was not written by it: InputError). A row that is
 // another shard's now (a grown grid deals the points anew) is dropped, as are error rows under
 // --retry-errors: both run again.
