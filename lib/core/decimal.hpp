@@ -3,7 +3,6 @@
 // ("0.05", "-3", "1e-4", "1E+3"), read whole. Hex ("0x10"), hex floats, spaces, a leading '+',
 // inf and nan are refused. Subnormal magnitudes ("1e-320") are numbers and read to the nearest
 // double (0 below the smallest subnormal); magnitudes above the largest double are refused.
-#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdlib>
