@@ -94,6 +94,8 @@ cases=(
   'missing-median|del r["results"][3]["median_ns"]|results[3].median_ns'
   'missing-status|del x["status"]|results[0].status'
   'context-peak-string|r["context"]["fma_peak_gflops"] = "fast"|context.fma_peak_gflops'
+  'context-contended-string|r["context"]["machine_contended"] = "yes"|context.machine_contended'
+  'context-contended-by-threads|r["context"]["machine_by_threads"] = {"2": {"machine_contended": 1}}|machine_by_threads.2.machine_contended'
   'context-host-number|r["context"]["host"] = 5|context.host'
   'settings-shard-number|r["settings"]["shard"] = 3|settings.shard'
 )
