@@ -26,13 +26,21 @@ RowsVary rows_vary(const Report& report) {
 
 namespace {
 
-// The machine figure `field` measured on `threads` threads (see fma_peak_for_threads); 0 when absent.
-double machine_figure_for_threads(const nlohmann::json& context, int threads, const char* field) {
+// The object that holds the machine figures measured on `threads` threads: the context's
+// `machine_by_threads` entry for that count, else the context itself when it ran on that count
+// (or `threads` is 0); nullptr when the report measured nothing there.
+const nlohmann::json* machine_entry_for_threads(const nlohmann::json& context, int threads) {
   const std::string key = std::to_string(threads);
   if (context.contains("machine_by_threads") && context["machine_by_threads"].contains(key))
-    return context["machine_by_threads"][key].value(field, 0.0);
-  if (threads == 0 || context.value("threads", 0) == threads) return context.value(field, 0.0);
-  return 0;
+    return &context["machine_by_threads"][key];
+  if (threads == 0 || context.value("threads", 0) == threads) return &context;
+  return nullptr;
+}
+
+// The machine figure `field` measured on `threads` threads (see fma_peak_for_threads); 0 when absent.
+double machine_figure_for_threads(const nlohmann::json& context, int threads, const char* field) {
+  const nlohmann::json* entry = machine_entry_for_threads(context, threads);
+  return entry != nullptr ? entry->value(field, 0.0) : 0.0;
 }
 
 }  // namespace
@@ -42,10 +50,8 @@ double fma_peak_for_threads(const nlohmann::json& context, int threads) {
 }
 
 bool peak_contended_for_row(const nlohmann::json& context, const ResultRow& row) {
-  const std::string key = std::to_string(row.threads);
-  if (context.contains("machine_by_threads") && context["machine_by_threads"].contains(key))
-    return context["machine_by_threads"][key].value(kMachineContendedField, false);
-  return context.value(kMachineContendedField, false);
+  const nlohmann::json* entry = machine_entry_for_threads(context, row.threads);
+  return entry != nullptr && entry->value(kMachineContendedField, false);
 }
 
 double dot_peak_for_row(const nlohmann::json& context, const ResultRow& row) {
