@@ -15,6 +15,7 @@
 #include <spdlog/spdlog.h>
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include "apps/report/report.hpp"
 #include "git_commit.hpp"
 #include "lib/core/contention.hpp"
 #include "lib/core/cpu_isa.hpp"
@@ -235,7 +236,7 @@ nlohmann::json capture_context(int threads) {
 nlohmann::json machine_figures(const MachineMeasurement& m) {
   return {{"fma_peak_gflops", m.fma_peak_gflops},         {"fma_peak_256_gflops", m.fma_peak_256_gflops},
           {"fma_peak_512_gflops", m.fma_peak_512_gflops}, {"bf16_dot_peak_gflops", m.bf16_dot_peak_gflops},
-          {"triad_bandwidth_gbs", m.triad_bandwidth_gbs}, {"machine_contended", m.contended}};
+          {"triad_bandwidth_gbs", m.triad_bandwidth_gbs}, {kMachineContendedField, m.contended}};
 }
 
 MachineMeasurement measure_machine(int threads) {

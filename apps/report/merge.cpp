@@ -93,20 +93,39 @@ nlohmann::json machine_by_threads(const nlohmann::json& context) {
   return by_threads;
 }
 
-// The merged context's thread figures when the inputs ran at several thread counts.
+bool measured_contended(const nlohmann::json& figures) {
+  return figures.is_object() && figures.value(kMachineContendedField, false);
+}
+
+// Per thread count, the first input's figures, or a later input's when only the later one was
+// measured undisturbed: merge keeps one measurement per count, the best evidence of the peak, with
+// its own flag (docs/cli.md#merge).
+void keep_best_figures(const nlohmann::json& entries, nlohmann::json& by_threads) {
+  for (const auto& [count, figures] : entries.items())
+    if (!by_threads.contains(count) || (measured_contended(by_threads[count]) && !measured_contended(figures)))
+      by_threads[count] = figures;
+}
+
+// The merged context's machine figures: per thread count as above; the top level is the entry of
+// the largest thread count the inputs ran (its figures replace the first input's, all together);
+// `machine_by_threads` when the inputs ran several counts.
 void merge_thread_contexts(const std::vector<NamedReport>& inputs, nlohmann::json& context) {
   nlohmann::json by_threads = nlohmann::json::object();
-  const nlohmann::json* largest = &inputs.front().report.context;
+  int most_threads = 0;
   for (const auto& input : inputs) {
-    by_threads.update(machine_by_threads(input.report.context));
-    if (input.report.context.value("threads", 0) > largest->value("threads", 0)) largest = &input.report.context;
+    keep_best_figures(machine_by_threads(input.report.context), by_threads);
+    most_threads = std::max(most_threads, input.report.context.value("threads", 0));
   }
-  if (by_threads.size() < 2) return;
-  if (largest->contains("threads")) context["threads"] = (*largest)["threads"];
-  for (const char* field : kMachineFigureFields)
-    if (largest->contains(field)) context[field] = (*largest)[field];
-  if (largest->contains(kMachineContendedField)) context[kMachineContendedField] = (*largest)[kMachineContendedField];
-  context["machine_by_threads"] = by_threads;
+  const auto top = by_threads.find(std::to_string(most_threads));
+  if (top == by_threads.end()) return;
+  context["threads"] = most_threads;
+  std::vector<std::string> fields(std::begin(kMachineFigureFields), std::end(kMachineFigureFields));
+  fields.emplace_back(kMachineContendedField);
+  for (const auto& field : fields) {
+    context.erase(field);
+    if (top->contains(field)) context[field] = (*top)[field];
+  }
+  if (by_threads.size() > 1) context["machine_by_threads"] = by_threads;
 }
 
 template <typename T>

@@ -433,6 +433,41 @@ TEST_SUITE("report_tools") {
                          InputError);
   }
 
+  TEST_CASE("merge keeps, per thread count, a measurement taken undisturbed over a contended one") {
+    const auto shard = [](const char* model, double peak, bool contended) {
+      Report report = report_of({make_row(model, 64, noisy(1e6))});
+      report.settings.update({{"models", {model}}, {"threads", 2}});
+      report.context.update({{"threads", 2},
+                             {"fma_peak_gflops", peak},
+                             {"triad_bandwidth_gbs", peak / 10},
+                             {kMachineContendedField, contended}});
+      return report;
+    };
+    const Report busy = shard("vanilla", 40.0, true), quiet = shard("local", 100.0, false);
+    for (const auto& merged : {merge_reports({{"busy.json", busy}, {"quiet.json", quiet}}),
+                               merge_reports({{"quiet.json", quiet}, {"busy.json", busy}})}) {
+      CHECK(merged.context["fma_peak_gflops"] == 100.0);
+      CHECK(merged.context["triad_bandwidth_gbs"] == 10.0);
+      CHECK(merged.context[kMachineContendedField] == false);
+      CHECK_FALSE(merged.context.contains("machine_by_threads"));
+    }
+    // Both contended: the first input's figures, still flagged.
+    const Report busier = shard("local", 30.0, true);
+    const Report both = merge_reports({{"busy.json", busy}, {"busier.json", busier}});
+    CHECK(both.context["fma_peak_gflops"] == 40.0);
+    CHECK(both.context[kMachineContendedField] == true);
+    // A count measured only on a busy host keeps its flag in machine_by_threads.
+    Report one_thread = shard("vanilla", 20.0, true);
+    one_thread.settings["threads"] = 1;
+    one_thread.context["threads"] = 1;
+    one_thread.results[0].threads = 1;
+    const Report counts = merge_reports({{"one.json", one_thread}, {"quiet.json", quiet}});
+    CHECK(counts.context["threads"] == 2);
+    CHECK(counts.context[kMachineContendedField] == false);
+    CHECK(counts.context["machine_by_threads"]["1"][kMachineContendedField] == true);
+    CHECK(counts.context["machine_by_threads"]["2"]["fma_peak_gflops"] == 100.0);
+  }
+
   TEST_CASE("big-O fits and log-log exponents of exact curves") {
     const std::vector<double> n = {256, 512, 1024, 2048, 4096};
     for (BigO c : kBigOCandidates) {
