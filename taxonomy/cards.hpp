@@ -31,7 +31,10 @@ struct ModelCard {
   std::string name;          // command-line name, e.g. "sparse-transformer"
   std::string display_name;  // e.g. "Sparse Transformer"
   std::vector<ModelClass> classes;
-  std::string complexity;  // as printed in the survey's Table 1
+  std::string complexity;  // as printed in the survey's Table 1 (v1's for a v1 row)
+  // The revision's Table 1 figure where it prints another one for a v1 row (Routing: O(N√N) for
+  // v1's O(N log N)); "" otherwise.
+  std::string revised_complexity = "";
   // Per-token cost of incremental decoding with hyperparameters fixed, as the design implies:
   // "O(N)" (a KV cache), "O(1)" (a recurrent state), "O(b)" (a window), …; "" when it cannot
   // decode. The one statement of decoding: decodes() and (checked by the tests) the

@@ -126,6 +126,7 @@ void for_each_row(Row&& row) {
                              .display_name = "Routing Transformer",
                              .classes = {C::LearnablePatterns},
                              .complexity = "O(N log N)",
+                             .revised_complexity = "O(N√N)",
                              .decode_cost = "O(N/k)",
                              .paper = "Roy et al. 2020",
                              .arxiv = "2003.05997",

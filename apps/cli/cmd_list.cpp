@@ -34,6 +34,7 @@ nlohmann::json model_json(const ModelInfo& m) {
           {"display_name", m.display_name},
           {"classes", classes},
           {"complexity", m.complexity},
+          {"revised_complexity", m.revised_complexity},
           {"decodes", m.decodes()},
           {"paper", m.paper},
           {"arxiv", m.arxiv},
@@ -77,9 +78,11 @@ int run_list(const std::string& class_filter, bool implemented_only, const std::
     std::printf("%s%s%s%s%sPAPER\n", pad("MODEL", 21).c_str(), pad("CLASS", 9).c_str(), pad("COMPLEXITY", 18).c_str(),
                 pad("DECODE", 8).c_str(), pad("IMPLEMENTED", 13).c_str());
   for (const auto* m : models) {
+    const std::string complexity =
+        m->complexity + (m->revised_complexity.empty() ? "" : " (revision: " + m->revised_complexity + ")");
     if (md)
       std::printf("| %s | `%s` | %s | %s | %s | %s (arXiv %s) | %s |\n", m->display_name.c_str(), m->name.c_str(),
-                  classes_text(*m).c_str(), m->complexity.c_str(), m->decodes() ? "yes" : "no", m->paper.c_str(),
+                  classes_text(*m).c_str(), complexity.c_str(), m->decodes() ? "yes" : "no", m->paper.c_str(),
                   m->arxiv.c_str(), m->implemented() ? "yes" : "no");
     else
       std::printf("%s%s%s%s%s%s\n", pad(m->name, 21).c_str(), pad(classes_text(*m), 9).c_str(),

@@ -183,10 +183,16 @@ ExpectedComplexity expected_decode_complexity(const std::string& printed) {
   return lookup(printed, std::begin(kDecodeMappings), std::end(kDecodeMappings));
 }
 
+std::string survey_text(const ComplexitySeries& s) {
+  return s.survey_revision.empty() ? s.survey : s.survey + "; rev. " + s.survey_revision;
+}
+
 std::string verdict_name(ComplexityVerdict v) {
   switch (v) {
     case ComplexityVerdict::Match:
       return "match";
+    case ComplexityVerdict::MatchRevision:
+      return "match (revision)";
     case ComplexityVerdict::Mismatch:
       return "MISMATCH";
     case ComplexityVerdict::Ambiguous:
@@ -221,6 +227,10 @@ ComplexitySeries analyse_series(const std::vector<const ResultRow*>& rows) {
   series.per_token = first.pass == Pass::Decode;
   series.survey = info ? (series.per_token ? info->decode_cost : info->complexity) : "?";
   series.expected = series.per_token ? expected_decode_complexity(series.survey) : expected_complexity(series.survey);
+  if (info && !series.per_token && !info->revised_complexity.empty()) {
+    series.survey_revision = info->revised_complexity;
+    series.expected_revision = expected_complexity(series.survey_revision);
+  }
   std::map<std::int64_t, const ResultRow*> by_length;
   for (const auto* row : rows)
     if (row->status == Status::Ok) by_length[row->seq_len] = row;
@@ -251,9 +261,13 @@ ComplexitySeries analyse_series(const std::vector<const ResultRow*>& rows) {
     series.verdict = ComplexityVerdict::Unmapped;
   else if (series.expected.ambiguous)
     series.verdict = ComplexityVerdict::Ambiguous;
+  else if (series.flops.fit->best == series.expected.cls)
+    series.verdict = ComplexityVerdict::Match;
+  else if (series.expected_revision.known && !series.expected_revision.ambiguous &&
+           series.flops.fit->best == series.expected_revision.cls)
+    series.verdict = ComplexityVerdict::MatchRevision;
   else
-    series.verdict =
-        series.flops.fit->best == series.expected.cls ? ComplexityVerdict::Match : ComplexityVerdict::Mismatch;
+    series.verdict = ComplexityVerdict::Mismatch;
   return series;
 }
 
@@ -325,6 +339,11 @@ std::string expected_text(const ExpectedComplexity& e, bool per_token) {
   return class_text(e.cls, per_token) + (e.ambiguous ? "?" : "");
 }
 
+std::string expected_cell(const ComplexitySeries& s) {
+  const std::string v1 = expected_text(s.expected, s.per_token);
+  return s.survey_revision.empty() ? v1 : v1 + "; rev. " + expected_text(s.expected_revision, s.per_token);
+}
+
 // The series' crossover against the baseline, null where there is none.
 nlohmann::json crossover_field(const ComplexitySeries& s) {
   if (!s.crossover) return nullptr;
@@ -340,21 +359,25 @@ std::string render_complexity(const std::vector<ComplexitySeries>& series, const
   if (format == ComplexityFormat::Json) {
     nlohmann::json out = {{"series", nlohmann::json::array()}, {"skipped", skipped}};
     for (const auto& s : series)
-      out["series"].push_back({{"model", s.model},
-                               {"label", s.label},
-                               {"configuration", s.configuration},
-                               {"seq_lens", s.lengths},
-                               {"survey", s.survey},
-                               {"per_token", s.per_token},
-                               {"expected", s.expected.known ? nlohmann::json(class_text(s.expected.cls, s.per_token))
-                                                             : nlohmann::json(nullptr)},
-                               {"expected_ambiguous", s.expected.ambiguous},
-                               {"expected_note", s.expected.note},
-                               {"time", metric_json(s.time, s.per_token)},
-                               {"flops", metric_json(s.flops, s.per_token)},
-                               {s.per_token ? "state_bytes" : "workspace_bytes", metric_json(s.workspace, s.per_token)},
-                               {"verdict", verdict_name(s.verdict)},
-                               {"crossover", crossover_field(s)}});
+      out["series"].push_back(
+          {{"model", s.model},
+           {"label", s.label},
+           {"configuration", s.configuration},
+           {"seq_lens", s.lengths},
+           {"survey", s.survey},
+           {"per_token", s.per_token},
+           {"expected",
+            s.expected.known ? nlohmann::json(class_text(s.expected.cls, s.per_token)) : nlohmann::json(nullptr)},
+           {"expected_ambiguous", s.expected.ambiguous},
+           {"expected_note", s.expected.note},
+           {"survey_revision", s.survey_revision.empty() ? nlohmann::json(nullptr) : nlohmann::json(s.survey_revision)},
+           {"expected_revision", s.expected_revision.known ? nlohmann::json(class_text(s.expected_revision.cls, false))
+                                                           : nlohmann::json(nullptr)},
+           {"time", metric_json(s.time, s.per_token)},
+           {"flops", metric_json(s.flops, s.per_token)},
+           {s.per_token ? "state_bytes" : "workspace_bytes", metric_json(s.workspace, s.per_token)},
+           {"verdict", verdict_name(s.verdict)},
+           {"crossover", crossover_field(s)}});
     return out.dump(2) + "\n";
   }
   const bool md = format == ComplexityFormat::Markdown;
@@ -365,13 +388,14 @@ std::string render_complexity(const std::vector<ComplexitySeries>& series, const
     cells.push_back({s.label, s.configuration,
                      std::to_string(s.lengths.front()) + "–" + std::to_string(s.lengths.back()) + " (" +
                          std::to_string(s.lengths.size()) + ")",
-                     s.survey, expected_text(s.expected, s.per_token), exponent_text(s.time),
-                     fit_text(s.time, s.per_token), exponent_text(s.flops), fit_text(s.flops, s.per_token),
-                     exponent_text(s.workspace), fit_text(s.workspace, s.per_token), verdict_name(s.verdict)});
+                     survey_text(s), expected_cell(s), exponent_text(s.time), fit_text(s.time, s.per_token),
+                     exponent_text(s.flops), fit_text(s.flops, s.per_token), exponent_text(s.workspace),
+                     fit_text(s.workspace, s.per_token), verdict_name(s.verdict)});
   std::ostringstream out;
   out << render_cells(cells, md ? TableFormat::Markdown : TableFormat::Text, 2);
   if (series.empty()) out << "(no model with three or more ok sequence lengths)\n";
-  out << (md ? "\n" : "") << "verdict compares the FLOP-count fit with the survey's complexity; '?' marks an ambiguous "
+  out << (md ? "\n" : "") << "verdict compares the FLOP-count fit with the survey's complexity (v1's, else the "
+      << "revision's: 'match (revision)'); '?' marks an ambiguous "
       << "survey string (see docs/cli.md#complexity); decode rows fit per-token time and FLOPs and the state "
       << "(in the workspace columns) against 1, log N, √N, N\n";
   for (const auto& line : skipped) out << (md ? "- " : "") << "not fitted: " << line << "\n";

@@ -51,7 +51,8 @@ struct MetricFit {
   std::optional<BigOFit> fit;
 };
 
-enum class ComplexityVerdict { Match, Mismatch, Ambiguous, Unmapped };
+// MatchRevision: the fit is the class of the revision's figure (ModelCard::revised_complexity), not v1's.
+enum class ComplexityVerdict { Match, MatchRevision, Mismatch, Ambiguous, Unmapped };
 std::string verdict_name(ComplexityVerdict v);
 
 // One model (one parameter setting, one configuration) with at least three ok sequence lengths.
@@ -63,6 +64,8 @@ struct ComplexitySeries {
                               // workspace; fits and expected class of N × them (see per_token_name),
                               // exponents of the per-token values themselves
   ExpectedComplexity expected;
+  std::string survey_revision;  // the revision's figure where it differs from v1's (not for decode)
+  ExpectedComplexity expected_revision;
   std::vector<std::int64_t> lengths;
   MetricFit time, flops, workspace;
   ComplexityVerdict verdict = ComplexityVerdict::Unmapped;  // from the FLOP-count fit
@@ -72,6 +75,8 @@ struct ComplexitySeries {
   std::string baseline;
 };
 
+// The survey column: v1's figure, and the revision's after it where it differs ("O(N log N); rev. O(N√N)").
+std::string survey_text(const ComplexitySeries& s);
 // Series for every (configuration, model, params) with ≥ 3 ok lengths, each with its crossover
 // against `baseline`; `skipped` receives one line per series that had fewer.
 std::vector<ComplexitySeries> analyse_complexity(const Report& report, std::vector<std::string>* skipped = nullptr,

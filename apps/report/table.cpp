@@ -126,12 +126,13 @@ std::string row_label(const ResultRow& row, bool with_params) {
 
 std::vector<std::string> complexity_cells(const std::vector<const ResultRow*>& rows) {
   const ComplexitySeries series = analyse_series(rows);
-  const std::string survey = series.survey;
+  const std::string survey = survey_text(series);
   if (series.lengths.size() < 3 || !series.flops.fit) return {survey, "-", "-"};
-  const char* mark = series.verdict == ComplexityVerdict::Match       ? " ✓"
-                     : series.verdict == ComplexityVerdict::Mismatch  ? " ✗"
-                     : series.verdict == ComplexityVerdict::Ambiguous ? " ?"
-                                                                      : "";
+  const char* mark = series.verdict == ComplexityVerdict::Match           ? " ✓"
+                     : series.verdict == ComplexityVerdict::MatchRevision ? " ✓ (rev.)"
+                     : series.verdict == ComplexityVerdict::Mismatch      ? " ✗"
+                     : series.verdict == ComplexityVerdict::Ambiguous     ? " ?"
+                                                                          : "";
   char exponent[32] = "-";
   if (series.time.exponent) std::snprintf(exponent, sizeof exponent, "N^%.2f", *series.time.exponent);
   return {survey,

@@ -49,9 +49,9 @@ std::string markdown() {
   for (const auto* m : table_order())
     out << "| " << (m->survey_row ? std::to_string(m->survey_row) : "") << " | " << survey_table(*m) << " | "
         << m->display_name << " | `" << m->name << "` | " << m->paper << " (arXiv " << m->arxiv << ") | " << m->year
-        << " | " << m->complexity << " | " << (m->decodes() ? "✓" : "✗")
-        << (m->decode_note.empty() ? "" : " (" + m->decode_note + ")") << " | " << letters(*m) << " | "
-        << (m->has_implementation ? "yes" : "no") << " |\n";
+        << " | " << m->complexity << (m->revised_complexity.empty() ? "" : " (revision: " + m->revised_complexity + ")")
+        << " | " << (m->decodes() ? "✓" : "✗") << (m->decode_note.empty() ? "" : " (" + m->decode_note + ")") << " | "
+        << letters(*m) << " | " << (m->has_implementation ? "yes" : "no") << " |\n";
   out << "\nClasses: FP fixed patterns, LP learnable patterns, M memory, LR low rank, KR kernels, RC recurrence, DS "
          "downsampling and Sparse the sparse models (conditional computation; both the revision's); X the exact "
          "baselines. Decode: the model supports causal (autoregressive) "
@@ -72,6 +72,7 @@ std::string json() {
                     {"arxiv", m->arxiv},
                     {"year", m->year},
                     {"complexity", m->complexity},
+                    {"revised_complexity", m->revised_complexity},
                     {"decode", m->decodes()},
                     {"decode_note", m->decode_note},
                     {"classes", classes},

@@ -576,6 +576,7 @@ survey, decode = (cells(t) for t in tables)
 norm = lambda text: re.sub(r"\s", "", text).lower()
 models = json.load(sys.stdin)
 gaps = [m["name"] + ": " + m["complexity"] for m in models if norm(m["complexity"]) not in survey]
+gaps += [m["name"] + " (revision): " + m["revised_complexity"] for m in models if m["revised_complexity"] and norm(m["revised_complexity"]) not in survey]
 gaps += [m["name"] + " decodes at " + m["decode_cost"] for m in models if m["decode_cost"] and norm(m["decode_cost"]) not in decode]
 assert len(tables) == 2 and not gaps, gaps' "$src/docs/cli.md" && pass || fail "docs/cli.md#complexity misses a mapping"
 expect_error 2 complexity "$work/empty.json"

@@ -540,6 +540,40 @@ TEST_SUITE("report_tools") {
     CHECK(table.find("N^2.00") != std::string::npos);
   }
 
+  TEST_CASE("a v1 figure the revision changed: a fit of the revision's class is 'match (revision)'") {
+    for (const auto& model : registry())
+      if (!model.revised_complexity.empty())
+        CHECK_MESSAGE(expected_complexity(model.revised_complexity).known, model.name);
+    const auto routing_series = [](double (*flops_of)(double)) {
+      std::vector<ResultRow> rows;
+      for (std::int64_t n : {1024, 2048, 4096, 8192}) {
+        auto row = make_row("routing", n, {static_cast<double>(n)});
+        row.flops = static_cast<std::int64_t>(flops_of(static_cast<double>(n)));
+        rows.push_back(row);
+      }
+      return analyse_complexity(report_of(rows));
+    };
+    const auto sqrt_n = routing_series([](double n) { return 100 * n * std::sqrt(n); });
+    REQUIRE(sqrt_n.size() == 1);
+    CHECK(sqrt_n[0].verdict == ComplexityVerdict::MatchRevision);
+    CHECK(sqrt_n[0].survey_revision == "O(N√N)");
+    CHECK(routing_series([](double n) { return 100 * n * std::log2(n); })[0].verdict == ComplexityVerdict::Match);
+    CHECK(routing_series([](double n) { return 100 * n * n; })[0].verdict == ComplexityVerdict::Mismatch);
+    const auto text = render_complexity(sqrt_n, {}, ComplexityFormat::Text);
+    CHECK(text.find("O(N log N); rev. O(N√N)") != std::string::npos);
+    CHECK(text.find("match (revision)") != std::string::npos);
+    const auto j = nlohmann::json::parse(render_complexity(sqrt_n, {}, ComplexityFormat::Json));
+    CHECK(j["series"][0]["verdict"] == "match (revision)");
+    CHECK(j["series"][0]["expected_revision"] == "N√N");
+    CHECK(j["series"][0]["survey_revision"] == "O(N√N)");
+    std::vector<ResultRow> rows;
+    for (std::int64_t n : {1024, 2048, 4096}) {
+      rows.push_back(make_row("routing", n, {static_cast<double>(n)}));
+      rows.back().flops = static_cast<std::int64_t>(100 * static_cast<double>(n) * std::sqrt(static_cast<double>(n)));
+    }
+    CHECK(render_table(report_of(rows), {.complexity = true}).find("N√N ✓ (rev.)") != std::string::npos);
+  }
+
   TEST_CASE("decode rows: every decode cost maps; per-token fits, tables and plots in per-token terms") {
     for (const auto& model : registry()) {
       if (model.decodes())
