@@ -11,7 +11,10 @@ The decode state files are checked too: a KV cache holds the sequence's keys and
 ring the last tokens' in their slots.
 
 A bf16 dump (manifest dtype "bf16") is checked against the same float64 recomputation of its bf16
-inputs, within check_gradient_dump's bf16 tolerance; the bf16 KV cache of vanilla and exact-tiled
+inputs, within check_gradient_dump's bf16 tolerance, and for linear-transformer's recurrent state,
+rounded to bf16 after the prefill and after every decoded token, T + 1 roundings whose errors add
+up, u·√(T + 1) more (u = 2⁻⁸; the statistical estimate, as the worst case (T + 1)·u would let any
+error through: measured 0.0146 at T = 1000 against 0.14). The bf16 KV cache of vanilla and exact-tiled
 (D a multiple of 16) is held in the tile kernels' layouts, which state_errors reads: keys in key
 pair panels of 16 tokens, values in row pairs (lib/core/tile_kernels_bf16.hpp).
 
@@ -19,13 +22,12 @@ Plain Python (no NumPy). Exit 0 when every decoded element is within the dtype's
 1e-4) of the largest output magnitude and the state holds exactly the keys and values it should,
 1 otherwise, 2 for a dump this script cannot check.
 """
-import json
 import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_gradient_dump import read_npy, tolerance  # noqa: E402
+from check_gradient_dump import read_manifest, read_npy, tolerance  # noqa: E402
 
 
 def visible_keys(model, params, i):
@@ -177,8 +179,18 @@ def state_errors(model, params, dump, k, v, heads, length, d, bf16):
     return worst
 
 
+def allowed_error(manifest):
+    """The decoded outputs' tolerance relative to the largest output (see the module's text)."""
+    allowed = tolerance(manifest)
+    if manifest.get("dtype") == "bf16" and manifest["model"] == "linear-transformer":
+        allowed += 2.0 ** -8 * math.sqrt(manifest["decode_tokens"] + 1)
+    return allowed
+
+
 def main(folder):
-    manifest = json.load(open(folder + "/manifest.json"))
+    manifest = read_manifest(folder, "check_decode_dump")
+    if manifest is None:
+        return 2
     model, params = manifest["model"], manifest["params"]
     if manifest.get("pass") != "decode" or model not in (
             "vanilla", "exact-tiled", "local", "image-transformer", "linear-transformer", "synthesizer", "sinkhorn"):
@@ -204,9 +216,10 @@ def main(folder):
             got = out[part][i * d:(i + 1) * d]
             worst = max(worst, max(abs(g - w) for g, w in zip(got, want)) / largest)
     state = state_errors(model, params, dump, k, v, heads, length, d, manifest.get("dtype") == "bf16")
+    allowed = allowed_error(manifest)
     print("largest decoded-output error relative to the largest output: %.3g (tolerance %.3g); state error %.3g"
-          % (worst, tolerance(manifest), state))
-    return 0 if worst <= tolerance(manifest) and state == 0.0 else 1
+          % (worst, allowed, state))
+    return 0 if worst <= allowed and state == 0.0 else 1
 
 
 if __name__ == "__main__":

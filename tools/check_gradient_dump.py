@@ -10,6 +10,7 @@ others, not with its own rounding noise); 1 otherwise.
 """
 import json
 import math
+import os
 import struct
 import sys
 
@@ -27,10 +28,20 @@ def read_npy(path):
     return list(struct.unpack("<%df" % (len(data) // 4), data))
 
 
+def read_manifest(folder, tool):
+    """A dump's manifest.json, or None after saying on stderr why the folder is not a dump."""
+    try:
+        with open(os.path.join(folder, "manifest.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError) as error:
+        print("%s: %s is not a dump (%s)" % (tool, folder, error), file=sys.stderr)
+        return None
+
+
 def tolerance(manifest):
     """Error allowed relative to a tensor's scale: fp32 1e-4 (about 10³ float32 roundings of the
     largest element); bf16 4·2⁻⁸, since its inputs, probabilities (P, dS) and stored results are
-    each rounded to bf16 (unit roundoff 2⁻⁹): a few such roundings, far below a wrong mask's O(1)."""
+    each rounded to bf16 (unit roundoff u = 2⁻⁸, 8 significant bits): a few such roundings, far below a wrong mask's O(1)."""
     return 4 * 2.0 ** -8 if manifest.get("dtype") == "bf16" else 1e-4
 
 
@@ -57,7 +68,9 @@ def head_gradients(q, k, v, dout, n, d, causal):
 
 
 def main(folder):
-    manifest = json.load(open(folder + "/manifest.json"))
+    manifest = read_manifest(folder, "check_gradient_dump")
+    if manifest is None:
+        return 2
     if manifest.get("scope", "attention") != "attention":
         print("check_gradient_dump: attention-scope dumps only (a layer dump's dout is the layer's)", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_gradient_dump import read_npy  # noqa: E402
+from check_gradient_dump import read_manifest, read_npy  # noqa: E402
 
 
 def layer_norm(row):
@@ -23,7 +23,9 @@ def layer_norm(row):
 
 
 def main(d):
-    m = json.load(open(os.path.join(d, "manifest.json")))
+    m = read_manifest(d, "check_moe_dump")
+    if m is None:
+        return 2
     load = lambda name: read_npy(os.path.join(d, name + ".npy"))  # noqa: E731
     b, n, heads, dim = m["batch"], m["seq_len"], m["heads"], m["head_dim"]
     e, f, x, t_rows = heads * dim, m["d_ff"], m["experts"], m["batch"] * m["seq_len"]
