@@ -651,7 +651,8 @@ std::int64_t workspace(const Problem& p, const AxialConfig& c) {
 }
 
 FieldTable<AxialConfig> config_fields(const AxialConfig*) {
-  return {int_field("cols", &AxialConfig::cols, 0, 1000000, "grid width C in tokens; 0 means ceil(sqrt(N))")};
+  return {
+      int_field("cols", &AxialConfig::cols, 0, 1000000, "grid width C in tokens; 0 means ceil(sqrt(N)); clamped to N")};
 }
 
 AxialConfig resolve(const Problem& p, AxialConfig c) {

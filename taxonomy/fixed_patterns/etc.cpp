@@ -154,7 +154,8 @@ std::int64_t backward_workspace(const Problem& p, const EtcConfig& c) {
 }
 
 FieldTable<EtcConfig> config_fields(const EtcConfig*) {
-  return {int_field("globals", &EtcConfig::globals, 0, 1 << 20, "global tokens n_g: the first n_g positions"),
+  return {int_field("globals", &EtcConfig::globals, 0, 1 << 20,
+                    "global tokens n_g: the first n_g positions (clamped to N)"),
           int_field("radius", &EtcConfig::radius, 0, 1 << 20, "long-to-long radius r, tokens on each side"),
           int_field("tile", &EtcConfig::tile, 1, 1024, "query rows per computed tile (implementation)")};
 }

@@ -519,11 +519,13 @@ FieldTable<FunnelConfig> config_fields(const FunnelConfig*) {
                      "token 0 ([CLS]) is its own pooled row and pairs start at token 1 (M = floor(N/2) + 1)"),
           flag_field("truncate_seq", &FunnelConfig::truncate_seq,
                      "with separate_cls, drop the last token before pooling (M = ceil(N/2))"),
-          int_field("block_q", &FunnelConfig::block_q, 1, 4096, "pooled query rows per forward task (tokens)"),
+          int_field("block_q", &FunnelConfig::block_q, 1, 4096,
+                    "pooled query rows per forward task (tokens, clamped to the pooled rows)"),
           int_field("block_k", &FunnelConfig::block_k, 1, 8192,
-                    "key columns per forward tile (tokens; whole 16-key panels when head_dim is a multiple of 16)"),
+                    "key columns per forward tile (tokens, clamped to N; then whole 16-key panels when head_dim is a "
+                    "multiple of 16)"),
           int_field("backward_block_k", &FunnelConfig::backward_block_k, 1, 8192,
-                    "key columns per backward block (tokens; rounded like block_k)")};
+                    "key columns per backward block (tokens; clamped and rounded like block_k)")};
 }
 
 template <>

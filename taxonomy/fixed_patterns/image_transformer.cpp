@@ -64,7 +64,7 @@ FieldTable<ImageTransformerConfig> config_fields(const ImageTransformerConfig*) 
   return {int_field("query_block", &ImageTransformerConfig::query_block, 1, 1000000,
                     "l_q: tokens per query block (clamped to N)"),
           int_field("memory_flange", &ImageTransformerConfig::memory_flange, 0, 1000000,
-                    "l_m: preceding tokens each query block also attends to")};
+                    "l_m: preceding tokens each query block also attends to (clamped to N)")};
 }
 
 ImageTransformerConfig resolve(const Problem& p, ImageTransformerConfig c) {

@@ -442,7 +442,8 @@ FieldTable<LongformerConfig> config_fields(const LongformerConfig*) {
       int_field("dilation", &LongformerConfig::dilation, 1, 1024, "gap between window keys on dilated heads, tokens"),
       int_field("dilated_heads", &LongformerConfig::dilated_heads, 0, 4096,
                 "number of (last) heads using the dilation"),
-      int_field("globals", &LongformerConfig::globals, 0, 1 << 20, "global tokens: the first g positions"),
+      int_field("globals", &LongformerConfig::globals, 0, 1 << 20,
+                "global tokens: the first g positions (clamped to N)"),
       int_field("tile", &LongformerConfig::tile, 1, 1024, "query rows per computed tile (implementation)")};
 }
 

@@ -659,13 +659,14 @@ std::int64_t decode_workspace(const Problem& p, const MemoryCompressedConfig& c,
 }
 
 FieldTable<MemoryCompressedConfig> config_fields(const MemoryCompressedConfig*) {
-  return {int_field("block", &MemoryCompressedConfig::block, 1, 1 << 20, "local attention block, tokens"),
-          int_field("compression", &MemoryCompressedConfig::compression, 1, 1024,
-                    "convolution kernel = stride c, tokens per memory slot"),
-          choice_field("mode", &MemoryCompressedConfig::mode,
-                       {{"local", "local"}, {"compressed", "compressed"}, {"split", "split"}},
-                       "heads: all local, all compressed, or split (first half local)"),
-          int_field("tile", &MemoryCompressedConfig::tile, 1, 1024, "query rows per computed tile (implementation)")};
+  return {
+      int_field("block", &MemoryCompressedConfig::block, 1, 1 << 20, "local attention block, tokens (clamped to N)"),
+      int_field("compression", &MemoryCompressedConfig::compression, 1, 1024,
+                "convolution kernel = stride c, tokens per memory slot"),
+      choice_field("mode", &MemoryCompressedConfig::mode,
+                   {{"local", "local"}, {"compressed", "compressed"}, {"split", "split"}},
+                   "heads: all local, all compressed, or split (first half local)"),
+      int_field("tile", &MemoryCompressedConfig::tile, 1, 1024, "query rows per computed tile (implementation)")};
 }
 
 MemoryCompressedConfig resolve(const Problem& p, MemoryCompressedConfig c) {

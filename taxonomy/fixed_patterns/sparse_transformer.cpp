@@ -542,7 +542,7 @@ FieldTable<SparseTransformerConfig> config_fields(const SparseTransformerConfig*
                        "factorised pattern"),
           int_field("stride", &SparseTransformerConfig::stride, 0, 1000000, "l in tokens; 0 means ceil(sqrt(N))"),
           int_field("summary", &SparseTransformerConfig::summary, 1, 1000000,
-                    "c: summary tokens per block of l (fixed pattern)")};
+                    "c: summary tokens per block of l (fixed pattern; clamped to l)")};
 }
 
 SparseTransformerConfig resolve(const Problem& p, SparseTransformerConfig c) {

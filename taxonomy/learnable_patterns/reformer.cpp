@@ -686,7 +686,8 @@ FieldTable<ReformerConfig> config_fields(const ReformerConfig*) {
                        {{"1", std::int64_t{1}}, {"2", std::int64_t{2}}, {"4", std::int64_t{4}}, {"8", std::int64_t{8}}},
                        "independent hash rounds; LRA: 1"),
           int_field("chunk_len", &ReformerConfig::chunk_len, 0, 65536,
-                    "tokens per chunk of the sorted order (paper 64-128); 0 = ceil(N / n_buckets) as in LRA's code")};
+                    "tokens per chunk of the sorted order (paper 64-128); 0 = ceil(N / n_buckets) as in LRA's code; "
+                    "clamped to N")};
 }
 
 ReformerConfig resolve(const Problem& p, ReformerConfig c) {

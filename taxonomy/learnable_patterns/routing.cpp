@@ -1008,12 +1008,13 @@ std::int64_t backward_workspace(const Problem& p, const RoutingConfig& c) {
 }
 
 FieldTable<RoutingConfig> config_fields(const RoutingConfig*) {
-  return {int_field("clusters", &RoutingConfig::clusters, 0, 65536, "k-means clusters C; 0 = round(sqrt(N))"),
-          int_field("kmeans_updates", &RoutingConfig::kmeans_updates, 0, 1000,
-                    "online k-means (EMA) passes over seeded fitting rows (not the input) in the untimed setup"),
-          real_field("ema_decay", &RoutingConfig::ema_decay, 0, 1, "centroid moving-average decay lambda"),
-          flag_field("local_heads", &RoutingConfig::local_heads,
-                     "first floor(H/2) heads use local attention (blocks of N/C tokens: own + previous)")};
+  return {
+      int_field("clusters", &RoutingConfig::clusters, 0, 65536, "k-means clusters C; 0 = round(sqrt(N)); clamped to N"),
+      int_field("kmeans_updates", &RoutingConfig::kmeans_updates, 0, 1000,
+                "online k-means (EMA) passes over seeded fitting rows (not the input) in the untimed setup"),
+      real_field("ema_decay", &RoutingConfig::ema_decay, 0, 1, "centroid moving-average decay lambda"),
+      flag_field("local_heads", &RoutingConfig::local_heads,
+                 "first floor(H/2) heads use local attention (blocks of N/C tokens: own + previous)")};
 }
 
 RoutingConfig resolve(const Problem& p, RoutingConfig c) {

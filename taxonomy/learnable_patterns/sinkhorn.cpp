@@ -826,13 +826,14 @@ std::int64_t decode_workspace(const Problem& p, const SinkhornConfig& c, std::in
 }
 
 FieldTable<SinkhornConfig> config_fields(const SinkhornConfig*) {
-  return {int_field("block", &SinkhornConfig::block, 1, 65536, "tokens per block b (LRA: 50)"),
-          int_field("sinkhorn_iters", &SinkhornConfig::sinkhorn_iters, 1, 100,
-                    "log-domain row+column normalisation rounds (non-causal; unconfirmed default)"),
-          real_field("temperature", &SinkhornConfig::temperature, 0.01, 100,
-                     "temperature tau dividing the sorting scores (unconfirmed default)"),
-          int_field("sortcut_blocks", &SinkhornConfig::sortcut_blocks, 0, 65536,
-                    "SortCut: attend only to the first n_k sorted blocks (encoder only); 0 = off")};
+  return {
+      int_field("block", &SinkhornConfig::block, 1, 65536, "tokens per block b (LRA: 50; clamped to N)"),
+      int_field("sinkhorn_iters", &SinkhornConfig::sinkhorn_iters, 1, 100,
+                "log-domain row+column normalisation rounds (non-causal; unconfirmed default)"),
+      real_field("temperature", &SinkhornConfig::temperature, 0.01, 100,
+                 "temperature tau dividing the sorting scores (unconfirmed default)"),
+      int_field("sortcut_blocks", &SinkhornConfig::sortcut_blocks, 0, 65536,
+                "SortCut: attend only to the first n_k sorted blocks (encoder only); 0 = off; clamped to the blocks")};
 }
 
 SinkhornConfig resolve(const Problem& p, SinkhornConfig c) {

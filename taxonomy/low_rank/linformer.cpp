@@ -380,7 +380,8 @@ std::int64_t backward_workspace(const Problem& p, const LinformerConfig& c) {
 }
 
 FieldTable<LinformerConfig> config_fields(const LinformerConfig*) {
-  return {int_field("k", &LinformerConfig::k, 1, 1 << 20, "projected sequence length (rows of E, F), tokens"),
+  return {int_field("k", &LinformerConfig::k, 1, 1 << 20,
+                    "projected sequence length (rows of E, F), tokens (clamped to N)"),
           choice_field("sharing", &LinformerConfig::sharing,
                        {{"per-head", LinformerSharing::PerHead},
                         {"headwise", LinformerSharing::Headwise},

@@ -733,13 +733,15 @@ std::int64_t decode_workspace(const Problem& p, const LongShortConfig& c, std::i
 }
 
 FieldTable<LongShortConfig> config_fields(const LongShortConfig*) {
-  return {int_field("segment", &LongShortConfig::segment, 1, 65536,
-                    "non-causal: w, queries per window segment (each also sees max(w/2, 1) tokens either side)"),
-          int_field("rank", &LongShortConfig::rank, 1, 4096, "non-causal: r, rows of the dynamic projection"),
-          int_field("window", &LongShortConfig::window, 1, 65536,
-                    "causal: w, most recent tokens a query sees, itself included"),
-          int_field("chunk", &LongShortConfig::chunk, 1, 65536, "causal: l, tokens per compressed chunk"),
-          int_field("chunk_rank", &LongShortConfig::chunk_rank, 1, 4096, "causal: r, compressed rows per chunk")};
+  return {
+      int_field(
+          "segment", &LongShortConfig::segment, 1, 65536,
+          "non-causal: w, queries per window segment (each also sees max(w/2, 1) tokens either side), clamped to N"),
+      int_field("rank", &LongShortConfig::rank, 1, 4096, "non-causal: r, rows of the dynamic projection"),
+      int_field("window", &LongShortConfig::window, 1, 65536,
+                "causal: w, most recent tokens a query sees, itself included"),
+      int_field("chunk", &LongShortConfig::chunk, 1, 65536, "causal: l, tokens per compressed chunk"),
+      int_field("chunk_rank", &LongShortConfig::chunk_rank, 1, 4096, "causal: r, compressed rows per chunk")};
 }
 
 LongShortConfig resolve(const Problem& p, LongShortConfig c) {

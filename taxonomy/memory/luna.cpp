@@ -600,9 +600,9 @@ std::int64_t decode_workspace(const Problem& p, const LunaConfig& c, std::int64_
 
 FieldTable<LunaConfig> config_fields(const LunaConfig*) {
   return {int_field("projected_length", &LunaConfig::projected_length, 1, 4096,
-                    "l, rows of the learned projected sequence P per head (non-causal uses min(l, N))"),
+                    "l, rows of the learned projected sequence P per head (non-causal: clamped to N)"),
           int_field("chunk", &LunaConfig::chunk, 1, 65536,
-                    "tokens per block: causal pack-weight products, non-causal query blocks")};
+                    "tokens per block: causal pack-weight products, non-causal query blocks (clamped to N)")};
 }
 
 LunaConfig resolve(const Problem& p, LunaConfig c) {

@@ -637,7 +637,7 @@ std::int64_t backward_workspace(const Problem& p, const NystromformerConfig& c) 
 
 FieldTable<NystromformerConfig> config_fields(const NystromformerConfig*) {
   return {int_field("landmarks", &NystromformerConfig::landmarks, 1, 4096,
-                    "m, landmarks (segment means) per head; m >= N is exact attention"),
+                    "m, landmarks (segment means) per head, clamped to N; m >= N is exact attention"),
           int_field("conv_kernel", &NystromformerConfig::conv_kernel, 0, 1023,
                     "taps of the depthwise convolution of v along the sequence (odd), tokens; 0 = no convolution"),
           int_field("iterations", &NystromformerConfig::iterations, 1, 64,

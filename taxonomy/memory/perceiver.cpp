@@ -622,7 +622,8 @@ FieldTable<PerceiverConfig> config_fields(const PerceiverConfig*) {
   return {int_field("latents", &PerceiverConfig::latents, 1, 1 << 16,
                     "M, latent rows per head (clamped to N); causal: the last M positions"),
           int_field("cross_window", &PerceiverConfig::cross_window, 0, 1 << 24,
-                    "causal: inputs each latent cross-attends to, tokens (0 = every earlier input)"),
+                    "causal: inputs each latent cross-attends to, tokens (0 = every earlier input); non-causal: "
+                    "unused, recorded as 0"),
           int_field("block_rows", &PerceiverConfig::block_rows, 1, 1 << 16,
                     "latent rows per cross-attention tile (implementation)"),
           int_field("block_keys", &PerceiverConfig::block_keys, 1, 1 << 16,

@@ -463,10 +463,10 @@ std::int64_t backward_workspace(const Problem& p, const SetTransformerConfig& c)
 }
 
 FieldTable<SetTransformerConfig> config_fields(const SetTransformerConfig*) {
-  return {
-      int_field("inducing_points", &SetTransformerConfig::inducing_points, 1, 4096,
-                "m, learned inducing points per head"),
-      int_field("block_q", &SetTransformerConfig::block_q, 1, 65536, "query rows per task in the second MAB (tokens)")};
+  return {int_field("inducing_points", &SetTransformerConfig::inducing_points, 1, 4096,
+                    "m, learned inducing points per head"),
+          int_field("block_q", &SetTransformerConfig::block_q, 1, 65536,
+                    "query rows per task in the second MAB (tokens, clamped to N)")};
 }
 
 SetTransformerConfig resolve(const Problem& p, SetTransformerConfig c) {

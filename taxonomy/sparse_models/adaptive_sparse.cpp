@@ -613,7 +613,7 @@ FieldTable<AdaptiveSparseConfig> config_fields(const AdaptiveSparseConfig*) {
                        {{"auto", EntmaxAlgorithm::Auto}, {"bisect", EntmaxAlgorithm::Bisect}},
                        "threshold solver: auto sorts the candidates at alpha 1.5 or 2 and bisects otherwise; "
                        "bisect always bisects"),
-          int_field("block_q", &AdaptiveSparseConfig::block_q, 1, 4096, "query rows per task (tokens)")};
+          int_field("block_q", &AdaptiveSparseConfig::block_q, 1, 4096, "query rows per task (tokens, clamped to N)")};
 }
 
 template <>

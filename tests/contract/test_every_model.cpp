@@ -84,6 +84,35 @@ TEST_SUITE("every_model") {
         }
   }
 
+  TEST_CASE("an integer parameter that runs clamped to N says so in its help") {
+    // A value above N that runs as another one must not surprise: `list` and --help show the help,
+    // which says "clamped" (or "unused" for a value the form at hand ignores).
+    for (const auto& model : attention_models())
+      for (const auto& spec : model.impl.params)
+        for (bool causal : {false, true}) {
+          if (causal && !model.decodes()) continue;
+          const Problem p{.batch = 1, .heads = 2, .seq_len = 37, .head_dim = 16, .causal = causal, .threads = 2};
+          if (spec.type != ParamType::Int || spec.max <= 64) continue;
+          ParamValues requested = resolve_params(model.name, model.impl.params, {});
+          requested.set(spec.name, std::int64_t{64});
+          if (model.impl.validate) {
+            try {
+              model.impl.validate(p, requested);
+            } catch (const ParamError&) {
+              continue;  // 64 is not a value this model takes here (a divisor, an order of its parameters)
+            }
+          }
+          CAPTURE(model.name);
+          CAPTURE(spec.name);
+          CAPTURE(causal);
+          const std::int64_t ran = model.impl.resolved(p, requested).get_int(spec.name);
+          if (ran != 64)
+            CHECK_MESSAGE(
+                (spec.help.find("clamp") != std::string::npos || spec.help.find("unused") != std::string::npos),
+                (spec.help + " ran as " + std::to_string(ran)));
+        }
+  }
+
   TEST_CASE("workspace estimates equal the tracked owned bytes at 1 and 2 threads") {
     // The estimate is what --memory-limit and estimated_workspace_bytes use; oneDNN's scratchpad
     // is outside it (library pool), so the owned pool is the one to match exactly.
