@@ -203,7 +203,7 @@ std::vector<PlannedPoint> plan_points(const SweepSettings& s) {
 }
 
 // The shard's part of the points, dealt by estimated FLOPs (0 for points that will not run).
-std::vector<PlannedPoint> points_of_shard(std::vector<PlannedPoint> points, int index, int count) {
+std::vector<PlannedPoint> points_of_shard(const std::vector<PlannedPoint>& points, int index, int count) {
   if (index < 1 || index > count) throw InputError("--shard index out of range");
   if (count <= 1) return points;
   std::vector<std::int64_t> costs;
@@ -212,7 +212,7 @@ std::vector<PlannedPoint> points_of_shard(std::vector<PlannedPoint> points, int 
   const auto shard_of = assign_shards(costs, count);
   std::vector<PlannedPoint> mine;
   for (std::size_t i = 0; i < points.size(); ++i)
-    if (shard_of[i] == index - 1) mine.push_back(std::move(points[i]));
+    if (shard_of[i] == index - 1) mine.push_back(points[i]);
   return mine;
 }
 
