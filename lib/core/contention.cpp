@@ -117,9 +117,12 @@ ContentionProbe::Snapshot ContentionProbe::snapshot() const {
 void ContentionProbe::start() { begin_ = snapshot(); }
 
 SampleContention ContentionProbe::stop(double wall_ns) {
+  // The CPU clock before the /proc reads (snapshot() reads it after them, right for start()): the
+  // reads take tens of µs, which the sample's wall time does not hold.
+  const double cpu_ns = process_cpu_ns();
   const Snapshot end = snapshot();
   SampleContention sample;
-  sample.cpu_ns = end.cpu_ns - begin_.cpu_ns;
+  sample.cpu_ns = cpu_ns - begin_.cpu_ns;
   sample.wait_ns = end.wait_ns - begin_.wait_ns;
   sample.involuntary_switches = end.involuntary_switches - begin_.involuntary_switches;
   sample.other_busy_ns = end.other_busy_ns - begin_.other_busy_ns;

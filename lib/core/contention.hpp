@@ -16,7 +16,9 @@
 // Where schedstat is unavailable the probe falls back to involuntary context switches
 // (getrusage): any during the sample marks it.
 //   cpu_ratio  = cpu / (wall · threads)   (below 1 also for serial sections: reported, not used;
-//                on VMs the kernel's CPU-time accounting can push it a little above 1)
+//                the CPU clock is read last in start() and first in stop(), so the probe's own
+//                reads stay outside; other threads' CPU time is accounted at scheduler ticks, so a
+//                µs sample's ratio at 2+ threads is noisy and can exceed 1)
 //   host_busy  = Σ other busy / Σ (wall · CPUs) over all samples, clamped to [0, 1]
 #include <cstdint>
 #include <string>

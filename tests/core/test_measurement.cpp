@@ -1,10 +1,14 @@
 // Measurement trust: contention marking with injected samples, tracked-memory pools, the paired
 // A/B statistics on seeded synthetic noise, compare's noisy verdict and ISA-aware memory gate,
-// and the dashboard export shapes. Nothing here times anything for a verdict.
+// the dashboard export shapes, and that the probe's CPU time brackets the sample alone. Nothing here
+// times anything for a verdict.
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <random>
+#include <vector>
 
 #include "apps/bench/ab.hpp"
 #include "apps/report/compare.hpp"
@@ -81,6 +85,23 @@ TEST_SUITE("measurement") {
     s.involuntary_switches = 1;
     CHECK_FALSE(is_descheduled(1e6, s, true));
     CHECK(is_descheduled(1e6, s, false));  // fallback without schedstat
+  }
+
+  TEST_CASE("a one-thread sample's CPU time is at most its wall time: the probe's own reads are outside it") {
+    // A single thread cannot use more CPU than wall time; the probe's /proc reads (tens of µs)
+    // counted in a 20 µs sample's CPU time put the median ratio near 2.
+    ContentionProbe probe;
+    std::vector<double> ratios;
+    volatile double sink = 0;
+    for (int sample = 0; sample < 200; ++sample) {
+      probe.start();
+      const auto start = std::chrono::steady_clock::now();
+      while (std::chrono::steady_clock::now() - start < std::chrono::microseconds(20)) sink = sink + 1.0;
+      const double wall_ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+      ratios.push_back(probe.stop(wall_ns).cpu_ns / wall_ns);
+    }
+    std::sort(ratios.begin(), ratios.end());
+    CHECK(ratios[ratios.size() / 2] < 1.1);
   }
 
   TEST_CASE("child runs settle after a child that used gigabytes, in proportion, up to a limit") {
