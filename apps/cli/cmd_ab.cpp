@@ -80,7 +80,8 @@ void add_ab(CLI::App& app, Action& action) {
       ->capture_default_str();
   add_real_option(*command, "--timeout", o->settings.timeout_s, 0.001, 1e7, "seconds per child run");
   command->add_option("--format", o->format, "text | md | json | github-benchmark | bmf")
-      ->check(CLI::IsMember({"text", "md", "json", "github-benchmark", "bmf"}));
+      ->check(CLI::IsMember({"text", "md", "json", "github-benchmark", "bmf"}))
+      ->capture_default_str();
   command->add_option("--out,-o", o->out, "also write the JSON result here");
   command->callback([o, &action] { action = [o] { return run(*o); }; });
 }

@@ -57,7 +57,9 @@ void add_compare(CLI::App& app, Action& action) {
                     "compare even if CPU model, threads, oneDNN version or ISA, kernel ISA or build type differ");
   command->add_flag("--fail-on-missing", c->options.fail_on_missing,
                     "a point measured in base and absent (or not ok) in new is a regression (CI baselines)");
-  command->add_option("--format", c->format, "text | md | json")->check(CLI::IsMember({"text", "md", "json"}));
+  command->add_option("--format", c->format, "text | md | json")
+      ->check(CLI::IsMember({"text", "md", "json"}))
+      ->capture_default_str();
   command->callback([c, &action] { action = [c] { return run(*c); }; });
 }
 

@@ -14,7 +14,9 @@ void add_complexity(CLI::App& app, Action& action) {
   auto format = std::make_shared<std::string>("text");
   command->add_option("file", *file, "report JSON")->required();
   auto baseline = std::make_shared<std::string>("vanilla");
-  command->add_option("--format", *format, "text | md | json")->check(CLI::IsMember({"text", "md", "json"}));
+  command->add_option("--format", *format, "text | md | json")
+      ->check(CLI::IsMember({"text", "md", "json"}))
+      ->capture_default_str();
   command->add_option("--baseline", *baseline, "model the JSON's crossover lengths are relative to")
       ->capture_default_str();
   command->callback([=, &action] {

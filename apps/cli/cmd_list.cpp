@@ -102,7 +102,9 @@ void add_list(CLI::App& app, Action& action) {
   command->add_option("--class", *class_filter, "only this class (fixed_patterns, FP, learnable_patterns, …)")
       ->check(kNonEmpty);
   command->add_flag("--implemented", *implemented_only, "only implemented models");
-  command->add_option("--format", *format, "text, md or json")->check(CLI::IsMember({"text", "md", "json"}));
+  command->add_option("--format", *format, "text, md or json")
+      ->check(CLI::IsMember({"text", "md", "json"}))
+      ->capture_default_str();
   command->callback([=, &action] { action = [=] { return run_list(*class_filter, *implemented_only, *format); }; });
 }
 

@@ -1,6 +1,7 @@
 // `xfbench merge A.json B.json … -o ALL.json`: joins the shards of a sweep into one report.
-#include <cstdio>
 #include <string>
+
+#include <spdlog/spdlog.h>
 
 #include "apps/cli/commands.hpp"
 #include "apps/report/files.hpp"
@@ -26,8 +27,8 @@ void add_merge(CLI::App& app, Action& action) {
         throw InputError("the merged report would be " + std::to_string(text.size()) + " bytes, more than the " +
                          std::to_string(kMaxInputBytes >> 20) + " MiB a report may have; merge fewer reports");
       write_output(*out, text, *inputs);
-      std::fprintf(stderr, "merged %zu report(s), %zu point(s) into %s\n", reports.size(), merged.results.size(),
-                   *out == "-" ? "standard output" : out->c_str());
+      spdlog::info("merged {} report(s), {} point(s) into {}", reports.size(), merged.results.size(),
+                   *out == "-" ? "standard output" : *out);
       return kExitOk;
     };
   });

@@ -104,7 +104,7 @@ int run(const CLI::App& command, SweepOptions& o) {
   if (!optimised_build()) spdlog::warn("this build is not optimised: times are not representative");
   const Report report = run_sweep(s, command_line());
   if (!o.no_table) std::printf("%s", render_table(report, {}).c_str());
-  std::fprintf(stderr, "report written to %s\n", s.out_path.c_str());
+  spdlog::info("report written to {}", s.out_path);
   return sweep_status(report, o.fail_on_error);
 }
 

@@ -25,9 +25,11 @@ void add_table(CLI::App& app, Action& action) {
   command
       ->add_option("--metric", *metric,
                    "time | speedup | memory | memory-ratio | gflops | state (decode rows) | crossover | front")
-      ->check(CLI::IsMember({"time", "speedup", "memory", "memory-ratio", "gflops", "state", "crossover", "front"}));
+      ->check(CLI::IsMember({"time", "speedup", "memory", "memory-ratio", "gflops", "state", "crossover", "front"}))
+      ->capture_default_str();
   command->add_option("--format", *format, "text | md | csv | github-benchmark | bmf")
-      ->check(CLI::IsMember({"text", "md", "csv", "github-benchmark", "bmf"}));
+      ->check(CLI::IsMember({"text", "md", "csv", "github-benchmark", "bmf"}))
+      ->capture_default_str();
   command->add_option("--baseline", *baseline, "model the speed-up, memory ratio and crossover are relative to")
       ->capture_default_str();
   command->add_flag("--tidy", *tidy, "with --format csv: one row per point, every field and figure a column");
