@@ -60,13 +60,30 @@ void add_point_options(CLI::App& command, const std::shared_ptr<PointOptions>& o
 
 namespace {
 
-// The default --threads is OpenMP's (OMP_NUM_THREADS, else the cores): out of range, the message
-// names where it came from, not an option the user never gave.
+// OMP_NUM_THREADS's first item (libgomp also takes a list, one count per nesting level), spaces
+// around it allowed: whether it is a decimal count OpenMP would use, rather than ignore (0, -1, abc).
+bool omp_threads_readable(const std::string& text) {
+  const std::string first = text.substr(0, text.find(','));
+  const auto begin = first.find_first_not_of(" \t"), end = first.find_last_not_of(" \t");
+  if (begin == std::string::npos) return false;
+  const std::string digits = first.substr(begin, end - begin + 1);
+  return digits.find_first_not_of("0123456789") == std::string::npos &&
+         digits.find_first_not_of('0') != std::string::npos;
+}
+
+// The default --threads is OpenMP's (OMP_NUM_THREADS, else the cores): a variable OpenMP ignores
+// or a count out of range is refused, and the message names where it came from, not an option the
+// user never gave.
 void check_default_threads(const PointConfig& defaults) {
   const PointField& field = point_field("threads");
   const int threads = defaults.problem.threads;
-  if (threads >= field.min && threads <= field.max) return;
   const char* variable = std::getenv("OMP_NUM_THREADS");
+  if (variable != nullptr && !omp_threads_readable(variable))
+    throw InputError("OMP_NUM_THREADS=" + std::string(variable).substr(0, 40) +
+                     " is not a thread count (OpenMP ignores it and would use " + std::to_string(threads) + "); give " +
+                     field.long_flag() + " or set OMP_NUM_THREADS to a count from " + std::to_string(field.min) +
+                     " to " + std::to_string(field.max));
+  if (threads >= field.min && threads <= field.max) return;
   const std::string source =
       variable != nullptr ? "OMP_NUM_THREADS=" + std::string(variable).substr(0, 40) + " gives" : "OpenMP's default is";
   throw InputError(source + " " + std::to_string(threads) + " threads, outside " + field.long_flag() + "'s [" +

@@ -70,6 +70,19 @@ for threads in 5000 99999999999; do
 done
 OMP_NUM_THREADS=5000 "$bin" run --model vanilla --seq-len 64 --heads 1 --head-dim 16 --min-reps 1 --min-time 0 \
   --threads 1 >/dev/null 2>&1 && pass || fail "--threads 1 overrides an out-of-range OMP_NUM_THREADS"
+# A value OpenMP ignores (it falls back to the cores) is refused too; libgomp's own warning line,
+# printed before main, is left out of the count. A list's first count and spaces are read as libgomp does.
+for threads in 0 -1 abc 1x ""; do
+  OMP_NUM_THREADS=$threads "$bin" run --model vanilla --seq-len 64 >"$work/out" 2>"$work/err"
+  code=$?
+  [ "$code" -eq 2 ] && [ "$(grep -v "^libgomp:\|this build is not optimised" "$work/err" | grep -c .)" -eq 1 ] \
+    && grep -q "OMP_NUM_THREADS=$threads is not a thread count" "$work/err" \
+    && pass || fail "OMP_NUM_THREADS='$threads' (exit $code): $(cat "$work/err")"
+done
+for threads in "1,1" " 1 "; do
+  OMP_NUM_THREADS=$threads "$bin" run --model vanilla --seq-len 16 --heads 1 --head-dim 16 --min-reps 1 --min-time 0 \
+    >/dev/null 2>&1 && pass || fail "OMP_NUM_THREADS='$threads' is a count libgomp reads"
+done
 expect_error 2 list --class ""
 # A team of threads that cannot start (1000 stacks of 8 MiB past an 8 GB address space) is a
 # runtime error on one line, not libgomp's exit. Not under the sanitizers (a Debug build), whose
@@ -538,8 +551,14 @@ done
 [ $(($(grep -c '"model":' "$work/shard1.json") + $(grep -c '"model":' "$work/shard2.json") + \
      $(grep -c '"model":' "$work/shard3.json"))) -eq 9 ] && grep -q '"shard": "2/3"' "$work/shard2.json" \
   && pass || fail "three shards hold the nine points"
-"$bin" merge "$work/shard3.json" "$work/shard1.json" "$work/shard2.json" -o "$work/merged.json" 2>/dev/null \
-  && pass || fail "merge of shards"
+"$bin" merge "$work/shard3.json" "$work/shard1.json" "$work/shard2.json" -o "$work/merged.json" 2>"$work/err" \
+  && grep -q "info: merged 3 report(s), 9 point(s)" "$work/err" && pass || fail "merge of shards: $(cat "$work/err")"
+# -q: warnings and errors only (the sweep's "report written" and merge's summary are info).
+"$bin" -q merge "$work/shard3.json" "$work/shard1.json" "$work/shard2.json" -o "$work/merged-q.json" 2>"$work/err" \
+  && [ ! -s "$work/err" ] && pass || fail "merge -q printed: $(cat "$work/err")"
+"$bin" sweep -q --models vanilla --seq-lens 16 "${few[@]}" --out "$work/quiet.json" 2>"$work/err"
+! grep -q "report written\|\[1/1\]" "$work/err" && [ -s "$work/quiet.json" ] \
+  && pass || fail "sweep -q printed progress or its info line: $(cat "$work/err")"
 # Same point set (compare: no new or missing point; deterministic metrics equal) and same order.
 "$bin" compare "$work/whole.json" "$work/merged.json" --metrics memory,flops --format json >"$work/m.json" \
   && ! grep -q '"new"\|"missing"' "$work/m.json" && grep -q '"points": 9' "$work/m.json" \
