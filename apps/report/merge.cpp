@@ -106,26 +106,31 @@ void keep_best_figures(const nlohmann::json& entries, nlohmann::json& by_threads
       by_threads[count] = figures;
 }
 
-// The merged context's machine figures: per thread count as above; the top level is the entry of
-// the largest thread count the inputs ran (its figures replace the first input's, all together);
-// `machine_by_threads` when the inputs ran several counts.
+// The merged context's machine figures, per thread count as above. With several thread counts the
+// context's `threads` is the largest and `machine_by_threads` holds every count measured. The
+// top-level figures are those of the context's count, all from one measurement (none when that
+// count was not measured).
 void merge_thread_contexts(const std::vector<NamedReport>& inputs, nlohmann::json& context) {
   nlohmann::json by_threads = nlohmann::json::object();
+  const int first_threads = inputs.front().report.context.value("threads", 0);
   int most_threads = 0;
+  bool several_counts = false;
   for (const auto& input : inputs) {
     keep_best_figures(machine_by_threads(input.report.context), by_threads);
-    most_threads = std::max(most_threads, input.report.context.value("threads", 0));
+    const int threads = input.report.context.value("threads", 0);
+    most_threads = std::max(most_threads, threads);
+    several_counts = several_counts || threads != first_threads;
   }
+  if (several_counts) context["threads"] = most_threads;
+  if (by_threads.empty()) return;
   const auto top = by_threads.find(std::to_string(most_threads));
-  if (top == by_threads.end()) return;
-  context["threads"] = most_threads;
   std::vector<std::string> fields(std::begin(kMachineFigureFields), std::end(kMachineFigureFields));
   fields.emplace_back(kMachineContendedField);
   for (const auto& field : fields) {
     context.erase(field);
-    if (top->contains(field)) context[field] = (*top)[field];
+    if (top != by_threads.end() && top->contains(field)) context[field] = (*top)[field];
   }
-  if (by_threads.size() > 1) context["machine_by_threads"] = by_threads;
+  if (several_counts || by_threads.size() > 1) context["machine_by_threads"] = by_threads;
 }
 
 template <typename T>

@@ -466,6 +466,16 @@ TEST_SUITE("report_tools") {
     CHECK(counts.context[kMachineContendedField] == false);
     CHECK(counts.context["machine_by_threads"]["1"][kMachineContendedField] == true);
     CHECK(counts.context["machine_by_threads"]["2"]["fma_peak_gflops"] == 100.0);
+    // The largest count not measured: no top-level figures (none of the smaller count's), the
+    // measured count still listed.
+    Report unmeasured = shard("local", 0, false);
+    for (const char* field : {"fma_peak_gflops", "triad_bandwidth_gbs", kMachineContendedField})
+      unmeasured.context.erase(field);
+    const Report partly = merge_reports({{"one.json", one_thread}, {"unmeasured.json", unmeasured}});
+    CHECK(partly.context["threads"] == 2);
+    CHECK_FALSE(partly.context.contains("fma_peak_gflops"));
+    CHECK_FALSE(partly.context.contains(kMachineContendedField));
+    CHECK(partly.context["machine_by_threads"]["1"]["fma_peak_gflops"] == 20.0);
   }
 
   TEST_CASE("big-O fits and log-log exponents of exact curves") {
