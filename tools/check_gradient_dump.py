@@ -6,7 +6,7 @@ Plain Python (no NumPy), so keep dumps small (B·H·N²·D of a few million). Ex
 gradient element is within the dtype's tolerance (tolerance()) of the largest magnitude of its
 tensor's recomputation, or of a tenth of the largest of all three where that is larger (a
 gradient that is exactly 0, dq and dk with a single visible key, is compared with the scale of the
-others, not with its own rounding noise); 1 otherwise.
+others, not with its own rounding noise); 1 otherwise; 2 for a dump it cannot check.
 """
 import json
 import math
@@ -41,7 +41,8 @@ def read_manifest(folder, tool):
 def tolerance(manifest):
     """Error allowed relative to a tensor's scale: fp32 1e-4 (about 10³ float32 roundings of the
     largest element); bf16 4·2⁻⁸, since its inputs, probabilities (P, dS) and stored results are
-    each rounded to bf16 (unit roundoff u = 2⁻⁸, 8 significant bits): a few such roundings, far below a wrong mask's O(1)."""
+    each rounded to bf16 (unit roundoff u = 2⁻⁸, 8 significant bits): a few such roundings, far
+    below a wrong mask's O(1)."""
     return 4 * 2.0 ** -8 if manifest.get("dtype") == "bf16" else 1e-4
 
 
