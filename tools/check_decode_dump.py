@@ -11,10 +11,10 @@ The decode state files are checked too: a KV cache holds the sequence's keys and
 ring the last tokens' in their slots.
 
 A bf16 dump (manifest dtype "bf16") is checked against the same float64 recomputation of its bf16
-inputs, within check_gradient_dump's bf16 tolerance, and for linear-transformer's recurrent state,
-rounded to bf16 after the prefill and after every decoded token, T + 1 roundings whose errors add
-up, u·√(T + 1) more (u = 2⁻⁸; the statistical estimate, as the worst case (T + 1)·u would let any
-error through: measured 0.0146 at T = 1000 against 0.14). The bf16 KV cache of vanilla and exact-tiled
+inputs, within check_gradient_dump's bf16 tolerance. linear-transformer's bf16 recurrent state is
+rounded after every decoded token and drifts (small increments are rounded away: docs/measurement.md#bf16),
+so its long bf16 decodes fail this check (0.0146 at T = 1000, 0.035 at T = 3000): the check reports
+that drift rather than allowing for it. The bf16 KV cache of vanilla and exact-tiled
 (D a multiple of 16) is held in the tile kernels' layouts, which state_errors reads: keys in key
 pair panels of 16 tokens, values in row pairs (lib/core/tile_kernels_bf16.hpp).
 
@@ -179,14 +179,6 @@ def state_errors(model, params, dump, k, v, heads, length, d, bf16):
     return worst
 
 
-def allowed_error(manifest):
-    """The decoded outputs' tolerance relative to the largest output (see the module's text)."""
-    allowed = tolerance(manifest)
-    if manifest.get("dtype") == "bf16" and manifest["model"] == "linear-transformer":
-        allowed += 2.0 ** -8 * math.sqrt(manifest["decode_tokens"] + 1)
-    return allowed
-
-
 def main(folder):
     manifest = read_manifest(folder, "check_decode_dump")
     if manifest is None:
@@ -216,7 +208,7 @@ def main(folder):
             got = out[part][i * d:(i + 1) * d]
             worst = max(worst, max(abs(g - w) for g, w in zip(got, want)) / largest)
     state = state_errors(model, params, dump, k, v, heads, length, d, manifest.get("dtype") == "bf16")
-    allowed = allowed_error(manifest)
+    allowed = tolerance(manifest)
     print("largest decoded-output error relative to the largest output: %.3g (tolerance %.3g); state error %.3g"
           % (worst, allowed, state))
     return 0 if worst <= allowed and state == 0.0 else 1

@@ -262,12 +262,12 @@ for spec in "vanilla 16" "exact-tiled 32" "vanilla 24" "local 16"; do
     && python3 "$src/tools/check_decode_dump.py" "$work/bf16-dec" >"$work/dec.txt" \
     && pass || fail "check_decode_dump.py on a bf16 $spec decode dump: $(cat "$work/dec.txt")"
 done
-# linear-transformer's bf16 state is rounded once per decoded token: its tolerance grows with T.
+# linear-transformer's bf16 state, rounded once per decoded token, within the bf16 tolerance over
+# 300 tokens (it drifts past it near 1000: docs/measurement.md#bf16).
 rm -rf "$work/bf16-dec"
 "$bin" run --model linear-transformer --seq-len 16 --pass decode --decode-tokens 300 --dtype bf16 --heads 1 \
   --head-dim 16 --min-reps 1 --min-time 0 --dump "$work/bf16-dec" >/dev/null 2>&1 \
   && python3 "$src/tools/check_decode_dump.py" "$work/bf16-dec" >"$work/dec.txt" \
-  && grep -q "tolerance 0.0834" "$work/dec.txt" \
   && pass || fail "check_decode_dump.py on a 300-token bf16 linear-transformer decode: $(cat "$work/dec.txt")"
 for tool in check_decode_dump check_gradient_dump check_moe_dump; do
   python3 "$src/tools/$tool.py" "$work" >/dev/null 2>"$work/tool.err"
