@@ -81,13 +81,19 @@ void check_compatible(const NamedReport& first, const NamedReport& other) {
                      "the point's identity fields)");
 }
 
+// The fields of one machine measurement: its figures and its contended flag.
+std::vector<std::string> measurement_fields() {
+  std::vector<std::string> fields(std::begin(kMachineFigureFields), std::end(kMachineFigureFields));
+  fields.emplace_back(kMachineContendedField);
+  return fields;
+}
+
 // The peaks and bandwidth of a report per thread count: its machine_by_threads, or its own figures.
 nlohmann::json machine_by_threads(const nlohmann::json& context) {
   if (context.contains("machine_by_threads")) return context["machine_by_threads"];
   nlohmann::json figures = nlohmann::json::object();
-  for (const char* field : kMachineFigureFields)
+  for (const auto& field : measurement_fields())
     if (context.contains(field)) figures[field] = context[field];
-  if (context.contains(kMachineContendedField)) figures[kMachineContendedField] = context[kMachineContendedField];
   nlohmann::json by_threads = nlohmann::json::object();
   if (context.contains("threads") && !figures.empty()) by_threads[context["threads"].dump()] = figures;
   return by_threads;
@@ -124,9 +130,7 @@ void merge_thread_contexts(const std::vector<NamedReport>& inputs, nlohmann::jso
   if (several_counts) context["threads"] = most_threads;
   if (by_threads.empty()) return;
   const auto top = by_threads.find(std::to_string(most_threads));
-  std::vector<std::string> fields(std::begin(kMachineFigureFields), std::end(kMachineFigureFields));
-  fields.emplace_back(kMachineContendedField);
-  for (const auto& field : fields) {
+  for (const auto& field : measurement_fields()) {
     context.erase(field);
     if (top != by_threads.end() && top->contains(field)) context[field] = (*top)[field];
   }
